@@ -1,0 +1,44 @@
+"""The `dynmo` command: one sub-command per module in this package.
+
+Each sub-command module exposes `add_parser(subparsers)` (registers itself and sets
+`func`) and a `run(args) -> int`. User errors (`UserError`) become one line on stderr
+and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dynmo_plugin.errors import USER_ERROR_EXIT, UserError
+
+__all__ = ["main"]
+
+_SUBCOMMANDS = ("plan", "simulate", "report")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dynmo", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in _SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"dynmo_plugin.cli.{name}")
+        except ModuleNotFoundError as e:  # sub-command not built yet
+            if e.name != f"dynmo_plugin.cli.{name}":
+                raise
+            continue
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as e:
+        print(f"dynmo {args.command}: error: {e}", file=sys.stderr)
+        return USER_ERROR_EXIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from dynmo_plugin.cli import main
+
+sys.exit(main())

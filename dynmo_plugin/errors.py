@@ -1,0 +1,15 @@
+"""Exception types shared by every wing.
+
+`UserError` marks a problem the user caused and can fix (bad flag, bad YAML, a plan
+that cannot exist). Entry points print its message on one line and exit with status 2,
+never a traceback; everything else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+__all__ = ["UserError", "USER_ERROR_EXIT"]
+
+USER_ERROR_EXIT = 2
+
+
+class UserError(ValueError):
+    """Bad input: the message names the problem and what to do about it."""
