@@ -1,0 +1,1 @@
+"""Run reports: plots and a Markdown summary from report.json."""
