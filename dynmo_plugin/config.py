@@ -1,0 +1,328 @@
+"""One typed configuration for the plugin and its launcher: YAML file + flags.
+
+Every setting is a field of a keyword-only dataclass; its metadata gives the flag that
+sets it, the help text and a check. Values are resolved as: dataclass default, then
+the YAML file (`--dynmo-config PATH`; sections at its top level), then flags given on
+the command line (a flag wins over the file). The merged result is validated once,
+before any process group exists, and every problem is a `ConfigError` whose message
+names where the value came from, the key and what was expected, e.g.
+``configs/x.yaml: rebalance.interval: expected a positive integer, got -3``.
+
+`add_dynmo_args(parser)` adds only the plugin's flags, so it can serve as
+Megatron-LM's `extra_args_provider`; the launcher also adds `add_model_args(parser)`
+(Megatron-LM's own spellings). The YAML `model:` section is read by the launcher only.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import yaml
+
+from dynmo_plugin.errors import UserError
+from dynmo_plugin.layout import Layout, LayoutError
+
+__all__ = [
+    "ConfigError", "ModelArgs", "ProfilingConfig", "RebalanceConfig", "DynmoConfig",
+    "RunConfig", "add_model_args", "add_dynmo_args", "load_config", "dynmo_config_from_args",
+]
+
+BALANCER_NAMES = ("exact", "partition", "diffusion", "uniform", "parameters")
+
+
+class ConfigError(UserError):
+    """A configuration value that cannot be used; the message says where and why."""
+
+
+# ---- field checks: return None when fine, else what was expected -------------------------
+def positive(v: Any) -> Optional[str]:
+    return None if v > 0 else "a positive number"
+
+
+def non_negative(v: Any) -> Optional[str]:
+    return None if v >= 0 else "a non-negative number"
+
+
+def one_of(*choices: str) -> Callable[[Any], Optional[str]]:
+    return lambda v: None if v in choices else f"one of {', '.join(choices)}"
+
+
+def opt(help: str, flag: str | None = None, check: Callable | None = None, **kw) -> dict:
+    """Field metadata: `flag` defaults to --<field-name> for model args, see `_flag`."""
+    return {"help": help, "flag": flag, "check": check, **kw}
+
+
+# ---- the launcher's model/run settings (Megatron-LM flag names) ---------------------------
+@dataclass(kw_only=True)
+class ModelArgs:
+    """The small GPT the launcher trains; defaults are the CPU demo's model."""
+
+    num_layers: int = field(default=8, metadata=opt("decoder layers", check=positive))
+    hidden_size: int = field(default=64, metadata=opt("hidden size", check=positive))
+    ffn_hidden_size: Optional[int] = field(default=None, metadata=opt("MLP size (default 4 x hidden)", check=positive))
+    num_attention_heads: int = field(default=4, metadata=opt("attention heads", check=positive))
+    seq_length: int = field(default=32, metadata=opt("tokens per sample", check=positive))
+    max_position_embeddings: Optional[int] = field(default=None, metadata=opt("position table size (default seq length)", check=positive))
+    vocab_size: int = field(default=256, metadata=opt("vocabulary size", check=positive))
+    micro_batch_size: int = field(default=2, metadata=opt("samples per micro-batch", check=positive))
+    global_batch_size: int = field(default=16, metadata=opt("samples per iteration over all DP replicas", check=positive))
+    train_iters: int = field(default=20, metadata=opt("iterations to train", check=positive))
+    lr: float = field(default=1e-3, metadata=opt("Adam learning rate", check=positive))
+    clip_grad: float = field(default=0.0, metadata=opt("gradient clipping norm (0 = off; CPU needs 0)", check=non_negative))
+    seed: int = field(default=1234, metadata=opt("seed for weights and data", check=non_negative))
+    log_interval: int = field(default=1, metadata=opt("iterations between log lines", check=positive))
+    pipeline_model_parallel_size: int = field(default=1, metadata=opt("pipeline stages", check=positive))
+    tensor_model_parallel_size: int = field(default=1, metadata=opt("tensor-parallel ranks", check=positive))
+    pipeline_model_parallel_layout: Optional[str] = field(default=None, metadata=opt("Megatron layout string, e.g. 'Ett|ttL'"))
+    untie_embeddings_and_output_weights: bool = field(default=False, metadata=opt("separate output-layer weights"))
+    output: str = field(default="runs/latest", metadata=opt("directory for report.json"))
+
+    def validate_shape(self, where: str, world_size: int | None = None) -> None:
+        """Cross-field checks: layout vs layers, batch divisibility, world shape."""
+        pp, tp = self.pipeline_model_parallel_size, self.tensor_model_parallel_size
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"{where}: --hidden-size ({self.hidden_size}) must be divisible by "
+                              f"--num-attention-heads ({self.num_attention_heads})")
+        if self.pipeline_model_parallel_layout is not None:
+            try:
+                Layout.parse(self.pipeline_model_parallel_layout, pp, self.num_layers)
+            except LayoutError as e:
+                raise ConfigError(f"{where}: --pipeline-model-parallel-layout: {e}") from e
+        elif self.num_layers < pp:
+            raise ConfigError(f"{where}: --num-layers ({self.num_layers}) is smaller than "
+                              f"--pipeline-model-parallel-size ({pp}); give a layout with empty stages")
+        if world_size is None:
+            return
+        if world_size % (tp * pp):
+            raise ConfigError(f"{where}: world size {world_size} is not a multiple of TP({tp}) x PP({pp})")
+        dp = world_size // (tp * pp)
+        if self.global_batch_size % (self.micro_batch_size * dp):
+            raise ConfigError(f"{where}: --global-batch-size ({self.global_batch_size}) must be a multiple "
+                              f"of --micro-batch-size ({self.micro_batch_size}) x DP ({dp})")
+
+
+# ---- the plugin's settings ------------------------------------------------------------------
+@dataclass(kw_only=True)
+class ProfilingConfig:
+    """When and how long per-layer profiling runs."""
+
+    window: int = field(default=1, metadata=opt("iterations profiled after each event",
+                                                 "--dynmo-profile-window", positive))
+    every: int = field(default=0, metadata=opt("profile every N iterations without events (0 = off)",
+                                               "--dynmo-profile-every", non_negative))
+
+
+@dataclass(kw_only=True)
+class RebalanceConfig:
+    """What triggers a rebalance and how the new split is chosen."""
+
+    balancer: str = field(default="exact", metadata=opt("balancer", "--dynmo-balancer", one_of(*BALANCER_NAMES)))
+    interval: int = field(default=0, metadata=opt("rebalance every N iterations (0 = off)",
+                                                  "--dynmo-rebalance-interval", non_negative))
+    forced_layouts: dict = field(default_factory=dict, metadata=opt(
+        "layouts to apply at given iterations, e.g. '5:Ett|ttL;9:Et|tttL'", "--dynmo-forced-layouts",
+        kind="layouts"))
+    allow_empty_stages: bool = field(default=False, metadata=opt("let a stage hold no layers",
+                                                                 "--dynmo-allow-empty-stages"))
+    margin: float = field(default=1.0, metadata=opt("apply a plan only if its saving exceeds margin x its cost",
+                                                    "--dynmo-gate-margin", non_negative))
+    expected_event_gap: int = field(default=100, metadata=opt(
+        "iterations a new layout is expected to last (gate horizon)", "--dynmo-event-gap", positive))
+    bandwidth_gbps: float = field(default=1.0, metadata=opt(
+        "assumed migration bandwidth in GB/s until one is measured", "--dynmo-bandwidth-gbps", positive))
+
+
+@dataclass(kw_only=True)
+class DynmoConfig:
+    """The plugin's settings; the YAML file holds these sections at its top level."""
+
+    enabled: bool = field(default=False, metadata=opt("enable the plugin", "--dynmo"))
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything the launcher needs: the model/run (Megatron flags) and the plugin."""
+
+    model: ModelArgs = field(default_factory=ModelArgs)
+    dynmo: DynmoConfig = field(default_factory=DynmoConfig)
+    config_path: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---- flags ----------------------------------------------------------------------------------
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _leaf_fields(cls, prefix=""):
+    """(dotted key, field, argparse dest) for every leaf setting of a config dataclass."""
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory):
+            yield from _leaf_fields(f.default_factory, f"{prefix}{f.name}.")
+        elif cls is ModelArgs:  # Megatron-LM's own dest names: its `args` works as is
+            yield f"{prefix}{f.name}", f, f.name
+        else:
+            yield f"{prefix}{f.name}", f, "dynmo__" + f"{prefix}{f.name}".replace(".", "__")
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls, title: str) -> None:
+    group = parser.add_argument_group(title)
+    for key, f, dest in _leaf_fields(cls):
+        kw: dict[str, Any] = {"dest": dest, "default": None, "help": f.metadata.get("help")}
+        base = f.type.replace("Optional[", "").rstrip("]")
+        if base == "bool":
+            kw["action"] = "store_true"
+        else:
+            kw["metavar"] = key.rsplit(".", 1)[-1].upper()
+            kw["type"] = {"int": int, "float": float}.get(base, str)
+        group.add_argument(_flag(f), **kw)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM-spelled model/run flags (the launcher only)."""
+    _add_fields(parser, ModelArgs, "model (Megatron-LM flags)")
+    return parser
+
+
+def add_dynmo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The plugin's flags; usable as Megatron-LM's `extra_args_provider`."""
+    parser.add_argument("--dynmo-config", default=None, metavar="PATH",
+                        help="YAML file with the plugin's settings (flags win over it)")
+    _add_fields(parser, DynmoConfig, "dynmo_plugin")
+    return parser
+
+
+# ---- resolution -----------------------------------------------------------------------------
+def _expect_type(f: dataclasses.Field, value: Any) -> tuple[Any, Optional[str]]:
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if f.metadata.get("kind") == "layouts":
+        return _layouts(value)
+    if value is None and t.startswith("Optional"):
+        return None, None
+    base = t.replace("Optional[", "").rstrip("]")
+    if base == "bool":
+        return value, None if isinstance(value, bool) else "true or false"
+    if base == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return value, None if ok else "an integer"
+    if base == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return (float(value) if ok else value), None if ok else "a number"
+    if base == "str":
+        return value, None if isinstance(value, str) else "a string"
+    raise TypeError(f"unsupported config field type {t}")
+
+
+def _layouts(value: Any) -> tuple[Any, Optional[str]]:
+    """Forced layouts: a YAML mapping {iteration: layout} or the flag form '5:Ett|ttL;9:...'."""
+    if isinstance(value, str):
+        pairs = [p.split(":", 1) for p in value.split(";") if p.strip()]
+        if any(len(p) != 2 for p in pairs):
+            return value, "ITER:LAYOUT pairs separated by ';'"
+        value = {k.strip(): v.strip() for k, v in pairs}
+    if not isinstance(value, dict):
+        return value, "a mapping of iteration to layout string"
+    out = {}
+    for k, v in value.items():
+        try:
+            it = int(k)
+        except (TypeError, ValueError):
+            return value, f"integer iterations as keys (got {k!r})"
+        if it <= 0 or not isinstance(v, str):
+            return value, "positive iterations mapped to layout strings"
+        out[it] = v
+    return out, None
+
+
+def _apply(obj: Any, key: str, f: dataclasses.Field, value: Any, where: str) -> None:
+    value, problem = _expect_type(f, value)
+    if problem is None and value is not None and f.metadata.get("check"):
+        problem = f.metadata["check"](value)
+    if problem:
+        raise ConfigError(f"{where}: {key}: expected {problem}, got {value!r}")
+    target = obj
+    for part in key.split(".")[:-1]:
+        target = getattr(target, part)
+    setattr(target, f.name, value)
+
+
+def _read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: cannot read the config file: no such file")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    return data
+
+
+def _flatten(data: dict, known: dict, path: str, prefix: str = "") -> dict:
+    flat = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if key in known:
+            flat[key] = v
+        elif isinstance(v, dict) and any(n.startswith(key + ".") for n in known):
+            flat.update(_flatten(v, known, path, key + "."))
+        else:
+            siblings = sorted({n[len(prefix):].split(".")[0] for n in known if n.startswith(prefix)})
+            raise ConfigError(f"{path}: {key}: unknown key; expected one of {', '.join(siblings)}")
+    return flat
+
+
+def load_config(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
+    """Resolve defaults <- YAML <- flags into a validated `RunConfig`.
+
+    Raises:
+        ConfigError: on any unknown key, wrong type, out-of-range or inconsistent value.
+    """
+    cfg = RunConfig(config_path=getattr(args, "dynmo_config", None))
+    known = {f"model.{k}": (f, d) for k, f, d in _leaf_fields(ModelArgs)}
+    known.update({k: (f, d) for k, f, d in _leaf_fields(DynmoConfig)})
+    if cfg.config_path:
+        path = cfg.config_path
+        for key, value in _flatten(_read_yaml(path), known, path).items():
+            f, _ = known[key]
+            _apply(cfg.model if key.startswith("model.") else cfg.dynmo,
+                   key.removeprefix("model."), f, value, path)
+    for key, (f, dest) in known.items():
+        value = getattr(args, dest, None)
+        if value is None or (value is False and f.type == "bool"):
+            continue
+        _apply(cfg.model if key.startswith("model.") else cfg.dynmo,
+               key.removeprefix("model."), f, value, f"flag {_flag(f)}")
+    where = cfg.config_path or "command line"
+    cfg.model.validate_shape(where, world_size)
+    _check_forced_layouts(cfg, where)
+    return cfg
+
+
+def _check_forced_layouts(cfg: RunConfig, where: str) -> None:
+    m = cfg.model
+    for it, text in cfg.dynmo.rebalance.forced_layouts.items():
+        try:
+            Layout.parse(text, m.pipeline_model_parallel_size, m.num_layers)
+        except LayoutError as e:
+            raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: {e}") from e
+        if it > m.train_iters:
+            raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: iteration is past "
+                              f"--train-iters ({m.train_iters})")
+
+
+def dynmo_config_from_args(args: argparse.Namespace) -> DynmoConfig:
+    """The plugin's settings alone (for a Megatron-LM `pretrain()` loop)."""
+    return load_config(args).dynmo

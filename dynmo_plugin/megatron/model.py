@@ -1,0 +1,115 @@
+"""Build one pipeline stage of a Megatron-Core GPT, initialised by global parameter name.
+
+Every parameter is drawn from a generator seeded by (seed, its *global* name), where a
+decoder layer is named by its global layer number. So any pipeline split — and any
+later migration or repack — starts from identical weights, which is what makes runs
+of different shapes comparable bit for bit.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import zlib
+from typing import Iterator
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from dynmo_plugin.config import ModelArgs
+from dynmo_plugin.layout import Layout
+
+__all__ = ["transformer_config", "layer_spec", "build_stage_model", "global_named_parameters",
+           "init_by_global_name", "INIT_STD"]
+
+logger = logging.getLogger(__name__)
+INIT_STD = 0.02
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def transformer_config(args: ModelArgs, layout: Layout) -> TransformerConfig:
+    """A deterministic fp32 TransformerConfig with the given pipeline layout."""
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        pipeline_model_parallel_layout=layout.to_megatron(),
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,          # dropout would consume RNG differently per split
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # init_by_global_name does it, identically for any split
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def layer_spec() -> ModuleSpec:
+    """Transformer Engine's layer spec where TE and CUDA exist, else Megatron's local one."""
+    if torch.cuda.is_available():
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import (
+                get_gpt_layer_with_transformer_engine_spec)
+            import transformer_engine  # noqa: F401
+            return get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            logger.warning("Transformer Engine not importable; using the local layer spec")
+    return get_gpt_layer_local_spec()
+
+
+def build_stage_model(args: ModelArgs, config: TransformerConfig, spec: ModuleSpec,
+                      pre_process: bool, post_process: bool) -> GPTModel:
+    """The GPTModel shell of the current pipeline stage (layout taken from `config`)."""
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_position_embeddings or args.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="learned_absolute",
+    )
+    init_by_global_name(model, args.seed)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def global_named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(global name, parameter): decoder layers renamed by global layer number (0-based),
+    and a tied output weight named after the embedding it mirrors."""
+    layer_numbers = [layer.layer_number for layer in model.decoder.layers]
+    for name, p in model.named_parameters():
+        m = _LOCAL_LAYER.match(name)
+        if m:
+            name = f"decoder.layers.{layer_numbers[int(m.group(1))] - 1}." + name[m.end():]
+        elif name == "output_layer.weight" and getattr(p, "shared_embedding", False):
+            name = "embedding.word_embeddings.weight"
+        yield name, p
+
+
+def _init_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name and leaf in ("weight", "layer_norm_weight"):
+        return torch.ones(shape)
+    if leaf.endswith("bias"):
+        return torch.zeros(shape)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return torch.randn(shape, generator=gen) * INIT_STD
+
+
+@torch.no_grad()
+def init_by_global_name(model: torch.nn.Module, seed: int) -> None:
+    """Norm weights 1, biases 0, other weights N(0, INIT_STD) seeded by global name."""
+    for name, p in global_named_parameters(model):
+        p.copy_(_init_value(name, p.shape, seed))

@@ -1,0 +1,102 @@
+"""One pipeline stage's training machinery: GPTModel + Megatron DDP + optimizer + 1F1B.
+
+Mirrors Megatron-LM's `train_step` (zero grad buffers, forward_backward_func,
+optimizer.step) on megatron.core APIs alone, since the PyPI wheel has no
+megatron.training. The stage's model, DDP wrapper and optimizer are attributes that a
+migration may rebuild (`rebuild_wrappers`).
+"""
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from dynmo_plugin.config import ModelArgs
+from dynmo_plugin.data import SyntheticTokens
+from dynmo_plugin.layout import Layout
+from dynmo_plugin.megatron.model import build_stage_model, layer_spec, transformer_config
+from dynmo_plugin.megatron.parallel import ParallelDims
+
+__all__ = ["StageTrainer"]
+
+logger = logging.getLogger(__name__)
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}  # the schedule scales `loss` in place
+
+
+class StageTrainer:
+    """Trains this rank's pipeline stage; every rank of the run holds one."""
+
+    def __init__(self, args: ModelArgs, dims: ParallelDims, layout: Layout):
+        if args.clip_grad > 0 and not torch.cuda.is_available():
+            from dynmo_plugin.config import ConfigError
+            raise ConfigError("--clip-grad > 0 needs CUDA (Megatron's clip_grads asserts CUDA "
+                              "tensors); use --clip-grad 0 on CPU")
+        self.args, self.dims, self.layout = args, dims, layout
+        self.config = transformer_config(args, layout)
+        self.spec = layer_spec()
+        self.model = build_stage_model(args, self.config, self.spec,
+                                       dims.is_first_stage, dims.is_last_stage)
+        self.ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
+        self.optimizer_config = OptimizerConfig(
+            optimizer="adam", lr=args.lr, clip_grad=args.clip_grad, bf16=False, fp16=False,
+            params_dtype=torch.float32, use_distributed_optimizer=False)
+        self.data = SyntheticTokens(seed=args.seed, vocab_size=args.vocab_size,
+                                    seq_length=args.seq_length,
+                                    global_batch_size=args.global_batch_size,
+                                    micro_batch_size=args.micro_batch_size)
+        self.num_microbatches = args.global_batch_size // (args.micro_batch_size * dims.dp)
+        self.ddp = None
+        self.optimizer = None
+        self.rebuild_wrappers()
+
+    def rebuild_wrappers(self) -> None:
+        """(Re)wrap the stage model in Megatron DDP and build a fresh optimizer over it."""
+        self.ddp = DistributedDataParallel(self.config, self.ddp_config, self.model)
+        self.optimizer = get_megatron_optimizer(self.optimizer_config, [self.ddp])
+        self.config.no_sync_func = self.ddp.no_sync
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+
+    def train_step(self, iteration: int) -> float:
+        """One global batch: 1F1B over this stage, all-reduce, optimizer step.
+
+        Returns the iteration's mean loss, known on every rank.
+        """
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        batches = self.data.micro_batches(iteration, self.dims.dp_rank, self.dims.dp,
+                                          self.dims.device)
+        losses = get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=batches, model=[self.ddp],
+            num_microbatches=self.num_microbatches, seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size, forward_only=False)
+        ok, _grad_norm, _ = self.optimizer.step()
+        if not ok:
+            logger.warning("iteration %d: optimizer step skipped", iteration)
+        return self._global_loss(losses)
+
+    def _global_loss(self, losses: list[dict]) -> float:
+        """Mean over micro-batches on the last stage, averaged over DP, sent to every rank."""
+        value = torch.zeros(1, dtype=torch.float64, device=self.dims.device)
+        if self.dims.is_last_stage and losses:
+            value += torch.stack([d["lm loss"].double() for d in losses]).mean() / self.dims.dp
+        dist.all_reduce(value)
+        return float(value) / self.dims.tp

@@ -1,0 +1,50 @@
+"""The run report: `<output>/report.json`, written by rank 0 (see docs/report.md).
+
+Holds the config, the world shape, the initial and final layout, per-iteration loss
+and time, and one entry per plugin event (profile, rebalance, repack). The file is
+rewritten atomically after every event and at the end, so a crashed run still leaves
+what it had.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RunReport"]
+
+
+@dataclass
+class RunReport:
+    path: str
+    config: dict
+    world: dict
+    initial_layout: str
+    layout: str = ""
+    iterations: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    enabled: bool = True  # False on ranks other than 0: recording stays cheap and local
+
+    def __post_init__(self) -> None:
+        self.layout = self.layout or self.initial_layout
+
+    def add_iteration(self, iteration: int, loss: float, time_s: float, **extra: Any) -> None:
+        self.iterations.append({"iteration": iteration, "loss": loss, "time_s": time_s, **extra})
+
+    def add_event(self, event: dict) -> None:
+        self.events.append(event)
+        self.write()
+
+    def to_dict(self) -> dict:
+        return {"config": self.config, "world": self.world, "initial_layout": self.initial_layout,
+                "layout": self.layout, "iterations": self.iterations, "events": self.events}
+
+    def write(self) -> None:
+        if not self.enabled:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(self.to_dict(), fh, indent=1)
+        os.replace(tmp, self.path)

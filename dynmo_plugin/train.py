@@ -1,0 +1,80 @@
+"""`dynmo-train` / `python -m dynmo_plugin.train`: Megatron-Core GPT pipeline training.
+
+Run under torchrun. Parse flags (Megatron-LM spellings) and the plugin's YAML, validate
+once, build the stage, train, write the report. User errors exit 2 with one line.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from dynmo_plugin.config import RunConfig, add_dynmo_args, add_model_args, load_config
+from dynmo_plugin.errors import USER_ERROR_EXIT, UserError
+from dynmo_plugin.layout import Layout
+
+__all__ = ["main", "build_parser", "run"]
+
+logger = logging.getLogger("dynmo_plugin.train")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dynmo-train", description=__doc__.splitlines()[0])
+    add_model_args(parser)
+    add_dynmo_args(parser)
+    return parser
+
+
+def run(cfg: RunConfig) -> dict:
+    """Train as configured; returns the report (as a dict) on every rank."""
+    from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
+    from dynmo_plugin.megatron.trainer import StageTrainer
+    from dynmo_plugin.report import RunReport
+
+    args = cfg.model
+    dims = init_parallel(args)
+    try:
+        layout = (Layout.parse(args.pipeline_model_parallel_layout, dims.pp, args.num_layers)
+                  if args.pipeline_model_parallel_layout
+                  else Layout.uniform(args.num_layers, dims.pp))
+        trainer = StageTrainer(args, dims, layout)
+        report = RunReport(path=os.path.join(args.output, "report.json"), config=cfg.to_dict(),
+                           world={"pp": dims.pp, "tp": dims.tp, "dp": dims.dp,
+                                  "world_size": dims.world_size, "backend": dims.backend},
+                           initial_layout=str(layout), enabled=dims.rank == 0)
+        for iteration in range(1, args.train_iters + 1):
+            start = time.perf_counter()
+            loss = trainer.train_step(iteration)
+            elapsed = time.perf_counter() - start
+            report.add_iteration(iteration, loss, elapsed)
+            if iteration % args.log_interval == 0:
+                logger.info("iteration %4d/%d | loss %.6f | %.1f ms | layout %s", iteration,
+                            args.train_iters, loss, elapsed * 1e3, trainer.layout)
+        report.layout = str(trainer.layout)
+        report.write()
+        if dims.rank == 0:
+            logger.info("report written to %s", report.path)
+        return report.to_dict()
+    finally:
+        destroy_parallel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank{rank}] %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        run(cfg)
+    except UserError as e:
+        print(f"dynmo-train: error: {e}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
