@@ -1,0 +1,70 @@
+"""Short Markdown summary of a run report."""
+from __future__ import annotations
+
+from pathlib import Path
+from statistics import median
+
+from dynmo_plugin.reporting.model import Event, Report
+
+__all__ = ["markdown_summary"]
+
+
+def _fmt(value: float | None, spec: str = ".3f", unit: str = "") -> str:
+    return "–" if value is None else f"{value:{spec}}{unit}"
+
+
+def _pair(a: float | None, b: float | None, spec: str = ".3f", unit: str = "") -> str:
+    return f"{_fmt(a, spec, unit)} → {_fmt(b, spec, unit)}"
+
+
+def _event_row(e: Event) -> str:
+    layouts = f"`{e.layout_before}` → `{e.layout_after}`" if e.layout_before or e.layout_after else "–"
+    overhead = sum(e.overhead_s.values()) if e.overhead_s else None
+    applied = "–" if e.applied is None else ("yes" if e.applied else "no")
+    return (f"| {e.iteration if e.iteration is not None else '–'} | {e.kind} | {e.trigger or '–'} "
+            f"| {applied} | {layouts} | {_pair(e.imbalance_before, e.imbalance_after, '.2f')} "
+            f"| {_pair(e.measured_before, e.measured_after, '.4f', ' s')} | {e.num_moves} "
+            f"| {_fmt(overhead, '.3f', ' s')} |")
+
+
+def _time_lines(report: Report) -> list[str]:
+    times = [t for t in report.times if t is not None]
+    if not times:
+        return ["- iteration time: not recorded"]
+    k = max(1, len(times) // 10)
+    lines = [f"- iterations: {len(report.iterations)}; median iteration time "
+             f"{median(times):.4f} s (first {k}: {median(times[:k]):.4f} s, last {k}: "
+             f"{median(times[-k:]):.4f} s)"]
+    losses = [v for v in report.losses if v is not None]
+    if losses:
+        lines.append(f"- loss: {losses[0]:.4f} → {losses[-1]:.4f}")
+    return lines
+
+
+def markdown_summary(report: Report, plots: list[Path]) -> str:
+    """The summary text; `plots` are linked relative to the report's directory."""
+    world = ", ".join(f"{k}={v}" for k, v in report.world.items()) or "unknown"
+    out = [f"# Run report: {report.path.parent.name or report.path.parent}", "",
+           f"- world: {world}",
+           f"- layout: `{report.initial_layout or '–'}` → `{report.layout or '–'}`"]
+    out += _time_lines(report)
+    if report.gpus:
+        counts = [g for _, g in report.gpus]
+        out.append(f"- GPUs in use: {counts[0]} → {counts[-1]} (min {min(counts)})")
+    rebalances = [e for e in report.events if e.kind == "rebalance"]
+    applied = [e for e in rebalances if e.applied]
+    out.append(f"- events: {len(report.events)} ({len(rebalances)} rebalance, {len(applied)} applied)")
+    total = {}
+    for e in report.events:
+        for k, v in e.overhead_s.items():
+            total[k] = total.get(k, 0.0) + v
+    if total:
+        out.append("- plugin overhead: " + ", ".join(f"{k} {v:.3f} s" for k, v in total.items()))
+    if report.events:
+        out += ["", "| iteration | kind | trigger | applied | layout | imbalance | measured iter time "
+                "| moves | overhead |", "|---|---|---|---|---|---|---|---|---|"]
+        out += [_event_row(e) for e in report.events]
+    if plots:
+        out += ["", "## Plots", ""]
+        out += [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(out) + "\n"

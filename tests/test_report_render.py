@@ -1,0 +1,94 @@
+"""`dynmo report`: PNGs and Markdown from hand-built report.json files."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dynmo_plugin.errors import UserError
+from dynmo_plugin.reporting import load_report, render_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _iterations(n):
+    return [{"iteration": i, "loss": 10.0 - 0.1 * i, "time_s": 0.2 if i < 5 else 0.15}
+            for i in range(1, n + 1)]
+
+
+FULL = {
+    "config": {"model": {"num_layers": 8}}, "world": {"pp": 2, "tp": 1, "dp": 1},
+    "initial_layout": "Etttt|ttttL", "layout": "Ettttt|tttL",
+    "iterations": _iterations(10),
+    "events": [
+        {"iteration": 3, "kind": "profile", "trigger": "every 3"},
+        {"iteration": 5, "kind": "rebalance", "trigger": "pruning", "applied": True,
+         "layout_before": "Etttt|ttttL", "layout_after": "Ettttt|tttL",
+         "stage_loads_before": [0.05, 0.09], "stage_loads_after": [0.07, 0.071],
+         "imbalance_before": 0.57, "imbalance_after": 0.01,
+         "moves": [{"layer": 5, "src": 1, "dst": 0, "bytes": 1024}],
+         "predicted_iter_s_before": 0.2, "predicted_iter_s_after": 0.15,
+         "measured_iter_s_before": 0.21, "measured_iter_s_after": 0.16,
+         "overhead_s": {"profiling": 0.01, "decision": 0.001, "migration": 0.02}},
+        {"iteration": 8, "kind": "repack", "stage_loads_before": [0.07, 0.02]},
+    ],
+    "gpus": [{"iteration": 1, "gpus": 2}, {"iteration": 8, "gpus": 1}],
+}
+
+
+def _write(tmp_path, data):
+    (tmp_path / "report.json").write_text(json.dumps(data))
+    return tmp_path
+
+
+def test_full_report_gives_all_plots_and_summary(tmp_path):
+    written = render_report(_write(tmp_path, FULL))
+    names = sorted(p.name for p in written)
+    assert names == ["gpus.png", "stage_loads.png", "summary.md", "training.png"]
+    for p in written:
+        if p.suffix == ".png":
+            assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 1000
+    md = (tmp_path / "summary.md").read_text()
+    assert "`Etttt|ttttL` → `Ettttt|tttL`" in md
+    assert "| 5 | rebalance | pruning | yes |" in md
+    assert "GPUs in use: 2 → 1" in md and "![training](training.png)" in md
+
+
+def test_report_without_events_plots_loss_and_time_only(tmp_path):
+    data = {"world": {"pp": 2}, "iterations": _iterations(4)}
+    names = sorted(p.name for p in render_report(_write(tmp_path, data)))
+    assert names == ["summary.md", "training.png"]
+    assert "events: 0" in (tmp_path / "summary.md").read_text()
+
+
+def test_missing_and_odd_fields_are_tolerated(tmp_path):
+    data = {"iterations": [{"iteration": 1}, {"iteration": 2, "loss": "nan", "time_s": None}, "junk"],
+            "events": [{"kind": "rebalance", "stage_loads_after": [1, "x"]}, {}, 3]}
+    report = load_report(_write(tmp_path, data))
+    assert report.iterations == [1, 2] and report.losses == [None, None]
+    assert [e.kind for e in report.events] == ["rebalance", "event"]
+    assert report.events[0].loads_after is None
+    assert {p.name for p in render_report(tmp_path)} == {"summary.md", "training.png"}
+
+
+def test_bad_run_dirs_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="no run report"):
+        load_report(tmp_path)
+    (tmp_path / "report.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match="JSON object"):
+        load_report(tmp_path)
+
+
+def test_cli_writes_into_out_dir_and_exits_2_on_missing_report(tmp_path):
+    run_dir = _write(tmp_path / "run", FULL) if (tmp_path / "run").mkdir() is None else None
+    out = tmp_path / "out"
+    ok = subprocess.run([sys.executable, "-m", "dynmo_plugin.cli", "report", str(run_dir),
+                         "--out", str(out)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert (out / "summary.md").exists() and (out / "stage_loads.png").exists()
+    bad = subprocess.run([sys.executable, "-m", "dynmo_plugin.cli", "report", str(tmp_path / "nope")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "no run report" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
