@@ -1,0 +1,72 @@
+"""The gate: does applying a plan pay for its migration before the next event?
+
+saving per iteration = predicted 1F1B time before - after; total saving = that x
+iterations until the next expected dynamism event; migration time = fixed overhead +
+bytes moved / bandwidth. Apply only if total saving > margin x migration time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dynmo_plugin.balancing.plan import Plan
+from dynmo_plugin.errors import UserError
+
+__all__ = ["GateConfig", "GateVerdict", "evaluate_gate", "attach_gate"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GateConfig:
+    """Attributes:
+        iterations_until_next_event: iterations the new layout will run before the next
+            expected event (then the plan is recomputed anyway).
+        bandwidth_bytes_per_s: measured or configured point-to-point bandwidth.
+        margin: the saving must exceed margin x migration time (1.2 = 20% headroom).
+        fixed_overhead_s: per-rebalance cost independent of bytes (sync, regrouping).
+    """
+
+    iterations_until_next_event: int
+    bandwidth_bytes_per_s: float
+    margin: float = 1.2
+    fixed_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.iterations_until_next_event, int) or self.iterations_until_next_event < 0:
+            raise UserError("iterations_until_next_event must be an integer >= 0, got "
+                            f"{self.iterations_until_next_event!r}")
+        if not (self.bandwidth_bytes_per_s > 0 and math.isfinite(self.bandwidth_bytes_per_s)):
+            raise UserError(f"bandwidth_bytes_per_s must be positive, got {self.bandwidth_bytes_per_s!r}")
+        if not self.margin >= 0 or not self.fixed_overhead_s >= 0:
+            raise UserError(f"margin ({self.margin}) and fixed_overhead_s ({self.fixed_overhead_s}) "
+                            "must be >= 0")
+
+
+@dataclass(frozen=True)
+class GateVerdict:
+    apply: bool
+    saving_per_iter_s: float
+    total_saving_s: float
+    migration_s: float
+    reason: str
+
+
+def evaluate_gate(plan: Plan, config: GateConfig) -> GateVerdict:
+    """Judge `plan` (pure; does not modify it)."""
+    if plan.before is None or plan.predicted_iter_s_before is None:
+        return GateVerdict(True, 0.0, 0.0, 0.0, "no current layout: initial placement, nothing migrates")
+    if not plan.moves:
+        return GateVerdict(False, 0.0, 0.0, 0.0, "the plan moves no layer")
+    saving = plan.predicted_iter_s_before - plan.predicted_iter_s_after
+    total = saving * config.iterations_until_next_event
+    migration = config.fixed_overhead_s + plan.bytes_moved / config.bandwidth_bytes_per_s
+    apply = saving > 0 and total > config.margin * migration
+    numbers = (f"saves {saving:.4g} s/iter x {config.iterations_until_next_event} iters = "
+               f"{total:.4g} s vs migration {migration:.4g} s x margin {config.margin:g}")
+    return GateVerdict(apply, saving, total, migration,
+                       ("pays: " if apply else "does not pay: ") + numbers)
+
+
+def attach_gate(plan: Plan, config: GateConfig) -> Plan:
+    """Evaluate the gate and store the verdict on `plan` (returned for chaining)."""
+    plan.gate = evaluate_gate(plan, config)
+    return plan

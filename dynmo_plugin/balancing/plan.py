@@ -1,0 +1,130 @@
+"""The plan: a new layout plus everything needed to judge and execute it.
+
+A `Plan` is data (serialisable with `to_dict`, readable with `str`): the new layout as
+Megatron's `pipeline_model_parallel_layout` string, per-stage load and memory before
+and after, bottleneck, imbalance (DynMo eq. 2), predicted 1F1B iteration time, the
+layer moves, and the gate's verdict once `attach_gate` ran.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dynmo_plugin.balancing import metrics
+from dynmo_plugin.balancing.problem import BalanceProblem
+from dynmo_plugin.layout import Layout
+
+if TYPE_CHECKING:  # gate imports plan; avoid the cycle at run time
+    from dynmo_plugin.balancing.gate import GateVerdict
+
+__all__ = ["Move", "Plan", "Outcome", "make_plan"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a balancer function returns; `solve` turns it into a Plan."""
+
+    layout: Layout
+    notes: list[str] = field(default_factory=list)
+    rounds: int | None = None
+
+
+@dataclass(frozen=True)
+class Move:
+    """One layer migration: global 1-based layer number, source/destination stage, bytes."""
+
+    layer: int
+    src: int
+    dst: int
+    bytes: float
+
+
+@dataclass
+class Plan:
+    """A balancing decision; `before` fields are None when there is no current layout."""
+
+    method: str
+    layout: Layout
+    before: Layout | None
+    stage_loads_before: list[float] | None
+    stage_loads_after: list[float]
+    stage_memory_before: list[float] | None
+    stage_memory_after: list[float]
+    bottleneck_before: float | None
+    bottleneck_after: float
+    imbalance_before: float | None
+    imbalance_after: float
+    moves: list[Move]
+    predicted_iter_s_before: float | None
+    predicted_iter_s_after: float
+    solve_seconds: float
+    num_microbatches: int = 1
+    rounds: int | None = None
+    notes: list[str] = field(default_factory=list)
+    gate: "GateVerdict | None" = None
+
+    @property
+    def bytes_moved(self) -> float:
+        return float(sum(m.bytes for m in self.moves))
+
+    @property
+    def boundaries(self) -> list[int]:
+        return self.layout.boundaries
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict (what `dynmo plan --json` prints)."""
+        return {
+            "method": self.method,
+            "layout": self.layout.to_megatron(),
+            "layout_before": self.before.to_megatron() if self.before else None,
+            "boundaries": self.boundaries,
+            "num_stages": self.layout.num_stages,
+            "num_layers": self.layout.num_layers,
+            "stage_loads": self.stage_loads_after,
+            "stage_loads_before": self.stage_loads_before,
+            "stage_memory": self.stage_memory_after,
+            "stage_memory_before": self.stage_memory_before,
+            "bottleneck": self.bottleneck_after,
+            "bottleneck_before": self.bottleneck_before,
+            "imbalance": self.imbalance_after,
+            "imbalance_before": self.imbalance_before,
+            "predicted_iter_s": self.predicted_iter_s_after,
+            "predicted_iter_s_before": self.predicted_iter_s_before,
+            "num_microbatches": self.num_microbatches,
+            "moves": [asdict(m) for m in self.moves],
+            "bytes_moved": self.bytes_moved,
+            "solve_seconds": self.solve_seconds,
+            "rounds": self.rounds,
+            "notes": list(self.notes),
+            "gate": asdict(self.gate) if self.gate else None,
+        }
+
+    def __str__(self) -> str:
+        from dynmo_plugin.balancing.render import render_plan
+
+        return render_plan(self)
+
+
+def make_plan(problem: BalanceProblem, layout: Layout, method: str, solve_seconds: float,
+              rounds: int | None = None, notes: list[str] | None = None) -> Plan:
+    """Score `layout` against the problem's current layout and wrap it as a Plan."""
+    loads = metrics.stage_loads(problem, layout)
+    before = problem.current
+    loads_before = metrics.stage_loads(problem, before) if before else None
+    m = problem.num_microbatches
+    moves = [] if before is None else [
+        Move(layer, src, dst, float(problem.move_bytes_arr[layer - 1]))
+        for layer, src, dst in before.moved_layers(layout)]
+    return Plan(
+        method=method, layout=layout, before=before,
+        stage_loads_before=loads_before, stage_loads_after=loads,
+        stage_memory_before=metrics.stage_memory(problem, before) if before else None,
+        stage_memory_after=metrics.stage_memory(problem, layout),
+        bottleneck_before=max(loads_before) if loads_before else None,
+        bottleneck_after=max(loads),
+        imbalance_before=metrics.imbalance(loads_before) if loads_before else None,
+        imbalance_after=metrics.imbalance(loads),
+        moves=moves,
+        predicted_iter_s_before=metrics.predicted_iteration_s(loads_before, m) if loads_before else None,
+        predicted_iter_s_after=metrics.predicted_iteration_s(loads, m),
+        solve_seconds=solve_seconds, num_microbatches=m, rounds=rounds, notes=list(notes or []))
