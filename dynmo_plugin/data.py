@@ -31,7 +31,7 @@ class SyntheticTokens:
         gen = torch.Generator().manual_seed(
             (self.seed * 7919 + iteration * self.global_batch_size + index) % 2**63)
         start = int(torch.randint(self.vocab_size, (1,), generator=gen))
-        stride = int(torch.randint(1, 8, (1,), generator=gen))
+        stride = int(torch.randint(1, 4, (1,), generator=gen))
         seq = (start + stride * torch.arange(self.seq_length + 1)) % self.vocab_size
         flip = torch.rand(self.seq_length + 1, generator=gen) < self.noise
         noise = torch.randint(self.vocab_size, (self.seq_length + 1,), generator=gen)

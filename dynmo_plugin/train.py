@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 
 from dynmo_plugin.config import RunConfig, add_dynmo_args, add_model_args, load_config
 from dynmo_plugin.errors import USER_ERROR_EXIT, UserError
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank{rank}] %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", module=r"megatron\..*")
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args, world_size=int(os.environ.get("WORLD_SIZE", 1)))

@@ -1,0 +1,83 @@
+"""Bad configuration exits 2 with one line naming the file, the key and the fix."""
+import subprocess
+import sys
+
+import argparse
+
+import pytest
+
+from dynmo_plugin.config import ConfigError, RunConfig, add_dynmo_args, add_model_args, load_config
+
+
+def _parse(argv, world_size=None):
+    parser = add_dynmo_args(add_model_args(argparse.ArgumentParser()))
+    return load_config(parser.parse_args(argv), world_size=world_size)
+
+
+def _yaml(tmp_path, text):
+    path = tmp_path / "x.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_and_precedence(tmp_path):
+    path = _yaml(tmp_path, "rebalance:\n  interval: 5\n  balancer: diffusion\nmodel:\n  num_layers: 4\n")
+    cfg = _parse(["--dynmo-config", path, "--dynmo-rebalance-interval", "7"])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.dynmo.rebalance.interval == 7          # the flag wins over the file
+    assert cfg.dynmo.rebalance.balancer == "diffusion"  # the file wins over the default
+    assert cfg.model.num_layers == 4
+    assert cfg.dynmo.profiling.window == 1
+
+
+def test_forced_layouts_from_yaml_and_flag(tmp_path):
+    path = _yaml(tmp_path, "rebalance:\n  forced_layouts:\n    3: 'Ett|ttttttL'\n")
+    cfg = _parse(["--dynmo-config", path, "--pipeline-model-parallel-size", "2"])
+    assert cfg.dynmo.rebalance.forced_layouts == {3: "Ett|ttttttL"}
+    cfg = _parse(["--pipeline-model-parallel-size", "2", "--dynmo-forced-layouts", "2:Et|tttttttL;4:Etttt|ttttL"])
+    assert cfg.dynmo.rebalance.forced_layouts == {2: "Et|tttttttL", 4: "Etttt|ttttL"}
+
+
+@pytest.mark.parametrize("text,argv,needle", [
+    ("rebalance:\n  intervall: 3\n", [], "rebalance.intervall: unknown key; expected one of"),
+    ("rebalance:\n  interval: three\n", [], "rebalance.interval: expected an integer, got 'three'"),
+    ("rebalance:\n  interval: -3\n", [], "rebalance.interval: expected a non-negative number, got -3"),
+    ("profiling:\n  window: 0\n", [], "profiling.window: expected a positive number, got 0"),
+    ("rebalance:\n  balancer: magic\n", [], "rebalance.balancer: expected one of exact, partition"),
+    ("bogus: 1\n", [], "bogus: unknown key"),
+    ("- a\n- b\n", [], "expected a mapping of sections"),
+    ("rebalance: [\n", [], "not valid YAML"),
+    ("", ["--num-layers", "5", "--pipeline-model-parallel-size", "2",
+          "--pipeline-model-parallel-layout", "Ett|ttL"], "holds 4 decoder layers but --num-layers is 5"),
+    ("", ["--pipeline-model-parallel-size", "3", "--pipeline-model-parallel-layout", "Etttt|ttttL"],
+     "has 2 stages but the pipeline has 3"),
+    ("rebalance:\n  forced_layouts:\n    2: 'Ett|tL'\n", ["--pipeline-model-parallel-size", "2"],
+     "rebalance.forced_layouts.2"),
+])
+def test_bad_input_is_named(tmp_path, text, argv, needle):
+    path = _yaml(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        _parse(["--dynmo-config", path, *argv])
+    assert needle in str(err.value)
+
+
+def test_world_shape_checked():
+    with pytest.raises(ConfigError, match="not a multiple of TP"):
+        _parse(["--pipeline-model-parallel-size", "3"], world_size=4)
+    with pytest.raises(ConfigError, match="global-batch-size"):
+        _parse(["--global-batch-size", "6", "--micro-batch-size", "2"], world_size=2)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--dynmo-config", "/nonexistent/x.yaml"], "/nonexistent/x.yaml: cannot read the config file"),
+    (["--dynmo-rebalance-interval", "-3"], "flag --dynmo-rebalance-interval: rebalance.interval: expected a non-negative number, got -3"),
+    (["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tttttL"],
+     "holds 6 decoder layers but --num-layers is 4"),
+])
+def test_launcher_exits_2_with_one_line(argv, needle):
+    proc = subprocess.run([sys.executable, "-m", "dynmo_plugin.train", *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
