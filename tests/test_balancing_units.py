@@ -70,6 +70,12 @@ def test_exact_respects_memory_and_reports_infeasible():
         solve(BalanceProblem(costs=[1] * 4, num_stages=2, memory=[4] * 4, capacity=7), "exact")
 
 
+def test_exact_all_zero_costs_keeps_the_current_layout():
+    pb = BalanceProblem(costs=[0, 0, 0, 0], num_stages=2, current=Layout((1, 3)))
+    plan = solve(pb, "exact")
+    assert plan.bottleneck_after == 0 and plan.layout == Layout((1, 3))
+
+
 def test_exact_prefers_staying_put_among_optimal_layouts():
     pb = BalanceProblem(costs=[1, 0, 0, 1], num_stages=2, memory=[5, 5, 5, 5],
                         current=Layout((3, 1)))

@@ -30,8 +30,10 @@ Algorithm.
    O(n log n) numpy work per stage.
 
 Proof of optimality. Invariant: F(lo) is false, F(hi) is true, and every candidate
-below hi that is feasible lies in (lo, hi). It holds initially (lo = -inf; hi = max e_s
-+ P[n] bounds every load, and if F(hi) is false no layout fits memory: infeasible).
+below hi that is feasible lies in (lo, hi). It holds initially: lo is a lower bound
+minus the tolerance (no layout beats the average load, the heaviest layer plus the
+smallest extras, or the largest extras; if F(lo) holds anyway, lo = -inf); hi = max e_s + P[n] bounds every load, and if
+F(hi) is false no layout fits memory: infeasible.
 Testing any t in (lo, hi) keeps it (F monotone). The returned T* is the smallest
 feasible candidate of the final range, else hi. The optimal layout's bottleneck B* is
 a candidate with F(B*) true, so T* <= B*; and the layout found at T* has every load
@@ -113,7 +115,9 @@ def optimal_bottleneck(problem: BalanceProblem, model: SegmentModel | None = Non
     hi = float(problem.extras_cost_arr.max() + problem.cost_prefix[-1])
     if not model.is_feasible(hi):
         raise InfeasibleError(_infeasible_message(problem))
-    lo = -np.inf
+    lo = _lower_bound(problem)
+    if model.is_feasible(lo):  # only with zero tolerance (all loads 0): keep F(lo) false
+        lo = -np.inf
     while True:
         extras, i, run = _rows(problem, lo, hi)
         if int((run[1] - run[0]).sum()) <= ENUMERATE_BELOW:
@@ -134,6 +138,15 @@ def optimal_bottleneck(problem: BalanceProblem, model: SegmentModel | None = Non
         else:
             left = mid + 1
     return float(values[left]) if left < values.size else hi
+
+
+def _lower_bound(problem: BalanceProblem) -> float:
+    """A threshold no layout meets: below the average load, or below the heaviest
+    layer on the cheapest stage (minus the tolerance, so F is surely false)."""
+    ec = problem.extras_cost_arr
+    average = (problem.cost_prefix[-1] + ec.sum()) / problem.num_stages
+    heaviest = problem.cost_arr.max() + ec.min()
+    return float(max(average, heaviest, ec.max())) - 3 * problem.load_tol
 
 
 def _infeasible_message(problem: BalanceProblem) -> str:

@@ -80,10 +80,15 @@ class SegmentModel:
         n = self.n
         reach = np.zeros(n + 1, dtype=bool)
         reach[0] = True
+        count = np.zeros(n + 2, dtype=np.int64)  # count[k] = reachable positions < k
+        queries: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         for first in self.windows(threshold):
-            count = np.concatenate(([0], np.cumsum(reach)))
-            lo, hi, valid = self._bounds(first)
-            reach = valid & (count[np.clip(hi, -1, n) + 1] - count[np.clip(lo, 0, n)] > 0)
+            if id(first) not in queries:  # stages with equal windows share the indices
+                lo, hi, valid = self._bounds(first)
+                queries[id(first)] = (np.minimum(lo, n), np.maximum(hi + 1, 0), valid)
+            lo, hi1, valid = queries[id(first)]
+            np.cumsum(reach, out=count[1:])
+            reach = valid & (count[hi1] > count[lo])
             if not reach.any():
                 return False
         return bool(reach[n])
