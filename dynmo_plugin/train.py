@@ -28,8 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run(cfg: RunConfig) -> dict:
-    """Train as configured; returns the report (as a dict) on every rank."""
+def run(cfg: RunConfig, layer_spec=None) -> dict:
+    """Train as configured; returns the report (as a dict) on every rank.
+
+    `layer_spec` (a Megatron ModuleSpec) replaces the default TransformerLayer spec,
+    for models with custom layers.
+    """
+    from dynmo_plugin.controller import DynMo
     from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
     from dynmo_plugin.megatron.trainer import StageTrainer
     from dynmo_plugin.report import RunReport
@@ -40,14 +45,17 @@ def run(cfg: RunConfig) -> dict:
         layout = (Layout.parse(args.pipeline_model_parallel_layout, dims.pp, args.num_layers)
                   if args.pipeline_model_parallel_layout
                   else Layout.uniform(args.num_layers, dims.pp))
-        trainer = StageTrainer(args, dims, layout)
+        trainer = StageTrainer(args, dims, layout, spec=layer_spec)
         report = RunReport(path=os.path.join(args.output, "report.json"), config=cfg.to_dict(),
                            world={"pp": dims.pp, "tp": dims.tp, "dp": dims.dp,
                                   "world_size": dims.world_size, "backend": dims.backend},
                            initial_layout=str(layout), enabled=dims.rank == 0)
+        dynmo = DynMo(cfg.dynmo, trainer, report)
         for iteration in range(1, args.train_iters + 1):
             start = time.perf_counter()
+            dynmo.before_step(iteration)
             loss = trainer.train_step(iteration)
+            dynmo.after_step(iteration)
             elapsed = time.perf_counter() - start
             report.add_iteration(iteration, loss, elapsed)
             if iteration % args.log_interval == 0:

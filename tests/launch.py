@@ -18,17 +18,24 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, flags: list[str], output: Path, timeout: int = 300,
-             check: bool = True) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node N -m dynmo_plugin.train FLAGS --output OUTPUT`."""
+             check: bool = True, module: str = "dynmo_plugin.train") -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node N -m MODULE FLAGS --output OUTPUT` (MODULE: the launcher,
+    or the test worker `workers.train_worker` that adds test-only switches)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "dynmo_plugin.train", *flags, "--output", str(output)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+           "-m", module, *flags, "--output", str(output)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-6000:]}")
     return proc
+
+
+def worker(nproc: int, flags: list[str], output: Path, **kw) -> dict:
+    """Run the test worker; returns rank 0's report."""
+    return train(nproc, flags, output, module="workers.train_worker", **kw)
 
 
 def train(nproc: int, flags: list[str], output: Path, **kw) -> dict:

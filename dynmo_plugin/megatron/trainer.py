@@ -43,14 +43,14 @@ def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 class StageTrainer:
     """Trains this rank's pipeline stage; every rank of the run holds one."""
 
-    def __init__(self, args: ModelArgs, dims: ParallelDims, layout: Layout):
+    def __init__(self, args: ModelArgs, dims: ParallelDims, layout: Layout, spec=None):
         if args.clip_grad > 0 and not torch.cuda.is_available():
             from dynmo_plugin.config import ConfigError
             raise ConfigError("--clip-grad > 0 needs CUDA (Megatron's clip_grads asserts CUDA "
                               "tensors); use --clip-grad 0 on CPU")
         self.args, self.dims, self.layout = args, dims, layout
         self.config = transformer_config(args, layout)
-        self.spec = layer_spec()
+        self.spec = spec if spec is not None else layer_spec()
         self.model = build_stage_model(args, self.config, self.spec,
                                        dims.is_first_stage, dims.is_last_stage)
         self.ddp_config = DistributedDataParallelConfig(
@@ -82,8 +82,9 @@ class StageTrainer:
         """
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        batches = self.data.micro_batches(iteration, self.dims.dp_rank, self.dims.dp,
-                                          self.dims.device)
+        # Built up front so data generation stays outside the schedule's compute timers.
+        batches = iter(list(self.data.micro_batches(iteration, self.dims.dp_rank, self.dims.dp,
+                                                    self.dims.device)))
         losses = get_forward_backward_func()(
             forward_step_func=_forward_step, data_iterator=batches, model=[self.ddp],
             num_microbatches=self.num_microbatches, seq_length=self.args.seq_length,

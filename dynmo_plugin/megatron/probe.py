@@ -1,0 +1,200 @@
+"""Hooks on one stage's GPTModel that time every TransformerLayer and the stage extras.
+
+Forward: pre/post module hooks (TransformerBlock calls layers with keyword arguments
+only, so `register_full_backward_hook` cannot be used). Backward: tensor hooks — the
+gradient arriving at a layer's output marks the start of its backward, the gradient
+of its input `hidden_states` marks the end. Extras are timed by their own hooks, never
+as a residual of the schedule's timers (which they are cross-checked against):
+embedding forward by module hooks, embedding backward from the gradient of its output
+to the accumulation of its weight gradient; head (final norm, output layer, loss)
+forward from the final norm's pre-hook to the end of GPTModel.forward, backward from
+the gradient of the model's output to the gradient of the final norm's input.
+Activation bytes: `saved_tensors_hooks` around each layer forward, counting the
+distinct storages autograd keeps that are not parameters.
+
+Hooks exist only between `attach()` and `detach()`: zero cost outside a window.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+from dynmo_plugin.profiling.clock import Clock
+
+__all__ = ["StageProbe", "SavedBytes"]
+
+
+class SavedBytes:
+    """Counts distinct non-parameter storages saved for backward while active."""
+
+    def __init__(self, param_ptrs: set[int]):
+        self._param_ptrs = param_ptrs
+        self._seen: set[int] = set()
+        self.nbytes = 0
+        self._ctx = None
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._param_ptrs and ptr not in self._seen:
+            self._seen.add(ptr)
+            self.nbytes += storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+
+class _Spans:
+    """Per micro-batch start/end marks of one timed region."""
+
+    def __init__(self):
+        self.start: dict[int, object] = {}
+        self.end: dict[int, object] = {}
+
+    def seconds(self, clock: Clock) -> list[float]:
+        return [clock.seconds(self.start[mb], self.end[mb])
+                for mb in sorted(self.start) if mb in self.end]
+
+
+class StageProbe:
+    """Times each layer of `model` (one pipeline stage) per micro-batch."""
+
+    def __init__(self, model: torch.nn.Module, clock: Clock):
+        self.model, self.clock = model, clock
+        self.layers = list(model.decoder.layers)
+        self._handles: list = []
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.samples: dict[str, list[float]] = defaultdict(list)   # "fwd/7", "bwd/7", "extra"
+        self.act_bytes: dict[int, list[int]] = defaultdict(list)
+        self._reset_iteration()
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def attach(self) -> None:
+        for layer in self.layers:
+            self._hook_layer(layer)
+        if getattr(self.model, "pre_process", False):
+            self._hook_embedding(self.model.embedding)
+        if getattr(self.model, "post_process", False):
+            self._hook_head()
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _reset_iteration(self) -> None:
+        self._spans: dict[str, _Spans] = defaultdict(_Spans)
+        self._counters: dict[str, int] = defaultdict(int)
+        self._saved: dict[tuple[int, int], SavedBytes] = {}
+
+    def end_iteration(self) -> float:
+        """Resolve marks into seconds (one device sync); returns the iteration's profiled
+        compute: layers + extras summed over its micro-batches."""
+        self.clock.resolve()
+        total = 0.0
+        extras = defaultdict(float)
+        for key, spans in self._spans.items():
+            secs = spans.seconds(self.clock)
+            total += sum(secs)
+            if key.startswith(("fwd/", "bwd/")):
+                self.samples[key].extend(secs)
+            else:
+                for mb, s in zip(sorted(spans.start), secs):
+                    extras[mb] += s
+        self.samples["extra"].extend(extras.values())
+        for (number, _mb), saved in self._saved.items():
+            self.act_bytes[number].append(saved.nbytes)
+        self._reset_iteration()
+        return total
+
+    # ---- hooks --------------------------------------------------------------------------
+    def _next_mb(self, key: str) -> int:
+        mb = self._counters[key]
+        self._counters[key] += 1
+        return mb
+
+    def _grad_mark(self, spans: _Spans, which: str, mb: int) -> Callable:
+        def hook(grad):
+            getattr(spans, which)[mb] = self.clock.mark()
+        return hook
+
+    def _hook_layer(self, layer: torch.nn.Module) -> None:
+        number = layer.layer_number
+        fwd, bwd = self._spans_for(f"fwd/{number}"), self._spans_for(f"bwd/{number}")
+
+        def pre(module, args, kwargs):
+            mb = self._next_mb(f"layer/{number}")
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            if torch.is_tensor(hidden) and hidden.requires_grad:
+                hidden.register_hook(self._grad_mark(bwd(), "end", mb))
+            saved = SavedBytes(self._param_ptrs)
+            self._saved[(number, mb)] = saved
+            saved.__enter__()
+            fwd().start[mb] = self.clock.mark()
+
+        def post(module, args, kwargs, output):
+            mb = self._counters[f"layer/{number}"] - 1
+            fwd().end[mb] = self.clock.mark()
+            self._saved[(number, mb)].__exit__(None, None, None)
+            out = output[0] if isinstance(output, tuple) else output
+            if torch.is_tensor(out) and out.requires_grad:
+                out.register_hook(self._grad_mark(bwd(), "start", mb))
+
+        self._handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        self._handles.append(layer.register_forward_hook(post, with_kwargs=True))
+
+    def _spans_for(self, key: str) -> Callable[[], _Spans]:
+        return lambda: self._spans[key]  # looked up per call: _reset_iteration swaps dicts
+
+    def _hook_embedding(self, embedding: torch.nn.Module) -> None:
+        fwd, bwd = self._spans_for("emb_fwd"), self._spans_for("emb_bwd")
+
+        def pre(module, args):
+            fwd().start[self._next_mb("emb")] = self.clock.mark()
+
+        def post(module, args, output):
+            mb = self._counters["emb"] - 1
+            fwd().end[mb] = self.clock.mark()
+            if output.requires_grad:
+                output.register_hook(self._grad_mark(bwd(), "start", mb))
+
+        def accumulated(param):  # the last embedding weight grad ends the stage backward
+            spans = bwd()
+            pending = [mb for mb in spans.start if mb not in spans.end]
+            if pending:
+                spans.end[min(pending)] = self.clock.mark()
+
+        self._handles.append(embedding.register_forward_pre_hook(pre))
+        self._handles.append(embedding.register_forward_hook(post))
+        weight = embedding.word_embeddings.weight
+        if weight.requires_grad:
+            self._handles.append(weight.register_post_accumulate_grad_hook(accumulated))
+
+    def _hook_head(self) -> None:
+        fwd, bwd = self._spans_for("head_fwd"), self._spans_for("head_bwd")
+        norm = getattr(self.model.decoder, "final_layernorm", None)
+        start_module = norm if norm is not None else self.model.output_layer
+
+        def pre(module, args):
+            mb = self._next_mb("head")
+            fwd().start[mb] = self.clock.mark()
+            hidden = args[0] if args else None
+            if torch.is_tensor(hidden) and hidden.requires_grad:
+                hidden.register_hook(self._grad_mark(bwd(), "end", mb))
+
+        def post(module, args, output):
+            mb = self._counters["head"] - 1
+            fwd().end[mb] = self.clock.mark()
+            if torch.is_tensor(output) and output.requires_grad:
+                output.register_hook(self._grad_mark(bwd(), "start", mb))
+
+        self._handles.append(start_module.register_forward_pre_hook(pre))
+        self._handles.append(self.model.register_forward_hook(post))

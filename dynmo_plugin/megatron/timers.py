@@ -1,0 +1,79 @@
+"""A stand-in for Megatron's `config.timers` during a profiling window.
+
+Megatron's schedules already call `config.timers('forward-compute', 2).start()/stop()`
+and p2p calls `timers('forward-recv', 2)`; the tap answers those calls, forwarding
+each to the user's own `Timers` (if any, so Megatron's timer log is unchanged) while
+recording intervals with the profiler's clock: compute sections in the device clock
+(CPU time / CUDA events), communication in wall time (a blocked thread uses no CPU
+time). Outside a window `config.timers` is left exactly as the user set it.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from dynmo_plugin.profiling.clock import Clock, WallClock
+
+__all__ = ["TimerTap", "COMPUTE_TIMERS"]
+
+COMPUTE_TIMERS = ("forward-compute", "backward-compute")
+
+
+class _TapTimer:
+    def __init__(self, name: str, clock: Clock, inner, sink: list):
+        self.name, self._clock, self._inner, self._sink = name, clock, inner, sink
+        self._start = None
+
+    def start(self, barrier: bool = False) -> None:
+        if self._inner is not None:
+            self._inner.start(barrier=barrier)
+        self._start = self._clock.mark()
+
+    def stop(self, barrier: bool = False) -> None:
+        self._sink.append((self._start, self._clock.mark()))
+        if self._inner is not None:
+            self._inner.stop(barrier=barrier)
+
+    def elapsed(self, reset: bool = True, barrier: bool = False) -> float:
+        return self._inner.elapsed(reset=reset, barrier=barrier) if self._inner is not None else 0.0
+
+    def reset(self) -> None:
+        if self._inner is not None:
+            self._inner.reset()
+
+
+class TimerTap:
+    """Callable like `megatron.core.timers.Timers`; records what the schedule times."""
+
+    def __init__(self, inner, clock: Clock):
+        self.inner, self.clock, self.wall = inner, clock, WallClock()
+        self._intervals: dict[str, list] = defaultdict(list)
+        self._timers: dict[str, _TapTimer] = {}
+
+    def __call__(self, name: str, log_level: int | None = None) -> _TapTimer:
+        if name not in self._timers:
+            inner = self.inner(name, log_level=log_level) if self.inner is not None else None
+            clock = self.clock if name in COMPUTE_TIMERS else self.wall
+            self._timers[name] = _TapTimer(name, clock, inner, self._intervals[name])
+        return self._timers[name]
+
+    def __getattr__(self, attr: str) -> Any:  # log(), write(), ... of the user's Timers
+        if self.inner is None:
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+    def take_totals(self) -> dict[str, float]:
+        """Seconds per timer name since the last call (call after clock.resolve())."""
+        totals = {}
+        for name, spans in self._intervals.items():
+            clock = self._timers[name]._clock
+            totals[name] = sum(clock.seconds(a, b) for a, b in spans)
+            spans.clear()
+        return totals
+
+    def publish(self, values: dict[str, float], log_level: int = 2) -> None:
+        """Show plugin measurements (e.g. 'dynmo/layer-07/fwd') in Megatron's timer log."""
+        if self.inner is None:
+            return
+        for name, seconds in values.items():
+            self.inner(name, log_level=log_level).set_elapsed(seconds)

@@ -1,0 +1,90 @@
+"""What a profiling window measured: per layer, per stage, for the whole pipeline.
+
+Plain data (no torch): built on each rank, reduced over data-parallel replicas by max,
+gathered over the pipeline group, then read by the balancer and written to the report.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field, fields
+
+__all__ = ["LayerProfile", "StageProfile", "PipelineProfile", "median"]
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+@dataclass
+class LayerProfile:
+    """One TransformerLayer: median seconds per micro-batch and exact bytes."""
+
+    layer: int          # global 1-based layer number
+    stage: int
+    fwd_s: float
+    bwd_s: float
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    act_bytes: int      # saved for backward, per micro-batch
+
+    @property
+    def cost_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+    @property
+    def state_bytes(self) -> int:
+        """What moves with the layer: weights, gradients, optimizer state."""
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+
+@dataclass
+class StageProfile:
+    """Per stage: fixed extras (embedding, head+loss) and what the schedule saw."""
+
+    stage: int
+    extra_s: float          # embedding and/or output layer + loss, fwd+bwd per micro-batch
+    wait_s: float           # per iteration, blocked in pipeline p2p (wall clock)
+    peak_bytes: int         # max allocated on GPU; accounted bytes on CPU
+    extra_bytes: int = 0    # params + grads + optimizer state of the extras
+    compute_s: float = 0.0  # per iteration: the schedule's forward- + backward-compute timers
+    profiled_s: float = 0.0  # per iteration: sum of layer costs + extras over micro-batches
+    num_microbatches: int = 0
+    clock: str = ""
+
+
+@dataclass
+class PipelineProfile:
+    layers: list[LayerProfile] = field(default_factory=list)
+    stages: list[StageProfile] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"layers": [asdict(x) for x in self.layers],
+                "stages": [asdict(x) for x in self.stages]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PipelineProfile":
+        return cls([LayerProfile(**x) for x in data["layers"]],
+                   [StageProfile(**x) for x in data["stages"]])
+
+    @staticmethod
+    def merge(parts: list["PipelineProfile"]) -> "PipelineProfile":
+        """Union of per-stage profiles, layers in global order."""
+        layers = sorted((x for p in parts for x in p.layers), key=lambda x: x.layer)
+        stages = sorted((x for p in parts for x in p.stages), key=lambda x: x.stage)
+        return PipelineProfile(layers, stages)
+
+    @staticmethod
+    def elementwise_max(parts: list["PipelineProfile"]) -> "PipelineProfile":
+        """Max over data-parallel replicas of the same stage: the slowest sets the pace."""
+        def fold(items):
+            out = items[0]
+            for other in items[1:]:
+                out = type(out)(**{f.name: (max(getattr(out, f.name), getattr(other, f.name))
+                                            if isinstance(getattr(out, f.name), (int, float))
+                                            and f.name not in ("layer", "stage") else getattr(out, f.name))
+                                   for f in fields(out)})
+            return out
+        layers = [fold([p.layers[i] for p in parts]) for i in range(len(parts[0].layers))]
+        stages = [fold([p.stages[i] for p in parts]) for i in range(len(parts[0].stages))]
+        return PipelineProfile(layers, stages)

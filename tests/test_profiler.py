@@ -1,0 +1,73 @@
+"""Per-layer profiling of live Megatron training (real torchrun gloo runs)."""
+import json
+
+import pytest
+
+from launch import torchrun, worker
+
+pytestmark = pytest.mark.multiproc
+
+H = 128
+MODEL = ["--num-layers", "4", "--hidden-size", str(H), "--num-attention-heads", "4",
+         "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--train-iters", "3", "--dynmo", "--dynmo-profile-every", "2",
+         "--dynmo-profile-window", "2"]
+
+
+def _profile(report):
+    events = [e for e in report["events"] if e["kind"] == "profile"]
+    assert len(events) == 1 and events[0]["window"] == [2, 3]
+    return events[0]["profile"]
+
+
+@pytest.fixture(scope="module")
+def pp2_heavy(tmp_path_factory):
+    out = tmp_path_factory.mktemp("heavy")
+    return worker(2, MODEL + ["--pipeline-model-parallel-size", "2", "--test-heavy-layer", "2",
+                              "--test-heavy-factor", "3"], out)
+
+
+def test_heavy_layer_costs_k_times_its_neighbours(pp2_heavy):
+    layers = {x["layer"]: x["fwd_s"] + x["bwd_s"] for x in _profile(pp2_heavy)["layers"]}
+    neighbours = (layers[1] + layers[3] + layers[4]) / 3
+    assert layers[2] / neighbours == pytest.approx(3, rel=0.25)
+
+
+def test_layer_sums_agree_with_schedule_timers(pp2_heavy):
+    for stage in _profile(pp2_heavy)["stages"]:
+        assert stage["clock"] == "cpu_thread_time"
+        assert stage["profiled_s"] == pytest.approx(stage["compute_s"], rel=0.15), stage
+        assert stage["extra_s"] > 0 and stage["wait_s"] >= 0
+
+
+def test_memory_bytes_are_exact(pp2_heavy):
+    params = 12 * H * H + 13 * H          # qkv, proj, fc1, fc2 with biases; two layer norms
+    for x in _profile(pp2_heavy)["layers"]:
+        assert x["param_bytes"] == 4 * params
+        assert x["grad_bytes"] == 4 * params                   # fp32 main_grad views
+        assert x["optim_bytes"] == 2 * 4 * params + 12 * 4     # exp_avg, exp_avg_sq, step x 12 tensors
+    stages = _profile(pp2_heavy)["stages"]
+    assert stages[0]["peak_bytes"] > sum(4 * 4 * params for _ in range(2))
+
+
+@pytest.mark.parametrize("nproc,pp", [(1, 1), (2, 2), (4, 4), (4, 2)], ids=["pp1", "pp2", "pp4", "pp2xdp2"])
+def test_every_rank_holds_the_same_profile(tmp_path, nproc, pp):
+    worker(nproc, MODEL + ["--pipeline-model-parallel-size", str(pp), "--test-dump-ranks"], tmp_path)
+    profiles = [_profile(json.loads((tmp_path / f"rank{r}.json").read_text())) for r in range(nproc)]
+    assert all(p == profiles[0] for p in profiles)
+    layers = profiles[0]["layers"]
+    assert [x["layer"] for x in layers] == [1, 2, 3, 4]
+    per_stage = 4 // pp
+    assert [x["stage"] for x in layers] == [i // per_stage for i in range(4)]
+    assert [s["stage"] for s in profiles[0]["stages"]] == list(range(pp))
+    assert all(x["fwd_s"] > 0 and x["bwd_s"] > 0 for x in layers)
+
+
+def test_activation_bytes_match_autograd(tmp_path):
+    torchrun(1, ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "32"], tmp_path,
+             module="workers.activation_worker")
+    result = json.loads((tmp_path / "activations.json").read_text())
+    assert len(result) == 2
+    for layer, r in result.items():
+        assert r["autograd"] > 0
+        assert r["probe"] == pytest.approx(r["autograd"], rel=0.10), (layer, r)
