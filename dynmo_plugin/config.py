@@ -131,6 +131,8 @@ class RebalanceConfig:
                                                     "--dynmo-gate-margin", non_negative))
     expected_event_gap: int = field(default=100, metadata=opt(
         "iterations a new layout is expected to last (gate horizon)", "--dynmo-event-gap", positive))
+    memory_cap_gb: float = field(default=0.0, metadata=opt(
+        "per-stage memory cap for plans in GB (0 = none)", "--dynmo-memory-cap-gb", non_negative))
     bandwidth_gbps: float = field(default=1.0, metadata=opt(
         "assumed migration bandwidth in GB/s until one is measured", "--dynmo-bandwidth-gbps", positive))
 

@@ -28,11 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run(cfg: RunConfig, layer_spec=None) -> dict:
+def run(cfg: RunConfig, layer_spec=None, fault=None, on_finish=None) -> dict:
     """Train as configured; returns the report (as a dict) on every rank.
 
     `layer_spec` (a Megatron ModuleSpec) replaces the default TransformerLayer spec,
-    for models with custom layers.
+    for models with custom layers. `fault` is a test-only FaultInjector
+    (dynmo_plugin.migration.faults); `on_finish(trainer)` runs before teardown.
     """
     from dynmo_plugin.controller import DynMo
     from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
@@ -50,7 +51,7 @@ def run(cfg: RunConfig, layer_spec=None) -> dict:
                            world={"pp": dims.pp, "tp": dims.tp, "dp": dims.dp,
                                   "world_size": dims.world_size, "backend": dims.backend},
                            initial_layout=str(layout), enabled=dims.rank == 0)
-        dynmo = DynMo(cfg.dynmo, trainer, report)
+        dynmo = DynMo(cfg.dynmo, trainer, report, fault=fault)
         for iteration in range(1, args.train_iters + 1):
             start = time.perf_counter()
             dynmo.before_step(iteration)
@@ -63,6 +64,8 @@ def run(cfg: RunConfig, layer_spec=None) -> dict:
                             args.train_iters, loss, elapsed * 1e3, trainer.layout)
         report.layout = str(trainer.layout)
         report.write()
+        if on_finish is not None:
+            on_finish(trainer)
         if dims.rank == 0:
             logger.info("report written to %s", report.path)
         return report.to_dict()

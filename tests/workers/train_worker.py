@@ -39,12 +39,28 @@ def main():
     parser.add_argument("--test-heavy-layer", type=int, default=0)
     parser.add_argument("--test-heavy-factor", type=int, default=1)
     parser.add_argument("--test-dump-ranks", action="store_true")
+    parser.add_argument("--test-dump-params", action="store_true")
+    parser.add_argument("--test-fault", default=None, help="KIND@STAGE, e.g. receiver_exception@1")
     args = parser.parse_args()
     cfg = load_config(args, world_size=int(os.environ["WORLD_SIZE"]))
     spec = heavy_spec(args.test_heavy_layer, args.test_heavy_factor) if args.test_heavy_layer else None
-    report = run(cfg, layer_spec=spec)
+    fault = None
+    if args.test_fault:
+        from dynmo_plugin.migration.faults import FaultInjector
+        kind, stage = args.test_fault.split("@")
+        fault = FaultInjector(kind=kind, stage=int(stage))
+    rank = os.environ["RANK"]
+
+    def dump_params(trainer):
+        import torch
+        from dynmo_plugin.megatron.model import global_named_parameters
+        params = {n: p.detach().clone() for n, p in global_named_parameters(trainer.model)}
+        torch.save(params, os.path.join(cfg.model.output, f"params_rank{rank}.pt"))
+
+    report = run(cfg, layer_spec=spec, fault=fault,
+                 on_finish=dump_params if args.test_dump_params else None)
     if args.test_dump_ranks:
-        with open(os.path.join(cfg.model.output, f"rank{os.environ['RANK']}.json"), "w") as fh:
+        with open(os.path.join(cfg.model.output, f"rank{rank}.json"), "w") as fh:
             json.dump(report, fh)
     return 0
 

@@ -1,0 +1,84 @@
+"""Live layer migration: bit-exact training across moves, atomic on failure."""
+import pytest
+import torch
+
+from launch import losses, worker
+
+pytestmark = pytest.mark.multiproc
+
+MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--train-iters", "6", "--lr", "3e-3", "--seed", "11", "--dynmo", "--test-dump-params"]
+# Iteration 3: layer 2 goes 0->1, 5-6 go 2->1, 7 goes 3->1 (across two stages), stage 2 empties.
+# Iteration 5: 2-3 go back 1->0, 5-6 go 1->2, 7 goes 1->3 (across two stages).
+PP4_FORCED = "3:Et|tttttt||tL;5:Ettt|t|tt|ttL"
+PP2_FORCED = "3:Etttttt|ttL;5:Et|tttttttL"
+
+
+def _params(path, ranks):
+    merged = {}
+    for r in ranks:
+        for name, value in torch.load(path / f"params_rank{r}.pt").items():
+            if name in merged:  # tied embedding copies, DP replicas: must agree exactly
+                assert torch.equal(merged[name], value), name
+            merged[name] = value
+    return merged
+
+
+def _assert_same_training(a_dir, a, b_dir, b, ranks):
+    assert losses(a) == losses(b)  # identical to the last bit, not approximately
+    pa, pb = _params(a_dir, ranks), _params(b_dir, ranks)
+    assert pa.keys() == pb.keys() and len(pa) > 8 * 12
+    for name in pa:
+        assert torch.equal(pa[name], pb[name]), name
+
+
+@pytest.fixture(scope="module")
+def pp4_static(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp4_static")
+    return out, worker(4, MODEL + ["--pipeline-model-parallel-size", "4"], out)
+
+
+def test_pp4_migrations_are_bit_exact(pp4_static, tmp_path):
+    report = worker(4, MODEL + ["--pipeline-model-parallel-size", "4",
+                                "--dynmo-forced-layouts", PP4_FORCED], tmp_path)
+    events = [e for e in report["events"] if e["kind"] == "rebalance"]
+    assert [e["applied"] for e in events] == [True, True]
+    assert [e["layout_after"] for e in events] == ["Et|tttttt||tL", "Ettt|t|tt|ttL"]
+    assert {(m["layer"], m["src"], m["dst"]) for m in events[0]["moves"]} == {
+        (2, 0, 1), (5, 2, 1), (6, 2, 1), (7, 3, 1)}
+    assert all(m["bytes"] > 0 for m in events[0]["moves"])
+    assert events[0]["migration"]["bandwidth_bytes_per_s"] > 0
+    assert report["initial_layout"] == "Ett|tt|tt|ttL" and report["layout"] == "Ettt|t|tt|ttL"
+    _assert_same_training(pp4_static[0], pp4_static[1], tmp_path, report, range(4))
+
+
+def test_receiver_failure_keeps_old_layout(pp4_static, tmp_path):
+    report = worker(4, MODEL + ["--pipeline-model-parallel-size", "4",
+                                "--dynmo-forced-layouts", PP4_FORCED,
+                                "--test-fault", "receiver_exception@1"], tmp_path)
+    first, second = [e for e in report["events"] if e["kind"] == "rebalance"]
+    assert not first["applied"] and "injected receiver failure on stage 1" in first["error"]
+    assert first["layout_after"] == first["layout_before"] == "Ett|tt|tt|ttL"
+    assert second["applied"]  # the injector fires once; later migrations work
+    _assert_same_training(pp4_static[0], pp4_static[1], tmp_path, report, range(4))
+
+
+def test_corrupted_transfer_is_detected(pp4_static, tmp_path):
+    report = worker(4, MODEL + ["--pipeline-model-parallel-size", "4",
+                                "--dynmo-forced-layouts", PP4_FORCED.split(";")[0],
+                                "--test-fault", "corrupt_buffer@1"], tmp_path)
+    (event,) = [e for e in report["events"] if e["kind"] == "rebalance"]
+    assert not event["applied"] and "checksum mismatch" in event["error"]
+    assert report["layout"] == "Ett|tt|tt|ttL"
+    assert losses(report) == losses(pp4_static[1])
+
+
+def test_pp2_dp2_migrations_are_bit_exact(tmp_path_factory):
+    static_dir, moved_dir = tmp_path_factory.mktemp("dp_static"), tmp_path_factory.mktemp("dp_moved")
+    flags = MODEL + ["--pipeline-model-parallel-size", "2"]
+    static = worker(4, flags, static_dir)
+    moved = worker(4, flags + ["--dynmo-forced-layouts", PP2_FORCED], moved_dir)
+    assert [e["applied"] for e in moved["events"]] == [True, True]
+    assert moved["world"]["dp"] == 2
+    _assert_same_training(static_dir, static, moved_dir, moved, range(4))
