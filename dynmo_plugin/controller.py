@@ -130,7 +130,9 @@ class DynMo:
                  "window": [opened.opened_at, iteration], "layout": str(self.trainer.layout),
                  "overhead_s": {"profiling": profiling_s}, "profile": profile.to_dict()}
         if opened.rebalance:
-            event.update(self._rebalance(profile))
+            fields = self._rebalance(profile)
+            event["overhead_s"].update(fields.pop("overhead_s"))
+            event.update(fields)
         self._record(event)
 
     # ---- decision and migration -----------------------------------------------------------
@@ -139,7 +141,8 @@ class DynMo:
         problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches)
         plan = solve(problem, self.config.rebalance.balancer)
         gate = GateConfig(iterations_until_next_event=self.config.rebalance.expected_event_gap,
-                          bandwidth_bytes_per_s=self.bandwidth, margin=self.config.rebalance.margin)
+                          bandwidth_bytes_per_s=self.bandwidth, margin=self.config.rebalance.margin,
+                          min_relative_gain=self.config.rebalance.min_gain)
         return attach_gate(plan, gate)
 
     def _rebalance(self, profile: PipelineProfile) -> dict:

@@ -55,10 +55,14 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, on_finish=None) -> dict:
         for iteration in range(1, args.train_iters + 1):
             start = time.perf_counter()
             dynmo.before_step(iteration)
+            step_start = time.perf_counter()
             loss = trainer.train_step(iteration)
+            step_end = time.perf_counter()
             dynmo.after_step(iteration)
             elapsed = time.perf_counter() - start
-            report.add_iteration(iteration, loss, elapsed)
+            # dynmo_s: the controller's own time (window open/close, decisions, migration)
+            report.add_iteration(iteration, loss, elapsed,
+                                 dynmo_s=elapsed - (step_end - step_start))
             if iteration % args.log_interval == 0:
                 logger.info("iteration %4d/%d | loss %.6f | %.1f ms | layout %s", iteration,
                             args.train_iters, loss, elapsed * 1e3, trainer.layout)

@@ -2,7 +2,10 @@
 
 saving per iteration = predicted 1F1B time before - after; total saving = that x
 iterations until the next expected dynamism event; migration time = fixed overhead +
-bytes moved / bandwidth. Apply only if total saving > margin x migration time.
+bytes moved / bandwidth. Apply only if total saving > margin x migration time and
+the predicted gain is at least `min_relative_gain` of the current iteration time:
+profiles are measurements, and a plan that wins by less than their noise would move
+layers back and forth on every trigger.
 """
 from __future__ import annotations
 
@@ -23,12 +26,15 @@ class GateConfig:
         bandwidth_bytes_per_s: measured or configured point-to-point bandwidth.
         margin: the saving must exceed margin x migration time (1.2 = 20% headroom).
         fixed_overhead_s: per-rebalance cost independent of bytes (sync, regrouping).
+        min_relative_gain: smallest predicted saving worth acting on, as a fraction of
+            the predicted current iteration time (the profile's noise floor).
     """
 
     iterations_until_next_event: int
     bandwidth_bytes_per_s: float
     margin: float = 1.2
     fixed_overhead_s: float = 0.0
+    min_relative_gain: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.iterations_until_next_event, int) or self.iterations_until_next_event < 0:
@@ -39,6 +45,8 @@ class GateConfig:
         if not self.margin >= 0 or not self.fixed_overhead_s >= 0:
             raise UserError(f"margin ({self.margin}) and fixed_overhead_s ({self.fixed_overhead_s}) "
                             "must be >= 0")
+        if not 0 <= self.min_relative_gain < 1:
+            raise UserError(f"min_relative_gain must be in [0, 1), got {self.min_relative_gain!r}")
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,11 @@ def evaluate_gate(plan: Plan, config: GateConfig) -> GateVerdict:
     saving = plan.predicted_iter_s_before - plan.predicted_iter_s_after
     total = saving * config.iterations_until_next_event
     migration = config.fixed_overhead_s + plan.bytes_moved / config.bandwidth_bytes_per_s
+    gain = saving / plan.predicted_iter_s_before if plan.predicted_iter_s_before > 0 else 0.0
+    if saving > 0 and gain < config.min_relative_gain:
+        return GateVerdict(False, saving, total, migration,
+                           f"gain {100 * gain:.1f}% is below the noise floor "
+                           f"min_relative_gain {100 * config.min_relative_gain:.1f}%")
     apply = saving > 0 and total > config.margin * migration
     numbers = (f"saves {saving:.4g} s/iter x {config.iterations_until_next_event} iters = "
                f"{total:.4g} s vs migration {migration:.4g} s x margin {config.margin:g}")
