@@ -62,8 +62,8 @@ class LayerMigrator:
             outgoing, sending = self._pack(moves, stage)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error, outgoing, sending = f"pack on stage {stage}: {e!r}", [], {}
+        headers = exchange_headers(outgoing, t.dims.groups.pp)  # also syncs the pipeline
         t_x = time.perf_counter()
-        headers = exchange_headers(outgoing, t.dims.groups.pp)
         received = {}
         try:
             received = exchange_buffers(headers, sending, stage, t.dims.groups.pp,

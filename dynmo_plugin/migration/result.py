@@ -18,7 +18,7 @@ class MigrationResult:
     layout_after: str          # == layout_before when not applied
     moves: list[dict] = field(default_factory=list)  # layer, src, dst, bytes
     bytes_moved: int = 0
-    transfer_s: float = 0.0    # the p2p exchange (max over ranks)
+    transfer_s: float = 0.0    # batched p2p after the header all-gather (max over ranks)
     total_s: float = 0.0       # pack + exchange + verify + commit (max over ranks)
     error: Optional[str] = None
 

@@ -7,6 +7,7 @@ copy of the data.
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -46,10 +47,12 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def checksum(buf: torch.Tensor) -> tuple[int, int]:
-    """Sum and position-weighted sum of the raw bytes (as int32 words where possible)."""
+    """CRC32 of the raw bytes on CPU (zero-copy); on GPU a sum and a position-weighted
+    sum of the 32-bit words, computed on the device (no host copy of the data)."""
     raw = buf.detach().contiguous().view(torch.uint8)
-    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-    words = words.to(torch.int64)
+    if raw.device.type == "cpu":
+        return zlib.crc32(raw.numpy()), raw.numel()
+    words = (raw.view(torch.int32) if raw.numel() % 4 == 0 else raw).to(torch.int64)
     weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % _PRIME + 1
     return int(words.sum()), int((words * weights).sum())
 
