@@ -210,7 +210,13 @@ class DynMo:
         if self.report is not None:
             self.report.layout = str(self.trainer.layout)
             self.report.add_event(event)
-        logger.info("dynmo: iteration %d %s (%s)%s", event["iteration"], event["kind"],
-                    event.get("trigger"),
-                    f": {event.get('layout_before')} -> {event.get('layout_after')}"
-                    if event["kind"] == "rebalance" else "")
+        if event["kind"] != "rebalance":
+            detail = ""
+        elif event.get("applied"):
+            moved = sum(m["bytes"] for m in event["moves"]) / 1e6
+            detail = (f": {event['layout_before']} -> {event['layout_after']} "
+                      f"({len(event['moves'])} layers, {moved:.1f} MB)")
+        else:
+            detail = f": kept {event['layout_before']} ({event.get('reason') or event.get('error')})"
+        logger.info("dynmo: iteration %d %s [%s]%s", event["iteration"], event["kind"],
+                    event.get("trigger"), detail)
