@@ -308,6 +308,8 @@ def load_config(args: argparse.Namespace, world_size: int | None = None) -> RunC
         value = getattr(args, dest, None)
         if value is None or (value is False and f.type == "bool"):
             continue
+        if key == "model.pipeline_model_parallel_layout" and not isinstance(value, str):
+            value = str(value)  # Megatron-LM's args hold a parsed PipelineParallelLayerLayout
         _apply(cfg.model if key.startswith("model.") else cfg.dynmo,
                key.removeprefix("model."), f, value, f"flag {_flag(f)}")
     where = cfg.config_path or "command line"

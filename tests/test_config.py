@@ -81,3 +81,19 @@ def test_launcher_exits_2_with_one_line(argv, needle):
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
+
+
+def test_megatron_lm_args_namespace_is_read_directly():
+    """Megatron-LM's parsed args use the same destinations; extra attributes are ignored."""
+    class ParsedLayout:  # stands for Megatron-LM's PipelineParallelLayerLayout after validate_args
+        def __repr__(self):
+            return "Ett|ttL"
+
+    parser = add_dynmo_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--dynmo", "--dynmo-rebalance-interval", "50"])
+    args.num_layers, args.pipeline_model_parallel_size = 4, 2
+    args.pipeline_model_parallel_layout = ParsedLayout()
+    args.micro_batch_size, args.global_batch_size, args.save = 1, 8, "/ckpt"
+    cfg = load_config(args, world_size=2)
+    assert cfg.dynmo.enabled and cfg.dynmo.rebalance.interval == 50
+    assert cfg.model.num_layers == 4 and cfg.model.pipeline_model_parallel_layout == "Ett|ttL"
