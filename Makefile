@@ -22,6 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/dynmo report $(OUT)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check dynmo_plugin tests scripts
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 bench: $(STAMP)

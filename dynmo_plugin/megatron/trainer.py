@@ -17,7 +17,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from dynmo_plugin.config import ModelArgs
+from dynmo_plugin.config import ConfigError, ModelArgs
 from dynmo_plugin.data import SyntheticTokens
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.megatron.model import build_stage_model, layer_spec, transformer_config
@@ -45,7 +45,6 @@ class StageTrainer:
 
     def __init__(self, args: ModelArgs, dims: ParallelDims, layout: Layout, spec=None):
         if args.clip_grad > 0 and not torch.cuda.is_available():
-            from dynmo_plugin.config import ConfigError
             raise ConfigError("--clip-grad > 0 needs CUDA (Megatron's clip_grads asserts CUDA "
                               "tensors); use --clip-grad 0 on CPU")
         self.args, self.dims, self.layout = args, dims, layout

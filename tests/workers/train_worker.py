@@ -5,7 +5,6 @@
 --test-dump-ranks: every rank writes its report (with its in-memory events) to
 <output>/rank<R>.json, to check that all ranks agree.
 """
-import argparse
 import json
 import os
 import sys
