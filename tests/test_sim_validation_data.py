@@ -89,3 +89,14 @@ def test_stage_costs_split_extras_in_layer_ratio(vs):
     # compute_s 0.5 s over 8 micro-batches, split 1:2 like the layers
     assert sc.timer_fwd_s == pytest.approx([0.5 / 24] * 2)
     assert sc.timer_bwd_s == pytest.approx([1.0 / 24] * 2)
+
+
+def test_background_load_slows_the_shared_pipeline(vs):
+    costs = _costs()
+    alone = vs.simulate_shared(costs, cores=2).iteration_s
+    assert vs.simulate_shared(costs, cores=2, background=0.5).iteration_s > alone
+    # one rank on one core next to one other runnable thread: half the core, twice the time
+    single = PipelineCosts(fwd_s=[0.01], bwd_s=[0.02], num_microbatches=4, tail_s=[0.005])
+    one = vs.simulate_shared(single, cores=1).iteration_s
+    assert one == pytest.approx(4 * 0.03 + 0.005)
+    assert vs.simulate_shared(single, cores=1, background=1).iteration_s == pytest.approx(2 * one)
