@@ -323,17 +323,33 @@ def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
     return os.getloadavg()[0]
 
 
-class ForeignLoadSampler:
-    """Mean runnable threads of other processes while our run goes on (every 0.5 s):
-    the competing load our ranks shared the cores with."""
+def _machine_busy_s() -> float:
+    """CPU seconds all cores spent busy since boot (/proc/stat: all but idle, iowait)."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class ForeignLoad:
+    """What other sessions took from the cores while our run went on: mean cores busy
+    with work that is neither this script nor its launcher's ranks (machine busy time
+    minus our children's and our own CPU time, over the wall time), and the mean count
+    of their runnable threads (sampled every 0.5 s)."""
 
     def __init__(self, launcher_pid: int, period_s: float = 0.5):
+        import resource
         import threading
+        self._resource = resource
         self.launcher_pid = launcher_pid
         self.samples: list[int] = []
+        self._t0, self._busy0, self._ours0 = time.monotonic(), _machine_busy_s(), self._our_cpu()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(period_s,), daemon=True)
         self._thread.start()
+
+    def _our_cpu(self) -> float:
+        r = self._resource
+        return sum(u.ru_utime + u.ru_stime for u in (r.getrusage(r.RUSAGE_SELF),
+                                                     r.getrusage(r.RUSAGE_CHILDREN)))
 
     def _loop(self, period_s: float) -> None:
         own = {os.getpid()}
@@ -341,14 +357,19 @@ class ForeignLoadSampler:
             own |= _children(self.launcher_pid)
             self.samples.append(foreign_runnable(own))
 
-    def stop(self) -> float:
+    def stop(self) -> tuple[float, float]:
+        """(mean foreign cores, mean foreign runnable threads); call after the launcher
+        was waited for, so its ranks' CPU time is in RUSAGE_CHILDREN."""
         self._stop.set()
         self._thread.join()
-        return float(np.mean(self.samples)) if self.samples else float("nan")
+        wall = time.monotonic() - self._t0
+        foreign = (_machine_busy_s() - self._busy0) - (self._our_cpu() - self._ours0)
+        threads = float(np.mean(self.samples)) if self.samples else float("nan")
+        return max(0.0, foreign / wall), threads
 
 
-def run_launcher(a: argparse.Namespace, pp: int, out: str) -> tuple[dict, float]:
-    """One launcher run; returns its report.json and the mean foreign runnable threads."""
+def run_launcher(a: argparse.Namespace, pp: int, out: str) -> tuple[dict, tuple[float, float]]:
+    """One launcher run; returns its report.json and ForeignLoad.stop()'s figures."""
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--nproc-per-node", str(pp), "--master-port", str(a.port + pp),
            "-m", "dynmo_plugin.train",
@@ -361,7 +382,7 @@ def run_launcher(a: argparse.Namespace, pp: int, out: str) -> tuple[dict, float]
            "--dynmo-profile-window", str(a.profile_window)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    sampler = ForeignLoadSampler(proc.pid)
+    sampler = ForeignLoad(proc.pid)
     _, stderr = proc.communicate()
     foreign = sampler.stop()
     if proc.returncode != 0:
@@ -372,7 +393,7 @@ def run_launcher(a: argparse.Namespace, pp: int, out: str) -> tuple[dict, float]
 @dataclass(frozen=True)
 class RunResult:
     load: tuple[float, float]
-    foreign: float           # mean runnable threads of other processes during the run
+    foreign: tuple[float, float]  # other sessions during the run: (cores, runnable threads)
     measured_s: float
     samples: int
     costs: StageCosts
@@ -380,7 +401,7 @@ class RunResult:
     dedicated: object        # dynmo_plugin.sim IterationResult
     dedicated_blocked: np.ndarray
     shared: SharedResult
-    loaded: SharedResult     # shared, plus the measured foreign runnable threads
+    loaded: SharedResult     # shared on the cores other sessions left (cores - foreign)
 
 
 def one_run(a: argparse.Namespace, pp: int) -> RunResult:
@@ -402,7 +423,7 @@ def one_run(a: argparse.Namespace, pp: int) -> RunResult:
     dedicated = simulate_iteration(costs)
     return RunResult((before, after), foreign, float(statistics.median(steps)), len(steps), sc, tail,
                      dedicated, blocked_before_last_op(dedicated), simulate_shared(costs, a.cores),
-                     simulate_shared(costs, a.cores, background=foreign))
+                     simulate_shared(costs, max(a.cores - foreign[0], 0.1)))
 
 
 def blocked_before_last_op(result) -> np.ndarray:
@@ -438,13 +459,14 @@ def report_pp(a: argparse.Namespace, pp: int) -> dict:
         rows.append({"pp": pp, "measured_s": x.measured_s, "dedicated_s": x.dedicated.iteration_s,
                      "shared_s": x.shared.iteration_s, "loaded_s": x.loaded.iteration_s,
                      "dedicated_err": ded, "shared_err": sh, "loaded_err": ld,
-                     "load_before": x.load[0], "load_after": x.load[1], "foreign_runnable": x.foreign,
+                     "load_before": x.load[0], "load_after": x.load[1], "foreign_cores": x.foreign[0],
+                     "foreign_runnable": x.foreign[1],
                      "samples": x.samples})
         print(f" run {i + 1}: measured {x.measured_s:.3f}s (median of {x.samples})  predicted: "
               f"dedicated {x.dedicated.iteration_s:.3f}s ({ded:+.1%}), shared on {a.cores} cores "
               f"{x.shared.iteration_s:.3f}s ({sh:+.1%})  load {x.load[0]:.2f} -> {x.load[1]:.2f}, "
-              f"other processes' runnable threads {x.foreign:.2f}; shared + that load "
-              f"{x.loaded.iteration_s:.3f}s ({ld:+.1%})")
+              f"other sessions: {x.foreign[0]:.2f} cores busy, {x.foreign[1]:.1f} runnable threads; "
+              f"shared on the {a.cores - x.foreign[0]:.2f} cores left {x.loaded.iteration_s:.3f}s ({ld:+.1%})")
     key = "shared_err" if pp > a.cores else "dedicated_err"
     errs = [row[key] for row in rows]
     label = f"shared ({pp} ranks / {a.cores} cores)" if pp > a.cores else "dedicated"
@@ -452,7 +474,7 @@ def report_pp(a: argparse.Namespace, pp: int) -> dict:
           f"{statistics.median(errs):+.1%} over {len(errs)} run(s)"
           f"{'  [within 10%]' if abs(statistics.median(errs)) <= 0.10 else '  [MISSES 10%]'}")
     loaded = statistics.median(row["loaded_err"] for row in rows)
-    print(f" with the measured competing load in the sharing model: median {loaded:+.1%}")
+    print(f" sharing only the cores other sessions left (measured): median {loaded:+.1%}")
     return {"pp": pp, "runs": rows, "median_err": statistics.median(errs), "compared": label,
             "median_loaded_err": loaded}
 
