@@ -5,7 +5,8 @@ Launches itself under torchrun (PP=2, gloo on CPU; NCCL where CUDA exists): for 
 layers, moves them stage 0 -> 1 and back with the real LayerMigrator (weights, grads,
 Adam state, checksums, DDP/optimizer rebuild) and times a raw p2p send of exactly the
 same bytes between the same ranks. Then runs the launcher once with an interval
-rebalance on an unbalanced start and prints the time split of that rebalance.
+rebalance on an unbalanced start and prints the time split of that rebalance and the
+predicted vs measured iteration time before and after it.
 Usage: python scripts/bench_migration.py [--hidden 512] [--repeats 3]
 """
 from __future__ import annotations
@@ -95,9 +96,9 @@ def worker(hidden: int, layers: int, repeats: int) -> None:
 # ---- driver -------------------------------------------------------------------------------
 def _time_split(out: Path) -> dict:
     _torchrun(["-m", "dynmo_plugin.train", "--num-layers", "8", "--hidden-size", "128",
-               "--seq-length", "64", "--train-iters", "6", "--pipeline-model-parallel-size", "2",
+               "--seq-length", "64", "--train-iters", "16", "--pipeline-model-parallel-size", "2",
                "--pipeline-model-parallel-layout", "Ettttttt|tL", "--dynmo",
-               "--dynmo-rebalance-interval", "3", "--output", str(out)])
+               "--dynmo-rebalance-interval", "4", "--output", str(out)])
     report = json.loads((out / "report.json").read_text())
     return next(e for e in report["events"] if e["kind"] == "rebalance" and e.get("applied"))
 
@@ -133,6 +134,12 @@ def main() -> int:
           f"{event['migration']['bytes_moved'] / 1e6:.1f} MB):")
     for k in ("profiling", "decision", "migration"):
         print(f"  {k:10s} {1e3 * o.get(k, 0.0):8.1f} ms")
+    pb, pa = event["predicted_iter_s_before"], event["predicted_iter_s_after"]
+    mb, ma = event.get("measured_iter_s_before"), event.get("measured_iter_s_after")
+    print(f"  predicted iteration (CPU-time costs): {1e3 * pb:.1f} -> {1e3 * pa:.1f} ms ({pa / pb:.2f}x)")
+    if mb and ma:
+        print(f"  measured iteration (wall, PP=2):      {1e3 * mb:.1f} -> {1e3 * ma:.1f} ms ({ma / mb:.2f}x)")
+    print(f"  load average: {os.getloadavg()[0]:.1f}")
     return 0
 
 
