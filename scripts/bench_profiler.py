@@ -1,14 +1,15 @@
 #!/usr/bin/env python
-"""Profiler overhead, side by side in one run: plugin off vs. on (windows every N).
+"""Profiler overhead, measured side by side in one run of this script.
 
-The profiled iteration is split into the training step with hooks active and the
-controller's own time (opening the window, summarising and gathering at its close).
-
-Runs the launcher (torchrun, PP=2, gloo) alternately with the plugin disabled and with
-periodic profiling windows, ROUNDS times each, and compares median iteration time of
-(a) iterations outside windows vs. the disabled run, (b) profiled iterations vs. the
-disabled run. Prints a table of ratios (1.00 = no overhead). Wall clock, PP=2 = one
-rank per core here. Usage: python scripts/bench_profiler.py [--rounds 3] [--iters 40]
+Part 1 (wall clock, PP=2 launcher runs, one rank per core): the plugin disabled vs.
+enabled with a one-iteration profiling window every N iterations, alternated ROUNDS
+times. Reports the noise floor (spread between the disabled rounds), iterations
+outside windows vs. disabled (should sit within that floor: hooks are detached), the
+profiled step vs. the same run's unprofiled iterations, and the window's open/close
+cost (summary + gather), which the report records separately as `dynmo_s`.
+Part 2 (thread CPU time, one process, no pipeline noise): the training step with no
+hooks, with timing hooks only, and with timing + activation accounting.
+Usage: python scripts/bench_profiler.py [--rounds 3] [--iters 40] [--every 5]
 """
 from __future__ import annotations
 
@@ -24,8 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4",
-         "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "16",
-         "--pipeline-model-parallel-size", "2"]
+         "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "16"]
 
 
 def _port() -> int:
@@ -34,47 +34,113 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def run(flags: list[str], out: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_port()), "-m", "dynmo_plugin.train", *MODEL, *flags,
-           "--output", str(out)]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+def _torchrun(nproc: int, args: list[str]) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(_port()), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True, env=env).stdout
+
+
+def _launch(flags: list[str], out: Path) -> list[dict]:
+    _torchrun(2, ["-m", "dynmo_plugin.train", *MODEL, "--pipeline-model-parallel-size", "2",
+                  *flags, "--output", str(out)])
     return json.loads((out / "report.json").read_text())["iterations"]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=40)
-    ap.add_argument("--every", type=int, default=5)
-    a = ap.parse_args()
-    base = ["--train-iters", str(a.iters)]
-    off, outside, inside, closing = [], [], [], []
-    warm = 3  # first iterations include allocator warm-up in both modes
+def pipeline_overhead(rounds: int, iters: int, every: int, warm: int = 3) -> None:
+    off_rounds, outside, inside, closing, ratios = [], [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(a.rounds):
-            its = run(base, Path(tmp) / f"off{r}")
-            off += [i["time_s"] for i in its if i["iteration"] > warm]
-            its = run(base + ["--dynmo", "--dynmo-profile-every", str(a.every)], Path(tmp) / f"on{r}")
+        for r in range(rounds):
+            its = _launch(["--train-iters", str(iters)], Path(tmp) / f"off{r}")
+            off_rounds.append(statistics.median(i["time_s"] for i in its if i["iteration"] > warm))
+            its = _launch(["--train-iters", str(iters), "--dynmo", "--dynmo-profile-every", str(every)],
+                          Path(tmp) / f"on{r}")
+            run_out, run_in = [], []
             for i in its:
                 if i["iteration"] <= warm:
                     continue
-                if i["iteration"] % a.every == 0:  # hooks active; the window also closes here
-                    inside.append(i["time_s"] - i["dynmo_s"])
+                if i["iteration"] % every == 0:
+                    run_in.append(i["time_s"] - i["dynmo_s"])
                     closing.append(i["dynmo_s"])
                 else:
-                    outside.append(i["time_s"])
-    ref = statistics.median(off)
-    rows = [("plugin disabled", off), ("enabled, outside windows", outside),
-            ("enabled, profiled step (hooks)", inside),
-            ("window open+close (gather)", closing)]
-    print(f"{'iterations':32s} {'n':>4s} {'median ms':>10s} {'ratio':>7s}")
-    for name, xs in rows:
-        print(f"{name:32s} {len(xs):4d} {1e3 * statistics.median(xs):10.1f} "
-              f"{statistics.median(xs) / ref:7.3f}")
-    print(f"profiled-iteration slowdown: {100 * (statistics.median(inside) / ref - 1):+.1f}% "
-          f"(goal < 10% on CPU); outside windows: {100 * (statistics.median(outside) / ref - 1):+.1f}%")
+                    run_out.append(i["time_s"])
+            outside += run_out
+            inside += run_in
+            ratios.append(statistics.median(run_in) / statistics.median(run_out))
+    ref = statistics.median(off_rounds)
+    print(f"Part 1: PP=2 wall clock, {rounds} rounds x {iters} iterations, window every {every}")
+    print(f"  noise floor: disabled rounds' medians span {min(off_rounds) / ref:.3f}-"
+          f"{max(off_rounds) / ref:.3f} x their median ({1e3 * ref:.1f} ms)")
+    print(f"  outside windows vs disabled:           {statistics.median(outside) / ref:.3f} x")
+    print(f"  profiled step vs same run, unprofiled: {statistics.median(ratios):.3f} x "
+          f"(per round: {', '.join(f'{x:.3f}' for x in ratios)})")
+    print(f"  window open + close (summary, gather): {1e3 * statistics.median(closing):.1f} ms "
+          f"= {statistics.median(closing) / ref:.3f} x an iteration, once per window")
+
+
+def _cpu_worker(steps: int, rounds: int) -> None:
+    import time
+
+    from dynmo_plugin.config import ModelArgs
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron import probe
+    from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
+    from dynmo_plugin.megatron.trainer import StageTrainer
+    from dynmo_plugin.profiling.clock import CpuThreadClock
+
+    args = ModelArgs(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=64,
+                     micro_batch_size=2, global_batch_size=16)
+    trainer = StageTrainer(args, init_parallel(args), Layout.uniform(8, 1))
+
+    def timed(variant: str) -> float:
+        p = None
+        if variant != "off":
+            p = probe.StageProbe(trainer.model, CpuThreadClock(), count_activations=variant == "full")
+            p.attach()
+        samples = []
+        for i in range(steps):
+            start = time.thread_time()
+            trainer.train_step(i + 1)
+            samples.append(time.thread_time() - start)
+            if p is not None:
+                p.end_iteration()
+        if p is not None:
+            p.detach()
+        return statistics.median(samples)
+
+    timed("off")
+    results = {"off": [], "timing": [], "full": []}
+    for _ in range(rounds):
+        for variant in results:
+            results[variant].append(timed(variant))
+    print("RESULT " + json.dumps({k: statistics.median(v) for k, v in results.items()}))
+    destroy_parallel()
+
+
+def cpu_overhead(steps: int, rounds: int) -> None:
+    out = _torchrun(1, [__file__, "--cpu-worker", "--steps", str(steps), "--rounds", str(rounds)])
+    res = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+    print(f"Part 2: one process, thread CPU time per training step ({rounds} rounds x {steps} steps)")
+    for name, label in (("off", "no hooks"), ("timing", "timing hooks"),
+                        ("full", "timing + activation accounting")):
+        print(f"  {label:32s} {1e3 * res[name]:7.1f} ms  {res[name] / res['off']:.3f} x")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--every", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--cpu-worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.cpu_worker:
+        _cpu_worker(a.steps, a.rounds)
+        return 0
+    print(f"load average at start: {os.getloadavg()[0]:.1f}")
+    pipeline_overhead(a.rounds, a.iters, a.every)
+    cpu_overhead(a.steps, a.rounds)
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
     return 0
 
 

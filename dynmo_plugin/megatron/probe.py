@@ -67,8 +67,10 @@ class _Spans:
 class StageProbe:
     """Times each layer of `model` (one pipeline stage) per micro-batch."""
 
-    def __init__(self, model: torch.nn.Module, clock: Clock):
-        self.model, self.clock = model, clock
+    def __init__(self, model: torch.nn.Module, clock: Clock, count_activations: bool = True):
+        """count_activations=False skips the saved-tensor accounting, which is most of
+        the probe's cost (scripts/bench_profiler.py); act_bytes are then 0."""
+        self.model, self.clock, self.count_activations = model, clock, count_activations
         self.layers = list(model.decoder.layers)
         self._handles: list = []
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -135,15 +137,17 @@ class StageProbe:
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             if torch.is_tensor(hidden) and hidden.requires_grad:
                 hidden.register_hook(self._grad_mark(bwd(), "end", mb))
-            saved = SavedBytes(self._param_ptrs)
-            self._saved[(number, mb)] = saved
-            saved.__enter__()
+            if self.count_activations:
+                saved = SavedBytes(self._param_ptrs)
+                self._saved[(number, mb)] = saved
+                saved.__enter__()
             fwd().start[mb] = self.clock.mark()
 
         def post(module, args, kwargs, output):
             mb = self._counters[f"layer/{number}"] - 1
             fwd().end[mb] = self.clock.mark()
-            self._saved[(number, mb)].__exit__(None, None, None)
+            if self.count_activations:
+                self._saved[(number, mb)].__exit__(None, None, None)
             out = output[0] if isinstance(output, tuple) else output
             if torch.is_tensor(out) and out.requires_grad:
                 out.register_hook(self._grad_mark(bwd(), "start", mb))
