@@ -27,7 +27,7 @@ from dynmo_plugin.layout import Layout, LayoutError
 
 __all__ = [
     "ConfigError", "ModelArgs", "ProfilingConfig", "RebalanceConfig", "DynmoConfig",
-    "RunConfig", "add_model_args", "add_dynmo_args", "load_config", "dynmo_config_from_args",
+    "RunConfig", "add_model_args", "add_dynmo_args", "load_config",
 ]
 
 BALANCER_NAMES = ("exact", "partition", "diffusion", "uniform", "parameters")
@@ -329,7 +329,3 @@ def _check_forced_layouts(cfg: RunConfig, where: str) -> None:
             raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: iteration is past "
                               f"--train-iters ({m.train_iters})")
 
-
-def dynmo_config_from_args(args: argparse.Namespace) -> DynmoConfig:
-    """The plugin's settings alone (for a Megatron-LM `pretrain()` loop)."""
-    return load_config(args).dynmo

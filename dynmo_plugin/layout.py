@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from dynmo_plugin.errors import UserError
 
@@ -115,17 +115,6 @@ class Layout:
         start = self.offset(stage)
         return list(range(start + 1, start + self.counts[stage] + 1))
 
-    def stage_of(self, layer: int) -> int:
-        """Stage holding global 1-based `layer`."""
-        if not 1 <= layer <= self.num_layers:
-            raise LayoutError(f"layer {layer} is outside 1..{self.num_layers}")
-        acc = 0
-        for s, c in enumerate(self.counts):
-            acc += c
-            if layer <= acc:
-                return s
-        raise AssertionError("unreachable")
-
     def assignment(self) -> list[int]:
         """Stage of each layer, index 0 = layer 1."""
         return [s for s, c in enumerate(self.counts) for _ in range(c)]
@@ -147,6 +136,3 @@ class Layout:
     def __str__(self) -> str:
         return self.to_megatron()
 
-    @staticmethod
-    def of(counts: Iterable[int]) -> "Layout":
-        return Layout(tuple(counts))

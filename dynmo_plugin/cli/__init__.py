@@ -21,13 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dynmo", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in _SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"dynmo_plugin.cli.{name}")
-        except ModuleNotFoundError as e:  # sub-command not built yet
-            if e.name != f"dynmo_plugin.cli.{name}":
-                raise
-            continue
-        module.add_parser(subparsers)
+        importlib.import_module(f"dynmo_plugin.cli.{name}").add_parser(subparsers)
     return parser
 
 
