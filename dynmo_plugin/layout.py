@@ -135,4 +135,3 @@ class Layout:
 
     def __str__(self) -> str:
         return self.to_megatron()
-

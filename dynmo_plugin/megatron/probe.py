@@ -130,48 +130,44 @@ class StageProbe:
 
     def _hook_layer(self, layer: torch.nn.Module) -> None:
         number = layer.layer_number
-        fwd, bwd = self._spans_for(f"fwd/{number}"), self._spans_for(f"bwd/{number}")
+        fwd_key, bwd_key = f"fwd/{number}", f"bwd/{number}"
 
         def pre(module, args, kwargs):
             mb = self._next_mb(f"layer/{number}")
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             if torch.is_tensor(hidden) and hidden.requires_grad:
-                hidden.register_hook(self._grad_mark(bwd(), "end", mb))
+                hidden.register_hook(self._grad_mark(self._spans[bwd_key], "end", mb))
             if self.count_activations:
                 saved = SavedBytes(self._param_ptrs)
                 self._saved[(number, mb)] = saved
                 saved.__enter__()
-            fwd().start[mb] = self.clock.mark()
+            self._spans[fwd_key].start[mb] = self.clock.mark()
 
         def post(module, args, kwargs, output):
             mb = self._counters[f"layer/{number}"] - 1
-            fwd().end[mb] = self.clock.mark()
+            self._spans[fwd_key].end[mb] = self.clock.mark()
             if self.count_activations:
                 self._saved[(number, mb)].__exit__(None, None, None)
             out = output[0] if isinstance(output, tuple) else output
             if torch.is_tensor(out) and out.requires_grad:
-                out.register_hook(self._grad_mark(bwd(), "start", mb))
+                out.register_hook(self._grad_mark(self._spans[bwd_key], "start", mb))
 
         self._handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(layer.register_forward_hook(post, with_kwargs=True))
 
-    def _spans_for(self, key: str) -> Callable[[], _Spans]:
-        return lambda: self._spans[key]  # looked up per call: _reset_iteration swaps dicts
-
     def _hook_embedding(self, embedding: torch.nn.Module) -> None:
-        fwd, bwd = self._spans_for("emb_fwd"), self._spans_for("emb_bwd")
-
+        # Spans are looked up on each call: _reset_iteration replaces the dict.
         def pre(module, args):
-            fwd().start[self._next_mb("emb")] = self.clock.mark()
+            self._spans["emb_fwd"].start[self._next_mb("emb")] = self.clock.mark()
 
         def post(module, args, output):
             mb = self._counters["emb"] - 1
-            fwd().end[mb] = self.clock.mark()
+            self._spans["emb_fwd"].end[mb] = self.clock.mark()
             if output.requires_grad:
-                output.register_hook(self._grad_mark(bwd(), "start", mb))
+                output.register_hook(self._grad_mark(self._spans["emb_bwd"], "start", mb))
 
         def accumulated(param):  # the last embedding weight grad ends the stage backward
-            spans = bwd()
+            spans = self._spans["emb_bwd"]
             pending = [mb for mb in spans.start if mb not in spans.end]
             if pending:
                 spans.end[min(pending)] = self.clock.mark()
@@ -183,22 +179,21 @@ class StageProbe:
             self._handles.append(weight.register_post_accumulate_grad_hook(accumulated))
 
     def _hook_head(self) -> None:
-        fwd, bwd = self._spans_for("head_fwd"), self._spans_for("head_bwd")
         norm = getattr(self.model.decoder, "final_layernorm", None)
         start_module = norm if norm is not None else self.model.output_layer
 
         def pre(module, args):
             mb = self._next_mb("head")
-            fwd().start[mb] = self.clock.mark()
+            self._spans["head_fwd"].start[mb] = self.clock.mark()
             hidden = args[0] if args else None
             if torch.is_tensor(hidden) and hidden.requires_grad:
-                hidden.register_hook(self._grad_mark(bwd(), "end", mb))
+                hidden.register_hook(self._grad_mark(self._spans["head_bwd"], "end", mb))
 
         def post(module, args, output):
             mb = self._counters["head"] - 1
-            fwd().end[mb] = self.clock.mark()
+            self._spans["head_fwd"].end[mb] = self.clock.mark()
             if torch.is_tensor(output) and output.requires_grad:
-                output.register_hook(self._grad_mark(bwd(), "start", mb))
+                output.register_hook(self._grad_mark(self._spans["head_bwd"], "start", mb))
 
         self._handles.append(start_module.register_forward_pre_hook(pre))
         self._handles.append(self.model.register_forward_hook(post))
