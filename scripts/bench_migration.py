@@ -14,29 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(args: list[str], nproc: int = 2) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_port()), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
-
+from _torchrun import print_result, read_result, torchrun
 
 # ---- worker (runs under torchrun) ---------------------------------------------------------
 def _raw_send_s(nbytes: int, dims, repeats: int, fresh: bool) -> float:
@@ -89,13 +73,13 @@ def worker(hidden: int, layers: int, repeats: int) -> None:
                      "raw_s": _raw_send_s(nbytes, dims, repeats, fresh=False),
                      "raw_fresh_s": _raw_send_s(nbytes, dims, repeats, fresh=True)})
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(rows))
+        print_result(rows)
     destroy_parallel()
 
 
 # ---- driver -------------------------------------------------------------------------------
 def _time_split(out: Path) -> dict:
-    _torchrun(["-m", "dynmo_plugin.train", "--num-layers", "8", "--hidden-size", "128",
+    torchrun(2, ["-m", "dynmo_plugin.train", "--num-layers", "8", "--hidden-size", "128",
                "--seq-length", "64", "--train-iters", "16", "--pipeline-model-parallel-size", "2",
                "--pipeline-model-parallel-layout", "Ettttttt|tL", "--dynmo",
                "--dynmo-rebalance-interval", "4", "--output", str(out)])
@@ -113,9 +97,9 @@ def main() -> int:
     if a.worker:
         worker(a.hidden, a.layers, a.repeats)
         return 0
-    stdout = _torchrun([__file__, "--worker", "--hidden", str(a.hidden), "--layers", str(a.layers),
+    stdout = torchrun(2, [__file__, "--worker", "--hidden", str(a.hidden), "--layers", str(a.layers),
                         "--repeats", str(a.repeats)])
-    rows = json.loads(next(l for l in stdout.splitlines() if l.startswith("RESULT "))[7:])
+    rows = read_result(stdout)
     print(f"hidden {a.hidden}, PP=2, median of {a.repeats}; GB/s = bytes / seconds (max over ranks)")
     print(f"{'layers':>6s} {'MB':>7s} {'raw':>6s} {'raw,fresh':>9s} {'xfer':>6s} {'xfer/raw':>8s} "
           f"{'xfer/fresh':>10s} {'total':>6s} {'total/raw':>9s}")

@@ -16,33 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _torchrun import print_result, read_result, torchrun
+
 MODEL = ["--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4",
          "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "16"]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(nproc: int, args: list[str]) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_port()), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True, env=env).stdout
-
-
 def _launch(flags: list[str], out: Path) -> list[dict]:
-    _torchrun(2, ["-m", "dynmo_plugin.train", *MODEL, "--pipeline-model-parallel-size", "2",
+    torchrun(2, ["-m", "dynmo_plugin.train", *MODEL, "--pipeline-model-parallel-size", "2",
                   *flags, "--output", str(out)])
     return json.loads((out / "report.json").read_text())["iterations"]
 
@@ -113,13 +99,13 @@ def _cpu_worker(steps: int, rounds: int) -> None:
     for _ in range(rounds):
         for variant in results:
             results[variant].append(timed(variant))
-    print("RESULT " + json.dumps({k: statistics.median(v) for k, v in results.items()}))
+    print_result({k: statistics.median(v) for k, v in results.items()})
     destroy_parallel()
 
 
 def cpu_overhead(steps: int, rounds: int) -> None:
-    out = _torchrun(1, [__file__, "--cpu-worker", "--steps", str(steps), "--rounds", str(rounds)])
-    res = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+    out = torchrun(1, [__file__, "--cpu-worker", "--steps", str(steps), "--rounds", str(rounds)])
+    res = read_result(out)
     print(f"Part 2: one process, thread CPU time per training step ({rounds} rounds x {steps} steps)")
     for name, label in (("off", "no hooks"), ("timing", "timing hooks"),
                         ("full", "timing + activation accounting")):
