@@ -1,4 +1,4 @@
-"""Static-versus-DynMo runs with a test-double balancer."""
+"""Static-versus-DynMo runs, with a test-double balancer and with the real ones."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,6 +7,7 @@ import pytest
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.sim.campaign import CampaignConfig, run_campaign
+from dynmo_plugin.sim.decision import DecisionCost, DecisionTimeModel
 from dynmo_plugin.sim.gpt import GPTShape
 from dynmo_plugin.sim.planner import PlanOutcome, PlanRequest, make_planner
 from dynmo_plugin.sim.scenarios import make_scenario
@@ -72,6 +73,43 @@ def test_runs_are_deterministic_with_noise():
     a = run_campaign(_cfg(noise_sigma=0.05, seed=7), exact_planner).as_dict()
     b = run_campaign(_cfg(noise_sigma=0.05, seed=7), exact_planner).as_dict()
     assert a["speedup"] == b["speedup"]
+
+
+@pytest.mark.parametrize("method,repack", [("exact", False), ("diffusion", False), ("exact", True)])
+def test_real_planner_runs_are_identical(method, repack):
+    """The real balancers' wall-clock time must not leak into simulated time."""
+    kw = dict(balancer=method, repack=repack, noise_sigma=0.05, seed=7, rebalance_every=500)
+    a = run_campaign(_cfg(**kw)).as_dict()
+    b = run_campaign(_cfg(**kw)).as_dict()
+    assert a["events"] and a["dynmo"]["overhead_s"]["decision"] > 0
+    assert a == b
+
+
+def test_decision_overhead_is_the_model_not_the_clock():
+    r = run_campaign(_cfg(balancer="exact", rebalance_every=500))
+    per_decision = DecisionTimeModel().seconds("exact", 16, 4)
+    assert r.dynmo.overhead_s["decision"] == pytest.approx(len(r.events) * per_decision, rel=1e-12)
+    slow = DecisionTimeModel(costs={"exact": DecisionCost(fixed_s=2.0, per_unit_s=0.0)})
+    r2 = run_campaign(_cfg(balancer="exact", rebalance_every=500, decision_time=slow))
+    assert r2.dynmo.overhead_s["decision"] == 2.0 * len(r2.events)
+    assert r2.dynmo.time_s - r.dynmo.time_s == pytest.approx(
+        len(r.events) * (2.0 - per_decision), rel=1e-9)
+
+
+def test_decision_model_costs_grow_with_the_problem():
+    model = DecisionTimeModel()
+    for method in ("exact", "partition", "diffusion"):
+        assert 0 < model.seconds(method, 16, 4) < model.seconds(method, 1000, 128)
+    assert model.seconds("uniform", 1000, 128) == 0.0
+
+
+def test_decision_model_gaps_and_bad_constants_are_user_errors():
+    with pytest.raises(UserError, match="no decision-time model for balancer 'exact'"):
+        make_planner("exact", DecisionTimeModel(costs={}))
+    with pytest.raises(UserError, match="fixed_s"):
+        DecisionCost(fixed_s=-1.0, per_unit_s=0.0)
+    with pytest.raises(UserError, match="per_unit_s"):
+        DecisionCost(fixed_s=0.0, per_unit_s=float("nan"))
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -1,8 +1,11 @@
 """The simulator's door to the balancers (dynmo_plugin.balancing); no balancer lives here.
 
 A planner maps a `PlanRequest` (what the profiler would have measured) to a layout and
-the seconds the decision took. `uniform` is Megatron's static split; every other name
-is looked up in `dynmo_plugin.balancing.BALANCERS` and run through its `solve`.
+the simulated seconds the decision takes. `uniform` is Megatron's static split; every
+other name is looked up in `dynmo_plugin.balancing.BALANCERS` and run through its
+`solve`. The decision time is modelled (`dynmo_plugin.sim.decision`), never the wall
+clock of this process, so a campaign's result depends on its configuration alone; the
+measured solve time comes along as information only.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Callable, Sequence
 
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
+from dynmo_plugin.sim.decision import DecisionTimeModel
 
 __all__ = ["PlanRequest", "PlanOutcome", "Planner", "make_planner", "available_balancers"]
 
@@ -33,15 +37,16 @@ class PlanRequest:
 
 @dataclass(frozen=True)
 class PlanOutcome:
+    """layout: the plan; decision_s: modelled seconds, charged to simulated time;
+    measured_s: wall-clock seconds the balancer took here, for information only (it
+    varies between runs, so it never enters a simulated result)."""
+
     layout: Layout
     decision_s: float
+    measured_s: float = 0.0
 
 
 Planner = Callable[[PlanRequest], PlanOutcome]
-
-
-def _uniform(req: PlanRequest) -> PlanOutcome:
-    return PlanOutcome(Layout.uniform(len(req.costs), req.num_stages), 0.0)
 
 
 def _balancing_module():
@@ -63,14 +68,33 @@ def available_balancers() -> list[str]:
         return ["uniform"]
 
 
-def make_planner(method: str) -> Planner:
-    """Planner running balancer `method` (UserError if unknown or unavailable)."""
+def _uniform_planner(decision: DecisionTimeModel) -> Planner:
+    """Megatron's static split, without the balancing package (it may be absent)."""
+    cost = decision.cost_of("uniform")
+
+    def plan(req: PlanRequest) -> PlanOutcome:
+        n = len(req.costs)
+        return PlanOutcome(Layout.uniform(n, req.num_stages), cost.seconds(n, req.num_stages))
+
+    return plan
+
+
+def make_planner(method: str, decision: DecisionTimeModel | None = None) -> Planner:
+    """Planner running balancer `method`, its decision time from `decision`
+    (default `DecisionTimeModel()`).
+
+    Raises:
+        UserError: `method` is unknown or unavailable, or `decision` has no cost for it.
+    """
+    if decision is None:
+        decision = DecisionTimeModel()
     if method == "uniform":
-        return _uniform
+        return _uniform_planner(decision)
     balancing = _balancing_module()
     if method not in balancing.BALANCERS:
         raise UserError(f"unknown balancer {method!r}; choose one of "
                         f"{', '.join(available_balancers())}")
+    cost = decision.cost_of(method)
 
     def plan(req: PlanRequest) -> PlanOutcome:
         problem = balancing.BalanceProblem(
@@ -82,6 +106,7 @@ def make_planner(method: str) -> Planner:
         started = time.perf_counter()
         result = balancing.solve(problem, method)
         measured = time.perf_counter() - started
-        return PlanOutcome(result.layout, float(getattr(result, "solve_seconds", measured)))
+        modelled = cost.seconds(len(req.costs), req.num_stages)
+        return PlanOutcome(result.layout, modelled, measured_s=measured)
 
     return plan
