@@ -6,10 +6,10 @@ import DeepSpeed lazily, inside the call.
 """
 from dynmo_plugin.balancing.diffusion import solve_diffusion
 from dynmo_plugin.balancing.exact import optimal_bottleneck, solve_exact
-from dynmo_plugin.balancing.gate import GateConfig, GateVerdict, attach_gate, evaluate_gate
-from dynmo_plugin.balancing.metrics import (imbalance, predicted_iteration_s, stage_loads,
-                                            stage_memory)
-from dynmo_plugin.balancing.plan import Move, Outcome, Plan, make_plan
+from dynmo_plugin.balancing.gate import GateConfig, attach_gate, evaluate_gate
+from dynmo_plugin.balancing.metrics import (imbalance, migration_peak_memory,
+                                            predicted_iteration_s, stage_loads, stage_memory)
+from dynmo_plugin.balancing.plan import GateVerdict, Move, Outcome, Plan, make_plan
 from dynmo_plugin.balancing.problem import (REL_TOL, BalanceProblem, InfeasibleError,
                                             ProblemError)
 from dynmo_plugin.balancing.solve import BALANCERS, solve
@@ -17,6 +17,6 @@ from dynmo_plugin.balancing.solve import BALANCERS, solve
 __all__ = [
     "BALANCERS", "BalanceProblem", "GateConfig", "GateVerdict", "InfeasibleError", "Move",
     "Outcome", "Plan", "ProblemError", "REL_TOL", "attach_gate", "evaluate_gate", "imbalance",
-    "make_plan", "optimal_bottleneck", "predicted_iteration_s", "solve", "solve_diffusion",
+    "make_plan", "migration_peak_memory", "optimal_bottleneck", "predicted_iteration_s", "solve", "solve_diffusion",
     "solve_exact", "stage_loads", "stage_memory",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dynmo_plugin.balancing.plan import Plan
+from dynmo_plugin.balancing.plan import GateVerdict, Plan
 from dynmo_plugin.errors import UserError
 
 __all__ = ["GateConfig", "GateVerdict", "evaluate_gate", "attach_gate"]
@@ -49,21 +49,15 @@ class GateConfig:
             raise UserError(f"min_relative_gain must be in [0, 1), got {self.min_relative_gain!r}")
 
 
-@dataclass(frozen=True)
-class GateVerdict:
-    apply: bool
-    saving_per_iter_s: float
-    total_saving_s: float
-    migration_s: float
-    reason: str
-
-
 def evaluate_gate(plan: Plan, config: GateConfig) -> GateVerdict:
     """Judge `plan` (pure; does not modify it)."""
     if plan.before is None or plan.predicted_iter_s_before is None:
         return GateVerdict(True, 0.0, 0.0, 0.0, "no current layout: initial placement, nothing migrates")
     if not plan.moves:
         return GateVerdict(False, 0.0, 0.0, 0.0, "the plan moves no layer")
+    too_big = _over_capacity(plan)
+    if too_big:
+        return GateVerdict(False, 0.0, 0.0, 0.0, too_big)
     saving = plan.predicted_iter_s_before - plan.predicted_iter_s_after
     total = saving * config.iterations_until_next_event
     migration = config.fixed_overhead_s + plan.bytes_moved / config.bandwidth_bytes_per_s
@@ -77,6 +71,17 @@ def evaluate_gate(plan: Plan, config: GateConfig) -> GateVerdict:
                f"{total:.4g} s vs migration {migration:.4g} s x margin {config.margin:g}")
     return GateVerdict(apply, saving, total, migration,
                        ("pays: " if apply else "does not pay: ") + numbers)
+
+
+def _over_capacity(plan: Plan) -> str:
+    """Why the migration's transient peak does not fit ('' when it does)."""
+    if plan.capacity is None or plan.migration_peak_memory is None:
+        return ""
+    for s, (peak, cap) in enumerate(zip(plan.migration_peak_memory, plan.capacity)):
+        if peak > cap:
+            return (f"migration needs {peak / 1e9:.4g} GB on stage {s} while old and new state "
+                    f"coexist, above its cap {cap / 1e9:.4g} GB")
+    return ""
 
 
 def attach_gate(plan: Plan, config: GateConfig) -> Plan:

@@ -12,8 +12,8 @@ import numpy as np
 from dynmo_plugin.balancing.problem import BalanceProblem
 from dynmo_plugin.layout import Layout
 
-__all__ = ["stage_loads", "stage_memory", "imbalance", "predicted_iteration_s",
-           "memory_violations", "empty_stages", "feasibility_problems"]
+__all__ = ["stage_loads", "stage_memory", "migration_peak_memory", "imbalance",
+           "predicted_iteration_s", "memory_violations", "empty_stages", "feasibility_problems"]
 
 
 def _segments(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
@@ -33,6 +33,22 @@ def stage_memory(problem: BalanceProblem, layout: Layout) -> list[float]:
     lo, hi = _segments(layout)
     pre = problem.memory_prefix
     return (problem.extras_memory_arr + (pre[hi] - pre[lo])).tolist()
+
+
+def migration_peak_memory(problem: BalanceProblem, before: Layout, after: Layout) -> list[float]:
+    """Per-stage bytes while a migration from `before` to `after` is prepared.
+
+    Migration is atomic: until every rank agrees, the old state stays live beside the
+    new — the stage's memory before, plus each incoming layer twice (the receive buffer
+    and the built layer with its optimizer state), plus what is rebuilt for the stage's
+    new contents (gradient buffers). Outgoing layers are freed only after the commit.
+    """
+    incoming = [0.0] * problem.num_stages
+    for layer, _src, dst in before.moved_layers(after):
+        incoming[dst] += float(problem.move_bytes_arr[layer - 1])
+    lo, hi = _segments(after)
+    rebuilt = problem.extras_rebuild_arr + (problem.rebuild_prefix[hi] - problem.rebuild_prefix[lo])
+    return [m + 2 * i + float(r) for m, i, r in zip(stage_memory(problem, before), incoming, rebuilt)]
 
 
 def imbalance(loads: Sequence[float]) -> float:

@@ -8,16 +8,28 @@ layer moves, and the gate's verdict once `attach_gate` ran.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dynmo_plugin.balancing import metrics
 from dynmo_plugin.balancing.problem import BalanceProblem
 from dynmo_plugin.layout import Layout
 
-if TYPE_CHECKING:  # gate imports plan; avoid the cycle at run time
-    from dynmo_plugin.balancing.gate import GateVerdict
+__all__ = ["Move", "Plan", "Outcome", "GateVerdict", "make_plan"]
 
-__all__ = ["Move", "Plan", "Outcome", "make_plan"]
+
+@dataclass(frozen=True)
+class GateVerdict:
+    """The gate's judgement of a plan (see `dynmo_plugin.balancing.gate`)."""
+
+    apply: bool
+    saving_per_iter_s: float
+    total_saving_s: float
+    migration_s: float
+    reason: str
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GateVerdict":
+        return cls(**data)
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,7 @@ class Plan:
     stage_loads_after: list[float]
     stage_memory_before: list[float] | None
     stage_memory_after: list[float]
+    migration_peak_memory: list[float] | None
     bottleneck_before: float | None
     bottleneck_after: float
     imbalance_before: float | None
@@ -61,7 +74,8 @@ class Plan:
     num_microbatches: int = 1
     rounds: int | None = None
     notes: list[str] = field(default_factory=list)
-    gate: "GateVerdict | None" = None
+    gate: GateVerdict | None = None
+    capacity: list[float] | None = None  # per-stage bytes, None = unlimited
 
     @property
     def bytes_moved(self) -> float:
@@ -84,6 +98,7 @@ class Plan:
             "stage_loads_before": self.stage_loads_before,
             "stage_memory": self.stage_memory_after,
             "stage_memory_before": self.stage_memory_before,
+            "migration_peak_memory": self.migration_peak_memory,
             "bottleneck": self.bottleneck_after,
             "bottleneck_before": self.bottleneck_before,
             "imbalance": self.imbalance_after,
@@ -97,6 +112,7 @@ class Plan:
             "rounds": self.rounds,
             "notes": list(self.notes),
             "gate": asdict(self.gate) if self.gate else None,
+            "capacity": self.capacity,
         }
 
     def __str__(self) -> str:
@@ -120,6 +136,8 @@ def make_plan(problem: BalanceProblem, layout: Layout, method: str, solve_second
         stage_loads_before=loads_before, stage_loads_after=loads,
         stage_memory_before=metrics.stage_memory(problem, before) if before else None,
         stage_memory_after=metrics.stage_memory(problem, layout),
+        migration_peak_memory=metrics.migration_peak_memory(problem, before, layout) if before else None,
+        capacity=list(problem.capacity) if problem.capacity is not None else None,
         bottleneck_before=max(loads_before) if loads_before else None,
         bottleneck_after=max(loads),
         imbalance_before=metrics.imbalance(loads_before) if loads_before else None,

@@ -78,6 +78,10 @@ class BalanceProblem:
         num_microbatches: micro-batches per iteration, for the predicted 1F1B time.
         param_counts: per-layer parameter counts, the weights of the `parameters`
             baseline (DeepSpeed's static 'parameters' method); optional.
+        rebuild_bytes / extras_rebuild_bytes: per-layer / per-stage bytes a migration
+            allocates anew for what a stage holds afterwards while the old state still
+            lives (the rebuilt gradient buffer); with the received layers they make the
+            migration's transient peak, which the gate checks against `capacity`.
     Raises:
         ProblemError: malformed inputs (the message names the value and the fix).
         InfeasibleError: a stage's fixed extras alone exceed its capacity.
@@ -94,6 +98,8 @@ class BalanceProblem:
     allow_empty_stages: bool = False
     num_microbatches: int = 1
     param_counts: Sequence[float] | None = None
+    rebuild_bytes: Sequence[float] | None = None
+    extras_rebuild_bytes: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
@@ -107,6 +113,9 @@ class BalanceProblem:
         set_("memory", _vector("memory", self.memory, n, "layers"))
         set_("move_bytes", _vector("move_bytes", self.move_bytes, n, "layers"))
         set_("param_counts", _vector("param_counts", self.param_counts, n, "layers"))
+        set_("rebuild_bytes", _vector("rebuild_bytes", self.rebuild_bytes, n, "layers"))
+        set_("extras_rebuild_bytes", _vector("extras_rebuild_bytes", self.extras_rebuild_bytes, p,
+                                             "stages"))
         set_("extras_cost", _vector("extras_cost", self.extras_cost, p, "stages"))
         set_("extras_memory", _vector("extras_memory", self.extras_memory, p, "stages"))
         set_("capacity", self._checked_capacity())
@@ -182,6 +191,16 @@ class BalanceProblem:
     def move_key(self) -> np.ndarray:
         """Per-layer int64 key: whole bytes * (n+1) + 1, so sums order by (bytes, layers)."""
         return np.rint(self.move_bytes_arr).astype(np.int64) * (self.num_layers + 1) + 1
+
+    @cached_property
+    def rebuild_prefix(self) -> np.ndarray:
+        rb = self.rebuild_bytes
+        return np.concatenate(([0.0], np.cumsum(np.zeros(self.num_layers) if rb is None else rb)))
+
+    @cached_property
+    def extras_rebuild_arr(self) -> np.ndarray:
+        er = self.extras_rebuild_bytes
+        return np.zeros(self.num_stages) if er is None else np.asarray(er, dtype=float)
 
     @cached_property
     def extras_cost_arr(self) -> np.ndarray:
