@@ -71,6 +71,10 @@ class ModelArgs:
     global_batch_size: int = field(default=16, metadata=opt("samples per iteration over all DP replicas", check=positive))
     train_iters: int = field(default=20, metadata=opt("iterations to train", check=positive))
     lr: float = field(default=1e-3, metadata=opt("Adam learning rate", check=positive))
+    lr_warmup_iters: int = field(default=0, metadata=opt("iterations of linear learning-rate warm-up from 0", check=non_negative))
+    lr_decay_style: str = field(default="constant", metadata=opt("learning-rate decay after warm-up", check=one_of("constant", "linear", "cosine", "inverse-square-root")))
+    lr_decay_iters: Optional[int] = field(default=None, metadata=opt("iterations over which the rate decays (default --train-iters)", check=positive))
+    min_lr: float = field(default=0.0, metadata=opt("learning rate at the end of the decay", check=non_negative))
     clip_grad: float = field(default=0.0, metadata=opt("gradient clipping norm (0 = off; CPU needs 0)", check=non_negative))
     seed: int = field(default=1234, metadata=opt("seed for weights and data", check=non_negative))
     log_interval: int = field(default=1, metadata=opt("iterations between log lines", check=positive))
@@ -94,6 +98,7 @@ class ModelArgs:
         elif self.num_layers < pp:
             raise ConfigError(f"{where}: --num-layers ({self.num_layers}) is smaller than "
                               f"--pipeline-model-parallel-size ({pp}); give a layout with empty stages")
+        self._validate_schedule(where)
         if world_size is None:
             return
         if world_size % (tp * pp):
@@ -102,6 +107,15 @@ class ModelArgs:
         if self.global_batch_size % (self.micro_batch_size * dp):
             raise ConfigError(f"{where}: --global-batch-size ({self.global_batch_size}) must be a multiple "
                               f"of --micro-batch-size ({self.micro_batch_size}) x DP ({dp})")
+
+
+    def _validate_schedule(self, where: str) -> None:
+        decay = self.lr_decay_iters or self.train_iters
+        if self.lr_warmup_iters >= decay:
+            raise ConfigError(f"{where}: --lr-warmup-iters ({self.lr_warmup_iters}) must be smaller than "
+                              f"the decay length ({decay}: --lr-decay-iters, else --train-iters)")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"{where}: --min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
 
 
 # ---- the plugin's settings ------------------------------------------------------------------
@@ -138,6 +152,9 @@ class RebalanceConfig:
         "per-stage memory cap for plans in GB (0 = none)", "--dynmo-memory-cap-gb", non_negative))
     bandwidth_gbps: float = field(default=1.0, metadata=opt(
         "assumed migration bandwidth in GB/s until one is measured", "--dynmo-bandwidth-gbps", positive))
+    migration_timeout_s: float = field(default=300.0, metadata=opt(
+        "seconds any plugin collective or transfer may block before the peer counts as lost",
+        "--dynmo-migration-timeout", positive))
 
 
 @dataclass(kw_only=True)

@@ -6,10 +6,14 @@
         loss = trainer.train_step(iteration)
         dynmo.after_step(iteration)           # feeds the window; closing it may rebalance
 
-Per trigger: profile window -> gathered profile -> balancer -> gate -> migration ->
-report event. Triggers: dynamism events (`notify_event`), a black-box rebalance
-interval, profiling-only intervals, and forced layouts (operators, tests). Every rank
-makes the same calls and, from the same gathered profile, the same decision.
+Per trigger: profile window -> gathered profile -> decision on rank 0, broadcast ->
+migration -> report event. Triggers: dynamism events (`notify_event`), a black-box
+rebalance interval, profiling-only intervals, and forced layouts (operators, tests).
+No rank ever recomputes a decision from its own measurements: what leads to a
+collective is decided once (`ControlPlane.decide`), so ranks cannot diverge. Nothing a
+balancer or a migration can raise stops training: an infeasible or failed plan is an
+event with `applied: false` and its reason. Only a lost peer (`PeerFailure`) ends the
+run, with a message naming it.
 """
 from __future__ import annotations
 
@@ -20,8 +24,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from dynmo_plugin.balancing import BalanceProblem, GateConfig, Plan, attach_gate, solve
+from dynmo_plugin.balancing import BalanceProblem, GateConfig, ProblemError, solve
 from dynmo_plugin.config import DynmoConfig
+from dynmo_plugin.consensus import ControlPlane, DecisionFailed
+from dynmo_plugin.events import Decision, ProfileEvent, RebalanceEvent
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.profiling.records import PipelineProfile
 from dynmo_plugin.report import RunReport
@@ -44,7 +50,8 @@ class _OpenWindow:
 def problem_from_profile(profile: PipelineProfile, current: Layout, config: DynmoConfig,
                          num_microbatches: int) -> BalanceProblem:
     """Per-layer cost = median fwd+bwd per micro-batch; memory counts the 1F1B warm-up
-    depth of activations a stage may hold (at most p micro-batches)."""
+    depth of activations a stage may hold (at most p micro-batches); a migration
+    rebuilds each stage's gradient buffers (`rebuild_bytes`)."""
     p = current.num_stages
     in_flight = min(p, num_microbatches)
     cap = config.rebalance.memory_cap_gb
@@ -60,6 +67,8 @@ def problem_from_profile(profile: PipelineProfile, current: Layout, config: Dynm
         allow_empty_stages=config.rebalance.allow_empty_stages,
         num_microbatches=num_microbatches,
         param_counts=[x.param_bytes for x in profile.layers],
+        rebuild_bytes=[x.grad_bytes for x in profile.layers],
+        extras_rebuild_bytes=[s.extra_grad_bytes for s in profile.stages],
     )
 
 
@@ -67,27 +76,34 @@ class DynMo:
     """Drives profiling and rebalancing of one stage's trainer."""
 
     def __init__(self, config: DynmoConfig, trainer, report: Optional[RunReport] = None,
-                 fault=None):
+                 fault=None, profile_noise=None):
         self.config, self.trainer, self.report = config, trainer, report
-        self._fault = fault  # test-only FaultInjector, see dynmo_plugin.migration.faults
+        self._fault = fault            # test-only FaultInjector (dynmo_plugin.faults)
+        self._noise = profile_noise    # test-only ProfileNoise (dynmo_plugin.faults)
+        self.control = ControlPlane(config.rebalance.migration_timeout_s) if config.enabled else None
         self._migrator = None
         self._open: Optional[_OpenWindow] = None
         self._pending_events: list[str] = []
         self._recent = deque(maxlen=_MEASURE_ITERS)  # step seconds outside windows
-        self._awaiting_after: list[tuple[dict, list[float]]] = []
+        self._awaiting_after: list[tuple[RebalanceEvent, list[float]]] = []
         self._step_started = 0.0
         self.bandwidth = config.rebalance.bandwidth_gbps * 1e9
         self.last_profile: Optional[PipelineProfile] = None
 
     # ---- public API ---------------------------------------------------------------------
     def notify_event(self, name: str) -> None:
-        """A dynamism event happened (pruning round, freeze, ...): profile, then rebalance."""
+        """A dynamism event happened (pruning round, freeze, ...): profile, then rebalance.
+
+        Call it on every rank with the same name at the same iteration (dynamism
+        decisions are themselves taken once and broadcast)."""
         self._pending_events.append(name)
 
     def before_step(self, iteration: int) -> None:
         if self.config.enabled:
             forced = self.config.rebalance.forced_layouts.get(iteration)
             if forced is not None:
+                if self._open is not None:
+                    self._cancel_window(iteration, f"forced layout at iteration {iteration}")
                 self._apply_forced(iteration, forced)
             if self._open is None:
                 self._maybe_open_window(iteration)
@@ -120,103 +136,122 @@ class DynMo:
         self._open = _OpenWindow(trigger, iteration, self.config.profiling.window, rebalance,
                                  ProfileWindow(self.trainer))
 
+    def _cancel_window(self, iteration: int, why: str) -> None:
+        """Drop an open window without gathering: what it measured is about to move."""
+        opened, self._open = self._open, None
+        opened.window.cancel()
+        self._record(ProfileEvent(iteration, opened.trigger, [opened.opened_at, iteration - 1],
+                                  str(self.trainer.layout), {"profiling": 0.0}, cancelled=why))
+        if opened.rebalance and opened.trigger.startswith("event:"):
+            self._pending_events.append(opened.trigger.removeprefix("event:"))
+
     def _close_window(self, iteration: int) -> None:
         opened, self._open = self._open, None
         start = time.perf_counter()
-        profile = opened.window.close()
-        profiling_s = time.perf_counter() - start  # summary + gather; hook cost is in the steps
-        self.last_profile = profile
-        event = {"iteration": iteration, "kind": "profile", "trigger": opened.trigger,
-                 "window": [opened.opened_at, iteration], "layout": str(self.trainer.layout),
-                 "overhead_s": {"profiling": profiling_s}, "profile": profile.to_dict()}
-        if opened.rebalance:
-            fields = self._rebalance(profile)
-            event["overhead_s"].update(fields.pop("overhead_s"))
-            event.update(fields)
-        self._record(event)
+        perturb = None
+        if self._noise is not None:
+            perturb = lambda p: self._noise.perturb(p, self.trainer.dims.rank)  # noqa: E731
+        gathered = opened.window.close(perturb)
+        window = [opened.opened_at, iteration]
+        if not opened.rebalance:
+            profile = self.control.decide(gathered.to_dict, "profile")
+            self.last_profile = PipelineProfile.from_dict(profile)
+            self._record(ProfileEvent(iteration, opened.trigger, window, str(self.trainer.layout),
+                                      {"profiling": time.perf_counter() - start}, profile))
+            return
+        self._rebalance(iteration, opened.trigger, window, gathered, start)
 
     # ---- decision and migration -----------------------------------------------------------
-    def _decide(self, profile: PipelineProfile) -> Plan:
-        t = self.trainer
-        problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches)
-        plan = solve(problem, self.config.rebalance.balancer)
-        gate = GateConfig(iterations_until_next_event=self.config.rebalance.expected_event_gap,
-                          bandwidth_bytes_per_s=self.bandwidth, margin=self.config.rebalance.margin,
-                          min_relative_gain=self.config.rebalance.min_gain)
-        return attach_gate(plan, gate)
+    def _decide(self, profile: PipelineProfile) -> Decision:
+        """Rank 0 only. An impossible plan is a decision not to move, never an exception."""
+        t, rb = self.trainer, self.config.rebalance
+        try:
+            problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches)
+            gate = GateConfig(iterations_until_next_event=rb.expected_event_gap,
+                              bandwidth_bytes_per_s=self.bandwidth, margin=rb.margin,
+                              min_relative_gain=rb.min_gain)
+            plan = solve(problem, rb.balancer, gate=gate)
+        except ProblemError as e:  # InfeasibleError is one
+            return Decision(profile.to_dict(), None, False, f"no feasible plan: {e}")
+        if plan.layout == t.layout:
+            return Decision(profile.to_dict(), plan, False, "already balanced")
+        return Decision(profile.to_dict(), plan, plan.gate.apply, plan.gate.reason)
 
-    def _rebalance(self, profile: PipelineProfile) -> dict:
+    def _rebalance(self, iteration: int, trigger: str, window: list[int],
+                   gathered: PipelineProfile, start: float) -> None:
         before = self.trainer.layout
+        profiling_s = time.perf_counter() - start
         start = time.perf_counter()
-        plan = self._decide(profile)
+        try:
+            decision = self.control.decide(lambda: self._decide(gathered), "decision")
+        except DecisionFailed as e:
+            decision = Decision(gathered.to_dict(), None, False, f"balancer failed: {e}")
         decision_s = time.perf_counter() - start
-        fields = {"kind": "rebalance", "layout_before": str(before), "plan": plan.to_dict(),
-                  "stage_loads_before": plan.stage_loads_before,
-                  "stage_loads_after": plan.stage_loads_after,
-                  "imbalance_before": plan.imbalance_before, "imbalance_after": plan.imbalance_after,
-                  "predicted_iter_s_before": plan.predicted_iter_s_before,
-                  "predicted_iter_s_after": plan.predicted_iter_s_after}
-        if plan.layout == before or not plan.gate.apply:
-            reason = "already balanced" if plan.layout == before else plan.gate.reason
-            fields.update(applied=False, layout_after=str(before), moves=[], reason=reason)
-            fields["overhead_s"] = {"decision": decision_s, "migration": 0.0}
-            return fields
-        result = self._migrate(plan.layout)
-        fields.update(self._migration_fields(result))
-        fields["overhead_s"] = {"decision": decision_s, "migration": result.total_s}
-        return fields
+        self.last_profile = PipelineProfile.from_dict(decision.profile)
+        event = RebalanceEvent(iteration, trigger, str(before), str(before), False,
+                               {"profiling": profiling_s, "decision": decision_s, "migration": 0.0},
+                               reason=decision.reason, plan=decision.plan, window=window,
+                               profile=decision.profile,
+                               measured_iter_s_before=self._measured_before())
+        if decision.apply:
+            self._attach_migration(event, self._migrate(decision.plan.layout))
+        self._record(event)
 
     def _apply_forced(self, iteration: int, text: str) -> None:
         layout = Layout.parse(text, self.trainer.dims.pp, self.trainer.layout.num_layers)
         before = self.trainer.layout
-        result = self._migrate(layout)
-        event = {"iteration": iteration, "kind": "rebalance", "trigger": "forced",
-                 "layout_before": str(before), **self._migration_fields(result),
-                 "overhead_s": {"profiling": 0.0, "decision": 0.0, "migration": result.total_s}}
+        event = RebalanceEvent(iteration, "forced", str(before), str(before), False,
+                               {"profiling": 0.0, "decision": 0.0, "migration": 0.0},
+                               reason="forced layout", measured_iter_s_before=self._measured_before())
+        self._attach_migration(event, self._migrate(layout))
         self._record(event)
+
+    def _attach_migration(self, event: RebalanceEvent, result) -> None:
+        event.migration, event.applied = result, result.applied
+        event.layout_after = result.layout_after
+        event.overhead_s["migration"] = result.total_s
+        if not result.applied:
+            event.error = result.error
 
     def _migrate(self, layout: Layout):
         from dynmo_plugin.megatron.migrate import LayerMigrator
         if self._migrator is None:
-            self._migrator = LayerMigrator(self.trainer, fault=self._fault)
+            self._migrator = LayerMigrator(self.trainer, self.control,
+                                           self.config.rebalance.migration_timeout_s, self._fault)
         result = self._migrator.migrate(layout)
         if result.applied and result.bandwidth_bytes_per_s > 0:
-            self.bandwidth = result.bandwidth_bytes_per_s  # the gate's next estimate
+            self.bandwidth = result.bandwidth_bytes_per_s  # the gate's next estimate (max over ranks)
         return result
 
-    def _migration_fields(self, result) -> dict:
-        fields = {"applied": result.applied, "layout_after": result.layout_after,
-                  "moves": result.moves if result.applied else [],
-                  "migration": result.to_dict(),
-                  "measured_iter_s_before": statistics.fmean(self._recent) if self._recent else None}
-        if not result.applied:
-            fields["error"] = result.error
-        return fields
-
     # ---- measurements and report ------------------------------------------------------------
+    def _measured_before(self) -> Optional[float]:
+        return statistics.fmean(self._recent) if self._recent else None
+
     def _feed_measurements(self, seconds: float) -> None:
         for event, samples in self._awaiting_after:
             samples.append(seconds)
             if len(samples) == _MEASURE_ITERS:
-                event["measured_iter_s_after"] = statistics.fmean(samples)
+                event.measured_iter_s_after = statistics.fmean(samples)
                 if self.report is not None:
                     self.report.write()
         self._awaiting_after = [(e, s) for e, s in self._awaiting_after if len(s) < _MEASURE_ITERS]
 
-    def _record(self, event: dict) -> None:
-        if event.get("applied"):
+    def _record(self, event) -> None:
+        if getattr(event, "applied", False):
             self._recent.clear()
             self._awaiting_after.append((event, []))
         if self.report is not None:
             self.report.layout = str(self.trainer.layout)
             self.report.add_event(event)
-        if event["kind"] != "rebalance":
-            detail = ""
-        elif event.get("applied"):
-            moved = sum(m["bytes"] for m in event["moves"]) / 1e6
-            detail = (f": {event['layout_before']} -> {event['layout_after']} "
-                      f"({len(event['moves'])} layers, {moved:.1f} MB)")
-        else:
-            detail = f": kept {event['layout_before']} ({event.get('reason') or event.get('error')})"
-        logger.info("dynmo: iteration %d %s [%s]%s", event["iteration"], event["kind"],
-                    event.get("trigger"), detail)
+        logger.info("dynmo: iteration %d %s [%s]%s", event.iteration, event.kind, event.trigger,
+                    _describe(event))
+
+
+def _describe(event) -> str:
+    if isinstance(event, ProfileEvent):
+        return f": cancelled ({event.cancelled})" if event.cancelled else ""
+    if event.applied:
+        moved = sum(m["bytes"] for m in event.moves) / 1e6
+        return (f": {event.layout_before} -> {event.layout_after} "
+                f"({len(event.moves)} layers, {moved:.1f} MB)")
+    return f": kept {event.layout_before} ({event.error or event.reason})"

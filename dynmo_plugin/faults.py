@@ -1,19 +1,27 @@
-"""Fault injection for migration — TEST-ONLY, a named fake.
+"""Fault and noise injection — TEST-ONLY, named fakes.
 
-Some failures cannot be produced on demand (a receiver crashing mid-migration, bits
-flipped on the wire). A `FaultInjector` passed explicitly to the migrator produces
-them at a chosen point so tests can prove that every rank then keeps the old layout.
-Nothing in the product creates one.
+Some failures cannot be produced on demand: a receiver crashing mid-migration, bits
+flipped on the wire, memory running out while old and new state coexist, a peer that
+hangs or dies in a given phase, TP/DP ranks whose timings differ. The objects here
+produce them at a chosen point so tests can prove what the plugin then does. They are
+passed explicitly (`run(..., fault=...)`); nothing in the product creates one.
 """
 from __future__ import annotations
 
+import os
+import random
+import time
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FaultInjector", "InjectedFault", "FAULT_KINDS"]
+__all__ = ["FaultInjector", "InjectedFault", "FAULT_KINDS", "ProfileNoise"]
 
-FAULT_KINDS = ("receiver_exception", "corrupt_buffer")
+# receiver_exception / corrupt_buffer: after buffers arrived; prepare_exception: after
+# the new DDP buffers were allocated (as an out-of-memory there would); restore_exception:
+# after the new optimizer exists; hang / exit: on entering `phase`.
+FAULT_KINDS = ("receiver_exception", "corrupt_buffer", "prepare_exception", "restore_exception",
+               "hang", "exit")
 
 
 class InjectedFault(RuntimeError):
@@ -23,21 +31,66 @@ class InjectedFault(RuntimeError):
 @dataclass
 class FaultInjector:
     kind: str              # one of FAULT_KINDS
-    stage: int             # the receiving stage that fails
+    stage: int             # the pipeline stage whose ranks fail
     migration_index: int = 0  # which migration of the run (0 = the first)
+    phase: str = "transfer"   # hang / exit: the migration phase that triggers them
     _seen: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {self.kind!r}")
 
+    def begin_migration(self) -> None:
+        self._armed = self._seen == self.migration_index
+        self._seen += 1
+
+    def _fires(self, stage: int, kind: str) -> bool:
+        return getattr(self, "_armed", False) and stage == self.stage and self.kind == kind
+
+    def on_phase(self, phase: str, stage: int) -> None:
+        """Called by the migrator on entering each phase."""
+        if not getattr(self, "_armed", False) or stage != self.stage or phase != self.phase:
+            return
+        if self.kind == "hang":
+            time.sleep(10**6)  # torchrun's agent ends this process once the others exit
+        if self.kind == "exit":
+            os._exit(17)
+
     def on_received(self, stage: int, received: dict[int, list[torch.Tensor]]) -> None:
         """Called on every rank after its buffers arrived, before verification."""
-        armed = self._seen == self.migration_index
-        self._seen += 1
-        if not armed or stage != self.stage or not received:
+        if not received:
             return
-        if self.kind == "receiver_exception":
+        if self._fires(stage, "receiver_exception"):
             raise InjectedFault(f"injected receiver failure on stage {stage}")
-        first = next(iter(received.values()))[0]
-        first.view(torch.uint8)[0] ^= 0xFF  # flip one byte on the wire
+        if self._fires(stage, "corrupt_buffer"):
+            first = next(iter(received.values()))[0]
+            first.view(torch.uint8)[0] ^= 0xFF  # flip one byte on the wire
+
+    def on_prepared(self, stage: int) -> None:
+        if self._fires(stage, "prepare_exception"):
+            raise InjectedFault(f"injected out-of-memory while building new buffers on stage {stage}")
+
+    def on_restored(self, stage: int) -> None:
+        if self._fires(stage, "restore_exception"):
+            raise InjectedFault(f"injected failure restoring optimizer state on stage {stage}")
+
+
+@dataclass
+class ProfileNoise:
+    """Multiplies every local layer and extras timing by (1 + sigma * N(0, 1)), drawn
+    per rank and per window: what TP and DP ranks timing the same stage look like."""
+
+    sigma: float
+    seed: int = 0
+    _windows: int = 0
+
+    def perturb(self, profile, rank: int):
+        rng = random.Random(hash((self.seed, rank, self._windows)))
+        self._windows += 1
+        factor = lambda: max(0.0, 1.0 + self.sigma * rng.gauss(0.0, 1.0))  # noqa: E731
+        for x in profile.layers:
+            x.fwd_s *= factor()
+            x.bwd_s *= factor()
+        for s in profile.stages:
+            s.extra_s *= factor()
+        return profile

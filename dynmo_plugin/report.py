@@ -23,7 +23,7 @@ class RunReport:
     initial_layout: str
     layout: str = ""
     iterations: list[dict] = field(default_factory=list)
-    events: list[dict] = field(default_factory=list)
+    events: list = field(default_factory=list)
     enabled: bool = True  # False on ranks other than 0: recording stays cheap and local
 
     def __post_init__(self) -> None:
@@ -32,13 +32,16 @@ class RunReport:
     def add_iteration(self, iteration: int, loss: float, time_s: float, **extra: Any) -> None:
         self.iterations.append({"iteration": iteration, "loss": loss, "time_s": time_s, **extra})
 
-    def add_event(self, event: dict) -> None:
+    def add_event(self, event) -> None:
+        """`event`: a typed event (dynmo_plugin.events) or a plain dict; kept by reference,
+        so fields filled in later (measured time after a rebalance) reach the file."""
         self.events.append(event)
         self.write()
 
     def to_dict(self) -> dict:
+        events = [e if isinstance(e, dict) else e.to_dict() for e in self.events]
         return {"config": self.config, "world": self.world, "initial_layout": self.initial_layout,
-                "layout": self.layout, "iterations": self.iterations, "events": self.events}
+                "layout": self.layout, "iterations": self.iterations, "events": events}
 
     def write(self) -> None:
         if not self.enabled:

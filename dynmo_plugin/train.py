@@ -16,7 +16,7 @@ from dynmo_plugin.config import RunConfig, add_dynmo_args, add_model_args, load_
 from dynmo_plugin.errors import USER_ERROR_EXIT, UserError
 from dynmo_plugin.layout import Layout
 
-__all__ = ["main", "build_parser", "run"]
+__all__ = ["main", "build_parser", "run", "exit_on_peer_failure"]
 
 logger = logging.getLogger("dynmo_plugin.train")
 
@@ -28,12 +28,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run(cfg: RunConfig, layer_spec=None, fault=None, on_finish=None) -> dict:
+def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_start=None,
+        on_finish=None) -> dict:
     """Train as configured; returns the report (as a dict) on every rank.
 
     `layer_spec` (a Megatron ModuleSpec) replaces the default TransformerLayer spec,
-    for models with custom layers. `fault` is a test-only FaultInjector
-    (dynmo_plugin.migration.faults); `on_finish(trainer)` runs before teardown.
+    for models with custom layers. `fault` and `profile_noise` are test-only fakes
+    (dynmo_plugin.faults); `on_start(trainer)` runs after the stage is built,
+    `on_finish(trainer)` before teardown.
+
+    Raises:
+        PeerFailure: a peer died or hung during a plugin collective (see consensus).
     """
     from dynmo_plugin.controller import DynMo
     from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
@@ -47,11 +52,13 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, on_finish=None) -> dict:
                   if args.pipeline_model_parallel_layout
                   else Layout.uniform(args.num_layers, dims.pp))
         trainer = StageTrainer(args, dims, layout, spec=layer_spec)
+        if on_start is not None:
+            on_start(trainer)
         report = RunReport(path=os.path.join(args.output, "report.json"), config=cfg.to_dict(),
                            world={"pp": dims.pp, "tp": dims.tp, "dp": dims.dp,
                                   "world_size": dims.world_size, "backend": dims.backend},
                            initial_layout=str(layout), enabled=dims.rank == 0)
-        dynmo = DynMo(cfg.dynmo, trainer, report, fault=fault)
+        dynmo = DynMo(cfg.dynmo, trainer, report, fault=fault, profile_noise=profile_noise)
         for iteration in range(1, args.train_iters + 1):
             start = time.perf_counter()
             dynmo.before_step(iteration)
@@ -77,6 +84,18 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, on_finish=None) -> dict:
         destroy_parallel()
 
 
+def exit_on_peer_failure(fn, *args) -> int:
+    """Run `fn(*args)`; a lost peer ends this rank with one line and status 1, so
+    torchrun (or Kubernetes) sees the failure and stops or restarts the job."""
+    from dynmo_plugin.consensus import PeerFailure
+    try:
+        fn(*args)
+    except PeerFailure as e:
+        print(f"dynmo-train: fatal: rank {os.environ.get('RANK', 0)}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
@@ -86,11 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args, world_size=int(os.environ.get("WORLD_SIZE", 1)))
-        run(cfg)
+        return exit_on_peer_failure(run, cfg)
     except UserError as e:
         print(f"dynmo-train: error: {e}", file=sys.stderr)
         return USER_ERROR_EXIT
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,42 +1,50 @@
 """Move TransformerLayers between live pipeline stages with all their training state.
 
-A migration is collective over every rank (data-parallel replicas migrate their own
-copies the same way) and atomic:
-  1. pack    - each source packs every tensor of each outgoing layer: weights, biases,
-               norms (its state_dict), the gradient (DDP's main_grad) and optimizer
-               state (Adam moments, step, fp32 master copy in bf16/fp16);
-  2. exchange- headers by one all-gather, buffers by batched p2p;
-  3. stage   - each receiver builds the layer (with the new layout on the config, so
-               its global layer number is right), verifies checksums, loads state;
-  4. agree   - an all-reduce of "ok" over all ranks; any exception, checksum mismatch
-               or timeout anywhere -> every rank drops what it staged and keeps the
-               old layout (nothing was removed yet);
-  5. commit  - swap layers in TransformerBlock, retire the old DDP (its hooks stay on
-               the parameters' AccumulateGrad nodes otherwise), wrap anew, rebuild the
-               optimizer and put every parameter's state back.
-Local failures never skip a collective, so a failing rank cannot hang the others.
+A migration is collective over every rank (data-parallel and tensor-parallel replicas
+migrate their own copies the same way) and atomic: every rank commits or none does.
+Everything that can fail happens BEFORE the point of no return, on new objects only:
+  1. pack     - each source packs every tensor of each outgoing layer: weights, biases,
+                norms (its state_dict), the gradient (DDP's main_grad), optimizer state
+                (Adam moments, step, fp32 master copy in bf16/fp16) and which of its
+                parameters are frozen;
+  2. headers  - all-gather of headers on the control plane;
+  3. transfer - buffers by batched p2p on the pipeline group, with a timeout;
+  4. stage    - receivers build the layers (the new layout on the config gives them
+                their global numbers), verify checksums, load state;
+  5. prepare  - install the new layer list and build a new DDP (new gradient buffers,
+                hooks) beside the old one;                       -> agree
+  6. optimizer- build the new optimizer (collective), carry per-group state and the
+                loss scaler, put every parameter's state into it; -> agree
+  7. commit   - switch the trainer to the new wrappers: reference updates only.
+On a failed agreement every rank undoes step 5 (old layer list, old gradient views and
+hooks) and keeps training on the old layout. A rank that dies or hangs makes the
+control plane raise `PeerFailure` (naming it) after `timeout_s`, on every survivor.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.spec_utils import build_module
 
+from dynmo_plugin.consensus import ControlPlane, PeerFailure
 from dynmo_plugin.layout import Layout
-from dynmo_plugin.megatron.optim_state import param_state, state_owner
-from dynmo_plugin.migration.exchange import exchange_buffers, exchange_headers
-from dynmo_plugin.migration.faults import FaultInjector
+from dynmo_plugin.megatron.optim_state import carry_optimizer_state, param_state, state_owner
+from dynmo_plugin.migration.exchange import (TIMEOUT_MARK, exchange_buffers, exchange_headers)
 from dynmo_plugin.migration.result import MigrationError, MigrationResult
 from dynmo_plugin.migration.wire import Header, checksum, pack, unpack
 
-__all__ = ["LayerMigrator"]
+__all__ = ["LayerMigrator", "retire_ddp"]
 
 logger = logging.getLogger(__name__)
+# Every rank reports every phase (0 s where it skipped one): reductions need equal lengths.
+PHASES = ("pack", "headers", "transfer", "stage", "prepare", "optimizer")
 
 
 def _main_grad(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -44,56 +52,107 @@ def _main_grad(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
     return g if g is not None else p.grad
 
 
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class _Prepared:
+    """What step 5 changed, to commit or to undo."""
+
+    old_layers: torch.nn.ModuleList
+    old_main_grads: dict
+    saved: dict = field(default_factory=dict)  # param -> (grad, optimizer state)
+    ddp: object = None
+    optimizer: object = None
+
+
 class LayerMigrator:
     """Applies new layouts to the stage owned by `trainer` (same call on every rank)."""
 
-    def __init__(self, trainer, timeout_s: float = 300.0, fault: Optional[FaultInjector] = None):
-        self.trainer, self.timeout_s, self.fault = trainer, timeout_s, fault
+    def __init__(self, trainer, control: ControlPlane, timeout_s: float = 300.0, fault=None):
+        self.trainer, self.control, self.timeout_s, self.fault = trainer, control, timeout_s, fault
+        self._phase_s: dict[str, float] = {}
+        self._extra_bytes = 0
 
     # ---- entry point ------------------------------------------------------------------
     def migrate(self, new: Layout) -> MigrationResult:
         t = self.trainer
         old, stage = t.layout, t.dims.pp_rank
         start = time.perf_counter()
+        self._phase_s, self._extra_bytes = {}, 0
+        if self.fault is not None:
+            self.fault.begin_migration()
+        if t.dims.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if t.dims.device.type == "cuda" else 0
         moves = old.moved_layers(new)
-        out_layers = {n for n, src, _ in moves if src == stage}
-        error: Optional[str] = None
-        try:
-            outgoing, sending = self._pack(moves, stage)
-        except Exception as e:  # noqa: BLE001 - reported to every rank below
-            error, outgoing, sending = f"pack on stage {stage}: {e!r}", [], {}
-        headers = exchange_headers(outgoing, t.dims.groups.pp)  # also syncs the pipeline
-        t_x = time.perf_counter()
+        error, headers, prepared = None, [], None
+        with self._phase("pack"):
+            try:
+                outgoing, sending = self._pack(moves, stage)
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                error, outgoing, sending = f"pack on stage {stage}: {e!r}", [], {}
+        with self._phase("headers"):
+            headers = exchange_headers(outgoing, self.control, self._pp_ranks())
         received = {}
-        try:
-            received = exchange_buffers(headers, sending, stage, t.dims.groups.pp,
-                                        t.dims.device, self.timeout_s)
-        except Exception as e:  # noqa: BLE001
-            error = error or f"transfer on stage {stage}: {e!r}"
-        transfer_s = time.perf_counter() - t_x
-        staged, error = self._stage(new, headers, received, stage, error)
-        ok, error = self._agree(error)
+        with self._phase("transfer"):
+            try:
+                received = exchange_buffers(headers, sending, stage, t.dims.groups.pp,
+                                            t.dims.device, self.timeout_s)
+            except Exception as e:  # noqa: BLE001
+                error = error or f"transfer on stage {stage}: {e}"
+        self._extra_bytes += _nbytes(b for bufs in received.values() for b in bufs)
+        with self._phase("stage"):
+            staged, error = self._stage(new, headers, received, stage, error)
+        if error is None:
+            with self._phase("prepare"):
+                prepared, error = self._try(self._prepare, staged, moves, stage)
+        ok, error = self.control.agree(error, "agree-prepare")
         if ok:
-            self._commit(new, staged, out_layers)
+            with self._phase("optimizer"):
+                _, error = self._try(self._build_optimizer, prepared, stage)
+            ok, error = self.control.agree(error, "agree-commit")
+        if ok:
+            self._commit(prepared, new)
         else:
-            self._set_config_layout(old)
-            logger.error("migration %s -> %s abandoned, old layout kept: %s", old, new, error)
-        transfer_s, total_s = self._max_over_ranks(transfer_s, time.perf_counter() - start)
-        return MigrationResult(
-            applied=ok, layout_before=str(old), layout_after=str(new if ok else old),
-            moves=[{"layer": h.layer, "src": h.src, "dst": h.dst, "bytes": h.nbytes} for h in headers],
-            bytes_moved=sum(h.nbytes for h in headers), transfer_s=transfer_s, total_s=total_s,
-            error=None if ok else error)
+            self._abandon(prepared, old, new, error)
+        peak = (torch.cuda.max_memory_allocated() - base if t.dims.device.type == "cuda"
+                else self._extra_bytes)
+        return self._result(old, new, ok, error, headers, start, peak)
 
-    # ---- phases -------------------------------------------------------------------------
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        self.control.enter(name)
+        if self.fault is not None:
+            self.fault.on_phase(name, self.trainer.dims.pp_rank)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._phase_s[name] = self._phase_s.get(name, 0.0) + time.perf_counter() - start
+
+    def _try(self, fn, *args):
+        try:
+            return fn(*args), None
+        except Exception as e:  # noqa: BLE001 - reported to every rank by the next agreement
+            return None, f"{fn.__name__.strip('_')} on stage {self.trainer.dims.pp_rank}: {e!r}"
+
+    def _pp_ranks(self) -> list[int]:
+        pp = self.trainer.dims.groups.pp
+        return [dist.get_global_rank(pp, s) for s in range(dist.get_world_size(pp))]
+
+    # ---- pack / stage -------------------------------------------------------------------
     def _pack(self, moves, stage: int) -> tuple[list[Header], dict[int, list[torch.Tensor]]]:
         by_number = {layer.layer_number: layer for layer in self.trainer.model.decoder.layers}
         outgoing, sending = [], {}
         for number, src, dst in moves:
             if src != stage:
                 continue
-            header, buffers = pack(number, src, dst, self._layer_tensors(by_number[number]),
-                                   self.trainer.dims.device)
+            layer = by_number[number]
+            frozen = tuple(n for n, p in layer.named_parameters() if not p.requires_grad)
+            header, buffers = pack(number, src, dst, self._layer_tensors(layer),
+                                   self.trainer.dims.device, frozen)
             outgoing.append(header)
             sending[number] = buffers
         return outgoing, sending
@@ -125,8 +184,12 @@ class LayerMigrator:
                     if checksum(buf) != expected:
                         raise MigrationError(f"checksum mismatch for layer {h.layer} from stage {h.src}")
                 tensors = unpack(h, received[h.layer])
-                staged[h.layer] = (self._build_layer(h.layer, new, stage, tensors), tensors)
-        except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
+                layer = self._build_layer(h.layer, new, stage, tensors)
+                for name in h.frozen:
+                    layer.get_parameter(name).requires_grad_(False)
+                self._extra_bytes += _nbytes(layer.parameters())
+                staged[h.layer] = (layer, tensors)
+        except Exception as e:  # noqa: BLE001 - reported to every rank by the agreement
             return {}, f"stage {stage}: {e!r}"
         return staged, None
 
@@ -144,72 +207,138 @@ class LayerMigrator:
             raise MigrationError(f"layer {number}: state mismatch (missing {missing}, unexpected {unexpected})")
         return layer
 
-    def _agree(self, error: Optional[str]) -> tuple[bool, Optional[str]]:
-        """All ranks commit or none does; on failure every rank learns every cause."""
-        flag = torch.tensor([1 if error is None else 0], dtype=torch.int32,
-                            device=self.trainer.dims.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if flag.item():
-            return True, None
-        errors: list = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        return False, "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
-
-    def _max_over_ranks(self, *values: float) -> list[float]:
-        buf = torch.tensor(values, dtype=torch.float64, device=self.trainer.dims.device)
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX)
-        return buf.tolist()
-
     def _set_config_layout(self, layout: Layout) -> None:
         cfg = self.trainer.config
         parsed = PipelineParallelLayerLayout(layout.to_megatron(), layout.num_stages)
         parsed.validate_layer_layout(num_layers=cfg.num_layers, mtp_num_layers=None)
         cfg.pipeline_model_parallel_layout = parsed
 
-    # ---- commit -------------------------------------------------------------------------
-    def _commit(self, new: Layout, staged: dict, out_layers: set[int]) -> None:
+    # ---- prepare: new layer list and DDP beside the old ones ------------------------------
+    def _prepare(self, staged: dict, moves, stage: int) -> _Prepared:
         t = self.trainer
-        decoder = t.model.decoder
+        decoder, model = t.model.decoder, t.model
+        out_layers = {n for n, src, _ in moves if src == stage}
+        prepared = _Prepared(old_layers=decoder.layers, old_main_grads={
+            p: p.main_grad for p in model.parameters() if getattr(p, "main_grad", None) is not None})
         keep = [layer for layer in decoder.layers if layer.layer_number not in out_layers]
-        saved = {p: (_main_grad(p), param_state(t.optimizer, p))
-                 for layer in keep for p in layer.parameters()}
         layer_params = {p for layer in decoder.layers for p in layer.parameters()}
-        saved.update({p: (_main_grad(p), param_state(t.optimizer, p))
-                      for p in t.model.parameters() if p not in layer_params})
+        kept = [p for layer in keep for p in layer.parameters()]
+        kept += [p for p in model.parameters() if p not in layer_params]
+        prepared.saved = {p: (_main_grad(p), param_state(t.optimizer, p)) for p in kept}
         for layer, tensors in staged.values():
             for name, p in layer.named_parameters():
                 state = {k.rsplit("/", 1)[-1]: v.clone() for k, v in tensors.items()
                          if k.startswith(f"optim/{name}/")}
-                saved[p] = (tensors.get(f"grad/{name}"), state)
-        decoder.layers = torch.nn.ModuleList(
-            sorted(keep + [layer for layer, _ in staged.values()], key=lambda m: m.layer_number))
-        decoder.num_layers_per_pipeline_rank = len(decoder.layers)
-        self._retire_ddp()
-        t.rebuild_wrappers()  # collective: get_megatron_optimizer gathers over WORLD
-        self._restore(saved)
-        t.layout = new
+                self._extra_bytes += _nbytes(state.values())
+                prepared.saved[p] = (tensors.get(f"grad/{name}"), state)
+        try:
+            _detach_hooks(t.ddp)  # the new DDP must hook fresh grad accumulators
+            decoder.layers = torch.nn.ModuleList(
+                sorted(keep + [layer for layer, _ in staged.values()], key=lambda m: m.layer_number))
+            decoder.num_layers_per_pipeline_rank = len(decoder.layers)
+            prepared.ddp = t.build_ddp()
+            self._extra_bytes += _ddp_buffer_bytes(prepared.ddp)
+            if self.fault is not None:
+                self.fault.on_prepared(stage)
+        except Exception:
+            self._undo(prepared)
+            raise
+        return prepared
 
-    def _retire_ddp(self) -> None:
-        """Silence the old DDP: its grad hooks live on AccumulateGrad nodes that only its
-        `grad_accs` list keeps alive, and fire only for params in param_to_bucket_group."""
-        old = self.trainer.ddp
-        old.param_to_bucket_group = {}
-        old.grad_accs.clear()
-        for p in old.module.parameters():
-            if hasattr(p, "main_grad"):
-                del p.main_grad
-
-    def _restore(self, saved: dict) -> None:
+    def _build_optimizer(self, prepared: _Prepared, stage: int) -> None:
+        """Collective (every rank reaches it once the prepare agreement passed)."""
         t = self.trainer
+        prepared.optimizer = t.build_optimizer(prepared.ddp)
+        carry_optimizer_state(t.optimizer, prepared.optimizer)
         with torch.no_grad():
-            for p, (grad, state) in saved.items():
+            for p, (grad, state) in prepared.saved.items():
                 if grad is not None and getattr(p, "main_grad", None) is not None:
                     p.main_grad.copy_(grad)
-                if not state:
+                owner = state_owner(prepared.optimizer, p)
+                if not state or owner is None:
                     continue
                 state = dict(state)
-                inner, key = state_owner(t.optimizer, p)
+                inner, key = owner
                 main = state.pop("main_param", None)
                 if main is not None:
                     key.data.copy_(main)
                 inner.state[key] = state
+        if self.fault is not None:
+            self.fault.on_restored(stage)
+
+    # ---- commit / undo ----------------------------------------------------------------------
+    def _commit(self, prepared: _Prepared, new: Layout) -> None:
+        """Reference updates only: nothing here allocates or communicates."""
+        t = self.trainer
+        retire_ddp(t.ddp)
+        t.install_wrappers(prepared.ddp, prepared.optimizer)
+        t.layout = new
+
+    def _abandon(self, prepared: Optional[_Prepared], old: Layout, new: Layout, error: str) -> None:
+        if prepared is not None:
+            self._undo(prepared)
+        self._set_config_layout(old)
+        if TIMEOUT_MARK in (error or ""):
+            raise PeerFailure(f"migration {old} -> {new}: {error}. A timed-out transfer cannot be "
+                              "cancelled and would corrupt later pipeline traffic; stopping")
+        logger.error("migration %s -> %s abandoned, old layout kept: %s", old, new, error)
+
+    def _undo(self, prepared: _Prepared) -> None:
+        """Back to the old layer list, gradient views and DDP hooks."""
+        t = self.trainer
+        decoder = t.model.decoder
+        if prepared.ddp is not None:
+            retire_ddp(prepared.ddp)
+            prepared.ddp = prepared.optimizer = None
+        decoder.layers = prepared.old_layers
+        decoder.num_layers_per_pipeline_rank = len(decoder.layers)
+        for p, grad in prepared.old_main_grads.items():
+            p.main_grad = grad
+        if not t.ddp.grad_accs:
+            _attach_hooks(t.ddp)
+
+    # ---- result -----------------------------------------------------------------------------
+    def _result(self, old, new, ok, error, headers, start, peak) -> MigrationResult:
+        names = PHASES
+        total = time.perf_counter() - start
+        values = self.control.max([total, float(peak)] + [self._phase_s.get(n, 0.0) for n in names], "result")
+        total_s, peak_max, phases = values[0], int(values[1]), dict(zip(names, values[2:]))
+        return MigrationResult(
+            applied=ok, layout_before=str(old), layout_after=str(new if ok else old),
+            moves=[{"layer": h.layer, "src": h.src, "dst": h.dst, "bytes": h.nbytes} for h in headers],
+            bytes_moved=sum(h.nbytes for h in headers), transfer_s=phases.get("transfer", 0.0),
+            total_s=total_s, error=None if ok else error, phase_s=phases,
+            peak_extra_bytes=peak_max,
+            peak_source="measured" if self.trainer.dims.device.type == "cuda" else "accounted")
+
+
+# ---- Megatron DDP internals (megatron-core 0.16) ------------------------------------------------
+def _ddp_buffer_bytes(ddp) -> int:
+    buffers = list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
+    return sum(_nbytes(t for t in (b.grad_data, getattr(b, "param_data", None)) if t is not None)
+               for b in buffers)
+
+
+def _detach_hooks(ddp) -> None:
+    """Drop the DDP's grad-accumulator references: its hooks live on AccumulateGrad nodes
+    that only `grad_accs` keeps alive, so they die with the list."""
+    ddp.grad_accs.clear()
+
+
+def _attach_hooks(ddp) -> None:
+    """Re-register the DDP's backward hooks, as its constructor does."""
+    for param in ddp.module.parameters():
+        if param.requires_grad:
+            grad_acc = param.expand_as(param).grad_fn.next_functions[0][0]
+            grad_acc.register_hook(ddp._make_backward_post_hook(param))
+            ddp.grad_accs.append(grad_acc)
+
+
+def retire_ddp(ddp) -> None:
+    """Silence a DDP for good: no hooks, no bucket lookups, buffers released."""
+    _detach_hooks(ddp)
+    ddp.param_to_bucket_group = {}
+    for name in ("buffers", "expert_parallel_buffers", "bucket_groups",
+                 "expert_parallel_bucket_groups"):
+        if isinstance(getattr(ddp, name, None), list):
+            setattr(ddp, name, [])

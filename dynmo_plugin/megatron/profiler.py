@@ -55,15 +55,24 @@ class ProfileWindow:
         self._compute.append(sum(totals.get(n, 0.0) for n in COMPUTE_TIMERS))
         self._wait.append(sum(v for n, v in totals.items() if "recv" in n))
 
-    def close(self) -> PipelineProfile:
-        """Detach everything, then gather: collective over the pipeline and DP groups."""
-        self.probe.detach()
-        self.trainer.config.timers = self._saved_timers
+    def close(self, perturb=None) -> PipelineProfile:
+        """Detach everything, then gather: collective over the TP, DP and pipeline groups.
+
+        `perturb(profile)` (test-only, dynmo_plugin.faults.ProfileNoise) alters the local
+        profile before the gather."""
+        self.cancel()
         local = self._local_profile()
+        if perturb is not None:
+            local = perturb(local)
         self.tap.publish({f"dynmo/layer-{x.layer:02d}/{k}": getattr(x, f"{k}_s")
                           for x in local.layers for k in ("fwd", "bwd")})
         groups = self.trainer.dims.groups
-        return gather_profile(local, groups.pp, groups.dp)
+        return gather_profile(local, groups.pp, groups.dp, groups.tp)
+
+    def cancel(self) -> None:
+        """Detach hooks and restore the timers without summarising (local, no collective)."""
+        self.probe.detach()
+        self.trainer.config.timers = self._saved_timers
 
     # ---- summary ------------------------------------------------------------------------
     def _local_profile(self) -> PipelineProfile:
@@ -72,7 +81,8 @@ class ProfileWindow:
         layers = [self._layer_profile(layer, stage) for layer in probe.layers]
         layer_params = {id(p) for layer in probe.layers for p in layer.parameters()}
         extras = [p for p in t.model.parameters() if id(p) not in layer_params]
-        extra_bytes = sum(_nbytes(p) + _grad_bytes(p) + state_nbytes(t.optimizer, p) for p in extras)
+        extra_grad = sum(_grad_bytes(p) for p in extras)
+        extra_bytes = sum(_nbytes(p) + state_nbytes(t.optimizer, p) for p in extras) + extra_grad
         static = sum(x.state_bytes for x in layers) + extra_bytes
         act = sum(x.act_bytes for x in layers)
         in_flight = min(t.dims.pp - stage, t.num_microbatches)  # 1F1B warm-up depth
@@ -82,9 +92,10 @@ class ProfileWindow:
             peak = static + in_flight * act
         return PipelineProfile(layers, [StageProfile(
             stage=stage, extra_s=median(probe.samples["extra"]), wait_s=median(self._wait),
-            peak_bytes=int(peak), extra_bytes=int(extra_bytes), compute_s=median(self._compute),
-            profiled_s=median(self._profiled), num_microbatches=t.num_microbatches,
-            clock=self.clock.name)])
+            peak_bytes=int(peak), extra_bytes=int(extra_bytes), extra_grad_bytes=int(extra_grad),
+            compute_s=median(self._compute), profiled_s=median(self._profiled),
+            num_microbatches=t.num_microbatches, clock=self.clock.name,
+            peak_source="measured" if t.dims.device.type == "cuda" else "accounted")])
 
     def _layer_profile(self, layer, stage: int) -> LayerProfile:
         n, params = layer.layer_number, list(layer.parameters())

@@ -1,9 +1,11 @@
 """One pipeline stage's training machinery: GPTModel + Megatron DDP + optimizer + 1F1B.
 
 Mirrors Megatron-LM's `train_step` (zero grad buffers, forward_backward_func,
-optimizer.step) on megatron.core APIs alone, since the PyPI wheel has no
-megatron.training. The stage's model, DDP wrapper and optimizer are attributes that a
-migration may rebuild (`rebuild_wrappers`).
+optimizer.step, learning-rate scheduler step) on megatron.core APIs alone, since the
+PyPI wheel has no megatron.training. The stage's model, DDP wrapper and optimizer are
+attributes that a migration may rebuild, in two steps so that a failure can be undone:
+`build_ddp` (local) and `build_optimizer` (collective) make the new wrappers without
+touching the live ones; `install_wrappers` switches to them and cannot fail.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dynmo_plugin.config import ConfigError, ModelArgs
@@ -62,17 +65,36 @@ class StageTrainer:
                                     global_batch_size=args.global_batch_size,
                                     micro_batch_size=args.micro_batch_size)
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * dims.dp)
-        self.ddp = None
-        self.optimizer = None
-        self.rebuild_wrappers()
+        self.ddp = self.build_ddp()
+        self.optimizer = self.build_optimizer(self.ddp)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr,
+            min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
+            lr_decay_steps=args.lr_decay_iters or args.train_iters,
+            lr_decay_style=args.lr_decay_style, start_wd=0.0, end_wd=0.0, wd_incr_steps=1,
+            wd_incr_style="constant")
+        self.install_wrappers(self.ddp, self.optimizer)
 
-    def rebuild_wrappers(self) -> None:
-        """(Re)wrap the stage model in Megatron DDP and build a fresh optimizer over it."""
-        self.ddp = DistributedDataParallel(self.config, self.ddp_config, self.model)
-        self.optimizer = get_megatron_optimizer(self.optimizer_config, [self.ddp])
-        self.config.no_sync_func = self.ddp.no_sync
+    def build_ddp(self) -> DistributedDataParallel:
+        """A Megatron DDP wrapper over the stage model as it is now (local, may raise).
+
+        It allocates new gradient buffers and re-points every trainable parameter's
+        `main_grad` at them; the caller restores the old views if it abandons it.
+        """
+        return DistributedDataParallel(self.config, self.ddp_config, self.model)
+
+    def build_optimizer(self, ddp: DistributedDataParallel):
+        """A fresh Megatron optimizer over `ddp` (collective: it gathers param-group keys
+        over the world, so every rank must call it)."""
+        return get_megatron_optimizer(self.optimizer_config, [ddp])
+
+    def install_wrappers(self, ddp: DistributedDataParallel, optimizer) -> None:
+        """Switch training to `ddp` and `optimizer` (reference updates only: cannot fail)."""
+        self.ddp, self.optimizer = ddp, optimizer
+        self.scheduler.optimizer = optimizer
+        self.config.no_sync_func = ddp.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.grad_scale_func = optimizer.scale_loss
 
     def train_step(self, iteration: int) -> float:
         """One global batch: 1F1B over this stage, all-reduce, optimizer step.
@@ -89,7 +111,9 @@ class StageTrainer:
             num_microbatches=self.num_microbatches, seq_length=self.args.seq_length,
             micro_batch_size=self.args.micro_batch_size, forward_only=False)
         ok, _grad_norm, _ = self.optimizer.step()
-        if not ok:
+        if ok:
+            self.scheduler.step(increment=1)
+        else:
             logger.warning("iteration %d: optimizer step skipped", iteration)
         return self._global_loss(losses)
 

@@ -3,9 +3,7 @@
 The Megatron glue (what a layer's state is, how to rebuild DDP and the optimizer)
 lives in `dynmo_plugin.megatron.migrate`.
 """
-from dynmo_plugin.migration.faults import FAULT_KINDS, FaultInjector, InjectedFault
 from dynmo_plugin.migration.result import MigrationError, MigrationResult
 from dynmo_plugin.migration.wire import Header, checksum, pack, unpack
 
-__all__ = ["FAULT_KINDS", "FaultInjector", "InjectedFault", "MigrationError", "MigrationResult",
-           "Header", "checksum", "pack", "unpack"]
+__all__ = ["MigrationError", "MigrationResult", "Header", "checksum", "pack", "unpack"]

@@ -21,6 +21,9 @@ class MigrationResult:
     transfer_s: float = 0.0    # batched p2p after the header all-gather (max over ranks)
     total_s: float = 0.0       # pack + exchange + verify + commit (max over ranks)
     error: Optional[str] = None
+    phase_s: dict[str, float] = field(default_factory=dict)  # seconds per phase (max over ranks)
+    peak_extra_bytes: int = 0  # most memory held beside the old state before commit (max over ranks)
+    peak_source: str = ""      # "measured" (CUDA allocator) or "accounted" (sum of new allocations)
 
     @property
     def bandwidth_bytes_per_s(self) -> float:

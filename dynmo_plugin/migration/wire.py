@@ -36,6 +36,7 @@ class Header:
     dst: int
     segments: list[Segment] = field(default_factory=list)
     buffers: list[tuple[str, int, tuple[int, int]]] = field(default_factory=list)  # dtype, numel, checksum
+    frozen: tuple[str, ...] = ()  # parameters with requires_grad=False (they stay frozen)
 
     @property
     def nbytes(self) -> int:
@@ -58,9 +59,9 @@ def checksum(buf: torch.Tensor) -> tuple[int, int]:
 
 
 def pack(layer: int, src: int, dst: int, tensors: dict[str, torch.Tensor],
-         device: torch.device) -> tuple[Header, list[torch.Tensor]]:
+         device: torch.device, frozen: tuple[str, ...] = ()) -> tuple[Header, list[torch.Tensor]]:
     """Flatten `tensors` into one buffer per dtype on `device` (the transfer device)."""
-    header = Header(layer=layer, src=src, dst=dst)
+    header = Header(layer=layer, src=src, dst=dst, frozen=tuple(frozen))
     by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     for key, t in tensors.items():
         by_dtype.setdefault(t.dtype, []).append((key, t))

@@ -45,12 +45,14 @@ class StageProfile:
     stage: int
     extra_s: float          # embedding and/or output layer + loss, fwd+bwd per micro-batch
     wait_s: float           # per iteration, blocked in pipeline p2p (wall clock)
-    peak_bytes: int         # max allocated on GPU; accounted bytes on CPU
+    peak_bytes: int         # max allocated on GPU; accounted bytes on CPU (see peak_source)
     extra_bytes: int = 0    # params + grads + optimizer state of the extras
+    extra_grad_bytes: int = 0  # of which gradients (rebuilt by every migration)
     compute_s: float = 0.0  # per iteration: the schedule's forward- + backward-compute timers
     profiled_s: float = 0.0  # per iteration: sum of layer costs + extras over micro-batches
     num_microbatches: int = 0
     clock: str = ""
+    peak_source: str = ""   # "measured" (CUDA allocator) or "accounted" (static + in-flight activations)
 
 
 @dataclass
@@ -76,7 +78,8 @@ class PipelineProfile:
 
     @staticmethod
     def elementwise_max(parts: list["PipelineProfile"]) -> "PipelineProfile":
-        """Max over data-parallel replicas of the same stage: the slowest sets the pace."""
+        """Max over replicas of the same stage (data- and tensor-parallel ranks): the
+        slowest sets the pace."""
         def fold(items):
             out = items[0]
             for other in items[1:]:

@@ -4,13 +4,16 @@
 (a test-only layer spec), so its true cost is K x its neighbours'.
 --test-dump-ranks: every rank writes its report (with its in-memory events) to
 <output>/rank<R>.json, to check that all ranks agree.
+--test-fault KIND@STAGE[:PHASE]: a FaultInjector (dynmo_plugin.faults) for the first migration.
+--test-profile-noise SIGMA: per-rank multiplicative timing noise (ProfileNoise).
+--test-freeze-layers 1,2: freeze these layers (and the embedding with layer 1) at start.
 """
 import json
 import os
 import sys
 
 from dynmo_plugin.config import load_config
-from dynmo_plugin.train import build_parser, run
+from dynmo_plugin.train import build_parser, exit_on_peer_failure, run
 
 
 def heavy_spec(layer_number: int, factor: int):
@@ -39,15 +42,22 @@ def main():
     parser.add_argument("--test-heavy-factor", type=int, default=1)
     parser.add_argument("--test-dump-ranks", action="store_true")
     parser.add_argument("--test-dump-params", action="store_true")
-    parser.add_argument("--test-fault", default=None, help="KIND@STAGE, e.g. receiver_exception@1")
+    parser.add_argument("--test-fault", default=None, help="KIND@STAGE[:PHASE], e.g. receiver_exception@1")
+    parser.add_argument("--test-profile-noise", type=float, default=0.0)
+    parser.add_argument("--test-freeze-layers", default="")
     args = parser.parse_args()
     cfg = load_config(args, world_size=int(os.environ["WORLD_SIZE"]))
     spec = heavy_spec(args.test_heavy_layer, args.test_heavy_factor) if args.test_heavy_layer else None
-    fault = None
+    fault = noise = None
     if args.test_fault:
-        from dynmo_plugin.migration.faults import FaultInjector
-        kind, stage = args.test_fault.split("@")
-        fault = FaultInjector(kind=kind, stage=int(stage))
+        from dynmo_plugin.faults import FaultInjector
+        kind, where = args.test_fault.split("@")
+        stage, _, phase = where.partition(":")
+        fault = FaultInjector(kind=kind, stage=int(stage), phase=phase or "transfer")
+    if args.test_profile_noise:
+        from dynmo_plugin.faults import ProfileNoise
+        noise = ProfileNoise(sigma=args.test_profile_noise, seed=cfg.model.seed)
+    frozen = {int(x) for x in args.test_freeze_layers.split(",") if x}
     rank = os.environ["RANK"]
 
     def dump_params(trainer):
@@ -56,12 +66,26 @@ def main():
         params = {n: p.detach().clone() for n, p in global_named_parameters(trainer.model)}
         torch.save(params, os.path.join(cfg.model.output, f"params_rank{rank}.pt"))
 
-    report = run(cfg, layer_spec=spec, fault=fault,
-                 on_finish=dump_params if args.test_dump_params else None)
-    if args.test_dump_ranks:
-        with open(os.path.join(cfg.model.output, f"rank{rank}.json"), "w") as fh:
-            json.dump(report, fh)
-    return 0
+    def freeze(trainer):
+        from dynmo_plugin.megatron.migrate import retire_ddp
+        for layer in trainer.model.decoder.layers:
+            if layer.layer_number in frozen:
+                layer.requires_grad_(False)
+        if 1 in frozen and trainer.dims.is_first_stage:
+            trainer.model.embedding.requires_grad_(False)
+        retire_ddp(trainer.ddp)
+        ddp = trainer.build_ddp()
+        trainer.install_wrappers(ddp, trainer.build_optimizer(ddp))
+
+    def train():
+        report = run(cfg, layer_spec=spec, fault=fault, profile_noise=noise,
+                     on_start=freeze if frozen else None,
+                     on_finish=dump_params if args.test_dump_params else None)
+        if args.test_dump_ranks:
+            with open(os.path.join(cfg.model.output, f"rank{rank}.json"), "w") as fh:
+                json.dump(report, fh)
+
+    return exit_on_peer_failure(train)
 
 
 if __name__ == "__main__":
