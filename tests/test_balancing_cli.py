@@ -58,3 +58,46 @@ def test_missing_costs_file_exits_2(tmp_path):
                           str(tmp_path / "nope.json"), "--stages", "2", "--method", "exact"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "cannot read costs file" in out.stderr
+
+
+def test_non_utf8_costs_file_exits_2(tmp_path):
+    path = tmp_path / "costs.json"
+    path.write_bytes(b"\xff\xfe[1, 2]")
+    out = subprocess.run([sys.executable, "-m", "dynmo_plugin.cli", "plan", "--costs", str(path),
+                          "--stages", "2", "--method", "exact"], capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "not UTF-8" in out.stderr and out.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("costs, message", [
+    ([True, False, True], "costs[0] = true"),
+    ({"costs": [1, 2, 3], "memory": [1, False, 1]}, "memory[1] = false"),
+    ({"costs": [1, 2, 3], "params": [1, 2, None]}, "params[2] = null"),
+    ([1, "2", 3], 'costs[1] = "2"'),
+])
+def test_costs_must_be_numbers_not_booleans(tmp_path, costs, message):
+    out = dynmo_plan(tmp_path, costs, "--stages", "2", "--method", "exact")
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stages", "0"], "--stages must be an integer between 1"),
+    (["--stages", "2", "--microbatches", "0"], "--microbatches"),
+    (["--stages", "2", "--gate-iterations", "-1"], "--gate-iterations"),
+    (["--stages", "2", "--gate-iterations", "5", "--margin", "nan"], "--margin"),
+    (["--stages", "2", "--gate-iterations", "5", "--bandwidth", "0"], "--bandwidth"),
+    (["--stages", "2", "--capacity", "1e999"], "--capacity"),
+])
+def test_numeric_flags_are_range_checked(tmp_path, args, message):
+    out = dynmo_plan(tmp_path, [1, 2, 3], "--method", "exact", *args)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1
+
+
+def test_partition_solve_time_excludes_the_deepspeed_import(tmp_path):
+    """Importing torch + DeepSpeed takes seconds; 3 layers take milliseconds to partition."""
+    out = dynmo_plan(tmp_path, [1, 2, 3], "--stages", "2", "--method", "partition", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout[out.stdout.index("{"):])  # the timing, whatever else stdout holds
+    assert plan["solve_seconds"] < 0.5, plan["solve_seconds"]

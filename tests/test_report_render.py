@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from dynmo_plugin.cli import main
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.reporting import load_report, render_report
 
@@ -92,3 +93,65 @@ def test_cli_writes_into_out_dir_and_exits_2_on_missing_report(tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "no run report" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def _cli_report(run_dir, capsys):
+    """`dynmo report RUN_DIR` in process: (exit code, stdout, stderr)."""
+    code = main(["report", str(run_dir)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_non_utf8_report_exits_2(tmp_path, capsys):
+    (tmp_path / "report.json").write_bytes(b"\xff\xfe{}")
+    code, _, err = _cli_report(tmp_path, capsys)
+    assert code == 2 and "not UTF-8" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("data, message", [
+    ({}, "holds no iterations ('iterations' is missing)"),
+    ({"iterations": "notalist"}, "'iterations' must be a list of records, got a string"),
+    ({"iterations": []}, "holds no iterations"),
+    ({"iterations": [{"loss": 1.0}, "junk"]}, "holds no iterations"),
+    ({"iterations": _iterations(3), "events": {"kind": "rebalance"}}, "'events' must be a list"),
+])
+def test_report_without_iterations_exits_2(tmp_path, capsys, data, message):
+    code, out, err = _cli_report(_write(tmp_path, data), capsys)
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert out == "" and not (tmp_path / "summary.md").exists()
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"time_s": -0.2}, "iteration 3 (iterations[2]) has time_s = -0.2"),
+    ({"time_s": float("nan")}, "iteration 3 (iterations[2]) has time_s = NaN"),
+    ({"time_s": float("inf")}, "iteration 3 (iterations[2]) has time_s = Infinity"),
+    ({"time_s": True}, "iteration 3 (iterations[2]) has time_s = true"),
+    ({"iteration": -3}, "iterations[2] has iteration = -3"),
+])
+def test_corrupt_iteration_numbers_exit_2_naming_field_and_iteration(tmp_path, capsys, patch, message):
+    data = {"iterations": _iterations(5)}
+    data["iterations"][2].update(patch)
+    code, _, err = _cli_report(_write(tmp_path, data), capsys)
+    assert code == 2 and message in err and "corrupt" in err and len(err.splitlines()) == 1, err
+
+
+def test_negative_event_times_exit_2(tmp_path, capsys):
+    data = {"iterations": _iterations(5), "events": [
+        {"iteration": 2, "kind": "rebalance", "stage_loads_before": [0.1, -0.3]}]}
+    code, _, err = _cli_report(_write(tmp_path, data), capsys)
+    assert code == 2 and "events[0] (iteration 2) has stage_loads_before = -0.3" in err, err
+
+
+def test_nan_loss_of_a_diverged_run_is_left_out_not_an_error(tmp_path, caplog):
+    data = {"iterations": _iterations(4)}
+    data["iterations"][3]["loss"] = float("nan")
+    report = load_report(_write(tmp_path, data))
+    assert report.losses[3] is None and report.times[3] == 0.2
+    assert "left out 1 loss value" in caplog.text
+
+
+def test_dollar_signs_in_event_kinds_are_not_mathtext(tmp_path):
+    data = {"iterations": _iterations(4), "events": [
+        {"iteration": 2, "kind": "$\\frac$", "stage_loads_before": [1, 2]}]}
+    names = sorted(p.name for p in render_report(_write(tmp_path, data)))
+    assert names == ["stage_loads.png", "summary.md", "training.png"]

@@ -38,10 +38,27 @@ def test_text_output_names_the_figures():
     (["--scenario", "nope", *SMALL], "unknown scenario"),
     (["--scenario", "moe", "--layers", "8", "--dp", "2", "--pp", "16"], "larger than the number of layers"),
     (["--scenario", "moe", *SMALL, "--balancer", "bogus"], "unknown balancer"),
-    (["--scenario", "moe", *SMALL, "--rebalance-every", "0"], "rebalance_every"),
+    (["--scenario", "moe", *SMALL, "--rebalance-every", "0"], "--rebalance-every"),
     (["--scenario", "moe", "--layers", "8", "--dp", "0", "--pp", "2"], "dp"),
+    (["--scenario", "moe", *SMALL, "--seed", "-1"], "--seed must be an integer >= 0"),
+    (["--scenario", "moe", *SMALL, "--noise", "nan"], "--noise must be"),
+    (["--scenario", "moe", *SMALL, "--noise", "inf"], "--noise must be"),
+    (["--scenario", "moe", *SMALL, "--noise", "-0.1"], "--noise must be"),
+    (["--scenario", "moe", *SMALL, "--microbatches", "0"], "--microbatches"),
+    (["--scenario", "moe", *SMALL, "--iterations", "0"], "--iterations"),
+    (["--scenario", "moe", "--layers", "0", "--dp", "1", "--pp", "1"], "--layers"),
+    (["--scenario", "moe", "--layers", "8", "--dp", "1" + "0" * 310, "--pp", "2"], "--dp"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle):
     r = _simulate(*args)
     assert r.returncode == 2
     assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_parameters_balancer_gets_a_message_for_this_command():
+    """`plan` takes a costs.json with 'params'; `simulate` does not, so don't suggest it."""
+    r = _simulate("--scenario", "moe", *SMALL, "--balancer", "parameters")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "--balancer parameters" in r.stderr and "costs.json" not in r.stderr
+    assert "exact" in r.stderr and "partition" in r.stderr
+

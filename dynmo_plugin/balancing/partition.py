@@ -13,8 +13,9 @@ DP, which is not the bottleneck objective; it is sometimes suboptimal, and slow.
 """
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 from dynmo_plugin.balancing.exact import solve_exact
 from dynmo_plugin.balancing.metrics import feasibility_problems
@@ -23,23 +24,34 @@ from dynmo_plugin.balancing.problem import BalanceProblem, ProblemError
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
 
-__all__ = ["deepspeed_partition", "solve_partition"]
+__all__ = ["deepspeed_partition", "load_partition_balanced", "solve_partition"]
 
 log = logging.getLogger(__name__)
 
 
-def deepspeed_partition(weights: Sequence[float], num_parts: int) -> Layout:
-    """DeepSpeed's `partition_balanced(weights, num_parts)` as a Layout.
+@functools.cache
+def load_partition_balanced() -> Callable[[list[float], int], list[int]]:
+    """Import DeepSpeed's `partition_balanced` (once) and return it.
 
     Imported lazily: `deepspeed.runtime.utils` imports torch and torch.distributed,
-    which the balancing package itself must not.
+    which the balancing package itself must not. The first import takes seconds, so a
+    caller that times the solve (`solve()` reports `solve_seconds`; the simulator
+    charges it as decision overhead) calls this first to keep the import out of it.
+
+    Raises:
+        UserError: DeepSpeed (or torch under it) cannot be imported.
     """
     try:
         from deepspeed.runtime.utils import partition_balanced
-    except ImportError as e:
-        raise UserError("this balancer needs DeepSpeed: pip install -c constraints.txt deepspeed"
-                        ) from e
-    bounds = partition_balanced([float(w) for w in weights], num_parts)
+    except (ImportError, OSError) as e:
+        raise UserError(f"this balancer needs DeepSpeed, which failed to import ({e}): "
+                        "pip install -c constraints.txt deepspeed") from e
+    return partition_balanced
+
+
+def deepspeed_partition(weights: Sequence[float], num_parts: int) -> Layout:
+    """DeepSpeed's `partition_balanced(weights, num_parts)` as a Layout."""
+    bounds = load_partition_balanced()([float(w) for w in weights], num_parts)
     return Layout.from_boundaries([int(b) for b in bounds])
 
 

@@ -2,7 +2,8 @@
 
 Each sub-command module exposes `add_parser(subparsers)` (registers itself and sets
 `func`) and a `run(args) -> int`. User errors (`UserError`) become one line on stderr
-and exit status 2.
+and exit status 2. Stdout holds the result only (with --json, one JSON document): the
+work runs inside `_output.third_party_output_to_stderr()`.
 """
 from __future__ import annotations
 
@@ -30,8 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as e:
-        print(f"dynmo {args.command}: error: {e}", file=sys.stderr)
+        print(f"dynmo {args.command}: error: {_one_line(str(e))}", file=sys.stderr)
         return USER_ERROR_EXIT
+
+
+def _one_line(message: str) -> str:
+    """The message on one line: scripts and tests read exactly one line of stderr, and a
+    message may quote user text (a file name, a layout string) holding newlines."""
+    return " ".join(message.split()) or "invalid input"
 
 
 if __name__ == "__main__":

@@ -13,16 +13,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
 
-from dynmo_plugin.balancing import BALANCERS, BalanceProblem, GateConfig, solve
+from dynmo_plugin.balancing import BALANCERS, BalanceProblem, GateConfig, Plan, solve
+from dynmo_plugin.balancing.partition import load_partition_balanced
+from dynmo_plugin.cli._output import show, third_party_output_to_stderr
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
 
 __all__ = ["add_parser", "run"]
 
+# (flag, lowest, highest). The upper bounds are far beyond real pipelines; they keep
+# per-stage lists in memory and products like saving x iterations in the float range.
+_INT_FLAGS = (("--stages", 1, 100_000), ("--microbatches", 1, 10**9), ("--max-rounds", 0, 10**6),
+              ("--gate-iterations", 0, 10**12))
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -49,23 +56,81 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _load_json(path: str, what: str) -> Any:
+    """Parse one JSON input file; every way it can be unreadable is the user's to fix.
+
+    Raises:
+        UserError: the file cannot be read, is not UTF-8, or is not JSON.
+    """
     try:
-        return json.loads(Path(path).read_text())
-    except OSError as e:
-        raise UserError(f"cannot read {what} file {path!r}: {e.strerror}") from e
+        data = Path(path).read_bytes()
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        raise UserError(f"cannot read {what} file {path!r}: {getattr(e, 'strerror', None) or e}") from e
+    try:
+        text = data.decode("utf-8-sig")  # -sig: tolerate the BOM some editors write
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} file {path!r} is not UTF-8 text (byte {data[e.start]:#04x} at "
+                        f"offset {e.start}); save it as UTF-8 JSON") from e
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise UserError(f"{what} file {path!r} is not valid JSON: {e}") from e
+    except (ValueError, RecursionError) as e:  # a number of > 4300 digits; [[[[...]]]] nesting
+        raise UserError(f"{what} file {path!r} holds JSON too deeply nested or a number too long "
+                        "to read; write plain lists of numbers") from e
+
+
+def _finite(value: Any) -> float | None:
+    """A JSON number as a finite float, else None. JSON true/false are not numbers here
+    (Python would read them as 1 and 0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        out = float(value)
+    except OverflowError:  # an integer literal beyond the float range
+        return None
+    return out if math.isfinite(out) else None
+
+
+def _numbers(values: Any, name: str, source: str) -> list[float]:
+    """`values` as a list of finite floats >= 0, checked here so that the message names
+    the file and the entry (BalanceProblem would accept booleans and big integers).
+
+    Raises:
+        UserError: not a list, or an entry that is not a finite number >= 0.
+    """
+    if not isinstance(values, list):
+        raise UserError(f"{source}: {name} must be a list of numbers, got {show(values)}")
+    out = []
+    for i, v in enumerate(values):
+        x = _finite(v)
+        if x is None or x < 0:
+            raise UserError(f"{source}: {name}[{i}] = {show(v)}; {name} must be finite numbers "
+                            ">= 0 (not true/false, strings, null, NaN or Infinity)")
+        out.append(x)
+    if not math.isfinite(sum(out)):
+        raise UserError(f"{source}: {name} add up to more than a float can hold; "
+                        "give them in a larger unit")
+    return out
+
+
+def _optional_numbers(values: Any, name: str, source: str) -> list[float] | None:
+    """Like `_numbers`, but absent / null means "not given"."""
+    return None if values is None else _numbers(values, name, source)
 
 
 def _bytes(text: str, flag: str) -> float:
+    """A positive, finite byte count from e.g. '80e9' or '80GiB'."""
     m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z]*)\s*", text)
     unit = m.group(2).upper() if m else None
     try:
         if m is None or unit not in _UNITS:
             raise ValueError
-        return float(m.group(1)) * _UNITS[unit]
+        value = float(m.group(1)) * _UNITS[unit]
     except ValueError:
-        raise UserError(f"{flag} {text!r}: expected a number of bytes like 80e9 or 80GiB") from None
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise UserError(f"{flag} {text!r}: expected a positive number of bytes like 80e9 or 80GiB")
+    return value
 
 
 def _layer_inputs(args: argparse.Namespace) -> dict[str, Any]:
@@ -77,12 +142,16 @@ def _layer_inputs(args: argparse.Namespace) -> dict[str, Any]:
                         "with a 'costs' list")
     unknown = sorted(set(data) - {"costs", "memory", "move_bytes", "params"})
     if unknown:
-        raise UserError(f"costs file {args.costs!r}: unknown keys {unknown}; "
+        raise UserError(f"costs file {args.costs!r}: unknown keys {show(unknown)}; "
                         "use costs, memory, move_bytes, params")
-    out = {"costs": data["costs"], "memory": data.get("memory"),
-           "move_bytes": data.get("move_bytes"), "param_counts": data.get("params")}
+    source = f"costs file {args.costs!r}"
+    out = {"costs": _numbers(data["costs"], "costs", source),
+           "memory": _optional_numbers(data.get("memory"), "memory", source),
+           "move_bytes": _optional_numbers(data.get("move_bytes"), "move_bytes", source),
+           "param_counts": _optional_numbers(data.get("params"), "params", source)}
     if args.memory:
-        out["memory"] = _load_json(args.memory, "memory")
+        out["memory"] = _numbers(_load_json(args.memory, "memory"), "memory",
+                                 f"memory file {args.memory!r}")
     return out
 
 
@@ -90,12 +159,46 @@ def _extras(args: argparse.Namespace) -> dict[str, Any]:
     if not args.extras:
         return {}
     data = _load_json(args.extras, "extras")
+    source = f"extras file {args.extras!r}"
     if isinstance(data, list):
-        return {"extras_cost": data}
+        return {"extras_cost": _numbers(data, "extras", source)}
     if isinstance(data, dict) and set(data) <= {"cost", "memory"}:
-        return {"extras_cost": data.get("cost"), "extras_memory": data.get("memory")}
+        return {"extras_cost": _optional_numbers(data.get("cost"), "cost", source),
+                "extras_memory": _optional_numbers(data.get("memory"), "memory", source)}
     raise UserError(f"extras file {args.extras!r} must hold a list of per-stage costs or "
                     "an object with 'cost' and/or 'memory' lists")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Range-check the numeric flags up front, so that messages name the flag rather
+    than a BalanceProblem / GateConfig field.
+
+    Raises:
+        UserError: a flag out of range.
+    """
+    for flag, low, high in _INT_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not low <= value <= high:
+            raise UserError(f"{flag} must be an integer between {low} and {high:,}, got {show(value)}")
+    if not (math.isfinite(args.margin) and args.margin >= 0):
+        raise UserError(f"--margin must be a finite number >= 0 (1.2 = 20% headroom), got {args.margin}")
+    if args.max_rounds is not None and args.method != "diffusion":
+        raise UserError("--max-rounds only applies to --method diffusion")
+
+
+def _current_layout(args: argparse.Namespace, num_layers: int) -> Layout | None:
+    """Parse --current-layout. Repeat counts are bounded first: 't*99999999999' would
+    otherwise be expanded in memory before it could be found wrong (any count above
+    layers + stages makes too many 't' or '|' anyway)."""
+    if not args.current_layout:
+        return None
+    limit = num_layers + args.stages
+    for digits in re.findall(r"\*(\d+)", args.current_layout):
+        if len(digits) > 9 or int(digits) > limit:
+            count = digits if len(digits) <= 12 else digits[:12] + "..."
+            raise UserError(f"--current-layout {args.current_layout[:40]!r}: repeat count {count} "
+                            f"is more than the {num_layers} layers and {args.stages} stages can hold")
+    return Layout.parse(args.current_layout, args.stages, num_layers)
 
 
 def _problem(args: argparse.Namespace) -> BalanceProblem:
@@ -104,25 +207,40 @@ def _problem(args: argparse.Namespace) -> BalanceProblem:
     if args.capacity:
         parts = [_bytes(x, "--capacity") for x in args.capacity.split(",")]
         capacity = parts[0] if len(parts) == 1 else parts
-    current = None
-    if args.current_layout:
-        current = Layout.parse(args.current_layout, args.stages, len(layers["costs"]))
-    return BalanceProblem(num_stages=args.stages, capacity=capacity, current=current,
+    return BalanceProblem(num_stages=args.stages, capacity=capacity,
+                          current=_current_layout(args, len(layers["costs"])),
                           allow_empty_stages=args.allow_empty_stages,
                           num_microbatches=args.microbatches, **layers, **_extras(args))
 
 
-def run(args: argparse.Namespace) -> int:
+def _solve(args: argparse.Namespace) -> Plan:
+    """Build the problem and solve it (inputs validated, DeepSpeed imported untimed)."""
+    _check_flags(args)
     problem = _problem(args)
     options: dict[str, Any] = {}
     if args.max_rounds is not None:
-        if args.method != "diffusion":
-            raise UserError("--max-rounds only applies to --method diffusion")
         options["max_rounds"] = args.max_rounds
     if args.gate_iterations is not None:
         options["gate"] = GateConfig(iterations_until_next_event=args.gate_iterations,
                                      bandwidth_bytes_per_s=_bytes(args.bandwidth, "--bandwidth"),
                                      margin=args.margin)
-    plan = solve(problem, args.method, **options)
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan)
+    if args.method == "partition":
+        load_partition_balanced()  # seconds of torch/DeepSpeed import: not solve time
+    return solve(problem, args.method, **options)
+
+
+def _as_json(plan: Plan) -> str:
+    """The plan as strict JSON (no NaN/Infinity, which json parsers other than Python's reject)."""
+    try:
+        return json.dumps(plan.to_dict(), indent=2, allow_nan=False)
+    except ValueError as e:
+        raise UserError("the plan's numbers overflow the float range (costs x --microbatches "
+                        "too large); give costs in a larger unit") from e
+
+
+def run(args: argparse.Namespace) -> int:
+    with third_party_output_to_stderr():
+        plan = _solve(args)
+        text = _as_json(plan) if args.json else str(plan)
+    print(text)
     return 0

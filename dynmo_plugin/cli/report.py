@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 
+from dynmo_plugin.cli._output import third_party_output_to_stderr
+from dynmo_plugin.errors import UserError
+
 __all__ = ["add_parser", "run"]
 
 
@@ -18,6 +21,13 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from dynmo_plugin.reporting import render_report
 
-    for path in render_report(args.run_dir, args.out):
+    with third_party_output_to_stderr():
+        try:
+            written = render_report(args.run_dir, args.out)
+        except OSError as e:  # a full disk or a read-only --out, while writing the files
+            where = args.out if args.out is not None else args.run_dir
+            raise UserError(f"cannot write the report into {where!r}: {e.strerror or e}; "
+                            "pass a writable directory with --out") from e
+    for path in written:
         print(path)
     return 0

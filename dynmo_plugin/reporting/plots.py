@@ -17,6 +17,12 @@ _KIND_COLOURS = {"rebalance": "tab:red", "repack": "tab:purple", "profile": "tab
 _MAX_LOAD_PANELS = 12
 
 
+def _plain(text: str) -> str:
+    """`text` shown literally: matplotlib reads "$...$" as mathtext and raises on bad
+    mathtext at save time, and event kinds come from the report file."""
+    return text.replace("$", r"\$")
+
+
 def _load_events(report: Report) -> list[Event]:
     return [e for e in report.events if e.loads_before or e.loads_after]
 
@@ -38,7 +44,7 @@ def plot_stage_loads(report: Report, path: Path) -> Path | None:
         stages = max(len(event.loads_before or []), len(event.loads_after or []))
         ax.set_xticks(range(stages))
         applied = "" if event.applied is None else (" (applied)" if event.applied else " (not applied)")
-        ax.set_title(f"{event.kind} @ iter {event.iteration}{applied}", fontsize=9)
+        ax.set_title(_plain(f"{event.kind} @ iter {event.iteration}{applied}"), fontsize=9)
         ax.set_xlabel("pipeline stage")
         ax.set_ylabel("load (s)")
         ax.legend(fontsize=7)
@@ -55,7 +61,7 @@ def _mark_events(ax, events: list[Event]) -> None:
     for e in events:
         if e.iteration is None:
             continue
-        label = e.kind if e.kind not in seen else None
+        label = _plain(e.kind) if e.kind not in seen else None
         seen.add(e.kind)
         ax.axvline(e.iteration, color=_KIND_COLOURS.get(e.kind, "tab:green"), ls="--", lw=1,
                    label=label)

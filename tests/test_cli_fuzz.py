@@ -1,0 +1,272 @@
+"""Fuzz the `dynmo` sub-commands: every input ends in a clean exit 0 or a clean exit 2.
+
+Hypothesis generates malformed inputs (random bytes, non-UTF-8 files, JSON of the wrong
+shape or type, NaN / Infinity / negative / boolean / huge values, bad flag values) and
+calls `dynmo_plugin.cli.main(argv)` in process. For every input:
+
+* exit 0: stdout holds the result; with --json it is exactly one JSON document
+  (`json.loads` of all of stdout succeeds: nothing printed before or after it);
+* exit 2 from a `UserError`: exactly one non-empty line on stderr;
+* exit 2 from argparse itself (a non-integer --stages, a missing required flag): raised
+  as SystemExit(2) with argparse's standard message, "usage: dynmo ..." (wrapped over
+  indented continuation lines when long) and then one "dynmo <cmd>: error: ..." line.
+  This form is accepted only for argparse-level errors;
+* nothing else: no other exit code, no uncaught exception.
+
+The last test runs `plan --json` and `simulate --json` as real subprocesses, where a
+third-party library printing to stdout (DeepSpeed's accelerator warning) would break
+`json.loads`.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from dynmo_plugin.cli import main
+
+FUZZ = settings(max_examples=80, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_ERROR_LINE = re.compile(r"^dynmo (plan|simulate|report): error: \S")
+
+
+# ---- running the CLI and checking the contract -----------------------------------------
+def _run(argv: list[str]) -> tuple[int, str, str, bool]:
+    """(exit code, stdout, stderr, whether argparse exited) of `dynmo argv`."""
+    out, err = io.StringIO(), io.StringIO()
+    argparse_exit = False
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # only argparse exits this way; main() returns codes
+            code, argparse_exit = e.code, True
+    return code, out.getvalue(), err.getvalue(), argparse_exit
+
+
+def _check_error(err: str, argparse_exit: bool) -> None:
+    lines = err.splitlines()
+    if argparse_exit:
+        assert lines and lines[0].startswith("usage: dynmo"), err
+        assert all(line.startswith(" ") for line in lines[1:-1]), err
+        assert re.match(r"^dynmo( \w+)?: error: \S", lines[-1]), err
+        return
+    assert len(lines) == 1 and _ERROR_LINE.match(lines[0]), err
+    assert "Traceback" not in err
+
+
+def _check(argv: list[str]) -> tuple[int, str]:
+    """Run `dynmo argv` and assert the contract above; returns (code, stdout)."""
+    code, out, err, argparse_exit = _run(argv)
+    assert code in (0, 2), (argv, code, err)
+    if code == 2:
+        _check_error(err, argparse_exit)
+    elif "--json" in argv:
+        json.loads(out)  # raises unless stdout is exactly one JSON document
+    else:
+        assert out.strip(), (argv, err)
+    return code, out
+
+
+# ---- generated inputs: mostly well-formed, so that the deep paths run too -------------------
+def _mostly(valid: st.SearchStrategy, odd: st.SearchStrategy) -> st.SearchStrategy:
+    """`valid` about three times in four, else `odd` (st.one_of would pick evenly)."""
+    return st.integers(0, 3).flatmap(lambda k: odd if k == 3 else valid)
+
+
+_ODD_NUMBERS = st.sampled_from([math.nan, math.inf, -math.inf, -1, -0.5, True, False, None, "1",
+                                1e308, 10**400, 0, 2.5])
+_NUMBER = _mostly(st.one_of(st.integers(0, 1000), st.floats(0, 1e6)), _ODD_NUMBERS)
+_JSON_ANY = st.recursive(
+    st.none() | st.booleans() | st.integers(-10, 10**30) | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["costs", "memory", "move_bytes", "params", "cost", "iterations", "events",
+                         "x"]) | st.text(max_size=4), inner, max_size=4),
+    max_leaves=12)
+
+
+def _numbers(max_size: int = 6) -> st.SearchStrategy[list]:
+    return st.lists(_NUMBER, min_size=1, max_size=max_size)
+
+
+def _file_bytes(json_docs: st.SearchStrategy) -> st.SearchStrategy[bytes]:
+    """Mostly a JSON document (NaN / Infinity tokens included), else random or non-UTF-8 bytes."""
+    return _mostly(json_docs.map(lambda doc: json.dumps(doc).encode()),
+                   st.one_of(st.binary(max_size=40),
+                             st.binary(max_size=20).map(lambda b: b"\xff\xfe" + b)))
+
+
+_COSTS_DOC = _mostly(
+    st.one_of(_numbers(),
+              st.fixed_dictionaries({"costs": _numbers()},
+                                    optional={"memory": _numbers(), "move_bytes": _numbers(),
+                                              "params": _numbers()})),
+    st.one_of(_JSON_ANY, st.fixed_dictionaries({"costs": _numbers()}, optional={"extra": _JSON_ANY})))
+_EXTRAS_DOC = _mostly(st.one_of(_numbers(4), st.fixed_dictionaries(
+    {}, optional={"cost": _numbers(4), "memory": _numbers(4)})), _JSON_ANY)
+_INT_TEXT = _mostly(st.integers(1, 4).map(str), st.one_of(
+    st.integers(-3, 0).map(str), st.sampled_from(["x", "1.5", "", "99999999999999999999", "1e3", " 2"])))
+_FLOAT_TEXT = _mostly(st.floats(0, 5).map(repr),
+                      st.sampled_from(["nan", "inf", "-inf", "-1", "1e999", "x"]))
+_BYTES_TEXT = _mostly(st.sampled_from(["80GiB", "4e3", "2KB,3KB", " 7 MiB ", "1e6,1e6,1e6,1e6"]),
+                      st.sampled_from(["0", "-1", "nan", "1e999", "lots", "1e9,", "1e300TB"]))
+_LAYOUT_TEXT = _mostly(st.sampled_from(["Et|tL", "Ett|tL", "Et|t|tL", "Ettt|tttL", "Et*2|t*2L",
+                                        "(t|)*3"]),
+                       st.sampled_from(["t*99999999999", "E|L", "garbage\nline",
+                                        "E(t)*12345678901234|L"]))
+
+
+def _write(directory: Path, name: str, data: bytes) -> str:
+    path = directory / name
+    path.write_bytes(data)
+    return str(path)
+
+
+@st.composite
+def _plan_argv(draw, directory: Path) -> list[str]:
+    """A `dynmo plan` command line; files written into `directory`."""
+    argv = ["plan", "--costs", _write(directory, "costs.json", draw(_file_bytes(_COSTS_DOC))),
+            "--stages", draw(_INT_TEXT),
+            "--method", draw(st.sampled_from(["exact", "diffusion", "uniform", "parameters",
+                                              "partition", "bogus"]))]
+    optional = {
+        "--memory": lambda: _write(directory, "mem.json", draw(_file_bytes(_numbers()))),
+        "--extras": lambda: _write(directory, "extras.json", draw(_file_bytes(_EXTRAS_DOC))),
+        "--capacity": lambda: draw(_BYTES_TEXT),
+        "--current-layout": lambda: draw(_LAYOUT_TEXT),
+        "--microbatches": lambda: draw(_INT_TEXT),
+        "--max-rounds": lambda: draw(_INT_TEXT),
+        "--gate-iterations": lambda: draw(_INT_TEXT),
+        "--bandwidth": lambda: draw(_BYTES_TEXT),
+        "--margin": lambda: draw(_FLOAT_TEXT),
+    }
+    for flag in draw(st.lists(st.sampled_from(sorted(optional)), unique=True, max_size=4)):
+        argv += [flag, optional[flag]()]
+    argv += [flag for flag in ("--allow-empty-stages", "--json") if draw(st.booleans())]
+    return argv
+
+
+@given(data=st.data())
+@FUZZ
+def test_plan_fuzz(data):
+    with tempfile.TemporaryDirectory() as tmp:
+        _check(data.draw(_plan_argv(Path(tmp))))
+
+
+@pytest.mark.parametrize("content, flags, code", [
+    (b"[1, 2, 3, 4]", ["--json"], 0),
+    (b"[1, 2, 3, 4]", ["--method", "partition", "--json"], 0),
+    (b"\xff\xfe[1, 2]", [], 2),  # was a UnicodeDecodeError traceback
+    (b"[true, false, true]", [], 2),  # was accepted as costs [1, 0, 1]
+    (b"[1" + b"0" * 400 + b", 1]", [], 2),  # float() of it overflows
+    (b"[" * 100_000 + b"]" * 100_000, [], 2),  # RecursionError in json
+    (b"[1, 2, 3]", ["--current-layout", "E(t)*99999999999|L"], 2),  # would expand in memory
+    (b"[1, 2, 3]", ["--stages", "99999999999999999999", "--allow-empty-stages", "--capacity", "1"], 2),
+    (b"[1e300, 1e300, 1]", ["--microbatches", "1000000000", "--json"], 2),  # Infinity in the JSON
+], ids=["ok", "partition", "non-utf8", "booleans", "huge-int", "deep", "repeat", "stages", "overflow"])
+def test_known_plan_inputs(content, flags, code):
+    """Inputs that once broke `dynmo plan`, through the same contract as the fuzzers."""
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = ["plan", "--costs", _write(Path(tmp), "c.json", content), "--stages", "2",
+                "--method", "exact", *flags]
+        assert _check(argv)[0] == code
+
+
+# ---- dynmo simulate: tiny sizes, every numeric flag malformed in turn ------------------------
+_SIM_FLAGS = {
+    "--layers": _mostly(st.integers(2, 6).map(str), st.sampled_from(["0", "-1", "x", "10" * 30])),
+    "--dp": _mostly(st.integers(1, 3).map(str), st.sampled_from(["0", "1" + "0" * 310, "2.0"])),
+    "--pp": _mostly(st.integers(1, 2).map(str), st.sampled_from(["0", "-1", "99", "x"])),
+    "--iterations": _mostly(st.integers(1, 400).map(str), st.sampled_from(["0", "-1", "1e3"])),
+    "--microbatches": _mostly(st.integers(1, 4).map(str), st.sampled_from(["0", "10" * 20])),
+    "--rebalance-every": _mostly(st.integers(1, 200).map(str), st.sampled_from(["0", "nope"])),
+    "--noise": _mostly(st.floats(0, 0.5).map(repr),
+                       st.sampled_from(["nan", "inf", "-inf", "-0.1", "1e308", "3"])),
+    "--seed": _mostly(st.integers(0, 2**70).map(str), st.sampled_from(["-1", "-2", "1.5"])),
+}
+
+
+@st.composite
+def _simulate_argv(draw) -> list[str]:
+    scenarios = st.sampled_from(["moe", "freezing", "pruning", "mod", "early_exit",
+                                 "sparse_attention"])
+    balancers = st.sampled_from(["uniform", "exact", "diffusion", "partition"])
+    argv = ["simulate", "--scenario", draw(_mostly(scenarios, st.just("nope"))),
+            "--layers", "4", "--dp", "1", "--pp", "2", "--iterations", "300",
+            "--balancer", draw(_mostly(balancers, st.sampled_from(["parameters", "bogus"])))]
+    for flag in draw(st.lists(st.sampled_from(sorted(_SIM_FLAGS)), unique=True, max_size=3)):
+        argv += [flag, draw(_SIM_FLAGS[flag])]  # argparse: the last value of a flag wins
+    argv += [flag for flag in ("--repack", "--no-output-layer", "--json") if draw(st.booleans())]
+    return argv
+
+
+_SIM_BASE = ["simulate", "--scenario", "moe", "--layers", "4", "--dp", "1", "--pp", "2",
+             "--iterations", "300"]
+
+
+@given(argv=_simulate_argv())
+@example(argv=[*_SIM_BASE, "--seed", "-1"])  # was a numpy traceback
+@example(argv=[*_SIM_BASE, "--dp", "1" + "0" * 310])  # was an OverflowError traceback
+@example(argv=[*_SIM_BASE, "--noise", "nan", "--json"])
+@settings(FUZZ, max_examples=40)
+def test_simulate_fuzz(argv):
+    _check(argv)
+
+
+# ---- dynmo report -----------------------------------------------------------------------------
+_TIME = _mostly(st.floats(0, 10), _ODD_NUMBERS)
+_ITERATION = st.fixed_dictionaries({"iteration": _mostly(st.integers(0, 50), _ODD_NUMBERS)},
+                                   optional={"time_s": _TIME, "loss": _TIME})
+_EVENT = st.fixed_dictionaries(
+    {"kind": st.one_of(st.sampled_from(["rebalance", "repack", "profile", "$\\frac$", "_x"]),
+                       st.text(max_size=5))},
+    optional={"iteration": _mostly(st.integers(0, 50), _ODD_NUMBERS),
+              "stage_loads_before": _numbers(3), "stage_loads_after": _numbers(3),
+              "applied": _JSON_ANY, "layout_before": _JSON_ANY, "overhead_s": _JSON_ANY,
+              "measured_iter_s_before": _TIME, "moves": _JSON_ANY})
+_REPORT_DOC = _mostly(
+    st.fixed_dictionaries({"iterations": _mostly(st.lists(_mostly(_ITERATION, _JSON_ANY), min_size=1, max_size=5),
+                                                  _JSON_ANY)}, optional={
+        "events": _mostly(st.lists(_mostly(_EVENT, _JSON_ANY), max_size=3), _JSON_ANY),
+        "gpus": _mostly(st.lists(st.fixed_dictionaries({"iteration": _NUMBER, "gpus": _NUMBER}),
+                                 max_size=3), _JSON_ANY),
+        "world": _JSON_ANY, "layout": _JSON_ANY, "initial_layout": _JSON_ANY}),
+    _JSON_ANY,
+)
+
+
+@given(content=_file_bytes(_REPORT_DOC))
+@example(content=b"\xff\xfe{}")  # was a UnicodeDecodeError traceback
+@example(content=b'{"iterations": [{"iteration": 0, "time_s": 1e308}]}')  # was a matplotlib one
+@settings(FUZZ, max_examples=60)
+def test_report_fuzz(content):
+    with tempfile.TemporaryDirectory() as tmp:
+        _write(Path(tmp), "report.json", content)
+        code, out = _check(["report", tmp, "--out", str(Path(tmp) / "out")])
+        if code == 0:
+            assert all(Path(line).exists() for line in out.splitlines())
+
+
+# ---- real subprocesses: third-party prints must not reach stdout -----------------------------
+@pytest.mark.parametrize("argv", [
+    ["plan", "--costs", "{costs}", "--stages", "2", "--method", "partition", "--json"],
+    ["simulate", "--scenario", "moe", "--layers", "4", "--dp", "1", "--pp", "2",
+     "--iterations", "3000", "--balancer", "partition", "--json"],
+], ids=["plan", "simulate"])
+def test_json_stdout_is_one_document_in_a_subprocess(tmp_path, argv):
+    costs = tmp_path / "costs.json"
+    costs.write_text("[3, 1, 1, 2]")
+    argv = [a.replace("{costs}", str(costs)) for a in argv]
+    r = subprocess.run([sys.executable, "-m", "dynmo_plugin.cli", *argv], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert isinstance(json.loads(r.stdout), dict), r.stdout[:200]
