@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from dynmo_plugin.balancing import BalanceProblem, GateConfig, ProblemError, solve
+from dynmo_plugin.balancing import BalanceProblem, GateConfig, InfeasibleError, ProblemError, solve
 from dynmo_plugin.config import DynmoConfig
 from dynmo_plugin.consensus import ControlPlane, DecisionFailed
 from dynmo_plugin.events import Decision, ProfileEvent, RebalanceEvent
@@ -171,7 +171,7 @@ class DynMo:
                               bandwidth_bytes_per_s=self.bandwidth, margin=rb.margin,
                               min_relative_gain=rb.min_gain)
             plan = solve(problem, rb.balancer, gate=gate)
-        except ProblemError as e:  # InfeasibleError is one
+        except (InfeasibleError, ProblemError) as e:
             return Decision(profile.to_dict(), None, False, f"no feasible plan: {e}")
         if plan.layout == t.layout:
             return Decision(profile.to_dict(), plan, False, "already balanced")

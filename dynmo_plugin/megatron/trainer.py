@@ -58,7 +58,7 @@ class StageTrainer:
         self.ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
         self.optimizer_config = OptimizerConfig(
-            optimizer="adam", lr=args.lr, clip_grad=args.clip_grad, bf16=False, fp16=False,
+            optimizer="adam", lr=args.lr, min_lr=args.min_lr, clip_grad=args.clip_grad, bf16=False, fp16=False,
             params_dtype=torch.float32, use_distributed_optimizer=False)
         self.data = SyntheticTokens(seed=args.seed, vocab_size=args.vocab_size,
                                     seq_length=args.seq_length,
