@@ -180,3 +180,28 @@ def test_gate_applies_only_when_saving_beats_migration():
     assert plan.to_dict()["gate"]["apply"] is True and "gate: APPLY" in str(plan)
     with pytest.raises(UserError):
         GateConfig(iterations_until_next_event=1, bandwidth_bytes_per_s=0)
+
+
+def _peak_problem(capacity):
+    # Stage 1 is heavy; moving layer 3 (10 bytes of state) to stage 0 balances it.
+    return BalanceProblem(costs=[1, 1, 4, 4], num_stages=2, memory=[10, 10, 10, 10],
+                          move_bytes=[10, 10, 10, 10], rebuild_bytes=[3, 3, 3, 3],
+                          extras_rebuild_bytes=[1, 2], capacity=capacity,
+                          current=Layout.parse("Ett|ttL"), num_microbatches=8)
+
+
+def test_migration_peak_memory_counts_old_state_incoming_twice_and_rebuilt_buffers():
+    plan = solve(_peak_problem(None), "exact")
+    assert list(plan.layout.counts) == [3, 1]
+    # stage 0: 20 before + 2 x 10 incoming + rebuilt 3 layers x 3 + 1 extras = 50
+    # stage 1: 20 before + nothing incoming + rebuilt 1 layer x 3 + 2 extras = 25
+    assert plan.migration_peak_memory == [50.0, 25.0]
+
+
+def test_gate_refuses_a_move_whose_transient_peak_exceeds_the_cap():
+    gate = GateConfig(iterations_until_next_event=1000, bandwidth_bytes_per_s=1e9)
+    fits_after_but_not_during = solve(_peak_problem(40.0), "exact", gate=gate)
+    assert max(fits_after_but_not_during.stage_memory_after) <= 40
+    assert not fits_after_but_not_during.gate.apply
+    assert "migration needs" in fits_after_but_not_during.gate.reason and "stage 0" in fits_after_but_not_during.gate.reason
+    assert solve(_peak_problem(50.0), "exact", gate=gate).gate.apply

@@ -1,0 +1,82 @@
+"""carry_optimizer_state on real Megatron optimizers (single process, gloo, CPU).
+
+Megatron's fp16/bf16 optimizer refuses CPU tensors ("Wrapped parameters must be one of
+torch.cuda.FloatTensor ..."), and TE/Apex FusedAdam need CUDA, so on CPU the per-group
+`step` that fused Adam keeps and the loss scaler of the mixed-precision optimizer are
+put on real fp32 Megatron optimizers by hand (named below); the carry code path is the
+same one the GPU classes take.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from launch import free_port
+
+
+def _in_megatron_process(rank: int, port: int, check) -> None:
+    """One spawned gloo rank with Megatron's groups and the CPU compatibility layer
+    (which patches torch, so it must not run inside the pytest process)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(1, 1)
+    from dynmo_plugin.megatron import cpu_compat
+    cpu_compat.apply()
+    try:
+        check()
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _spawn(check) -> None:
+    mp.spawn(_in_megatron_process, args=(free_port(), check), nprocs=1)
+
+
+def _optimizer(model):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(), model)
+    return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), [ddp])
+
+
+def _check_carry():
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+    from dynmo_plugin.megatron.optim_state import carry_optimizer_state, megatron_optimizers
+    old, new = _optimizer(torch.nn.Linear(8, 8)), _optimizer(torch.nn.Linear(8, 8))
+    (old_inner,), (new_inner,) = megatron_optimizers(old), megatron_optimizers(new)
+    assert len(old_inner.optimizer.param_groups) == len(new_inner.optimizer.param_groups) > 0
+    for i, group in enumerate(old_inner.optimizer.param_groups):
+        group["lr"] = 1e-5 * (i + 1)                # as a scheduler in warm-up leaves it
+        group["step"] = torch.tensor(41.0 + i)      # fused Adam's per-group step (hand-set)
+    scaler = DynamicGradScaler(initial_scale=2.0**12, min_scale=1.0, growth_factor=2.0,
+                               backoff_factor=0.5, growth_interval=100, hysteresis=2)
+    old_inner.grad_scaler = scaler                  # the mixed-precision optimizer's (hand-set)
+    carry_optimizer_state(old, new)
+    for i, group in enumerate(new_inner.optimizer.param_groups):
+        assert group["lr"] == 1e-5 * (i + 1)
+        assert torch.equal(group["step"], torch.tensor(41.0 + i))
+        assert group["step"] is not old_inner.optimizer.param_groups[i]["step"]
+        assert group["params"] is not old_inner.optimizer.param_groups[i]["params"]
+    assert new_inner.grad_scaler is scaler
+
+
+def _check_frozen():
+    from dynmo_plugin.megatron.optim_state import param_state, state_owner
+    model = torch.nn.Linear(8, 8)
+    model.bias.requires_grad_(False)
+    opt = _optimizer(model)
+    assert state_owner(opt, model.bias) is None and param_state(opt, model.bias) == {}
+    assert state_owner(opt, model.weight) is not None
+
+
+def test_group_settings_and_loss_scaler_are_carried():
+    _spawn(_check_carry)
+
+
+def test_frozen_parameters_have_no_optimizer_state():
+    _spawn(_check_frozen)
