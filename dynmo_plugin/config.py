@@ -26,7 +26,8 @@ from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout, LayoutError
 
 __all__ = [
-    "ConfigError", "ModelArgs", "ProfilingConfig", "RebalanceConfig", "DynmoConfig",
+    "ConfigError", "ModelArgs", "ProfilingConfig", "RebalanceConfig", "PruningConfig",
+    "FreezingConfig", "EarlyExitConfig", "DynamismConfig", "SCENARIO_SECTIONS", "DynmoConfig",
     "RunConfig", "add_model_args", "add_dynmo_args", "load_config",
 ]
 
@@ -157,6 +158,86 @@ class RebalanceConfig:
         "--dynmo-migration-timeout", positive))
 
 
+def fraction(v: Any) -> Optional[str]:
+    return None if 0 <= v <= 1 else "a number in [0, 1]"
+
+
+def below_one(v: Any) -> Optional[str]:
+    return None if 0 <= v < 1 else "a number in [0, 1)"
+
+
+@dataclass(kw_only=True)
+class PruningConfig:
+    """Gradual global magnitude pruning (Zhu & Gupta's cubic schedule)."""
+
+    start: int = field(default=4, metadata=opt("iteration of the first pruning round (t0)",
+                                                "--dynmo-pruning-start", positive))
+    interval: int = field(default=4, metadata=opt("iterations between pruning rounds",
+                                                   "--dynmo-pruning-interval", positive))
+    rounds: int = field(default=4, metadata=opt("pruning rounds until the final sparsity",
+                                                "--dynmo-pruning-rounds", positive))
+    initial_sparsity: float = field(default=0.0, metadata=opt(
+        "sparsity before the first round", "--dynmo-pruning-initial-sparsity", fraction))
+    final_sparsity: float = field(default=0.9, metadata=opt(
+        "global sparsity of decoder linear weights after the last round",
+        "--dynmo-pruning-final-sparsity", below_one))
+    granularity: str = field(default="unstructured", metadata=opt(
+        "unstructured (CSR kernels on CPU) or structured (whole neurons/heads; what saves "
+        "time on GPUs)", "--dynmo-pruning-granularity", one_of("unstructured", "structured")))
+    sparse_threshold: float = field(default=0.85, metadata=opt(
+        "a linear switches to the CSR kernel above this sparsity (CPU crossover)",
+        "--dynmo-pruning-sparse-threshold", fraction))
+
+
+@dataclass(kw_only=True)
+class FreezingConfig:
+    """Egeria-style layer freezing by plasticity, front to back."""
+
+    start: int = field(default=4, metadata=opt("iteration of the first plasticity check",
+                                                "--dynmo-freezing-start", positive))
+    interval: int = field(default=4, metadata=opt("iterations between plasticity checks",
+                                                   "--dynmo-freezing-interval", positive))
+    threshold: float = field(default=0.05, metadata=opt(
+        "a layer whose plasticity falls below this fraction of its reference converged",
+        "--dynmo-freezing-threshold", positive))
+    max_layers: int = field(default=0, metadata=opt(
+        "freeze at most this many layers (0 = all but the last)", "--dynmo-freezing-max-layers",
+        non_negative))
+
+
+@dataclass(kw_only=True)
+class EarlyExitConfig:
+    """CALM-style token early exit with a small exit head per layer."""
+
+    threshold: float = field(default=0.9, metadata=opt(
+        "confidence at which a token stops being processed", "--dynmo-early-exit-threshold", fraction))
+    start: int = field(default=4, metadata=opt("iteration from which tokens may exit",
+                                                "--dynmo-early-exit-start", positive))
+    interval: int = field(default=4, metadata=opt(
+        "iterations between exit-fraction reports (events)", "--dynmo-early-exit-interval", positive))
+    loss_weight: float = field(default=0.1, metadata=opt(
+        "weight of the exit heads' loss in the training loss", "--dynmo-early-exit-loss-weight",
+        non_negative))
+    min_layer: int = field(default=1, metadata=opt("first layer after which a token may exit",
+                                                    "--dynmo-early-exit-min-layer", positive))
+
+
+SCENARIO_SECTIONS = {"gradual_pruning": "pruning", "layer_freezing": "freezing",
+                     "early_exit": "early_exit"}
+
+
+@dataclass(kw_only=True)
+class DynamismConfig:
+    """Which workload change runs during training (active with or without --dynmo: a
+    static baseline trains the same scenario on a split that never changes)."""
+
+    kind: str = field(default="none", metadata=opt(
+        "dynamism scenario", "--dynmo-dynamism", one_of("none", *SCENARIO_SECTIONS)))
+    pruning: PruningConfig = field(default_factory=PruningConfig)
+    freezing: FreezingConfig = field(default_factory=FreezingConfig)
+    early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
+
+
 @dataclass(kw_only=True)
 class DynmoConfig:
     """The plugin's settings; the YAML file holds these sections at its top level."""
@@ -164,6 +245,7 @@ class DynmoConfig:
     enabled: bool = field(default=False, metadata=opt("enable the plugin", "--dynmo"))
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
+    dynamism: DynamismConfig = field(default_factory=DynamismConfig)
 
 
 @dataclass(kw_only=True)
@@ -315,12 +397,14 @@ def load_config(args: argparse.Namespace, world_size: int | None = None) -> RunC
     cfg = RunConfig(config_path=getattr(args, "dynmo_config", None))
     known = {f"model.{k}": (f, d) for k, f, d in _leaf_fields(ModelArgs)}
     known.update({k: (f, d) for k, f, d in _leaf_fields(DynmoConfig)})
+    given: dict[str, str] = {}  # key -> where it was set
     if cfg.config_path:
         path = cfg.config_path
         for key, value in _flatten(_read_yaml(path), known, path).items():
             f, _ = known[key]
             _apply(cfg.model if key.startswith("model.") else cfg.dynmo,
                    key.removeprefix("model."), f, value, path)
+            given[key] = path
     for key, (f, dest) in known.items():
         value = getattr(args, dest, None)
         if value is None or (value is False and f.type == "bool"):
@@ -329,10 +413,29 @@ def load_config(args: argparse.Namespace, world_size: int | None = None) -> RunC
             value = str(value)  # Megatron-LM's args hold a parsed PipelineParallelLayerLayout
         _apply(cfg.model if key.startswith("model.") else cfg.dynmo,
                key.removeprefix("model."), f, value, f"flag {_flag(f)}")
+        given[key] = f"flag {_flag(f)}"
     where = cfg.config_path or "command line"
     cfg.model.validate_shape(where, world_size)
     _check_forced_layouts(cfg, where)
+    _check_dynamism(cfg, given)
     return cfg
+
+
+def _check_dynamism(cfg: RunConfig, given: dict[str, str]) -> None:
+    """A scenario's keys only make sense with that scenario chosen."""
+    kind = cfg.dynmo.dynamism.kind
+    for key, where in given.items():
+        parts = key.split(".")
+        if parts[0] != "dynamism" or len(parts) < 3:
+            continue
+        if SCENARIO_SECTIONS.get(kind) != parts[1]:
+            raise ConfigError(f"{where}: {key}: set, but dynamism.kind is {kind!r}; choose the "
+                              f"scenario with --dynmo-dynamism or dynamism.kind, or drop the key")
+    p = cfg.dynmo.dynamism.pruning
+    if kind == "gradual_pruning" and p.initial_sparsity > p.final_sparsity:
+        raise ConfigError(f"{given.get('dynamism.pruning.initial_sparsity', 'dynamism.pruning')}: "
+                          f"initial_sparsity ({p.initial_sparsity}) exceeds final_sparsity "
+                          f"({p.final_sparsity})")
 
 
 def _check_forced_layouts(cfg: RunConfig, where: str) -> None:

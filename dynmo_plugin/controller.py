@@ -75,13 +75,15 @@ def problem_from_profile(profile: PipelineProfile, current: Layout, config: Dynm
 class DynMo:
     """Drives profiling and rebalancing of one stage's trainer."""
 
-    def __init__(self, config: DynmoConfig, trainer, report: Optional[RunReport] = None,
-                 fault=None, profile_noise=None):
+    def __init__(self, config: DynmoConfig, trainer, control: ControlPlane, migrator,
+                 report: Optional[RunReport] = None, profile_noise=None):
+        """`control`: the control plane every rank shares; `migrator`: applies layouts
+        (dynmo_plugin.megatron.migrate.LayerMigrator); `profile_noise`: test-only
+        (dynmo_plugin.faults.ProfileNoise)."""
         self.config, self.trainer, self.report = config, trainer, report
-        self._fault = fault            # test-only FaultInjector (dynmo_plugin.faults)
-        self._noise = profile_noise    # test-only ProfileNoise (dynmo_plugin.faults)
-        self.control = ControlPlane(config.rebalance.migration_timeout_s) if config.enabled else None
-        self._migrator = None
+        self.control, self._migrator = control, migrator
+        self._noise = profile_noise
+        self._layout_listeners: list = []
         self._open: Optional[_OpenWindow] = None
         self._pending_events: list[str] = []
         self._recent = deque(maxlen=_MEASURE_ITERS)  # step seconds outside windows
@@ -91,6 +93,10 @@ class DynMo:
         self.last_profile: Optional[PipelineProfile] = None
 
     # ---- public API ---------------------------------------------------------------------
+    def add_layout_listener(self, callback) -> None:
+        """`callback()` runs on every rank after a migration changed the layout."""
+        self._layout_listeners.append(callback)
+
     def notify_event(self, name: str) -> None:
         """A dynamism event happened (pruning round, freeze, ...): profile, then rebalance.
 
@@ -214,13 +220,12 @@ class DynMo:
             event.error = result.error
 
     def _migrate(self, layout: Layout):
-        from dynmo_plugin.megatron.migrate import LayerMigrator
-        if self._migrator is None:
-            self._migrator = LayerMigrator(self.trainer, self.control,
-                                           self.config.rebalance.migration_timeout_s, self._fault)
         result = self._migrator.migrate(layout)
         if result.applied and result.bandwidth_bytes_per_s > 0:
             self.bandwidth = result.bandwidth_bytes_per_s  # the gate's next estimate (max over ranks)
+        if result.applied:
+            for callback in self._layout_listeners:
+                callback()
         return result
 
     # ---- measurements and report ------------------------------------------------------------

@@ -40,48 +40,87 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
     Raises:
         PeerFailure: a peer died or hung during a plugin collective (see consensus).
     """
-    from dynmo_plugin.controller import DynMo
     from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
-    from dynmo_plugin.megatron.trainer import StageTrainer
-    from dynmo_plugin.report import RunReport
 
-    args = cfg.model
-    dims = init_parallel(args)
+    dims = init_parallel(cfg.model)
     try:
+        session = _Session(cfg, dims, layer_spec, fault, profile_noise)
+        if on_start is not None:
+            on_start(session.trainer)
+        for iteration in range(1, cfg.model.train_iters + 1):
+            session.step(iteration)
+        session.report.layout = str(session.trainer.layout)
+        session.report.write()
+        if on_finish is not None:
+            on_finish(session.trainer)
+        if dims.rank == 0:
+            logger.info("report written to %s", session.report.path)
+        return session.report.to_dict()
+    finally:
+        destroy_parallel()
+
+
+class _Session:
+    """One rank's training run: stage trainer, control plane, migrator, controller and
+    the dynamism scenario, glued in the order dynmo_plugin.dynamism.base describes."""
+
+    def __init__(self, cfg: RunConfig, dims, layer_spec, fault, profile_noise):
+        from dynmo_plugin.consensus import ControlPlane
+        from dynmo_plugin.controller import DynMo
+        from dynmo_plugin.dynamism import Runtime, build_scenario
+        from dynmo_plugin.megatron.migrate import LayerMigrator
+        from dynmo_plugin.megatron.model import layer_spec as default_spec
+        from dynmo_plugin.megatron.trainer import StageTrainer
+        from dynmo_plugin.report import RunReport
+
+        args, self.cfg = cfg.model, cfg
         layout = (Layout.parse(args.pipeline_model_parallel_layout, dims.pp, args.num_layers)
                   if args.pipeline_model_parallel_layout
                   else Layout.uniform(args.num_layers, dims.pp))
-        trainer = StageTrainer(args, dims, layout, spec=layer_spec)
-        if on_start is not None:
-            on_start(trainer)
-        report = RunReport(path=os.path.join(args.output, "report.json"), config=cfg.to_dict(),
-                           world={"pp": dims.pp, "tp": dims.tp, "dp": dims.dp,
-                                  "world_size": dims.world_size, "backend": dims.backend},
-                           initial_layout=str(layout), enabled=dims.rank == 0)
-        dynmo = DynMo(cfg.dynmo, trainer, report, fault=fault, profile_noise=profile_noise)
-        for iteration in range(1, args.train_iters + 1):
-            start = time.perf_counter()
-            dynmo.before_step(iteration)
-            step_start = time.perf_counter()
-            loss = trainer.train_step(iteration)
-            step_end = time.perf_counter()
-            dynmo.after_step(iteration)
-            elapsed = time.perf_counter() - start
-            # dynmo_s: the controller's own time (window open/close, decisions, migration)
-            report.add_iteration(iteration, loss, elapsed,
-                                 dynmo_s=elapsed - (step_end - step_start))
-            if iteration % args.log_interval == 0:
-                logger.info("iteration %4d/%d | loss %.6f | %.1f ms | layout %s", iteration,
-                            args.train_iters, loss, elapsed * 1e3, trainer.layout)
-        report.layout = str(trainer.layout)
-        report.write()
-        if on_finish is not None:
-            on_finish(trainer)
-        if dims.rank == 0:
-            logger.info("report written to %s", report.path)
-        return report.to_dict()
-    finally:
-        destroy_parallel()
+        self.scenario = build_scenario(cfg.dynmo.dynamism)
+        spec = layer_spec if layer_spec is not None else default_spec()
+        if self.scenario is not None:
+            spec = self.scenario.layer_spec(spec)
+        self.trainer = StageTrainer(args, dims, layout, spec=spec)
+        self.control = ControlPlane(cfg.dynmo.rebalance.migration_timeout_s)
+        migrator = LayerMigrator(self.trainer, self.control,
+                                 cfg.dynmo.rebalance.migration_timeout_s, fault)
+        self.report = RunReport(path=os.path.join(args.output, "report.json"), config=cfg.to_dict(),
+                                world={"pp": dims.pp, "tp": dims.tp, "dp": dims.dp,
+                                       "world_size": dims.world_size, "backend": dims.backend},
+                                initial_layout=str(layout), enabled=dims.rank == 0)
+        self.dynmo = DynMo(cfg.dynmo, self.trainer, self.control, migrator, self.report,
+                           profile_noise=profile_noise)
+        if self.scenario is not None:
+            self.scenario.attach(Runtime(self.trainer, self.control, migrator))
+            self.dynmo.add_layout_listener(self.scenario.after_layout_change)
+
+    def step(self, iteration: int) -> None:
+        start = time.perf_counter()
+        self.dynmo.before_step(iteration)
+        if self.scenario is not None:
+            self.scenario.before_step(iteration)
+        step_start = time.perf_counter()
+        loss = self.trainer.train_step(iteration)
+        step_end = time.perf_counter()
+        if self.scenario is not None:
+            event = self.scenario.after_step(iteration)
+            if event is not None:
+                self.report.add_event(event)
+                if event.rebalance:
+                    self.dynmo.notify_event(event.name)
+        scenario_end = time.perf_counter()
+        self.dynmo.after_step(iteration)
+        elapsed = time.perf_counter() - start
+        # dynmo_s: the controller's own time (windows, decisions, migration); scenario_s:
+        # the dynamism scheme's own work (pruning rounds, freezing checks), paid by static too
+        self.report.add_iteration(iteration, loss, elapsed,
+                                  dynmo_s=elapsed - (scenario_end - step_start),
+                                  scenario_s=scenario_end - step_end)
+        args = self.cfg.model
+        if iteration % args.log_interval == 0:
+            logger.info("iteration %4d/%d | loss %.6f | %.1f ms | layout %s", iteration,
+                        args.train_iters, loss, elapsed * 1e3, self.trainer.layout)
 
 
 def exit_on_peer_failure(fn, *args) -> int:

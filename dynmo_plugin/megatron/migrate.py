@@ -76,6 +76,12 @@ class LayerMigrator:
         self._extra_bytes = 0
 
     # ---- entry point ------------------------------------------------------------------
+    def rebuild(self) -> MigrationResult:
+        """Remake DDP and the optimizer over the current layers, keeping every gradient and
+        optimizer state: what a changed trainable set (frozen layers) needs. Atomic like
+        a migration (it is one that moves nothing)."""
+        return self.migrate(self.trainer.layout)
+
     def migrate(self, new: Layout) -> MigrationResult:
         t = self.trainer
         old, stage = t.layout, t.dims.pp_rank

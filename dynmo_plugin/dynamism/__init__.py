@@ -1,0 +1,72 @@
+"""Dynamism scenarios: the workload changes that make a pipeline go out of balance.
+
+One module per scenario behind the interface in `base` (`Scenario`, `DynamismEvent`),
+chosen by `dynamism.kind` through `build_scenario`. Kernels and math that need no
+processes live in their own modules (`pruning`: schedule, global threshold, masks, CSR
+linear) so they are unit-testable in one process; the Megatron module subclasses a
+scenario plugs into the layer spec live in `dynmo_plugin.megatron`.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+from .base import DynamismEvent, Runtime, Scenario
+
+from .pruning import (
+    CHUNK_ROWS,
+    CROSSOVER,
+    CsrPattern,
+    SparseLinearFunction,
+    apply_mask_,
+    cubic_sparsity,
+    global_threshold,
+    is_pruning_step,
+    local_candidates,
+    magnitude_mask,
+    mask_grad_,
+    masked_linear,
+    num_to_keep,
+    register_grad_mask,
+    use_sparse,
+    zero_adam_state_,
+)
+
+# kind -> "module:Class", imported only when chosen (scenarios import Megatron).
+_SCENARIOS = {
+    "gradual_pruning": "dynmo_plugin.dynamism.gradual_pruning:GradualPruning",
+    "layer_freezing": "dynmo_plugin.dynamism.layer_freezing:LayerFreezing",
+    "early_exit": "dynmo_plugin.dynamism.early_exit:EarlyExit",
+}
+
+
+def build_scenario(config) -> Optional[Scenario]:
+    """The scenario `config.kind` names (a DynamismConfig), or None for 'none'."""
+    if config.kind == "none":
+        return None
+    module, cls = _SCENARIOS[config.kind].split(":")
+    return getattr(importlib.import_module(module), cls)(config)
+
+
+__all__ = [
+    "DynamismEvent",
+    "Runtime",
+    "Scenario",
+    "build_scenario",
+    "CHUNK_ROWS",
+    "CROSSOVER",
+    "CsrPattern",
+    "SparseLinearFunction",
+    "apply_mask_",
+    "cubic_sparsity",
+    "global_threshold",
+    "is_pruning_step",
+    "local_candidates",
+    "magnitude_mask",
+    "mask_grad_",
+    "masked_linear",
+    "num_to_keep",
+    "register_grad_mask",
+    "use_sparse",
+    "zero_adam_state_",
+]
