@@ -91,6 +91,10 @@ class DynMo:
         self._step_started = 0.0
         self.bandwidth = config.rebalance.bandwidth_gbps * 1e9
         self.last_profile: Optional[PipelineProfile] = None
+        if config.enabled and config.rebalance.balancer in ("partition", "parameters"):
+            # DeepSpeed's first import takes seconds: pay it here, not in a decision
+            from dynmo_plugin.balancing.partition import load_partition_balanced
+            load_partition_balanced()
 
     # ---- public API ---------------------------------------------------------------------
     def add_layout_listener(self, callback) -> None:

@@ -155,3 +155,16 @@ def test_dollar_signs_in_event_kinds_are_not_mathtext(tmp_path):
         {"iteration": 2, "kind": "$\\frac$", "stage_loads_before": [1, 2]}]}
     names = sorted(p.name for p in render_report(_write(tmp_path, data)))
     assert names == ["stage_loads.png", "summary.md", "training.png"]
+
+
+def test_dynamism_events_are_marked_with_their_scenario(tmp_path):
+    data = {"world": {"pp": 2}, "initial_layout": "Etttt|ttttL", "iterations": _iterations(12),
+            "events": [{"kind": "dynamism", "scenario": "gradual_pruning", "iteration": 4,
+                        "detail": {"target": 0.5}},
+                       {"kind": "rebalance", "iteration": 5, "trigger": "event:gradual_pruning@4",
+                        "applied": True, "layout_before": "Etttt|ttttL", "layout_after": "Ettttt|tttL"}]}
+    report = load_report(_write(tmp_path, data))
+    assert [e.label for e in report.events] == ["dynamism: gradual_pruning", "rebalance"]
+    render_report(tmp_path)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "dynamism: gradual_pruning" in summary and "event:gradual_pruning@4" in summary

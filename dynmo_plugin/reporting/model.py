@@ -97,6 +97,12 @@ class Event:
     overhead_s: dict[str, float] = field(default_factory=dict)
     num_moves: int = 0
     moved_bytes: float = 0.0
+    scenario: str | None = None  # dynamism events: which scenario changed the work
+
+    @property
+    def label(self) -> str:
+        """Legend text: the scenario for dynamism events, else the kind."""
+        return f"{self.kind}: {self.scenario}" if self.scenario else self.kind
 
     @classmethod
     def from_json(cls, raw: dict) -> "Event":
@@ -121,7 +127,8 @@ class Event:
             overhead_s={_text(k): v for k, v in ((k, _num(v)) for k, v in overhead.items())
                         if v is not None},
             num_moves=len(moves),
-            moved_bytes=sum(_num(m.get("bytes")) or 0.0 for m in moves if isinstance(m, dict)))
+            moved_bytes=sum(_num(m.get("bytes")) or 0.0 for m in moves if isinstance(m, dict)),
+            scenario=_opt_text(raw.get("scenario")))
 
     def impossible(self) -> tuple[str, float] | None:
         """The first field holding a value no run produces (negative seconds or bytes,

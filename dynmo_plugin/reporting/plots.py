@@ -13,7 +13,8 @@ from dynmo_plugin.reporting.model import Event, Report  # noqa: E402
 
 __all__ = ["plot_stage_loads", "plot_training", "plot_gpus"]
 
-_KIND_COLOURS = {"rebalance": "tab:red", "repack": "tab:purple", "profile": "tab:gray"}
+_KIND_COLOURS = {"rebalance": "tab:red", "repack": "tab:purple", "profile": "tab:gray",
+                 "dynamism": "tab:orange"}
 _MAX_LOAD_PANELS = 12
 
 
@@ -61,10 +62,10 @@ def _mark_events(ax, events: list[Event]) -> None:
     for e in events:
         if e.iteration is None:
             continue
-        label = _plain(e.kind) if e.kind not in seen else None
-        seen.add(e.kind)
-        ax.axvline(e.iteration, color=_KIND_COLOURS.get(e.kind, "tab:green"), ls="--", lw=1,
-                   label=label)
+        label = _plain(e.label) if e.label not in seen else None
+        seen.add(e.label)
+        ax.axvline(e.iteration, color=_KIND_COLOURS.get(e.kind, "tab:green"),
+                   ls=":" if e.kind == "dynamism" else "--", lw=1, label=label)
 
 
 def plot_training(report: Report, path: Path) -> Path:

@@ -21,7 +21,7 @@ def _event_row(e: Event) -> str:
     layouts = f"`{e.layout_before}` → `{e.layout_after}`" if e.layout_before or e.layout_after else "–"
     overhead = sum(e.overhead_s.values()) if e.overhead_s else None
     applied = "–" if e.applied is None else ("yes" if e.applied else "no")
-    return (f"| {e.iteration if e.iteration is not None else '–'} | {e.kind} | {e.trigger or '–'} "
+    return (f"| {e.iteration if e.iteration is not None else '–'} | {e.label} | {e.trigger or '–'} "
             f"| {applied} | {layouts} | {_pair(e.imbalance_before, e.imbalance_after, '.2f')} "
             f"| {_pair(e.measured_before, e.measured_after, '.4f', ' s')} | {e.num_moves} "
             f"| {_fmt(overhead, '.3f', ' s')} |")
