@@ -78,6 +78,8 @@ class _Session:
                   if args.pipeline_model_parallel_layout
                   else Layout.uniform(args.num_layers, dims.pp))
         self.scenario = build_scenario(cfg.dynmo.dynamism)
+        if self.scenario is not None:
+            self.scenario.model_args = args
         spec = layer_spec if layer_spec is not None else default_spec()
         if self.scenario is not None:
             spec = self.scenario.layer_spec(spec)

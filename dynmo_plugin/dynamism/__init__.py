@@ -13,24 +13,6 @@ from typing import Optional
 
 from .base import DynamismEvent, Runtime, Scenario
 
-from .pruning import (
-    CHUNK_ROWS,
-    CROSSOVER,
-    CsrPattern,
-    SparseLinearFunction,
-    apply_mask_,
-    cubic_sparsity,
-    global_threshold,
-    is_pruning_step,
-    local_candidates,
-    magnitude_mask,
-    mask_grad_,
-    masked_linear,
-    num_to_keep,
-    register_grad_mask,
-    use_sparse,
-    zero_adam_state_,
-)
 
 # kind -> "module:Class", imported only when chosen (scenarios import Megatron).
 _SCENARIOS = {
@@ -48,25 +30,4 @@ def build_scenario(config) -> Optional[Scenario]:
     return getattr(importlib.import_module(module), cls)(config)
 
 
-__all__ = [
-    "DynamismEvent",
-    "Runtime",
-    "Scenario",
-    "build_scenario",
-    "CHUNK_ROWS",
-    "CROSSOVER",
-    "CsrPattern",
-    "SparseLinearFunction",
-    "apply_mask_",
-    "cubic_sparsity",
-    "global_threshold",
-    "is_pruning_step",
-    "local_candidates",
-    "magnitude_mask",
-    "mask_grad_",
-    "masked_linear",
-    "num_to_keep",
-    "register_grad_mask",
-    "use_sparse",
-    "zero_adam_state_",
-]
+__all__ = ["DynamismEvent", "Runtime", "Scenario", "build_scenario"]

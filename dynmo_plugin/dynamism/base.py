@@ -64,6 +64,8 @@ class Scenario:
     """Base class: every hook is optional."""
 
     name: ClassVar[str] = "none"
+    # The launcher's ModelArgs, set before `layer_spec` (a layer may need e.g. the vocabulary).
+    model_args: Any = None
 
     def __init__(self, config) -> None:
         self.config = config

@@ -290,7 +290,7 @@ def _sparse_rows(w_csr: torch.Tensor, dense: torch.Tensor, out_cols: int, chunk:
     """dense [N, k] @ w_csr.T -> [N, out_cols], as torch.sparse.mm(W, x.T).T per chunk."""
     out = torch.empty(dense.shape[0], out_cols, dtype=dense.dtype, device=dense.device)
     for s in range(0, dense.shape[0], chunk):
-        out[s:s + chunk] = torch.sparse.mm(w_csr, dense[s:s + chunk].T).T
+        out[s:s + chunk].copy_(torch.sparse.mm(w_csr, dense[s:s + chunk].T.contiguous()).T)
     return out
 
 

@@ -3,10 +3,12 @@
 Forward: pre/post module hooks (TransformerBlock calls layers with keyword arguments
 only, so `register_full_backward_hook` cannot be used). Backward: tensor hooks — the
 gradient arriving at a layer's output marks the start of its backward, the gradient
-of its input `hidden_states` marks the end. Extras are timed by their own hooks, never
-as a residual of the schedule's timers (which they are cross-checked against):
-embedding forward by module hooks, embedding backward from the gradient of its output
-to the accumulation of its weight gradient; head (final norm, output layer, loss)
+of its input `hidden_states` marks the end; where the input needs no gradient (the
+first trainable layer after a frozen prefix), its last weight-gradient accumulation
+does. A layer that needs neither records no backward span (0 s). Extras are timed by
+their own hooks, never as a residual of the schedule's timers (which they are
+cross-checked against): embedding forward by module hooks, embedding backward from the
+gradient of its output to the accumulation of its weight gradient; head (final norm, output layer, loss)
 forward from the final norm's pre-hook to the end of GPTModel.forward, backward from
 the gradient of the model's output to the gradient of the final norm's input.
 Activation bytes: `saved_tensors_hooks` around each layer forward, counting the
@@ -96,6 +98,8 @@ class StageProbe:
         self._spans: dict[str, _Spans] = defaultdict(_Spans)
         self._counters: dict[str, int] = defaultdict(int)
         self._saved: dict[tuple[int, int], SavedBytes] = {}
+        self._ends_at_weights: set[tuple[int, int]] = set()  # (layer, mb) with no input grad
+        self._bwd_running: dict[int, int] = {}  # layer -> micro-batch whose backward started last
 
     def end_iteration(self) -> float:
         """Resolve marks into seconds (one device sync); returns the iteration's profiled
@@ -137,6 +141,8 @@ class StageProbe:
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             if torch.is_tensor(hidden) and hidden.requires_grad:
                 hidden.register_hook(self._grad_mark(self._spans[bwd_key], "end", mb))
+            else:  # e.g. after a frozen prefix: the last weight gradient ends the backward
+                self._ends_at_weights.add((number, mb))
             if self.count_activations:
                 saved = SavedBytes(self._param_ptrs)
                 self._saved[(number, mb)] = saved
@@ -151,9 +157,17 @@ class StageProbe:
             out = output[0] if isinstance(output, tuple) else output
             if torch.is_tensor(out) and out.requires_grad:
                 out.register_hook(self._grad_mark(self._spans[bwd_key], "start", mb))
+                out.register_hook(lambda grad: self._bwd_running.__setitem__(number, mb))
+
+        def accumulated(param):
+            mb = self._bwd_running.get(number)
+            if mb is not None and (number, mb) in self._ends_at_weights:
+                self._spans[bwd_key].end[mb] = self.clock.mark()
 
         self._handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(layer.register_forward_hook(post, with_kwargs=True))
+        self._handles += [p.register_post_accumulate_grad_hook(accumulated)
+                          for p in layer.parameters() if p.requires_grad]
 
     def _hook_embedding(self, embedding: torch.nn.Module) -> None:
         # Spans are looked up on each call: _reset_iteration replaces the dict.

@@ -1,0 +1,166 @@
+"""Gradual global magnitude pruning as a live scenario (Zhu & Gupta 2017; DynMo Alg. 1).
+
+At iterations t0, t0+dt, ..., t0+n*dt (after the optimizer step) the target sparsity
+S_t follows the cubic schedule (`pruning.cubic_sparsity`). A round:
+
+1. every rank counts its decoder linear weights; one all-gather on the control plane
+   gives the global count `total` (data-parallel replicas hold identical weights, so
+   only dp_rank 0 counts; tensor-parallel shards all count);
+2. every counted rank computes its local top-k magnitudes, k = num_to_keep(total, S_t),
+   and sends them to global rank 0 (pipeline rank 0) point to point: the length
+   first, then the values (sizes differ per stage);
+3. rank 0 computes the global threshold tau and `ControlPlane.decide` broadcasts it,
+   so every rank masks with the same tau;
+4. each rank: mask &= |w| >= tau; weights, DDP main_grad and the fp32 master copy
+   (if any) zeroed off the mask; Adam's exp_avg / exp_avg_sq zeroed there too, so a
+   pruned weight cannot come back. Masks are buffers of the layers' linears
+   (`dynmo_plugin.megatron.prunable`), so migrations carry them.
+
+The round returns a `DynamismEvent` with per-layer sparsity, the target, tau and the
+layers whose linears now run the CSR kernel; the controller profiles and rebalances.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from dynmo_plugin.config import ConfigError
+from dynmo_plugin.dynamism.base import DynamismEvent, Scenario
+from dynmo_plugin.dynamism.pruning import (apply_mask_, cubic_sparsity, global_threshold,
+                                           is_pruning_step, local_candidates, magnitude_mask,
+                                           mask_grad_, num_to_keep, zero_adam_state_)
+
+__all__ = ["GradualPruning"]
+
+logger = logging.getLogger(__name__)
+
+
+class GradualPruning(Scenario):
+    """`dynamism.kind: gradual_pruning` (settings: `dynamism.pruning`, a PruningConfig)."""
+
+    name = "gradual_pruning"
+
+    def __init__(self, config) -> None:
+        """Raises:
+            ConfigError: `granularity: structured` (not available: use unstructured), or
+                an inconsistent schedule (initial above final sparsity)."""
+        super().__init__(config)
+        self.pruning = p = config.pruning
+        if p.granularity != "unstructured":
+            raise ConfigError(f"dynamism.pruning.granularity: {p.granularity!r} is not available in "
+                              "this version; use 'unstructured' (structured neuron/head removal, "
+                              "what pays on GPUs, is not implemented)")
+        try:
+            cubic_sparsity(p.start, p.start, p.rounds, p.interval, p.initial_sparsity,
+                           p.final_sparsity)
+        except ValueError as e:
+            raise ConfigError(f"dynamism.pruning: {e}") from e
+        self.applied = 0.0  # global sparsity target of the last round
+
+    # ---- Scenario interface ---------------------------------------------------------------
+    def layer_spec(self, spec):
+        from dynmo_plugin.megatron.prunable import prunable_layer_spec
+        return prunable_layer_spec(spec, self.pruning.sparse_threshold)
+
+    def after_step(self, iteration: int) -> Optional[DynamismEvent]:
+        p = self.pruning
+        if not is_pruning_step(iteration, p.start, p.rounds, p.interval):
+            return None
+        target = cubic_sparsity(iteration, p.start, p.rounds, p.interval, p.initial_sparsity,
+                                p.final_sparsity)
+        if target <= self.applied:  # e.g. the t0 round with initial sparsity 0: nothing to do
+            return None
+        start = time.perf_counter()
+        tau = self._threshold(target)
+        self._apply(tau)
+        self.applied = target
+        per_layer, sparse_layers = self._summary()
+        seconds = time.perf_counter() - start
+        if self.runtime.control.rank == 0:
+            logger.info("pruning round at iteration %d: target %.4f, tau %.3g, %.2f s, CSR layers %s",
+                        iteration, target, tau, seconds, sparse_layers)
+        return DynamismEvent(self.name, iteration, detail={
+            "sparsity": per_layer, "target": target, "threshold": tau,
+            "sparse_kernel_layers": sparse_layers})
+
+    def after_layout_change(self) -> None:
+        for _, _, module in self._linears():
+            module.refresh()  # CSR patterns of layers that arrived, outside profiled steps
+
+    # ---- the round --------------------------------------------------------------------------
+    def _linears(self):
+        from dynmo_plugin.megatron.prunable import prunable_linears
+        for layer in self.runtime.trainer.model.decoder.layers:
+            for name, module in prunable_linears(layer):
+                yield layer.layer_number, name, module
+
+    def _counts(self) -> bool:
+        """Whether this rank's weights count (one data-parallel replica does)."""
+        return self.runtime.trainer.dims.dp_rank == 0
+
+    def _threshold(self, target: float) -> float:
+        """Algorithm 1: local top-k everywhere, gathered to rank 0 by p2p, tau decided there."""
+        control = self.runtime.control
+        weights = [m.weight for _, _, m in self._linears()]
+        numel = sum(w.numel() for w in weights) if self._counts() else 0
+        counts = control.all_gather(numel, "pruning-count")
+        total = sum(counts)
+        k = num_to_keep(total, target)
+        mine = local_candidates(weights, k) if numel else torch.empty(0)
+        received = [mine]
+        dtype = self.runtime.trainer.config.params_dtype  # what every stage's weights are
+        with control.phase("pruning-candidates"):
+            if control.rank == 0:
+                for src in range(1, control.world_size):
+                    if counts[src] == 0:
+                        continue
+                    length = torch.zeros(1, dtype=torch.int64)
+                    dist.recv(length, src=src, group=control.group)
+                    buf = torch.empty(int(length), dtype=dtype)
+                    if int(length):
+                        dist.recv(buf, src=src, group=control.group)
+                    received.append(buf)
+            elif numel:
+                dist.send(torch.tensor([mine.numel()], dtype=torch.int64), dst=0, group=control.group)
+                if mine.numel():
+                    dist.send(mine.contiguous(), dst=0, group=control.group)
+        return control.decide(lambda: global_threshold(received, total, target), "pruning-threshold")
+
+    @torch.no_grad()
+    def _apply(self, tau: float) -> None:
+        from dynmo_plugin.megatron.optim_state import state_owner
+        optimizer = self.runtime.trainer.optimizer
+        for _, _, module in self._linears():
+            w, mask = module.weight, module.weight_mask
+            mask &= magnitude_mask(w, tau)
+            apply_mask_(w, mask)
+            mask_grad_(w, mask)
+            owner = state_owner(optimizer, w)
+            if owner is not None:
+                inner, key = owner
+                if key is not w:  # fp32 master copy of a bf16/fp16 weight
+                    apply_mask_(key, mask)
+                zero_adam_state_(inner.state.get(key, {}), mask)
+            module.refresh()
+
+    def _summary(self) -> tuple[dict[int, float], list[int]]:
+        """Per-layer sparsity and CSR layers over the whole pipeline (same on every rank)."""
+        local: dict[int, list[int]] = {}
+        if self._counts():
+            for number, _, m in self._linears():
+                pruned_numel_sparse = local.setdefault(number, [0, 0, 0])
+                pruned_numel_sparse[0] += int((~m.weight_mask).sum())
+                pruned_numel_sparse[1] += m.weight_mask.numel()
+                pruned_numel_sparse[2] += int(m.uses_sparse_kernel)
+        merged: dict[int, list[int]] = {}
+        for part in self.runtime.control.all_gather(local, "pruning-summary"):
+            for number, values in part.items():  # TP shards of one layer add up
+                acc = merged.setdefault(number, [0, 0, 0])
+                for i, v in enumerate(values):
+                    acc[i] += v
+        per_layer = {n: round(v[0] / v[1], 6) for n, v in sorted(merged.items())}
+        return per_layer, sorted(n for n, v in merged.items() if v[2])

@@ -1,0 +1,230 @@
+"""A Megatron TransformerLayer with its own exit head: CALM-style token early exit.
+
+Every decoder layer L carries a small exit head (LayerNorm + Linear(hidden -> vocab)).
+After running, the layer predicts the next token of each token it processed; the
+maximum softmax probability is that token's confidence (CALM's "softmax response").
+A token whose confidence exceeds the threshold has exited: layers after L do not
+process it any more (its hidden state is copied through unchanged, so the final norm
+and output layer still see it). Each head is trained jointly with the model by
+cross-entropy against the labels (`exit loss`), which reaches backward through
+`_AttachLoss` on the layer's output; the reported LM loss is unchanged.
+
+Which tokens have exited travels WITH the activation, so it crosses pipeline stages
+whatever the layout: global layer 1 appends `carrier_rows(s, h)` rows to the
+[s, b, h] hidden states holding one flag per token, every layer reads and updates
+them, and global layer N strips them again. Inter-stage tensors are therefore
+[s + R, b, h]; the trainer's config must communicate shapes
+(`variable_seq_lengths=True`), which the scenario sets. The decision is a function
+of the layer's own inputs and parameters only, so it is the same on any pipeline
+split and moves with the layer in a migration (the head is a submodule: its
+weights, gradients and Adam state move too).
+
+Compute really shrinks: the active tokens of each sample are gathered to [C, b, h]
+(C = most active tokens in any sample of the micro-batch; shorter samples are padded
+with slots that are masked as keys and discarded), the causal mask is gathered at the
+tokens' ORIGINAL positions to [b, 1, C, C], the base layer runs on that, and the
+result is scattered back. Keys are the active tokens only (exited tokens are neither
+queries nor keys/values in later layers; CALM instead propagates exited tokens'
+states to later layers' keys/values). Learned absolute position embeddings are added
+before layer 1, so gathering keeps positions right; rotary embeddings are refused.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+__all__ = ["ExitContext", "ExitHead", "EarlyExitLayer", "early_exit_spec", "carrier_rows",
+           "encode_exited", "decode_exited"]
+
+
+def carrier_rows(seq_length: int, hidden_size: int) -> int:
+    """Rows appended to the [s, b, h] activation to carry one exit flag per token."""
+    return math.ceil(seq_length / hidden_size)
+
+
+def encode_exited(exited: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[s, b] bool -> [R, b, h] rows of 0.0/1.0 (token t of sample j at flat index t)."""
+    s, b = exited.shape
+    rows = carrier_rows(s, hidden_size)
+    flat = torch.zeros(rows * hidden_size, b, dtype=dtype, device=exited.device)
+    flat[:s] = exited.to(dtype)
+    return flat.view(rows, hidden_size, b).permute(0, 2, 1).contiguous()
+
+
+def decode_exited(rows: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """The inverse of `encode_exited`: [R, b, h] -> [s, b] bool."""
+    r, b, h = rows.shape
+    return rows.detach().permute(0, 2, 1).reshape(r * h, b)[:seq_length] > 0.5
+
+
+@dataclass
+class ExitContext:
+    """What the stage's layers need for one iteration, set by the scenario before it.
+
+    labels / loss_masks: this DP replica's micro-batches in order, [s, b] each (layers
+    take them in forward-call order: 1F1B runs each stage's forwards in micro-batch
+    order). grad_scale: multiplies the exit loss's gradient (1 / micro-batches times
+    the optimizer's loss scale), as the schedule does for the LM loss."""
+
+    seq_length: int
+    threshold: float
+    min_layer: int
+    exits_on: bool
+    loss_weight: float
+    grad_scale: float
+    labels: list = field(default_factory=list)
+    loss_masks: list = field(default_factory=list)
+
+
+class ExitHead(torch.nn.Module):
+    """LayerNorm + Linear(hidden -> vocab): next-token logits from a layer's output."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        self.linear = torch.nn.Linear(hidden_size, vocab_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.norm(hidden))
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on `output`; backward also sends d(loss) = `scale` into `loss`, so an
+    auxiliary loss computed inside a pipeline stage joins the backward pass (as
+    Megatron's MoEAuxLossAutoScaler, with the scale passed in instead of global)."""
+
+    @staticmethod
+    def forward(ctx, output, loss, scale: float):
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(loss, ctx.scale), None
+
+
+class EarlyExitLayer(TransformerLayer):
+    """TransformerLayer + exit head; skips tokens that exited at an earlier layer."""
+
+    def __init__(self, *args, vocab_size: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.exit_head = ExitHead(self.config.hidden_size, vocab_size, self.config.layernorm_epsilon)
+        self.exit_context: Optional[ExitContext] = None
+        self.reset_exit_stats()
+
+    def reset_exit_stats(self) -> None:
+        """Start a new iteration: micro-batch counter and token counts back to zero."""
+        self._calls = 0
+        self.tokens_seen = 0    # tokens of this iteration's micro-batches
+        self.tokens_active = 0  # of which not exited before this layer
+        self.confidence_sum = 0.0  # exit-head confidence summed over the active tokens
+
+    def forward(self, *args, **kwargs):
+        ctx = self.exit_context
+        if ctx is None:
+            raise RuntimeError(f"layer {self.layer_number}: EarlyExitLayer runs only under the "
+                               "early_exit scenario (no ExitContext was bound)")
+        if args:
+            raise TypeError("EarlyExitLayer takes keyword arguments only (as TransformerBlock calls it)")
+        if kwargs.get("rotary_pos_emb") is not None or kwargs.get("packed_seq_params") is not None:
+            raise NotImplementedError("early exit gathers tokens at learned absolute positions; "
+                                      "rotary embeddings and packed sequences are not supported")
+        mb = self._calls
+        self._calls += 1
+        hidden = kwargs.pop("hidden_states")
+        s, h = ctx.seq_length, self.config.hidden_size
+        if self.layer_number == 1:
+            x = hidden
+            exited = torch.zeros(s, hidden.shape[1], dtype=torch.bool, device=hidden.device)
+        else:
+            x, exited = hidden[:s], decode_exited(hidden[s:], s)
+        active = ~exited
+        counts = active.sum(0)
+        self.tokens_seen += exited.numel()
+        self.tokens_active += int(counts.sum())
+        if int(counts.max()) == 0:  # every token of the micro-batch has exited
+            out, context, exited_after = x, kwargs.get("context"), exited
+        else:
+            out, context, exited_after = self._run_active(x, exited, active, counts, mb, kwargs)
+        if self.layer_number == self.config.num_layers:
+            return out, context
+        carrier = encode_exited(exited_after, h, out.dtype)
+        return torch.cat([out, carrier], dim=0), context
+
+    def _run_active(self, x, exited, active, counts, mb: int, kwargs):
+        ctx, s = self.exit_context, x.shape[0]
+        b, h = x.shape[1], x.shape[2]
+        if bool(active.all()):  # nothing to gather: the plain layer
+            y, context = super().forward(hidden_states=x, **kwargs)
+            idx = valid = None
+            y_active = y
+        else:
+            c = int(counts.max())
+            # active tokens first, each group in original order (stable sort)
+            idx = torch.sort((~active).to(torch.int8), dim=0, stable=True).indices[:c]  # [C, b]
+            valid = torch.arange(c, device=x.device)[:, None] < counts[None, :]       # [C, b]
+            x_active = x.gather(0, idx[..., None].expand(c, b, h))
+            kwargs["attention_mask"] = _gather_mask(kwargs.get("attention_mask"), idx, valid, s)
+            y_active, context = super().forward(hidden_states=x_active, **kwargs)
+            # padded slots hold exited tokens: put their own state back unchanged
+            y_active = torch.where(valid[..., None], y_active, x_active)
+            y = x.scatter(0, idx[..., None].expand(c, b, h), y_active)
+        logits = self.exit_head(y_active)  # [C, b, V]: only the tokens this layer ran
+        labels, loss_mask = ctx.labels[mb], ctx.loss_masks[mb]
+        if idx is not None:
+            labels, loss_mask = labels.gather(0, idx), loss_mask.gather(0, idx) * valid
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
+        exit_loss = (ce * loss_mask.flatten()).sum() / loss_mask.sum().clamp(min=1)
+        scale = ctx.grad_scale * ctx.loss_weight / self.config.num_layers
+        y = _AttachLoss.apply(y, exit_loss, scale)
+        return y, context, self._decide(logits, exited, idx, valid)
+
+    @torch.no_grad()
+    def _decide(self, logits, exited, idx, valid) -> torch.Tensor:
+        """Exited flags after this layer: before, or confidence above the threshold now."""
+        ctx = self.exit_context
+        confidence = torch.softmax(logits.float(), dim=-1).amax(-1)  # [C, b]
+        self.confidence_sum += float(confidence.sum() if valid is None else confidence[valid].sum())
+        may_exit = (ctx.exits_on and self.layer_number >= ctx.min_layer
+                    and self.layer_number < self.config.num_layers)
+        if not may_exit:
+            return exited
+        now = confidence > ctx.threshold
+        if idx is None:
+            return exited | now
+        return exited.scatter(0, idx, exited.gather(0, idx) | (now & valid))
+
+
+def _gather_mask(mask: Optional[torch.Tensor], idx: torch.Tensor, valid: torch.Tensor,
+                 s: int) -> torch.Tensor:
+    """[*, 1, s, s] bool (True = masked) -> [b, 1, C, C] at the gathered positions;
+    padded slots are masked as keys and see only themselves as queries."""
+    if mask is None:
+        raise ValueError("EarlyExitLayer needs an explicit attention mask (Megatron builds a "
+                         "CUDA one when it is None)")
+    c, b = idx.shape
+    full = mask.expand(b, 1, s, s)
+    rows = full.gather(2, idx.T[:, None, :, None].expand(b, 1, c, s))
+    out = rows.gather(3, idx.T[:, None, None, :].expand(b, 1, c, c))
+    out = out | ~valid.T[:, None, None, :]
+    eye = torch.eye(c, dtype=torch.bool, device=idx.device)
+    return torch.where(~valid.T[:, None, :, None], ~eye, out)
+
+
+def early_exit_spec(spec: ModuleSpec, vocab_size: int) -> ModuleSpec:
+    """`spec` (a TransformerLayer spec) with EarlyExitLayer as its module."""
+    if not (isinstance(spec.module, type) and issubclass(spec.module, TransformerLayer)):
+        raise ValueError(f"early exit needs a TransformerLayer spec, got {spec.module!r}")
+    out = copy.copy(spec)
+    out.module = EarlyExitLayer
+    out.params = {**(spec.params or {}), "vocab_size": vocab_size}
+    return out

@@ -1,0 +1,159 @@
+"""Megatron linears that carry a pruning mask and run a CSR kernel once sparse enough.
+
+`prunable_layer_spec(spec, sparse_threshold)` rewrites a local GPT layer spec so that
+linear_qkv, linear_proj, linear_fc1 and linear_fc2 are `PrunableColumnParallelLinear` /
+`PrunableRowParallelLinear`. Each holds a bool buffer `weight_mask` (True = kept), all
+ones at construction, so it is part of the layer's state_dict: a migration moves it
+with the layer, and a layer built on the receiving stage from the same spec already
+has the buffer that `load_state_dict` fills.
+
+Forward (only `_forward_impl`, the matmul, is overridden; Megatron's TP regions,
+bias handling and output gathering are untouched):
+* mask all ones: Megatron's own path, unchanged (bit-identical to an unpruned model);
+* sparsity <= threshold: Megatron's path on `weight.masked_fill(~mask, 0)`, so the
+  gradient of pruned entries is exactly zero;
+* sparsity > threshold: `SparseLinearFunction` (CSR forward, CSR input grad, weight
+  grad on the kept pattern only), the dense weight Parameter stays what DDP and the
+  optimizer see.
+The CSR pattern is rebuilt lazily whenever the mask tensor changed (its version
+counter moves on every in-place write, `load_state_dict` included).
+
+Tensor parallelism: each TP rank holds a slice of the weight and the mask of that
+slice. Magnitude pruning is elementwise, so per-shard masks under one GLOBAL threshold
+are exactly the global mask; each shard picks its own kernel from its own sparsity.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+
+import torch
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from dynmo_plugin.config import ConfigError
+from dynmo_plugin.dynamism.pruning import CHUNK_ROWS, CROSSOVER, CsrPattern, SparseLinearFunction
+
+__all__ = ["PrunableColumnParallelLinear", "PrunableRowParallelLinear", "prunable_layer_spec",
+           "prunable_linears", "PRUNED_LINEARS"]
+
+# The decoder linears whose weights are pruned, as (parent attribute, linear attribute).
+PRUNED_LINEARS = (("self_attention", "linear_qkv"), ("self_attention", "linear_proj"),
+                  ("mlp", "linear_fc1"), ("mlp", "linear_fc2"))
+
+
+class _MaskedLinear:
+    """Mixin for a Megatron Column/RowParallelLinear: mask buffer, kernel choice."""
+
+    sparse_threshold: float = CROSSOVER
+    chunk_rows: int = CHUNK_ROWS
+
+    def _init_mask(self) -> None:
+        if self.weight is None:
+            raise ConfigError("gradual_pruning: a prunable linear needs its own weight "
+                              "(skip_weight_param_allocation is not supported)")
+        if self.gradient_accumulation_fusion:
+            raise ConfigError("gradual_pruning: gradient_accumulation_fusion must be off (the "
+                              "masked weight is not the Parameter that owns main_grad)")
+        self.register_buffer("weight_mask", torch.ones(self.weight.shape, dtype=torch.bool,
+                                                       device=self.weight.device))
+        self._cache_key: tuple | None = None
+        self._sparsity = 0.0
+        self._pattern: CsrPattern | None = None
+
+    def refresh(self) -> None:
+        """Recompute sparsity and the CSR pattern if the mask changed since last time."""
+        mask = self.weight_mask
+        key = (mask._version, mask.data_ptr(), mask.device)
+        if key == self._cache_key:
+            return
+        kept = int(mask.sum())
+        self._sparsity = 1.0 - kept / mask.numel() if mask.numel() else 0.0
+        self._pattern = CsrPattern.from_mask(mask) if self._sparsity > self.sparse_threshold else None
+        self._cache_key = key
+
+    @property
+    def sparsity(self) -> float:
+        """Fraction of this (shard's) weight that is pruned."""
+        self.refresh()
+        return self._sparsity
+
+    @property
+    def uses_sparse_kernel(self) -> bool:
+        self.refresh()
+        return self._pattern is not None
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        self.refresh()
+        if weight is not self.weight or self._sparsity == 0.0:
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        sp = kwargs.get("sequence_parallel", False)
+        if self._pattern is None or args or sp or kwargs.get("grad_output_buffer") is not None:
+            return super()._forward_impl(input, weight.masked_fill(~self.weight_mask, 0),
+                                         *args, **kwargs)
+        if kwargs.get("allreduce_dgrad"):  # Megatron's function all-reduces dgrad over TP
+            input = copy_to_tensor_model_parallel_region(input, group=kwargs.get("tp_group"))
+        return SparseLinearFunction.apply(input, weight, kwargs.get("bias"), self._pattern,
+                                          self.chunk_rows)
+
+
+class PrunableColumnParallelLinear(_MaskedLinear, ColumnParallelLinear):
+    """ColumnParallelLinear with a `weight_mask` buffer and a CSR path above the threshold."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_mask()
+
+
+class PrunableRowParallelLinear(_MaskedLinear, RowParallelLinear):
+    """RowParallelLinear with a `weight_mask` buffer and a CSR path above the threshold."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_mask()
+
+
+@lru_cache(maxsize=None)
+def _with_threshold(base: type, threshold: float) -> type:
+    """A subclass of `base` whose kernel switch sits at `threshold` (cached: one class
+    per threshold, so layers built by a migration get the same class)."""
+    if threshold == base.sparse_threshold:
+        return base
+    return type(base.__name__, (base,), {"sparse_threshold": threshold,
+                                         "__module__": base.__module__})
+
+
+def _replace(spec: ModuleSpec, where: str, **fields) -> ModuleSpec:
+    sub = spec.submodules
+    for name, want in fields.items():
+        have = getattr(sub, name, None)
+        if not (isinstance(have, type) and issubclass(have, (ColumnParallelLinear, RowParallelLinear))):
+            raise ConfigError(f"gradual_pruning: {where}.{name} is {have!r}; pruning needs the local "
+                              "layer spec (Megatron Column/RowParallelLinear), not Transformer Engine's")
+    return dataclasses.replace(spec, submodules=dataclasses.replace(sub, **fields))
+
+
+def prunable_layer_spec(spec: ModuleSpec, sparse_threshold: float = CROSSOVER) -> ModuleSpec:
+    """`spec` (a TransformerLayer spec) with the four decoder linears made prunable.
+
+    Raises:
+        ConfigError: the spec's linears are not Megatron's local Column/RowParallelLinear
+            (e.g. Transformer Engine's fused layer-norm linears).
+    """
+    column = _with_threshold(PrunableColumnParallelLinear, float(sparse_threshold))
+    row = _with_threshold(PrunableRowParallelLinear, float(sparse_threshold))
+    sub = spec.submodules
+    attn = _replace(sub.self_attention, "self_attention", linear_qkv=column, linear_proj=row)
+    mlp = _replace(sub.mlp, "mlp", linear_fc1=column, linear_fc2=row)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(sub, self_attention=attn, mlp=mlp))
+
+
+def prunable_linears(layer: torch.nn.Module) -> list[tuple[str, _MaskedLinear]]:
+    """(name, module) of a built layer's prunable linears, in PRUNED_LINEARS order."""
+    out = []
+    for parent, name in PRUNED_LINEARS:
+        module = getattr(getattr(layer, parent, None), name, None)
+        if isinstance(module, _MaskedLinear):
+            out.append((f"{parent}.{name}", module))
+    return out

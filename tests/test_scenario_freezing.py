@@ -1,0 +1,159 @@
+"""Layer freezing (dynamism.kind layer_freezing) on real torchrun runs, 2 pipeline stages.
+
+The model is small but really learns the synthetic data (vocabulary 32: loss 3.40 ->
+~2.9 in 32 iterations) and the learning rate decays (cosine over 40 iterations, fixed
+by --lr-decay-iters so a shorter run trains identically), so every layer's plasticity
+falls: ~0.7 of its reference at iteration 12, ~0.5 at 16, ~0.33 at 20, ~0.26 at 24.
+With threshold 0.3, layers 1-8 freeze at iteration 24 (the prefix reaches into stage 1)
+and 9-11 at 28 (measured; the tests rely only on "at least one freeze"). 12 layers so
+that one layer is a fine enough step for the balancer to act on. Tied embeddings (the
+default) throughout.
+"""
+import json
+
+import pytest
+import torch
+
+from dynmo_plugin.dynamism.layer_freezing import combine_shards, freeze_limit, frozen_prefix, plasticity
+from launch import losses, worker
+
+MODEL = ["--num-layers", "12", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16", "--vocab-size", "32", "--micro-batch-size", "2",
+         "--global-batch-size", "8", "--lr", "3e-3", "--lr-decay-style", "cosine",
+         "--min-lr", "1e-4", "--lr-decay-iters", "40", "--seed", "11",
+         "--pipeline-model-parallel-size", "2", "--dynmo", "--dynmo-min-gain", "0",
+         "--dynmo-dynamism", "layer_freezing", "--dynmo-freezing-start", "4",
+         "--dynmo-freezing-interval", "4", "--dynmo-freezing-threshold", "0.3",
+         "--dynmo-profile-every", "4", "--test-dump-params"]
+ITERS = 32
+
+
+# ---- pure decision logic ----------------------------------------------------------------------
+def test_prefix_is_contiguous_and_capped():
+    converged = {1: True, 2: True, 3: False, 4: True}
+    assert frozen_prefix(converged, 0, 7) == 2
+    assert frozen_prefix({1: False, 2: True}, 0, 7) == 0      # front to back only
+    assert frozen_prefix({n: True for n in range(1, 9)}, 0, freeze_limit(8, 0)) == 7  # never the last
+    assert frozen_prefix({n: True for n in range(1, 9)}, 1, freeze_limit(8, 3)) == 3  # max_layers
+    assert frozen_prefix({3: True, 4: False}, 2, 7) == 3       # grows from the current prefix
+
+
+def test_shards_summed_replicas_read_once():
+    gathered = [{"dp": 0, "tp": 1, "layers": {1: (1.0, 4.0, 0.5)}},
+                {"dp": 0, "tp": 0, "layers": {1: (3.0, 12.0, 0.5)}},
+                {"dp": 1, "tp": 0, "layers": {1: (99.0, 1.0, 0.5)}}]
+    assert combine_shards(gathered) == {1: (4.0, 16.0, 0.5)}
+    assert plasticity(4.0, 16.0) == 0.5 and plasticity(1.0, 0.0) == 0.0
+
+
+# ---- real runs ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """DynMo (exact balancer), static (uniform balancer: its plan is the uniform layout,
+    so nothing moves) and a static run that stops at the iteration of the first freeze."""
+    out = {}
+    for name, flags in [("dynmo", ["--dynmo-balancer", "exact", "--test-dump-ranks"]),
+                        ("static", ["--dynmo-balancer", "uniform"])]:
+        path = tmp_path_factory.mktemp(name)
+        out[name] = (path, worker(2, MODEL + flags + ["--train-iters", str(ITERS)], path))
+    first = _freezes(out["dynmo"][1])[0]["iteration"]
+    path = tmp_path_factory.mktemp("stop")
+    out["stop"] = (path, worker(2, MODEL + ["--dynmo-balancer", "uniform",
+                                            "--train-iters", str(first)], path))
+    return out
+
+
+def _freezes(report):
+    return [e for e in report["events"] if e["kind"] == "dynamism"]
+
+
+def _decisions(report):
+    """What was decided (timings of the rebuild left out: they differ between runs)."""
+    return [(e["iteration"], e["detail"]["frozen_layers"], e["detail"]["plasticity"])
+            for e in _freezes(report)]
+
+
+def _profiles(report):
+    return [(e["iteration"], e["profile"]) for e in report["events"]
+            if e["kind"] in ("profile", "rebalance") and e.get("profile")]
+
+
+def _params(path):
+    """Every rank's parameters by global name; the two copies of the tied word embeddings
+    (stage 0's embedding, the last stage's output layer) must be equal."""
+    merged = {}
+    for r in range(2):
+        for name, value in torch.load(path / f"params_rank{r}.pt").items():
+            merged.setdefault(name, value)
+            assert torch.equal(merged[name], value), f"copies of {name} differ"
+    return merged
+
+
+@pytest.mark.multiproc
+def test_plasticity_falls_and_prefix_freezes(runs):
+    path, report = runs["dynmo"]
+    freezes = _freezes(report)
+    assert freezes, "no layer froze: plasticity never fell below threshold x reference"
+    first = freezes[0]["detail"]
+    assert first["frozen_layers"][0] == 1 and first["newly_frozen"] == first["frozen_layers"]
+    assert all(first["plasticity"][str(n)] < 0.3 * first["references"][str(n)]
+               for n in first["newly_frozen"])
+    loss = losses(report)
+    assert loss[-1] < loss[0] - 0.3, "the data must be learnable"
+    ranks = [json.loads((path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [_decisions(r) for r in ranks] == [_decisions(report)] * 2  # the same on every rank
+
+
+@pytest.mark.multiproc
+def test_moved_run_trains_exactly_like_static(runs):
+    (_, dynmo), (_, static) = runs["dynmo"], runs["static"]
+    assert _decisions(dynmo) and _decisions(static) == _decisions(dynmo)
+    rebalances = [e for e in dynmo["events"] if e["kind"] == "rebalance"]
+    assert any(e["applied"] and e["trigger"].startswith("event:layer_freezing") for e in rebalances)
+    assert not any(e["applied"] for e in static["events"] if e["kind"] == "rebalance")
+    assert losses(dynmo) == losses(static)
+    pa, pb = _params(runs["dynmo"][0]), _params(runs["static"][0])
+    assert [n for n in pa if not torch.equal(pa[n], pb[n])] == []
+
+
+@pytest.mark.multiproc
+def test_frozen_prefix_skips_backward_keeps_forward(runs):
+    report = runs["dynmo"][1]
+    freeze = _freezes(report)[0]
+    frozen = set(freeze["detail"]["frozen_layers"])
+    before = [p for it, p in _profiles(report) if it <= freeze["iteration"]][-1]
+    after = next(p for it, p in _profiles(report) if it > freeze["iteration"])
+    layers = {x["layer"]: x for x in after["layers"]}
+    trainable = sorted(x["bwd_s"] for n, x in layers.items() if n not in frozen)
+    assert all(x > 0 for x in trainable)  # incl. the first one after the prefix (no input grad)
+    reference = trainable[len(trainable) // 2]
+    assert all(layers[n]["bwd_s"] < 0.1 * reference for n in frozen)
+    assert all(layers[n]["grad_bytes"] == 0 and layers[n]["optim_bytes"] == 0 for n in frozen)
+    fwd_before = sum(x["fwd_s"] for x in before["layers"] if x["layer"] in frozen)
+    fwd_after = sum(layers[n]["fwd_s"] for n in frozen)
+    assert 0.5 < fwd_after / fwd_before < 2.0
+
+
+@pytest.mark.multiproc
+def test_frozen_parameters_never_change(runs):
+    first = _freezes(runs["dynmo"][1])[0]
+    frozen = first["detail"]["frozen_layers"]
+    at_freeze, end = _params(runs["stop"][0]), _params(runs["dynmo"][0])
+    frozen_names = [n for n in end if n.startswith("embedding.")
+                    or any(n.startswith(f"decoder.layers.{k - 1}.") for k in frozen)]
+    assert "embedding.word_embeddings.weight" in frozen_names  # the tied copy included
+    assert [n for n in frozen_names if not torch.equal(at_freeze[n], end[n])] == []
+    last = [n for n in end if n.startswith("decoder.layers.11.")]
+    assert any(not torch.equal(at_freeze[n], end[n]) for n in last)  # the rest still trains
+
+
+def test_shipped_config_is_valid():
+    """configs/layer_freezing.yaml loads (the run itself: docs/scenarios/layer_freezing.md)."""
+    from dynmo_plugin.config import load_config
+    from dynmo_plugin.train import build_parser
+    from launch import ROOT
+    args = build_parser().parse_args(["--dynmo", "--dynmo-config", str(ROOT / "configs/layer_freezing.yaml")])
+    cfg = load_config(args, world_size=2)
+    f = cfg.dynmo.dynamism.freezing
+    assert cfg.dynmo.dynamism.kind == "layer_freezing"
+    assert f.start + 2 * f.interval <= cfg.model.train_iters  # a reference, then a verdict
