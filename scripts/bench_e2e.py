@@ -7,15 +7,19 @@ Runs the scenario on PP=2 (one rank per core) as: `static` (Megatron's uniform s
 dynamism on, never rebalanced: the `uniform` balancer, whose plan is the split it
 already has) and DynMo with each balancer (`exact`, `partition`, `diffusion`,
 `parameters`), same seed, repeated R times in interleaved order (static, exact, ...,
-static, exact, ...) so machine load affects all alike. Per balancer (medians over
-repeats):
-  tokens_per_s     trained tokens / summed iteration wall time (iterations 2..N);
+static, exact, ...) so machine load affects all alike. Measured over the DYNAMIC
+PHASE: from the iteration after the first dynamism event (the same iteration in every
+run: events depend only on training state) to the end; before it every run trains
+the same split (a scenario without events, e.g. the demo, is measured from iteration
+2). Per balancer (medians over repeats):
+  tokens_per_s     trained tokens / summed iteration wall time in that phase;
                    the table's "of ideal" is (speedup - 1) / (ideal - 1), shown when
                    the ideal gain exceeds 2% (below that it is noise over noise);
   speedup          over static, measured;
+  speedup_whole_run  the same over iterations 2..N;
   ideal_speedup    what the exact partition of the SAME run's profiled per-layer costs
-                   predicts over the uniform split (1F1B model, each profile weighted by
-                   the iterations it covers; iterations before the first profile use it);
+                   predicts over the uniform split in that phase (1F1B model, each
+                   profile weighted by the iterations it covers until the next);
   overhead_share   the plugin's own time (profiling, decisions, migration) / training time;
   losses_identical the loss trajectory equals static's bit for bit;
   rebalances, layouts  applied rebalances and the layouts they produced.
@@ -64,9 +68,17 @@ def _problem(profile: dict, layout: Layout, microbatches: int) -> BalanceProblem
                           current=layout, num_microbatches=microbatches)
 
 
-def ideal_speedup(report: dict) -> float | None:
-    """Uniform-split time over exact-partition time, predicted from the run's profiles."""
-    profiles = [(e["iteration"], e["profile"]) for e in report["events"] if e.get("profile")]
+def phase_start(report: dict) -> int:
+    """First iteration of the dynamic phase: after the first dynamism event, else 2."""
+    events = [e["iteration"] for e in report["events"] if e.get("kind") == "dynamism"]
+    return min(events) + 1 if events else 2
+
+
+def ideal_speedup(report: dict, start: int = 2) -> float | None:
+    """Uniform-split time over exact-partition time from iteration `start` on, predicted
+    from the run's profiles (each covering the iterations until the next one)."""
+    profiles = [(e["iteration"], e["profile"]) for e in report["events"]
+                if e.get("profile") and e["iteration"] >= start - 1]
     if not profiles:
         return None
     layers = len(profiles[0][1]["layers"])
@@ -75,24 +87,30 @@ def ideal_speedup(report: dict) -> float | None:
     last = report["iterations"][-1]["iteration"]
     static_s = ideal_s = 0.0
     for k, (it, profile) in enumerate(profiles):
-        start = 2 if k == 0 else it
+        begin = max(it, start)
         end = profiles[k + 1][0] if k + 1 < len(profiles) else last + 1
-        span = max(0, end - start)
+        span = max(0, end - begin)
         best = solve(_problem(profile, uniform, m), "exact").layout
         static_s += span * _predicted(profile, uniform, m)
         ideal_s += span * _predicted(profile, best, m)
     return static_s / ideal_s if ideal_s > 0 else None
 
 
-def summarise(report: dict) -> dict:
+def _tokens_per_s(report: dict, start: int) -> tuple[float, float]:
+    """(tokens/s, plugin overhead share) over iterations >= start."""
     cfg = report["config"]["model"]
-    its = report["iterations"][1:]  # the first iteration includes one-off set-up
+    its = [i for i in report["iterations"] if i["iteration"] >= start]
     seconds = sum(i["time_s"] for i in its)
     tokens = cfg["global_batch_size"] * cfg["seq_length"] * len(its)
+    return tokens / seconds, sum(i.get("dynmo_s", 0.0) for i in its) / seconds
+
+
+def summarise(report: dict, start: int) -> dict:
+    tps, overhead = _tokens_per_s(report, start)
     applied = [e for e in report["events"] if e["kind"] == "rebalance" and e.get("applied")]
-    return {"tokens_per_s": tokens / seconds,
-            "overhead_share": sum(i.get("dynmo_s", 0.0) for i in its) / seconds,
-            "ideal_speedup": ideal_speedup(report),
+    return {"tokens_per_s": tps, "tokens_per_s_whole_run": _tokens_per_s(report, 2)[0],
+            "overhead_share": overhead,
+            "ideal_speedup": ideal_speedup(report, start),
             "losses": [i["loss"] for i in report["iterations"]],
             "rebalances": len(applied), "layouts": [e["layout_after"] for e in applied],
             "scenario": report["config"]["dynmo"]["dynamism"]["kind"]}
@@ -100,34 +118,42 @@ def summarise(report: dict) -> dict:
 
 def bench(config: str, extra: list[str], repeats: int) -> dict:
     runs: dict[str, list[dict]] = {b: [] for b in BALANCERS}
+    start = None  # the dynamic phase, from the first (static) run's events
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp:
         for r in range(repeats):
             for b in BALANCERS:
                 _log(f"bench_e2e: repeat {r + 1}/{repeats}: {b}")
-                runs[b].append(summarise(_run(config, b, extra, Path(tmp) / f"{b}{r}")))
+                report = _run(config, b, extra, Path(tmp) / f"{b}{r}")
+                start = phase_start(report) if start is None else start
+                runs[b].append(summarise(report, start))
     static_tps = statistics.median(x["tokens_per_s"] for x in runs["static"])
+    static_whole = statistics.median(x["tokens_per_s_whole_run"] for x in runs["static"])
     static_losses = runs["static"][0]["losses"]
     out = []
     for b in BALANCERS:
         xs = runs[b]
         ideals = [x["ideal_speedup"] for x in xs if x["ideal_speedup"] is not None]
         tps = statistics.median(x["tokens_per_s"] for x in xs)
+        whole = statistics.median(x["tokens_per_s_whole_run"] for x in xs)
         out.append({"balancer": b, "tokens_per_s": tps, "speedup": tps / static_tps,
+                    "speedup_whole_run": whole / static_whole,
                     "ideal_speedup": statistics.median(ideals) if ideals else None,
                     "overhead_share": statistics.median(x["overhead_share"] for x in xs),
                     "losses_identical": all(x["losses"] == static_losses for x in xs),
                     "rebalances": xs[0]["rebalances"], "layouts": xs[0]["layouts"]})
     noise = [x["tokens_per_s"] / static_tps for x in runs["static"]]
     return {"scenario": runs["static"][0]["scenario"], "config": config, "repeats": repeats,
+            "phase_start": start,
             "static_noise": [min(noise), max(noise)], "runs": out}
 
 
 def _table(result: dict) -> str:
-    head = (f"scenario {result['scenario']} ({result['config']}), PP=2, {result['repeats']} repeat(s); "
+    head = (f"scenario {result['scenario']} ({result['config']}), PP=2, {result['repeats']} repeat(s), "
+            f"measured from iteration {result['phase_start']}; "
             f"static tokens/s spread over repeats {result['static_noise'][0]:.3f}-"
             f"{result['static_noise'][1]:.3f}x")
     rows = [f"{'balancer':<11}{'tokens/s':>10}{'speedup':>9}{'ideal':>8}{'of ideal':>10}"
-            f"{'overhead':>10}{'losses==':>10}{'moves':>7}"]
+            f"{'overhead':>10}{'losses==':>10}{'moves':>7}{'whole run':>11}"]
     for r in result["runs"]:
         ideal = r["ideal_speedup"]
         share = (r["speedup"] - 1) / (ideal - 1) if ideal and ideal > 1.02 else None
@@ -135,7 +161,7 @@ def _table(result: dict) -> str:
                     f"{(f'{ideal:.3f}x' if ideal else '-'):>8}"
                     f"{(f'{100 * share:.0f}%' if share is not None else '-'):>10}"
                     f"{100 * r['overhead_share']:>9.2f}%{str(r['losses_identical']):>10}"
-                    f"{r['rebalances']:>7}")
+                    f"{r['rebalances']:>7}{r['speedup_whole_run']:>10.3f}x")
     return "\n".join([head, *rows])
 
 

@@ -45,3 +45,28 @@ def train(nproc: int, flags: list[str], output: Path, **kw) -> dict:
 
 def losses(report: dict) -> list[float]:
     return [it["loss"] for it in report["iterations"]]
+
+
+def _megatron_process(rank: int, port: int, check, args) -> None:
+    import torch.distributed as dist
+
+    from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    dims = init_parallel(args)
+    try:
+        check(args)
+    finally:
+        if dist.is_initialized():
+            destroy_parallel()
+        del dims
+
+
+def in_megatron_process(check, args=None) -> None:
+    """Run `check(model_args)` in ONE spawned gloo rank with Megatron's groups and the CPU
+    compatibility layer — which patches torch, so it must never run inside pytest's own
+    process. `check` must be a module-level function (it is pickled)."""
+    import torch.multiprocessing as mp
+
+    from dynmo_plugin.config import ModelArgs
+    args = args or ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+    mp.spawn(_megatron_process, args=(free_port(), check, args), nprocs=1)

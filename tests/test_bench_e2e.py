@@ -23,10 +23,15 @@ def test_ideal_speedup_weights_each_profile_by_the_iterations_it_covers():
     report = {"iterations": [{"iteration": i} for i in range(1, 13)],
               "events": [{"iteration": 5, "profile": _profile([1, 1, 1, 1], [0, 2])},
                          {"iteration": 9, "profile": _profile([1, 1, 1, 1], [0, 0])}]}
-    # iterations 2..8 (7) under the first profile, 9..12 (4) under the second
-    expected = (7 * 18 + 4 * 10) / (7 * 15 + 4 * 10)
+    # iterations 5..8 (4) under the first profile, 9..12 (4) under the second; nothing
+    # is known before the first profile, so those iterations do not count
+    expected = (4 * 18 + 4 * 10) / (4 * 15 + 4 * 10)
     assert bench_e2e.ideal_speedup(report) == pytest.approx(expected)
     assert bench_e2e.ideal_speedup({"iterations": [], "events": []}) is None
+    # from iteration 9 on only the second (balanced) profile counts
+    assert bench_e2e.ideal_speedup(report, start=9) == pytest.approx(1.0)
+    assert bench_e2e.phase_start(report) == 2
+    assert bench_e2e.phase_start({"events": [{"kind": "dynamism", "iteration": 6}]}) == 7
 
 
 @pytest.mark.multiproc
@@ -41,7 +46,8 @@ def test_json_output_is_one_document_with_every_balancer(tmp_path):
     result = json.loads(proc.stdout)
     assert [r["balancer"] for r in result["runs"]] == list(bench_e2e.BALANCERS)
     for r in result["runs"]:
-        assert set(r) >= {"balancer", "tokens_per_s", "speedup", "ideal_speedup", "overhead_share",
+        assert set(r) >= {"balancer", "tokens_per_s", "speedup", "speedup_whole_run", "ideal_speedup",
+                          "overhead_share",
                           "losses_identical", "rebalances", "layouts"}
         assert r["tokens_per_s"] > 0 and r["losses_identical"] is True
     assert result["runs"][0]["speedup"] == 1.0

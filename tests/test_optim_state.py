@@ -6,33 +6,9 @@ torch.cuda.FloatTensor ..."), and TE/Apex FusedAdam need CUDA, so on CPU the per
 put on real fp32 Megatron optimizers by hand (named below); the carry code path is the
 same one the GPU classes take.
 """
-import os
-
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from launch import free_port
-
-
-def _in_megatron_process(rank: int, port: int, check) -> None:
-    """One spawned gloo rank with Megatron's groups and the CPU compatibility layer
-    (which patches torch, so it must not run inside the pytest process)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
-    from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(1, 1)
-    from dynmo_plugin.megatron import cpu_compat
-    cpu_compat.apply()
-    try:
-        check()
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def _spawn(check) -> None:
-    mp.spawn(_in_megatron_process, args=(free_port(), check), nprocs=1)
+from launch import in_megatron_process
 
 
 def _optimizer(model):
@@ -44,7 +20,7 @@ def _optimizer(model):
     return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), [ddp])
 
 
-def _check_carry():
+def _check_carry(args):
     from megatron.core.optimizer.grad_scaler import DynamicGradScaler
     from dynmo_plugin.megatron.optim_state import carry_optimizer_state, megatron_optimizers
     old, new = _optimizer(torch.nn.Linear(8, 8)), _optimizer(torch.nn.Linear(8, 8))
@@ -65,7 +41,7 @@ def _check_carry():
     assert new_inner.grad_scaler is scaler
 
 
-def _check_frozen():
+def _check_frozen(args):
     from dynmo_plugin.megatron.optim_state import param_state, state_owner
     model = torch.nn.Linear(8, 8)
     model.bias.requires_grad_(False)
@@ -75,8 +51,8 @@ def _check_frozen():
 
 
 def test_group_settings_and_loss_scaler_are_carried():
-    _spawn(_check_carry)
+    in_megatron_process(_check_carry)
 
 
 def test_frozen_parameters_have_no_optimizer_state():
-    _spawn(_check_frozen)
+    in_megatron_process(_check_frozen)

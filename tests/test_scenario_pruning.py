@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from launch import ROOT, losses, worker
+from launch import ROOT, in_megatron_process, losses, worker
 
 pytestmark = pytest.mark.multiproc
 
@@ -94,6 +94,43 @@ def test_dynmo_losses_equal_static_and_layers_moved(static, dynmo):
         assert a["detail"] == b["detail"]
 
 
+STRUCTURED = ["--dynmo-pruning-granularity", "structured", "--dynmo-pruning-final-sparsity", "0.8"]
+
+
+@pytest.fixture(scope="module")
+def structured_runs(tmp_path_factory):
+    flags = FLAGS[:-2] + STRUCTURED
+    out_s, out_d = tmp_path_factory.mktemp("structured_static"), tmp_path_factory.mktemp("structured_dynmo")
+    return ((worker(2, flags + ["--dynmo-balancer", "uniform"], out_s), out_s),
+            (worker(2, flags + ["--dynmo-balancer", "exact"], out_d), out_d))
+
+
+def test_structured_pruning_shrinks_layers_and_keeps_dynmo_equal_to_static(structured_runs):
+    (static, _), (dynmo, out) = structured_runs
+    events = _pruning_events(dynmo)
+    assert events and all(e["detail"]["unit"] == "ffn_neurons" for e in events)
+    assert events[-1]["detail"]["target"] == pytest.approx(0.8)
+    profiles = _profiles(static)
+    before = [p for it, p in profiles if it < events[0]["iteration"]]
+    after = [p for it, p in profiles if it > events[-1]["iteration"]]
+    assert before and after
+    # 80% of FFN neurons gone: the MLP (2/3 of a layer's FLOPs) shrinks 5x
+    assert _layer_to_head(after[-1]) < 0.8 * _layer_to_head(before[-1])
+    assert losses(dynmo) == losses(static)
+    assert any(e["applied"] for e in dynmo["events"] if e["kind"] == "rebalance")
+    params = {}
+    for rank in (0, 1):
+        params.update(torch.load(out / f"params_rank{rank}.pt"))
+    for layer in range(8):
+        fc1 = params[f"decoder.layers.{layer}.mlp.linear_fc1.weight"]
+        fc2 = params[f"decoder.layers.{layer}.mlp.linear_fc2.weight"]
+        dead = (fc1 == 0).all(dim=1)
+        assert torch.equal(dead, (fc2 == 0).all(dim=0))
+        assert dead.float().mean().item() == pytest.approx(
+            events[-1]["detail"]["sparsity"][str(layer + 1)], abs=1e-6)
+        assert torch.all(params[f"decoder.layers.{layer}.mlp.linear_fc1.bias"][dead] == 0)
+
+
 def test_pruned_weights_stay_zero_and_global_sparsity_matches(dynmo):
     report, out = dynmo
     params = {}
@@ -118,38 +155,15 @@ def test_pruned_weights_stay_zero_and_global_sparsity_matches(dynmo):
 
 # ---- one process: the Megatron modules and the scenario's config checks --------------
 
-@pytest.fixture(scope="module")
-def megatron_world():
-    import os
-
-    from launch import free_port
-
-    from dynmo_plugin.config import ModelArgs
-    from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    args = ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
-    try:
-        init_parallel(args)
-        yield args
-    finally:
-        destroy_parallel()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _layer(args, threshold=0.85):
+def _layer(args, threshold=0.85, structured=False):
     from megatron.core.transformer.spec_utils import build_module
 
     from dynmo_plugin.layout import Layout
     from dynmo_plugin.megatron.model import layer_spec, transformer_config
-    from dynmo_plugin.megatron.prunable import prunable_layer_spec
+    from dynmo_plugin.megatron.prunable import neuron_prunable_layer_spec, prunable_layer_spec
     cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))
-    layer = build_module(prunable_layer_spec(layer_spec(), threshold), config=cfg, layer_number=1)
+    spec = neuron_prunable_layer_spec(layer_spec()) if structured else prunable_layer_spec(layer_spec(), threshold)
+    layer = build_module(spec, config=cfg, layer_number=1)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in layer.parameters():  # the same values in every layer built here
@@ -167,10 +181,48 @@ def _fwd_bwd(layer, x):
     return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
 
 
-def test_prunable_layer_masks_travel_in_state_dict_and_kernels_agree(megatron_world):
+def test_prunable_layer_masks_travel_in_state_dict_and_kernels_agree():
+    in_megatron_process(_check_masks_and_kernels)
+
+
+def test_structured_layer_equals_a_dense_layer_with_those_neurons_zeroed():
+    in_megatron_process(_check_structured_layer)
+
+
+def _check_structured_layer(args):
+    """Gathering the kept neurons gives the dense layer's output (pruned neurons'
+    weights zeroed there), gradients zero for pruned rows / columns / bias entries, and
+    fc1's output really narrows; the masks travel in the state_dict."""
+    from dynmo_plugin.dynamism.pruning import apply_mask_
+    layer, reference = _layer(args, structured=True), _layer(args, threshold=1.0)
+    fc1, fc2 = layer.mlp.linear_fc1, layer.mlp.linear_fc2
+    keep = torch.rand(fc1.weight.shape[0], generator=torch.Generator().manual_seed(1)) >= 0.75
+    with torch.no_grad():
+        fc1.weight_mask &= keep[:, None]
+        fc2.weight_mask &= keep[None, :]
+        for m in (layer, reference):
+            apply_mask_(m.mlp.linear_fc1.weight, keep[:, None].expand_as(fc1.weight))
+            apply_mask_(m.mlp.linear_fc1.bias, keep)
+            apply_mask_(m.mlp.linear_fc2.weight, keep[None, :].expand_as(fc2.weight))
+    assert fc1.sparsity == pytest.approx(1 - keep.float().mean().item())
+    x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(0))
+    narrowed, _ = fc1(x)
+    assert narrowed.shape[-1] == int(keep.sum())
+    out, gx, grads = _fwd_bwd(layer, x)
+    ref_out, ref_gx, _ = _fwd_bwd(reference, x)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx, ref_gx, rtol=1e-5, atol=1e-6)
+    assert torch.all(grads["mlp.linear_fc1.weight"][~keep] == 0)
+    assert torch.all(grads["mlp.linear_fc1.bias"][~keep] == 0)
+    assert torch.all(grads["mlp.linear_fc2.weight"][:, ~keep] == 0)
+    fresh = _layer(args, structured=True)
+    fresh.load_state_dict(layer.state_dict(), strict=False)
+    assert fresh.mlp.linear_fc1.sparsity == fc1.sparsity
+
+
+def _check_masks_and_kernels(args):
     from dynmo_plugin.dynamism.pruning import apply_mask_
     from dynmo_plugin.megatron.prunable import prunable_linears
-    args = megatron_world
     dense, sparse = _layer(args, threshold=1.0), _layer(args, threshold=0.5)  # never / always CSR
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -200,12 +252,9 @@ def test_prunable_layer_masks_travel_in_state_dict_and_kernels_agree(megatron_wo
     torch.testing.assert_close(_fwd_bwd(fresh, x)[0], out_s, rtol=0, atol=0)
 
 
-def test_structured_and_bad_schedules_are_config_errors():
+def test_bad_schedules_are_config_errors():
     from dynmo_plugin.config import ConfigError, DynamismConfig, PruningConfig
     from dynmo_plugin.dynamism import build_scenario
-    with pytest.raises(ConfigError, match="granularity.*unstructured"):
-        build_scenario(DynamismConfig(kind="gradual_pruning",
-                                      pruning=PruningConfig(granularity="structured")))
     with pytest.raises(ConfigError, match="s_init"):
         build_scenario(DynamismConfig(kind="gradual_pruning",
                                       pruning=PruningConfig(initial_sparsity=0.5, final_sparsity=0.4)))

@@ -18,6 +18,11 @@ S_t follows the cubic schedule (`pruning.cubic_sparsity`). A round:
 
 The round returns a `DynamismEvent` with per-layer sparsity, the target, tau and the
 layers whose linears now run the CSR kernel; the controller profiles and rebalances.
+
+`granularity: structured` runs the same algorithm over FFN neurons instead of weights:
+a neuron's score is the L2 norm of everything attached to it (its fc1 row and bias
+entry, its fc2 column), the target is the fraction of neurons removed, and the kept
+neurons are gathered into smaller dense GEMMs (`NeuronPrunable*` linears).
 """
 from __future__ import annotations
 
@@ -46,14 +51,10 @@ class GradualPruning(Scenario):
 
     def __init__(self, config) -> None:
         """Raises:
-            ConfigError: `granularity: structured` (not available: use unstructured), or
-                an inconsistent schedule (initial above final sparsity)."""
+            ConfigError: an inconsistent schedule (initial above final sparsity)."""
         super().__init__(config)
         self.pruning = p = config.pruning
-        if p.granularity != "unstructured":
-            raise ConfigError(f"dynamism.pruning.granularity: {p.granularity!r} is not available in "
-                              "this version; use 'unstructured' (structured neuron/head removal, "
-                              "what pays on GPUs, is not implemented)")
+        self.structured = p.granularity == "structured"
         try:
             cubic_sparsity(p.start, p.start, p.rounds, p.interval, p.initial_sparsity,
                            p.final_sparsity)
@@ -63,8 +64,16 @@ class GradualPruning(Scenario):
 
     # ---- Scenario interface ---------------------------------------------------------------
     def layer_spec(self, spec):
-        from dynmo_plugin.megatron.prunable import prunable_layer_spec
+        from dynmo_plugin.megatron.prunable import neuron_prunable_layer_spec, prunable_layer_spec
+        if self.structured:
+            return neuron_prunable_layer_spec(spec)
         return prunable_layer_spec(spec, self.pruning.sparse_threshold)
+
+    def attach(self, runtime) -> None:
+        super().attach(runtime)
+        if self.structured and runtime.trainer.config.gated_linear_unit:
+            raise ConfigError("dynamism.pruning.granularity: structured pruning removes neurons of "
+                              "non-gated MLPs only (a gated fc1 holds two rows per neuron)")
 
     def after_step(self, iteration: int) -> Optional[DynamismEvent]:
         p = self.pruning
@@ -75,8 +84,13 @@ class GradualPruning(Scenario):
         if target <= self.applied:  # e.g. the t0 round with initial sparsity 0: nothing to do
             return None
         start = time.perf_counter()
-        tau = self._threshold(target)
-        self._apply(tau)
+        if self.structured:
+            scores = self._neuron_scores()
+            tau = self._threshold(target, list(scores.values()))
+            self._apply_structured(tau, scores)
+        else:
+            tau = self._threshold(target, [m.weight for _, _, m in self._linears()])
+            self._apply(tau)
         self.applied = target
         per_layer, sparse_layers = self._summary()
         seconds = time.perf_counter() - start
@@ -84,8 +98,10 @@ class GradualPruning(Scenario):
             logger.info("pruning round at iteration %d: target %.4f, tau %.3g, %.2f s, CSR layers %s",
                         iteration, target, tau, seconds, sparse_layers)
         return DynamismEvent(self.name, iteration, detail={
+            "granularity": self.pruning.granularity,
+            "unit": "ffn_neurons" if self.structured else "weights",
             "sparsity": per_layer, "target": target, "threshold": tau,
-            "sparse_kernel_layers": sparse_layers})
+            "sparse_kernel_layers": sparse_layers, "round_s": seconds})
 
     def after_layout_change(self) -> None:
         for _, _, module in self._linears():
@@ -102,10 +118,10 @@ class GradualPruning(Scenario):
         """Whether this rank's weights count (one data-parallel replica does)."""
         return self.runtime.trainer.dims.dp_rank == 0
 
-    def _threshold(self, target: float) -> float:
-        """Algorithm 1: local top-k everywhere, gathered to rank 0 by p2p, tau decided there."""
+    def _threshold(self, target: float, weights: list[torch.Tensor]) -> float:
+        """Algorithm 1 over `weights` (magnitudes: weights, or neuron scores): local top-k
+        everywhere, gathered to rank 0 by p2p, tau decided there."""
         control = self.runtime.control
-        weights = [m.weight for _, _, m in self._linears()]
         numel = sum(w.numel() for w in weights) if self._counts() else 0
         counts = control.all_gather(numel, "pruning-count")
         total = sum(counts)
@@ -147,10 +163,57 @@ class GradualPruning(Scenario):
                 zero_adam_state_(inner.state.get(key, {}), mask)
             module.refresh()
 
+    def _mlp_pairs(self):
+        """(layer number, fc1, fc2) of this stage's structured-pruned MLPs."""
+        from dynmo_plugin.megatron.prunable import NeuronPrunableColumnParallelLinear
+        for layer in self.runtime.trainer.model.decoder.layers:
+            fc1, fc2 = layer.mlp.linear_fc1, layer.mlp.linear_fc2
+            if isinstance(fc1, NeuronPrunableColumnParallelLinear):
+                yield layer.layer_number, fc1, fc2
+
+    @torch.no_grad()
+    def _neuron_scores(self) -> dict[int, torch.Tensor]:
+        """Per layer: each FFN neuron's L2 norm over its fc1 row, fc1 bias, fc2 column
+        (pruned neurons score 0: their weights are zero)."""
+        scores = {}
+        for number, fc1, fc2 in self._mlp_pairs():
+            sq = fc1.weight.float().pow(2).sum(1) + fc2.weight.float().pow(2).sum(0)
+            if fc1.bias is not None:
+                sq += fc1.bias.float().pow(2)
+            scores[number] = sq.sqrt()
+        return scores
+
+    @torch.no_grad()
+    def _apply_structured(self, tau: float, scores: dict[int, torch.Tensor]) -> None:
+        from dynmo_plugin.megatron.optim_state import state_owner
+        optimizer = self.runtime.trainer.optimizer
+        for number, fc1, fc2 in self._mlp_pairs():
+            keep = fc1.weight_mask.any(1) & (scores[number] >= tau)
+            fc1.weight_mask &= keep[:, None]
+            fc2.weight_mask &= keep[None, :]
+            params = [(fc1.weight, fc1.weight_mask), (fc2.weight, fc2.weight_mask)]
+            if fc1.bias is not None:
+                params.append((fc1.bias, keep))
+            for w, mask in params:
+                apply_mask_(w, mask)
+                mask_grad_(w, mask)
+                owner = state_owner(optimizer, w)
+                if owner is not None:
+                    inner, key = owner
+                    if key is not w:
+                        apply_mask_(key, mask)
+                    zero_adam_state_(inner.state.get(key, {}), mask)
+            fc1.refresh()
+            fc2.refresh()
+
     def _summary(self) -> tuple[dict[int, float], list[int]]:
         """Per-layer sparsity and CSR layers over the whole pipeline (same on every rank)."""
         local: dict[int, list[int]] = {}
-        if self._counts():
+        if self._counts() and self.structured:
+            for number, fc1, _ in self._mlp_pairs():  # neurons: pruned, total, (no CSR)
+                neurons = fc1.weight_mask.any(1)
+                local[number] = [int((~neurons).sum()), neurons.numel(), 0]
+        elif self._counts():
             for number, _, m in self._linears():
                 pruned_numel_sparse = local.setdefault(number, [0, 0, 0])
                 pruned_numel_sparse[0] += int((~m.weight_mask).sum())

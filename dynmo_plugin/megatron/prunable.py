@@ -18,6 +18,12 @@ bias handling and output gathering are untouched):
 The CSR pattern is rebuilt lazily whenever the mask tensor changed (its version
 counter moves on every in-place write, `load_state_dict` included).
 
+Structured (`granularity: structured`): `neuron_prunable_layer_spec` makes linear_fc1 /
+linear_fc2 `NeuronPrunable*` linears whose masks remove whole FFN neurons (rows of fc1
+and its bias, columns of fc2). Their forward gathers the kept rows / columns, so the
+dense GEMMs really shrink — what saves time on GPUs, where unstructured sparsity does
+not (../shared/notes/h100-measured.md). Attention heads are not pruned.
+
 Tensor parallelism: each TP rank holds a slice of the weight and the mask of that
 slice. Magnitude pruning is elementwise, so per-shard masks under one GLOBAL threshold
 are exactly the global mask; each shard picks its own kernel from its own sparsity.
@@ -36,7 +42,8 @@ from dynmo_plugin.config import ConfigError
 from dynmo_plugin.dynamism.pruning import CHUNK_ROWS, CROSSOVER, CsrPattern, SparseLinearFunction
 
 __all__ = ["PrunableColumnParallelLinear", "PrunableRowParallelLinear", "prunable_layer_spec",
-           "prunable_linears", "PRUNED_LINEARS"]
+           "NeuronPrunableColumnParallelLinear", "NeuronPrunableRowParallelLinear",
+           "neuron_prunable_layer_spec", "prunable_linears", "PRUNED_LINEARS"]
 
 # The decoder linears whose weights are pruned, as (parent attribute, linear attribute).
 PRUNED_LINEARS = (("self_attention", "linear_qkv"), ("self_attention", "linear_proj"),
@@ -114,6 +121,60 @@ class PrunableRowParallelLinear(_MaskedLinear, RowParallelLinear):
         self._init_mask()
 
 
+class _NeuronMasked(_MaskedLinear):
+    """Whole FFN neurons pruned: `axis` 0 = fc1 (a neuron is a row, plus its bias entry),
+    1 = fc2 (a neuron is a column). The kept ones are gathered into a smaller dense
+    weight; `index_select`'s backward scatters gradients back (zero for pruned ones)."""
+
+    axis: int = 0
+
+    def refresh(self) -> None:
+        mask = self.weight_mask
+        key = (mask._version, mask.data_ptr(), mask.device)
+        if key == self._cache_key:
+            return
+        kept = mask.any(dim=1 - self.axis)
+        self._kept = kept.nonzero().squeeze(1)
+        self._sparsity = 1.0 - self._kept.numel() / kept.numel() if kept.numel() else 0.0
+        self._pattern = None
+        self._cache_key = key
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        self.refresh()
+        dense = super(_MaskedLinear, self)._forward_impl  # Megatron's own matmul
+        if weight is not self.weight or self._sparsity == 0.0:
+            return dense(input, weight, *args, **kwargs)
+        if self.axis == 0 and kwargs.get("bias") is not None:
+            kwargs["bias"] = kwargs["bias"].index_select(0, self._kept)
+        return dense(input, weight.index_select(self.axis, self._kept), *args, **kwargs)
+
+
+class NeuronPrunableColumnParallelLinear(_NeuronMasked, ColumnParallelLinear):
+    """linear_fc1 with structured neuron pruning: outputs only the kept neurons."""
+
+    axis = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_mask()
+
+    def forward(self, *args, **kwargs):
+        output, bias = super().forward(*args, **kwargs)
+        if bias is not None and self.sparsity > 0:  # skip_bias_add: the MLP adds it
+            bias = bias.index_select(0, self._kept)
+        return output, bias
+
+
+class NeuronPrunableRowParallelLinear(_NeuronMasked, RowParallelLinear):
+    """linear_fc2 with structured neuron pruning: reads only the kept neurons."""
+
+    axis = 1
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_mask()
+
+
 @lru_cache(maxsize=None)
 def _with_threshold(base: type, threshold: float) -> type:
     """A subclass of `base` whose kernel switch sits at `threshold` (cached: one class
@@ -147,6 +208,19 @@ def prunable_layer_spec(spec: ModuleSpec, sparse_threshold: float = CROSSOVER) -
     attn = _replace(sub.self_attention, "self_attention", linear_qkv=column, linear_proj=row)
     mlp = _replace(sub.mlp, "mlp", linear_fc1=column, linear_fc2=row)
     return dataclasses.replace(spec, submodules=dataclasses.replace(sub, self_attention=attn, mlp=mlp))
+
+
+def neuron_prunable_layer_spec(spec: ModuleSpec) -> ModuleSpec:
+    """`spec` with linear_fc1 / linear_fc2 pruned by whole FFN neurons.
+
+    Raises:
+        ConfigError: a gated MLP (SwiGLU: fc1 rows are pairs of neurons) or a spec whose
+            linears are not Megatron's local ones.
+    """
+    sub = spec.submodules
+    mlp = _replace(sub.mlp, "mlp", linear_fc1=NeuronPrunableColumnParallelLinear,
+                   linear_fc2=NeuronPrunableRowParallelLinear)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(sub, mlp=mlp))
 
 
 def prunable_linears(layer: torch.nn.Module) -> list[tuple[str, _MaskedLinear]]:
