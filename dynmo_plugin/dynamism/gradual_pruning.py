@@ -101,7 +101,7 @@ class GradualPruning(Scenario):
             "granularity": self.pruning.granularity,
             "unit": "ffn_neurons" if self.structured else "weights",
             "sparsity": per_layer, "target": target, "threshold": tau,
-            "sparse_kernel_layers": sparse_layers, "round_s": seconds})
+            "sparse_kernel_layers": sparse_layers})
 
     def after_layout_change(self) -> None:
         for _, _, module in self._linears():
