@@ -6,8 +6,8 @@
 Runs the scenario on PP=2 (one rank per core) as: `static` (Megatron's uniform split,
 dynamism on, never rebalanced: the `uniform` balancer, whose plan is the split it
 already has) and DynMo with each balancer (`exact`, `partition`, `diffusion`,
-`parameters`), same seed, repeated R times in interleaved order (static, exact, ...,
-static, exact, ...) so machine load affects all alike. Measured over the DYNAMIC
+`parameters`), same seed, repeated R times interleaved, the order rotated by one each
+repeat (no balancer always runs first or last), so machine load affects all alike. Measured over the DYNAMIC
 PHASE: from the iteration after the first dynamism event (the same iteration in every
 run: events depend only on training state) to the end; before it every run trains
 the same split (a scenario without events, e.g. the demo, is measured from iteration
@@ -121,7 +121,7 @@ def bench(config: str, extra: list[str], repeats: int) -> dict:
     start = None  # the dynamic phase, from the first (static) run's events
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp:
         for r in range(repeats):
-            for b in BALANCERS:
+            for b in BALANCERS[r % len(BALANCERS):] + BALANCERS[:r % len(BALANCERS)]:
                 _log(f"bench_e2e: repeat {r + 1}/{repeats}: {b}")
                 report = _run(config, b, extra, Path(tmp) / f"{b}{r}")
                 start = phase_start(report) if start is None else start
