@@ -18,7 +18,7 @@ $(STAMP): setup.cfg constraints.txt pyproject.toml
 
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 2 --master-port $${DYNMO_DEMO_PORT:-29541} \
-	  -m dynmo_plugin.train --dynmo --dynmo-config configs/demo.yaml --output $(OUT)
+	  -m dynmo_plugin.train --dynmo --dynmo-config configs/layer_freezing.yaml --output $(OUT)
 	$(VENV)/bin/dynmo report $(OUT)
 
 test: $(STAMP)
