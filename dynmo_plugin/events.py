@@ -6,7 +6,7 @@ The controller builds these objects; only `to_dict` knows the report's field nam
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from dynmo_plugin.balancing import Plan
@@ -66,7 +66,6 @@ class RebalanceEvent:
     profile: Optional[dict] = None
     measured_iter_s_before: Optional[float] = None
     measured_iter_s_after: Optional[float] = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     kind = "rebalance"
 
@@ -95,5 +94,4 @@ class RebalanceEvent:
                        predicted_iter_s_after=p.predicted_iter_s_after)
         if self.migration is not None:
             out["migration"] = self.migration.to_dict()
-        out.update(self.extra)
         return out

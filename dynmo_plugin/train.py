@@ -78,11 +78,9 @@ class _Session:
                   if args.pipeline_model_parallel_layout
                   else Layout.uniform(args.num_layers, dims.pp))
         self.scenario = build_scenario(cfg.dynmo.dynamism)
-        if self.scenario is not None:
-            self.scenario.model_args = args
         spec = layer_spec if layer_spec is not None else default_spec()
         if self.scenario is not None:
-            spec = self.scenario.layer_spec(spec)
+            spec = self.scenario.layer_spec(spec, args)
         self.trainer = StageTrainer(args, dims, layout, spec=spec)
         self.control = ControlPlane(cfg.dynmo.rebalance.migration_timeout_s)
         migrator = LayerMigrator(self.trainer, self.control,

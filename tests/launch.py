@@ -47,6 +47,29 @@ def losses(report: dict) -> list[float]:
     return [it["loss"] for it in report["iterations"]]
 
 
+def load_params(path: Path, ranks) -> dict:
+    """Global-named parameters dumped by the test worker (`--test-dump-params`) on `ranks`,
+    merged; copies held by several ranks (tied embeddings, DP replicas) must agree exactly."""
+    import torch
+    merged: dict = {}
+    for r in ranks:
+        for name, value in torch.load(path / f"params_rank{r}.pt").items():
+            merged.setdefault(name, value)
+            assert torch.equal(merged[name], value), name
+    return merged
+
+
+def assert_same_training(a_dir: Path, a: dict, b_dir: Path, b: dict, ranks) -> dict:
+    """Identical losses (to the last bit) and identical final parameters; returns run a's
+    parameters for further checks."""
+    import torch
+    assert losses(a) == losses(b)
+    pa, pb = load_params(a_dir, ranks), load_params(b_dir, ranks)
+    assert pa.keys() == pb.keys()
+    assert [n for n in pa if not torch.equal(pa[n], pb[n])] == []
+    return pa
+
+
 def _megatron_process(rank: int, port: int, check, args) -> None:
     import torch.distributed as dist
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from launch import losses, worker
+from launch import assert_same_training, load_params, losses, worker
 
 pytestmark = pytest.mark.multiproc
 
@@ -15,22 +15,8 @@ PP4_FORCED = "3:Et|tttttt||tL;5:Ettt|t|tt|ttL"
 PP2_FORCED = "3:Etttttt|ttL;5:Et|tttttttL"
 
 
-def _params(path, ranks):
-    merged = {}
-    for r in ranks:
-        for name, value in torch.load(path / f"params_rank{r}.pt").items():
-            if name in merged:  # tied embedding copies, DP replicas: must agree exactly
-                assert torch.equal(merged[name], value), name
-            merged[name] = value
-    return merged
-
-
 def _assert_same_training(a_dir, a, b_dir, b, ranks):
-    assert losses(a) == losses(b)  # identical to the last bit, not approximately
-    pa, pb = _params(a_dir, ranks), _params(b_dir, ranks)
-    assert pa.keys() == pb.keys() and len(pa) > 8 * 12
-    for name in pa:
-        assert torch.equal(pa[name], pb[name]), name
+    assert len(assert_same_training(a_dir, a, b_dir, b, ranks)) > 8 * 12
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +82,6 @@ def test_pp2_tp2_migrations_are_bit_exact(tmp_path_factory):
     assert moved["world"]["tp"] == 2
     assert losses(static) == losses(moved)
     for tp_ranks in ([0, 2], [1, 3]):  # Megatron orders TP fastest: ranks r, r+2 share a shard
-        a, b = _params(static_dir, tp_ranks), _params(moved_dir, tp_ranks)
+        a, b = load_params(static_dir, tp_ranks), load_params(moved_dir, tp_ranks)
         assert a.keys() == b.keys()
         assert all(torch.equal(a[n], b[n]) for n in a)

@@ -6,15 +6,11 @@ after new buffers exist, a hung or dead peer, optimizer state outside the per-pa
 dict, and frozen layers. Faults come from the test-only `dynmo_plugin.faults`.
 """
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
-import torch
 
-from launch import ROOT, free_port, losses, worker
+from launch import assert_same_training, torchrun, worker
 
 pytestmark = pytest.mark.multiproc
 
@@ -23,22 +19,6 @@ MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
          "--lr", "3e-3", "--seed", "11", "--dynmo", "--test-dump-params"]
 PP4 = MODEL + ["--train-iters", "6", "--pipeline-model-parallel-size", "4"]
 PP4_FORCED = "3:Et|tttttt||tL;5:Ettt|t|tt|ttL"
-
-
-def _params(path, ranks):
-    merged = {}
-    for r in ranks:
-        for name, value in torch.load(path / f"params_rank{r}.pt").items():
-            merged.setdefault(name, value)
-            assert torch.equal(merged[name], value), name
-    return merged
-
-
-def _same_training(a_dir, a, b_dir, b, ranks):
-    assert losses(a) == losses(b)
-    pa, pb = _params(a_dir, ranks), _params(b_dir, ranks)
-    assert pa.keys() == pb.keys()
-    assert [n for n in pa if not torch.equal(pa[n], pb[n])] == []
 
 
 def _rank_reports(path, n):
@@ -111,7 +91,7 @@ def test_failure_after_new_buffers_exist_keeps_old_layout(pp4_static, tmp_path, 
     assert not first["applied"] and "injected" in first["error"]
     assert first["layout_after"] == "Ett|tt|tt|ttL"
     assert second["applied"] and report["layout"] == "Ettt|t|tt|ttL"
-    _same_training(pp4_static[0], pp4_static[1], tmp_path, report, range(4))
+    assert_same_training(pp4_static[0], pp4_static[1], tmp_path, report, range(4))
 
 
 def test_migration_peak_memory_is_reported_and_bounded_by_the_model(tmp_path):
@@ -127,21 +107,17 @@ def test_migration_peak_memory_is_reported_and_bounded_by_the_model(tmp_path):
 
 
 # ---- lost peers ---------------------------------------------------------------------------------
-def _torchrun_raw(nproc, flags, output, timeout):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "workers.train_worker", *flags, "--output", str(output)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": str(ROOT / "tests")}
+def _failing_run(nproc, flags, output, timeout):
+    """(completed torchrun of the test worker, seconds it took); failure expected."""
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = torchrun(nproc, flags, output, timeout=timeout, check=False, module="workers.train_worker")
     return proc, time.monotonic() - start
 
 
 def test_hung_peer_ends_the_run_naming_it(tmp_path):
     """Stage 1 hangs on entering the transfer. The others give up after the migration
     timeout and exit with one line naming rank 1 and the phase it was last seen in."""
-    proc, seconds = _torchrun_raw(4, PP4 + ["--dynmo-forced-layouts", PP4_FORCED,
+    proc, seconds = _failing_run(4, PP4 + ["--dynmo-forced-layouts", PP4_FORCED,
                                             "--dynmo-migration-timeout", "10",
                                             "--test-fault", "hang@1:transfer"], tmp_path, timeout=240)
     assert proc.returncode != 0
@@ -152,7 +128,7 @@ def test_hung_peer_ends_the_run_naming_it(tmp_path):
 
 
 def test_dead_peer_does_not_hang_the_others(tmp_path):
-    proc, seconds = _torchrun_raw(4, PP4 + ["--dynmo-forced-layouts", PP4_FORCED,
+    proc, seconds = _failing_run(4, PP4 + ["--dynmo-forced-layouts", PP4_FORCED,
                                             "--dynmo-migration-timeout", "30",
                                             "--test-fault", "exit@1:transfer"], tmp_path, timeout=240)
     assert proc.returncode != 0
@@ -169,7 +145,7 @@ def test_lr_schedule_survives_migration_bit_exactly(tmp_path_factory):
     static = worker(4, flags, a_dir)
     moved = worker(4, flags + ["--dynmo-forced-layouts", PP4_FORCED], b_dir)
     assert [e["applied"] for e in moved["events"]] == [True, True]
-    _same_training(a_dir, static, b_dir, moved, range(4))
+    assert_same_training(a_dir, static, b_dir, moved, range(4))
 
 
 def test_frozen_layers_stay_frozen_when_moved_and_profiled(tmp_path_factory):
@@ -187,4 +163,4 @@ def test_frozen_layers_stay_frozen_when_moved_and_profiled(tmp_path_factory):
     profiles = [e for e in moved["events"] if e["kind"] == "profile" and e.get("profile")]
     assert profiles and all(x["optim_bytes"] == 0 for x in profiles[0]["profile"]["layers"]
                             if x["layer"] <= 2)
-    _same_training(a_dir, static, b_dir, moved, range(2))
+    assert_same_training(a_dir, static, b_dir, moved, range(2))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dynmo_plugin.dynamism.layer_freezing import combine_shards, freeze_limit, frozen_prefix, plasticity
-from launch import losses, worker
+from launch import load_params, losses, worker
 
 MODEL = ["--num-layers", "12", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--vocab-size", "32", "--micro-batch-size", "2",
@@ -81,12 +81,7 @@ def _profiles(report):
 def _params(path):
     """Every rank's parameters by global name; the two copies of the tied word embeddings
     (stage 0's embedding, the last stage's output layer) must be equal."""
-    merged = {}
-    for r in range(2):
-        for name, value in torch.load(path / f"params_rank{r}.pt").items():
-            merged.setdefault(name, value)
-            assert torch.equal(merged[name], value), f"copies of {name} differ"
-    return merged
+    return load_params(path, range(2))
 
 
 @pytest.mark.multiproc

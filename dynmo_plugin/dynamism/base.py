@@ -6,7 +6,7 @@ its change to the layer spec, its per-iteration hook, and when it reports an eve
 (which makes the controller profile and rebalance). The controller knows nothing
 about scenarios; the launcher glues them:
 
-    spec = scenario.layer_spec(spec)                 # before the stage is built
+    spec = scenario.layer_spec(spec, model_args)     # before the stage is built
     scenario.attach(runtime)                         # after it is built
     for it in iterations:                            # every rank, same order
         scenario.before_step(it)
@@ -64,15 +64,14 @@ class Scenario:
     """Base class: every hook is optional."""
 
     name: ClassVar[str] = "none"
-    # The launcher's ModelArgs, set before `layer_spec` (a layer may need e.g. the vocabulary).
-    model_args: Any = None
 
     def __init__(self, config) -> None:
         self.config = config
         self.runtime: Optional[Runtime] = None
 
-    def layer_spec(self, spec):
-        """The Megatron layer spec to build with (default: unchanged)."""
+    def layer_spec(self, spec, model_args):
+        """The Megatron layer spec to build with (default: unchanged); `model_args` (the
+        launcher's ModelArgs) tells a layer what it needs, e.g. the vocabulary size."""
         return spec
 
     def attach(self, runtime: Runtime) -> None:

@@ -56,12 +56,9 @@ class EarlyExit(Scenario):
         self.settings = config.early_exit
         self._context = None
 
-    def layer_spec(self, spec):
+    def layer_spec(self, spec, model_args):
         from dynmo_plugin.megatron.early_exit_layer import early_exit_spec
-        if self.model_args is None:
-            raise RuntimeError("early_exit needs the model settings (Scenario.model_args) before "
-                               "layer_spec: the launcher sets them")
-        return early_exit_spec(spec, vocab_size=self.model_args.vocab_size)
+        return early_exit_spec(spec, vocab_size=model_args.vocab_size)
 
     def attach(self, runtime: Runtime) -> None:
         super().attach(runtime)

@@ -63,7 +63,7 @@ class GradualPruning(Scenario):
         self.applied = 0.0  # global sparsity target of the last round
 
     # ---- Scenario interface ---------------------------------------------------------------
-    def layer_spec(self, spec):
+    def layer_spec(self, spec, model_args):
         from dynmo_plugin.megatron.prunable import neuron_prunable_layer_spec, prunable_layer_spec
         if self.structured:
             return neuron_prunable_layer_spec(spec)

@@ -84,7 +84,7 @@ class LayerFreezing(Scenario):
         self.history: list[dict] = []  # rank 0: {"iteration", "plasticity"} per check
 
     # ---- Scenario hooks ---------------------------------------------------------------------
-    def layer_spec(self, spec):
+    def layer_spec(self, spec, model_args):
         from dynmo_plugin.megatron.freezable import freezable_spec
         return freezable_spec(spec)
 
