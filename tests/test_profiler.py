@@ -8,10 +8,14 @@ from launch import torchrun, worker
 pytestmark = pytest.mark.multiproc
 
 H = 128
-MODEL = ["--num-layers", "4", "--hidden-size", str(H), "--num-attention-heads", "4",
-         "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--train-iters", "3", "--dynmo", "--dynmo-profile-every", "2",
-         "--dynmo-profile-window", "2"]
+RUN = ["--num-layers", "4", "--num-attention-heads", "4",
+       "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+       "--train-iters", "3", "--dynmo", "--dynmo-profile-every", "2",
+       "--dynmo-profile-window", "2"]
+MODEL = ["--hidden-size", str(H), *RUN]
+# The heavy-layer fixture compares times: its layers are large enough (several ms each)
+# that the OS descheduling a rank on a loaded 2-core machine cannot invert a ratio.
+HEAVY_H = 512
 
 
 def _profile(report):
@@ -23,8 +27,8 @@ def _profile(report):
 @pytest.fixture(scope="module")
 def pp2_heavy(tmp_path_factory):
     out = tmp_path_factory.mktemp("heavy")
-    return worker(2, MODEL + ["--pipeline-model-parallel-size", "2", "--test-heavy-layer", "2",
-                              "--test-heavy-factor", "3"], out)
+    return worker(2, ["--hidden-size", str(HEAVY_H), *RUN, "--pipeline-model-parallel-size", "2",
+                      "--test-heavy-layer", "2", "--test-heavy-factor", "3"], out)
 
 
 def test_heavy_layer_costs_k_times_its_neighbours(pp2_heavy):
@@ -49,7 +53,7 @@ def test_the_stage_behind_the_heavy_one_waits(pp2_heavy):
 
 
 def test_memory_bytes_are_exact(pp2_heavy):
-    params = 12 * H * H + 13 * H          # qkv, proj, fc1, fc2 with biases; two layer norms
+    params = 12 * HEAVY_H * HEAVY_H + 13 * HEAVY_H          # qkv, proj, fc1, fc2 with biases; two layer norms
     for x in _profile(pp2_heavy)["layers"]:
         assert x["param_bytes"] == 4 * params
         assert x["grad_bytes"] == 4 * params                   # fp32 main_grad views
@@ -62,10 +66,11 @@ def test_cpu_peak_is_static_state_plus_in_flight_activations(pp2_heavy):
     arithmetic — analytic parameter counts of layers and extras, fp32 Adam (param,
     grad, two moments, a 4-byte step per tensor), and the 1F1B warm-up depth times the
     layers' activation bytes."""
-    vocab, seq, p_layer = 256, 64, 12 * H * H + 13 * H
+    h = HEAVY_H
+    vocab, seq, p_layer = 256, 64, 12 * h * h + 13 * h
     # Stage 0: word + position embeddings. Stage 1: final layer norm (weight, bias) and
     # the tied output layer's own copy of the word embeddings.
-    extras = {0: vocab * H + seq * H, 1: 2 * H + vocab * H}
+    extras = {0: vocab * h + seq * h, 1: 2 * h + vocab * h}
     tensors = {0: 2, 1: 3}
     profile = _profile(pp2_heavy)
     for stage in profile["stages"]:
