@@ -27,7 +27,8 @@ from dynmo_plugin.layout import Layout, LayoutError
 
 __all__ = [
     "ConfigError", "ModelArgs", "ProfilingConfig", "RebalanceConfig", "PruningConfig",
-    "FreezingConfig", "EarlyExitConfig", "DynamismConfig", "SCENARIO_SECTIONS", "DynmoConfig",
+    "FreezingConfig", "EarlyExitConfig", "DynamismConfig", "SCENARIO_SECTIONS", "RepackConfig",
+    "ClusterConfig", "CLUSTER_STRATEGIES", "DynmoConfig",
     "RunConfig", "add_model_args", "add_dynmo_args", "load_config",
 ]
 
@@ -239,6 +240,64 @@ class DynamismConfig:
 
 
 @dataclass(kw_only=True)
+class RepackConfig:
+    """Consolidating the pipeline onto fewer stages once the work has shrunk."""
+
+    enabled: bool = field(default=False, metadata=opt(
+        "consider repacking onto fewer pipeline stages", "--dynmo-repack"))
+    min_stages: int = field(default=1, metadata=opt(
+        "never repack below this many pipeline stages", "--dynmo-repack-min-stages", positive))
+    max_slowdown: float = field(default=1.0, metadata=opt(
+        "objective min_stages: the predicted iteration time may grow at most this factor over "
+        "the current one", "--dynmo-repack-max-slowdown", positive))
+    objective: str = field(default="min_stages", metadata=opt(
+        "min_stages (fewest stages within max_slowdown) or throughput_per_gpu",
+        "--dynmo-repack-objective", one_of("min_stages", "throughput_per_gpu")))
+    trigger: str = field(default="event", metadata=opt(
+        "event: consider repacking after dynamism events; rebalance: after every rebalance "
+        "decision (interval ones too)", "--dynmo-repack-trigger", one_of("event", "rebalance")))
+    mode: str = field(default="live", metadata=opt(
+        "live (shrink the running job) or checkpoint (save, exit, restart with fewer ranks)",
+        "--dynmo-repack-mode", one_of("live", "checkpoint")))
+    memory_margin: float = field(default=0.1, metadata=opt(
+        "a stage fits if its predicted memory x (1 + margin) is within the cap",
+        "--dynmo-repack-memory-margin", non_negative))
+    rebuild_s: float = field(default=10.0, metadata=opt(
+        "estimated seconds to regroup and rebuild (the gate's cost, besides moving layers)",
+        "--dynmo-repack-rebuild-s", non_negative))
+
+
+CLUSTER_STRATEGIES = ("none", "statefulset-scale", "job-parallelism", "delete-pods",
+                      "patch-pod-resources")
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """How released GPUs go back to the cluster scheduler (dynmo_plugin.cluster)."""
+
+    strategy: str = field(default="none", metadata=opt(
+        "none (log only), statefulset-scale, job-parallelism, delete-pods, patch-pod-resources",
+        "--dynmo-cluster-strategy", one_of(*CLUSTER_STRATEGIES)))
+    fallback: str = field(default="none", metadata=opt(
+        "strategy to try when the first is rejected (patch-pod-resources always is: 422)",
+        "--dynmo-cluster-fallback", one_of(*CLUSTER_STRATEGIES)))
+    namespace: str = field(default="", metadata=opt(
+        "namespace (empty: POD_NAMESPACE from the downward API, else the service account's)",
+        "--dynmo-cluster-namespace"))
+    name: str = field(default="", metadata=opt(
+        "StatefulSet/Job name (empty: derived from POD_NAME, e.g. train-3 -> train)",
+        "--dynmo-cluster-name"))
+    kubeconfig: str = field(default="", metadata=opt(
+        "kubeconfig file (empty: in-cluster config, else $KUBECONFIG)", "--dynmo-cluster-kubeconfig"))
+    retries: int = field(default=5, metadata=opt(
+        "attempts per API call on 409/429/5xx/unreachable", "--dynmo-cluster-retries", positive))
+    backoff_s: float = field(default=0.5, metadata=opt(
+        "first retry delay in seconds (doubles each retry)", "--dynmo-cluster-backoff-s", non_negative))
+    timeout_s: float = field(default=10.0, metadata=opt(
+        "seconds per API request", "--dynmo-cluster-timeout-s", positive))
+
+
+@dataclass(kw_only=True)
 class DynmoConfig:
     """The plugin's settings; the YAML file holds these sections at its top level."""
 
@@ -246,6 +305,8 @@ class DynmoConfig:
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     dynamism: DynamismConfig = field(default_factory=DynamismConfig)
+    repack: RepackConfig = field(default_factory=RepackConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 @dataclass(kw_only=True)
@@ -418,7 +479,18 @@ def load_config(args: argparse.Namespace, world_size: int | None = None) -> RunC
     cfg.model.validate_shape(where, world_size)
     _check_forced_layouts(cfg, where)
     _check_dynamism(cfg, given)
+    _check_repack(cfg, given)
     return cfg
+
+
+def _check_repack(cfg: RunConfig, given: dict[str, str]) -> None:
+    rp, cl, pp = cfg.dynmo.repack, cfg.dynmo.cluster, cfg.model.pipeline_model_parallel_size
+    if rp.enabled and rp.min_stages > pp:
+        raise ConfigError(f"{given.get('repack.min_stages', 'repack.min_stages')}: min_stages "
+                          f"({rp.min_stages}) exceeds --pipeline-model-parallel-size ({pp})")
+    if cl.fallback != "none" and cl.fallback == cl.strategy:
+        raise ConfigError(f"{given.get('cluster.fallback', 'cluster.fallback')}: the fallback "
+                          f"({cl.fallback}) is the strategy itself; choose another or none")
 
 
 def _check_dynamism(cfg: RunConfig, given: dict[str, str]) -> None:
