@@ -295,6 +295,9 @@ class ClusterConfig:
         "first retry delay in seconds (doubles each retry)", "--dynmo-cluster-backoff-s", non_negative))
     timeout_s: float = field(default=10.0, metadata=opt(
         "seconds per API request", "--dynmo-cluster-timeout-s", positive))
+    ranks_per_replica: int = field(default=0, metadata=opt(
+        "training ranks per pod / Job index (0: torchrun's LOCAL_WORLD_SIZE); only whole "
+        "replicas can be released", "--dynmo-cluster-ranks-per-replica", non_negative))
 
 
 @dataclass(kw_only=True)
@@ -512,11 +515,17 @@ def _check_dynamism(cfg: RunConfig, given: dict[str, str]) -> None:
 
 def _check_forced_layouts(cfg: RunConfig, where: str) -> None:
     m = cfg.model
+    pp = m.pipeline_model_parallel_size
     for it, text in cfg.dynmo.rebalance.forced_layouts.items():
         try:
-            Layout.parse(text, m.pipeline_model_parallel_size, m.num_layers)
+            layout = Layout.parse(text, None, m.num_layers)
         except LayoutError as e:
             raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: {e}") from e
+        if layout.num_stages > pp or (layout.num_stages < pp and not cfg.dynmo.repack.enabled):
+            raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: layout {text!r} has "
+                              f"{layout.num_stages} stages but the pipeline has {pp} "
+                              "(--pipeline-model-parallel-size); fewer stages force a repack, "
+                              "which needs repack.enabled (--dynmo-repack)")
         if it > m.train_iters:
             raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: iteration is past "
                               f"--train-iters ({m.train_iters})")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -27,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["ControlPlane", "PeerFailure", "DecisionFailed"]
+__all__ = ["ControlPlane", "PeerFailure", "DecisionFailed", "agent_store"]
 
 logger = logging.getLogger(__name__)
 _LEDGER = "dynmo/phase/{}"
@@ -165,3 +166,12 @@ def _default_store():
     except Exception:  # noqa: BLE001 - private API; without it failures name no peer
         logger.warning("rendezvous store not reachable: a failed collective will not name its peer")
         return None
+
+
+def agent_store(timeout_s: float) -> dist.TCPStore:
+    """A client of torchrun's store (the agent's TCPStore at MASTER_ADDR:MASTER_PORT).
+
+    It outlives every process group, so ranks can still meet on it while the world is
+    torn down and rebuilt (a repack), and after some ranks have left."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=datetime.timedelta(seconds=timeout_s))

@@ -28,7 +28,7 @@ from dynmo_plugin.balancing import BalanceProblem, GateConfig, InfeasibleError, 
 from dynmo_plugin.config import DynmoConfig
 from dynmo_plugin.consensus import ControlPlane, DecisionFailed
 from dynmo_plugin.events import Decision, ProfileEvent, RebalanceEvent
-from dynmo_plugin.layout import Layout
+from dynmo_plugin.layout import Layout, LayoutError
 from dynmo_plugin.profiling.records import PipelineProfile
 from dynmo_plugin.report import RunReport
 
@@ -76,12 +76,15 @@ class DynMo:
     """Drives profiling and rebalancing of one stage's trainer."""
 
     def __init__(self, config: DynmoConfig, trainer, control: ControlPlane, migrator,
-                 report: Optional[RunReport] = None, profile_noise=None):
+                 report: Optional[RunReport] = None, profile_noise=None, repacker=None):
         """`control`: the control plane every rank shares; `migrator`: applies layouts
-        (dynmo_plugin.megatron.migrate.LayerMigrator); `profile_noise`: test-only
+        (dynmo_plugin.megatron.migrate.LayerMigrator); `repacker(layout, iteration,
+        info)`: repacks onto a layout of fewer stages, returns (the event's `repack`
+        record, megatron.repack.RepackResult) and rebinds this controller to the shrunk
+        world (dynmo_plugin.megatron.repack.Repacker.run); `profile_noise`: test-only
         (dynmo_plugin.faults.ProfileNoise)."""
         self.config, self.trainer, self.report = config, trainer, report
-        self.control, self._migrator = control, migrator
+        self.control, self._migrator, self._repacker = control, migrator, repacker
         self._noise = profile_noise
         self._layout_listeners: list = []
         self._open: Optional[_OpenWindow] = None
@@ -97,6 +100,10 @@ class DynMo:
             load_partition_balanced()
 
     # ---- public API ---------------------------------------------------------------------
+    def rebind(self, trainer, control: ControlPlane, migrator) -> None:
+        """Drive a rebuilt stage (after a repack shrank the world)."""
+        self.trainer, self.control, self._migrator = trainer, control, migrator
+
     def add_layout_listener(self, callback) -> None:
         """`callback()` runs on every rank after a migration changed the layout."""
         self._layout_listeners.append(callback)
@@ -172,20 +179,32 @@ class DynMo:
         self._rebalance(iteration, opened.trigger, window, gathered, start)
 
     # ---- decision and migration -----------------------------------------------------------
-    def _decide(self, profile: PipelineProfile) -> Decision:
-        """Rank 0 only. An impossible plan is a decision not to move, never an exception."""
+    def _decide(self, profile: PipelineProfile, trigger: str) -> Decision:
+        """Rank 0 only. An impossible plan is a decision not to move, never an exception.
+        A repack that passes its gate wins over a rebalance: its layout is balanced too."""
         t, rb = self.trainer, self.config.rebalance
         try:
             problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches)
             gate = GateConfig(iterations_until_next_event=rb.expected_event_gap,
                               bandwidth_bytes_per_s=self.bandwidth, margin=rb.margin,
                               min_relative_gain=rb.min_gain)
+            repack = self._plan_repack(problem, gate, trigger)
+            if repack is not None and repack.apply:
+                return Decision(profile.to_dict(), None, True, repack.reason, repack=repack)
             plan = solve(problem, rb.balancer, gate=gate)
         except (InfeasibleError, ProblemError) as e:
             return Decision(profile.to_dict(), None, False, f"no feasible plan: {e}")
         if plan.layout == t.layout:
             return Decision(profile.to_dict(), plan, False, "already balanced")
-        return Decision(profile.to_dict(), plan, plan.gate.apply, plan.gate.reason)
+        return Decision(profile.to_dict(), plan, plan.gate.apply, plan.gate.reason, repack=repack)
+
+    def _plan_repack(self, problem: BalanceProblem, gate: GateConfig, trigger: str):
+        rp = self.config.repack
+        wanted = rp.trigger == "rebalance" or trigger.startswith("event:")
+        if self._repacker is None or not rp.enabled or not wanted or problem.num_stages <= rp.min_stages:
+            return None
+        from dynmo_plugin.balancing.repack import RepackCriteria, plan_repack
+        return plan_repack(problem, RepackCriteria.from_config(rp), gate)
 
     def _rebalance(self, iteration: int, trigger: str, window: list[int],
                    gathered: PipelineProfile, start: float) -> None:
@@ -193,7 +212,7 @@ class DynMo:
         profiling_s = time.perf_counter() - start
         start = time.perf_counter()
         try:
-            decision = self.control.decide(lambda: self._decide(gathered), "decision")
+            decision = self.control.decide(lambda: self._decide(gathered, trigger), "decision")
         except DecisionFailed as e:
             decision = Decision(gathered.to_dict(), None, False, f"balancer failed: {e}")
         decision_s = time.perf_counter() - start
@@ -203,13 +222,48 @@ class DynMo:
                                reason=decision.reason, plan=decision.plan, window=window,
                                profile=decision.profile,
                                measured_iter_s_before=self._measured_before())
-        if decision.apply:
+        if decision.repack is not None and decision.apply:
+            r = decision.repack
+            info = {"method": r.method, "predicted_iter_s_before": r.predicted_iter_s_before,
+                    "predicted_iter_s_after": r.predicted_iter_s_after, "reason": r.reason,
+                    "plan": r.to_dict()}
+            self._run_repack(event, r.layout_after, iteration, info)  # retiring ranks leave here
+        elif decision.apply:
             self._attach_migration(event, self._migrate(decision.plan.layout))
         self._record(event)
 
+    def _run_repack(self, event: RebalanceEvent, layout: Layout, iteration: int, info: dict) -> None:
+        start = time.perf_counter()
+        event.repack, result = self._repacker(layout, iteration, info)
+        if result.migration is not None:
+            self._attach_migration(event, result.migration)
+        event.layout_after, event.applied = result.layout_after, event.layout_after != event.layout_before
+        event.overhead_s["repack"] = time.perf_counter() - start
+        if result.error:
+            event.error = result.error
+        if event.applied:
+            for callback in self._layout_listeners:
+                callback()
+
     def _apply_forced(self, iteration: int, text: str) -> None:
-        layout = Layout.parse(text, self.trainer.dims.pp, self.trainer.layout.num_layers)
-        before = self.trainer.layout
+        before, pp = self.trainer.layout, self.trainer.dims.pp
+        try:
+            layout = Layout.parse(text, None, self.trainer.layout.num_layers)
+            if layout.num_stages > pp or (layout.num_stages < pp and self._repacker is None):
+                raise LayoutError(f"forced layout {text!r} has {layout.num_stages} stages, the "
+                                  f"pipeline {pp}; fewer stages repack, which needs repack.enabled")
+        except LayoutError as e:  # validated at start; a repack may since have changed PP
+            self._record(RebalanceEvent(iteration, "forced", str(before), str(before), False,
+                                        {"profiling": 0.0, "decision": 0.0, "migration": 0.0},
+                                        reason="forced layout", error=str(e)))
+            return
+        if layout.num_stages < pp:
+            event = RebalanceEvent(iteration, "forced", str(before), str(before), False,
+                                   {"profiling": 0.0, "decision": 0.0, "migration": 0.0},
+                                   reason="forced repack", measured_iter_s_before=self._measured_before())
+            self._run_repack(event, layout, iteration, {"method": "forced", "reason": "forced repack"})
+            self._record(event)
+            return
         event = RebalanceEvent(iteration, "forced", str(before), str(before), False,
                                {"profiling": 0.0, "decision": 0.0, "migration": 0.0},
                                reason="forced layout", measured_iter_s_before=self._measured_before())

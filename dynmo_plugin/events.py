@@ -23,6 +23,7 @@ class Decision:
     plan: Optional[Plan] = None   # None when no plan exists (infeasible, balancer failed)
     apply: bool = False
     reason: str = ""
+    repack: Any = None            # a balancing.repack.RepackPlan when repacking was considered
 
 
 @dataclass
@@ -66,6 +67,7 @@ class RebalanceEvent:
     profile: Optional[dict] = None
     measured_iter_s_before: Optional[float] = None
     measured_iter_s_after: Optional[float] = None
+    repack: Optional[dict] = None  # what a repack did (megatron.repack); "cluster" is filled later
 
     kind = "rebalance"
 
@@ -94,4 +96,6 @@ class RebalanceEvent:
                        predicted_iter_s_after=p.predicted_iter_s_after)
         if self.migration is not None:
             out["migration"] = self.migration.to_dict()
+        if self.repack is not None:
+            out["repack"] = dict(self.repack)  # a copy: a release thread may fill "cluster"
         return out

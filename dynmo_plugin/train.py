@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_start=None,
         on_finish=None) -> dict:
-    """Train as configured; returns the report (as a dict) on every rank.
+    """Train as configured; returns the report (as a dict) on every rank, or None on a
+    rank that a repack released (it has left the world; its launcher exits 0).
 
     `layer_spec` (a Megatron ModuleSpec) replaces the default TransformerLayer spec,
     for models with custom layers. `fault` and `profile_noise` are test-only fakes
@@ -41,14 +42,19 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
         PeerFailure: a peer died or hung during a plugin collective (see consensus).
     """
     from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
+    from dynmo_plugin.megatron.repack import RankRetired
 
     dims = init_parallel(cfg.model)
     try:
         session = _Session(cfg, dims, layer_spec, fault, profile_noise)
         if on_start is not None:
             on_start(session.trainer)
-        for iteration in range(1, cfg.model.train_iters + 1):
-            session.step(iteration)
+        try:
+            for iteration in range(1, cfg.model.train_iters + 1):
+                session.step(iteration)
+        except RankRetired:
+            return None  # this rank's stage was released by a repack: exit 0, no report
+        session.finish_releases()
         session.report.layout = str(session.trainer.layout)
         session.report.write()
         if on_finish is not None:
@@ -70,6 +76,8 @@ class _Session:
         from dynmo_plugin.dynamism import Runtime, build_scenario
         from dynmo_plugin.megatron.migrate import LayerMigrator
         from dynmo_plugin.megatron.model import layer_spec as default_spec
+        from dynmo_plugin.megatron.repack import Repacker
+        from dynmo_plugin.releases import Releases
         from dynmo_plugin.megatron.trainer import StageTrainer
         from dynmo_plugin.report import RunReport
 
@@ -82,18 +90,50 @@ class _Session:
         if self.scenario is not None:
             spec = self.scenario.layer_spec(spec, args)
         self.trainer = StageTrainer(args, dims, layout, spec=spec)
-        self.control = ControlPlane(cfg.dynmo.rebalance.migration_timeout_s)
-        migrator = LayerMigrator(self.trainer, self.control,
-                                 cfg.dynmo.rebalance.migration_timeout_s, fault)
+        timeout = cfg.dynmo.rebalance.migration_timeout_s
+        self.control = ControlPlane(timeout)
+        self.migrator = LayerMigrator(self.trainer, self.control, timeout, fault)
+        shape = {"pp": dims.pp, "tp": dims.tp, "dp": dims.dp, "world_size": dims.world_size}
         self.report = RunReport(path=os.path.join(args.output, "report.json"), config=cfg.to_dict(),
-                                world={"pp": dims.pp, "tp": dims.tp, "dp": dims.dp,
-                                       "world_size": dims.world_size, "backend": dims.backend},
+                                world={**shape, "backend": dims.backend,
+                                       "history": [{"iteration": 0, **shape}]},
                                 initial_layout=str(layout), enabled=dims.rank == 0)
-        self.dynmo = DynMo(cfg.dynmo, self.trainer, self.control, migrator, self.report,
-                           profile_noise=profile_noise)
+        self.releases = Releases(cfg.dynmo.cluster, timeout) if dims.rank == 0 else None
+        repacker = (Repacker(self, args.seed, timeout).run
+                    if cfg.dynmo.enabled and cfg.dynmo.repack.enabled else None)
+        self.dynmo = DynMo(cfg.dynmo, self.trainer, self.control, self.migrator, self.report,
+                           profile_noise=profile_noise, repacker=repacker)
         if self.scenario is not None:
-            self.scenario.attach(Runtime(self.trainer, self.control, migrator))
+            self.scenario.attach(Runtime(self.trainer, self.control, self.migrator))
             self.dynmo.add_layout_listener(self.scenario.after_layout_change)
+
+    # ---- what a repack (dynmo_plugin.megatron.repack) needs from the session ------------
+    def rebind(self, trainer, control, migrator) -> None:
+        """Switch everything to the stage rebuilt in the shrunk world."""
+        self.trainer, self.control, self.migrator = trainer, control, migrator
+        self.dynmo.rebind(trainer, control, migrator)
+        if self.scenario is not None:
+            from dynmo_plugin.dynamism import Runtime
+            self.scenario.attach(Runtime(trainer, control, migrator))
+
+    def release_stage(self) -> None:
+        """A retiring rank drops its stage's buffers before leaving."""
+        from dynmo_plugin.megatron.migrate import retire_ddp
+        retire_ddp(self.trainer.ddp)
+
+    def repacked(self, iteration: int, record: dict, result) -> None:
+        """Survivors, after a repack: the world's new size in the report; the leader hands
+        the released replicas back to the cluster in the background."""
+        d = self.trainer.dims
+        self.report.world["history"].append({"iteration": iteration, "pp": d.pp, "tp": d.tp,
+                                             "dp": d.dp, "world_size": d.world_size,
+                                             "released_ranks": result.ranks_released})
+        if self.releases is not None:
+            self.releases.start(record, result)
+
+    def finish_releases(self) -> None:
+        if self.releases is not None:
+            self.releases.join()
 
     def step(self, iteration: int) -> None:
         start = time.perf_counter()

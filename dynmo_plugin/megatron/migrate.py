@@ -100,7 +100,7 @@ class LayerMigrator:
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 error, outgoing, sending = f"pack on stage {stage}: {e!r}", [], {}
         with self._phase("headers"):
-            headers = exchange_headers(outgoing, self.control, self._pp_ranks())
+            headers = exchange_headers(outgoing, self.control, self.pp_ranks())
         received = {}
         with self._phase("transfer"):
             try:
@@ -144,7 +144,7 @@ class LayerMigrator:
         except Exception as e:  # noqa: BLE001 - reported to every rank by the next agreement
             return None, f"{fn.__name__.strip('_')} on stage {self.trainer.dims.pp_rank}: {e!r}"
 
-    def _pp_ranks(self) -> list[int]:
+    def pp_ranks(self) -> list[int]:
         pp = self.trainer.dims.groups.pp
         return [dist.get_global_rank(pp, s) for s in range(dist.get_world_size(pp))]
 

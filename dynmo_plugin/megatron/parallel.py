@@ -17,8 +17,9 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from dynmo_plugin.config import ModelArgs
+from dynmo_plugin.consensus import agent_store
 
-__all__ = ["ParallelDims", "init_parallel", "destroy_parallel"]
+__all__ = ["ParallelDims", "init_parallel", "destroy_parallel", "shrink_world", "survives"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,16 +62,22 @@ def init_parallel(args: ModelArgs) -> ParallelDims:
             dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         else:
             dist.init_process_group("gloo")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp)
     if not cuda:
         from dynmo_plugin.megatron import cpu_compat
         cpu_compat.apply()
         torch.set_num_threads(1)  # CPU-time profiling needs one thread per rank
     torch.manual_seed(args.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    return _model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                           args.seed)
+
+
+def _model_parallel(tp: int, pp: int, seed: int) -> ParallelDims:
+    """Megatron's groups over the current world (pipeline rank varies slowest)."""
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
     world = dist.get_world_size()
+    cuda = torch.cuda.is_available()
     return ParallelDims(
         rank=dist.get_rank(), world_size=world, tp=tp, pp=pp, dp=world // (tp * pp),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
@@ -78,6 +85,44 @@ def init_parallel(args: ModelArgs) -> ParallelDims:
         device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
         groups=ProcessGroupCollection.use_mpu_process_groups(),
     )
+
+
+def survives(dims: ParallelDims, new_pp: int) -> bool:
+    """Whether this rank keeps its place when the pipeline shrinks to `new_pp` stages.
+
+    The lowest pipeline stages survive. Megatron orders ranks tp-cp-ep-dp-pp (the
+    pipeline rank varies slowest), so the survivors are exactly global ranks
+    0 .. new_world-1: they keep their rank numbers, torchrun's RANK stays true, and the
+    highest ranks (a StatefulSet's highest ordinals, the ones it removes first) leave.
+    """
+    survivor = dims.pp_rank < new_pp
+    if survivor != (dims.rank < dims.tp * new_pp * dims.dp):
+        raise RuntimeError(f"rank {dims.rank} (pipeline stage {dims.pp_rank}) breaks the "
+                           "pipeline-slowest rank order that shrinking relies on")
+    return survivor
+
+
+def shrink_world(dims: ParallelDims, new_pp: int, generation: int, seed: int,
+                 timeout_s: float) -> ParallelDims:
+    """Survivors only (the retiring ranks have destroyed their groups): a new default
+    group over ranks 0..new_world-1 and Megatron's groups with `new_pp` stages.
+
+    `initialize_model_parallel` reads the WORLD size, so the world itself must shrink:
+    a fresh rendezvous on torchrun's store under a new prefix per repack
+    (`generation`), same backend. On NCCL the device is bound, so every Megatron
+    subgroup made afterwards comes from ncclCommSplit of the new world communicator.
+    """
+    backend, world = dims.backend, dims.tp * new_pp * dims.dp
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    store = agent_store(timeout_s)
+    kwargs = {}
+    if backend == "nccl":
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend, store=dist.PrefixStore(f"dynmo/repack{generation}/", store),
+                            rank=dims.rank, world_size=world, **kwargs)
+    os.environ["WORLD_SIZE"] = str(world)
+    return _model_parallel(dims.tp, new_pp, seed)
 
 
 def destroy_parallel() -> None:

@@ -25,6 +25,7 @@ from dynmo_plugin.data import SyntheticTokens
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.megatron.model import build_stage_model, layer_spec, transformer_config
 from dynmo_plugin.megatron.parallel import ParallelDims
+from dynmo_plugin.megatron.stage_state import restore_model, restore_optimizer
 
 __all__ = ["StageTrainer"]
 
@@ -46,7 +47,10 @@ def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 class StageTrainer:
     """Trains this rank's pipeline stage; every rank of the run holds one."""
 
-    def __init__(self, args: ModelArgs, dims: ParallelDims, layout: Layout, spec=None):
+    def __init__(self, args: ModelArgs, dims: ParallelDims, layout: Layout, spec=None,
+                 state=None):
+        """`state` (a megatron.stage_state.StageState): start from it instead of the
+        initial weights — parameters, buffers, frozen flags and optimizer state."""
         if args.clip_grad > 0 and not torch.cuda.is_available():
             raise ConfigError("--clip-grad > 0 needs CUDA (Megatron's clip_grads asserts CUDA "
                               "tensors); use --clip-grad 0 on CPU")
@@ -55,6 +59,8 @@ class StageTrainer:
         self.spec = spec if spec is not None else layer_spec()
         self.model = build_stage_model(args, self.config, self.spec,
                                        dims.is_first_stage, dims.is_last_stage)
+        if state is not None:
+            restore_model(self.model, state)  # before DDP: it only wraps trainable params
         self.ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
         self.optimizer_config = OptimizerConfig(
@@ -67,6 +73,8 @@ class StageTrainer:
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * dims.dp)
         self.ddp = self.build_ddp()
         self.optimizer = self.build_optimizer(self.ddp)
+        if state is not None:
+            restore_optimizer(self.model, self.optimizer, state)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr,
             min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,

@@ -1,0 +1,220 @@
+"""Repack a live pipeline onto its lowest K stages and shrink the world to match.
+
+Collective over every rank, in four parts (the report times each):
+  1. migration - the layers of the released stages move to the survivors with the
+                 migration engine: a normal two-phase migration to the intermediate
+                 layout (the final split followed by empty stages). If it fails,
+                 nothing moved and training goes on as before.
+  2. handoff   - the old last stage sends its head (final norm, output layer, their
+                 optimizer state) to the new last stage; then every rank agrees. If
+                 that fails, training goes on with the intermediate layout (empty
+                 stages still hold the head): nothing is lost.
+     ---- point of no return ----
+  3. regroup   - retiring ranks destroy their process groups, mark themselves
+                 retired on torchrun's store and leave (`RankRetired`; the launcher
+                 exits 0). Survivors (global ranks 0..K*tp*dp-1) rendezvous a new,
+                 smaller world and rebuild Megatron's groups with PP = K.
+  4. rebuild   - survivors build their stage anew for the new layout (a middle stage
+                 may become the last), load everything by global name (parameters,
+                 buffers, frozen flags, optimizer state), then carry the scheduler,
+                 per-group settings and loss scaler over.
+A failure in 3-4 leaves no way back (the old world is gone): it ends the run with a
+traceback, like any broken world would.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from dynmo_plugin.consensus import ControlPlane, agent_store
+from dynmo_plugin.layout import Layout
+from dynmo_plugin.megatron.optim_state import carry_optimizer_state
+from dynmo_plugin.megatron.parallel import destroy_parallel, shrink_world, survives
+from dynmo_plugin.megatron.stage_state import StageState, capture
+from dynmo_plugin.migration.exchange import exchange_buffers, exchange_headers
+from dynmo_plugin.migration.result import MigrationResult
+from dynmo_plugin.migration.wire import checksum, pack, unpack
+from dynmo_plugin.releases import RETIRED_KEY
+
+__all__ = ["RankRetired", "RepackResult", "Repacker"]
+
+logger = logging.getLogger(__name__)
+HEAD = 0                      # the head travels under this pseudo layer number (layers are 1-based)
+
+
+class RankRetired(Exception):
+    """This rank's stage was released by a repack; it has left the world cleanly."""
+
+
+@dataclass
+class RepackResult:
+    """What one repack did, for the report (`events[].repack`)."""
+
+    applied: bool
+    stages_before: int
+    stages_after: int
+    layout_after: str
+    ranks_released: list[int] = field(default_factory=list)
+    phase_s: dict[str, float] = field(default_factory=dict)  # migration, handoff, regroup, rebuild
+    error: Optional[str] = None
+    migration: Optional[MigrationResult] = None
+    world_size_before: int = 0
+    world_size_after: int = 0
+    generation: int = 0          # repacks so far, this one included (store key prefix)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["migration"] = self.migration.to_dict() if self.migration is not None else None
+        return out
+
+
+class Repacker:
+    """Shrinks the run that `session` holds (its trainer, control plane and migrator).
+
+    `session` must offer `trainer`, `control`, `migrator` and `rebind(trainer, control,
+    migrator)`: after a repack the survivors' session switches to the new objects.
+    """
+
+    def __init__(self, session, seed: int, timeout_s: float):
+        self.session, self.seed, self.timeout_s = session, seed, timeout_s
+        self.generation = 0
+
+    def run(self, layout: Layout, iteration: int, info: dict) -> tuple[dict, RepackResult]:
+        """Repack onto `layout` (fewer stages); returns the event's `repack` record (the
+        result plus `info`: how it was decided) and the result.
+
+        Raises:
+            RankRetired: on the ranks whose stages it releases.
+        """
+        pp = self.session.trainer.dims.pp
+        intermediate = Layout(layout.counts + (0,) * (pp - layout.num_stages))
+        result = self.repack(layout, intermediate)
+        record = {**result.to_dict(), **info, "cluster": None}
+        del record["migration"]  # the event holds it
+        if result.applied:
+            self.session.repacked(iteration, record, result)
+        return record, result
+
+    def repack(self, layout_after: Layout, intermediate: Layout) -> RepackResult:
+        s = self.session
+        dims, before = s.trainer.dims, s.trainer.layout
+        k = layout_after.num_stages
+        result = RepackResult(False, dims.pp, k, str(before), world_size_before=dims.world_size,
+                              world_size_after=dims.world_size)
+        start = time.perf_counter()
+        migration = s.migrator.migrate(intermediate)
+        result.migration, result.phase_s["migration"] = migration, time.perf_counter() - start
+        if not migration.applied:
+            result.error = f"migration to {intermediate} abandoned: {migration.error}"
+            return result
+        result.layout_after = str(intermediate)
+        start = time.perf_counter()
+        head, error = self._hand_over_head(k - 1)
+        ok, error = s.control.agree(error, "agree-shrink")
+        result.phase_s["handoff"] = time.perf_counter() - start
+        if not ok:
+            result.error = f"head handoff failed, kept {intermediate}: {error}"
+            return result
+        self.generation += 1
+        result.generation = self.generation
+        world = dims.tp * k * dims.dp
+        result.ranks_released = list(range(world, dims.world_size))
+        if not survives(dims, k):
+            self._retire(k)
+        start = time.perf_counter()
+        new_dims = shrink_world(dims, k, self.generation, self.seed, self.timeout_s)
+        result.phase_s["regroup"] = time.perf_counter() - start
+        start = time.perf_counter()
+        self._rebuild(new_dims, layout_after, head)
+        result.phase_s["rebuild"] = time.perf_counter() - start
+        result.applied, result.layout_after = True, str(layout_after)
+        result.world_size_after = world
+        return result
+
+    # ---- 2. the head ----------------------------------------------------------------------
+    def _hand_over_head(self, new_last: int) -> tuple[Optional[StageState], Optional[str]]:
+        """Old last stage -> `new_last` (collective on every rank of the old world)."""
+        t = self.session.trainer
+        dims = t.dims
+        old_last = dims.pp - 1
+        if new_last == old_last:
+            return None, None
+        try:
+            outgoing, sending = [], {}
+            if dims.pp_rank == old_last:
+                head = capture(t.model, t.optimizer).select(lambda k: not k.startswith("decoder.layers."))
+                header, buffers = pack(HEAD, old_last, new_last, _flatten(head), dims.device,
+                                       tuple(sorted(head.frozen)))
+                outgoing, sending = [header], {HEAD: buffers}
+            pp_ranks = self.session.migrator.pp_ranks()
+            headers = exchange_headers(outgoing, self.session.control, pp_ranks)
+            received = exchange_buffers(headers, sending, dims.pp_rank, dims.groups.pp,
+                                        dims.device, self.timeout_s)
+            if dims.pp_rank != new_last:
+                return None, None
+            (header,) = [h for h in headers if h.dst == new_last]
+            for (_, _, expected), buf in zip(header.buffers, received[HEAD]):
+                if checksum(buf) != expected:
+                    raise RuntimeError(f"checksum mismatch in the head from stage {old_last}")
+            return _unflatten(unpack(header, received[HEAD]), set(header.frozen)), None
+        except Exception as e:  # noqa: BLE001 - reported to every rank by the agreement
+            return None, f"head handoff on stage {dims.pp_rank}: {e!r}"
+
+    # ---- 3. retire / regroup ---------------------------------------------------------------
+    def _retire(self, k: int) -> None:
+        """Leave cleanly: free the stage, destroy every process group, tell the leader."""
+        s = self.session
+        rank, stage = s.trainer.dims.rank, s.trainer.dims.pp_rank
+        s.control.enter("retired")
+        s.release_stage()
+        destroy_parallel()  # exiting with live subgroups aborts the process (and the job)
+        try:
+            agent_store(self.timeout_s).set(RETIRED_KEY.format(generation=self.generation, rank=rank), "1")
+        except Exception as e:  # noqa: BLE001 - the leader then waits out its bound
+            logger.warning("rank %d: could not mark itself retired on the store: %s", rank, e)
+        logger.warning("rank %d: pipeline stage %d released by a repack to %d stages; leaving "
+                       "the job (exit 0)", rank, stage, k)
+        raise RankRetired(f"rank {rank} (stage {stage}) released")
+
+    # ---- 4. rebuild --------------------------------------------------------------------------
+    def _rebuild(self, dims, layout: Layout, head: Optional[StageState]) -> None:
+        from dynmo_plugin.megatron.migrate import LayerMigrator, retire_ddp
+        from dynmo_plugin.megatron.trainer import StageTrainer
+        s = self.session
+        old = s.trainer
+        state = capture(old.model, old.optimizer)
+        if head is not None:
+            state.merge(head)
+        args = dataclasses.replace(old.args, pipeline_model_parallel_size=layout.num_stages,
+                                   pipeline_model_parallel_layout=layout.to_megatron())
+        trainer = StageTrainer(args, dims, layout, spec=old.spec, state=state)
+        carry_optimizer_state(old.optimizer, trainer.optimizer)
+        trainer.scheduler.num_steps = old.scheduler.num_steps
+        retire_ddp(old.ddp)
+        control = ControlPlane(s.control.timeout_s)
+        migrator = LayerMigrator(trainer, control, s.migrator.timeout_s, s.migrator.fault)
+        s.rebind(trainer, control, migrator)
+
+
+def _flatten(state: StageState) -> dict[str, torch.Tensor]:
+    tensors = {f"state/{k}": v for k, v in state.tensors.items()}
+    for name, optim in state.optim.items():
+        tensors.update({f"optim/{name}/{k}": v for k, v in optim.items()})
+    return tensors
+
+
+def _unflatten(tensors: dict[str, torch.Tensor], frozen: set[str]) -> StageState:
+    state = StageState(frozen=frozen)
+    for key, value in tensors.items():
+        kind, _, rest = key.partition("/")
+        if kind == "state":
+            state.tensors[rest] = value.clone()
+        else:
+            name, _, leaf = rest.rpartition("/")
+            state.optim.setdefault(name, {})[leaf] = value.clone()
+    return state
