@@ -1,0 +1,637 @@
+"""Repacking: consolidating the pipeline onto fewer stages once the work has shrunk.
+
+When pruning, freezing or early exit make the layers cheaper, a P-stage pipeline may
+run about as fast on K < P stages; the other P - K GPUs can go back to the cluster.
+This module decides K and the new split (pure: numpy only); the live controller
+executes it. Two planners, both returning a `RepackPlan`:
+
+* `plan_repack` (method "dynmo"): for each K in [min_stages, P - 1], the exact
+  min-max partition of the profiled layers over K stages (`exact`'s solver on
+  `shrink_problem(problem, K)`, memory caps scaled by 1 / (1 + memory_margin), ties
+  broken by the fewest bytes moved from the current layout). Objective `min_stages`
+  takes the smallest K whose partition fits memory and whose predicted iteration time
+  is within `max_slowdown` of the current one; `throughput_per_gpu` takes the K with
+  the most predicted tokens/s per GPU, i.e. the least (iteration time x K), if it
+  beats the current pipeline. Then a gate: the move must pay for itself.
+* `first_fit_repack` (method "first_fit"): the DynMo paper's Algorithm 2 (first-fit
+  packing of whole stages under the memory cap) as a baseline. The paper packs any
+  worker into any other; without reordering layers only ADJACENT stages can merge, so
+  this is the adjacent variant (which is next-fit: a closed group can never receive
+  a later stage). It merges stages as they are and ignores time.
+
+Survivors are always the LOWEST pipeline ranks 0..K-1 (a StatefulSet removes its
+highest ordinals first; under torchrun the rendezvous lives with rank 0). The live
+migration first moves to `RepackPlan.intermediate_layout()` (K stages' layers, then
+empty released stages) over the old P-stage pipeline, then rebuilds on K ranks.
+
+Floating point follows `problem`: "a <= b" means ``a <= b + REL_TOL * |b|`` for times,
+and memory checks are the solver's (``<= cap / (1 + margin) + mem_tol``).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Sequence
+
+from dynmo_plugin.balancing import metrics
+from dynmo_plugin.balancing.exact import optimal_bottleneck
+from dynmo_plugin.balancing.gate import GateConfig
+from dynmo_plugin.balancing.plan import Move
+from dynmo_plugin.balancing.problem import REL_TOL, BalanceProblem, InfeasibleError, ProblemError
+from dynmo_plugin.balancing.render import human_bytes
+from dynmo_plugin.balancing.segments import SegmentModel
+from dynmo_plugin.layout import Layout
+
+__all__ = ["OBJECTIVES", "RepackCriteria", "RepackCandidate", "RepackPlan", "plan_repack",
+           "first_fit_repack", "shrink_problem"]
+
+OBJECTIVES = ("min_stages", "throughput_per_gpu")
+
+
+# ---- criteria ---------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class RepackCriteria:
+    """What a repack must satisfy (mirrors `config.RepackConfig`).
+
+    Attributes:
+        min_stages: never repack below this many pipeline stages.
+        max_slowdown: objective min_stages: predicted iteration time after <= this x
+            the current one (1.0 = no slower). Not used by throughput_per_gpu.
+        objective: "min_stages" (fewest stages within max_slowdown) or
+            "throughput_per_gpu" (most predicted tokens/s per GPU).
+        memory_margin: a stage fits if its predicted memory x (1 + margin) <= capacity.
+        rebuild_s: estimated seconds to regroup and rebuild (the gate's fixed cost; it
+            also covers moving the output layer, which is not a decoder layer).
+    Raises:
+        ProblemError: a value out of range (the message names the field).
+    """
+
+    min_stages: int = 1
+    max_slowdown: float = 1.0
+    objective: str = "min_stages"
+    memory_margin: float = 0.1
+    rebuild_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_stages, bool) or not isinstance(self.min_stages, int) or self.min_stages < 1:
+            raise ProblemError(f"min_stages must be an integer >= 1, got {self.min_stages!r}")
+        if self.objective not in OBJECTIVES:
+            raise ProblemError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        for name, low_ok in (("max_slowdown", False), ("memory_margin", True), ("rebuild_s", True)):
+            value = getattr(self, name)
+            good = isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and math.isfinite(value) and (value >= 0 if low_ok else value > 0)
+            if not good:
+                raise ProblemError(f"{name} must be a finite number {'>= 0' if low_ok else '> 0'}, "
+                                   f"got {value!r}")
+
+    @classmethod
+    def from_config(cls, repack_config: Any) -> "RepackCriteria":
+        """From `config.RepackConfig` (or anything with the same attributes)."""
+        return cls(min_stages=repack_config.min_stages, max_slowdown=repack_config.max_slowdown,
+                   objective=repack_config.objective, memory_margin=repack_config.memory_margin,
+                   rebuild_s=repack_config.rebuild_s)
+
+
+# ---- the smaller problem ----------------------------------------------------------------
+def _shrink_extras(values: Sequence[float] | None, p: int, k: int) -> list[float] | None:
+    """Per-stage extras for k of p stages: first stays first, last goes to the new last,
+    middle stages get the median of the old middle ones (0 if there were none)."""
+    if values is None or k == p:
+        return None if values is None else list(values)
+    v = [float(x) for x in values]
+    if k == 1:
+        return [v[0] + v[-1]]
+    middle = float(statistics.median(v[1:-1])) if p > 2 else 0.0
+    return [v[0], *([middle] * (k - 2)), v[-1]]
+
+
+def shrink_problem(problem: BalanceProblem, k: int) -> BalanceProblem:
+    """The same profiled layers over the first k <= P stages.
+
+    Extras (cost, memory, rebuild bytes): stage 0 keeps stage 0's (embedding); stage k-1
+    gets the old last stage's (output layer + loss); stages 1..k-2 get the MEDIAN of the
+    old middle stages' extras (robust to one odd stage; 0 when P <= 2); k == 1 sums the
+    first and last; k == P keeps them all unchanged. Capacity: the first k entries (the
+    survivors are the lowest ranks). `current` is dropped (it has P stages).
+
+    Per-layer memory is kept as measured. It includes the activations of the micro-batches
+    in flight under 1F1B on P stages (stage s holds up to P - s); on fewer stages fewer
+    are in flight, so the estimate is conservative: a repack is never refused for lack
+    of memory it would have had, only possibly for memory it would not have needed.
+
+    Raises:
+        ProblemError: k not an integer in [1, P].
+        InfeasibleError: a surviving stage's extras alone exceed its capacity.
+    """
+    p = problem.num_stages
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= p:
+        raise ProblemError(f"cannot shrink a {p}-stage problem to {k!r} stages; give 1 <= k <= {p}")
+    return replace(
+        problem, num_stages=k, current=None,
+        capacity=None if problem.capacity is None else tuple(problem.capacity[:k]),
+        extras_cost=_shrink_extras(problem.extras_cost, p, k),
+        extras_memory=_shrink_extras(problem.extras_memory, p, k),
+        extras_rebuild_bytes=_shrink_extras(problem.extras_rebuild_bytes, p, k))
+
+
+def _with_margin(problem: BalanceProblem, margin: float) -> BalanceProblem:
+    """Caps scaled by 1 / (1 + margin): memory <= that  <=>  memory x (1 + margin) <= cap."""
+    if problem.capacity is None or margin == 0:
+        return problem
+    return replace(problem, capacity=tuple(c / (1 + margin) for c in problem.capacity))
+
+
+# ---- data -------------------------------------------------------------------------------
+@dataclass
+class RepackCandidate:
+    """One stage count considered.
+
+    `fits`: admissible under the criteria (memory with the margin; for objective
+    min_stages also within max_slowdown). `layout`/`predicted_iter_s` are None when no
+    split was computed (memory infeasible, or skipped by a lower bound; `reason` says).
+    `tokens_per_gpu_s_rel`: relative tokens/s per GPU, 1 / (iteration s x stages).
+    """
+
+    stages: int
+    layout: Layout | None
+    predicted_iter_s: float | None
+    fits: bool
+    tokens_per_gpu_s_rel: float | None
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["layout"] = None if self.layout is None else self.layout.to_megatron()
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RepackCandidate":
+        layout = None if d["layout"] is None else Layout.parse(d["layout"])
+        return cls(stages=d["stages"], layout=layout, predicted_iter_s=d["predicted_iter_s"],
+                   fits=d["fits"], tokens_per_gpu_s_rel=d["tokens_per_gpu_s_rel"], reason=d["reason"])
+
+
+@dataclass
+class RepackPlan:
+    """A repack decision (data: `to_dict`/`from_dict` round-trip exactly; `str` reads).
+
+    When `apply` is False, `stages_after == stages_before`, `layout_after ==
+    layout_before`, no moves; `saving_gpu_s`/`cost_s` and `reason` still describe the
+    refused option. `released_stages` are always the highest ranks.
+    """
+
+    method: str
+    stages_before: int
+    stages_after: int
+    layout_before: Layout
+    layout_after: Layout
+    predicted_iter_s_before: float
+    predicted_iter_s_after: float
+    released_stages: list[int]
+    moves: list[Move]
+    bytes_moved: float
+    candidates: list[RepackCandidate]
+    apply: bool
+    reason: str
+    saving_gpu_s: float
+    cost_s: float
+    solve_seconds: float
+
+    def intermediate_layout(self) -> Layout:
+        """`layout_after` over all `stages_before` stages, the released ones empty
+        (e.g. 'Ettt|ttttt||L'): what the live migration moves to before the rebuild."""
+        return Layout(self.layout_after.counts + (0,) * (self.stages_before - self.stages_after))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict (what `dynmo plan --repack --json` prints)."""
+        return {
+            "method": self.method, "apply": self.apply, "reason": self.reason,
+            "stages_before": self.stages_before, "stages_after": self.stages_after,
+            "layout_before": self.layout_before.to_megatron(),
+            "layout_after": self.layout_after.to_megatron(),
+            "intermediate_layout": self.intermediate_layout().to_megatron(),
+            "predicted_iter_s_before": self.predicted_iter_s_before,
+            "predicted_iter_s_after": self.predicted_iter_s_after,
+            "released_stages": list(self.released_stages),
+            "moves": [asdict(m) for m in self.moves], "bytes_moved": self.bytes_moved,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "saving_gpu_s": self.saving_gpu_s, "cost_s": self.cost_s,
+            "solve_seconds": self.solve_seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RepackPlan":
+        """Inverse of `to_dict` (`intermediate_layout` is derived, not read).
+
+        Raises:
+            ProblemError: `d` is not a repack plan dict.
+        """
+        try:
+            return cls(
+                method=d["method"], stages_before=d["stages_before"], stages_after=d["stages_after"],
+                layout_before=Layout.parse(d["layout_before"]), layout_after=Layout.parse(d["layout_after"]),
+                predicted_iter_s_before=d["predicted_iter_s_before"],
+                predicted_iter_s_after=d["predicted_iter_s_after"],
+                released_stages=list(d["released_stages"]), moves=[Move(**m) for m in d["moves"]],
+                bytes_moved=d["bytes_moved"],
+                candidates=[RepackCandidate.from_dict(c) for c in d["candidates"]],
+                apply=d["apply"], reason=d["reason"], saving_gpu_s=d["saving_gpu_s"],
+                cost_s=d["cost_s"], solve_seconds=d["solve_seconds"])
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ProblemError(f"not a repack plan dict ({type(e).__name__}: {e})") from e
+
+    def __str__(self) -> str:
+        return _render(self)
+
+
+# ---- helpers ------------------------------------------------------------------------------
+def _at_most(a: float, b: float) -> bool:
+    return a <= b + REL_TOL * abs(b)
+
+
+def _better(a: float, b: float) -> bool:
+    """a < b by more than the tolerance (so near-ties keep the earlier, smaller K)."""
+    return a < b - REL_TOL * abs(b)
+
+
+def _iteration_s(problem: BalanceProblem, layout: Layout) -> float:
+    return metrics.predicted_iteration_s(metrics.stage_loads(problem, layout), problem.num_microbatches)
+
+
+def _per_gpu(iter_s: float, stages: int) -> float | None:
+    value = 1.0 / (iter_s * stages) if iter_s > 0 else math.inf
+    return value if math.isfinite(value) else None
+
+
+@dataclass(frozen=True)
+class _LowerBound:
+    """Predicted iteration time no split over k stages can beat, in O(1) per k (the
+    scans skip hopeless k before building their problems). The sum of stage loads is
+    fixed for k (layers + `shrink_problem`'s extras) and the bottleneck is at least the
+    average load, the heaviest layer on the cheapest stage and the largest extras;
+    minus the tolerance, as in `exact`."""
+
+    layers: float
+    heaviest: float
+    first: float
+    last: float
+    middle: float
+    microbatches: int
+    tol: float
+
+    @classmethod
+    def of(cls, problem: BalanceProblem) -> "_LowerBound":
+        ec = problem.extras_cost_arr
+        p = problem.num_stages
+        return cls(layers=float(problem.cost_prefix[-1]), heaviest=float(problem.cost_arr.max()),
+                   first=float(ec[0]), last=float(ec[-1]),
+                   middle=float(statistics.median(ec[1:-1])) if p > 2 else 0.0,
+                   microbatches=problem.num_microbatches, tol=3 * problem.load_tol)
+
+    def extras(self, k: int) -> list[float]:
+        """The distinct extras of k < P shrunk stages."""
+        return [self.first + self.last] if k == 1 else [self.first, self.last] + [self.middle] * (k > 2)
+
+    def total(self, k: int) -> float:
+        """Sum of the k stages' loads (any split)."""
+        return self.layers + self.first + self.last + max(k - 2, 0) * self.middle
+
+    def __call__(self, k: int) -> float:
+        ex, total = self.extras(k), self.total(k)
+        bottleneck = max(total / k, self.heaviest + min(ex), max(ex)) - self.tol
+        return (total + (self.microbatches - 1) * max(bottleneck, 0.0)) * (1 - REL_TOL)
+
+
+def _closest_optimal(fit: BalanceProblem, current: Layout) -> Layout:
+    """`exact`'s optimal split of `fit`, tie-broken by the fewest bytes (then layers)
+    moved away from the current layout: survivor s keeps what current stage s holds,
+    everything on the released stages moves.
+
+    Raises:
+        InfeasibleError: no split fits the (margin-scaled) memory caps.
+    """
+    model = SegmentModel(fit)
+    best = optimal_bottleneck(fit, model)
+    bounds = model.closest(best, current.boundaries[:fit.num_stages + 1])
+    if bounds is None:  # cannot happen: the optimum is admissible
+        raise RuntimeError(f"repack: no layout at the optimal bottleneck {best!r}")
+    return Layout.from_boundaries(bounds)
+
+
+def _candidate(problem: BalanceProblem, k: int, criteria: RepackCriteria) -> RepackCandidate:
+    """Solve k stages. `fits` here means memory only; the objectives refine it."""
+    scale = 1 + criteria.memory_margin
+    try:
+        sub = shrink_problem(problem, k)
+        fit = _with_margin(sub, criteria.memory_margin)
+    except InfeasibleError as e:  # a survivor's extras alone
+        return RepackCandidate(k, None, None, False, None, f"does not fit (caps / {scale:g}): {e}")
+    try:
+        layout = _closest_optimal(fit, problem.current)
+    except InfeasibleError:
+        return RepackCandidate(k, None, None, False, None, "does not fit: no split keeps every "
+                               f"stage's memory x {scale:g} within its cap")
+    iter_s = _iteration_s(sub, layout)
+    return RepackCandidate(k, layout, iter_s, True, _per_gpu(iter_s, k), "fits memory")
+
+
+def _skipped(k: int, why: str) -> RepackCandidate:
+    return RepackCandidate(k, None, None, False, None, f"skipped: {why}")
+
+
+def _scan_min_stages(problem: BalanceProblem, criteria: RepackCriteria,
+                     iter_now: float) -> tuple[list[RepackCandidate], RepackCandidate | None]:
+    """Ascending K; the first that fits memory and max_slowdown is the smallest, and
+    larger K are not evaluated. A K whose lower bound already breaks max_slowdown is
+    not solved."""
+    limit = criteria.max_slowdown * iter_now
+    slow = f"exceeds max_slowdown {criteria.max_slowdown:g} x current {iter_now:.4g} s"
+    lower = _LowerBound.of(problem)
+    out: list[RepackCandidate] = []
+    for k in range(criteria.min_stages, problem.num_stages):
+        if not _at_most(lower(k), limit):
+            out.append(_skipped(k, f"even its lower bound {lower(k):.4g} s {slow}"))
+            continue
+        cand = _candidate(problem, k, criteria)
+        if cand.fits and not _at_most(cand.predicted_iter_s, limit):
+            cand = replace(cand, fits=False, reason=f"too slow: {cand.predicted_iter_s:.4g} s {slow}")
+        elif cand.fits:
+            cand.reason = (f"fits: {_ratio(cand.predicted_iter_s, iter_now)} of current, within "
+                           f"max_slowdown {criteria.max_slowdown:g}")
+        out.append(cand)
+        if cand.fits:
+            return out, cand
+    return out, None
+
+
+def _scan_throughput(problem: BalanceProblem, criteria: RepackCriteria,
+                     iter_now: float) -> tuple[list[RepackCandidate], RepackCandidate | None]:
+    """Ascending K; the least GPU-seconds per iteration (iteration s x K) wins if it
+    beats the current pipeline's; near-ties keep the smaller K. A K whose lower bound
+    cannot beat the best so far is not solved; once even K x (sum of loads) cannot,
+    no larger K can (it grows with K) and the scan stops."""
+    p = problem.num_stages
+    best_value, best = iter_now * p, None
+    lower = _LowerBound.of(problem)
+    out: list[RepackCandidate] = []
+    for k in range(criteria.min_stages, p):
+        if not _better(k * lower.total(k) * (1 - REL_TOL), best_value):
+            break
+        if not _better(k * lower(k), best_value):
+            out.append(_skipped(k, f"even its lower bound {lower(k):.4g} s x {k} GPUs does not beat "
+                                   f"{best_value:.4g} GPU-s/iter"))
+            continue
+        cand = _candidate(problem, k, criteria)
+        if cand.fits:
+            value = cand.predicted_iter_s * k
+            if _better(value, best_value):
+                best_value, best = value, cand
+            cand.reason = f"fits: {value:.4g} GPU-s/iter (current {iter_now * p:.4g})"
+        out.append(cand)
+    return out, best
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"x{a / b:.3f}" if b > 0 else "x-"
+
+
+# ---- the decision ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Verdict:
+    apply: bool
+    reason: str
+    saving_gpu_s: float
+    cost_s: float
+
+
+def _peak_problem(problem: BalanceProblem, intermediate: Layout) -> str:
+    """Why the migration to `intermediate` overflows a stage ('' when it fits): old and
+    new state coexist until the commit (`metrics.migration_peak_memory`)."""
+    if problem.capacity is None:
+        return ""
+    peaks = metrics.migration_peak_memory(problem, problem.current, intermediate)
+    for s, (peak, cap) in enumerate(zip(peaks, problem.capacity_arr)):
+        if peak > cap + problem.mem_tol:
+            return (f"the migration needs {human_bytes(peak)} on stage {s} while old and new "
+                    f"state coexist, above its cap {human_bytes(float(cap))}")
+    return ""
+
+
+def _judge(problem: BalanceProblem, layout: Layout, iter_after: float, iter_now: float,
+           bytes_moved: float, criteria: RepackCriteria, gate: GateConfig | None) -> _Verdict:
+    """The gate. Cost: every one of the P stages stalls for
+    cost_s = bytes_moved / bandwidth + rebuild_s. Saving, in GPU-seconds over the
+    horizon h = iterations until the next event: the h iterations take P x h x before
+    GPU-seconds now and K x h x after repacked, so
+
+        saving = h x (P x before - K x after)
+               = (P - K) x h x before  -  K x h x (after - before).
+
+    Released GPUs count at the current pace (the time they would have spent on those h
+    iterations); a slowdown is charged to every survivor, and a speed-up (less fill and
+    drain on fewer stages) is credited the same way. Apply iff
+    saving > margin x P x cost_s (all P GPUs stall for cost_s). With no gate, apply (the
+    criteria already hold). Either way the migration's transient peak must fit every
+    stage's cap.
+
+    Why not (P - K) x h x after - K x h x max(0, after - before), the form first
+    proposed: it counts released GPUs at the new pace and ignores speed-ups, so it
+    overstates the saving by (P - K) x h x (after - before) when the repack is slower and
+    understates it by P x h x (before - after) when it is faster. The GPU-seconds the
+    same h iterations occupy is what the cluster pays for."""
+    p, k = problem.num_stages, layout.num_stages
+    peak = _peak_problem(problem, Layout(layout.counts + (0,) * (p - k)))
+    if gate is None:
+        cost = criteria.rebuild_s
+        if peak:
+            return _Verdict(False, f"refused: {peak}", 0.0, cost)
+        return _Verdict(True, "no gate given: the criteria hold (cost and horizon not weighed)",
+                        0.0, cost)
+    h = gate.iterations_until_next_event
+    cost = bytes_moved / gate.bandwidth_bytes_per_s + criteria.rebuild_s
+    saving = h * (p * iter_now - k * iter_after)
+    if peak:
+        return _Verdict(False, f"refused: {peak}", saving, cost)
+    apply = saving > gate.margin * p * cost
+    numbers = (f"saves {saving:.4g} GPU-s over {h} iterations vs {p} GPUs x {cost:.4g} s stall "
+               f"({human_bytes(bytes_moved)} moved + {criteria.rebuild_s:g} s rebuild) "
+               f"x margin {gate.margin:g}")
+    return _Verdict(apply, ("pays: " if apply else "does not pay: ") + numbers, saving, cost)
+
+
+def _require_current(problem: BalanceProblem) -> Layout:
+    if problem.current is None:
+        raise ProblemError("repacking needs the current layout (BalanceProblem.current, "
+                           "--current-layout)")
+    return problem.current
+
+
+def _assemble(problem: BalanceProblem, method: str, chosen: RepackCandidate | None,
+              candidates: list[RepackCandidate], criteria: RepackCriteria,
+              gate: GateConfig | None, no_choice: str, started: float) -> RepackPlan:
+    """The plan for `chosen` (None: nothing qualified, `no_choice` says why), gated."""
+    current = problem.current
+    p = problem.num_stages
+    iter_now = _iteration_s(problem, current)
+    keep = dict(method=method, stages_before=p, layout_before=current,
+                predicted_iter_s_before=iter_now, candidates=candidates)
+    if chosen is None:
+        return RepackPlan(**keep, stages_after=p, layout_after=current, predicted_iter_s_after=iter_now,
+                          released_stages=[], moves=[], bytes_moved=0.0, apply=False, reason=no_choice,
+                          saving_gpu_s=0.0, cost_s=0.0, solve_seconds=time.perf_counter() - started)
+    layout, k = chosen.layout, chosen.stages
+    intermediate = Layout(layout.counts + (0,) * (p - k))
+    moves = [Move(layer, src, dst, float(problem.move_bytes_arr[layer - 1]))
+             for layer, src, dst in current.moved_layers(intermediate)]
+    moved = float(sum(m.bytes for m in moves))
+    verdict = _judge(problem, layout, chosen.predicted_iter_s, iter_now, moved, criteria, gate)
+    reason = f"{p} -> {k} stages: {verdict.reason}"
+    if not verdict.apply:
+        return RepackPlan(**keep, stages_after=p, layout_after=current, predicted_iter_s_after=iter_now,
+                          released_stages=[], moves=[], bytes_moved=0.0, apply=False, reason=reason,
+                          saving_gpu_s=verdict.saving_gpu_s, cost_s=verdict.cost_s,
+                          solve_seconds=time.perf_counter() - started)
+    return RepackPlan(**keep, stages_after=k, layout_after=layout,
+                      predicted_iter_s_after=chosen.predicted_iter_s,
+                      released_stages=list(range(k, p)), moves=moves, bytes_moved=moved,
+                      apply=True, reason=reason, saving_gpu_s=verdict.saving_gpu_s,
+                      cost_s=verdict.cost_s, solve_seconds=time.perf_counter() - started)
+
+
+def plan_repack(problem: BalanceProblem, criteria: RepackCriteria,
+                gate: GateConfig | None = None) -> RepackPlan:
+    """Decide whether and how to repack the current P-stage pipeline onto K < P stages.
+
+    Candidates K = min_stages .. P-1 are solved exactly (module docstring); each records
+    why it does or does not qualify, and an infeasible K is a candidate, never an
+    exception. Objective min_stages stops at the first qualifying K. The chosen K goes
+    through the gate (see `_judge`: apply iff h x (P x before - K x after) >
+    margin x P x (bytes / bandwidth + rebuild_s)). `gate.fixed_overhead_s` and
+    `min_relative_gain` are rebalancing settings and are not used: `rebuild_s` is the
+    repack's fixed cost.
+
+    Raises:
+        ProblemError: `problem.current` is not set.
+    """
+    started = time.perf_counter()
+    current = _require_current(problem)
+    p = problem.num_stages
+    if criteria.min_stages >= p:
+        return _assemble(problem, "dynmo", None, [], criteria, gate,
+                         f"nothing to consider: the pipeline has {p} stage(s) and min_stages is "
+                         f"{criteria.min_stages}", started)
+    iter_now = _iteration_s(problem, current)
+    if criteria.objective == "min_stages":
+        candidates, chosen = _scan_min_stages(problem, criteria, iter_now)
+        none = (f"no K in [{criteria.min_stages}, {p - 1}] fits memory within "
+                f"max_slowdown {criteria.max_slowdown:g}")
+    else:
+        candidates, chosen = _scan_throughput(problem, criteria, iter_now)
+        none = (f"no K in [{criteria.min_stages}, {p - 1}] beats the current {p} stages' "
+                "throughput per GPU")
+    return _assemble(problem, "dynmo", chosen, candidates, criteria, gate, none, started)
+
+
+# ---- the paper's baseline ------------------------------------------------------------------
+def _first_fit_groups(problem: BalanceProblem, criteria: RepackCriteria) -> tuple[list[list[int]], str]:
+    """Groups of adjacent old stages, one per survivor, packed in order: stage s joins
+    the open group while the group's memory x (1 + margin) fits the survivor's cap (and
+    enough stages remain for min_stages), else it opens the next group. A group's
+    memory is its layers' plus the extras `shrink_problem` gives that survivor (the
+    first group the embedding's, the one with the old last stage the head's, others
+    the median middle extras), so the result fits exactly as evaluated. Returns the
+    groups and '' or why a group does not fit (a stage too big even alone). P >= 2."""
+    p, cur = problem.num_stages, problem.current
+    bounds, mem = cur.boundaries, problem.memory_prefix
+    layer_mem = [float(mem[bounds[s + 1]] - mem[bounds[s]]) for s in range(p)]
+    extras = problem.extras_memory_arr
+    middle = float(statistics.median(extras[1:-1])) if p > 2 else 0.0
+    scale = 1 + criteria.memory_margin
+
+    def fits(group: list[int], j: int) -> bool:
+        first, last = group[0] == 0, group[-1] == p - 1
+        fixed = (extras[0] if first else 0.0) + (extras[-1] if last else 0.0)
+        need = sum(layer_mem[s] for s in group) + (fixed if first or last else middle)
+        return need <= problem.capacity_arr[j] / scale + problem.mem_tol
+
+    groups: list[list[int]] = [[0]]
+    for s in range(1, p):
+        enough = len(groups) + (p - 1 - s) >= criteria.min_stages
+        if enough and fits(groups[-1] + [s], len(groups) - 1):
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    bad = [(j, g) for j, g in enumerate(groups) if not fits(g, j)]
+    why = "" if not bad else (f"stage(s) {bad[0][1]} do not fit survivor {bad[0][0]}'s cap with "
+                              f"memory margin {criteria.memory_margin:g}")
+    return groups, why
+
+
+def first_fit_repack(problem: BalanceProblem, criteria: RepackCriteria) -> RepackPlan:
+    """Baseline: the DynMo paper's Algorithm 2 (first-fit packing under the memory cap),
+    adjacent-merge variant: only neighbouring stages merge, so no layer is reordered;
+    whole stages move as they are (no re-split). It considers memory (with the margin)
+    and min_stages only: neither max_slowdown nor the objective, and no gate (the
+    transient migration peak is still checked). Applies iff it releases a stage.
+
+    Raises:
+        ProblemError: `problem.current` is not set.
+    """
+    started = time.perf_counter()
+    current = _require_current(problem)
+    p = problem.num_stages
+    if criteria.min_stages >= p:
+        return _assemble(problem, "first_fit", None, [], criteria, None,
+                         f"nothing to consider: the pipeline has {p} stage(s) and min_stages is "
+                         f"{criteria.min_stages}", started)
+    groups, why = _first_fit_groups(problem, criteria)
+    if len(groups) == p:
+        return _assemble(problem, "first_fit", None, [], criteria, None,
+                         "first fit merges no stages: no two adjacent stages fit together", started)
+    if why:
+        return _assemble(problem, "first_fit", None, [], criteria, None, why, started)
+    k = len(groups)
+    layout = Layout(tuple(sum(current.counts[s] for s in g) for g in groups))
+    iter_s = _iteration_s(shrink_problem(problem, k), layout)
+    iter_now = _iteration_s(problem, current)
+    cand = RepackCandidate(k, layout, iter_s, True, _per_gpu(iter_s, k),
+                           f"merged stages {groups}; {_ratio(iter_s, iter_now)} of current "
+                           "(time not considered)")
+    return _assemble(problem, "first_fit", cand, [cand], criteria, None, "", started)
+
+
+# ---- text ----------------------------------------------------------------------------------
+def _fmt(value: float | None, spec: str = ".4g") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _render(plan: RepackPlan) -> str:
+    """Header, candidate table, moves, decision."""
+    if plan.apply:
+        head = (f"repack ({plan.method}): {plan.stages_before} -> {plan.stages_after} stages, "
+                f"releases stage(s) {plan.released_stages}: {plan.layout_before} -> "
+                f"{plan.layout_after} (via {plan.intermediate_layout()})")
+    else:
+        head = f"repack ({plan.method}): keep {plan.stages_before} stages ({plan.layout_before})"
+    now = plan.predicted_iter_s_before
+    lines = [head, f"current: {plan.stages_before} stages, predicted iteration {now:.4g} s, "
+                   f"tokens/s/GPU (rel) {_fmt(_per_gpu(now, plan.stages_before))}"]
+    if plan.candidates:
+        lines.append(f"{'stages':>6}  {'iter s':>10}  {'vs now':>7}  {'tok/s/GPU':>10}  "
+                     f"{'fits':<4}  layout / reason")
+    for c in plan.candidates:
+        vs = "-" if c.predicted_iter_s is None else _ratio(c.predicted_iter_s, now)
+        layout = "" if c.layout is None else f"{c.layout}  "
+        lines.append(f"{c.stages:>6}  {_fmt(c.predicted_iter_s):>10}  {vs:>7}  "
+                     f"{_fmt(c.tokens_per_gpu_s_rel):>10}  {'yes' if c.fits else 'no':<4}  "
+                     f"{layout}{c.reason}")
+    if plan.moves:
+        lines.append(f"moves: {len(plan.moves)} layer(s), {human_bytes(plan.bytes_moved)}")
+        lines += [f"  layer {m.layer}: stage {m.src} -> {m.dst} ({human_bytes(m.bytes)})"
+                  for m in plan.moves]
+    lines.append(f"decision: {'REPACK' if plan.apply else 'keep'} - {plan.reason}  "
+                 f"[{plan.solve_seconds * 1e3:.1f} ms]")
+    return "\n".join(lines)

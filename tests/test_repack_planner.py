@@ -1,0 +1,583 @@
+"""The repack planner (`dynmo_plugin.balancing.repack`): unit tests, property tests
+against brute force, and `dynmo plan --repack`.
+
+The brute-force oracle is independent of the production code: it keeps the drawn
+inputs raw (`Case`), enumerates every contiguous split of the layers over every stage
+count with itertools, and does its own arithmetic (extras of the shrunk pipeline,
+loads, memory with the margin, 1F1B time, moves, the migration's transient peak).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+import math
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from dynmo_plugin.balancing import (BalanceProblem, GateConfig, InfeasibleError, ProblemError,
+                                    RepackCriteria, RepackPlan, first_fit_repack, plan_repack,
+                                    shrink_problem)
+from dynmo_plugin.cli import main
+from dynmo_plugin.config import RepackConfig
+from dynmo_plugin.layout import Layout
+
+SETTINGS = settings(max_examples=150, derandomize=True, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+REL_TOL = 1e-9  # the documented tolerance (balancing/problem.py), restated
+
+# 8 layers on 4 stages, all once cost 3; then 6 of them got 3x cheaper.
+SHRUNK = [1, 1, 1, 1, 1, 1, 3, 3]
+
+
+def shrunk_problem(**kw) -> BalanceProblem:
+    base = dict(costs=SHRUNK, num_stages=4, current=Layout((2, 2, 2, 2)), num_microbatches=8)
+    base.update(kw)
+    return BalanceProblem(**base)
+
+
+# ---- unit tests ----------------------------------------------------------------------------
+def test_shrinking_profile_repacks_4_to_2():
+    plan = plan_repack(shrunk_problem(), RepackCriteria(min_stages=2))
+    assert plan.apply and plan.method == "dynmo"
+    assert (plan.stages_before, plan.stages_after) == (4, 2)
+    assert plan.layout_after.to_megatron() == "Etttttt|ttL"
+    # 1F1B: 4 stages of 2|2|2|6 -> 12 + 7 * 6; 2 stages of 6|6 -> 12 + 7 * 6: no slower.
+    assert plan.predicted_iter_s_before == plan.predicted_iter_s_after == 54
+    assert plan.released_stages == [2, 3]
+
+
+def test_max_slowdown_is_respected():
+    strict = plan_repack(shrunk_problem(), RepackCriteria(max_slowdown=1.0))
+    assert strict.stages_after == 2  # one stage would take 12 + 7 * 12 = 96 s > 54 s
+    assert strict.candidates[0].stages == 1 and not strict.candidates[0].fits
+    loose = plan_repack(shrunk_problem(), RepackCriteria(max_slowdown=2.0))
+    assert loose.stages_after == 1 and loose.predicted_iter_s_after == 96
+    for plan, limit in ((strict, 1.0), (loose, 2.0)):
+        assert plan.predicted_iter_s_after <= limit * plan.predicted_iter_s_before
+
+
+def test_memory_caps_force_more_stages():
+    """8 layers of 1 byte, 3 bytes per stage: 1 or 2 stages cannot hold them."""
+    loose = RepackCriteria(max_slowdown=2.0, memory_margin=0)
+    uncapped = plan_repack(shrunk_problem(memory=[1] * 8, move_bytes=[0.25] * 8), loose)
+    capped = plan_repack(shrunk_problem(memory=[1] * 8, move_bytes=[0.25] * 8, capacity=3), loose)
+    assert uncapped.stages_after == 1
+    assert capped.apply and capped.stages_after == 3 and capped.layout_after.counts == (3, 3, 2)
+    assert [c.fits for c in capped.candidates] == [False, False, True]
+    assert "does not fit" in capped.candidates[0].reason  # recorded, not raised
+
+
+def test_memory_margin_shrinks_the_caps():
+    """A stage fits if memory x (1 + margin) <= cap: 4 bytes with margin 0.5 hold 2 layers."""
+    pb = shrunk_problem(memory=[1] * 8, move_bytes=[0.25] * 8, capacity=4)
+    assert plan_repack(pb, RepackCriteria(max_slowdown=2.0, memory_margin=0)).stages_after == 2
+    with_margin = plan_repack(pb, RepackCriteria(max_slowdown=2.0, memory_margin=0.5))
+    assert with_margin.stages_after == 4 and not with_margin.apply  # nothing smaller fits
+
+
+def test_throughput_per_gpu_objective_matches_brute_force():
+    pb = shrunk_problem()
+    plan = plan_repack(pb, RepackCriteria(objective="throughput_per_gpu"))
+    # per K: the best 1F1B time over every contiguous split; GPU-seconds = time x K
+    best = {k: min(iteration(pb.costs, [0] * k, b, 8) for b in splits(8, k, False)) for k in (1, 2, 3)}
+    expected = min(best, key=lambda k: (best[k] * k, k))
+    assert best[expected] * expected < 54 * 4
+    assert plan.apply and plan.stages_after == expected == 1
+    chosen = [c for c in plan.candidates if c.stages == expected][0]
+    assert chosen.tokens_per_gpu_s_rel == pytest.approx(1 / (best[expected] * expected))
+
+
+def test_survivors_are_the_lowest_stages():
+    pb = shrunk_problem(costs=[3, 3, 1, 1, 1, 1, 1, 1])  # the heavy layers at the front
+    plan = plan_repack(pb, RepackCriteria(min_stages=2))
+    k = plan.stages_after
+    assert k == 2 and plan.released_stages == list(range(k, 4))
+    assert all(m.dst < k for m in plan.moves)
+    assert {m.layer for m in plan.moves} >= {5, 6, 7, 8}  # everything on stages 2-3 leaves
+
+
+def test_intermediate_layout_keeps_released_stages_empty():
+    plan = plan_repack(shrunk_problem(), RepackCriteria(min_stages=2))
+    mid = plan.intermediate_layout()
+    assert mid.counts == (6, 2, 0, 0) and mid.num_stages == plan.stages_before
+    assert mid.to_megatron() == "Etttttt|tt||L"
+    assert Layout.parse(mid.to_megatron()) == mid
+    moved = {(layer, src, dst) for layer, src, dst in plan.layout_before.moved_layers(mid)}
+    assert moved == {(m.layer, m.src, m.dst) for m in plan.moves}
+
+
+def _gb_problem() -> BalanceProblem:
+    """The shrunk profile in 10 ms units, 1 GB per layer to move."""
+    return shrunk_problem(costs=[c / 100 for c in SHRUNK], memory=[1e9] * 8)
+
+
+def test_gate_applies_when_the_saving_pays():
+    gate = GateConfig(iterations_until_next_event=1000, bandwidth_bytes_per_s=1e9, margin=1.2)
+    plan = plan_repack(_gb_problem(), RepackCriteria(min_stages=2, rebuild_s=10), gate)
+    before, after = plan.predicted_iter_s_before, plan.predicted_iter_s_after
+    assert plan.apply and "pays" in plan.reason
+    assert plan.cost_s == pytest.approx(6e9 / 1e9 + 10)  # 6 layers move, then the rebuild
+    assert plan.saving_gpu_s == pytest.approx(1000 * (4 * before - 2 * after))
+    assert plan.saving_gpu_s > 1.2 * 4 * plan.cost_s
+
+
+@pytest.mark.parametrize("horizon, bandwidth", [(1, 1e9), (0, 1e9), (1000, 1e3)],
+                         ids=["tiny-horizon", "no-horizon", "tiny-bandwidth"])
+def test_gate_refuses_when_the_move_does_not_pay(horizon, bandwidth):
+    gate = GateConfig(iterations_until_next_event=horizon, bandwidth_bytes_per_s=bandwidth)
+    plan = plan_repack(_gb_problem(), RepackCriteria(min_stages=2), gate)
+    assert not plan.apply and "does not pay" in plan.reason
+    assert plan.stages_after == plan.stages_before == 4 and plan.layout_after == plan.layout_before
+    assert plan.moves == [] and plan.released_stages == [] and plan.bytes_moved == 0
+    assert plan.saving_gpu_s <= 1.2 * 4 * plan.cost_s
+
+
+def test_gate_refuses_a_migration_whose_transient_peak_overflows():
+    """5 bytes per stage: 2 stages are too slow (best 5|3 layers: 61 s), 3 stages fit as
+    4|3|1, but stage 0 would hold 2 own + 2 x 2 incoming = 6 bytes while migrating."""
+    plan = plan_repack(shrunk_problem(memory=[1] * 8, capacity=5),
+                       RepackCriteria(min_stages=2, memory_margin=0))
+    assert not plan.apply and "migration needs 6 B on stage 0" in plan.reason
+    assert plan.candidates[-1].fits and plan.candidates[-1].layout.counts == (4, 3, 1)
+
+
+def test_first_fit_merges_only_adjacent_whole_stages():
+    """Counts 3|2|2|1 at 1 byte per layer, 4 bytes per stage: first fit packs 3 | 2+2 | 1,
+    while the exact split needs only 2 stages (4|4)."""
+    pb = BalanceProblem(costs=[1] * 8, num_stages=4, current=Layout((3, 2, 2, 1)), memory=[1] * 8,
+                        move_bytes=[0.1] * 8, capacity=4)
+    criteria = RepackCriteria(max_slowdown=10, memory_margin=0)
+    ff = first_fit_repack(pb, criteria)
+    ours = plan_repack(pb, criteria)
+    assert ff.method == "first_fit" and ff.apply and ff.layout_after.counts == (3, 4, 1)
+    # stage 2 joins stage 1; stage 3 becomes survivor 2 (survivors are the lowest ranks)
+    assert [(m.layer, m.src, m.dst) for m in ff.moves] == [(6, 2, 1), (7, 2, 1), (8, 3, 2)]
+    assert ours.apply and ours.layout_after.counts == (4, 4)
+
+
+def test_first_fit_without_room_keeps_the_pipeline():
+    pb = BalanceProblem(costs=[1] * 4, num_stages=2, current=Layout((2, 2)), memory=[1] * 4,
+                        capacity=3)
+    plan = first_fit_repack(pb, RepackCriteria(memory_margin=0))
+    assert not plan.apply and "merges no stages" in plan.reason and plan.stages_after == 2
+
+
+@pytest.mark.parametrize("make", [
+    lambda: plan_repack(shrunk_problem(), RepackCriteria(min_stages=2)),
+    lambda: plan_repack(_gb_problem(), RepackCriteria(), GateConfig(iterations_until_next_event=1,
+                                                                    bandwidth_bytes_per_s=1e9)),
+    lambda: plan_repack(shrunk_problem(), RepackCriteria(min_stages=4)),
+    lambda: first_fit_repack(shrunk_problem(memory=[1] * 8, capacity=9), RepackCriteria()),
+], ids=["applied", "refused", "nothing", "first-fit"])
+def test_to_dict_round_trips_and_is_json(make):
+    plan = make()
+    text = json.dumps(plan.to_dict(), allow_nan=False)
+    back = RepackPlan.from_dict(json.loads(text))
+    assert back == plan
+    assert back.to_dict() == plan.to_dict()
+
+
+def test_from_dict_rejects_other_dicts():
+    with pytest.raises(ProblemError, match="not a repack plan"):
+        RepackPlan.from_dict({"method": "exact"})
+
+
+def test_str_is_readable():
+    text = str(plan_repack(shrunk_problem(), RepackCriteria()))
+    lines = text.splitlines()
+    assert lines[0].startswith("repack (dynmo): 4 -> 2 stages") and "Etttttt|tt||L" in lines[0]
+    assert any(line.split()[:1] == ["1"] and "exceeds max_slowdown" in line for line in lines)
+    assert any(line.split()[:1] == ["2"] and "Etttttt|ttL" in line for line in lines)
+    assert "moves: 6 layer(s)" in text and lines[-1].startswith("decision: REPACK")
+    kept = str(plan_repack(shrunk_problem(), RepackCriteria(min_stages=4)))
+    assert kept.splitlines()[0].startswith("repack (dynmo): keep 4 stages")
+    assert "decision: keep" in kept
+
+
+def test_shrink_problem_extras():
+    pb = BalanceProblem(costs=[1] * 6, num_stages=5, extras_cost=[2, 1, 3, 0, 5],
+                        extras_memory=[4, 0, 0, 2, 6], extras_rebuild_bytes=[1, 1, 1, 1, 1],
+                        capacity=[10, 20, 30, 40, 50], current=Layout.uniform(6, 5))
+    three = shrink_problem(pb, 3)
+    assert three.extras_cost == (2, 1, 5)  # median of the middle extras 1, 3, 0
+    assert three.extras_memory == (4, 0, 6) and three.extras_rebuild_bytes == (1, 1, 1)
+    assert three.capacity == (10, 20, 30) and three.current is None
+    assert three.costs == pb.costs and three.num_microbatches == pb.num_microbatches
+    assert shrink_problem(pb, 2).extras_cost == (2, 5)
+    assert shrink_problem(pb, 1).extras_cost == (7,) and shrink_problem(pb, 1).extras_memory == (10,)
+    assert shrink_problem(pb, 5).extras_cost == pb.extras_cost
+    for bad in (0, 6, 2.0, True):
+        with pytest.raises(ProblemError):
+            shrink_problem(pb, bad)
+
+
+def test_shrink_problem_reports_extras_that_do_not_fit():
+    pb = BalanceProblem(costs=[1] * 3, num_stages=3, extras_memory=[6, 0, 6], capacity=10)
+    with pytest.raises(InfeasibleError):
+        shrink_problem(pb, 1)
+
+
+def test_plan_needs_the_current_layout():
+    with pytest.raises(ProblemError, match="current layout"):
+        plan_repack(BalanceProblem(costs=[1, 2], num_stages=2), RepackCriteria())
+
+
+def test_nothing_to_consider_below_min_stages_or_on_one_stage():
+    for pb, criteria in ((shrunk_problem(), RepackCriteria(min_stages=4)),
+                         (BalanceProblem(costs=[1], num_stages=1, current=Layout((1,))), RepackCriteria())):
+        for plan in (plan_repack(pb, criteria), first_fit_repack(pb, criteria)):
+            assert not plan.apply and plan.candidates == [] and "nothing to consider" in plan.reason
+
+
+def test_criteria_validation_and_from_config():
+    assert RepackCriteria.from_config(RepackConfig()) == RepackCriteria()
+    cfg = RepackConfig(min_stages=2, max_slowdown=1.1, objective="throughput_per_gpu",
+                       memory_margin=0.2, rebuild_s=3.0)
+    assert RepackCriteria.from_config(cfg) == RepackCriteria(
+        min_stages=2, max_slowdown=1.1, objective="throughput_per_gpu", memory_margin=0.2, rebuild_s=3.0)
+    for bad in (dict(min_stages=0), dict(max_slowdown=0), dict(max_slowdown=math.nan),
+                dict(objective="fastest"), dict(memory_margin=-0.1), dict(rebuild_s=math.inf)):
+        with pytest.raises(ProblemError):
+            RepackCriteria(**bad)
+
+
+# ---- the oracle -------------------------------------------------------------------------------
+Bounds = tuple[int, ...]
+
+
+def splits(n: int, k: int, allow_empty: bool) -> Iterator[Bounds]:
+    """Every contiguous split of n layers over k stages."""
+    for cuts in itertools.combinations_with_replacement(range(n + 1), k - 1):
+        bounds = (0, *cuts, n)
+        if allow_empty or all(b > a for a, b in zip(bounds, bounds[1:])):
+            yield bounds
+
+
+def per_stage(values: Sequence[float], extras: Sequence[float], bounds: Bounds) -> list[float]:
+    return [extras[s] + sum(values[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)]
+
+
+def iteration(costs: Sequence[float], extras: Sequence[float], bounds: Bounds, m: int) -> float:
+    loads = per_stage(costs, extras, bounds)
+    return sum(loads) + (m - 1) * max(loads)
+
+
+def shrunk_extras(values: Sequence[float], k: int) -> list[float]:
+    """The documented rule: first, median of the old middles (0 if none), last; k = 1 sums
+    first and last; k = P keeps them."""
+    p = len(values)
+    if k == p:
+        return list(values)
+    if k == 1:
+        return [values[0] + values[-1]]
+    middle = statistics.median(values[1:-1]) if p > 2 else 0
+    return [values[0], *[middle] * (k - 2), values[-1]]
+
+
+def assignment(bounds: Bounds) -> list[int]:
+    return [s for s in range(len(bounds) - 1) for _ in range(bounds[s], bounds[s + 1])]
+
+
+@dataclass(frozen=True)
+class Case:
+    costs: tuple[int, ...]
+    memory: tuple[int, ...]
+    move_bytes: tuple[int, ...]
+    extras_cost: tuple[int, ...]
+    extras_memory: tuple[int, ...]
+    capacity: tuple[int, ...] | None
+    current: Bounds
+    allow_empty: bool
+    microbatches: int
+    min_stages: int
+    max_slowdown: float
+    objective: str
+    margin: float
+
+    @property
+    def n(self) -> int:
+        return len(self.costs)
+
+    @property
+    def p(self) -> int:
+        return len(self.current) - 1
+
+    def problem(self) -> BalanceProblem:
+        counts = tuple(b - a for a, b in zip(self.current, self.current[1:]))
+        return BalanceProblem(costs=self.costs, num_stages=self.p, memory=self.memory,
+                              move_bytes=self.move_bytes, capacity=self.capacity,
+                              extras_cost=self.extras_cost, extras_memory=self.extras_memory,
+                              current=Layout(counts), allow_empty_stages=self.allow_empty,
+                              num_microbatches=self.microbatches)
+
+    def criteria(self) -> RepackCriteria:
+        return RepackCriteria(min_stages=self.min_stages, max_slowdown=self.max_slowdown,
+                              objective=self.objective, memory_margin=self.margin)
+
+    def caps(self, k: int) -> list[float]:
+        return [math.inf] * k if self.capacity is None else list(self.capacity[:k])
+
+    def fits(self, bounds: Bounds) -> bool:
+        """Every stage's memory x (1 + margin) within its cap (k = len(bounds) - 1 stages)."""
+        k = len(bounds) - 1
+        mem = per_stage(self.memory, shrunk_extras(self.extras_memory, k), bounds)
+        return all(x * (1 + self.margin) <= c * (1 + REL_TOL) for x, c in zip(mem, self.caps(k)))
+
+    def time(self, bounds: Bounds) -> float:
+        k = len(bounds) - 1
+        return iteration(self.costs, shrunk_extras(self.extras_cost, k), bounds, self.microbatches)
+
+    def bottleneck(self, bounds: Bounds) -> float:
+        k = len(bounds) - 1
+        return max(per_stage(self.costs, shrunk_extras(self.extras_cost, k), bounds))
+
+    def moved(self, bounds: Bounds) -> tuple[int, int]:
+        """(bytes, layers) leaving their current stage for `bounds` (padded with empty stages)."""
+        layers = [i for i, (a, b) in enumerate(zip(assignment(self.current), assignment(bounds)))
+                  if a != b]
+        return sum(self.move_bytes[i] for i in layers), len(layers)
+
+    def peak_fits(self, bounds: Bounds) -> bool:
+        """The migration to `bounds` (+ empty released stages): each stage holds its memory
+        before plus twice what it receives, within its cap."""
+        if self.capacity is None:
+            return True
+        before = per_stage(self.memory, self.extras_memory, self.current)
+        for i, (a, b) in enumerate(zip(assignment(self.current), assignment(bounds))):
+            if a != b:
+                before[b] += 2 * self.move_bytes[i]
+        return all(x <= c * (1 + REL_TOL) for x, c in zip(before, self.capacity))
+
+
+@dataclass
+class Best:
+    """Per K: the best split's time and bottleneck, and the fewest (bytes, layers) moved
+    among the splits with that bottleneck; None when nothing fits."""
+
+    time: float | None
+    bottleneck: float | None
+    moved: tuple[int, int] | None
+
+
+def brute(case: Case, k: int) -> Best:
+    ok = [b for b in splits(case.n, k, case.allow_empty) if case.fits(b)]
+    if not ok:
+        return Best(None, None, None)
+    best = min(case.bottleneck(b) for b in ok)
+    optimal = [b for b in ok if case.bottleneck(b) <= best * (1 + REL_TOL)]
+    return Best(min(case.time(b) for b in ok), best, min(case.moved(b) for b in optimal))
+
+
+def expected_k(case: Case) -> int | None:
+    """The stage count the criteria ask for, by brute force over every K."""
+    now = iteration(case.costs, case.extras_cost, case.current, case.microbatches)
+    best = {k: brute(case, k) for k in range(case.min_stages, case.p)}
+    ok = {k: b.time for k, b in best.items() if b.time is not None}
+    if case.objective == "min_stages":
+        within = [k for k, t in ok.items() if t <= case.max_slowdown * now * (1 + REL_TOL)]
+        return min(within, default=None)
+    if not ok:
+        return None
+    k = min(ok, key=lambda k: (ok[k] * k, k))
+    return k if ok[k] * k < now * case.p * (1 - REL_TOL) else None
+
+
+@st.composite
+def cases(draw) -> Case:
+    p = draw(st.integers(2, 4))
+    allow_empty = draw(st.booleans())
+    n = draw(st.integers(1 if allow_empty else p, 8))
+    ints = lambda hi, size: st.lists(st.integers(0, hi), min_size=size, max_size=size)  # noqa: E731
+    per_stage_caps = st.lists(st.integers(2, 30), min_size=p, max_size=p).map(tuple)
+    capacity = draw(st.one_of(st.none(), st.integers(4, 30).map(lambda c: (c,) * p), per_stage_caps))
+    return Case(
+        costs=tuple(draw(ints(9, n))), memory=tuple(draw(ints(5, n))),
+        move_bytes=tuple(draw(ints(2, n))),
+        extras_cost=tuple(draw(st.one_of(st.just([0] * p), ints(6, p)))),
+        extras_memory=tuple(draw(st.one_of(st.just([0] * p), ints(3, p)))),
+        capacity=capacity, current=draw(st.sampled_from(list(splits(n, p, allow_empty)))),
+        allow_empty=allow_empty, microbatches=draw(st.integers(1, 4)),
+        min_stages=draw(st.integers(1, p)), max_slowdown=draw(st.sampled_from([1.0, 1.25, 1.5, 2.0, 4.0])),
+        objective=draw(st.sampled_from(["min_stages", "throughput_per_gpu"])),
+        margin=draw(st.sampled_from([0.0, 0.25, 0.5])))
+
+
+def build(case: Case) -> BalanceProblem:
+    try:
+        return case.problem()
+    except InfeasibleError:  # the current stages' extras alone overflow: not a repack question
+        assume(False)
+        raise
+
+
+# ---- property tests ----------------------------------------------------------------------------
+@given(case=cases())
+@SETTINGS
+def test_plan_repack_matches_brute_force(case):
+    plan = plan_repack(build(case), case.criteria())
+    k = expected_k(case)
+    chosen = [c for c in plan.candidates if c.fits]
+    if case.objective == "min_stages":
+        assert [c.stages for c in chosen] == ([] if k is None else [k])
+        assert [c.stages for c in plan.candidates] == list(range(case.min_stages, k + 1 if k else case.p))
+    if k is None:
+        assert not plan.apply and plan.stages_after == case.p and plan.moves == []
+        return
+    cand = [c for c in chosen if c.stages == k]
+    assert cand, (k, plan.candidates)
+    best = brute(case, k)
+    bounds = (0, *itertools.accumulate(cand[0].layout.counts))
+    assert case.fits(bounds)
+    assert case.bottleneck(bounds) == pytest.approx(best.bottleneck, abs=1e-9)
+    assert cand[0].predicted_iter_s == pytest.approx(best.time, abs=1e-9)
+    assert case.moved(bounds) == best.moved  # fewest bytes, then layers, among optimal splits
+    assert plan.apply == case.peak_fits(bounds)  # no gate: only the transient peak can refuse
+    if plan.apply:
+        assert plan.stages_after == k and plan.layout_after == cand[0].layout
+        assert plan.released_stages == list(range(k, case.p))
+        assert plan.bytes_moved == case.moved(bounds)[0]
+        assert all(m.dst < k for m in plan.moves)
+
+
+@given(case=cases())
+@SETTINGS
+def test_first_fit_never_reorders_and_respects_the_cap(case):
+    pb = build(case)
+    plan = first_fit_repack(pb, case.criteria())
+    if not plan.candidates:
+        assert not plan.apply and plan.stages_after == case.p
+        return
+    (cand,) = plan.candidates
+    k = cand.stages
+    bounds = (0, *itertools.accumulate(cand.layout.counts))
+    assert case.min_stages <= k < case.p and case.fits(bounds)
+    assert set(bounds) <= set(case.current)  # whole stages merged: every new boundary was one
+    old, new = assignment(case.current), assignment(bounds)
+    assert all(new[i] <= new[i + 1] for i in range(case.n - 1))  # layer order kept
+    assert all(new[i] <= old[i] for i in range(case.n))  # layers only move to lower stages
+    assert all(m.dst < m.src for m in plan.moves)
+    # ours, with time unconstrained, never needs more stages than first fit
+    free = RepackCriteria(min_stages=case.min_stages, max_slowdown=1e9, memory_margin=case.margin)
+    ours = [c for c in plan_repack(pb, free).candidates if c.fits]
+    assert ours and ours[0].stages <= k
+
+
+# ---- dynmo plan --repack ------------------------------------------------------------------------
+def _costs_file(tmp_path, doc=None) -> str:
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(doc if doc is not None else {"costs": SHRUNK, "memory": [1] * 8}))
+    return str(path)
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as e:  # argparse's own errors
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_cli_repack_readable(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "dynmo_plugin.cli", "plan", _costs_file(tmp_path),
+                          "--current-layout", "Ett|tt|tt|ttL", "--microbatches", "8", "--repack",
+                          "--min-stages", "2"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("repack (dynmo): 4 -> 2 stages")
+    assert "decision: REPACK" in out.stdout
+
+
+def test_cli_repack_json_is_one_document(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "dynmo_plugin.cli", "plan", _costs_file(tmp_path),
+                          "--current-layout", "Ett|tt|tt|ttL", "--microbatches", "8", "--repack",
+                          "--max-slowdown", "2", "--objective", "min_stages", "--json",
+                          "--gate-iterations", "1000", "--bandwidth", "1GB"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["apply"] and plan["stages_after"] == 1 and plan["layout_after"] == "EttttttttL"
+    assert plan["intermediate_layout"] == "Etttttttt|||L"
+    assert RepackPlan.from_dict(plan).stages_after == 1
+
+
+def test_cli_repack_options(tmp_path):
+    costs = _costs_file(tmp_path)
+    code, out, _ = _cli("plan", "--costs", costs, "--stages", "4", "--microbatches", "8", "--repack",
+                        "--objective", "throughput_per_gpu", "--json")
+    assert code == 0 and json.loads(out)["stages_after"] == 1  # uniform current split assumed
+    code, out, _ = _cli("plan", costs, "--current-layout", "Ett|tt|tt|ttL", "--repack",
+                        "--capacity", "3", "--memory-margin", "0", "--max-slowdown", "4",
+                        "--rebuild-s", "0", "--microbatches", "8")
+    assert code == 0 and "keep 4 stages" in out and "migration needs" in out
+    code, out, _ = _cli("plan", costs, "--stages", "2", "--method", "exact")  # the positional file
+    assert code == 0 and out.startswith("plan (exact)")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--repack", "--min-stages", "0"], "--min-stages must be an integer between 1"),
+    (["--repack", "--max-slowdown", "0"], "--max-slowdown must be a finite number > 0"),
+    (["--repack", "--max-slowdown", "nan"], "--max-slowdown"),
+    (["--repack", "--memory-margin", "-1"], "--memory-margin"),
+    (["--repack", "--rebuild-s", "inf"], "--rebuild-s"),
+    (["--repack", "--method", "diffusion"], "exact solver"),
+    (["--repack", "--max-rounds", "3"], "--max-rounds"),
+    (["--min-stages", "2", "--method", "exact"], "--min-stages only applies with --repack"),
+    ([], "--method is required"),
+    (["--repack", "--current-layout", "Et|tL"], "has 2 stages but the pipeline has 4"),
+])
+def test_cli_repack_bad_input_is_one_line_exit_2(tmp_path, args, message):
+    code, out, err = _cli("plan", _costs_file(tmp_path), "--stages", "4", *args)
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1 and err.startswith("dynmo plan: error:"), err
+
+
+def test_cli_needs_one_costs_file_and_a_stage_count(tmp_path):
+    costs = _costs_file(tmp_path)
+    for argv, message in ((["--repack", "--stages", "4"], "no costs file"),
+                          ([costs, "--costs", costs + "x", "--repack", "--stages", "4"], "two costs files"),
+                          ([costs, "--repack"], "give --stages or --current-layout")):
+        code, _, err = _cli("plan", *argv)
+        assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+_FLAG_VALUES = {
+    "--min-stages": st.sampled_from(["1", "2", "3", "0", "-1", "x", "99999999"]),
+    "--max-slowdown": st.sampled_from(["1", "1.5", "0", "-1", "nan", "inf", "x"]),
+    "--objective": st.sampled_from(["min_stages", "throughput_per_gpu", "bogus"]),
+    "--memory-margin": st.sampled_from(["0", "0.1", "-0.5", "nan"]),
+    "--rebuild-s": st.sampled_from(["0", "10", "-1", "inf"]),
+    "--capacity": st.sampled_from(["2", "4", "8", "1e9", "0"]),
+    "--gate-iterations": st.sampled_from(["0", "10", "100000"]),
+    "--stages": st.sampled_from(["1", "2", "4", "9", "0"]),
+    "--current-layout": st.sampled_from(["Ett|tt|tt|ttL", "EttttttttL", "Et|tL", "E|ttttttt|tL"]),
+    "--microbatches": st.sampled_from(["1", "4", "0"]),
+}
+
+
+@given(data=st.data())
+@settings(max_examples=60, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+def test_cli_repack_fuzz(tmp_path, data):
+    """Any mix of flags: exit 0 with output (one JSON document with --json), or exit 2
+    with one line (or argparse's usage + error for a value argparse itself rejects)."""
+    costs = data.draw(st.sampled_from([SHRUNK, [1, 2], [0, 0, 0, 0], [5]]))
+    argv = ["plan", _costs_file(tmp_path, {"costs": costs, "memory": [1] * len(costs)}), "--repack"]
+    for flag in data.draw(st.lists(st.sampled_from(sorted(_FLAG_VALUES)), unique=True, max_size=5)):
+        argv += [flag, data.draw(_FLAG_VALUES[flag])]
+    argv += [f for f in ("--json", "--allow-empty-stages") if data.draw(st.booleans())]
+    code, out, err = _cli(*argv)
+    assert code in (0, 2), (argv, err)
+    if code == 0:
+        assert json.loads(out) if "--json" in argv else out.strip()
+    elif not err.startswith("usage:"):
+        assert err.count("\n") == 1 and err.startswith("dynmo plan: error:") and out == "", err
