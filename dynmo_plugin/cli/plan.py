@@ -2,12 +2,21 @@
 
     dynmo plan --costs costs.json --stages 4 --method exact [--memory mem.json
                --capacity 80GiB] [--extras extras.json] [--current-layout 'Ettt|tttL'] [--json]
+    dynmo plan costs.json --current-layout 'Ett|tt|tt|ttL' --repack [--min-stages K]
+               [--max-slowdown X] [--objective min_stages|throughput_per_gpu] [--json]
 
 costs.json: a JSON list of per-layer costs, or an object {"costs": [...], "memory":
 [...], "move_bytes": [...], "params": [...]} (all but costs optional). mem.json: a list
 of per-layer bytes. extras.json: a list of per-stage costs, or {"cost": [...],
 "memory": [...]}. --capacity: bytes per stage (suffixes KB MB GB TB KiB MiB GiB TiB),
-or a comma-separated list, one per stage.
+or a comma-separated list, one per stage. The costs file may also be given as the
+first argument instead of --costs; --stages may be left out when --current-layout
+gives it.
+
+--repack decides whether to consolidate the pipeline onto fewer stages instead
+(`dynmo_plugin.balancing.repack`; the exact solver, so no --method): the current
+layout is --current-layout, else Megatron's uniform split over --stages; the gate
+runs when --gate-iterations is given.
 """
 from __future__ import annotations
 
@@ -20,6 +29,8 @@ from typing import Any
 
 from dynmo_plugin.balancing import BALANCERS, BalanceProblem, GateConfig, Plan, solve
 from dynmo_plugin.balancing.partition import load_partition_balanced
+from dynmo_plugin.balancing.repack import (OBJECTIVES, RepackCriteria, RepackPlan,
+                                           plan_repack)
 from dynmo_plugin.cli._output import show, third_party_output_to_stderr
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
@@ -28,8 +39,13 @@ __all__ = ["add_parser", "run"]
 
 # (flag, lowest, highest). The upper bounds are far beyond real pipelines; they keep
 # per-stage lists in memory and products like saving x iterations in the float range.
-_INT_FLAGS = (("--stages", 1, 100_000), ("--microbatches", 1, 10**9), ("--max-rounds", 0, 10**6),
-              ("--gate-iterations", 0, 10**12))
+_MAX_STAGES = 100_000
+_INT_FLAGS = (("--stages", 1, _MAX_STAGES), ("--microbatches", 1, 10**9), ("--max-rounds", 0, 10**6),
+              ("--gate-iterations", 0, 10**12), ("--min-stages", 1, _MAX_STAGES))
+# Repack-only flags: (flag, lowest allowed, whether the lowest is allowed).
+_REPACK_FLOATS = (("--max-slowdown", 0.0, False), ("--memory-margin", 0.0, True),
+                  ("--rebuild-s", 0.0, True))
+_REPACK_FLAGS = ("--min-stages", "--objective", *(f for f, _, _ in _REPACK_FLOATS))
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -37,9 +53,11 @@ _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("plan", help="compute a rebalancing plan from per-layer costs",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--costs", required=True, help="JSON list of per-layer costs, or an object")
-    p.add_argument("--stages", required=True, type=int, help="pipeline-parallel size")
-    p.add_argument("--method", required=True, choices=BALANCERS)
+    p.add_argument("costs_file", nargs="?", metavar="COSTFILE", help="the same as --costs")
+    p.add_argument("--costs", help="JSON list of per-layer costs, or an object")
+    p.add_argument("--stages", type=int,
+                   help="pipeline-parallel size (default: the stages of --current-layout)")
+    p.add_argument("--method", choices=BALANCERS, help="balancer (required unless --repack)")
     p.add_argument("--memory", help="JSON list of per-layer bytes")
     p.add_argument("--capacity", help="per-stage memory capacity, e.g. 80GiB or 8e10,8e10,...")
     p.add_argument("--extras", help="JSON per-stage extras: list of costs or {cost, memory}")
@@ -52,7 +70,23 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--bandwidth", default="1GB", help="gate: migration bandwidth per second (1GB)")
     p.add_argument("--margin", type=float, default=1.2, help="gate: required saving/cost ratio")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _add_repack_flags(p)
     p.set_defaults(func=run)
+
+
+def _add_repack_flags(p: argparse.ArgumentParser) -> None:
+    """--repack and its criteria (defaults: `RepackCriteria`'s, which are the config's)."""
+    d = RepackCriteria()
+    p.add_argument("--repack", action="store_true",
+                   help="decide whether to repack onto fewer stages instead of rebalancing")
+    p.add_argument("--min-stages", type=int, help=f"repack: never below this many stages ({d.min_stages})")
+    p.add_argument("--max-slowdown", type=float,
+                   help=f"repack: predicted iteration may grow at most this factor ({d.max_slowdown:g})")
+    p.add_argument("--objective", choices=OBJECTIVES, help=f"repack: what to optimise ({d.objective})")
+    p.add_argument("--memory-margin", type=float,
+                   help=f"repack: a stage fits if memory x (1 + margin) <= cap ({d.memory_margin:g})")
+    p.add_argument("--rebuild-s", type=float,
+                   help=f"repack: estimated regroup + rebuild seconds, the gate's fixed cost ({d.rebuild_s:g})")
 
 
 def _load_json(path: str, what: str) -> Any:
@@ -184,6 +218,47 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UserError(f"--margin must be a finite number >= 0 (1.2 = 20% headroom), got {args.margin}")
     if args.max_rounds is not None and args.method != "diffusion":
         raise UserError("--max-rounds only applies to --method diffusion")
+    _check_inputs(args)
+    _check_repack_flags(args)
+
+
+def _check_inputs(args: argparse.Namespace) -> None:
+    """One costs file (COSTFILE or --costs) and a stage count (--stages or the layout).
+
+    Raises:
+        UserError: none or two costs files; no way to know the stage count.
+    """
+    if args.costs_file is not None and args.costs is not None and args.costs_file != args.costs:
+        raise UserError(f"two costs files given ({args.costs_file!r} and --costs {args.costs!r}); "
+                        "give one")
+    args.costs = args.costs if args.costs is not None else args.costs_file
+    if args.costs is None:
+        raise UserError("no costs file: give it as the first argument or with --costs")
+    if args.stages is None and not args.current_layout:
+        raise UserError("give --stages or --current-layout (the pipeline's stage count)")
+
+
+def _check_repack_flags(args: argparse.Namespace) -> None:
+    """--method xor --repack; the repack criteria flags only with --repack, in range.
+
+    Raises:
+        UserError: a missing, misplaced or out-of-range flag.
+    """
+    if not args.repack:
+        given = [f for f in _REPACK_FLAGS if getattr(args, f[2:].replace("-", "_")) is not None]
+        if given:
+            raise UserError(f"{given[0]} only applies with --repack")
+        if args.method is None:
+            raise UserError(f"--method is required ({', '.join(BALANCERS)}), or give --repack")
+        return
+    if args.method not in (None, "exact"):
+        raise UserError(f"--repack always uses the exact solver; drop --method {args.method}")
+    if args.max_rounds is not None:
+        raise UserError("--max-rounds does not apply to --repack")
+    for flag, low, low_ok in _REPACK_FLOATS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not (math.isfinite(value) and (value >= low if low_ok else value > low)):
+            raise UserError(f"{flag} must be a finite number {'>=' if low_ok else '>'} {low:g}, got {value}")
 
 
 def _current_layout(args: argparse.Namespace, num_layers: int) -> Layout | None:
@@ -192,13 +267,17 @@ def _current_layout(args: argparse.Namespace, num_layers: int) -> Layout | None:
     layers + stages makes too many 't' or '|' anyway)."""
     if not args.current_layout:
         return None
-    limit = num_layers + args.stages
+    limit = num_layers + (args.stages if args.stages is not None else _MAX_STAGES)
     for digits in re.findall(r"\*(\d+)", args.current_layout):
         if len(digits) > 9 or int(digits) > limit:
             count = digits if len(digits) <= 12 else digits[:12] + "..."
             raise UserError(f"--current-layout {args.current_layout[:40]!r}: repeat count {count} "
-                            f"is more than the {num_layers} layers and {args.stages} stages can hold")
-    return Layout.parse(args.current_layout, args.stages, num_layers)
+                            f"is more than the {num_layers} layers and {limit - num_layers} stages "
+                            "can hold")
+    layout = Layout.parse(args.current_layout, args.stages, num_layers)
+    if layout.num_stages > _MAX_STAGES:
+        raise UserError(f"--current-layout has {layout.num_stages:,} stages; at most {_MAX_STAGES:,}")
+    return layout
 
 
 def _problem(args: argparse.Namespace) -> BalanceProblem:
@@ -207,29 +286,47 @@ def _problem(args: argparse.Namespace) -> BalanceProblem:
     if args.capacity:
         parts = [_bytes(x, "--capacity") for x in args.capacity.split(",")]
         capacity = parts[0] if len(parts) == 1 else parts
-    return BalanceProblem(num_stages=args.stages, capacity=capacity,
-                          current=_current_layout(args, len(layers["costs"])),
+    current = _current_layout(args, len(layers["costs"]))
+    stages = args.stages if current is None else current.num_stages
+    if args.repack and current is None and layers["costs"]:
+        current = Layout.uniform(len(layers["costs"]), stages)  # Megatron's static split
+    return BalanceProblem(num_stages=stages, capacity=capacity, current=current,
                           allow_empty_stages=args.allow_empty_stages,
                           num_microbatches=args.microbatches, **layers, **_extras(args))
 
 
-def _solve(args: argparse.Namespace) -> Plan:
+def _gate(args: argparse.Namespace) -> GateConfig | None:
+    if args.gate_iterations is None:
+        return None
+    return GateConfig(iterations_until_next_event=args.gate_iterations,
+                      bandwidth_bytes_per_s=_bytes(args.bandwidth, "--bandwidth"), margin=args.margin)
+
+
+def _criteria(args: argparse.Namespace) -> RepackCriteria:
+    """The repack criteria from the flags given, `RepackCriteria`'s defaults otherwise."""
+    given = {name: getattr(args, name) for name in
+             ("min_stages", "max_slowdown", "objective", "memory_margin", "rebuild_s")
+             if getattr(args, name) is not None}
+    return RepackCriteria(**given)
+
+
+def _solve(args: argparse.Namespace) -> Plan | RepackPlan:
     """Build the problem and solve it (inputs validated, DeepSpeed imported untimed)."""
     _check_flags(args)
     problem = _problem(args)
+    if args.repack:
+        return plan_repack(problem, _criteria(args), _gate(args))
     options: dict[str, Any] = {}
     if args.max_rounds is not None:
         options["max_rounds"] = args.max_rounds
     if args.gate_iterations is not None:
-        options["gate"] = GateConfig(iterations_until_next_event=args.gate_iterations,
-                                     bandwidth_bytes_per_s=_bytes(args.bandwidth, "--bandwidth"),
-                                     margin=args.margin)
+        options["gate"] = _gate(args)
     if args.method == "partition":
         load_partition_balanced()  # seconds of torch/DeepSpeed import: not solve time
     return solve(problem, args.method, **options)
 
 
-def _as_json(plan: Plan) -> str:
+def _as_json(plan: Plan | RepackPlan) -> str:
     """The plan as strict JSON (no NaN/Infinity, which json parsers other than Python's reject)."""
     try:
         return json.dumps(plan.to_dict(), indent=2, allow_nan=False)
