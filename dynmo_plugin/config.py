@@ -85,6 +85,9 @@ class ModelArgs:
     pipeline_model_parallel_layout: Optional[str] = field(default=None, metadata=opt("Megatron layout string, e.g. 'Ett|ttL'"))
     untie_embeddings_and_output_weights: bool = field(default=False, metadata=opt("separate output-layer weights"))
     output: str = field(default="runs/latest", metadata=opt("directory for report.json"))
+    save: Optional[str] = field(default=None, metadata=opt("checkpoint directory to save to"))
+    save_interval: int = field(default=0, metadata=opt("iterations between checkpoints (0 = only at a checkpoint repack)", check=non_negative))
+    load: Optional[str] = field(default=None, metadata=opt("checkpoint directory to resume from (any pipeline split)"))
 
     def validate_shape(self, where: str, world_size: int | None = None) -> None:
         """Cross-field checks: layout vs layers, batch divisibility, world shape."""
@@ -491,6 +494,9 @@ def _check_repack(cfg: RunConfig, given: dict[str, str]) -> None:
     if rp.enabled and rp.min_stages > pp:
         raise ConfigError(f"{given.get('repack.min_stages', 'repack.min_stages')}: min_stages "
                           f"({rp.min_stages}) exceeds --pipeline-model-parallel-size ({pp})")
+    if rp.enabled and rp.mode == "checkpoint" and not cfg.model.save:
+        raise ConfigError(f"{given.get('repack.mode', 'repack.mode')}: mode checkpoint saves the "
+                          "state for the restart: give --save DIR")
     if cl.fallback != "none" and cl.fallback == cl.strategy:
         raise ConfigError(f"{given.get('cluster.fallback', 'cluster.fallback')}: the fallback "
                           f"({cl.fallback}) is the strategy itself; choose another or none")

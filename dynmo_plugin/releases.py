@@ -16,10 +16,20 @@ import threading
 
 from dynmo_plugin.config import ClusterConfig
 
-__all__ = ["Releases", "replicas"]
+__all__ = ["Releases", "replicas", "mark_retired"]
 
 logger = logging.getLogger(__name__)
 RETIRED_KEY = "dynmo/retired/{generation}/{rank}"
+
+
+def mark_retired(generation: int, rank: int, timeout_s: float) -> None:
+    """A retiring rank's last word, on torchrun's store: the leader releases its replica
+    only after every retiree said it (never raises: the leader then waits out its bound)."""
+    from dynmo_plugin.consensus import agent_store
+    try:
+        agent_store(timeout_s).set(RETIRED_KEY.format(generation=generation, rank=rank), "1")
+    except Exception as e:  # noqa: BLE001
+        logger.warning("rank %d: could not mark itself retired on the store: %s", rank, e)
 
 
 def replicas(ranks: int, per_replica: int) -> int:

@@ -9,12 +9,10 @@ import argparse
 import logging
 import os
 import sys
-import time
 import warnings
 
 from dynmo_plugin.config import RunConfig, add_dynmo_args, add_model_args, load_config
 from dynmo_plugin.errors import USER_ERROR_EXIT, UserError
-from dynmo_plugin.layout import Layout
 
 __all__ = ["main", "build_parser", "run", "exit_on_peer_failure"]
 
@@ -43,20 +41,21 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
     """
     from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
     from dynmo_plugin.megatron.repack import RankRetired
+    from dynmo_plugin.session import StopTraining, TrainingSession
 
     dims = init_parallel(cfg.model)
     try:
-        session = _Session(cfg, dims, layer_spec, fault, profile_noise)
+        session = TrainingSession(cfg, dims, layer_spec, fault, profile_noise)
         if on_start is not None:
             on_start(session.trainer)
         try:
-            for iteration in range(1, cfg.model.train_iters + 1):
+            for iteration in range(session.start_iteration + 1, cfg.model.train_iters + 1):
                 session.step(iteration)
         except RankRetired:
             return None  # this rank's stage was released by a repack: exit 0, no report
-        session.finish_releases()
-        session.report.layout = str(session.trainer.layout)
-        session.report.write()
+        except StopTraining:
+            pass         # a checkpoint repack: every rank ends here, the job restarts smaller
+        session.finish()
         if on_finish is not None:
             on_finish(session.trainer)
         if dims.rank == 0:
@@ -64,103 +63,6 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
         return session.report.to_dict()
     finally:
         destroy_parallel()
-
-
-class _Session:
-    """One rank's training run: stage trainer, control plane, migrator, controller and
-    the dynamism scenario, glued in the order dynmo_plugin.dynamism.base describes."""
-
-    def __init__(self, cfg: RunConfig, dims, layer_spec, fault, profile_noise):
-        from dynmo_plugin.consensus import ControlPlane
-        from dynmo_plugin.controller import DynMo
-        from dynmo_plugin.dynamism import Runtime, build_scenario
-        from dynmo_plugin.megatron.migrate import LayerMigrator
-        from dynmo_plugin.megatron.model import layer_spec as default_spec
-        from dynmo_plugin.megatron.repack import Repacker
-        from dynmo_plugin.releases import Releases
-        from dynmo_plugin.megatron.trainer import StageTrainer
-        from dynmo_plugin.report import RunReport
-
-        args, self.cfg = cfg.model, cfg
-        layout = (Layout.parse(args.pipeline_model_parallel_layout, dims.pp, args.num_layers)
-                  if args.pipeline_model_parallel_layout
-                  else Layout.uniform(args.num_layers, dims.pp))
-        self.scenario = build_scenario(cfg.dynmo.dynamism)
-        spec = layer_spec if layer_spec is not None else default_spec()
-        if self.scenario is not None:
-            spec = self.scenario.layer_spec(spec, args)
-        self.trainer = StageTrainer(args, dims, layout, spec=spec)
-        timeout = cfg.dynmo.rebalance.migration_timeout_s
-        self.control = ControlPlane(timeout)
-        self.migrator = LayerMigrator(self.trainer, self.control, timeout, fault)
-        shape = {"pp": dims.pp, "tp": dims.tp, "dp": dims.dp, "world_size": dims.world_size}
-        self.report = RunReport(path=os.path.join(args.output, "report.json"), config=cfg.to_dict(),
-                                world={**shape, "backend": dims.backend,
-                                       "history": [{"iteration": 0, **shape}]},
-                                initial_layout=str(layout), enabled=dims.rank == 0)
-        self.releases = Releases(cfg.dynmo.cluster, timeout) if dims.rank == 0 else None
-        repacker = (Repacker(self, args.seed, timeout).run
-                    if cfg.dynmo.enabled and cfg.dynmo.repack.enabled else None)
-        self.dynmo = DynMo(cfg.dynmo, self.trainer, self.control, self.migrator, self.report,
-                           profile_noise=profile_noise, repacker=repacker)
-        if self.scenario is not None:
-            self.scenario.attach(Runtime(self.trainer, self.control, self.migrator))
-            self.dynmo.add_layout_listener(self.scenario.after_layout_change)
-
-    # ---- what a repack (dynmo_plugin.megatron.repack) needs from the session ------------
-    def rebind(self, trainer, control, migrator) -> None:
-        """Switch everything to the stage rebuilt in the shrunk world."""
-        self.trainer, self.control, self.migrator = trainer, control, migrator
-        self.dynmo.rebind(trainer, control, migrator)
-        if self.scenario is not None:
-            from dynmo_plugin.dynamism import Runtime
-            self.scenario.attach(Runtime(trainer, control, migrator))
-
-    def release_stage(self) -> None:
-        """A retiring rank drops its stage's buffers before leaving."""
-        from dynmo_plugin.megatron.migrate import retire_ddp
-        retire_ddp(self.trainer.ddp)
-
-    def repacked(self, iteration: int, record: dict, result) -> None:
-        """Survivors, after a repack: the world's new size in the report; the leader hands
-        the released replicas back to the cluster in the background."""
-        d = self.trainer.dims
-        self.report.world["history"].append({"iteration": iteration, "pp": d.pp, "tp": d.tp,
-                                             "dp": d.dp, "world_size": d.world_size,
-                                             "released_ranks": result.ranks_released})
-        if self.releases is not None:
-            self.releases.start(record, result)
-
-    def finish_releases(self) -> None:
-        if self.releases is not None:
-            self.releases.join()
-
-    def step(self, iteration: int) -> None:
-        start = time.perf_counter()
-        self.dynmo.before_step(iteration)
-        if self.scenario is not None:
-            self.scenario.before_step(iteration)
-        step_start = time.perf_counter()
-        loss = self.trainer.train_step(iteration)
-        step_end = time.perf_counter()
-        if self.scenario is not None:
-            event = self.scenario.after_step(iteration)
-            if event is not None:
-                self.report.add_event(event)
-                if event.rebalance:
-                    self.dynmo.notify_event(event.name)
-        scenario_end = time.perf_counter()
-        self.dynmo.after_step(iteration)
-        elapsed = time.perf_counter() - start
-        # dynmo_s: the controller's own time (windows, decisions, migration); scenario_s:
-        # the dynamism scheme's own work (pruning rounds, freezing checks), paid by static too
-        self.report.add_iteration(iteration, loss, elapsed,
-                                  dynmo_s=elapsed - (scenario_end - step_start),
-                                  scenario_s=scenario_end - step_end)
-        args = self.cfg.model
-        if iteration % args.log_interval == 0:
-            logger.info("iteration %4d/%d | loss %.6f | %.1f ms | layout %s", iteration,
-                        args.train_iters, loss, elapsed * 1e3, self.trainer.layout)
 
 
 def exit_on_peer_failure(fn, *args) -> int:

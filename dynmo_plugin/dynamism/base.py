@@ -75,7 +75,15 @@ class Scenario:
         return spec
 
     def attach(self, runtime: Runtime) -> None:
+        """Called once the stage exists, and again with the rebuilt stage after a repack."""
         self.runtime = runtime
+
+    def state_dict(self) -> dict:
+        """The scenario's own progress (not per layer), for checkpoints; plain data."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict()`'s result (after `attach`)."""
 
     def before_step(self, iteration: int) -> None:
         pass

@@ -75,6 +75,13 @@ class GradualPruning(Scenario):
             raise ConfigError("dynamism.pruning.granularity: structured pruning removes neurons of "
                               "non-gated MLPs only (a gated fc1 holds two rows per neuron)")
 
+    def state_dict(self) -> dict:
+        return {"applied": self.applied}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.applied = state.get("applied", 0.0)
+        self.after_layout_change()  # CSR kernels for the loaded sparsity
+
     def after_step(self, iteration: int) -> Optional[DynamismEvent]:
         p = self.pruning
         if not is_pruning_step(iteration, p.start, p.rounds, p.interval):

@@ -88,6 +88,13 @@ class LayerFreezing(Scenario):
         from dynmo_plugin.megatron.freezable import freezable_spec
         return freezable_spec(spec)
 
+    def state_dict(self) -> dict:
+        return {"frozen": self.frozen, "snapshotted": self._snapshotted}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.frozen = state.get("frozen", 0)
+        self._snapshotted = state.get("snapshotted", False)
+
     def is_check(self, iteration: int) -> bool:
         f = self.freezing
         return iteration >= f.start and (iteration - f.start) % f.interval == 0

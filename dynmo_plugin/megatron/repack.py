@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from dynmo_plugin.consensus import ControlPlane, agent_store
+from dynmo_plugin.consensus import ControlPlane
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.megatron.optim_state import carry_optimizer_state
 from dynmo_plugin.megatron.parallel import destroy_parallel, shrink_world, survives
@@ -39,7 +39,7 @@ from dynmo_plugin.megatron.stage_state import StageState, capture
 from dynmo_plugin.migration.exchange import exchange_buffers, exchange_headers
 from dynmo_plugin.migration.result import MigrationResult
 from dynmo_plugin.migration.wire import checksum, pack, unpack
-from dynmo_plugin.releases import RETIRED_KEY
+from dynmo_plugin.releases import mark_retired
 
 __all__ = ["RankRetired", "RepackResult", "Repacker"]
 
@@ -173,10 +173,7 @@ class Repacker:
         s.control.enter("retired")
         s.release_stage()
         destroy_parallel()  # exiting with live subgroups aborts the process (and the job)
-        try:
-            agent_store(self.timeout_s).set(RETIRED_KEY.format(generation=self.generation, rank=rank), "1")
-        except Exception as e:  # noqa: BLE001 - the leader then waits out its bound
-            logger.warning("rank %d: could not mark itself retired on the store: %s", rank, e)
+        mark_retired(self.generation, rank, self.timeout_s)
         logger.warning("rank %d: pipeline stage %d released by a repack to %d stages; leaving "
                        "the job (exit 0)", rank, stage, k)
         raise RankRetired(f"rank {rank} (stage {stage}) released")

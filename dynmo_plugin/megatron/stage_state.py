@@ -124,7 +124,9 @@ def restore_optimizer(model, optimizer, state: StageState) -> int:
             if not carried or owner is None:
                 continue
             inner, key = owner
-            carried = {k: v.clone() for k, v in carried.items()}
+            # 0-d entries (Adam's step) stay where they are; moments follow the parameter
+            carried = {k: v.clone() if v.dim() == 0 else v.to(key.device, copy=True)
+                       for k, v in carried.items()}
             main = carried.pop("main_param", None)
             if main is not None:
                 key.data.copy_(main)

@@ -1,0 +1,233 @@
+"""One rank's training run: the stage, the control plane, the controller, the scenario.
+
+`TrainingSession` glues them in the order dynmo_plugin.dynamism.base describes, and
+owns what outlives any one of them: the report, checkpoints (`--save`/`--load`, any
+pipeline split) and repacks, after which it switches every part to the stage rebuilt
+in the smaller world (`rebind`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+from dynmo_plugin.config import ConfigError, RunConfig
+from dynmo_plugin.layout import Layout
+
+__all__ = ["TrainingSession", "StopTraining"]
+
+logger = logging.getLogger("dynmo_plugin.train")
+
+
+class StopTraining(Exception):
+    """Every rank ends the run after this iteration (a checkpoint repack: restart smaller)."""
+
+
+class TrainingSession:
+    def __init__(self, cfg: RunConfig, dims, layer_spec=None, fault=None, profile_noise=None):
+        from dynmo_plugin.consensus import ControlPlane
+        from dynmo_plugin.controller import DynMo
+        from dynmo_plugin.dynamism import Runtime, build_scenario
+        from dynmo_plugin.megatron.migrate import LayerMigrator
+        from dynmo_plugin.megatron.model import layer_spec as default_spec
+        from dynmo_plugin.megatron.repack import Repacker
+        from dynmo_plugin.megatron.trainer import StageTrainer
+        from dynmo_plugin.releases import Releases
+        from dynmo_plugin.report import RunReport
+
+        args, self.cfg = cfg.model, cfg
+        meta, state = self._checkpoint(dims)
+        layout = _initial_layout(args, dims, meta)
+        self.scenario = build_scenario(cfg.dynmo.dynamism)
+        spec = layer_spec if layer_spec is not None else default_spec()
+        if self.scenario is not None:
+            spec = self.scenario.layer_spec(spec, args)
+        self.trainer = StageTrainer(args, dims, layout, spec=spec, state=state)
+        timeout = cfg.dynmo.rebalance.migration_timeout_s
+        self.control = ControlPlane(timeout)
+        self.migrator = LayerMigrator(self.trainer, self.control, timeout, fault)
+        shape = {"pp": dims.pp, "tp": dims.tp, "dp": dims.dp, "world_size": dims.world_size}
+        self.start_iteration = meta["iteration"] if meta else 0
+        self.report = RunReport(path=os.path.join(args.output, "report.json"), config=cfg.to_dict(),
+                                world={**shape, "backend": dims.backend,
+                                       "history": [{"iteration": self.start_iteration, **shape}]},
+                                initial_layout=str(layout), enabled=dims.rank == 0)
+        self.releases = Releases(cfg.dynmo.cluster, timeout) if dims.rank == 0 else None
+        self.repacker = Repacker(self, args.seed, timeout)
+        repack_on = cfg.dynmo.enabled and cfg.dynmo.repack.enabled
+        self.dynmo = DynMo(cfg.dynmo, self.trainer, self.control, self.migrator, self.report,
+                           profile_noise=profile_noise, repacker=self._repack if repack_on else None)
+        if self.scenario is not None:
+            self.scenario.attach(Runtime(self.trainer, self.control, self.migrator))
+            self.dynmo.add_layout_listener(self.scenario.after_layout_change)
+        if meta is not None:
+            self._resume(meta)
+        self.stop_after: Optional[int] = None
+        self._completed = self.start_iteration
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def _checkpoint(self, dims):
+        """(meta, state) of the checkpoint to resume from, or (None, None)."""
+        from dynmo_plugin.megatron.checkpoint import load_stage_state, read_meta
+        root = self.cfg.model.load
+        meta = read_meta(root) if root else None
+        if meta is None:
+            if root:
+                logger.warning("--load %s: no checkpoint there yet; starting from scratch", root)
+            return None, None
+        if meta["tp"] != dims.tp:
+            raise ConfigError(f"--load {root}: saved with TP={meta['tp']}, this run has TP={dims.tp}; "
+                              "only the pipeline split may change on restart")
+        tp_rank = dist.get_rank(dims.groups.tp) if dims.tp > 1 else 0
+        return meta, load_stage_state(root, meta, tp_rank)
+
+    def _resume(self, meta: dict) -> None:
+        scheduler = self.trainer.scheduler
+        scheduler.num_steps = meta["scheduler"]["num_steps"]
+        scheduler.step(increment=0)  # the learning rate of that step, in every param group
+        if self.scenario is not None:
+            self.scenario.load_state_dict(meta.get("scenario", {}))
+        if self.trainer.dims.rank == 0:
+            logger.info("resumed from %s at iteration %d (saved with layout %s), layout %s",
+                        self.cfg.model.load, meta["iteration"], meta["layout"], self.trainer.layout)
+
+    def save(self, iteration: int, next_layout: Optional[Layout] = None) -> str:
+        from dynmo_plugin.megatron.checkpoint import save_checkpoint
+        d = self.trainer.dims
+        meta = {"scenario": self.scenario.state_dict() if self.scenario is not None else {},
+                "next": None if next_layout is None else {
+                    "layout": str(next_layout), "pp": next_layout.num_stages,
+                    "world_size": d.tp * d.dp * next_layout.num_stages}}
+        path = save_checkpoint(self.cfg.model.save, iteration, self.trainer, self.control, meta)
+        if d.rank == 0:
+            logger.info("checkpoint saved: %s", path)
+        return path
+
+    # ---- repacks ----------------------------------------------------------------------------
+    def _repack(self, layout: Layout, iteration: int, info: dict):
+        if self.cfg.dynmo.repack.mode == "live":
+            return self.repacker.run(layout, iteration, info)
+        return self._checkpoint_repack(layout, iteration, info)
+
+    def _checkpoint_repack(self, layout: Layout, iteration: int, info: dict):
+        """Save with the new layout recorded, then every rank ends after this iteration;
+        the job restarts with PP = layout.num_stages and `--load`."""
+        from dynmo_plugin.megatron.repack import RepackResult
+        d, start = self.trainer.dims, time.perf_counter()
+        world = d.tp * d.dp * layout.num_stages
+        iteration = self._completed  # decided before a step (forced) or after it
+        result = RepackResult(True, d.pp, layout.num_stages, str(self.trainer.layout),
+                              ranks_released=list(range(world, d.world_size)),
+                              world_size_before=d.world_size, world_size_after=world,
+                              generation=self.repacker.generation + 1)
+        path = self.save(iteration, next_layout=layout)
+        result.phase_s["save"] = time.perf_counter() - start
+        restart = (f"torchrun --nproc-per-node <ranks per node> ... --pipeline-model-parallel-size "
+                   f"{layout.num_stages} --load {self.cfg.model.save}")
+        record = {**result.to_dict(), **info, "mode": "checkpoint", "checkpoint": path,
+                  "next_layout": str(layout), "restart": restart, "cluster": None}
+        del record["migration"]
+        self.stop_after, self._checkpoint_result = iteration, (record, result)
+        if d.rank == 0:
+            logger.info("checkpoint repack: stopping after iteration %d; restart %d ranks with: %s",
+                        iteration, world, restart)
+        return record, result
+
+    def rebind(self, trainer, control, migrator) -> None:
+        """Switch everything to the stage rebuilt in the shrunk world (megatron.repack)."""
+        from dynmo_plugin.dynamism import Runtime
+        self.trainer, self.control, self.migrator = trainer, control, migrator
+        self.dynmo.rebind(trainer, control, migrator)
+        if self.scenario is not None:
+            self.scenario.attach(Runtime(trainer, control, migrator))
+
+    def release_stage(self) -> None:
+        """A retiring rank drops its stage's buffers before leaving."""
+        from dynmo_plugin.megatron.migrate import retire_ddp
+        retire_ddp(self.trainer.ddp)
+
+    def repacked(self, iteration: int, record: dict, result) -> None:
+        """Survivors, after a live repack: the world's new size in the report; the leader
+        hands the released replicas back to the cluster in the background."""
+        d = self.trainer.dims
+        self.report.world["history"].append({"iteration": iteration, "pp": d.pp, "tp": d.tp,
+                                             "dp": d.dp, "world_size": d.world_size,
+                                             "released_ranks": result.ranks_released})
+        if self.releases is not None:
+            self.releases.start(record, result)
+
+    def finish(self) -> None:
+        """After the last iteration: a checkpoint repack's retirees leave and the leader
+        releases them; outstanding releases end; the report is final."""
+        from dynmo_plugin.releases import mark_retired
+        if self.stop_after is not None:
+            record, result = self._checkpoint_result
+            if self.trainer.dims.rank in result.ranks_released:
+                mark_retired(result.generation, self.trainer.dims.rank,
+                             self.cfg.dynmo.rebalance.migration_timeout_s)
+            elif self.releases is not None:
+                self.releases.start(record, result)
+        if self.releases is not None:
+            self.releases.join()
+        self.report.layout = str(self.trainer.layout)
+        self.report.write()
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def step(self, iteration: int) -> None:
+        """One iteration with everything around it.
+
+        Raises:
+            RankRetired: this rank's stage was released by a live repack.
+            StopTraining: after a checkpoint repack.
+        """
+        start = time.perf_counter()
+        self._completed = iteration - 1
+        self.dynmo.before_step(iteration)
+        if self.stop_after is not None:
+            raise StopTraining(f"checkpoint repack after iteration {self.stop_after}")
+        if self.scenario is not None:
+            self.scenario.before_step(iteration)
+        step_start = time.perf_counter()
+        loss = self.trainer.train_step(iteration)
+        self._completed = iteration
+        step_end = time.perf_counter()
+        if self.scenario is not None:
+            event = self.scenario.after_step(iteration)
+            if event is not None:
+                self.report.add_event(event)
+                if event.rebalance:
+                    self.dynmo.notify_event(event.name)
+        scenario_end = time.perf_counter()
+        self.dynmo.after_step(iteration)
+        elapsed = time.perf_counter() - start
+        # dynmo_s: the controller's own time (windows, decisions, migration); scenario_s:
+        # the dynamism scheme's own work (pruning rounds, freezing checks), paid by static too
+        self.report.add_iteration(iteration, loss, elapsed,
+                                  dynmo_s=elapsed - (scenario_end - step_start),
+                                  scenario_s=scenario_end - step_end)
+        args = self.cfg.model
+        if iteration % args.log_interval == 0:
+            logger.info("iteration %4d/%d | loss %.6f | %.1f ms | layout %s", iteration,
+                        args.train_iters, loss, elapsed * 1e3, self.trainer.layout)
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            self.save(iteration)
+        if self.stop_after is not None:
+            raise StopTraining(f"checkpoint repack after iteration {iteration}")
+
+
+def _initial_layout(args, dims, meta: Optional[dict]) -> Layout:
+    """An explicit --pipeline-model-parallel-layout; else, resuming, the layout a checkpoint
+    repack chose for this many stages, or the saved one if the split is unchanged; else
+    Megatron's uniform split."""
+    if args.pipeline_model_parallel_layout:
+        return Layout.parse(args.pipeline_model_parallel_layout, dims.pp, args.num_layers)
+    if meta is not None:
+        nxt = meta.get("next")
+        if nxt and nxt["pp"] == dims.pp:
+            return Layout.parse(nxt["layout"], dims.pp, args.num_layers)
+        if meta["pp"] == dims.pp:
+            return Layout.parse(meta["layout"], dims.pp, args.num_layers)
+    return Layout.uniform(args.num_layers, dims.pp)
