@@ -15,7 +15,7 @@ from dynmo_plugin.errors import USER_ERROR_EXIT, UserError
 
 __all__ = ["main"]
 
-_SUBCOMMANDS = ("plan", "simulate", "report")
+_SUBCOMMANDS = ("plan", "simulate", "report", "cluster")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,183 @@
+"""Calls to the Kubernetes API with bounded retries, and answers turned into plain words.
+
+Every call names the RBAC verb and resource it needs (`Op`), so a 403 can say exactly
+what the Role lacks. 409, 429 and 5xx answers and connection failures are retried up to
+`retries` attempts per call, the delay doubling from `backoff_s` (a 429's Retry-After
+wins when longer, capped); any other 4xx is the server's final word (`Rejected`). The
+`kubernetes` package is imported here, lazily, so `import dynmo_plugin.cluster` stays
+cheap for training processes that never release anything.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["Op", "Api", "Rejected", "Unreachable", "connect", "RETRYABLE"]
+
+log = logging.getLogger(__name__)
+
+RETRYABLE = frozenset({409, 429, 500, 502, 503, 504})
+_MAX_DELAY_S = 30.0
+
+
+@dataclass(frozen=True)
+class Op:
+    """One API call as RBAC sees it: `verb` on `resource` (group "" is core)."""
+
+    verb: str
+    resource: str
+    group: str
+    what: str  # the object, for messages: "statefulset ns/train"
+
+    def rbac(self) -> str:
+        group = self.group or '"" (core)'
+        return f'verb "{self.verb}" on resource "{self.resource}" in API group {group}'
+
+
+class Rejected(Exception):
+    """The server answered no (a 4xx other than 409/429): retrying cannot help."""
+
+    def __init__(self, op: Op, status: int, message: str):
+        super().__init__(message)
+        self.op, self.status = op, status
+
+
+class Unreachable(Exception):
+    """No usable answer within the retries: no connection, or only 409/429/5xx."""
+
+    def __init__(self, op: Op, status: int, message: str):
+        super().__init__(message)
+        self.op, self.status = op, status
+
+
+def connect(kubeconfig: str) -> Any:
+    """An ApiClient of its own (the package's global default is left alone): the given
+    kubeconfig file, else in-cluster config inside a pod, else $KUBECONFIG or
+    ~/.kube/config. urllib3's own retries are off: `Api.call` does the retrying.
+
+    Raises:
+        kubernetes.config.ConfigException, OSError: no usable configuration.
+    """
+    from kubernetes import client, config
+
+    conf = client.Configuration()
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=conf)
+    elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config(client_configuration=conf)
+    else:
+        config.load_kube_config(client_configuration=conf)
+    conf.retries = False
+    return client.ApiClient(conf)
+
+
+@dataclass
+class Api:
+    """An ApiClient plus the retry policy and the record of every status seen."""
+
+    client: Any
+    retries: int
+    backoff_s: float
+    timeout_s: float
+    status_codes: list[int] = field(default_factory=list)
+    sleep: Callable[[float], None] = time.sleep
+
+    @property
+    def attempts(self) -> int:
+        return len(self.status_codes)
+
+    def call(self, op: Op, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`method(*args, **kwargs)` (a generated client method) with retries; returns its
+        data.
+
+        Raises:
+            Rejected: a final 4xx answer; the message names the RBAC verb for a 403.
+            Unreachable: `retries` attempts without an answer that is not retryable.
+        """
+        with_info = getattr(method.__self__, method.__name__ + "_with_http_info")
+        for attempt in range(1, self.retries + 1):
+            answer = self._attempt(with_info, args, kwargs)
+            if 200 <= answer.status < 300:
+                return answer.data
+            if answer.status not in RETRYABLE and answer.status != 0:
+                raise Rejected(op, answer.status, describe(op, answer.status, answer.detail))
+            log.warning("cluster: %s %s: %s (attempt %d of %d)", op.verb, op.what,
+                        answer.short(), attempt, self.retries)
+            if attempt < self.retries:
+                backoff = min(self.backoff_s * 2 ** (attempt - 1), _MAX_DELAY_S)
+                self.sleep(max(answer.retry_after_s or 0.0, backoff))
+        raise Unreachable(op, answer.status, f"{op.verb} {op.what}: no usable answer after "
+                                             f"{self.retries} attempt(s); last: {answer.short()}")
+
+    def _attempt(self, with_info: Callable[..., Any], args: tuple, kwargs: dict) -> _Answer:
+        """One request; its status (0: no connection or a timeout) joins `status_codes`."""
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            response = with_info(*args, _request_timeout=self.timeout_s, **kwargs)
+        except ApiException as e:
+            answer = _Answer(int(e.status or 0), None, server_message(e.body) or str(e.reason),
+                             _retry_after(e.headers))
+        except (HTTPError, OSError) as e:
+            answer = _Answer(0, None, f"{type(e).__name__}: {e}")
+        else:  # (data, status, headers), or an ApiResponse in other client generations
+            data, status = response[:2] if isinstance(response, tuple) else (response.data,
+                                                                             response.status_code)
+            answer = _Answer(int(status), data)
+        self.status_codes.append(answer.status)
+        return answer
+
+
+@dataclass
+class _Answer:
+    status: int
+    data: Any
+    detail: str = ""
+    retry_after_s: float | None = None
+
+    def short(self) -> str:
+        text = self.detail if len(self.detail) <= 200 else self.detail[:197] + "..."
+        return f"{self.status or 'no connection'}: {text}"
+
+
+def server_message(body: Any, limit: int = 500) -> str:
+    """The server's own words: the `message` of a Kubernetes Status body (else the body),
+    first line only: a 422 on a pod appends a multi-line diff of the whole PodSpec."""
+    if isinstance(body, bytes):
+        body = body.decode("utf-8", "replace")
+    if not body:
+        return ""
+    try:
+        text = str(json.loads(body).get("message") or body)
+    except (ValueError, AttributeError):
+        text = str(body)
+    text = text.strip().splitlines()[0] if text.strip() else ""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def describe(op: Op, status: int, detail: str) -> str:
+    """A final 4xx in plain words; a 403 names what the Role must grant."""
+    head = f"{op.verb} {op.what}: {status}"
+    if status == 403:
+        return f"{head} Forbidden: the service account lacks {op.rbac()}; server: {detail}"
+    if status == 401:
+        return f"{head} Unauthorized: the credentials were not accepted; server: {detail}"
+    if status == 404:
+        return f"{head} Not Found: server: {detail}"
+    if status == 422:
+        return f"{head} Unprocessable: the server refused the change; server: {detail}"
+    return f"{head}: server: {detail}"
+
+
+def _retry_after(headers: Any) -> float | None:
+    """A Retry-After header in seconds (the delta form, which the API server sends)."""
+    try:
+        value = float((headers or {}).get("Retry-After"))
+    except (TypeError, ValueError):
+        return None
+    return min(max(value, 0.0), _MAX_DELAY_S)
