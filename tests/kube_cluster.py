@@ -78,16 +78,16 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 def make_pki(d: Path) -> None:
     """A CA, a serving certificate for 127.0.0.1 signed by it, and the service-account
-    signing key pair, as files in `d`."""
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=dynmo-test-ca",
+    signing key pair, as files in `d` (P-256 keys: RSA ones took ~1.5 s of the start)."""
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", "-x509", *ec, "-days", "2", "-subj", "/CN=dynmo-test-ca",
              "-keyout", "ca.key", "-out", "ca.crt", cwd=d)
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver",
-             "-keyout", "server.key", "-out", "server.csr", cwd=d)
+    _openssl("req", *ec, "-subj", "/CN=kube-apiserver", "-keyout", "server.key", "-out", "server.csr", cwd=d)
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
              "-days", "2", "-extfile", "san.ext", "-out", "server.crt", cwd=d)
-    _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
-    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
+    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=d)
+    _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
 
 
 def write_kubeconfig(path: Path, server: str, ca_file: Path, token: str, user: str) -> Path:
