@@ -222,7 +222,7 @@ class DynMo:
                                reason=decision.reason, plan=decision.plan, window=window,
                                profile=decision.profile,
                                measured_iter_s_before=self._measured_before())
-        if decision.repack is not None and decision.apply:
+        if decision.repack is not None and decision.repack.apply and decision.apply:
             r = decision.repack
             info = {"method": r.method, "predicted_iter_s_before": r.predicted_iter_s_before,
                     "predicted_iter_s_after": r.predicted_iter_s_after, "reason": r.reason,

@@ -35,7 +35,9 @@ def test_report_shape(tmp_path):
     report = train(2, MODEL + ["--pipeline-model-parallel-size", "2",
                                "--pipeline-model-parallel-layout", "Ett|ttttL"], tmp_path)
     assert report["layout"] == report["initial_layout"] == "Ett|ttttL"
-    assert report["world"] == {"pp": 2, "tp": 1, "dp": 1, "world_size": 2, "backend": "gloo"}
+    assert report["world"] == {"pp": 2, "tp": 1, "dp": 1, "world_size": 2, "backend": "gloo",
+                               "history": [{"iteration": 0, "pp": 2, "tp": 1, "dp": 1,
+                                            "world_size": 2}]}
     assert report["config"]["model"]["num_layers"] == 6
     assert [it["iteration"] for it in report["iterations"]] == [1, 2, 3, 4]
     assert all(it["time_s"] > 0 for it in report["iterations"])
