@@ -213,8 +213,8 @@ def test_silent_server_is_bounded_by_the_request_timeout(kube_cluster, tmp_path)
 
 class FaultProxy:
     """FAKE, named as such: a TLS proxy in front of the real API server that answers
-    the first requests with the given statuses (409, 429 with Retry-After, 503) and
-    forwards every later request unchanged."""
+    the first requests with the given statuses (409, 429 with Retry-After, 503; 200: a
+    body that is not JSON) and forwards every later request unchanged."""
 
     def __init__(self, cluster, faults: list[int]):
         self.faults, self.seen = list(faults), []
@@ -235,6 +235,8 @@ class FaultProxy:
                     proxy.seen.append(status)
                     data = json.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                        "message": f"injected {status}", "code": status}).encode()
+                    if status == 200:
+                        data = b"<html>a proxy's login page</html>"
                     self.send_response(status)
                     if status == 429:
                         self.send_header("Retry-After", "1")
@@ -298,6 +300,17 @@ def test_503_until_the_retries_run_out_fails(kube_cluster, tmp_path):
         proxy.close()
     assert (out.outcome, out.status_codes) == ("failed", [503, 503, 503]), out
     assert "injected 503" in out.message
+
+
+def test_unreadable_answer_fails_without_raising(kube_cluster, tmp_path):
+    proxy = FaultProxy(kube_cluster, [200] * 10)
+    try:
+        kcfg = write_kubeconfig(tmp_path / "proxy", proxy.url, kube_cluster.ca_file, kube_cluster.admin_token,
+                                "admin")
+        out = release(cfg_for(kcfg, "ns", "train", "statefulset-scale", retries=2), REQ)
+    finally:
+        proxy.close()
+    assert out.outcome == "failed" and "unexpected error" in out.message, out
 
 
 # ---- the example deployment and the CLI ------------------------------------------------------

@@ -99,19 +99,20 @@ class Api:
             Unreachable: `retries` attempts without an answer that is not retryable.
         """
         with_info = getattr(method.__self__, method.__name__ + "_with_http_info")
-        for attempt in range(1, self.retries + 1):
+        retries = max(1, self.retries)
+        for attempt in range(1, retries + 1):
             answer = self._attempt(with_info, args, kwargs)
             if 200 <= answer.status < 300:
                 return answer.data
             if answer.status not in RETRYABLE and answer.status != 0:
                 raise Rejected(op, answer.status, describe(op, answer.status, answer.detail))
             log.warning("cluster: %s %s: %s (attempt %d of %d)", op.verb, op.what,
-                        answer.short(), attempt, self.retries)
-            if attempt < self.retries:
+                        answer.short(), attempt, retries)
+            if attempt < retries:
                 backoff = min(self.backoff_s * 2 ** (attempt - 1), _MAX_DELAY_S)
                 self.sleep(max(answer.retry_after_s or 0.0, backoff))
         raise Unreachable(op, answer.status, f"{op.verb} {op.what}: no usable answer after "
-                                             f"{self.retries} attempt(s); last: {answer.short()}")
+                                             f"{retries} attempt(s); last: {answer.short()}")
 
     def _attempt(self, with_info: Callable[..., Any], args: tuple, kwargs: dict) -> _Answer:
         """One request; its status (0: no connection or a timeout) joins `status_codes`."""

@@ -79,8 +79,12 @@ def _release_through_api(cfg, request: ReleaseRequest, target: Target, out: Rele
         out.recorded = record(api, step.record_on or workload_ref(out.strategy, target), summary)
     except Unreachable as e:
         out.outcome, out.message = "failed", f"Kubernetes API unusable: {e}"
-        out.recorded = {"event": "skipped: the API did not answer",
-                        "annotation": "skipped: the API did not answer"}
+        out.recorded = dict.fromkeys(("event", "annotation"), "skipped: the API did not answer")
+    except Exception as e:  # an answer the client cannot read: still no reason to stop training
+        log.exception("cluster release: unexpected error")
+        out.outcome = "failed"
+        out.message = f"unexpected error reading the Kubernetes API's answer: {type(e).__name__}: {e}"
+        out.recorded = dict.fromkeys(("event", "annotation"), "skipped: unexpected error")
     finally:
         out.status_codes, out.attempts = list(api.status_codes), api.attempts
         client.close()
