@@ -40,8 +40,14 @@ class RunReport:
 
     def to_dict(self) -> dict:
         events = [e if isinstance(e, dict) else e.to_dict() for e in self.events]
+        # GPUs (ranks) in use over time, as the report's plots read it; changes on repacks
+        gpus = [{"iteration": h["iteration"], "gpus": h["world_size"]}
+                for h in self.world.get("history", [])]
+        if gpus and self.iterations and self.iterations[-1]["iteration"] > gpus[-1]["iteration"]:
+            gpus.append({"iteration": self.iterations[-1]["iteration"], "gpus": gpus[-1]["gpus"]})
         return {"config": self.config, "world": self.world, "initial_layout": self.initial_layout,
-                "layout": self.layout, "iterations": self.iterations, "events": events}
+                "layout": self.layout, "iterations": self.iterations, "events": events,
+                "gpus": gpus}
 
     def write(self) -> None:
         if not self.enabled:

@@ -61,6 +61,8 @@ def test_live_repack_4_to_2_is_bit_exact(pp4_static, tmp_path):
         (3, 1, 0), (4, 1, 0), (5, 2, 1), (6, 2, 1), (7, 3, 1), (8, 3, 1)}
     assert [(h["iteration"], h["pp"], h["world_size"]) for h in report["world"]["history"]] == [
         (0, 4, 4), (3, 2, 2)]
+    assert report["gpus"] == [{"iteration": 0, "gpus": 4}, {"iteration": 3, "gpus": 2},
+                              {"iteration": 6, "gpus": 2}]
 
 
 def test_checkpoint_repack_restarts_smaller_and_matches(pp4_static, tmp_path):
@@ -132,6 +134,10 @@ def test_repack_demo_config_shrinks_4_to_2_like_a_run_that_never_did(tmp_path):
     assert (repack["repack"]["stages_before"], repack["repack"]["stages_after"]) == (4, 2)
     assert repack["trigger"].startswith("event:layer_freezing@")
     assert report["world"]["history"][-1]["world_size"] == 2
+    from dynmo_plugin.cli import main as dynmo
+    assert dynmo(["report", str(repacked)]) == 0
+    assert (repacked / "gpus.png").stat().st_size > 0
+    assert "GPUs in use: 4 → 2" in (repacked / "summary.md").read_text()
     # without --dynmo: the same freezing on the static 4-stage split, never repacked
     never = train(4, ["--pipeline-model-parallel-size", "4", "--dynmo-config", config,
                       "--train-iters", "30"], static)

@@ -110,8 +110,12 @@ class Event:
         moves = raw.get("moves") if isinstance(raw.get("moves"), list) else []
         overhead = raw.get("overhead_s") if isinstance(raw.get("overhead_s"), dict) else {}
         applied = raw.get("applied")
+        repack = raw.get("repack")
+        kind = _text(raw.get("kind", "event"))
+        if isinstance(repack, dict) and repack.get("applied") is True:
+            kind = "repack"  # a live rebalance that shrank the pipeline
         return cls(
-            iteration=None if it is None else int(it), kind=_text(raw.get("kind", "event")),
+            iteration=None if it is None else int(it), kind=kind,
             trigger=_opt_text(raw.get("trigger")),
             applied=applied if isinstance(applied, bool) else None,
             layout_before=_opt_text(raw.get("layout_before")),
@@ -327,7 +331,7 @@ def load_report(run_dir: str | Path) -> Report:
         raise UserError(f"{path} is not a run report (expected a JSON object, got {_type_name(raw)})")
     iterations, losses, times = _iterations(raw, path)
     world = {_text(k): v if isinstance(v, (int, float)) else _text(v)
-             for k, v in _dict_field(raw, "world").items()}
+             for k, v in _dict_field(raw, "world").items() if not isinstance(v, (list, dict))}
     return Report(path=path, world=world, initial_layout=_opt_text(raw.get("initial_layout")),
                   layout=_opt_text(raw.get("layout")), iterations=iterations, losses=losses,
                   times=times, events=_events(raw, path), gpus=_gpus(raw, path),

@@ -53,7 +53,9 @@ def markdown_summary(report: Report, plots: list[Path]) -> str:
         out.append(f"- GPUs in use: {counts[0]} → {counts[-1]} (min {min(counts)})")
     rebalances = [e for e in report.events if e.kind == "rebalance"]
     applied = [e for e in rebalances if e.applied]
-    out.append(f"- events: {len(report.events)} ({len(rebalances)} rebalance, {len(applied)} applied)")
+    repacks = [e for e in report.events if e.kind == "repack"]
+    out.append(f"- events: {len(report.events)} ({len(rebalances)} rebalance, {len(applied)} applied"
+               + (f"; {len(repacks)} repack" if repacks else "") + ")")
     total = {}
     for e in report.events:
         for k, v in e.overhead_s.items():
