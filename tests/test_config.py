@@ -53,12 +53,31 @@ def test_forced_layouts_from_yaml_and_flag(tmp_path):
      "has 2 stages but the pipeline has 3"),
     ("rebalance:\n  forced_layouts:\n    2: 'Ett|tL'\n", ["--pipeline-model-parallel-size", "2"],
      "rebalance.forced_layouts.2"),
+    ("rebalance:\n  forced_layouts:\n    2: 'EttttttttL'\n", ["--pipeline-model-parallel-size", "2"],
+     "fewer stages force a repack, which needs repack.enabled (--dynmo-repack)"),
+    ("repack:\n  enabled: true\n  min_stages: 3\n", ["--pipeline-model-parallel-size", "2"],
+     "min_stages (3) exceeds --pipeline-model-parallel-size (2)"),
+    ("repack:\n  enabled: true\n  mode: checkpoint\n", [], "give --save DIR"),
+    ("repack:\n  objective: fastest\n", [], "repack.objective: expected one of min_stages, throughput_per_gpu"),
+    ("cluster:\n  strategy: delete-pods\n  fallback: delete-pods\n", [], "the fallback (delete-pods) is the strategy itself"),
+    ("cluster:\n  strategy: scale-it\n", [], "cluster.strategy: expected one of none, statefulset-scale"),
 ])
 def test_bad_input_is_named(tmp_path, text, argv, needle):
     path = _yaml(tmp_path, text)
     with pytest.raises(ConfigError) as err:
         _parse(["--dynmo-config", path, *argv])
     assert needle in str(err.value)
+
+
+def test_repack_and_cluster_sections(tmp_path):
+    path = _yaml(tmp_path, "repack:\n  enabled: true\n  min_stages: 2\ncluster:\n  strategy: statefulset-scale\n"
+                           "  namespace: ml\n")
+    cfg = _parse(["--dynmo-config", path, "--pipeline-model-parallel-size", "4",
+                  "--dynmo-repack-objective", "throughput_per_gpu", "--dynmo-cluster-retries", "2",
+                  "--dynmo-forced-layouts", "5:Etttt|ttttL"])
+    rp, cl = cfg.dynmo.repack, cfg.dynmo.cluster
+    assert (rp.enabled, rp.min_stages, rp.objective, rp.mode) == (True, 2, "throughput_per_gpu", "live")
+    assert (cl.strategy, cl.namespace, cl.retries, cl.fallback) == ("statefulset-scale", "ml", 2, "none")
 
 
 def test_world_shape_checked():
