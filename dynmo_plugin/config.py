@@ -27,7 +27,8 @@ from dynmo_plugin.layout import Layout, LayoutError
 
 __all__ = [
     "ConfigError", "ModelArgs", "ProfilingConfig", "RebalanceConfig", "PruningConfig",
-    "FreezingConfig", "EarlyExitConfig", "DynamismConfig", "SCENARIO_SECTIONS", "RepackConfig",
+    "FreezingConfig", "EarlyExitConfig", "MoeConfig", "ModConfig", "SparseAttentionConfig",
+    "DynamismConfig", "SCENARIO_SECTIONS", "RepackConfig",
     "ClusterConfig", "CLUSTER_STRATEGIES", "DynmoConfig",
     "RunConfig", "add_model_args", "add_dynmo_args", "load_config",
 ]
@@ -226,8 +227,74 @@ class EarlyExitConfig:
                                                     "--dynmo-early-exit-min-layer", positive))
 
 
+@dataclass(kw_only=True)
+class MoeConfig:
+    """Megatron-Core's own Mixture of Experts: top-k token-choice routing."""
+
+    num_experts: int = field(default=8, metadata=opt("experts per MoE layer", "--dynmo-moe-num-experts", positive))
+    top_k: int = field(default=2, metadata=opt("experts each token is routed to", "--dynmo-moe-top-k", positive))
+    every: int = field(default=1, metadata=opt(
+        "every N-th decoder layer is an MoE layer (1: all, 2: every other)", "--dynmo-moe-every", positive))
+    capacity_factor: float = field(default=0.0, metadata=opt(
+        "expert capacity factor; tokens over capacity are dropped (0: no dropping)",
+        "--dynmo-moe-capacity-factor", non_negative))
+    aux_loss_coeff: float = field(default=0.01, metadata=opt(
+        "weight of the router's load-balancing loss", "--dynmo-moe-aux-loss-coeff", non_negative))
+    start: int = field(default=2, metadata=opt("iteration of the first routing event",
+                                                "--dynmo-moe-start", positive))
+    interval: int = field(default=1, metadata=opt(
+        "iterations between routing events (each updates costs; the gate decides moves)",
+        "--dynmo-moe-interval", positive))
+
+
+@dataclass(kw_only=True)
+class ModConfig:
+    """Mixture of Depths (Raposo et al. 2024): top-C tokens per routed block."""
+
+    every: int = field(default=2, metadata=opt(
+        "every N-th decoder layer is routed (the paper: every other)", "--dynmo-mod-every", positive))
+    capacity: float = field(default=0.5, metadata=opt(
+        "fraction of tokens a routed block processes", "--dynmo-mod-capacity", fraction))
+    capacity_per_layer: str = field(default="", metadata=opt(
+        "per-layer capacities overriding `capacity`, e.g. '2:0.25,4:0.75'", "--dynmo-mod-capacity-per-layer"))
+    final_capacity: float = field(default=0.0, metadata=opt(
+        "capacity the schedule reaches (0: constant capacity)", "--dynmo-mod-final-capacity", fraction))
+    start: int = field(default=4, metadata=opt("iteration of the first capacity change",
+                                                "--dynmo-mod-start", positive))
+    interval: int = field(default=4, metadata=opt("iterations between capacity changes",
+                                                   "--dynmo-mod-interval", positive))
+    rounds: int = field(default=4, metadata=opt("capacity changes until final_capacity",
+                                                "--dynmo-mod-rounds", positive))
+    predictor_loss_weight: float = field(default=0.01, metadata=opt(
+        "weight of the auxiliary predictor's loss (causal top-C at sampling time)",
+        "--dynmo-mod-predictor-loss-weight", non_negative))
+
+
+@dataclass(kw_only=True)
+class SparseAttentionConfig:
+    """Hash-bucketed (LSH) causal attention; buckets per layer change over training."""
+
+    buckets: int = field(default=16, metadata=opt(
+        "hash buckets per layer (more buckets: sparser, cheaper attention)",
+        "--dynmo-sparse-attention-buckets", positive))
+    buckets_per_layer: str = field(default="", metadata=opt(
+        "per-layer buckets overriding `buckets`, e.g. '1:8,2:32'", "--dynmo-sparse-attention-buckets-per-layer"))
+    final_buckets: int = field(default=0, metadata=opt(
+        "buckets the schedule reaches (0: constant)", "--dynmo-sparse-attention-final-buckets",
+        non_negative))
+    start: int = field(default=4, metadata=opt("iteration of the first density change",
+                                                "--dynmo-sparse-attention-start", positive))
+    interval: int = field(default=4, metadata=opt("iterations between density changes",
+                                                   "--dynmo-sparse-attention-interval", positive))
+    rounds: int = field(default=4, metadata=opt("density changes until final_buckets",
+                                                "--dynmo-sparse-attention-rounds", positive))
+    hashes: int = field(default=1, metadata=opt("hash rounds per iteration",
+                                                 "--dynmo-sparse-attention-hashes", positive))
+
+
 SCENARIO_SECTIONS = {"gradual_pruning": "pruning", "layer_freezing": "freezing",
-                     "early_exit": "early_exit"}
+                     "early_exit": "early_exit", "moe": "moe", "mixture_of_depths": "mod",
+                     "sparse_attention": "sparse_attention"}
 
 
 @dataclass(kw_only=True)
@@ -240,6 +307,9 @@ class DynamismConfig:
     pruning: PruningConfig = field(default_factory=PruningConfig)
     freezing: FreezingConfig = field(default_factory=FreezingConfig)
     early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    mod: ModConfig = field(default_factory=ModConfig)
+    sparse_attention: SparseAttentionConfig = field(default_factory=SparseAttentionConfig)
 
 
 @dataclass(kw_only=True)

@@ -45,7 +45,8 @@ class TrainingSession:
         spec = layer_spec if layer_spec is not None else default_spec()
         if self.scenario is not None:
             spec = self.scenario.layer_spec(spec, args)
-        self.trainer = StageTrainer(args, dims, layout, spec=spec, state=state)
+        configure = self.scenario.configure_model if self.scenario is not None else None
+        self.trainer = StageTrainer(args, dims, layout, spec=spec, state=state, configure=configure)
         timeout = cfg.dynmo.rebalance.migration_timeout_s
         self.control = ControlPlane(timeout)
         self.migrator = LayerMigrator(self.trainer, self.control, timeout, fault)

@@ -19,6 +19,9 @@ _SCENARIOS = {
     "gradual_pruning": "dynmo_plugin.dynamism.gradual_pruning:GradualPruning",
     "layer_freezing": "dynmo_plugin.dynamism.layer_freezing:LayerFreezing",
     "early_exit": "dynmo_plugin.dynamism.early_exit:EarlyExit",
+    "moe": "dynmo_plugin.dynamism.moe:MixtureOfExperts",
+    "mixture_of_depths": "dynmo_plugin.dynamism.mixture_of_depths:MixtureOfDepths",
+    "sparse_attention": "dynmo_plugin.dynamism.sparse_attention:SparseAttention",
 }
 
 

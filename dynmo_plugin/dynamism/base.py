@@ -7,6 +7,7 @@ its change to the layer spec, its per-iteration hook, and when it reports an eve
 about scenarios; the launcher glues them:
 
     spec = scenario.layer_spec(spec, model_args)     # before the stage is built
+    scenario.configure_model(transformer_config)     # likewise (MoE settings, ...)
     scenario.attach(runtime)                         # after it is built
     for it in iterations:                            # every rank, same order
         scenario.before_step(it)
@@ -73,6 +74,10 @@ class Scenario:
         """The Megatron layer spec to build with (default: unchanged); `model_args` (the
         launcher's ModelArgs) tells a layer what it needs, e.g. the vocabulary size."""
         return spec
+
+    def configure_model(self, config) -> None:
+        """Adjust Megatron's TransformerConfig before the stage is built (e.g. MoE
+        settings); default: unchanged. Called again for a stage rebuilt by a repack."""
 
     def attach(self, runtime: Runtime) -> None:
         """Called once the stage exists, and again with the rebuilt stage after a repack."""

@@ -189,7 +189,8 @@ class Repacker:
             state.merge(head)
         args = dataclasses.replace(old.args, pipeline_model_parallel_size=layout.num_stages,
                                    pipeline_model_parallel_layout=layout.to_megatron())
-        trainer = StageTrainer(args, dims, layout, spec=old.spec, state=state)
+        trainer = StageTrainer(args, dims, layout, spec=old.spec, state=state,
+                               configure=old.configure)
         carry_optimizer_state(old.optimizer, trainer.optimizer)
         trainer.scheduler.num_steps = old.scheduler.num_steps
         retire_ddp(old.ddp)

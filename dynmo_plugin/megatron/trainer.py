@@ -48,14 +48,19 @@ class StageTrainer:
     """Trains this rank's pipeline stage; every rank of the run holds one."""
 
     def __init__(self, args: ModelArgs, dims: ParallelDims, layout: Layout, spec=None,
-                 state=None):
+                 state=None, configure=None):
         """`state` (a megatron.stage_state.StageState): start from it instead of the
-        initial weights — parameters, buffers, frozen flags and optimizer state."""
+        initial weights — parameters, buffers, frozen flags and optimizer state.
+        `configure(transformer_config)`: a scenario's changes to the config, applied
+        before the model is built (kept, so a rebuilt stage gets them too)."""
         if args.clip_grad > 0 and not torch.cuda.is_available():
             raise ConfigError("--clip-grad > 0 needs CUDA (Megatron's clip_grads asserts CUDA "
                               "tensors); use --clip-grad 0 on CPU")
         self.args, self.dims, self.layout = args, dims, layout
         self.config = transformer_config(args, layout)
+        self.configure = configure
+        if configure is not None:
+            configure(self.config)
         self.spec = spec if spec is not None else layer_spec()
         self.model = build_stage_model(args, self.config, self.spec,
                                        dims.is_first_stage, dims.is_last_stage)
