@@ -37,6 +37,11 @@ class DynamismEvent:
     iteration: int
     detail: dict = field(default_factory=dict)
     rebalance: bool = True  # ask the controller to profile and rebalance
+    # The scenario's predictor of each layer's cost, {global layer number: units} (any
+    # units, comparable across layers and over time; e.g. tokens an MoE layer processed).
+    # With it the controller may re-estimate costs from the last timed profile instead
+    # of timing a new window (cheap enough to decide every iteration). Same on every rank.
+    work: Optional[dict] = None
 
     kind: ClassVar[str] = "dynamism"
 
@@ -46,8 +51,11 @@ class DynamismEvent:
         return f"{self.scenario}@{self.iteration}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "scenario": self.scenario, "iteration": self.iteration,
-                "detail": self.detail}
+        out = {"kind": self.kind, "scenario": self.scenario, "iteration": self.iteration,
+               "detail": self.detail}
+        if self.work is not None:
+            out["work"] = {str(k): v for k, v in self.work.items()}
+        return out
 
 
 @dataclass
