@@ -17,6 +17,7 @@ run, with a message naming it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -32,7 +33,7 @@ from dynmo_plugin.layout import Layout, LayoutError
 from dynmo_plugin.profiling.records import PipelineProfile
 from dynmo_plugin.report import RunReport
 
-__all__ = ["DynMo", "problem_from_profile"]
+__all__ = ["DynMo", "problem_from_profile", "scale_profile"]
 
 logger = logging.getLogger(__name__)
 _MEASURE_ITERS = 5  # iterations averaged for measured time before/after a rebalance
@@ -72,6 +73,16 @@ def problem_from_profile(profile: PipelineProfile, current: Layout, config: Dynm
     )
 
 
+def scale_profile(profile: PipelineProfile, base: dict, now: dict) -> PipelineProfile:
+    """`profile` with each layer's fwd/bwd time scaled by now[layer] / base[layer]: the
+    cost a scenario's work predictor implies, anchored to a measurement. Memory and the
+    stages' extras stay as measured."""
+    layers = [dataclasses.replace(x, fwd_s=x.fwd_s * now[x.layer] / base[x.layer],
+                                  bwd_s=x.bwd_s * now[x.layer] / base[x.layer])
+              for x in profile.layers]
+    return PipelineProfile(layers=layers, stages=list(profile.stages))
+
+
 class DynMo:
     """Drives profiling and rebalancing of one stage's trainer."""
 
@@ -92,6 +103,10 @@ class DynMo:
         self._recent = deque(maxlen=_MEASURE_ITERS)  # step seconds outside windows
         self._awaiting_after: list[tuple[RebalanceEvent, list[float]]] = []
         self._step_started = 0.0
+        self._work_now: dict[int, float] = {}          # latest work reported by the scenario
+        self._work_base: Optional[dict[int, float]] = None  # work during the last timed window
+        self._estimated = 0                             # estimated decisions since that window
+        self._timed_profile: Optional[PipelineProfile] = None  # the last measured one
         self.bandwidth = config.rebalance.bandwidth_gbps * 1e9
         self.last_profile: Optional[PipelineProfile] = None
         if config.enabled and config.rebalance.balancer in ("partition", "parameters"):
@@ -108,11 +123,17 @@ class DynMo:
         """`callback()` runs on every rank after a migration changed the layout."""
         self._layout_listeners.append(callback)
 
-    def notify_event(self, name: str) -> None:
+    def notify_event(self, name: str, work: Optional[dict] = None) -> None:
         """A dynamism event happened (pruning round, freeze, ...): profile, then rebalance.
 
-        Call it on every rank with the same name at the same iteration (dynamism
+        `work` ({layer: units}, the scenario's cost predictor): with it, and a timed
+        profile taken under known work, the controller decides at this iteration's end
+        from that profile scaled by the work ratio — no timing window — for up to
+        `profiling.retime_every` events in a row, then times a window again.
+        Call it on every rank with the same arguments at the same iteration (dynamism
         decisions are themselves taken once and broadcast)."""
+        if work is not None:
+            self._work_now = {int(k): float(v) for k, v in work.items()}
         self._pending_events.append(name)
 
     def before_step(self, iteration: int) -> None:
@@ -131,6 +152,8 @@ class DynMo:
         if self._open is None:
             self._recent.append(seconds)
             self._feed_measurements(seconds)
+            if self.config.enabled and self._pending_events and self._can_estimate():
+                self._rebalance_estimated(iteration)
             return
         self._open.window.after_iteration()
         self._open.remaining -= 1
@@ -153,6 +176,22 @@ class DynMo:
         self._open = _OpenWindow(trigger, iteration, self.config.profiling.window, rebalance,
                                  ProfileWindow(self.trainer))
 
+    # ---- cost updates from the scenario's work, without timing ---------------------------
+    def _can_estimate(self) -> bool:
+        timed = self._timed_profile
+        layers = [x.layer for x in timed.layers] if timed is not None else []
+        return (0 < self.config.profiling.retime_every and self._work_base is not None
+                and self._estimated < self.config.profiling.retime_every and bool(layers)
+                and all(self._work_base.get(n, 0) > 0 and n in self._work_now for n in layers))
+
+    def _rebalance_estimated(self, iteration: int) -> None:
+        start = time.perf_counter()
+        trigger = "event:" + ",".join(self._pending_events)
+        self._pending_events.clear()
+        self._estimated += 1
+        estimate = scale_profile(self._timed_profile, self._work_base, self._work_now)
+        self._rebalance(iteration, trigger, None, estimate, start, source="estimated")
+
     def _cancel_window(self, iteration: int, why: str) -> None:
         """Drop an open window without gathering: what it measured is about to move."""
         opened, self._open = self._open, None
@@ -170,9 +209,11 @@ class DynMo:
             perturb = lambda p: self._noise.perturb(p, self.trainer.dims.rank)  # noqa: E731
         gathered = opened.window.close(perturb)
         window = [opened.opened_at, iteration]
+        # the work the window ran under: what later estimates scale from
+        self._work_base, self._estimated = (dict(self._work_now) if self._work_now else None), 0
         if not opened.rebalance:
             profile = self.control.decide(gathered.to_dict, "profile")
-            self.last_profile = PipelineProfile.from_dict(profile)
+            self.last_profile = self._timed_profile = PipelineProfile.from_dict(profile)
             self._record(ProfileEvent(iteration, opened.trigger, window, str(self.trainer.layout),
                                       {"profiling": time.perf_counter() - start}, profile))
             return
@@ -206,8 +247,8 @@ class DynMo:
         from dynmo_plugin.balancing.repack import RepackCriteria, plan_repack
         return plan_repack(problem, RepackCriteria.from_config(rp), gate)
 
-    def _rebalance(self, iteration: int, trigger: str, window: list[int],
-                   gathered: PipelineProfile, start: float) -> None:
+    def _rebalance(self, iteration: int, trigger: str, window: Optional[list[int]],
+                   gathered: PipelineProfile, start: float, source: str = "timed") -> None:
         before = self.trainer.layout
         profiling_s = time.perf_counter() - start
         start = time.perf_counter()
@@ -217,10 +258,12 @@ class DynMo:
             decision = Decision(gathered.to_dict(), None, False, f"balancer failed: {e}")
         decision_s = time.perf_counter() - start
         self.last_profile = PipelineProfile.from_dict(decision.profile)
+        if source == "timed":
+            self._timed_profile = self.last_profile
         event = RebalanceEvent(iteration, trigger, str(before), str(before), False,
                                {"profiling": profiling_s, "decision": decision_s, "migration": 0.0},
                                reason=decision.reason, plan=decision.plan, window=window,
-                               profile=decision.profile,
+                               profile=decision.profile, profile_source=source,
                                measured_iter_s_before=self._measured_before())
         if decision.repack is not None and decision.repack.apply and decision.apply:
             r = decision.repack

@@ -68,6 +68,7 @@ class RebalanceEvent:
     measured_iter_s_before: Optional[float] = None
     measured_iter_s_after: Optional[float] = None
     repack: Optional[dict] = None  # what a repack did (megatron.repack); "cluster" is filled later
+    profile_source: str = "timed"  # or "estimated": the last timed profile scaled by work
 
     kind = "rebalance"
 
@@ -82,7 +83,8 @@ class RebalanceEvent:
             "applied": self.applied, "reason": self.reason, "moves": self.moves,
             "overhead_s": dict(self.overhead_s),
             "measured_iter_s_before": self.measured_iter_s_before,
-            "measured_iter_s_after": self.measured_iter_s_after}
+            "measured_iter_s_after": self.measured_iter_s_after,
+            "profile_source": self.profile_source}
         if self.error is not None:
             out["error"] = self.error
         if self.window is not None:

@@ -200,7 +200,7 @@ class TrainingSession:
             if event is not None:
                 self.report.add_event(event)
                 if event.rebalance:
-                    self.dynmo.notify_event(event.name)
+                    self.dynmo.notify_event(event.name, event.work)
         scenario_end = time.perf_counter()
         self.dynmo.after_step(iteration)
         elapsed = time.perf_counter() - start
