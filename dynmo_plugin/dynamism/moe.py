@@ -1,0 +1,281 @@
+"""Mixture of Experts: Megatron-Core's own MoE layers, token-choice top-k routing.
+
+The decoder's MoE layers are Megatron's `MoELayer` (router `TopKRouter` with its
+auxiliary load-balancing loss, `SequentialMLP` experts, the `allgather` token
+dispatcher), on every `every`-th layer (Megatron's `moe_layer_freq`; the others are
+dense). With a capacity factor, an expert takes at most
+ceil(tokens x top_k / experts x capacity_factor) tokens per micro-batch and the rest of
+its tokens are dropped (Megatron's "probs" policy: the lowest router probabilities go).
+Routing changes every iteration as the router learns, so does how many tokens each
+layer's experts process, and with it each layer's cost (DynMo's MoE scenario, which
+rebalances every iteration).
+
+What the scenario does:
+* `configure_model` sets Megatron's MoE fields on the TransformerConfig and
+  `layer_spec` gives every layer `MoeTransformerLayer` (dynmo_plugin.megatron.moe_layer),
+  which is MoE or dense by its global number, so a migrated layer is rebuilt as what it
+  was. Its router is hooked to count tokens per expert after dropping.
+* `attach` (once) times a throw-away MoE layer at two token loads and a dense layer
+  (`calibrate`) on every rank; rank 0 takes the medians: the cost model below.
+* Every `interval` iterations from `start`, `after_step` gathers every layer's counts
+  on the control plane, rank 0 summarises them once, and the scenario reports a
+  `DynamismEvent` whose `work` is each layer's predicted cost. The controller
+  re-estimates layer costs from its last timed profile scaled by this work (no timing
+  window; it re-times every `profiling.retime_every` events) and its gate decides
+  whether a move pays.
+
+The work model, in units of one token through one expert (fwd+bwd), per iteration of M
+micro-batches, for this DP replica (the busiest replica's number):
+    MoE layer:   M x fixed + tokens its experts processed (after dropping)
+    dense layer: M x dense
+`fixed` is everything of an MoE layer but its experts (norms, attention, router,
+dispatch) and `dense` a dense layer, both measured in the same units by `calibrate`.
+This is source (a) of imbalance: compute follows the tokens actually processed. Source
+(b), expert parallelism, where the busiest expert's rank sets the pace of the layer,
+cannot run here (EP = 1); it is derived from the same counts: with EP size P, experts
+split into P contiguous groups as Megatron places them, the expert term becomes
+P x max over groups of the group's tokens (`ep_expert_tokens`; equal to the plain sum
+for P = 1). The balancer sees (a) unless `ep_model` > 1; every event also records (b)
+for P = number of experts (one expert per rank, the worst case) in its detail.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from .base import DynamismEvent, Runtime, Scenario
+
+__all__ = ["MixtureOfExperts", "CostModel", "combine_counts", "ep_expert_tokens", "layer_work",
+           "cost_model_from_calibrations"]
+
+logger = logging.getLogger(__name__)
+
+
+# ---- pure helpers (no processes, no Megatron) ---------------------------------------------
+@dataclass(frozen=True)
+class CostModel:
+    """A layer's cost per micro-batch in expert-token units (see the module docstring)."""
+
+    fixed: float              # an MoE layer without its experts
+    dense: Optional[float]    # a dense layer (None: every layer is MoE)
+    per_token_s: float        # seconds of one expert token, fwd+bwd, where calibrated
+    source: str = "calibrated"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        return cls(**d)
+
+
+def cost_model_from_calibrations(results: list[Optional[dict]]) -> CostModel:
+    """Medians over the ranks' `calibrate` results (None: a rank that did not calibrate)."""
+    usable = [r for r in results if r and r["per_token_s"] > 0]
+    if not usable:
+        raise ValueError("no rank measured a positive cost per expert token")
+    fixed = statistics.median(r["fixed_s"] / r["per_token_s"] for r in usable)
+    dense = [r["dense_s"] / r["per_token_s"] for r in usable if r.get("dense_s") is not None]
+    return CostModel(fixed=round(fixed, 3), dense=round(statistics.median(dense), 3) if dense else None,
+                     per_token_s=statistics.median(r["per_token_s"] for r in usable))
+
+
+def ep_expert_tokens(counts: list[int], ep: int) -> int:
+    """Expert tokens of a layer as the busiest of `ep` expert-parallel ranks sees them:
+    experts split into `ep` contiguous equal groups (Megatron's placement), the layer
+    takes as long as the busiest group, i.e. `ep` x its tokens in one-rank units. For
+    ep = 1 the plain sum."""
+    if ep < 1 or len(counts) % ep:
+        raise ValueError(f"expert-parallel size {ep} does not divide {len(counts)} experts")
+    size = len(counts) // ep
+    return ep * max(sum(counts[i:i + size]) for i in range(0, len(counts), size))
+
+
+def layer_work(counts: Optional[list[int]], model: CostModel, micro_batches: int, ep: int = 1) -> float:
+    """Predicted cost of one layer for one iteration (counts None: a dense layer)."""
+    if counts is None:
+        return round(micro_batches * (model.dense if model.dense is not None else model.fixed), 3)
+    return round(micro_batches * model.fixed + ep_expert_tokens(counts, ep), 3)
+
+
+def combine_counts(gathered: list[dict]) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Every rank's {"tp", "dp", "layers": {layer: counts or None}} -> (counts summed over
+    data-parallel replicas, counts of the replica whose experts processed the most
+    tokens) per layer; tensor-parallel ranks route identically (rank 0's are read);
+    a dense layer maps to None in both."""
+    total: dict[int, Optional[list[int]]] = {}
+    busiest: dict[int, Optional[list[int]]] = {}
+    for part in sorted((g for g in gathered if g["tp"] == 0), key=lambda g: g["dp"]):
+        for layer, counts in part["layers"].items():
+            n = int(layer)
+            if counts is None:
+                total[n] = busiest[n] = None
+                continue
+            acc = total.get(n)
+            total[n] = list(counts) if acc is None else [a + c for a, c in zip(acc, counts)]
+            if busiest.get(n) is None or sum(counts) > sum(busiest[n]):
+                busiest[n] = list(counts)
+    return dict(sorted(total.items())), dict(sorted(busiest.items()))
+
+
+# ---- the scenario -----------------------------------------------------------------------------
+class MixtureOfExperts(Scenario):
+    """dynamism.kind 'moe' (config: dynamism.moe); see the module docstring."""
+
+    name = "moe"
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.settings = config.moe
+        # the hypothetical EP size the balancer's work assumes (1: source (a) only)
+        self.ep_model = getattr(self.settings, "ep_model", 1)
+        self.cost_model: Optional[CostModel] = None
+        self.calibration: list = []
+        s = self.settings
+        if s.top_k > s.num_experts:
+            raise ValueError(f"dynamism.moe.top_k ({s.top_k}) exceeds num_experts ({s.num_experts})")
+        if s.num_experts % self.ep_model:
+            raise ValueError(f"dynamism.moe.ep_model ({self.ep_model}) must divide num_experts "
+                             f"({s.num_experts})")
+
+    # ---- model ----------------------------------------------------------------------------
+    def layer_spec(self, spec, model_args):
+        from dynmo_plugin.megatron.moe_layer import moe_layer_spec
+        return moe_layer_spec(spec, _moe_spec(spec, self.settings.num_experts), self.settings.every)
+
+    def configure_model(self, config) -> None:
+        s = self.settings
+        config.num_moe_experts = s.num_experts
+        config.moe_router_topk = s.top_k
+        config.moe_router_load_balancing_type = "aux_loss"
+        config.moe_aux_loss_coeff = s.aux_loss_coeff
+        config.moe_expert_capacity_factor = s.capacity_factor if s.capacity_factor > 0 else None
+        config.moe_token_drop_policy = "probs"
+        config.moe_pad_expert_input_to_capacity = False
+        config.moe_layer_freq = s.every
+        config.moe_grouped_gemm = False
+        # alltoall creates a CUDA stream when built; allgather is exact and fine at EP = 1
+        config.moe_token_dispatcher_type = "allgather"
+        # Megatron's expert MLP adds its bias in place on a view (autograd refuses)
+        config.add_bias_linear = False
+        if config.moe_ffn_hidden_size is None:  # what __post_init__ would have derived
+            config.moe_ffn_hidden_size = config.ffn_hidden_size
+        if s.top_k == 1:  # softmax over one selected logit has zero gradient
+            config.moe_router_pre_softmax = True
+        if config.variable_seq_lengths:
+            raise ValueError("MoE's allgather dispatcher does not support variable sequence "
+                             "lengths (another scenario set them)")
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def attach(self, runtime: Runtime) -> None:
+        super().attach(runtime)
+        if self.cost_model is None:
+            self._calibrate()
+
+    def _calibrate(self) -> None:
+        from dynmo_plugin.megatron.moe_layer import calibrate
+        t, control = self.runtime.trainer, self.runtime.control
+        try:
+            mine = calibrate(t, self.settings.every, seed=t.args.seed)
+        except Exception as e:  # noqa: BLE001 - the other ranks' numbers may still do
+            logger.warning("MoE cost calibration failed on rank %d: %r", t.dims.rank, e)
+            mine = None
+        gathered = control.all_gather(mine, "moe-calibration")
+        model = control.decide(lambda: cost_model_from_calibrations(gathered).to_dict(),
+                               "moe-cost-model")
+        self.cost_model, self.calibration = CostModel.from_dict(model), gathered
+        if t.dims.rank == 0:
+            logger.info("MoE cost model: an MoE layer's non-expert part = %.0f expert tokens, "
+                        "a dense layer = %s, per micro-batch of %d tokens (%.2f us per expert token)",
+                        model["fixed"], model["dense"], t.args.seq_length * t.args.micro_batch_size,
+                        model["per_token_s"] * 1e6)
+
+    def state_dict(self) -> dict:
+        return {"cost_model": self.cost_model.to_dict() if self.cost_model else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("cost_model"):
+            self.cost_model = CostModel.from_dict(state["cost_model"])
+
+    def _layers(self):
+        return list(self.runtime.trainer.model.decoder.layers)
+
+    def before_step(self, iteration: int) -> None:
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+        clear_aux_losses_tracker()  # it sums forever otherwise; read per iteration below
+        for layer in self._layers():
+            layer.take_counts()  # a layer that arrived by migration starts from zero anyway
+
+    def is_event(self, iteration: int) -> bool:
+        s = self.settings
+        return iteration >= s.start and (iteration - s.start) % s.interval == 0
+
+    def after_step(self, iteration: int) -> Optional[DynamismEvent]:
+        if not self.is_event(iteration):
+            return None
+        t, control = self.runtime.trainer, self.runtime.control
+        gathered = control.all_gather(self._local_report(), "moe-counts")
+        detail, work = control.decide(lambda: self._summarise(gathered), "moe-event")
+        if t.dims.rank == 0 and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("moe: iteration %d kept %s", iteration, detail["kept"])
+        return DynamismEvent(self.name, iteration, detail,
+                             work={int(k): v for k, v in work.items()})
+
+    # ---- per-iteration statistics -----------------------------------------------------------
+    def _local_report(self) -> dict:
+        from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler,
+                                                             get_moe_layer_wise_logging_tracker)
+        t = self.runtime.trainer
+        tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        layers, aux = {}, {}
+        for layer in self._layers():
+            n = layer.layer_number
+            layers[n] = layer.take_counts()
+            if layers[n] is not None and tracker is not None:
+                aux[n] = float(tracker["values"][n - 1]) / t.num_microbatches
+        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+        tp_rank = t.dims.groups.tp.rank() if t.dims.tp > 1 else 0
+        return {"tp": tp_rank, "dp": t.dims.dp_rank, "layers": layers, "aux_loss": aux,
+                "aux_loss_scale": None if scale is None else float(scale)}
+
+    def _summarise(self, gathered: list[dict]) -> tuple[dict, dict]:
+        t, s = self.runtime.trainer, self.settings
+        total, busiest = combine_counts(gathered)
+        m = t.num_microbatches
+        routed = m * t.args.micro_batch_size * t.args.seq_length * s.top_k * t.dims.dp
+        work = {n: layer_work(c, self.cost_model, m, self.ep_model) for n, c in busiest.items()}
+        straggler = {n: layer_work(c, self.cost_model, m, s.num_experts)
+                     for n, c in busiest.items() if c is not None}
+        aux = {}
+        for part in gathered:
+            if part["tp"] == 0:
+                for n, v in part["aux_loss"].items():
+                    aux.setdefault(int(n), []).append(v)
+        scales = {p["aux_loss_scale"] for p in gathered if p["aux_loss_scale"] is not None}
+        detail = {
+            "tokens_per_expert": {n: c for n, c in total.items() if c is not None},
+            "kept": {n: round(sum(c) / routed, 6) for n, c in total.items() if c is not None},
+            "aux_loss": {n: round(statistics.fmean(v), 6) for n, v in sorted(aux.items())},
+            "aux_loss_scale": sorted(scales),
+            "ep_straggler": {"ep": s.num_experts, "work": straggler},
+            "ep_model": self.ep_model,
+            "cost_model": self.cost_model.to_dict(),
+        }
+        return detail, work
+
+
+def _moe_spec(spec, num_experts: int):
+    """The MoE variant of `spec`: Megatron's local MoE layer spec, or Transformer Engine's
+    when `spec` is a TE spec (CUDA)."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    try:
+        qkv = spec.submodules.self_attention.submodules.linear_qkv
+    except AttributeError:
+        qkv = None
+    te = "transformer_engine" in getattr(qkv, "__module__", "")
+    if te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts,
+                                                                moe_grouped_gemm=False)
+    return specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)

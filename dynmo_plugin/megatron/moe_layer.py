@@ -1,0 +1,174 @@
+"""A TransformerLayer that is Megatron's MoE layer or a dense one by its global number.
+
+Megatron builds "every N-th layer MoE" (`moe_layer_freq`) as a block spec with one
+layer spec per layer. A migration, however, builds a single layer from ONE spec
+(dynmo_plugin.megatron.migrate: `build_module(spec, layer_number=...)`), wherever the
+layer lands. So `MoeTransformerLayer` carries both submodule sets and picks by its
+global layer number L (what Megatron's `moe_layer_freq=N` gives): MoE iff
+(L - 1) % N == 0. Layer 1 is always MoE, as in Megatron.
+
+An MoE layer counts the tokens each of its experts processed, per micro-batch, from
+the router's output (`routing_map.sum(0)`: after capacity dropping); the scenario reads
+and resets the counts every iteration (`take_counts`). They are per-iteration
+statistics, read before any migration can happen, so they are plain attributes, not
+state that moves. Everything that must move with the layer (router and expert weights)
+is a parameter of Megatron's own modules.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.utils import get_pg_rank
+from megatron.core.transformer.transformer_layer import (TransformerLayer,
+                                                         get_transformer_layer_offset)
+
+__all__ = ["MoeTransformerLayer", "is_moe_layer", "moe_layer_spec"]
+
+
+def is_moe_layer(layer_number: int, every: int) -> bool:
+    """Megatron's `moe_layer_freq=every` pattern for global (1-based) layer numbers."""
+    return (layer_number - 1) % every == 0
+
+
+class MoeTransformerLayer(TransformerLayer):
+    """MoE submodules when `is_moe_layer(global number, every)`, else the dense ones."""
+
+    def __init__(self, config, submodules, layer_number: int = 1, *, moe_submodules, every: int,
+                 **kwargs):
+        pg = kwargs.get("pg_collection")
+        pp_rank = get_pg_rank(pg.pp) if pg is not None else None
+        number = layer_number + get_transformer_layer_offset(config, kwargs.get("vp_stage"), pp_rank)
+        self.is_moe = is_moe_layer(number, every)
+        super().__init__(config, moe_submodules if self.is_moe else submodules, layer_number,
+                         **kwargs)
+        if self.layer_number != number:  # the offset above must be Megatron's own
+            raise RuntimeError(f"MoE layer numbered {number}, Megatron says {self.layer_number}")
+        self._counts: Optional[torch.Tensor] = None
+        self.micro_batches = 0
+        if self.is_moe:
+            self.mlp.router.register_forward_hook(self._count_tokens)
+
+    def _count_tokens(self, module, args, output) -> None:
+        _probs, routing_map = output
+        counts = routing_map.detach().sum(0).to(torch.int64)
+        self._counts = counts if self._counts is None else self._counts + counts
+        self.micro_batches += 1
+
+    def take_counts(self) -> Optional[list[int]]:
+        """Tokens per expert since the last call (summed over micro-batches, after
+        dropping), or None for a dense layer; resets the counts."""
+        if not self.is_moe:
+            return None
+        counts = self._counts
+        self._counts, self.micro_batches = None, 0
+        if counts is None:
+            return [0] * self.config.num_moe_experts
+        return [int(c) for c in counts.tolist()]
+
+
+def moe_layer_spec(dense: ModuleSpec, moe: ModuleSpec, every: int) -> ModuleSpec:
+    """One layer spec: `moe`'s submodules on MoE layers, `dense`'s elsewhere."""
+    for spec in (dense, moe):
+        if not (isinstance(spec.module, type) and issubclass(spec.module, TransformerLayer)):
+            raise ValueError(f"MoE needs TransformerLayer specs, got {spec.module!r}")
+    out = copy.copy(dense)
+    out.module = MoeTransformerLayer
+    out.params = {**(dense.params or {}), "moe_submodules": moe.submodules, "every": every}
+    return out
+
+
+# ---- calibration: what one expert-token costs next to the rest of a layer ------------------
+def _time_fwd_bwd(layer, x, grad, mask, clock, repeats: int) -> tuple[list[float], int]:
+    """Seconds (CPU thread or GPU) of `repeats` fwd+bwd calls of `layer` on `x`, and the
+    expert tokens per call (0 for a dense layer)."""
+    seconds, tokens = [], 0
+    for _ in range(repeats):
+        inp = x.detach().requires_grad_(True)
+        start = clock.mark()
+        out, _ = layer(hidden_states=inp, attention_mask=mask)
+        out.backward(grad)
+        end = clock.mark()
+        clock.resolve()
+        seconds.append(clock.seconds(start, end))
+        layer.zero_grad(set_to_none=True)
+        counts = layer.take_counts()
+        tokens = sum(counts) if counts is not None else 0
+    return seconds, tokens
+
+
+@torch.no_grad()
+def _init_(layer, gen: torch.Generator, std: float = 0.02) -> None:
+    for name, p in layer.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name and leaf in ("weight", "layer_norm_weight"):
+            p.fill_(1.0)
+        elif leaf.endswith("bias"):
+            p.zero_()
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def calibrate(trainer, every: int, repeats: int = 3, rounds: int = 3, seed: int = 0) -> dict:
+    """Time a throw-away MoE layer (and a dense one when `every` > 1) of this run's spec
+    and shape on one micro-batch, fwd+bwd: with every routed token kept, and with a
+    capacity factor of 0.25 (about three quarters dropped), interleaved over `rounds`,
+    the fastest call of each kept (other processes' load only ever adds to a call's
+    CPU time; so fitted, the fixed part varied +-3% over four runs on a loaded machine,
+    where medians of fewer calls had varied +-25%). The two points
+    give the line seconds = fixed_s + per_token_s x expert tokens. Returns {"fixed_s", "per_token_s", "dense_s" (None when every layer is
+    MoE), "tokens" (per micro-batch), "full_tokens", "low_tokens"}.
+
+    The layers are built fresh from the trainer's spec on a shallow copy of its config
+    and fed a private generator's data: no parameter, gradient, optimizer or RNG state
+    of the run is touched (Megatron's aux-loss logging tracker gets values, which the
+    scenario clears every iteration)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.spec_utils import build_module
+
+    from dynmo_plugin.profiling.clock import clock_for
+
+    t = trainer
+    cfg = copy.copy(t.config)
+    decoder = t.model.decoder
+    offset = t.layout.offset(t.dims.pp_rank)
+    gen = torch.Generator().manual_seed(seed)
+    s, b, h = t.args.seq_length, t.args.micro_batch_size, cfg.hidden_size
+    x = torch.randn(s, b, h, generator=gen).to(t.dims.device)
+    grad = torch.randn(s, b, h, generator=gen).to(t.dims.device)
+    mask = torch.ones(s, s, dtype=torch.bool, device=t.dims.device).triu(1)[None, None]
+    clock = clock_for(t.dims.device)
+
+    def build(number: int):
+        layer = build_module(t.spec, config=cfg, layer_number=number - offset,
+                             pg_collection=decoder.pg_collection, vp_stage=decoder.vp_stage)
+        _init_(layer, gen)
+        return layer.to(t.dims.device).train()
+
+    moe = build(1)  # layer 1 is MoE for any `every`
+    loads = {"full": (moe, None), "quarter": (moe, 0.25)}
+    if every > 1 and t.config.num_layers > 1:
+        loads["dense"] = (build(2), None)
+    samples: dict[str, list[float]] = {name: [] for name in loads}
+    tokens: dict[str, int] = {}
+    # the aux-loss backward would create Megatron's global loss scale as a 0-d tensor,
+    # which the schedule's later set_loss_scale (shape [1]) cannot copy into: keep it
+    saved_scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    try:
+        for layer, factor in loads.values():  # warm-up, not kept
+            cfg.moe_expert_capacity_factor = factor
+            _time_fwd_bwd(layer, x, grad, mask, clock, 1)
+        for _ in range(rounds):  # interleaved, so a change of machine load hits all alike
+            for name, (layer, factor) in loads.items():
+                cfg.moe_expert_capacity_factor = factor
+                seconds, tokens[name] = _time_fwd_bwd(layer, x, grad, mask, clock, repeats)
+                samples[name] += seconds
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved_scale
+    best = {name: min(v) for name, v in samples.items()}
+    n_full, n_low = tokens["full"], tokens["quarter"]
+    per_token = max(best["full"] - best["quarter"], 0.0) / max(n_full - n_low, 1)
+    return {"fixed_s": max(best["full"] - per_token * n_full, 0.0), "per_token_s": per_token,
+            "dense_s": best.get("dense"), "tokens": s * b, "full_tokens": n_full, "low_tokens": n_low}

@@ -1,0 +1,172 @@
+"""Mixture of Experts (Megatron-Core's MoELayer) under real torchrun pipeline runs.
+
+Layers 1 and 3 are MoE (4 experts, top-2), layers 2 and 4 dense (`every` 2), on two
+stages. Training is bit-deterministic (seeded data and init, one thread), so routing
+counts and losses are facts of these settings; only timings vary, and the cost checks
+compare ratios of layers timed in the same window.
+"""
+import statistics
+
+import pytest
+
+from dynmo_plugin.dynamism.moe import (CostModel, combine_counts, cost_model_from_calibrations,
+                                       ep_expert_tokens, layer_work)
+from dynmo_plugin.megatron.moe_layer import is_moe_layer
+from launch import losses, train
+
+MICRO_BATCHES = 2
+MODEL = ["--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "2048",
+         "--num-attention-heads", "4", "--seq-length", "64", "--vocab-size", "64",
+         "--micro-batch-size", "4", "--global-batch-size", str(4 * MICRO_BATCHES),
+         "--train-iters", "5", "--lr", "1e-2", "--seed", "7", "--pipeline-model-parallel-size", "2"]
+MOE = ["--dynmo-dynamism", "moe", "--dynmo-moe-num-experts", "4", "--dynmo-moe-top-k", "2",
+       "--dynmo-moe-every", "2", "--dynmo-moe-start", "1", "--dynmo-moe-interval", "1"]
+HALF = ["--dynmo-moe-capacity-factor", "0.5"]  # an expert keeps at most half its fair share
+STATIC = ["--dynmo", "--dynmo-balancer", "uniform"]
+
+
+# ---- pure helpers -------------------------------------------------------------------------------
+def test_moe_layer_pattern_is_megatrons_moe_layer_freq():
+    assert [n for n in range(1, 9) if is_moe_layer(n, 1)] == list(range(1, 9))
+    assert [n for n in range(1, 9) if is_moe_layer(n, 2)] == [1, 3, 5, 7]
+    assert [n for n in range(1, 9) if is_moe_layer(n, 3)] == [1, 4, 7]
+
+
+def test_ep_straggler_is_the_busiest_expert_group():
+    counts = [10, 0, 30, 20]
+    assert ep_expert_tokens(counts, 1) == 60            # one rank: every token
+    assert ep_expert_tokens(counts, 2) == 2 * 50        # ranks hold [10, 0] and [30, 20]
+    assert ep_expert_tokens(counts, 4) == 4 * 30        # one expert per rank
+    assert ep_expert_tokens([15] * 4, 4) == 60          # balanced: no straggler cost
+    with pytest.raises(ValueError):
+        ep_expert_tokens(counts, 3)
+
+
+def test_work_is_fixed_part_plus_expert_tokens():
+    model = CostModel(fixed=100.0, dense=80.0, per_token_s=1e-5)
+    assert layer_work([10, 20, 30, 40], model, micro_batches=2) == 200 + 100
+    assert layer_work([10, 20, 30, 40], model, 2, ep=4) == 200 + 160
+    assert layer_work(None, model, 2) == 160
+    assert layer_work(None, CostModel(fixed=100.0, dense=None, per_token_s=1e-5), 2) == 200
+
+
+def test_counts_sum_over_replicas_and_work_follows_the_busiest():
+    gathered = [
+        {"tp": 0, "dp": 1, "layers": {3: [1, 1], 4: None}},
+        {"tp": 0, "dp": 0, "layers": {1: [5, 3], 2: None}},
+        {"tp": 1, "dp": 0, "layers": {1: [5, 3], 2: None}},   # a TP copy is not counted twice
+        {"tp": 0, "dp": 0, "layers": {3: [4, 4], 4: None}},
+        {"tp": 0, "dp": 1, "layers": {1: [2, 2], 2: None}},
+    ]
+    total, busiest = combine_counts(gathered)
+    assert total == {1: [7, 5], 2: None, 3: [5, 5], 4: None}
+    assert busiest == {1: [5, 3], 2: None, 3: [4, 4], 4: None}
+
+
+def test_cost_model_is_the_median_over_ranks():
+    runs = [{"fixed_s": 2.0, "per_token_s": 0.01, "dense_s": 1.0},
+            {"fixed_s": 3.0, "per_token_s": 0.01, "dense_s": 1.5},
+            {"fixed_s": 9.0, "per_token_s": 0.01, "dense_s": 9.0}, None,
+            {"fixed_s": 1.0, "per_token_s": 0.0, "dense_s": 1.0}]      # unusable: no slope
+    model = cost_model_from_calibrations(runs)
+    assert (model.fixed, model.dense) == (300.0, 150.0)
+    assert CostModel.from_dict(model.to_dict()) == model
+    with pytest.raises(ValueError):
+        cost_model_from_calibrations([None])
+
+
+# ---- real runs --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def half(tmp_path_factory):
+    """Static (Megatron's uniform split, never moved), capacity 0.5, profiled every
+    iteration (every event opens a timing window when nothing moves)."""
+    return train(2, MODEL + MOE + HALF + STATIC, tmp_path_factory.mktemp("half"))
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """The same without a capacity: no token is dropped."""
+    return train(2, MODEL + MOE + STATIC, tmp_path_factory.mktemp("full"))
+
+
+@pytest.fixture(scope="module")
+def dynmo(tmp_path_factory):
+    """As `half`, with the exact balancer and two forced migrations of MoE and dense layers."""
+    return train(2, MODEL + MOE + HALF + ["--dynmo", "--dynmo-balancer", "exact",
+                                          "--dynmo-forced-layouts", "3:Et|tttL;5:Ettt|tL"],
+                 tmp_path_factory.mktemp("dynmo"))
+
+
+def _events(report):
+    return {e["iteration"]: e for e in report["events"] if e["kind"] == "dynamism"}
+
+
+def _cost_ratio(report):
+    """Median over timed windows of (MoE layers' cost / dense layers' cost), measured
+    and as the events' work predicts it for the same iteration."""
+    events, measured, predicted = _events(report), [], []
+    for e in report["events"]:
+        if e["kind"] != "rebalance" or e.get("profile_source", "timed") != "timed" or not e.get("window"):
+            continue
+        cost = {x["layer"]: x["fwd_s"] + x["bwd_s"] for x in e["profile"]["layers"]}
+        work = events[e["window"][0]]["work"]
+        measured.append((cost[1] + cost[3]) / (cost[2] + cost[4]))
+        predicted.append((work["1"] + work["3"]) / (work["2"] + work["4"]))
+    assert len(measured) >= 3, measured
+    return statistics.median(measured), statistics.median(predicted)
+
+
+@pytest.mark.multiproc
+def test_events_record_tokens_per_expert_every_iteration(half, full):
+    for report, cap in ((half, 0.5), (full, 1.0)):
+        events = _events(report)
+        assert sorted(events) == list(range(1, 6))
+        routed = MICRO_BATCHES * 4 * 64 * 2  # micro-batches x tokens x top-k
+        for e in events.values():
+            d = e["detail"]
+            assert sorted(d["tokens_per_expert"]) == ["1", "3"]        # MoE layers only
+            assert all(len(c) == 4 for c in d["tokens_per_expert"].values())
+            assert all(sum(c) <= cap * routed for c in d["tokens_per_expert"].values())
+            assert sorted(e["work"]) == ["1", "2", "3", "4"]          # every layer has a cost
+            assert e["work"]["2"] == e["work"]["4"]                  # dense layers: constant
+            # the aux loss is attached and scaled like the LM loss (1 / micro-batches)
+            assert d["aux_loss_scale"] == [1.0 / MICRO_BATCHES]
+            assert all(v > 0 for v in d["aux_loss"].values()) and sorted(d["aux_loss"]) == ["1", "3"]
+            # EP straggler model: never below the one-rank work
+            assert all(d["ep_straggler"]["work"][n] >= e["work"][n] for n in ("1", "3"))
+    assert all(d == 1.0 for e in _events(full).values() for d in e["detail"]["kept"].values())
+    assert all(d <= 0.5 for e in _events(half).values() for d in e["detail"]["kept"].values())
+
+
+@pytest.mark.multiproc
+def test_moe_layer_cost_tracks_tokens_processed(half, full):
+    """Half the tokens dropped -> the MoE layers get cheaper relative to the dense ones
+    timed beside them, by about what the work model predicts."""
+    measured_half, predicted_half = _cost_ratio(half)
+    measured_full, predicted_full = _cost_ratio(full)
+    assert measured_half < 0.85 * measured_full, (measured_half, measured_full)
+    # work is proportional to cost: each run's predicted ratio within 30% of the measured one
+    for m, p in ((measured_half, predicted_half), (measured_full, predicted_full)):
+        assert 0.7 < p / m < 1.3, (m, p)
+
+
+@pytest.mark.multiproc
+def test_dynmo_losses_equal_static_with_moe(half, dynmo):
+    assert losses(dynmo) == losses(half)
+    # routing is a function of the weights only: the same counts whatever the layout
+    assert ([e["detail"]["tokens_per_expert"] for e in _events(dynmo).values()]
+            == [e["detail"]["tokens_per_expert"] for e in _events(half).values()])
+    applied = [e for e in dynmo["events"] if e["kind"] == "rebalance" and e["applied"]]
+    assert {e["iteration"] for e in applied if e["trigger"] == "forced"} >= {3, 5}, applied
+    assert not [e for e in half["events"] if e["kind"] == "rebalance" and e["applied"]]
+
+
+@pytest.mark.multiproc
+def test_aux_loss_gradient_reaches_training(half, tmp_path):
+    """The load-balancing loss changes no forward value but joins backward: with its
+    coefficient at 0 the first loss is the same and the second differs."""
+    flags = MODEL + MOE + HALF + ["--dynmo-moe-aux-loss-coeff", "0", "--train-iters", "2"]
+    plain = train(2, flags, tmp_path / "no_aux")
+    assert losses(plain)[0] == losses(half)[0]
+    assert losses(plain)[1] != losses(half)[1]
