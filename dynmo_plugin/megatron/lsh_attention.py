@@ -1,0 +1,320 @@
+"""A Megatron core-attention module doing hash-bucketed (LSH) causal attention.
+
+`LSHCoreAttention` replaces Megatron's `DotProductAttention` as the
+`core_attention` submodule of a layer's self-attention (`lsh_attention_spec`) and is
+called like it: query/key/value `[s, b, heads, head_dim]`, a causal attention mask,
+returns `[s, b, heads * head_dim]`. It holds its bucket count in a buffer
+(`buckets`), so a migrated or repacked layer keeps its density:
+
+* `buckets == 1`: dense causal attention through torch's fused
+  `scaled_dot_product_attention` (SDPA) - the baseline, one bucket holds every key;
+* `buckets == B > 1`: per hash round, queries and keys are hashed with one random
+  rotation R (Reformer's angular LSH: bucket = argmax([xR, -xR]), R of shape
+  `[head_dim, ceil(B/2)]`), each head's queries and keys are sorted separately by
+  (bucket, position) and cut into B equal blocks of `c = ceil(s/B)` (SMYRF's balanced
+  clusters: with separate Q and K projections a shared sort as in Reformer's shared-QK
+  is not possible). Query block i attends key block i, causally (keys strictly before
+  the query), plus always its own key (so no row is empty). Cost per round ~ s*c*d =
+  s^2 d / B plus O(s d) for hashing, sorting and gathering. Several rounds
+  (`hashes`) are combined with their softmax normalisers (Reformer's multi-round
+  LSH): the output is the log-sum-exp weighted mean of the rounds.
+
+The rotation is drawn from a generator seeded by (seed, global layer number,
+iteration, global micro-batch index, hash round) and shared by all heads, so hashing
+is identical on every rank, for every pipeline split and TP split, and a layer that
+moved to another stage hashes exactly as it would have on its old one. The scenario
+(dynmo_plugin.dynamism.sparse_attention) calls `begin_iteration` on every layer's
+module before each step; micro-batches are counted in forward-call order (1F1B runs a
+stage's forwards in micro-batch order).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import math
+import time
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+__all__ = ["LSHCoreAttention", "lsh_attention", "dense_causal_attention", "hash_rotation",
+           "lsh_attention_spec", "core_attentions", "time_attention", "time_layer"]
+
+
+# ---- kernels (no Megatron) -------------------------------------------------------------------
+def hash_rotation(seed: int, layer: int, iteration: int, microbatch: int, round_: int,
+                  head_dim: int, buckets: int) -> torch.Tensor:
+    """The random rotation `[head_dim, ceil(buckets/2)]` (float32, CPU) of one hash round."""
+    key = f"lsh/{seed}/{layer}/{iteration}/{microbatch}/{round_}".encode()
+    value = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % 2**63
+    gen = torch.Generator().manual_seed(value)
+    return torch.randn(head_dim, (buckets + 1) // 2, generator=gen)
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """SDPA causal on `[s, b, n, d]` inputs -> `[s, b, n * d]`."""
+    s, b, n, d = q.shape
+    out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3),
+                                         v.permute(1, 2, 0, 3), is_causal=True, scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+
+def _round(table: torch.Tensor, s: int, b: int, n: int, d: int, buckets: int,
+           rotation: torch.Tensor, scale: float, want_lse: bool):
+    """One hash round over `table` = [q | k | v] rows in (position, batch, head) order.
+    Returns (out [rows, d], lse [rows] or None), rows in the same order."""
+    rows = s * b * n
+    c = -(-s // buckets)
+    S = c * buckets
+    with torch.no_grad():
+        qk = table[:rows, :2 * d].view(rows, 2, d)
+        proj = qk.float() @ rotation.to(table.device)                  # [rows, 2, ceil(B/2)]
+        bucket = torch.cat([proj, -proj], -1)[..., :buckets].argmax(-1)  # [rows, 2]
+        bucket = bucket.view(s, b, n, 2).permute(1, 2, 3, 0)            # [b, n, 2, s]
+        pos = torch.arange(s, device=table.device)
+        perm = torch.argsort(bucket * s + pos, dim=-1)                  # positions, sorted
+        group = (torch.arange(b, device=table.device)[:, None] * n
+                 + torch.arange(n, device=table.device)[None, :])[..., None, None]
+        flat = perm * (b * n) + group                                   # row ids
+        if S > s:  # pad to B whole blocks with a zero row that is never a valid key
+            flat = torch.cat([flat, flat.new_full((b, n, 2, S - s), rows)], -1)
+            perm = torch.cat([perm, perm.new_full((b, n, 2, S - s), 2**40)], -1)
+        pq, pk = perm[:, :, 0], perm[:, :, 1]
+        fq, fk = flat[:, :, 0].reshape(-1), flat[:, :, 1].reshape(-1)
+        masked = ~(pk.view(b, n, buckets, 1, c) < pq.view(b, n, buckets, c, 1))
+        inverse = torch.empty(rows + 1, dtype=torch.long, device=table.device)
+        inverse[fq] = torch.arange(b * n * S, device=table.device)
+        inverse = inverse[:rows]
+    gq = table.index_select(0, fq).view(b, n, buckets, c, 3 * d)      # query, own key, own value
+    gk = table[:, d:].index_select(0, fk).view(b, n, buckets, c, 2 * d)  # key block, value block
+    q, k_self, v_self = gq.split(d, -1)
+    k, v = gk.split(d, -1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).masked_fill(masked, float("-inf"))
+    logits = torch.cat([scores, (q * k_self).sum(-1, keepdim=True)], -1) * scale
+    wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # softmax in fp32 at least
+    if want_lse:
+        lse = torch.logsumexp(wide, -1, keepdim=True)
+        probs = torch.exp(wide - lse).to(table.dtype)
+    else:
+        lse, probs = None, torch.softmax(wide, -1).to(table.dtype)
+    out = torch.matmul(probs[..., :c], v) + probs[..., c:] * v_self    # [b, n, B, c, d]
+    out = out.reshape(b * n * S, d).index_select(0, inverse)
+    if lse is not None:
+        lse = lse.reshape(b * n * S).index_select(0, inverse)
+    return out, lse
+
+
+def lsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: int,
+                  rotations: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """Hash-bucketed causal attention (module docstring) on `[s, b, n, d]` inputs ->
+    `[s, b, n * d]`; one round per rotation (each `[d, ceil(buckets/2)]`)."""
+    s, b, n, d = q.shape
+    table = torch.cat([q, k, v], -1).reshape(s * b * n, 3 * d)
+    if -(-s // buckets) * buckets > s:
+        table = torch.cat([table, table.new_zeros(1, 3 * d)])
+    if len(rotations) == 1:
+        out, _ = _round(table, s, b, n, d, buckets, rotations[0], scale, want_lse=False)
+    else:
+        parts = [_round(table, s, b, n, d, buckets, r, scale, want_lse=True) for r in rotations]
+        weights = torch.softmax(torch.stack([lse for _, lse in parts]), 0).to(q.dtype)
+        out = sum(w[:, None] * o for w, (o, _) in zip(weights, parts))
+    return out.view(s, b, n * d)
+
+
+# ---- the Megatron module ----------------------------------------------------------------------
+class LSHCoreAttention(MegatronModule):
+    """Core attention with a per-layer bucket count (1 = dense SDPA); see module docstring.
+
+    Built by Megatron's Attention like DotProductAttention (keyword arguments below up
+    to `pg_collection`); `seed`, `initial_buckets` ({global layer: buckets}) and
+    `hashes` come from the spec (`lsh_attention_spec`)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None, *, seed: int, initial_buckets: dict, hashes: int = 1):
+        super().__init__(config=config)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"LSH attention has no attention dropout; got attention_dropout={dropout}")
+        if config.context_parallel_size != 1:
+            raise ValueError("LSH attention does not support context parallelism")
+        if hashes < 1:
+            raise ValueError(f"hashes must be >= 1, got {hashes}")
+        self.layer_number = max(1, layer_number)  # global, as Megatron numbers layers
+        self.attn_mask_type = attn_mask_type
+        self.seed, self.hashes = seed, hashes
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.register_buffer("buckets", torch.tensor(int(initial_buckets.get(self.layer_number, 1)),
+                                                     dtype=torch.int64))
+        self._iteration: Optional[int] = None
+        self._microbatch = 0
+        self._causal: Optional[torch.Tensor] = None
+        self._pass_values = False  # time_layer only: no attention, the values pass through
+
+    def begin_iteration(self, iteration: int, first_microbatch: int = 0) -> None:
+        """The next forward calls are micro-batches first_microbatch, +1, ... of `iteration`."""
+        self._iteration, self._microbatch = iteration, first_microbatch
+
+    def set_buckets(self, buckets: int) -> None:
+        if buckets < 1:
+            raise ValueError(f"layer {self.layer_number}: buckets must be >= 1, got {buckets}")
+        self.buckets.fill_(buckets)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("LSH attention supports neither packed sequences nor attention bias")
+        if (attn_mask_type or self.attn_mask_type) != AttnMaskType.causal:
+            raise NotImplementedError(f"LSH attention is causal only, got {attn_mask_type or self.attn_mask_type}")
+        self._check_causal(attention_mask, query.shape[0])
+        n = query.shape[2]
+        if key.shape[2] != n:  # grouped-query attention: repeat keys/values per query head
+            key = key.repeat_interleave(n // key.shape[2], dim=2)
+            value = value.repeat_interleave(n // value.shape[2], dim=2)
+        if self._pass_values:
+            return value.reshape(value.shape[0], value.shape[1], -1)
+        buckets = int(self.buckets)
+        if buckets == 1:
+            return dense_causal_attention(query, key, value, self.softmax_scale)
+        if self._iteration is None:
+            raise RuntimeError(f"layer {self.layer_number}: LSH attention needs begin_iteration() "
+                               "before a forward (the sparse_attention scenario calls it)")
+        mb = self._microbatch
+        self._microbatch += 1
+        rotations = [hash_rotation(self.seed, self.layer_number, self._iteration, mb, r,
+                                   query.shape[3], buckets) for r in range(self.hashes)]
+        return lsh_attention(query, key, value, buckets, rotations, self.softmax_scale)
+
+    def _check_causal(self, mask: Optional[torch.Tensor], s: int) -> None:
+        """The mask must be the plain causal one (True = masked) or None: padding masks
+        would need per-key masking inside the blocks, which is not implemented."""
+        if mask is None:
+            return
+        if self._causal is None or self._causal.shape[-1] != s or self._causal.device != mask.device:
+            self._causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=mask.device), 1)
+        if mask.shape[-2:] != (s, s) or not bool((mask == self._causal).all()):
+            raise ValueError(f"layer {self.layer_number}: LSH attention takes only a causal "
+                             "attention mask (no padding masks)")
+
+
+def lsh_attention_spec(spec: ModuleSpec, seed: int, initial_buckets: dict, hashes: int) -> ModuleSpec:
+    """`spec` (a TransformerLayer spec) whose self-attention's core attention is
+    LSHCoreAttention; the rest of the layer is untouched."""
+    try:
+        attention = spec.submodules.self_attention
+        sub = attention.submodules
+        sub.core_attention  # noqa: B018 - raises AttributeError on other layer kinds
+    except AttributeError as e:
+        raise ValueError(f"sparse attention needs a layer spec with self_attention.submodules."
+                         f"core_attention, got {spec.module!r}") from e
+    out = copy.copy(spec)
+    out.submodules = copy.copy(spec.submodules)
+    out.submodules.self_attention = copy.copy(attention)
+    out.submodules.self_attention.submodules = copy.copy(sub)
+    out.submodules.self_attention.submodules.core_attention = functools.partial(
+        LSHCoreAttention, seed=seed, initial_buckets=dict(initial_buckets), hashes=hashes)
+    return out
+
+
+def core_attentions(model: torch.nn.Module) -> list[LSHCoreAttention]:
+    """The LSHCoreAttention modules of a stage's decoder layers, in layer order."""
+    return [layer.self_attention.core_attention for layer in model.decoder.layers
+            if isinstance(getattr(layer.self_attention, "core_attention", None), LSHCoreAttention)]
+
+
+# ---- timing (the work model's calibration) ----------------------------------------------------
+def _timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+    start = time.thread_time()  # CPU time of this thread: robust to other processes' load
+    fn()
+    return time.thread_time() - start
+
+
+def _median_seconds(fns: dict, repeats: int, device: torch.device) -> dict:
+    """{key: median seconds of fns[key]()}, measured round-robin (a burst of load on a
+    shared machine then hits every key alike), after one warm-up call each."""
+    for fn in fns.values():
+        fn()
+    times: dict = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            times[key].append(_timed(fn, device))
+    return {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+
+
+def time_attention(s: int, b: int, heads: int, head_dim: int, buckets: int, hashes: int = 1,
+                   repeats: int = 3, device: torch.device | str = "cpu") -> float:
+    """Median seconds of one forward + backward of the core attention at this shape."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, b, heads, head_dim, generator=gen).to(device).requires_grad_()
+               for _ in range(3))
+    scale = 1.0 / math.sqrt(head_dim)
+    rotations = [hash_rotation(0, 1, 0, 0, r, head_dim, buckets) for r in range(hashes)]
+
+    def step():
+        if buckets == 1:
+            out = dense_causal_attention(q, k, v, scale)
+        else:
+            out = lsh_attention(q, k, v, buckets, rotations, scale)
+        out.backward(torch.ones_like(out))
+        for x in (q, k, v):
+            x.grad = None
+
+    return _median_seconds({0: step}, repeats, device)[0]
+
+
+def time_layer(spec: ModuleSpec, config, pg_collection, vp_stage, s: int, b: int,
+               buckets: list[int], repeats: int = 5, device: torch.device | str = "cpu",
+               seed: int = 0) -> dict[int, float]:
+    """{buckets: median seconds of one forward + backward of a whole layer}: a throwaway
+    layer built from `spec` (an LSH attention spec; weights N(0, 0.02), norms 1, biases
+    0), run at each bucket count on a random [s, b, hidden] input with the causal mask.
+    Key 0: the layer without attention (the core attention passes the values through),
+    i.e. its linear part."""
+    from megatron.core.transformer.spec_utils import build_module
+    device = torch.device(device)
+    layer = build_module(spec, config=config, layer_number=1, pg_collection=pg_collection,
+                         vp_stage=vp_stage).to(device)
+    attention = layer.self_attention.core_attention
+    if not isinstance(attention, LSHCoreAttention):
+        raise ValueError(f"time_layer needs an LSH attention spec, got {type(attention).__name__}")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    x = torch.randn(s, b, config.hidden_size, generator=gen).to(device).requires_grad_()
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), 1)[None, None]
+    attention.begin_iteration(0)
+
+    def step(count: int):
+        attention.set_buckets(max(count, 1))
+        attention._pass_values = count == 0
+        try:
+            out, _ = layer(hidden_states=x, attention_mask=mask)
+            out.backward(torch.ones_like(out))
+        finally:
+            attention._pass_values = False
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+
+    return _median_seconds({count: functools.partial(step, count) for count in [0, *buckets]},
+                           repeats, device)
