@@ -10,11 +10,15 @@ Minimise the bottleneck B = max_s load_s; among layouts with bottleneck B*, mini
 there is none).
 
 Algorithm.
+0. Warm start. In live training the current layout was optimal for slightly different
+   costs, so its bottleneck W (computed as e_s + (P[j] - P[i]), i.e. a candidate, see
+   2) is a tight upper bound: if F(W) holds, the search starts with hi = W.
 1. Feasibility oracle F(T): "some layout has every load <= T and fits memory". With
    non-negative costs, the admissible starts of a stage-s segment ending at j form a
    window [first_s(j), j - min_layers] (see `segments`), so the set of positions
-   reachable after s stages is computed from the previous one by prefix counts:
-   O(n) numpy work per stage, O(p n) per call. F is monotone in T.
+   reachable after s stages follows from the previous one run by run: one bisect per
+   run of reachable positions and a few word operations on a bitset, O(p log n) per
+   call when every single layer fits every stage. F is monotone in T.
 2. The optimum B* is one stage's load, i.e. an element of the candidate set
    V = {e_s + P[j] - P[i] : s, i <= j} (P = cost prefix sums), |V| <= g n^2 / 2 with
    g = number of distinct extras values (1-3 in practice; stages sharing e_s share
@@ -22,29 +26,42 @@ Algorithm.
    the candidates in (lo, hi) of each row (s, i) are a contiguous run of j found by
    binary search on P. Test the weighted median of the row medians: at least a quarter
    of the remaining candidates lie on each side of it, so each test discards >= 1/4.
-   When <= 65,536 candidates remain, enumerate them, sort, and binary-search with F.
+   When <= 65,536 candidates remain, enumerate them, sort them and binary-search them
+   with F; after a warm start the largest one below hi is tested first, so that one
+   test proves a still-optimal current layout optimal.
 3. Tie-break at T = B*: dynamic programme f_{s+1}(j) = A_s(j) + max over the window of
    (f_s(b) - A_s(b)), where A_s are prefix sums of the packed key (bytes * (n+1) + 1)
    of reference stage s's layers, so maximising kept key = minimising (bytes, layers)
-   moved lexicographically. The window maximum is a sparse-table range query:
-   O(n log n) numpy work per stage.
+   moved lexicographically. Only positions reachable from 0 that can still reach n
+   are visited, the window maxima by a monotone deque (`segments`).
 
-Proof of optimality. Invariant: F(lo) is false, F(hi) is true, and every candidate
-below hi that is feasible lies in (lo, hi). It holds initially: lo is a lower bound
-minus the tolerance (no layout beats the average load, the heaviest layer plus the
-smallest extras, or the largest extras; if F(lo) holds anyway, lo = -inf); hi = max e_s + P[n] bounds every load, and if
-F(hi) is false no layout fits memory: infeasible.
-Testing any t in (lo, hi) keeps it (F monotone). The returned T* is the smallest
-feasible candidate of the final range, else hi. The optimal layout's bottleneck B* is
-a candidate with F(B*) true, so T* <= B*; and the layout found at T* has every load
-<= T* + tol. Hence its bottleneck is optimal up to the tolerance (see `problem`). The
-DP enumerates exactly the layouts admissible at T*, i.e. the optimal ones, and its
-recurrence is exact because bytes kept by a stage split as A_s(j) - A_s(b); so the
-returned layout moves the fewest bytes, then layers, among optimal layouts.
+Proof of optimality. Invariant: F(lo) is false, F(hi) is true, hi is a candidate, and
+every candidate below hi that is feasible lies in (lo, hi). It holds initially: lo is
+a lower bound minus the tolerance (no layout beats the average load, the heaviest layer
+plus the smallest extras, or the largest extras; if F(lo) holds anyway, lo = -inf);
+hi = W when F(W) holds, else hi = max e_s + P[n], which bounds every load, and if F(hi)
+is false no layout fits memory: infeasible.
+Testing any candidate t in (lo, hi) keeps it (F monotone). The returned T* is the
+smallest feasible candidate of the final range, else hi: the smallest feasible
+candidate overall, whatever the starting bounds, so warm and cold starts return the
+same T*. The optimal layout's bottleneck B* is a candidate with F(B*) true, so
+T* <= B*; and the layout found at T* has every load <= T* + tol. Hence its bottleneck
+is optimal up to the tolerance (see `problem`). The DP enumerates exactly the layouts
+admissible at T*, i.e. the optimal ones, and its recurrence is exact because bytes
+kept by a stage split as A_s(j) - A_s(b); so the returned layout moves the fewest
+bytes, then layers, among optimal layouts.
 
-Complexity. O(log(g n^2)) oracle calls of O(p n) each (in numpy), plus per search
-step O(g n log n) for the row runs and the weighted median, plus the tie-break
-O(p n log n): ~0.1-0.3 s for 1,000 layers x 128 stages on a laptop core.
+Complexity. O(log(g n^2)) oracle calls (one or two after a warm start whose layout is
+still optimal) of O(p log n) each in the common case, plus per search step O(g n log n)
+numpy work for the row runs, plus the tie-break O(sum of band widths) (bounded by the
+numpy DP's O(p n log n), which takes over for wide bands). Measured on this project's
+2-core machine (scripts/bench_balancers.py --decision, docs/balancing.md "Deciding
+fast"): about a millisecond or less per decision (solve + plan + gate) at 48 or 256
+layers on 16 stages.
+
+`solve_exact_reference` keeps the implementation before the warm start and the bitset
+oracle (cold bounds, plain binary search, `NumpySegmentModel`); it returns the same
+layout and is what the tests and the benchmark compare against.
 """
 from __future__ import annotations
 
@@ -53,91 +70,131 @@ import logging
 import numpy as np
 
 from dynmo_plugin.balancing.problem import BalanceProblem, InfeasibleError
-from dynmo_plugin.balancing.segments import SegmentModel
+from dynmo_plugin.balancing.segments import NumpySegmentModel, SegmentModel
 from dynmo_plugin.layout import Layout
 
-__all__ = ["solve_exact", "optimal_bottleneck", "ENUMERATE_BELOW"]
+__all__ = ["solve_exact", "solve_exact_reference", "optimal_bottleneck", "ENUMERATE_BELOW"]
 
 log = logging.getLogger(__name__)
 
 ENUMERATE_BELOW = 65_536
 
 
-def _rows(problem: BalanceProblem, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row (distinct extras e, start i): candidate run [jlo, jhi) with values in (lo, hi)."""
-    pre = problem.cost_prefix
-    starts = np.arange(pre.size)
-    ecs = np.unique(problem.extras_cost_arr)
-    extras = np.repeat(ecs, pre.size)
-    base = np.tile(pre, ecs.size)
-    i = np.tile(starts, ecs.size)
-    jlo = np.maximum(np.searchsorted(pre, base + (lo - extras), side="right"), i)
-    jhi = np.maximum(np.searchsorted(pre, base + (hi - extras), side="left"), jlo)
-    return extras, i, np.stack([jlo, jhi])
+class _Candidates:
+    """The candidate set V = {e + (P[j] - P[i])}, row by row: one row per distinct
+    extras value e and start i, its values non-decreasing in j (module docstring, step 2)."""
 
+    def __init__(self, problem: BalanceProblem) -> None:
+        pre = problem.cost_prefix
+        ecs = np.array(sorted(set(problem.extras_cost_arr.tolist())))  # np.unique, cheaper
+        self.pre = pre
+        self.extras = np.repeat(ecs, pre.size)
+        self.base = np.tile(pre, ecs.size)
+        self.i = np.tile(np.arange(pre.size), ecs.size)
 
-def _pivot(problem: BalanceProblem, extras: np.ndarray, i: np.ndarray, run: np.ndarray) -> float:
-    """Weighted median (by run length) of the row medians."""
-    pre = problem.cost_prefix
-    jlo, jhi = run
-    width = jhi - jlo
-    keep = width > 0
-    mid = (jlo + jhi - 1)[keep] // 2
-    values = extras[keep] + (pre[mid] - pre[i[keep]])
-    order = np.argsort(values, kind="stable")
-    cum = np.cumsum(width[keep][order])
-    return float(values[order][np.searchsorted(cum, cum[-1] / 2.0)])
+    def runs(self, lo: float, hi: float) -> tuple[np.ndarray, np.ndarray]:
+        """Per row, the run [jlo, jhi) of j whose values lie in (lo, hi) (up to rounding)."""
+        pre = self.pre
+        jlo = np.maximum(np.searchsorted(pre, self.base + (lo - self.extras), side="right"), self.i)
+        jhi = np.maximum(np.searchsorted(pre, self.base + (hi - self.extras), side="left"), jlo)
+        return jlo, jhi
 
+    def pivot(self, jlo: np.ndarray, jhi: np.ndarray) -> float:
+        """Weighted median (by run length) of the row medians."""
+        width = jhi - jlo
+        keep = width > 0
+        mid = (jlo + jhi - 1)[keep] // 2
+        values = self.extras[keep] + (self.pre[mid] - self.pre[self.i[keep]])
+        order = np.argsort(values, kind="stable")
+        cum = np.cumsum(width[keep][order])
+        return float(values[order][np.searchsorted(cum, cum[-1] / 2.0)])
 
-def _enumerate(problem: BalanceProblem, lo: float, hi: float,
-               extras: np.ndarray, i: np.ndarray, run: np.ndarray) -> np.ndarray:
-    """All candidate values in (lo, hi), sorted and unique (runs widened by one for rounding)."""
-    pre = problem.cost_prefix
-    n = pre.size - 1
-    jlo = np.maximum(run[0] - 1, i)
-    jhi = np.minimum(run[1] + 1, n + 1)
-    width = np.maximum(jhi - jlo, 0)
-    row = np.repeat(np.arange(width.size), width)
-    offset = np.arange(row.size) - np.repeat(np.cumsum(width) - width, width)
-    j = jlo[row] + offset
-    values = extras[row] + (pre[j] - pre[i[row]])
-    values = values[(values > lo) & (values < hi)]
-    return np.unique(values)
+    def between(self, lo: float, hi: float, jlo: np.ndarray, jhi: np.ndarray) -> list[float]:
+        """All candidate values in (lo, hi), sorted and unique (runs widened by one for
+        rounding)."""
+        pre, n = self.pre, self.pre.size - 1
+        jlo = np.maximum(jlo - 1, self.i)
+        width = np.minimum(jhi + 1, n + 1) - jlo
+        keep = np.flatnonzero(width > 0)
+        jlo, width = jlo[keep], width[keep]
+        row = np.repeat(keep, width)
+        j = np.repeat(jlo - (np.cumsum(width) - width), width) + np.arange(row.size)
+        values = self.extras[row] + (pre[j] - pre[self.i[row]])
+        return np.unique(values[(values > lo) & (values < hi)]).tolist()
 
 
 def optimal_bottleneck(problem: BalanceProblem, model: SegmentModel | None = None) -> float:
-    """Smallest threshold T for which a layout exists (module docstring, steps 1-2).
+    """Smallest threshold T for which a layout exists (module docstring, steps 1-2),
+    warm-started from the current layout when it is admissible (step 0).
 
     Raises:
         InfeasibleError: no layout fits the memory caps at any load.
     """
     model = model or SegmentModel(problem)
     hi = float(problem.extras_cost_arr.max() + problem.cost_prefix[-1])
-    if not model.is_feasible(hi):
+    warm = _current_bottleneck(problem)
+    if warm is not None and warm < hi and model.is_feasible(warm):
+        hi = warm  # F(warm) implies F(cold hi): no need to test it
+    elif not model.is_feasible(hi):
         raise InfeasibleError(_infeasible_message(problem))
     lo = _lower_bound(problem)
-    if model.is_feasible(lo):  # only with zero tolerance (all loads 0): keep F(lo) false
+    if lo >= hi or model.is_feasible(lo):  # only with zero tolerance (all loads 0): keep F(lo) false
         lo = -np.inf
+    return _search(problem, model, lo, hi, warm=hi == warm)
+
+
+def _search(problem: BalanceProblem, model, lo: float, hi: float, warm: bool) -> float:
+    """The smallest feasible candidate in (lo, hi), else hi; F(lo) false, F(hi) true.
+
+    With `warm` (hi is the current layout's bottleneck), the largest candidate below hi
+    is tested first: when the costs have not changed enough to beat the current
+    layout, that one test proves it optimal. Then binary search.
+    """
+    rows = _Candidates(problem)
     while True:
-        extras, i, run = _rows(problem, lo, hi)
-        if int((run[1] - run[0]).sum()) <= ENUMERATE_BELOW:
+        jlo, jhi = rows.runs(lo, hi)
+        if int((jhi - jlo).sum()) <= ENUMERATE_BELOW:
             break
-        t = _pivot(problem, extras, i, run)
+        t = rows.pivot(jlo, jhi)
         if not lo < t < hi:
             break
         if model.is_feasible(t):
             hi = t
         else:
             lo = t
-    values = _enumerate(problem, lo, hi, extras, i, run)
-    left, right = 0, values.size  # smallest feasible value index; values.size -> hi
+    values = rows.between(lo, hi, jlo, jhi)
+    left, right = 0, len(values)  # smallest feasible value index; len(values) -> hi
+    if warm and values:
+        if not model.is_feasible(values[-1]):
+            return hi
+        right -= 1
     while left < right:
         mid = (left + right) // 2
-        if model.is_feasible(float(values[mid])):
+        if model.is_feasible(values[mid]):
             right = mid
         else:
             left = mid + 1
-    return float(values[left]) if left < values.size else hi
+    return values[left] if left < len(values) else hi
+
+
+def _current_bottleneck(problem: BalanceProblem) -> float | None:
+    """The current layout's bottleneck, a candidate value (same formula), or None."""
+    if problem.current is None:
+        return None
+    b = problem.current.boundaries
+    pre, ec = problem.cost_prefix.tolist(), problem.extras_cost_arr.tolist()
+    return max(e + (pre[j] - pre[i]) for e, i, j in zip(ec, b, b[1:]))
+
+
+def _reference_bottleneck(problem: BalanceProblem, model: NumpySegmentModel) -> float:
+    """The search before the warm start (cold bounds, plain binary search)."""
+    hi = float(problem.extras_cost_arr.max() + problem.cost_prefix[-1])
+    if not model.is_feasible(hi):
+        raise InfeasibleError(_infeasible_message(problem))
+    lo = _lower_bound(problem)
+    if model.is_feasible(lo):
+        lo = -np.inf
+    return _search(problem, model, lo, hi, warm=False)
 
 
 def _lower_bound(problem: BalanceProblem) -> float:
@@ -178,4 +235,20 @@ def solve_exact(problem: BalanceProblem) -> Layout:
     if bounds is None:  # cannot happen: F(best) is true
         raise RuntimeError(f"exact: no layout at the optimal bottleneck {best!r}")
     log.debug("exact: bottleneck %.6g, boundaries %s", best, bounds)
+    return Layout.from_boundaries(bounds)
+
+
+def solve_exact_reference(problem: BalanceProblem) -> Layout:
+    """`solve_exact` as it was before the warm start and the bitset oracle: cold bounds,
+    plain binary search, `NumpySegmentModel`. Returns the same layout; kept as the
+    reference that tests compare against and scripts/bench_balancers.py times.
+
+    Raises:
+        InfeasibleError: no layout satisfies the memory caps.
+    """
+    model = NumpySegmentModel(problem)
+    best = _reference_bottleneck(problem, model)
+    bounds = model.closest(best, reference_boundaries(problem))
+    if bounds is None:
+        raise RuntimeError(f"exact: no layout at the optimal bottleneck {best!r}")
     return Layout.from_boundaries(bounds)
