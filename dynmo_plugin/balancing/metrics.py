@@ -12,7 +12,7 @@ import numpy as np
 from dynmo_plugin.balancing.problem import BalanceProblem
 from dynmo_plugin.layout import Layout
 
-__all__ = ["stage_loads", "stage_memory", "migration_peak_memory", "imbalance",
+__all__ = ["stage_loads", "stage_memory", "moved_layers", "migration_peak_memory", "imbalance",
            "predicted_iteration_s", "memory_violations", "empty_stages", "feasibility_problems"]
 
 
@@ -35,20 +35,47 @@ def stage_memory(problem: BalanceProblem, layout: Layout) -> list[float]:
     return (problem.extras_memory_arr + (pre[hi] - pre[lo])).tolist()
 
 
-def migration_peak_memory(problem: BalanceProblem, before: Layout, after: Layout) -> list[float]:
+def moved_layers(before: Layout, after: Layout) -> list[tuple[int, int, int]]:
+    """(layer, src stage, dst stage) for each layer `after` places elsewhere: the same
+    list as `before.moved_layers(after)`, from the boundaries in O(p + moved)."""
+    a, b = before.boundaries, after.boundaries
+    if a[-1] != b[-1]:
+        return before.moved_layers(after)  # raises LayoutError with the message
+    out: list[tuple[int, int, int]] = []
+    s = t = x = 0
+    while x < a[-1]:
+        while a[s + 1] <= x:
+            s += 1
+        while b[t + 1] <= x:
+            t += 1
+        y = min(a[s + 1], b[t + 1])
+        if s != t:
+            out.extend((layer, s, t) for layer in range(x + 1, y + 1))
+        x = y
+    return out
+
+
+def migration_peak_memory(problem: BalanceProblem, before: Layout, after: Layout, *,
+                          moved: list[tuple[int, int, int]] | None = None,
+                          memory_before: list[float] | None = None) -> list[float]:
     """Per-stage bytes while a migration from `before` to `after` is prepared.
 
     Migration is atomic: until every rank agrees, the old state stays live beside the
     new — the stage's memory before, plus each incoming layer twice (the receive buffer
     and the built layer with its optimizer state), plus what is rebuilt for the stage's
     new contents (gradient buffers). Outgoing layers are freed only after the commit.
+    `moved` (`moved_layers(before, after)`) and `memory_before` (`stage_memory(problem,
+    before)`) may be passed when the caller has them.
     """
     incoming = [0.0] * problem.num_stages
-    for layer, _src, dst in before.moved_layers(after):
-        incoming[dst] += float(problem.move_bytes_arr[layer - 1])
+    move_bytes = problem.move_bytes_arr
+    for layer, _src, dst in moved_layers(before, after) if moved is None else moved:
+        incoming[dst] += float(move_bytes[layer - 1])
     lo, hi = _segments(after)
     rebuilt = problem.extras_rebuild_arr + (problem.rebuild_prefix[hi] - problem.rebuild_prefix[lo])
-    return [m + 2 * i + float(r) for m, i, r in zip(stage_memory(problem, before), incoming, rebuilt)]
+    if memory_before is None:
+        memory_before = stage_memory(problem, before)
+    return [m + 2 * i + r for m, i, r in zip(memory_before, incoming, rebuilt.tolist())]
 
 
 def imbalance(loads: Sequence[float]) -> float:

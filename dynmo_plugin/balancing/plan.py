@@ -126,23 +126,29 @@ def make_plan(problem: BalanceProblem, layout: Layout, method: str, solve_second
     """Score `layout` against the problem's current layout and wrap it as a Plan."""
     loads = metrics.stage_loads(problem, layout)
     before = problem.current
-    loads_before = metrics.stage_loads(problem, before) if before else None
     m = problem.num_microbatches
-    moves = [] if before is None else [
-        Move(layer, src, dst, float(problem.move_bytes_arr[layer - 1]))
-        for layer, src, dst in before.moved_layers(layout)]
-    return Plan(
+    capacity = list(problem.capacity) if problem.capacity is not None else None
+    plan = Plan(
         method=method, layout=layout, before=before,
-        stage_loads_before=loads_before, stage_loads_after=loads,
-        stage_memory_before=metrics.stage_memory(problem, before) if before else None,
-        stage_memory_after=metrics.stage_memory(problem, layout),
-        migration_peak_memory=metrics.migration_peak_memory(problem, before, layout) if before else None,
-        capacity=list(problem.capacity) if problem.capacity is not None else None,
-        bottleneck_before=max(loads_before) if loads_before else None,
-        bottleneck_after=max(loads),
-        imbalance_before=metrics.imbalance(loads_before) if loads_before else None,
-        imbalance_after=metrics.imbalance(loads),
-        moves=moves,
-        predicted_iter_s_before=metrics.predicted_iteration_s(loads_before, m) if loads_before else None,
+        stage_loads_before=None, stage_loads_after=loads,
+        stage_memory_before=None, stage_memory_after=metrics.stage_memory(problem, layout),
+        migration_peak_memory=None, capacity=capacity,
+        bottleneck_before=None, bottleneck_after=max(loads),
+        imbalance_before=None, imbalance_after=metrics.imbalance(loads),
+        moves=[], predicted_iter_s_before=None,
         predicted_iter_s_after=metrics.predicted_iteration_s(loads, m),
         solve_seconds=solve_seconds, num_microbatches=m, rounds=rounds, notes=list(notes or []))
+    if before is None:
+        return plan
+    loads_before = metrics.stage_loads(problem, before)
+    memory_before = metrics.stage_memory(problem, before)
+    moved = metrics.moved_layers(before, layout)
+    move_bytes = problem.move_bytes_arr
+    plan.stage_loads_before, plan.stage_memory_before = loads_before, memory_before
+    plan.moves = [Move(layer, src, dst, float(move_bytes[layer - 1])) for layer, src, dst in moved]
+    plan.migration_peak_memory = metrics.migration_peak_memory(
+        problem, before, layout, moved=moved, memory_before=memory_before)
+    plan.bottleneck_before = max(loads_before)
+    plan.imbalance_before = metrics.imbalance(loads_before)
+    plan.predicted_iter_s_before = metrics.predicted_iteration_s(loads_before, m)
+    return plan

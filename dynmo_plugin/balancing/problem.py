@@ -43,12 +43,14 @@ def _vector(name: str, values: Sequence[float] | None, length: int, what: str) -
     if values is None:
         return None
     try:
-        out = tuple(float(v) for v in values)
+        out = tuple(map(float, values))
     except (TypeError, ValueError) as e:
         raise ProblemError(f"{name} must be a list of numbers, got {values!r}") from e
     if len(out) != length:
         raise ProblemError(f"{name} has {len(out)} entries but there are {length} {what}; "
                            f"give one value per {what[:-1]}")
+    if out and all(map(math.isfinite, out)) and min(out) >= 0:
+        return out
     bad = [(i, v) for i, v in enumerate(out) if not math.isfinite(v) or v < 0]
     if bad:
         i, v = bad[0]
