@@ -1,0 +1,249 @@
+"""A Megatron TransformerLayer with Mixture-of-Depths routing (Raposo et al., 2024).
+
+A routed layer (the scenario decides which: every N-th) owns a router, a linear map
+hidden -> 1 scalar per token. Per sequence, the C = round(capacity x s) tokens with the
+highest router logits (expert-choice top-C) go through the whole block; the others
+ride the residual stream unchanged. The selected tokens are gathered to [C, b, h]
+(Megatron is [seq, batch, hidden]) in their original order, the causal mask is
+gathered at the tokens' ORIGINAL positions to [b, 1, C, C] (and rotary embeddings, if
+any, too), the base layer runs on that, and the result is scattered back:
+
+    out_i = x_i + sigmoid(r_i) * (block(x~)_i - x_i)   for selected tokens i,
+    out_i = x_i                                      for the others,
+
+so the router receives gradients through the block output it scales. Compute
+shrinks with C: the layer's linear parts scale with C, its attention with C^2.
+
+Top-C over a sequence looks at future tokens, so it cannot be used when sampling
+autoregressively. As in the paper, each routed layer also trains a small auxiliary
+predictor (Linear -> SiLU -> Linear on the block input, stop-gradient on that input)
+by binary cross-entropy to predict whether a token is in the top C; at sampling time
+it would replace the top-C. Its loss joins backward through `_AttachLoss` (weighted
+by the scenario's `predictor_loss_weight`); since its input is detached it cannot
+change the backbone. Its accuracy is counted per iteration for the scenario's events.
+
+Per-layer state lives in the layer, so a migration or a repack moves it: router and
+predictor are submodules (weights, gradients, Adam state travel), and the current
+capacity is a persistent buffer (`capacity`, float64). A layer that is not routed is
+a plain TransformerLayer. A routed layer with capacity < 1 still holds every
+parameter and its optimizer state ("shadow" parameters of the tokens it skips); only
+its time and activation memory shrink, which is what the profiler reports.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+__all__ = ["ModContext", "Predictor", "MoDLayer", "mod_spec", "tokens_for", "gather_mask",
+           "gather_rotary", "time_scratch_layers"]
+
+# kwargs of TransformerLayer.forward this layer cannot route (they index tokens in ways
+# a gather would have to follow; none is used by the launcher's GPT)
+_UNSUPPORTED = ("rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin", "attention_bias",
+                "inference_context", "packed_seq_params", "sequence_len_offset", "padding_mask",
+                "inference_params")
+
+
+def tokens_for(capacity: float, seq_length: int) -> int:
+    """Tokens per sequence a block of this capacity processes: round(c x s), at least 1."""
+    return max(1, min(seq_length, int(round(capacity * seq_length))))
+
+
+@dataclass
+class ModContext:
+    """Set by the scenario before each iteration. grad_scale multiplies the predictor
+    loss's gradient (1 / micro-batches x the optimizer's loss scale), as the schedule
+    scales the LM loss."""
+
+    predictor_loss_weight: float
+    grad_scale: float
+
+
+class Predictor(torch.nn.Module):
+    """Linear(h -> p) -> SiLU -> Linear(p -> 1): a token's top-C logit, causal (per token)."""
+
+    def __init__(self, hidden_size: int, width: int):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(hidden_size, width)
+        self.fc2 = torch.nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.silu(self.fc1(x))).squeeze(-1)
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on `output`; backward also sends d(loss) = `scale` into `loss`, so an
+    auxiliary loss computed inside a pipeline stage joins the backward pass."""
+
+    @staticmethod
+    def forward(ctx, output, loss, scale: float):
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(loss, ctx.scale), None
+
+
+class MoDLayer(TransformerLayer):
+    """TransformerLayer that, if routed, processes only its top-C tokens per sequence."""
+
+    def __init__(self, *args, capacities: dict, predictor_width: int, **kwargs):
+        """`capacities`: {global layer number: initial capacity} of the routed layers."""
+        super().__init__(*args, **kwargs)
+        capacity = capacities.get(self.layer_number)
+        self.routed = capacity is not None
+        self.mod_context: Optional[ModContext] = None
+        if self.routed:
+            h = self.config.hidden_size
+            self.router = torch.nn.Linear(h, 1, bias=False)
+            self.predictor = Predictor(h, predictor_width)
+            self.register_buffer("capacity", torch.tensor(float(capacity), dtype=torch.float64))
+        self.reset_mod_stats()
+
+    def set_capacity(self, capacity: float) -> None:
+        self.capacity.fill_(float(capacity))
+
+    def reset_mod_stats(self) -> None:
+        """Start a new iteration: [tokens, selected, predicted, predicted & selected,
+        predictions right] summed over this iteration's micro-batches."""
+        self.mod_stats = torch.zeros(5, dtype=torch.float64)
+
+    def forward(self, *args, **kwargs):
+        if not self.routed:
+            return super().forward(*args, **kwargs)
+        if args:
+            raise TypeError("MoDLayer takes keyword arguments only (as TransformerBlock calls it)")
+        ctx = self.mod_context
+        if ctx is None:
+            raise RuntimeError(f"layer {self.layer_number}: MoDLayer runs only under the "
+                               "mixture_of_depths scenario (no ModContext was bound)")
+        used = [k for k in _UNSUPPORTED if kwargs.get(k) is not None]
+        if used:
+            raise NotImplementedError(f"Mixture of Depths routes tokens by gathering them; "
+                                      f"{used} are not supported")
+        if self.config.sequence_parallel:
+            raise NotImplementedError("Mixture of Depths needs whole sequences (no sequence parallel)")
+        x = kwargs.pop("hidden_states")
+        s, b, h = x.shape
+        c = tokens_for(float(self.capacity), s)
+        logits = self.router(x).squeeze(-1)  # [s, b]
+        # expert choice: the top C tokens of each sequence, kept in their original order
+        idx = torch.topk(logits.detach(), c, dim=0, sorted=False).indices.sort(dim=0).values
+        gate = torch.sigmoid(logits.gather(0, idx))[..., None]            # [C, b, 1]
+        if c == s:  # every token: no gather needed (idx is 0..s-1 per column)
+            y, context = super().forward(hidden_states=x, **kwargs)
+            out = x + gate * (y - x)
+        else:
+            where = idx[..., None].expand(c, b, h)
+            x_sel = x.gather(0, where)
+            kwargs["attention_mask"] = gather_mask(kwargs.get("attention_mask"), idx, s)
+            if kwargs.get("rotary_pos_emb") is not None:
+                kwargs["rotary_pos_emb"] = gather_rotary(kwargs["rotary_pos_emb"], idx)
+            y_sel, context = super().forward(hidden_states=x_sel, **kwargs)
+            out = x.scatter(0, where, x_sel + gate * (y_sel - x_sel))
+        return self._predictor_loss(out, x, idx, ctx), context
+
+    def _predictor_loss(self, out: torch.Tensor, x: torch.Tensor, idx: torch.Tensor,
+                        ctx: ModContext) -> torch.Tensor:
+        """Train the causal predictor on this micro-batch's top-C membership."""
+        pred = self.predictor(x.detach())                                  # [s, b]
+        target = torch.zeros_like(pred).scatter_(0, idx, 1.0)
+        loss = F.binary_cross_entropy_with_logits(pred.float(), target.float())
+        with torch.no_grad():  # no host sync: read by the scenario at event iterations only
+            yes, sel = pred > 0, target > 0.5
+            counts = torch.stack([sel.sum(), yes.sum(), (yes & sel).sum(), (yes == sel).sum()])
+            if self.mod_stats.device != x.device:
+                self.mod_stats = self.mod_stats.to(x.device)
+            self.mod_stats[0] += target.numel()
+            self.mod_stats[1:] += counts.double()
+        scale = ctx.grad_scale * ctx.predictor_loss_weight
+        if scale == 0.0:
+            return out
+        return _AttachLoss.apply(out, loss, scale)
+
+
+def gather_mask(mask: Optional[torch.Tensor], idx: torch.Tensor, s: int) -> torch.Tensor:
+    """[1 or b, 1, s, s] bool (True = masked) -> [b, 1, C, C] at the positions `idx` [C, b]."""
+    if mask is None:
+        raise ValueError("MoDLayer needs an explicit attention mask (Megatron builds a CUDA "
+                         "one when it is None)")
+    c, b = idx.shape
+    full = mask.expand(b, 1, s, s)
+    rows = full.gather(2, idx.T[:, None, :, None].expand(b, 1, c, s))
+    return rows.gather(3, idx.T[:, None, None, :].expand(b, 1, c, c))
+
+
+def gather_rotary(emb, idx: torch.Tensor):
+    """Rotary frequencies [s, 1, 1, d] (or a (q, k) pair of them) -> [C, b, 1, d] at the
+    ORIGINAL positions of the selected tokens (else every token would be rotated as if
+    it sat at position 0..C-1)."""
+    if isinstance(emb, tuple):
+        return tuple(None if e is None else gather_rotary(e, idx) for e in emb)
+    if emb.dim() != 4 or emb.shape[1] != 1:
+        raise NotImplementedError(f"rotary embedding of shape {tuple(emb.shape)}; expected [s, 1, 1, d]")
+    return emb[:, 0][idx]
+
+
+def mod_spec(spec: ModuleSpec, capacities: dict[int, float], predictor_width: int) -> ModuleSpec:
+    """`spec` (a TransformerLayer spec) with MoDLayer as its module."""
+    if not (isinstance(spec.module, type) and issubclass(spec.module, TransformerLayer)):
+        raise ValueError(f"Mixture of Depths needs a TransformerLayer spec, got {spec.module!r}")
+    out = copy.copy(spec)
+    out.module = MoDLayer
+    out.params = {**(spec.params or {}), "capacities": dict(capacities),
+                  "predictor_width": predictor_width}
+    return out
+
+
+def time_scratch_layers(trainer, clock, capacities, repeats: int) -> dict:
+    """Seconds per micro-batch (forward + backward) of scratch layers built from
+    `trainer`'s spec and config, on random inputs of the run's shape: a plain layer
+    (key None) and a routed one at each capacity, `repeats` rounds after one warm-up
+    round. Touches no live layer and no RNG state."""
+    from megatron.core.transformer.spec_utils import build_module
+    cfg, args = trainer.config, trainer.args
+    decoder = trainer.model.decoder
+    width = trainer.spec.params["predictor_width"]
+    device = trainer.dims.device
+    s, b = args.seq_length, args.micro_batch_size
+    gen = torch.Generator().manual_seed(0)
+
+    def scratch(routed: bool):
+        caps = {n: 1.0 for n in range(1, cfg.num_layers + 1)} if routed else {}
+        layer = build_module(mod_spec(trainer.spec, caps, width), config=cfg, layer_number=1,
+                             pg_collection=decoder.pg_collection, vp_stage=decoder.vp_stage)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        layer.mod_context = ModContext(predictor_loss_weight=1.0, grad_scale=1.0)
+        return layer.to(device)
+
+    with torch.random.fork_rng(devices=[]):
+        plain, routed = scratch(False), scratch(True)
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None].to(device)
+        x0 = torch.randn(s, b, cfg.hidden_size, generator=gen).to(device)
+        out: dict = {c: [] for c in (None, *capacities)}
+        for rep in range(repeats + 1):
+            for c in out:
+                layer = plain if c is None else routed
+                if c is not None:
+                    layer.set_capacity(c)
+                x = x0.clone().requires_grad_(True)
+                start = clock.mark()
+                y, _ = layer(hidden_states=x, attention_mask=mask)
+                y.sum().backward()
+                end = clock.mark()
+                clock.resolve()
+                if rep:
+                    out[c].append(clock.seconds(start, end))
+                layer.zero_grad(set_to_none=True)
+    return out
