@@ -7,11 +7,19 @@ machine, with DeepSpeed imported beforehand (its import is not charged). DeepSpe
 partition_balanced is O(n^2 m) pure Python, so it is skipped where one call would take
 more than ~10 s (n^2 m > 9M); those cells say "skip".
 
-    python scripts/bench_balancers.py [--quick]
+The "decision" table times what the controller runs on every rebalance decision,
+`solve(problem, "exact", gate=...)` (solve, plan, gate; the problem is built before
+the clock starts, its build time is shown apart), on live-training problems at 48 and
+256 layers over 16 stages, against `solve_exact_reference` (the implementation before
+the warm start, run through the same plan and gate) on the same problems.
+
+    python scripts/bench_balancers.py [--quick] [--decision [--repeats N]]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -20,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from dynmo_plugin.balancing import BalanceProblem, InfeasibleError, solve
+from dynmo_plugin.balancing import BalanceProblem, GateConfig, InfeasibleError, solve
 from dynmo_plugin.layout import Layout
 
 METHODS = ("exact", "partition", "diffusion", "uniform")
@@ -142,14 +150,126 @@ def deepspeed_suboptimality(rng, count: int) -> tuple[int, int, float]:
     return bad, count, worst
 
 
+# ---- the decision the controller takes on every rebalance --------------------------------
+DECISION_SHAPES = ((48, 16), (256, 16))
+DECISION_TARGET_MS = {(48, 16): 2.0, (256, 16): 5.0}
+DECISION_CASES = ("steady", "event", "memcap")
+DECISION_GATE = GateConfig(iterations_until_next_event=100, bandwidth_bytes_per_s=25e9,
+                           margin=1.2, min_relative_gain=0.02)
+
+
+def decision_problem(rng: np.random.Generator, n: int, p: int, case: str) -> BalanceProblem:
+    """One decision as `controller.problem_from_profile` builds it: per-layer seconds
+    (~2 ms), state bytes (params, grads, Adam: ~1.9 GB) plus the activations of the
+    in-flight micro-batches, move bytes = state, rebuild bytes = grads, embedding /
+    output extras, a memory cap (1.5 x the uniform split's largest stage), and the
+    running layout as `current`.
+
+    steady: the running layout is the optimum of the previous profile; the new one
+        differs by measurement noise (3%), as when deciding every iteration.
+    event: a dynamism event (frozen front, early exit, pruning or hot MoE experts,
+        drawn) has just changed the costs; the running layout is the optimum before it.
+    memcap: steady, with a cap 2% above the uniform split's largest stage, so memory
+        shapes the layout.
+    """
+    scale, m = 2e-3, 4 * p
+    before = (1.0 + 0.05 * rng.standard_normal(n)).clip(0.5) * scale
+    if case == "event":
+        after = SCENARIOS[str(rng.choice(list(SCENARIOS)))](rng, n) * scale
+    else:
+        after = before * (1.0 + 0.03 * rng.standard_normal(n)).clip(0.5)
+    params = rng.uniform(0.9, 1.1, n) * 1.2e8
+    state, grads = 16.0 * params, 2.0 * params
+    memory = state + min(p, m) * rng.uniform(0.9, 1.1, n) * 3e8
+    extras_cost = [0.0] * p
+    extras_cost[0], extras_cost[-1] = 1.5 * scale, 2.0 * scale
+    extras_memory = [0.0] * p
+    extras_memory[0], extras_memory[-1] = 2e9, 3e9
+    uniform = Layout.uniform(n, p).boundaries
+    pre = np.concatenate(([0.0], np.cumsum(memory)))
+    largest = max(x + pre[j] - pre[i] for x, i, j in zip(extras_memory, uniform, uniform[1:]))
+    capacity = (1.02 if case == "memcap" else 1.5) * largest
+    common = dict(num_stages=p, memory=memory.tolist(), move_bytes=state.tolist(), capacity=capacity,
+                  extras_cost=extras_cost, extras_memory=extras_memory, num_microbatches=m,
+                  param_counts=params.tolist(), rebuild_bytes=grads.tolist(),
+                  extras_rebuild_bytes=[1e8] * p)
+    running = solve(BalanceProblem(costs=before.tolist(), current=Layout.uniform(n, p), **common),
+                    "exact").layout
+    return BalanceProblem(costs=after.tolist(), current=running, **common)
+
+
+def reference_decision(problem: BalanceProblem, gate: GateConfig):
+    """`solve(problem, "exact", gate=gate)` with the solver before the warm start."""
+    from dynmo_plugin.balancing.exact import solve_exact_reference
+    from dynmo_plugin.balancing.gate import attach_gate
+    from dynmo_plugin.balancing.plan import make_plan
+
+    start = time.perf_counter()
+    layout = solve_exact_reference(problem)
+    plan = make_plan(problem, layout, "exact_reference", time.perf_counter() - start)
+    return attach_gate(plan, gate)
+
+
+def _timed(fn: Callable, problem: BalanceProblem) -> tuple[float, float, float, object]:
+    """(build s, call wall s, call CPU s, result) on a freshly built copy of `problem`
+    (nothing cached from an earlier call, as for a new profile). CPU time is this
+    thread's: on a shared machine it shows the work apart from waiting for a core."""
+    t0 = time.perf_counter()
+    fresh = dataclasses.replace(problem)
+    t1, c1 = time.perf_counter(), time.thread_time()
+    out = fn(fresh)
+    return t1 - t0, time.perf_counter() - t1, time.thread_time() - c1, out
+
+
+def decision_table(rng: np.random.Generator, repeats: int) -> None:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"\ndecision (solve + gate) = solve(problem, 'exact', gate=...), ms: wall median "
+          f"(p90) and CPU median of {repeats} decisions per row; load average {load:.1f} on "
+          f"{os.cpu_count()} cores")
+    print(f"{'layers/pp':>9} {'case':<7} {'new wall':>15} {'cpu':>6} {'reference wall':>17} "
+          f"{'cpu':>6} {'speed-up':>8} {'build':>6} {'target':>7}")
+    new = lambda pb: solve(pb, "exact", gate=DECISION_GATE)  # noqa: E731
+    ref = lambda pb: reference_decision(pb, DECISION_GATE)  # noqa: E731
+    med = statistics.median
+    p90 = lambda xs: sorted(xs)[int(0.9 * (len(xs) - 1))]  # noqa: E731
+    for n, p in DECISION_SHAPES:
+        for case in DECISION_CASES:
+            problems = [decision_problem(rng, n, p, case) for _ in range(min(repeats, 20))]
+            build, fast, fast_cpu, slow, slow_cpu = [], [], [], [], []
+            for k in range(repeats):
+                pb = problems[k % len(problems)]
+                b, wall, cpu, plan = _timed(new, pb)
+                _, ref_wall, ref_cpu, check = _timed(ref, pb)
+                if plan.layout != check.layout or plan.gate.apply != check.gate.apply:
+                    raise RuntimeError(f"exact and exact_reference disagree on {n}/{p} {case}")
+                build.append(b)
+                fast.append(wall)
+                fast_cpu.append(cpu)
+                slow.append(ref_wall)
+                slow_cpu.append(ref_cpu)
+            target = DECISION_TARGET_MS[(n, p)]
+            print(f"{f'{n}/{p}':>9} {case:<7} {med(fast) * 1e3:>7.2f} ({p90(fast) * 1e3:>5.2f}) "
+                  f"{med(fast_cpu) * 1e3:>6.2f} {med(slow) * 1e3:>8.2f} ({p90(slow) * 1e3:>6.2f}) "
+                  f"{med(slow_cpu) * 1e3:>6.2f} {med(slow) / med(fast):>7.1f}x "
+                  f"{med(build) * 1e3:>6.2f} {'<' if med(fast) * 1e3 < target else '>='} {target:g}")
+            sys.stdout.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer seeds, small sizes only")
+    parser.add_argument("--decision", action="store_true",
+                        help="only the decision (solve + gate) table; no DeepSpeed needed")
+    parser.add_argument("--repeats", type=int, default=200,
+                        help="decisions timed per row of the decision table (default 200)")
     args = parser.parse_args()
-    import deepspeed.runtime.utils  # noqa: F401  (import cost not charged to `partition`)
-
     rng = np.random.default_rng(2024)
     solve(BalanceProblem(costs=[1.0, 2.0], num_stages=2), "exact")  # warm numpy
+    if args.decision:
+        decision_table(rng, args.repeats)
+        return
+    import deepspeed.runtime.utils  # noqa: F401  (import cost not charged to `partition`)
+
     rand = lambda rng, n, p: _problem(random_costs(rng, n), p)  # noqa: E731
     sizes = [(64, 8, 5), (256, 16, 5)] + ([] if args.quick else
                                           [(512, 32, 1), (1000, 64, 2), (1000, 128, 2)])
@@ -172,6 +292,7 @@ def main() -> None:
     bad, total, worst = deepspeed_suboptimality(rng, 100 if args.quick else 300)
     print(f"DeepSpeed suboptimal on {bad}/{total} = {100 * bad / total:.1f}% of small random "
           f"instances (8-48 layers, 2-8 stages, no extras); worst ratio {worst:.3f}")
+    decision_table(rng, 50 if args.quick else args.repeats)
 
 
 def _capped(costs: np.ndarray, p: int) -> BalanceProblem:
