@@ -75,6 +75,31 @@ def test_cost_model_is_the_median_over_ranks():
         cost_model_from_calibrations([None])
 
 
+@pytest.mark.parametrize("top_k, capacity, every", [(1, 1.0, 2), (2, 0.0, 1), (8, 1.5, 3)])
+def test_configure_model_passes_megatrons_checks(top_k, capacity, every):
+    """The scenario edits a TransformerConfig that already exists; rebuilding it from its
+    fields runs Megatron's __post_init__ validation (e.g. top-1 needs pre-softmax)."""
+    import dataclasses
+
+    from dynmo_plugin.config import DynamismConfig, ModelArgs
+    from dynmo_plugin.dynamism.moe import MixtureOfExperts
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.model import transformer_config
+
+    settings = DynamismConfig(kind="moe")
+    settings.moe.top_k, settings.moe.capacity_factor, settings.moe.every = top_k, capacity, every
+    cfg = transformer_config(ModelArgs(num_layers=4, hidden_size=64, num_attention_heads=4,
+                                       pipeline_model_parallel_size=2), Layout.uniform(4, 2))
+    MixtureOfExperts(settings).configure_model(cfg)
+    checked = dataclasses.replace(cfg)
+    assert (checked.num_moe_experts, checked.moe_router_topk, checked.moe_layer_freq) == (8, top_k, every)
+    assert checked.moe_expert_capacity_factor == (capacity or None)
+    assert checked.moe_token_dispatcher_type == "allgather" and not checked.add_bias_linear
+    settings.moe.top_k = 9
+    with pytest.raises(ValueError, match="top_k"):
+        MixtureOfExperts(settings)
+
+
 # ---- real runs --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
