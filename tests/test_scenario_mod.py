@@ -233,7 +233,7 @@ def test_work_is_proportional_to_profiled_cost(static):
             deviations[(a, b)].append((_cost(w[a]) / _cost(w[b])) / (work[a] / work[b]))
     assert all(deviations.values()), deviations
     medians = {pair: statistics.median(v) for pair, v in deviations.items()}
-    assert all(0.65 < m < 1.5 for m in medians.values()), medians
+    assert all(0.7 < m < 1.4 for m in medians.values()), medians   # measured 0.94-1.15
 
 
 @pytest.mark.multiproc

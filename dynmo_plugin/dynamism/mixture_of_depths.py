@@ -22,15 +22,17 @@ in the iteration just trained (gathered over every rank, summarised once), and t
 work model.
 
 Work (`DynamismEvent.work`, {layer: units}, same on every rank): each layer's cost
-per micro-batch in token-equivalents of a plain layer, from a cost model fitted once
-when the scenario attaches: rank 0 times a scratch routed layer (the run's own spec
-and sizes) at capacities 1, 3/4, 1/2, 1/4, 1/8 and a scratch plain layer (medians of
-5 rounds), and fits t(c) = fixed + linear*c + quadratic*c^2 (fixed: what does not
+per micro-batch in token-equivalents of a plain layer, from a cost model fitted once,
+at the first event: rank 0 times a scratch routed layer (the run's own spec and
+sizes) at capacities 1, 3/4, 1/2, 1/4, 1/8 and a scratch plain layer (medians of 5
+rounds), and fits t(c) = fixed + linear*c + quadratic*c^2 (fixed: what does not
 shrink with C: router, predictor, gather/scatter over all s tokens, the per-call
 overhead of the layer; linear: projections and MLP over C tokens; quadratic:
 attention over C x C); the result is decided once (broadcast) so every rank predicts
 the same. units(c) = s x b x t(c) / t_plain: a plain layer is s x b, the tokens it
-processes.
+processes. Timed after training has run (not at start): before the first iteration
+the heap is cold and big blocks pay page faults that training does not (measured:
+a capacity-1 block 33 ms at start, 21-22 ms after 2 iterations and in the profile).
 
 Skipped tokens do not shrink a routed block's parameters, gradients or optimizer state
 ("shadow" memory): the profiler reports them unchanged beside the reduced time and
@@ -231,12 +233,9 @@ class MixtureOfDepths(Scenario):
 
     def attach(self, runtime: Runtime) -> None:
         super().attach(runtime)
-        if self.work_model is None:
-            self.work_model = WorkModel(**runtime.control.decide(self._calibrate, "mod-calibration"))
-            if runtime.control.rank == 0:
-                logger.info("mixture of depths: routed layers %s, capacities %s; work model %s",
-                            list(self.schedule.initial), self.schedule.capacities(self.changes),
-                            self.work_model)
+        if runtime.control.rank == 0:
+            logger.info("mixture of depths: routed layers %s, capacities %s",
+                        list(self.schedule.initial), self.schedule.capacities(self.changes))
         self._bind(reset=False)
 
     def state_dict(self) -> dict:
@@ -259,6 +258,11 @@ class MixtureOfDepths(Scenario):
         k = self.schedule.event_index(iteration)
         if k is None:
             return None
+        if self.work_model is None:  # once, with the allocator warm from training
+            self.work_model = WorkModel(**self.runtime.control.decide(self._calibrate,
+                                                                      "mod-calibration"))
+            if self.runtime.control.rank == 0:
+                logger.info("mixture of depths: work model %s", self.work_model)
         predictor = self._predictor_stats()
         before = self.schedule.capacities(self.changes)
         if not self.schedule.constant:
