@@ -213,8 +213,7 @@ class SparseAttention(Scenario):
         if self.model is None:  # once per run (a repack re-attaches: keep the model)
             t = runtime.trainer
             self.num_layers = t.config.num_layers
-            self.model = AttentionCostModel(
-                **runtime.control.decide(self._calibrate, "sparse-attention-calibration"))
+            self.model = AttentionCostModel(**self._fit_once())
             if t.dims.rank == 0:
                 logger.info("sparse attention: cost model %s; layer ms at each bucket count %s",
                             self.model, {b: round(self.model.layer_ms(b), 2)
@@ -270,6 +269,25 @@ class SparseAttention(Scenario):
     def _attentions(self):
         from dynmo_plugin.megatron.lsh_attention import core_attentions
         return core_attentions(self.runtime.trainer.model)
+
+    def _fit_once(self) -> dict:
+        """The cost model, fitted on rank 0 and broadcast. Rank 0's whole tensor-parallel
+        group (first stage, first replica) times the throwaway layer together, since a
+        TP layer's forward runs TP collectives; the other ranks wait in the broadcast."""
+        d = self.runtime.trainer.dims
+        fitted: object = None
+        if d.pp_rank == 0 and d.dp_rank == 0:
+            try:
+                fitted = self._calibrate()
+            except Exception as e:  # noqa: BLE001 - rank 0 reports it to every rank below
+                fitted = e
+
+        def result():
+            if isinstance(fitted, Exception):
+                raise fitted
+            return fitted
+
+        return self.runtime.control.decide(result, "sparse-attention-calibration")
 
     def _calibrate(self) -> dict:
         """Rank 0: time a throwaway layer built from this run's spec without attention and
