@@ -114,6 +114,43 @@ def test_rotation_is_a_pure_function_of_its_seed_tuple():
     assert not any(torch.equal(a, o) for o in others)
 
 
+def _module(layer, initial, seed=1):
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from dynmo_plugin.megatron.lsh_attention import LSHCoreAttention
+    cfg = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=2,
+                            attention_dropout=0.0, hidden_dropout=0.0)
+    return LSHCoreAttention(cfg, layer, AttnMaskType.causal, "self", seed=seed, initial_buckets=initial)
+
+
+def test_core_attention_module_state_and_migration_behaviour():
+    """The bucket count is the module's only state; a fresh module of the same global
+    layer that loads it (what a migration does) computes the same output bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(256, 2, 2, 32, generator=gen) for _ in range(3))
+    mask = torch.triu(torch.ones(256, 256, dtype=torch.bool), 1)[None, None]
+    old = _module(3, {3: 4})
+    assert dict(old.state_dict()) == {"buckets": torch.tensor(4)}
+    old.set_buckets(1)
+    assert torch.equal(old(q, k, v, mask), dense_causal_attention(q, k, v, 32 ** -0.5))
+    old.set_buckets(16)
+    with pytest.raises(RuntimeError, match="begin_iteration"):
+        old(q, k, v, mask)
+    new = _module(3, {3: 1})           # built fresh elsewhere: initial count 1 ...
+    new.load_state_dict(old.state_dict())  # ... then the carried state
+    for m in (old, new):
+        m.begin_iteration(9, first_microbatch=2)
+    outs = [(m(q, k, v, mask), m(q, k, v, mask)) for m in (old, new)]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert not torch.equal(outs[0][0], outs[0][1])  # the next micro-batch hashes anew
+    other = _module(2, {2: 16})                      # another layer hashes differently
+    other.begin_iteration(9, first_microbatch=2)
+    assert not torch.equal(other(q, k, v, mask), outs[0][0])
+    with pytest.raises(ValueError, match="causal"):
+        old(q, k, v, torch.zeros_like(mask))
+
+
 # ---- schedule, overrides, cost model ---------------------------------------------------------
 def _settings(**kw):
     base = dict(buckets=1, buckets_per_layer="", final_buckets=64, start=4, interval=3, rounds=3, hashes=1)

@@ -157,6 +157,7 @@ class LSHCoreAttention(MegatronModule):
         self._iteration: Optional[int] = None
         self._microbatch = 0
         self._causal: Optional[torch.Tensor] = None
+        self._verified: tuple = (None, -1)  # the last mask found causal, and its version
         self._pass_values = False  # time_layer only: no attention, the values pass through
 
     def begin_iteration(self, iteration: int, first_microbatch: int = 0) -> None:
@@ -196,13 +197,14 @@ class LSHCoreAttention(MegatronModule):
     def _check_causal(self, mask: Optional[torch.Tensor], s: int) -> None:
         """The mask must be the plain causal one (True = masked) or None: padding masks
         would need per-key masking inside the blocks, which is not implemented."""
-        if mask is None:
-            return
+        if mask is None or (mask is self._verified[0] and mask._version == self._verified[1]):
+            return  # the trainer passes one mask tensor for all micro-batches of an iteration
         if self._causal is None or self._causal.shape[-1] != s or self._causal.device != mask.device:
             self._causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=mask.device), 1)
         if mask.shape[-2:] != (s, s) or not bool((mask == self._causal).all()):
             raise ValueError(f"layer {self.layer_number}: LSH attention takes only a causal "
                              "attention mask (no padding masks)")
+        self._verified = (mask, mask._version)  # holding it: its memory cannot be reused
 
 
 def lsh_attention_spec(spec: ModuleSpec, seed: int, initial_buckets: dict, hashes: int) -> ModuleSpec:
