@@ -45,6 +45,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from dynmo_plugin.config import ConfigError
+
 from .base import DynamismEvent, Runtime, Scenario
 
 __all__ = ["MixtureOfExperts", "CostModel", "combine_counts", "ep_expert_tokens", "layer_work",
@@ -100,7 +102,8 @@ def layer_work(counts: Optional[list[int]], model: CostModel, micro_batches: int
     return round(micro_batches * model.fixed + ep_expert_tokens(counts, ep), 3)
 
 
-def combine_counts(gathered: list[dict]) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+def combine_counts(gathered: list[dict]) -> tuple[dict[int, Optional[list[int]]],
+                                                  dict[int, Optional[list[int]]]]:
     """Every rank's {"tp", "dp", "layers": {layer: counts or None}} -> (counts summed over
     data-parallel replicas, counts of the replica whose experts processed the most
     tokens) per layer; tensor-parallel ranks route identically (rank 0's are read);
@@ -132,13 +135,13 @@ class MixtureOfExperts(Scenario):
         # the hypothetical EP size the balancer's work assumes (1: source (a) only)
         self.ep_model = getattr(self.settings, "ep_model", 1)
         self.cost_model: Optional[CostModel] = None
-        self.calibration: list = []
         s = self.settings
         if s.top_k > s.num_experts:
-            raise ValueError(f"dynamism.moe.top_k ({s.top_k}) exceeds num_experts ({s.num_experts})")
+            raise ConfigError(f"dynamism.moe.top_k ({s.top_k}) exceeds dynamism.moe.num_experts "
+                              f"({s.num_experts}); a token picks distinct experts")
         if s.num_experts % self.ep_model:
-            raise ValueError(f"dynamism.moe.ep_model ({self.ep_model}) must divide num_experts "
-                             f"({s.num_experts})")
+            raise ConfigError(f"dynamism.moe.ep_model ({self.ep_model}) must divide "
+                              f"dynamism.moe.num_experts ({s.num_experts})")
 
     # ---- model ----------------------------------------------------------------------------
     def layer_spec(self, spec, model_args):
@@ -165,8 +168,8 @@ class MixtureOfExperts(Scenario):
         if s.top_k == 1:  # softmax over one selected logit has zero gradient
             config.moe_router_pre_softmax = True
         if config.variable_seq_lengths:
-            raise ValueError("MoE's allgather dispatcher does not support variable sequence "
-                             "lengths (another scenario set them)")
+            raise ConfigError("MoE's allgather dispatcher does not support variable sequence "
+                              "lengths (another scenario set them)")
 
     # ---- lifecycle --------------------------------------------------------------------------
     def attach(self, runtime: Runtime) -> None:
@@ -185,7 +188,7 @@ class MixtureOfExperts(Scenario):
         gathered = control.all_gather(mine, "moe-calibration")
         model = control.decide(lambda: cost_model_from_calibrations(gathered).to_dict(),
                                "moe-cost-model")
-        self.cost_model, self.calibration = CostModel.from_dict(model), gathered
+        self.cost_model = CostModel.from_dict(model)
         if t.dims.rank == 0:
             logger.info("MoE cost model: an MoE layer's non-expert part = %.0f expert tokens, "
                         "a dense layer = %s, per micro-batch of %d tokens (%.2f us per expert token)",
