@@ -164,6 +164,8 @@ class DynMo:
     def _maybe_open_window(self, iteration: int) -> None:
         from dynmo_plugin.megatron.profiler import ProfileWindow
         interval, every = self.config.rebalance.interval, self.config.profiling.every
+        if self._pending_events and self._can_estimate():
+            return  # decided from work estimates at this iteration's end, untimed
         if self._pending_events:
             trigger, rebalance = "event:" + ",".join(self._pending_events), True
             self._pending_events.clear()
