@@ -22,7 +22,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "2048
 MOE = ["--dynmo-dynamism", "moe", "--dynmo-moe-num-experts", "4", "--dynmo-moe-top-k", "2",
        "--dynmo-moe-every", "2", "--dynmo-moe-start", "1", "--dynmo-moe-interval", "1"]
 HALF = ["--dynmo-moe-capacity-factor", "0.5"]  # an expert keeps at most half its fair share
-STATIC = ["--dynmo", "--dynmo-balancer", "uniform"]
+# time a window after every event (no work estimates): the cost tests compare timings
+STATIC = ["--dynmo", "--dynmo-balancer", "uniform", "--dynmo-profile-retime-every", "0"]
 
 
 # ---- pure helpers -------------------------------------------------------------------------------
@@ -184,6 +185,9 @@ def test_dynmo_losses_equal_static_with_moe(half, dynmo):
             == [e["detail"]["tokens_per_expert"] for e in _events(half).values()])
     applied = [e for e in dynmo["events"] if e["kind"] == "rebalance" and e["applied"]]
     assert {e["iteration"] for e in applied if e["trigger"] == "forced"} >= {3, 5}, applied
+    sources = [e["profile_source"] for e in dynmo["events"] if e["kind"] == "rebalance"
+               and e["trigger"].startswith("event:")]
+    assert "timed" in sources and "estimated" in sources, sources  # work estimates in between
     assert not [e for e in half["events"] if e["kind"] == "rebalance" and e["applied"]]
 
 
