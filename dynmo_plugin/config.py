@@ -174,6 +174,11 @@ def below_one(v: Any) -> Optional[str]:
     return None if 0 <= v < 1 else "a number in [0, 1)"
 
 
+def zeros_and_ones(v: Any) -> Optional[str]:
+    ok = all(x.strip() in ("0", "1") for x in v.split(",")) and "1" in v
+    return None if not v or ok else "comma-separated 0s and 1s with at least one 1, e.g. '1,1,0,0'"
+
+
 @dataclass(kw_only=True)
 class PruningConfig:
     """Gradual global magnitude pruning (Zhu & Gupta's cubic schedule)."""
@@ -238,6 +243,9 @@ class MoeConfig:
     top_k: int = field(default=2, metadata=opt("experts each token is routed to", "--dynmo-moe-top-k", positive))
     every: int = field(default=1, metadata=opt(
         "every N-th decoder layer is an MoE layer (1: all, 2: every other)", "--dynmo-moe-every", positive))
+    pattern: str = field(default="", metadata=opt(
+        "Megatron's moe_layer_freq as a list: one 1 (MoE) or 0 (dense) per decoder layer, "
+        "e.g. '1,1,1,1,0,0,0,0'; overrides `every`", "--dynmo-moe-pattern", zeros_and_ones))
     capacity_factor: float = field(default=0.0, metadata=opt(
         "expert capacity factor; tokens over capacity are dropped (0: no dropping)",
         "--dynmo-moe-capacity-factor", non_negative))
@@ -248,6 +256,10 @@ class MoeConfig:
     interval: int = field(default=1, metadata=opt(
         "iterations between routing events (each updates costs; the gate decides moves)",
         "--dynmo-moe-interval", positive))
+    ep_model: int = field(default=1, metadata=opt(
+        "expert-parallel size the work model assumes: the busiest of this many expert groups "
+        "paces an MoE layer (1: this launcher's EP; >1 models what real EP would measure)",
+        "--dynmo-moe-ep-model", positive))
 
 
 @dataclass(kw_only=True)

@@ -34,6 +34,18 @@ def test_ideal_speedup_weights_each_profile_by_the_iterations_it_covers():
     assert bench_e2e.phase_start({"events": [{"kind": "dynamism", "iteration": 6}]}) == 7
 
 
+def test_robust_throughput_ignores_a_load_burst_but_counts_every_plugin_second():
+    def report(times, plugin):
+        return {"config": {"model": {"global_batch_size": 4, "seq_length": 10}},
+                "iterations": [{"iteration": i + 1, "time_s": t + p, "dynmo_s": p}
+                               for i, (t, p) in enumerate(zip(times, plugin))]}
+    quiet = bench_e2e._tokens_per_s(report([1.0] * 6, [0.0] * 6), 1)
+    burst = bench_e2e._tokens_per_s(report([1.0, 1.0, 3.0, 1.0, 1.0, 1.0], [0.0] * 6), 1)
+    migrated = bench_e2e._tokens_per_s(report([1.0] * 6, [0, 0, 2.0, 0, 0, 0]), 1)
+    assert quiet["robust"] == burst["robust"] == 40.0 and burst["sum"] == 30.0
+    assert migrated["robust"] == migrated["sum"] == 30.0 and migrated["overhead"] == 0.25
+
+
 @pytest.mark.multiproc
 def test_json_output_is_one_document_with_every_balancer(tmp_path):
     tiny = ["--num-layers", "4", "--hidden-size", "32", "--seq-length", "16", "--vocab-size", "256",
@@ -46,7 +58,8 @@ def test_json_output_is_one_document_with_every_balancer(tmp_path):
     result = json.loads(proc.stdout)
     assert [r["balancer"] for r in result["runs"]] == list(bench_e2e.BALANCERS)
     for r in result["runs"]:
-        assert set(r) >= {"balancer", "tokens_per_s", "speedup", "speedup_whole_run", "ideal_speedup",
+        assert set(r) >= {"balancer", "tokens_per_s", "speedup", "speedup_sum", "speedup_whole_run",
+                          "ideal_speedup",
                           "overhead_share",
                           "losses_identical", "rebalances", "layouts"}
         assert r["tokens_per_s"] > 0 and r["losses_identical"] is True

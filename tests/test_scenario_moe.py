@@ -9,9 +9,9 @@ import statistics
 
 import pytest
 
+from dynmo_plugin.config import ConfigError
 from dynmo_plugin.dynamism.moe import (CostModel, combine_counts, cost_model_from_calibrations,
-                                       ep_expert_tokens, layer_work)
-from dynmo_plugin.megatron.moe_layer import is_moe_layer
+                                       ep_expert_tokens, layer_work, moe_layer_numbers)
 from launch import losses, train
 
 MICRO_BATCHES = 2
@@ -28,9 +28,12 @@ STATIC = ["--dynmo", "--dynmo-balancer", "uniform", "--dynmo-profile-retime-ever
 
 # ---- pure helpers -------------------------------------------------------------------------------
 def test_moe_layer_pattern_is_megatrons_moe_layer_freq():
-    assert [n for n in range(1, 9) if is_moe_layer(n, 1)] == list(range(1, 9))
-    assert [n for n in range(1, 9) if is_moe_layer(n, 2)] == [1, 3, 5, 7]
-    assert [n for n in range(1, 9) if is_moe_layer(n, 3)] == [1, 4, 7]
+    assert moe_layer_numbers(8, 1) == tuple(range(1, 9))
+    assert moe_layer_numbers(8, 2) == (1, 3, 5, 7)
+    assert moe_layer_numbers(8, 3) == (1, 4, 7)
+    assert moe_layer_numbers(4, 2, "0, 1,1,0") == (2, 3)  # the list wins over `every`
+    with pytest.raises(ConfigError, match="3 entries for 4 decoder layers"):
+        moe_layer_numbers(4, 1, "1,0,1")
 
 
 def test_ep_straggler_is_the_busiest_expert_group():
@@ -93,7 +96,8 @@ def test_configure_model_passes_megatrons_checks(top_k, capacity, every):
                                        pipeline_model_parallel_size=2), Layout.uniform(4, 2))
     MixtureOfExperts(settings).configure_model(cfg)
     checked = dataclasses.replace(cfg)
-    assert (checked.num_moe_experts, checked.moe_router_topk, checked.moe_layer_freq) == (8, top_k, every)
+    assert (checked.num_moe_experts, checked.moe_router_topk, checked.moe_layer_freq) == \
+        (8, top_k, [int(n % every == 1 or every == 1) for n in range(1, 5)])
     assert checked.moe_expert_capacity_factor == (capacity or None)
     assert checked.moe_token_dispatcher_type == "allgather" and not checked.add_bias_linear
     settings.moe.top_k = 9

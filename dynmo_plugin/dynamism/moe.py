@@ -50,12 +50,25 @@ from dynmo_plugin.config import ConfigError
 from .base import DynamismEvent, Runtime, Scenario
 
 __all__ = ["MixtureOfExperts", "CostModel", "combine_counts", "ep_expert_tokens", "layer_work",
-           "cost_model_from_calibrations"]
+           "cost_model_from_calibrations", "moe_layer_numbers"]
 
 logger = logging.getLogger(__name__)
 
 
 # ---- pure helpers (no processes, no Megatron) ---------------------------------------------
+def moe_layer_numbers(num_layers: int, every: int, pattern: str = "") -> tuple[int, ...]:
+    """Global (1-based) numbers of the MoE layers, as Megatron's `moe_layer_freq` gives
+    them: an int N (MoE iff (L - 1) % N == 0, so layer 1 always) or a 0/1 list, one entry
+    per layer (`pattern`, which wins)."""
+    if not pattern:
+        return tuple(n for n in range(1, num_layers + 1) if (n - 1) % every == 0)
+    flags = [x.strip() == "1" for x in pattern.split(",")]
+    if len(flags) != num_layers:
+        raise ConfigError(f"dynamism.moe.pattern has {len(flags)} entries for {num_layers} decoder "
+                          f"layers; give one 0 or 1 per layer")
+    return tuple(n for n, moe in enumerate(flags, start=1) if moe)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """A layer's cost per micro-batch in expert-token units (see the module docstring)."""
@@ -132,8 +145,7 @@ class MixtureOfExperts(Scenario):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.settings = config.moe
-        # the hypothetical EP size the balancer's work assumes (1: source (a) only)
-        self.ep_model = getattr(self.settings, "ep_model", 1)
+        self.ep_model = self.settings.ep_model  # the EP size the work assumes (1: source (a))
         self.cost_model: Optional[CostModel] = None
         s = self.settings
         if s.top_k > s.num_experts:
@@ -146,7 +158,11 @@ class MixtureOfExperts(Scenario):
     # ---- model ----------------------------------------------------------------------------
     def layer_spec(self, spec, model_args):
         from dynmo_plugin.megatron.moe_layer import moe_layer_spec
-        return moe_layer_spec(spec, _moe_spec(spec, self.settings.num_experts), self.settings.every)
+        return moe_layer_spec(spec, _moe_spec(spec, self.settings.num_experts),
+                              self._moe_layers(model_args.num_layers))
+
+    def _moe_layers(self, num_layers: int) -> tuple[int, ...]:
+        return moe_layer_numbers(num_layers, self.settings.every, self.settings.pattern)
 
     def configure_model(self, config) -> None:
         s = self.settings
@@ -157,7 +173,8 @@ class MixtureOfExperts(Scenario):
         config.moe_expert_capacity_factor = s.capacity_factor if s.capacity_factor > 0 else None
         config.moe_token_drop_policy = "probs"
         config.moe_pad_expert_input_to_capacity = False
-        config.moe_layer_freq = s.every
+        moe = self._moe_layers(config.num_layers)
+        config.moe_layer_freq = [int(n in moe) for n in range(1, config.num_layers + 1)]
         config.moe_grouped_gemm = False
         # alltoall creates a CUDA stream when built; allgather is exact and fine at EP = 1
         config.moe_token_dispatcher_type = "allgather"
@@ -181,7 +198,7 @@ class MixtureOfExperts(Scenario):
         from dynmo_plugin.megatron.moe_layer import calibrate
         t, control = self.runtime.trainer, self.runtime.control
         try:
-            mine = calibrate(t, self.settings.every, seed=t.args.seed)
+            mine = calibrate(t, self._moe_layers(t.config.num_layers), seed=t.args.seed)
         except Exception as e:  # noqa: BLE001 - the other ranks' numbers may still do
             logger.warning("MoE cost calibration failed on rank %d: %r", t.dims.rank, e)
             mine = None

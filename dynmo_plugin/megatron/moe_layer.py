@@ -1,11 +1,11 @@
 """A TransformerLayer that is Megatron's MoE layer or a dense one by its global number.
 
-Megatron builds "every N-th layer MoE" (`moe_layer_freq`) as a block spec with one
-layer spec per layer. A migration, however, builds a single layer from ONE spec
-(dynmo_plugin.megatron.migrate: `build_module(spec, layer_number=...)`), wherever the
-layer lands. So `MoeTransformerLayer` carries both submodule sets and picks by its
-global layer number L (what Megatron's `moe_layer_freq=N` gives): MoE iff
-(L - 1) % N == 0. Layer 1 is always MoE, as in Megatron.
+Megatron builds an MoE pattern (`moe_layer_freq`: every N-th layer, or a 0/1 list) as a
+block spec with one layer spec per layer. A migration, however, builds a single layer
+from ONE spec (dynmo_plugin.megatron.migrate: `build_module(spec, layer_number=...)`),
+wherever the layer lands. So `MoeTransformerLayer` carries both submodule sets and
+picks by its global layer number: MoE iff it is in `moe_layers` (the scenario resolves
+the pattern once: dynmo_plugin.dynamism.moe.moe_layer_numbers).
 
 An MoE layer counts the tokens each of its experts processed, per micro-batch, from
 the router's output (`routing_map.sum(0)`: after capacity dropping); the scenario reads
@@ -25,23 +25,18 @@ from megatron.core.utils import get_pg_rank
 from megatron.core.transformer.transformer_layer import (TransformerLayer,
                                                          get_transformer_layer_offset)
 
-__all__ = ["MoeTransformerLayer", "is_moe_layer", "moe_layer_spec"]
-
-
-def is_moe_layer(layer_number: int, every: int) -> bool:
-    """Megatron's `moe_layer_freq=every` pattern for global (1-based) layer numbers."""
-    return (layer_number - 1) % every == 0
+__all__ = ["MoeTransformerLayer", "moe_layer_spec"]
 
 
 class MoeTransformerLayer(TransformerLayer):
-    """MoE submodules when `is_moe_layer(global number, every)`, else the dense ones."""
+    """MoE submodules when the global layer number is in `moe_layers`, else the dense ones."""
 
-    def __init__(self, config, submodules, layer_number: int = 1, *, moe_submodules, every: int,
-                 **kwargs):
+    def __init__(self, config, submodules, layer_number: int = 1, *, moe_submodules,
+                 moe_layers: tuple[int, ...], **kwargs):
         pg = kwargs.get("pg_collection")
         pp_rank = get_pg_rank(pg.pp) if pg is not None else None
         number = layer_number + get_transformer_layer_offset(config, kwargs.get("vp_stage"), pp_rank)
-        self.is_moe = is_moe_layer(number, every)
+        self.is_moe = number in moe_layers
         super().__init__(config, moe_submodules if self.is_moe else submodules, layer_number,
                          **kwargs)
         if self.layer_number != number:  # the offset above must be Megatron's own
@@ -69,14 +64,15 @@ class MoeTransformerLayer(TransformerLayer):
         return [int(c) for c in counts.tolist()]
 
 
-def moe_layer_spec(dense: ModuleSpec, moe: ModuleSpec, every: int) -> ModuleSpec:
+def moe_layer_spec(dense: ModuleSpec, moe: ModuleSpec, moe_layers: tuple[int, ...]) -> ModuleSpec:
     """One layer spec: `moe`'s submodules on MoE layers, `dense`'s elsewhere."""
     for spec in (dense, moe):
         if not (isinstance(spec.module, type) and issubclass(spec.module, TransformerLayer)):
             raise ValueError(f"MoE needs TransformerLayer specs, got {spec.module!r}")
     out = copy.copy(dense)
     out.module = MoeTransformerLayer
-    out.params = {**(dense.params or {}), "moe_submodules": moe.submodules, "every": every}
+    out.params = {**(dense.params or {}), "moe_submodules": moe.submodules,
+                  "moe_layers": tuple(moe_layers)}
     return out
 
 
@@ -111,8 +107,9 @@ def _init_(layer, gen: torch.Generator, std: float = 0.02) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
-def calibrate(trainer, every: int, repeats: int = 3, rounds: int = 3, seed: int = 0) -> dict:
-    """Time a throw-away MoE layer (and a dense one when `every` > 1) of this run's spec
+def calibrate(trainer, moe_layers: tuple[int, ...], repeats: int = 3, rounds: int = 3,
+              seed: int = 0) -> dict:
+    """Time a throw-away MoE layer (and a dense one when some layer is dense) of this run's spec
     and shape on one micro-batch, fwd+bwd: with every routed token kept, and with a
     capacity factor of 0.25 (about three quarters dropped), interleaved over `rounds`,
     the fastest call of each kept (other processes' load only ever adds to a call's
@@ -147,10 +144,11 @@ def calibrate(trainer, every: int, repeats: int = 3, rounds: int = 3, seed: int 
         _init_(layer, gen)
         return layer.to(t.dims.device).train()
 
-    moe = build(1)  # layer 1 is MoE for any `every`
+    dense = [n for n in range(1, t.config.num_layers + 1) if n not in moe_layers]
+    moe = build(moe_layers[0])
     loads = {"full": (moe, None), "quarter": (moe, 0.25)}
-    if every > 1 and t.config.num_layers > 1:
-        loads["dense"] = (build(2), None)
+    if dense:
+        loads["dense"] = (build(dense[0]), None)
     samples: dict[str, list[float]] = {name: [] for name in loads}
     tokens: dict[str, int] = {}
     # the aux-loss backward would create Megatron's global loss scale as a 0-d tensor,
