@@ -16,6 +16,7 @@ free.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,8 +26,9 @@ from dynmo_plugin.sim.schedule import FORWARD, Op, rank_orders
 __all__ = ["ScheduledOp", "Timeline", "run_schedule"]
 
 
-@dataclass(frozen=True)
-class ScheduledOp:
+class ScheduledOp(NamedTuple):
+    """One executed op (a NamedTuple: a campaign creates hundreds of thousands)."""
+
     rank: int
     op: Op
     start: float
@@ -52,24 +54,13 @@ class Timeline:
         return np.array([r[-1].end if r else 0.0 for r in self.ops])
 
 
-def _duration(costs: PipelineCosts, vstage: int, op: Op) -> float:
-    table = costs.fwd_s if op.kind == FORWARD else costs.bwd_s
-    return float(table[vstage, op.microbatch])  # type: ignore[index]
-
-
-def _dependency(costs: PipelineCosts, vstage: int, op: Op) -> tuple[str, int] | None:
-    """(kind, virtual stage) of the op whose output this op consumes, or None."""
-    last = costs.num_virtual_stages - 1
-    if op.kind == FORWARD:
-        return None if vstage == 0 else (FORWARD, vstage - 1)
-    return (FORWARD, last) if vstage == last else ("B", vstage + 1)
-
-
 def run_schedule(costs: PipelineCosts) -> Timeline:
     """Execute Megatron's schedule for `costs`; returns the timeline."""
     p = costs.num_stages
+    last = costs.num_virtual_stages - 1
     orders = rank_orders(p, costs.num_microbatches, costs.num_chunks, costs.group_size)
     transfer = costs.p2p.transfer_s(costs.act_bytes) if p > 1 else 0.0
+    tables = {FORWARD: costs.fwd_s.tolist(), "B": costs.bwd_s.tolist()}  # type: ignore[union-attr]
     done: dict[tuple[str, int, int], float] = {}  # (kind, vstage, microbatch) -> end
     out: list[list[ScheduledOp]] = [[] for _ in range(p)]
     free = [0.0] * p
@@ -78,21 +69,25 @@ def run_schedule(costs: PipelineCosts) -> Timeline:
     while remaining:
         progressed = False
         for r in range(p):
-            while nxt[r] < len(orders[r]):
-                op = orders[r][nxt[r]]
+            order, rank_out = orders[r], out[r]
+            while nxt[r] < len(order):
+                op = order[nxt[r]]
                 vstage = op.chunk * p + r
-                dep = _dependency(costs, vstage, op)
+                # the op whose output this one consumes (module docstring)
+                if op.kind == FORWARD:
+                    dep = None if vstage == 0 else (FORWARD, vstage - 1)
+                else:
+                    dep = (FORWARD, last) if vstage == last else ("B", vstage + 1)
                 ready = 0.0
                 if dep is not None:
-                    key = (dep[0], dep[1], op.microbatch)
-                    if key not in done:
+                    end = done.get((dep[0], dep[1], op.microbatch))
+                    if end is None:
                         break
-                    same_rank = dep[1] % p == r
-                    ready = done[key] + (0.0 if same_rank else transfer)
+                    ready = end + (0.0 if dep[1] % p == r else transfer)
                 start = max(free[r], ready)
-                end = start + _duration(costs, vstage, op)
+                end = start + tables[op.kind][vstage][op.microbatch]
                 done[(op.kind, vstage, op.microbatch)] = end
-                out[r].append(ScheduledOp(r, op, start, end))
+                rank_out.append(ScheduledOp(r, op, start, end))
                 free[r] = end
                 nxt[r] += 1
                 remaining -= 1

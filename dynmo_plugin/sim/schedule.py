@@ -16,6 +16,7 @@ Pure: no torch, no megatron.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from dynmo_plugin.errors import UserError
@@ -82,13 +83,15 @@ def interleaved(num_stages: int, num_microbatches: int, rank: int, num_chunks: i
     return ops
 
 
+@functools.lru_cache(maxsize=64)
 def rank_orders(num_stages: int, num_microbatches: int, num_chunks: int = 1,
-                group_size: int | None = None) -> list[list[Op]]:
-    """Operation order of every rank; `num_chunks > 1` selects the interleaved schedule."""
+                group_size: int | None = None) -> tuple[tuple[Op, ...], ...]:
+    """Operation order of every rank; `num_chunks > 1` selects the interleaved schedule.
+    Cached (a campaign asks for the same orders hundreds of times), hence tuples."""
     if num_stages < 1 or num_microbatches < 1 or num_chunks < 1:
         raise UserError(f"need pp >= 1, micro-batches >= 1 and chunks >= 1; got pp={num_stages}, "
                         f"micro-batches={num_microbatches}, chunks={num_chunks}")
     if num_chunks == 1:
-        return [one_f_one_b(num_stages, num_microbatches, r) for r in range(num_stages)]
-    return [interleaved(num_stages, num_microbatches, r, num_chunks, group_size)
-            for r in range(num_stages)]
+        return tuple(tuple(one_f_one_b(num_stages, num_microbatches, r)) for r in range(num_stages))
+    return tuple(tuple(interleaved(num_stages, num_microbatches, r, num_chunks, group_size))
+                 for r in range(num_stages))
