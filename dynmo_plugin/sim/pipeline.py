@@ -18,11 +18,13 @@ def _per_stage(values: np.ndarray, layout: Layout) -> np.ndarray:
 
 def stage_costs(*, layout: Layout, costs: LayerCosts, load: LayerLoad, shape: GPTShape,
                 hw: Hardware, dp: int, num_microbatches: int) -> PipelineCosts:
-    """PipelineCosts of `layout`: layer sums per stage, output layer on the last stage,
-    gradients of trainable layers all-reduced over `dp` (the tied embedding's on the first
-    and last stage)."""
+    """PipelineCosts of `layout`: layer sums per stage, embedding on the first and output
+    layer on the last stage, gradients of trainable layers all-reduced over `dp` (the
+    tied embedding's on the first and last stage)."""
     fwd = _per_stage(costs.fwd_s, layout)
     bwd = _per_stage(costs.bwd_s, layout)
+    fwd[0] += costs.embed_fwd_s
+    bwd[0] += 2 * costs.embed_fwd_s
     fwd[-1] += costs.head_fwd_s
     bwd[-1] += 2 * costs.head_fwd_s
     params = _per_stage(load.trainable.astype(float) * shape.layer_params, layout)

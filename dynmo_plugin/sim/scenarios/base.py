@@ -48,6 +48,11 @@ class Scenario(ABC):
     name = "scenario"
     world = World(dp=1, pp=1)
     default_iterations = 10000
+    # The DynMo paper's Figure 3 baseline for this scenario (a CampaignResult baseline):
+    # "static" (same dynamism, Megatron's split), "static_best" (same dynamism, the
+    # better of Megatron's and DeepSpeed's static splits) or "no_dynamism" (the dense
+    # model: no early exit, dense attention).
+    paper_baseline = "static"
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:

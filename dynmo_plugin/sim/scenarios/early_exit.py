@@ -34,6 +34,7 @@ class EarlyExit(Scenario):
 
     name = "early_exit"
     world = World(dp=30, pp=24)
+    paper_baseline = "no_dynamism"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,4 +56,4 @@ class EarlyExit(Scenario):
     def load(self, iteration: int) -> LayerLoad:
         s = self.survival(iteration)
         return LayerLoad(attn_linear=s, mlp=s.copy(), attn_core=s.copy(),
-                         backward=np.ones(self.num_layers))
+                         backward=np.ones(self.num_layers), knob="tokens", knob_value=s.copy())

@@ -34,6 +34,7 @@ class Freezing(Scenario):
 
     name = "freezing"
     world = World(dp=30, pp=24)
+    paper_baseline = "static"
 
     def __post_init__(self) -> None:
         super().__post_init__()

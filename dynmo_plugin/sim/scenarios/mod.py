@@ -34,6 +34,7 @@ class MoD(Scenario):
 
     name = "mod"
     world = World(dp=8, pp=16)
+    paper_baseline = "static_best"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,4 +56,4 @@ class MoD(Scenario):
     def load(self, iteration: int) -> LayerLoad:
         t = self.tokens(iteration)
         return LayerLoad(attn_linear=t, mlp=t.copy(), attn_core=t ** 2,
-                         backward=np.ones(self.num_layers))
+                         backward=np.ones(self.num_layers), knob="tokens", knob_value=t.copy())

@@ -39,6 +39,7 @@ class MoE(Scenario):
 
     name = "moe"
     world = World(dp=8, pp=16)
+    paper_baseline = "static_best"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,4 +56,5 @@ class MoE(Scenario):
         load = LayerLoad.dense(self.num_layers)
         imbalance = gamma_imbalance(rng, self.mean_imbalance, self.cv, self.num_layers)
         return LayerLoad(attn_linear=load.attn_linear, mlp=1.0 + imbalance,
-                         attn_core=load.attn_core, backward=load.backward)
+                         attn_core=load.attn_core, backward=load.backward, knob="expert_load",
+                         knob_value=1.0 + imbalance)

@@ -6,9 +6,11 @@ not to prune"): s_t = s_f (1 - (1 - (t - t0) / (t1 - t0))^3), applied every
 `prune_every` iterations (1000 here: our choice; the paper gives the region only).
 Global magnitude pruning leaves per-layer sparsity uneven; we draw each layer's
 "prunability" w_l (mean 1, deeper layers more prunable, seeded noise) and set
-sparsity_l = 1 - (1 - s_t)^w_l. Linear layers (QKV, projection, MLP) cost their kept
-fraction (an ideal sparse kernel, as the paper's speedups assume); the attention core
-is not pruned.
+sparsity_l = 1 - (1 - s_t)^w_l. In the FLOP model linear layers (QKV, projection,
+MLP) cost their kept fraction (an ideal sparse kernel, as the paper's speedups assume);
+the attention core is not pruned. With measured curves the layer is priced by the
+`pruning_<granularity>` curve of its share kept (on an H100 unstructured pruning saves
+nothing). A by-parameter balancer counts the kept weights.
 """
 from __future__ import annotations
 
@@ -27,16 +29,20 @@ __all__ = ["Pruning"]
 @dataclass(frozen=True, kw_only=True)
 class Pruning(Scenario):
     """final_sparsity: 0.52 / 0.79 / 0.90 in the paper; start/end: pruning region;
-    prune_every: iterations between rounds; spread: std-dev of per-layer prunability."""
+    prune_every: iterations between rounds; spread: std-dev of per-layer prunability;
+    granularity: unstructured (the paper's magnitude pruning) or structured (whole heads
+    and FFN neurons: what a measured curve prices differently)."""
 
     final_sparsity: float = 0.90
     start: int = 3000
     end: int = 7000
     prune_every: int = 1000
     spread: float = 0.25
+    granularity: str = "unstructured"
 
     name = "pruning"
     world = World(dp=30, pp=24)
+    paper_baseline = "static_best"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -44,6 +50,9 @@ class Pruning(Scenario):
             raise UserError(f"pruning: final_sparsity must be in [0, 1), got {self.final_sparsity}")
         if not 0 <= self.start < self.end:
             raise UserError(f"pruning: need 0 <= start < end, got {self.start}, {self.end}")
+        if self.granularity not in ("unstructured", "structured"):
+            raise UserError(f"pruning: granularity must be unstructured or structured, got "
+                            f"{self.granularity!r}")
 
     def change_points(self, iterations: int) -> list[int]:
         return [p for p in step_points(self.start, self.prune_every, self.end + 1) if p < iterations]
@@ -70,4 +79,5 @@ class Pruning(Scenario):
         keep = 1.0 - self.layer_sparsity(iteration)
         dense = LayerLoad.dense(self.num_layers)
         return LayerLoad(attn_linear=keep, mlp=keep.copy(), attn_core=dense.attn_core,
-                         backward=dense.backward)
+                         backward=dense.backward, knob=f"pruning_{self.granularity}",
+                         knob_value=keep.copy(), params=keep.copy())

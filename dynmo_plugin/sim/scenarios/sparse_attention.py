@@ -31,6 +31,7 @@ class SparseAttention(Scenario):
 
     name = "sparse_attention"
     world = World(dp=30, pp=24)
+    paper_baseline = "no_dynamism"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -51,5 +52,6 @@ class SparseAttention(Scenario):
 
     def load(self, iteration: int) -> LayerLoad:
         dense = LayerLoad.dense(self.num_layers)
-        return LayerLoad(attn_linear=dense.attn_linear, mlp=dense.mlp,
-                         attn_core=self.density(iteration), backward=dense.backward)
+        density = self.density(iteration)
+        return LayerLoad(attn_linear=dense.attn_linear, mlp=dense.mlp, attn_core=density,
+                         backward=dense.backward, knob="attention_density", knob_value=density.copy())

@@ -1,0 +1,146 @@
+"""A measured cost profile from a live run (`dynmo simulate --costs-from RUN_DIR`).
+
+The run's report.json holds per-layer profiles (forward and backward seconds per
+micro-batch of every decoder layer, and each stage's extras) taken by the plugin's
+profiler, and the dynamism events that changed the layers. From them:
+
+* the dense layer: the FIRST profile's median layer (fwd+bwd) and its forward share;
+  if that profile came after a dynamism event, its layers stand in for dense ones
+  (said in `notes`: train with `--dynmo-profile-every N` to profile before it);
+* the output layer + loss (last stage's extras) and the embedding (first stage's), in
+  those layers; with one stage both are on it and all of it counts as the head;
+* a curve for the knob the run's scenario changed, when its events say per layer what
+  changed: gradual pruning's per-layer sparsity -> `pruning_<granularity>` (one point
+  per profile: median share kept, median layer cost relative to the dense one).
+  Other scenarios give no curve yet; their knob falls back to the FLOP ratio times the
+  measured layer (`MeasuredCosts.priced_by` says so).
+
+The simulated model then takes the run's shape (hidden, heads, sequence, micro-batch,
+vocabulary); only the number of layers and the cluster are the what-if's.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dynmo_plugin.config import SCENARIO_SECTIONS
+from dynmo_plugin.errors import UserError
+from dynmo_plugin.sim.gpt import GPTShape, Hardware
+from dynmo_plugin.sim.measured import Curve, MeasuredCosts, with_measured
+
+__all__ = ["RunCosts", "from_run"]
+
+
+@dataclass(frozen=True)
+class RunCosts:
+    """What a run measured: its cost profile, model shape and scenario."""
+
+    measured: MeasuredCosts
+    model: dict[str, Any]
+    scenario: str | None
+    granularity: str | None
+
+    def shape(self, num_layers: int, output_layer: bool = True) -> GPTShape:
+        m = self.model
+        return GPTShape(num_layers=num_layers, hidden=m["hidden_size"], heads=m["num_attention_heads"],
+                        seq=m["seq_length"], micro_batch=m["micro_batch_size"], vocab=m["vocab_size"],
+                        output_layer=output_layer)
+
+    def hardware(self, base: Hardware | None = None) -> Hardware:
+        return with_measured(base or Hardware(), self.measured)
+
+
+def _read(run_dir: str | Path) -> dict:
+    path = Path(run_dir) / "report.json"
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise UserError(f"--costs-from {str(run_dir)!r}: cannot read {path} ({e.strerror or e}); "
+                        "pass a training run's --output directory") from e
+    except json.JSONDecodeError as e:
+        raise UserError(f"--costs-from {str(run_dir)!r}: {path} is not JSON ({e})") from e
+
+
+def _profiles(report: dict, run_dir: str | Path) -> list[tuple[int, dict]]:
+    """(first profiled iteration, profile) of every event with a per-layer profile."""
+    out = []
+    for e in report.get("events", []):
+        profile = e.get("profile") or {}
+        if profile.get("layers") and profile.get("stages"):
+            start = (e.get("window") or [e.get("iteration", 0)])[0]
+            out.append((int(start), profile))
+    if not out:
+        raise UserError(f"--costs-from {str(run_dir)!r}: report.json holds no per-layer profile; "
+                        "train with --dynmo and --dynmo-profile-every N (or a dynamism scenario)")
+    return sorted(out, key=lambda x: x[0])
+
+
+def _totals(profile: dict) -> list[float]:
+    return [x["fwd_s"] + x["bwd_s"] for x in profile["layers"]]
+
+
+def _pruning_curve(report: dict, profiles: list[tuple[int, dict]], layer_s: float) -> Curve | None:
+    """Median share kept vs median relative layer cost, one point per profile."""
+    events = [e for e in report.get("events", [])
+              if e.get("kind") == "dynamism" and "sparsity" in (e.get("detail") or {})]
+    if not events:
+        return None
+    points: dict[float, list[float]] = {}
+    for start, profile in profiles:
+        before = [e for e in events if e["iteration"] < start]
+        kept = 1.0 if not before else statistics.median(
+            1.0 - float(s) for s in before[-1]["detail"]["sparsity"].values())
+        points.setdefault(round(kept, 4), []).append(statistics.median(_totals(profile)) / layer_s)
+    return Curve(tuple((x, statistics.median(ys)) for x, ys in sorted(points.items())))
+
+
+def from_run(run_dir: str | Path) -> RunCosts:
+    """The cost profile of the run in `run_dir` (module docstring).
+
+    Raises:
+        UserError: no readable report.json, or no per-layer profile in it.
+    """
+    report = _read(run_dir)
+    profiles = _profiles(report, run_dir)
+    first_it, first = profiles[0]
+    totals = _totals(first)
+    layer_s = statistics.median(totals)
+    fwd_share = statistics.median(x["fwd_s"] / t for x, t in zip(first["layers"], totals) if t > 0)
+    stages = sorted(first["stages"], key=lambda s: s["stage"])
+    model = report["config"]["model"]
+    dyn = report["config"].get("dynamism") or report["config"].get("dynmo", {}).get("dynamism", {})
+    kind = dyn.get("kind", "none")
+    notes = {}
+    head, embed = stages[-1]["extra_s"] / layer_s, stages[0]["extra_s"] / layer_s
+    if len(stages) == 1:
+        embed = 0.0
+        notes["head_layers"] = "one stage: its extras (embedding + output layer + loss) count as the head"
+    curves = {}
+    scenario = SCENARIO_SECTIONS.get(kind)
+    granularity = (dyn.get("pruning") or {}).get("granularity") if scenario == "pruning" else None
+    dynamism_before = [e for e in report.get("events", [])
+                       if e.get("kind") == "dynamism" and e["iteration"] < first_it]
+    if dynamism_before:
+        notes["layer_s"] = (f"the first profile (iteration {first_it}) came after a dynamism event: "
+                            "its layers stand in for dense ones (profile before the first event "
+                            "with --dynmo-profile-every N)")
+    if scenario == "pruning":
+        curve = _pruning_curve(report, profiles, layer_s)
+        if curve is not None:
+            curves[f"pruning_{granularity}"] = curve
+    elif scenario is not None:
+        notes[scenario] = "this scenario's events do not give per-layer state: no curve from the run"
+    clock = stages[0].get("clock", "?")
+    source = (f"report.json of {run_dir}: {len(profiles)} profile(s) from iteration {first_it}, "
+              f"clock {clock}, backend {report.get('world', {}).get('backend', '?')}, "
+              f"pp {report.get('world', {}).get('pp', '?')}")
+    measured = MeasuredCosts(
+        name=f"run:{Path(run_dir).name}", source=source, hidden=model["hidden_size"],
+        seq=model["seq_length"], micro_batch=model["micro_batch_size"], vocab=model["vocab_size"],
+        layer_s=layer_s, fwd_share=fwd_share, head_layers=head, embed_layers=embed,
+        frozen_forward_only=1.0 / 3.0, curves=curves,
+        notes=dict(notes, frozen_forward_only="not measured by the run: the FLOP ratio 1/3"))
+    return RunCosts(measured, model, scenario, granularity)
