@@ -1,9 +1,17 @@
-"""`dynmo simulate`: what DynMo buys on a simulated cluster, static versus rebalanced."""
+"""`dynmo simulate`: what DynMo buys on a simulated cluster, static versus rebalanced.
+
+Rebalances go through the live plugin's plan -> gate path (`dynmo_plugin.sim.planner`),
+so the what-if predicts what the plugin would do with the same gate settings. Compute
+is priced by FLOPs (`--hardware a100-flops`, the default), by measured curves
+(`--hardware h100`, or a profile file), or by what a live run measured
+(`--costs-from RUN_DIR`: the run's per-layer profiles; the model takes the run's shape).
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import math
+from dataclasses import replace
 
 from dynmo_plugin.cli._output import show, third_party_output_to_stderr
 from dynmo_plugin.errors import UserError
@@ -28,11 +36,32 @@ def add_parser(subparsers) -> None:
     p.add_argument("--layers", type=int, required=True, help="GPT decoder layers (paper: 24/32/40/48)")
     p.add_argument("--dp", type=int, required=True, help="data-parallel size")
     p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size")
-    p.add_argument("--balancer", default="partition",
-                   help="exact | partition | diffusion | uniform (default partition)")
+    p.add_argument("--balancer", default="exact",
+                   help="exact | partition | diffusion | parameters | uniform (default exact, as "
+                        "the live plugin)")
     p.add_argument("--rebalance-every", type=int, default=None, metavar="N",
                    help="rebalance every N iterations (default: at each dynamism event)")
     p.add_argument("--repack", action="store_true", help="consolidate onto fewer stages when it pays")
+    p.add_argument("--repack-objective", default=None, metavar="NAME",
+                   help="min_stages | throughput_per_gpu (default: the live default)")
+    p.add_argument("--repack-max-slowdown", type=float, default=None, metavar="X",
+                   help="min_stages: predicted iteration time may grow at most X (live default 1.0)")
+    p.add_argument("--gate-margin", type=float, default=None, metavar="X",
+                   help="apply a plan only if its saving exceeds X x its cost (live default)")
+    p.add_argument("--min-gain", type=float, default=None, metavar="F",
+                   help="refuse plans saving less than this fraction of an iteration (live default)")
+    p.add_argument("--event-gap", type=int, default=None, metavar="N",
+                   help="gate horizon in iterations (default: until the next rebalance point)")
+    costs = p.add_mutually_exclusive_group()
+    costs.add_argument("--hardware", default="a100-flops", metavar="NAME",
+                       help="a100-flops (FLOP model) | h100 (measured curves) | a profile file")
+    costs.add_argument("--costs-from", default=None, metavar="RUN_DIR",
+                       help="price layers with a training run's measured profiles (report.json); "
+                            "the model takes the run's shape")
+    p.add_argument("--pruning-granularity", default=None, metavar="G",
+                   help="unstructured | structured (pruning; default unstructured, or the run's)")
+    p.add_argument("--deepspeed-baseline", action="store_true",
+                   help="also run DeepSpeed's static 'parameters' split (imports DeepSpeed)")
     p.add_argument("--iterations", type=int, default=10000, help="training iterations (default 10000)")
     p.add_argument("--microbatches", type=int, default=None, help="per iteration (default 4 x pp)")
     p.add_argument("--no-output-layer", action="store_true",
@@ -43,46 +72,52 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _text(args: argparse.Namespace, result) -> str:
+def _text(args: argparse.Namespace, result, cost_model: dict) -> str:
     s, d = result.static, result.dynmo
     o = d.overhead_s
+    applied = [e for e in result.events if e.applied]
     lines = [
         f"scenario {args.scenario}: {args.layers} layers, dp={args.dp} x pp={args.pp} "
         f"({args.dp * args.pp} GPUs), {args.iterations} iterations, balancer {args.balancer}",
+        f"cost model: {cost_model['name']} ({cost_model['source']})",
         f"{'':22s}{'static':>14s}{'DynMo':>14s}",
         f"{'tokens/s':22s}{s.tokens_per_s:14,.0f}{d.tokens_per_s:14,.0f}",
         f"{'idleness':22s}{s.idleness:14.1%}{d.idleness:14.1%}",
-        f"speedup: {result.speedup:.3f}x",
-        f"balancing overhead assumed: {sum(o.values()):.2f} s over {len(result.events)} rebalances "
-        f"(profiling {o['profiling']:.2f} s, decision {o['decision']:.3f} s, "
-        f"migration {o['migration']:.3f} s)",
+        f"speedup: {result.speedup:.3f}x over the same dynamism on Megatron's static split",
+    ]
+    for name, label in (("no_dynamism", "the dense model (no dynamism)"),
+                        ("static_best", "the better of Megatron's and DeepSpeed's static splits")):
+        if name in result.baselines:
+            lines.append(f"speedup: {result.speedup_over(name):.3f}x over {label}")
+    lines += [
+        f"decisions (live plan -> gate path): {len(result.events)} rebalance points, "
+        f"{len(applied)} applied ({sum(e.kind == 'repack' for e in applied)} repacks)",
+        f"balancing overhead assumed: {sum(o.values()):.2f} s (profiling {o['profiling']:.2f} s, "
+        f"decision {o['decision']:.3f} s modelled, migration {o['migration']:.3f} s, "
+        f"repack {o['repack']:.1f} s)",
     ]
     if result.repack:
-        lines.append(f"GPUs used on average: {d.gpus_avg:.1f} of {args.dp * args.pp}")
+        lines.append(f"GPUs used on average: {d.gpus_avg:.1f} of {args.dp * args.pp}; tokens/s per "
+                     f"GPU {d.tokens_per_gpu_s:,.0f} vs static {s.tokens_per_gpu_s:,.0f}")
     return "\n".join(lines)
-
-
-def _balancers() -> list[str]:
-    """Balancers the simulator can run. `parameters` balances by parameter counts, which
-    every simulated GPT layer shares: it would be `uniform` under another name, and the
-    planner has no counts to give it."""
-    from dynmo_plugin.sim.planner import available_balancers
-
-    return [b for b in available_balancers() if b != "parameters"]
 
 
 def _check_names(args: argparse.Namespace) -> None:
     """Scenario and balancer are checked here rather than by argparse `choices`, so the
-    message lists the valid names like every other error, and `parameters` (valid for
-    `dynmo plan`) gets the reason it does not apply here."""
+    message lists the valid names like every other error."""
+    from dynmo_plugin.sim.planner import available_balancers
+
     if args.scenario not in _SCENARIOS:
         raise UserError(f"unknown scenario {show(args.scenario)}; choose one of {', '.join(_SCENARIOS)}")
-    choices = _balancers()
-    if args.balancer == "parameters":
-        raise UserError("--balancer parameters balances by parameter counts, which every simulated "
-                        f"layer shares (it would equal uniform); choose one of {', '.join(choices)}")
+    choices = available_balancers()
     if args.balancer not in choices:
         raise UserError(f"unknown balancer {show(args.balancer)}; choose one of {', '.join(choices)}")
+    if args.pruning_granularity not in (None, "unstructured", "structured"):
+        raise UserError(f"--pruning-granularity {show(args.pruning_granularity)}: choose "
+                        "unstructured or structured")
+    if args.repack_objective not in (None, "min_stages", "throughput_per_gpu"):
+        raise UserError(f"--repack-objective {show(args.repack_objective)}: choose min_stages or "
+                        "throughput_per_gpu")
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -90,7 +125,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
     own checks would name internal fields, or fail inside numpy)."""
     for flag, value in (("--layers", args.layers), ("--dp", args.dp), ("--pp", args.pp),
                         ("--iterations", args.iterations), ("--microbatches", args.microbatches),
-                        ("--rebalance-every", args.rebalance_every)):
+                        ("--rebalance-every", args.rebalance_every), ("--event-gap", args.event_gap)):
         high = _MAX_COUNT.get(flag)
         if value is not None and not (1 <= value and (high is None or value <= high)):
             bound = f"between 1 and {high:,}" if high else ">= 1"
@@ -103,32 +138,79 @@ def _check_numbers(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.noise) and 0 <= args.noise <= _MAX_NOISE):
         raise UserError(f"--noise must be a log-normal sigma between 0 and {_MAX_NOISE:g} "
                         f"(0.1 = about 10% jitter), got {args.noise}")
+    for flag, value, ok, want in (
+            ("--gate-margin", args.gate_margin, lambda v: 0 <= v <= 1e6, "between 0 and 1e6"),
+            ("--min-gain", args.min_gain, lambda v: 0 <= v < 1, "in [0, 1)"),
+            ("--repack-max-slowdown", args.repack_max_slowdown, lambda v: 0 < v <= 1e6,
+             "in (0, 1e6]")):
+        if value is not None and not (math.isfinite(value) and ok(value)):
+            raise UserError(f"{flag} must be a number {want}, got {show(value)}")
+
+
+def _model(args: argparse.Namespace):
+    """(GPTShape, Hardware, pruning granularity, cost-model description) from the flags."""
+    from dynmo_plugin.sim.from_run import from_run
+    from dynmo_plugin.sim.gpt import GPTShape
+    from dynmo_plugin.sim.measured import hardware
+
+    head = not args.no_output_layer
+    if args.costs_from is not None:
+        run = from_run(args.costs_from)
+        shape = run.shape(args.layers, head)
+        hw, granularity = run.hardware(), args.pruning_granularity or run.granularity
+    else:
+        shape = GPTShape(num_layers=args.layers, output_layer=head)
+        hw, granularity = hardware(args.hardware, shape), args.pruning_granularity
+    m = hw.measured
+    info = ({"name": hw.name, "source": "FLOPs (Narayanan et al. 2021) at 45% of 312 TFLOP/s"}
+            if m is None else {"name": m.name, "source": m.source, "profile": m.to_dict(),
+                               "priced_by": {k: m.priced_by(k) for k in _KNOBS[args.scenario]}})
+    return shape, hw, granularity or "unstructured", info
+
+
+_KNOBS = {"pruning": ("pruning_unstructured", "pruning_structured"), "freezing": (),
+          "moe": ("expert_load",), "mod": ("tokens",), "early_exit": ("tokens",),
+          "sparse_attention": ("attention_density",)}
 
 
 def _simulate(args: argparse.Namespace):
-    """Validate the flags and run the campaign (a CampaignResult)."""
+    """Validate the flags and run the campaign: (CampaignResult, cost-model description)."""
     from dynmo_plugin.sim.campaign import CampaignConfig, run_campaign
-    from dynmo_plugin.sim.gpt import GPTShape
+    from dynmo_plugin.sim.planner import GateSettings, live_repack_criteria
     from dynmo_plugin.sim.scenarios import make_scenario
 
     _check_names(args)
     _check_numbers(args)
-    if args.balancer == "partition":
+    if args.balancer in ("partition", "parameters") or args.deepspeed_baseline:
         from dynmo_plugin.balancing.partition import load_partition_balanced
 
         load_partition_balanced()  # import DeepSpeed while stdout goes to stderr
-    scenario = make_scenario(args.scenario, num_layers=args.layers, seed=args.seed)
+    shape, hw, granularity, info = _model(args)
+    params = {"granularity": granularity} if args.scenario == "pruning" else {}
+    scenario = make_scenario(args.scenario, num_layers=args.layers, seed=args.seed, **params)
+    live = GateSettings()
+    gate = GateSettings(margin=live.margin if args.gate_margin is None else args.gate_margin,
+                        min_gain=live.min_gain if args.min_gain is None else args.min_gain,
+                        horizon=args.event_gap)
+    criteria = live_repack_criteria()
+    criteria = replace(criteria, **{k: v for k, v in (("objective", args.repack_objective),
+                                                      ("max_slowdown", args.repack_max_slowdown))
+                                    if v is not None})
+    baselines = ("static", "no_dynamism") + (("static_deepspeed",) if args.deepspeed_baseline else ())
     cfg = CampaignConfig(scenario=scenario, dp=args.dp, pp=args.pp,
                          num_microbatches=args.microbatches, iterations=args.iterations,
                          balancer=args.balancer, rebalance_every=args.rebalance_every,
-                         repack=args.repack, noise_sigma=args.noise, seed=args.seed,
-                         shape=GPTShape(num_layers=args.layers, output_layer=not args.no_output_layer))
-    return run_campaign(cfg)
+                         repack=args.repack, repack_criteria=criteria, gate=gate, baselines=baselines,
+                         noise_sigma=args.noise, seed=args.seed, shape=shape, hw=hw)
+    return run_campaign(cfg), info
 
 
 def run(args: argparse.Namespace) -> int:
     with third_party_output_to_stderr():
-        result = _simulate(args)
-        text = json.dumps(result.as_dict(), indent=1, allow_nan=False) if args.json else _text(args, result)
+        result, info = _simulate(args)
+        if args.json:
+            text = json.dumps(dict(result.as_dict(), cost_model=info), indent=1, allow_nan=False)
+        else:
+            text = _text(args, result, info)
     print(text)
     return 0

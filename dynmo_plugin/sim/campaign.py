@@ -1,64 +1,77 @@
-"""A whole training run, static versus DynMo, on a simulated cluster.
+"""A whole training run, baselines versus DynMo, on a simulated cluster.
 
 The scenario's load is piecewise constant, so the run is cut into segments at its
 change points and at rebalance points; each distinct (load, layout) pair is simulated
-once. Static keeps Megatron's uniform layout throughout. DynMo re-plans at each
-rebalance point (every scenario event by default, or every N iterations: black-box
-mode) and pays, once per rebalance, the assumed overheads:
+once. DynMo decides at each rebalance point (every scenario event by default, or every
+N iterations: black-box mode) through the live plugin's decision path
+(`planner.decide`: plan -> gate, repack first when enabled) and pays, once per
+rebalance point, the assumed overheads:
 
 * profiling: `profiling_iterations` iterations run `profiling_slowdown` slower
   (per-layer timers); default 1 iteration, 10%;
-* decision: modelled, not measured (`dynmo_plugin.sim.decision`): a per-balancer
-  formula in layers and stages, so identical configurations give identical results;
-* migration: the stage sending or receiving most state moves it at p2p bandwidth
-  (18 bytes/parameter per layer: `Hardware.state_bytes_per_param`).
+* decision: modelled, not measured (`dynmo_plugin.sim.decision`), so identical
+  configurations give identical results;
+* migration (when a plan applies): the stage sending or receiving most state moves it
+  at p2p bandwidth (18 bytes/parameter per layer: `Hardware.state_bytes_per_param`);
+* repack (when one applies): the repack criteria's `rebuild_s`, what the gate assumed.
 
-With repacking, after balancing DynMo tries fewer stages (same data parallelism and
-micro-batches) and keeps the smallest count whose predicted iteration time stays within
-`repack_tolerance` of the balanced full pipeline and whose memory fits; GPUs in use are
-then dp x stages.
+Baselines (`BASELINES`), each over the same iterations and tokens:
+* static: the same dynamism on Megatron's uniform split (what DynMo itself adds);
+* static_deepspeed: the same dynamism on DeepSpeed's static 'parameters' split of the
+  initial model (imports DeepSpeed: opt-in); "static_best" is the faster of the two;
+* no_dynamism: the dense model on Megatron's split (no early exit, dense attention);
+* fluid: not a baseline but a bound: the same dynamism with every stage holding exactly
+  1/pp of the work (layers divisible at will, no overheads); no layer-granular
+  balancer on pp stages beats it.
+With repacking, GPUs in use are dp x stages; `tokens_per_gpu_s` counts GPU-seconds.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-import numpy as np
-
+from dynmo_plugin.balancing import RepackCriteria, solve
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
+from dynmo_plugin.sim.cost import PipelineCosts
 from dynmo_plugin.sim.decision import DecisionTimeModel
 from dynmo_plugin.sim.gpt import GPTShape, Hardware, LayerLoad, layer_costs
-from dynmo_plugin.sim.iteration import IterationResult
-from dynmo_plugin.sim.pipeline import simulate_layout, stage_memory_bytes
-from dynmo_plugin.sim.planner import Planner, PlanRequest, make_planner
+from dynmo_plugin.sim.iteration import IterationResult, simulate_iteration
+from dynmo_plugin.sim.pipeline import simulate_layout
+from dynmo_plugin.sim.planner import GateSettings, build_problem, decide, live_repack_criteria
 from dynmo_plugin.sim.scenarios import Scenario
 
-__all__ = ["CampaignConfig", "RunSummary", "RebalanceRecord", "CampaignResult", "run_campaign"]
+__all__ = ["BASELINES", "CampaignConfig", "RunSummary", "RebalanceRecord", "CampaignResult",
+           "run_campaign", "run_variants", "VARIANT_FIELDS"]
 
 log = logging.getLogger(__name__)
+BASELINES = ("static", "static_deepspeed", "no_dynamism", "fluid")
 
 
 @dataclass(frozen=True, kw_only=True)
 class CampaignConfig:
     """scenario: load trajectory; dp, pp: cluster shape (GPUs = dp * pp);
     num_microbatches: per iteration (default 4 * pp, our reading of the paper's "4
-    micro-batches per GPU"); iterations: run length; balancer: name for make_planner;
-    rebalance_every: None = at scenario events, else every N iterations; repack: allow
-    fewer stages; repack_tolerance: accepted slowdown when repacking; noise_sigma,
-    seed: per-op log-normal noise; profiling_*: assumed profiling overhead;
-    decision_time: modelled seconds per balancing decision (the balancer's wall clock
-    is never charged: it would make identical runs differ)."""
+    micro-batches per GPU"); iterations: run length; balancer: a
+    `dynmo_plugin.balancing` method (default exact, the live default); rebalance_every:
+    None = at scenario events, else every N iterations; repack: also consider fewer
+    stages (`plan_repack`); repack_criteria: its criteria (default: the live
+    `RepackConfig`'s); gate: the rebalance gate (`planner.GateSettings`); baselines:
+    which of `BASELINES` to run besides "static"; noise_sigma, seed: per-op log-normal
+    noise; profiling_*: assumed profiling overhead; decision_time: modelled seconds per
+    decision (the balancer's wall clock is never charged)."""
 
     scenario: Scenario
     dp: int
     pp: int
     num_microbatches: int | None = None
     iterations: int = 10000
-    balancer: str = "partition"
+    balancer: str = "exact"
     rebalance_every: int | None = None
     repack: bool = False
-    repack_tolerance: float = 0.05
+    repack_criteria: RepackCriteria | None = None
+    gate: GateSettings = field(default_factory=GateSettings)
+    baselines: tuple[str, ...] = ("static", "no_dynamism")
     shape: GPTShape | None = None
     hw: Hardware = field(default_factory=Hardware)
     noise_sigma: float = 0.0
@@ -78,6 +91,10 @@ class CampaignConfig:
             raise UserError(f"iterations must be >= 1, got {self.iterations}")
         if self.rebalance_every is not None and self.rebalance_every < 1:
             raise UserError(f"rebalance_every must be >= 1, got {self.rebalance_every}")
+        unknown = sorted(set(self.baselines) - set(BASELINES))
+        if unknown:
+            raise UserError(f"unknown baseline(s) {unknown}; choose from {', '.join(BASELINES)}")
+        self.decision_time.cost_of(self.balancer)  # a balancer without a model fails here
         if self.num_microbatches is None:
             object.__setattr__(self, "num_microbatches", 4 * self.pp)
         if self.num_microbatches < 1:
@@ -86,6 +103,8 @@ class CampaignConfig:
             object.__setattr__(self, "shape", GPTShape(num_layers=L))
         elif self.shape.num_layers != L:
             raise UserError(f"model has {self.shape.num_layers} layers, scenario {L}")
+        if self.repack and self.repack_criteria is None:
+            object.__setattr__(self, "repack_criteria", live_repack_criteria())
 
     @property
     def tokens_per_iteration(self) -> int:
@@ -94,7 +113,8 @@ class CampaignConfig:
 
 @dataclass(frozen=True)
 class RunSummary:
-    """One strategy over the whole run. idleness: time-weighted bubble ratio."""
+    """One strategy over the whole run. idleness: time-weighted bubble ratio;
+    gpus_avg: time-weighted GPUs in use; tokens_per_gpu_s: tokens per GPU-second."""
 
     tokens_per_s: float
     idleness: float
@@ -102,14 +122,24 @@ class RunSummary:
     overhead_s: dict[str, float]
     gpus_avg: float
 
+    @property
+    def tokens_per_gpu_s(self) -> float:
+        return self.tokens_per_s / self.gpus_avg
+
     def as_dict(self) -> dict:
-        return {"tokens_per_s": self.tokens_per_s, "idleness": self.idleness,
-                "time_s": self.time_s, "overhead_s": self.overhead_s, "gpus_avg": self.gpus_avg}
+        return {"tokens_per_s": self.tokens_per_s, "tokens_per_gpu_s": self.tokens_per_gpu_s,
+                "idleness": self.idleness, "time_s": self.time_s, "overhead_s": self.overhead_s,
+                "gpus_avg": self.gpus_avg}
 
 
 @dataclass(frozen=True)
 class RebalanceRecord:
+    """One rebalance point: what the decision path chose and why."""
+
     iteration: int
+    kind: str
+    applied: bool
+    reason: str
     layout_before: str
     layout_after: str
     iter_s_before: float
@@ -122,35 +152,57 @@ class RebalanceRecord:
 
 @dataclass(frozen=True)
 class CampaignResult:
+    """static: the same dynamism on Megatron's split; baselines: every baseline run
+    (static included; "static_best" added when static_deepspeed ran)."""
+
     static: RunSummary
     dynmo: RunSummary
     events: list[RebalanceRecord]
     repack: bool
+    baselines: dict[str, RunSummary] = field(default_factory=dict)
 
     @property
     def speedup(self) -> float:
         return self.dynmo.tokens_per_s / self.static.tokens_per_s
 
+    def speedup_over(self, baseline: str, per_gpu: bool = False) -> float:
+        """DynMo's tokens/s (per GPU-second with per_gpu) over `baseline`'s.
+
+        Raises:
+            UserError: that baseline was not run.
+        """
+        if baseline not in self.baselines:
+            raise UserError(f"baseline {baseline!r} was not run (ran: {', '.join(self.baselines)}); "
+                            "add it to CampaignConfig.baselines")
+        base = self.baselines[baseline]
+        if per_gpu:
+            return self.dynmo.tokens_per_gpu_s / base.tokens_per_gpu_s
+        return self.dynmo.tokens_per_s / base.tokens_per_s
+
     def as_dict(self) -> dict:
         out = {"static": self.static.as_dict(), "dynmo": self.dynmo.as_dict(),
-               "speedup": self.speedup, "events": [e.as_dict() for e in self.events]}
+               "speedup": self.speedup,
+               "baselines": {k: v.as_dict() for k, v in self.baselines.items()},
+               "speedup_over": {k: self.speedup_over(k) for k in self.baselines},
+               "events": [e.as_dict() for e in self.events]}
         if self.repack:
             out["gpus_avg"] = self.dynmo.gpus_avg
+            out["speedup_per_gpu_over"] = {k: self.speedup_over(k, per_gpu=True) for k in self.baselines}
         return out
 
 
 class _Run:
     """Mutable bookkeeping of one campaign (kept private)."""
 
-    def __init__(self, cfg: CampaignConfig, planner: Planner) -> None:
+    def __init__(self, cfg: CampaignConfig) -> None:
         self.cfg = cfg
-        self.planner = planner
         self.shape: GPTShape = cfg.shape  # type: ignore[assignment]
         self._cache: dict[tuple, IterationResult] = {}
 
-    # ---- simulation ---------------------------------------------------------------
-    def simulate(self, layout: Layout, point: int, load: LayerLoad) -> IterationResult:
-        key = (layout.counts, point)
+    def simulate(self, layout: Layout, point: int, load: LayerLoad, tag: str = "") -> IterationResult:
+        """One iteration of `layout` under `load`, in force from change point `point`;
+        cached by (layout, point, tag) (tag: another load at the same point)."""
+        key = (layout.counts, point, tag)
         if key not in self._cache:
             cfg = self.cfg
             self._cache[key] = simulate_layout(
@@ -158,22 +210,6 @@ class _Run:
                 shape=self.shape, hw=cfg.hw, dp=cfg.dp, num_microbatches=cfg.num_microbatches,
                 noise_sigma=cfg.noise_sigma, seed=cfg.seed + point)  # type: ignore[arg-type]
         return self._cache[key]
-
-    # ---- planning -----------------------------------------------------------------
-    def request(self, load: LayerLoad, stages: int, current: Layout | None) -> PlanRequest:
-        cfg, shape = self.cfg, self.shape
-        costs = layer_costs(shape, cfg.hw, load)
-        state = shape.layer_params * cfg.hw.state_bytes_per_param
-        acts = 34.0 * shape.seq * shape.micro_batch * shape.hidden * min(stages, cfg.num_microbatches)
-        emb = shape.vocab * shape.hidden * cfg.hw.state_bytes_per_param
-        extras_mem = [0.0] * stages
-        extras_mem[0] += emb
-        extras_mem[-1] += emb
-        return PlanRequest(costs=costs.total_s.tolist(), num_stages=stages,
-                           extras_cost=costs.extras_s(stages), num_microbatches=cfg.num_microbatches,  # type: ignore[arg-type]
-                           current=current if current is not None and current.num_stages == stages else None,
-                           memory=[state + acts] * shape.num_layers, extras_memory=extras_mem,
-                           capacity=cfg.hw.memory_bytes, move_bytes=[state] * shape.num_layers)
 
     def migration_s(self, before: Layout, after: Layout) -> float:
         moved = before.moved_layers(after)
@@ -187,49 +223,36 @@ class _Run:
         link = self.cfg.hw.p2p
         return max(traffic.values()) / link.bandwidth_Bps + len(moved) * link.latency_s
 
-    def fits(self, layout: Layout) -> bool:
-        mem = stage_memory_bytes(layout, self.shape, self.cfg.hw, self.cfg.num_microbatches)  # type: ignore[arg-type]
-        return bool(np.all(mem <= self.cfg.hw.memory_bytes))
 
-
-def _repack(run: _Run, balanced: Layout, point: int, load: LayerLoad) -> tuple[Layout, float]:
-    """Fewest stages whose predicted time is within tolerance of the full balanced pipeline."""
+def _overheads(run: _Run, current: Layout, decision, before: IterationResult) -> dict[str, float]:
     cfg = run.cfg
-    limit = run.simulate(balanced, point, load).iteration_s * (1 + cfg.repack_tolerance)
-    best, decision = balanced, 0.0
-    for q in range(balanced.num_stages - 1, 0, -1):
-        try:
-            outcome = run.planner(run.request(load, q, None))
-        except UserError:  # infeasible on q stages (memory)
-            break
-        decision += outcome.decision_s
-        if not run.fits(outcome.layout) or run.simulate(outcome.layout, point, load).iteration_s > limit:
-            break
-        best = outcome.layout
-    return best, decision
+    out = {"profiling": cfg.profiling_iterations * cfg.profiling_slowdown * before.iteration_s,
+           "decision": decision.decision_s, "migration": 0.0, "repack": 0.0}
+    if decision.kind == "repack":
+        out["migration"] = run.migration_s(current, decision.repack.intermediate_layout())
+        out["repack"] = cfg.repack_criteria.rebuild_s  # type: ignore[union-attr]
+    elif decision.applied:
+        out["migration"] = run.migration_s(current, decision.layout)
+    return out
 
 
-def _rebalance(run: _Run, current: Layout, point: int, load: LayerLoad,
-               iteration: int) -> tuple[Layout, RebalanceRecord]:
+def _rebalance(run: _Run, current: Layout, point: int, load: LayerLoad, iteration: int,
+               iterations_left: int) -> tuple[Layout, RebalanceRecord]:
     cfg = run.cfg
     before = run.simulate(current, point, load)
-    outcome = run.planner(run.request(load, cfg.pp, current))
-    layout, decision = outcome.layout, outcome.decision_s
-    if cfg.repack:
-        layout, extra = _repack(run, layout, point, load)
-        decision += extra
-    after = run.simulate(layout, point, load)
-    if after.iteration_s > before.iteration_s and layout.num_stages == current.num_stages:
-        layout, after = current, before  # the gate: never apply a plan predicted slower
-    overhead = {"profiling": cfg.profiling_iterations * cfg.profiling_slowdown * before.iteration_s,
-                "decision": decision, "migration": run.migration_s(current, layout)}
-    record = RebalanceRecord(iteration, current.to_megatron(), layout.to_megatron(),
-                             before.iteration_s, after.iteration_s, overhead)
-    log.debug("rebalance at %d: %s -> %s (%.4f -> %.4f s); decision %.4f s modelled, "
-              "%.4f s measured here (not charged)", iteration, record.layout_before,
-              record.layout_after, before.iteration_s, after.iteration_s, outcome.decision_s,
-              outcome.measured_s)
-    return layout, record
+    problem = build_problem(costs=layer_costs(run.shape, cfg.hw, load), load=load, shape=run.shape,
+                            hw=cfg.hw, current=current, num_microbatches=cfg.num_microbatches)  # type: ignore[arg-type]
+    gate = cfg.gate.config(iterations_left, cfg.hw.p2p.bandwidth_Bps)
+    decision = decide(problem, cfg.balancer, gate, cfg.repack_criteria if cfg.repack else None,
+                      cfg.decision_time)
+    after = run.simulate(decision.layout, point, load)
+    record = RebalanceRecord(iteration, decision.kind, decision.applied, decision.reason,
+                             current.to_megatron(), decision.layout.to_megatron(),
+                             before.iteration_s, after.iteration_s,
+                             _overheads(run, current, decision, before))
+    log.debug("rebalance at %d: %s -> %s (%.4f -> %.4f s): %s", iteration, record.layout_before,
+              record.layout_after, before.iteration_s, after.iteration_s, decision.reason)
+    return decision.layout, record
 
 
 def _boundaries(cfg: CampaignConfig) -> tuple[list[int], list[int], set[int]]:
@@ -242,34 +265,130 @@ def _boundaries(cfg: CampaignConfig) -> tuple[list[int], list[int], set[int]]:
     return cuts, changes, rebalance
 
 
-def run_campaign(cfg: CampaignConfig, planner: Planner | None = None) -> CampaignResult:
-    """Simulate the run both ways; `planner` defaults to
-    `make_planner(cfg.balancer, cfg.decision_time)`."""
-    run = _Run(cfg, planner or make_planner(cfg.balancer, cfg.decision_time))
-    cuts, changes, rebalance = _boundaries(cfg)
-    static_layout = Layout.uniform(cfg.scenario.num_layers, cfg.pp)
-    layout = static_layout
-    totals = {"static": [0.0, 0.0], "dynmo": [0.0, 0.0]}  # time, busy-weighted idleness
-    overhead = {"profiling": 0.0, "decision": 0.0, "migration": 0.0}
-    gpu_seconds, events = 0.0, []
+def _segments(cfg: CampaignConfig):
+    """(start, end, change point in force, load) of every segment of the run."""
+    cuts, changes, _ = _boundaries(cfg)
     for a, b in zip(cuts, cuts[1:]):
-        point = max([0] + [c for c in changes if c <= a])
-        load = cfg.scenario.load(a)
+        yield a, b, max([0] + [c for c in changes if c <= a]), cfg.scenario.load(a)
+
+
+_NO_OVERHEAD = {"profiling": 0.0, "decision": 0.0, "migration": 0.0, "repack": 0.0}
+
+
+def _fixed_summary(cfg: CampaignConfig, time_s: float, idle_s: float, gpus: int) -> RunSummary:
+    """A run without DynMo: no overheads, the same GPUs throughout."""
+    tokens = cfg.iterations * cfg.tokens_per_iteration
+    return RunSummary(tokens / time_s, idle_s / time_s, time_s, dict(_NO_OVERHEAD), float(gpus))
+
+
+def _fixed_layout_run(run: _Run, layout: Layout, dense: bool = False) -> RunSummary:
+    """The run on a layout that never changes (a static baseline)."""
+    cfg = run.cfg
+    time_s = idle = 0.0
+    for a, b, point, load in _segments(cfg):
+        if dense:
+            load, point = LayerLoad.dense(cfg.scenario.num_layers), 0
+        r = run.simulate(layout, point, load, "dense" if dense else "")
+        time_s += (b - a) * r.iteration_s
+        idle += (b - a) * r.iteration_s * r.bubble_ratio
+    return _fixed_summary(cfg, time_s, idle, cfg.dp * layout.num_stages)
+
+
+def _fluid_run(run: _Run) -> RunSummary:
+    """Every stage holds exactly 1/pp of the work (module docstring: the bound)."""
+    cfg, shape = run.cfg, run.shape
+    time_s = idle = 0.0
+    p = cfg.pp
+    for a, b, _, load in _segments(cfg):
+        c = layer_costs(shape, cfg.hw, load)
+        fwd = (c.fwd_s.sum() + c.head_fwd_s + c.embed_fwd_s) / p
+        bwd = (c.bwd_s.sum() + 2 * (c.head_fwd_s + c.embed_fwd_s)) / p
+        params = (load.trainable.sum() * shape.layer_params + 2 * shape.vocab * shape.hidden) / p
+        r = simulate_iteration(PipelineCosts(
+            fwd_s=[fwd] * p, bwd_s=[bwd] * p, num_microbatches=cfg.num_microbatches,  # type: ignore[arg-type]
+            act_bytes=shape.act_bytes, p2p=cfg.hw.p2p, dp=cfg.dp,
+            grad_bytes=[params * cfg.hw.grad_bytes_per_param] * p, dp_link=cfg.hw.dp_link))
+        time_s += (b - a) * r.iteration_s
+        idle += (b - a) * r.iteration_s * r.bubble_ratio
+    return _fixed_summary(cfg, time_s, idle, cfg.dp * p)
+
+
+def _deepspeed_layout(run: _Run) -> Layout:
+    """DeepSpeed's static 'parameters' split of the initial model (through `solve`)."""
+    cfg = run.cfg
+    load = cfg.scenario.load(0)
+    uniform = Layout.uniform(cfg.scenario.num_layers, cfg.pp)
+    problem = build_problem(costs=layer_costs(run.shape, cfg.hw, load), load=load, shape=run.shape,
+                            hw=cfg.hw, current=uniform, num_microbatches=cfg.num_microbatches)  # type: ignore[arg-type]
+    return solve(problem, "parameters").layout
+
+
+def _baselines(run: _Run) -> dict[str, RunSummary]:
+    cfg = run.cfg
+    uniform = Layout.uniform(cfg.scenario.num_layers, cfg.pp)
+    out = {"static": _fixed_layout_run(run, uniform)}
+    if "static_deepspeed" in cfg.baselines:
+        out["static_deepspeed"] = _fixed_layout_run(run, _deepspeed_layout(run))
+        out["static_best"] = max(out["static"], out["static_deepspeed"], key=lambda r: r.tokens_per_s)
+    if "no_dynamism" in cfg.baselines:
+        out["no_dynamism"] = _fixed_layout_run(run, uniform, dense=True)
+    if "fluid" in cfg.baselines:
+        out["fluid"] = _fluid_run(run)
+    return out
+
+
+def _dynmo_run(run: _Run) -> tuple[RunSummary, list[RebalanceRecord]]:
+    cfg = run.cfg
+    _, _, rebalance = _boundaries(cfg)
+    points = sorted(rebalance) + [cfg.iterations]
+    layout = Layout.uniform(cfg.scenario.num_layers, cfg.pp)
+    time_s = idle = gpu_s = 0.0
+    overhead = dict(_NO_OVERHEAD)
+    events = []
+    for a, b, point, load in _segments(cfg):
         if a in rebalance:
-            layout, record = _rebalance(run, layout, point, load, a)
+            left = min(p for p in points if p > a) - a
+            layout, record = _rebalance(run, layout, point, load, a, left)
             events.append(record)
             for k, v in record.overhead_s.items():
                 overhead[k] += v
-        n = b - a
-        for name, lay in (("static", static_layout), ("dynmo", layout)):
-            r = run.simulate(lay, point, load)
-            totals[name][0] += n * r.iteration_s
-            totals[name][1] += n * r.iteration_s * r.bubble_ratio
-        gpu_seconds += n * run.simulate(layout, point, load).iteration_s * cfg.dp * layout.num_stages
+        r = run.simulate(layout, point, load)
+        time_s += (b - a) * r.iteration_s
+        idle += (b - a) * r.iteration_s * r.bubble_ratio
+        gpu_s += (b - a) * r.iteration_s * cfg.dp * layout.num_stages
+    total = time_s + sum(overhead.values())
     tokens = cfg.iterations * cfg.tokens_per_iteration
-    t_static, t_dyn = totals["static"][0], totals["dynmo"][0] + sum(overhead.values())
-    static = RunSummary(tokens / t_static, totals["static"][1] / t_static, t_static,
-                        {k: 0.0 for k in overhead}, float(cfg.dp * cfg.pp))
-    dynmo = RunSummary(tokens / t_dyn, totals["dynmo"][1] / totals["dynmo"][0], t_dyn, overhead,
-                       gpu_seconds / totals["dynmo"][0])
-    return CampaignResult(static, dynmo, events, cfg.repack)
+    summary = RunSummary(tokens / total, idle / time_s, total, overhead, gpu_s / time_s)
+    return summary, events
+
+
+def run_campaign(cfg: CampaignConfig) -> CampaignResult:
+    """Simulate DynMo and the configured baselines over the whole run."""
+    return run_variants(cfg, {"": {}})[""]
+
+
+# what a variant may change: how DynMo decides, never what an iteration costs
+VARIANT_FIELDS = frozenset({"balancer", "repack", "repack_criteria", "gate", "decision_time",
+                            "rebalance_every", "profiling_iterations", "profiling_slowdown"})
+
+
+def run_variants(cfg: CampaignConfig, variants: dict[str, dict]) -> dict[str, CampaignResult]:
+    """Several DynMo variants of one campaign (e.g. by-time and by-parameter balancers),
+    sharing its baselines and simulated iterations: `variants` maps a name to
+    CampaignConfig overrides among `VARIANT_FIELDS`.
+
+    Raises:
+        UserError: an override outside VARIANT_FIELDS (it would change the costs).
+    """
+    run = _Run(cfg)
+    baselines = _baselines(run)
+    out = {}
+    for name, overrides in variants.items():
+        bad = sorted(set(overrides) - VARIANT_FIELDS)
+        if bad:
+            raise UserError(f"variant {name!r}: {bad} change what an iteration costs; run a "
+                            f"separate campaign (a variant may set {', '.join(sorted(VARIANT_FIELDS))})")
+        run.cfg = replace(cfg, **overrides)
+        dynmo, events = _dynmo_run(run)
+        out[name] = CampaignResult(baselines["static"], dynmo, events, run.cfg.repack, baselines)
+    return out

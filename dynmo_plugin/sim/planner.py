@@ -1,112 +1,144 @@
-"""The simulator's door to the balancers (dynmo_plugin.balancing); no balancer lives here.
+"""The simulator's decisions go through the live plugin's decision path, not a copy.
 
-A planner maps a `PlanRequest` (what the profiler would have measured) to a layout and
-the simulated seconds the decision takes. `uniform` is Megatron's static split; every
-other name is looked up in `dynmo_plugin.balancing.BALANCERS` and run through its
-`solve`. The decision time is modelled (`dynmo_plugin.sim.decision`), never the wall
-clock of this process, so a campaign's result depends on its configuration alone; the
-measured solve time comes along as information only.
+A simulated rebalance builds the `BalanceProblem` the live controller builds from a
+profile (`dynmo_plugin.controller.problem_from_profile`: per-layer cost; memory =
+training state + activations of min(p, m) micro-batches in flight; move bytes = state;
+rebuilt gradient buffers; stage extras; the current layout; micro-batches; parameter
+counts) and decides as `DynMo._decide` does, with the same calls:
+
+1. with repacking on, `plan_repack(problem, criteria, gate)`: if it applies, it wins
+   (its layout is balanced too);
+2. else `solve(problem, balancer, gate=GateConfig(...))`; a plan equal to the current
+   layout is "already balanced", otherwise the gate's verdict (margin, noise floor
+   `min_relative_gain`, horizon) decides;
+3. an infeasible or malformed problem is a decision not to move, never an exception.
+
+The gate settings default to the live ones (`config.RebalanceConfig`,
+`config.RepackConfig`). Two differences, both stated: the live plugin considers a
+repack only after dynamism events (trigger "event") while the simulator does at every
+rebalance point; and the horizon defaults to the iterations until the run's next
+rebalance point (a plugin configured with the true event gap), not a fixed 100.
+Decision time is modelled (`decision.DecisionTimeModel`): the balancer's formula, plus
+`exact`'s for every stage count the repack planner solved. No balancer lives here.
 """
 from __future__ import annotations
 
-import time
+import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
+from dynmo_plugin.balancing import (BALANCERS, BalanceProblem, GateConfig, InfeasibleError, Plan,
+                                    ProblemError, RepackCriteria, RepackPlan, plan_repack, solve)
+from dynmo_plugin.config import RebalanceConfig, RepackConfig
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.sim.decision import DecisionTimeModel
+from dynmo_plugin.sim.gpt import GPTShape, Hardware, LayerCosts, LayerLoad
 
-__all__ = ["PlanRequest", "PlanOutcome", "Planner", "make_planner", "available_balancers"]
+__all__ = ["GateSettings", "SimDecision", "available_balancers", "build_problem", "decide",
+           "live_repack_criteria"]
+
+_LIVE = RebalanceConfig()
+
+
+def live_repack_criteria() -> RepackCriteria:
+    """The live plugin's default repack criteria (`config.RepackConfig`)."""
+    return RepackCriteria.from_config(RepackConfig())
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlanRequest:
-    """Per-layer seconds (fwd+bwd per micro-batch), per-stage extras, memory model."""
+class GateSettings:
+    """The gate of a simulated plugin.
 
-    costs: Sequence[float]
-    num_stages: int
-    extras_cost: Sequence[float]
-    current: Layout | None
-    num_microbatches: int
-    memory: Sequence[float] | None = None
-    extras_memory: Sequence[float] | None = None
-    capacity: float | None = None
-    move_bytes: Sequence[float] | None = None
+    margin, min_gain: as --dynmo-gate-margin and --dynmo-min-gain (live defaults).
+    horizon: iterations a new layout is expected to last (--dynmo-event-gap); None =
+        until the run's next rebalance point.
+
+    Raises:
+        UserError: a negative margin, min_gain outside [0, 1) or horizon < 1.
+    """
+
+    margin: float = _LIVE.margin
+    min_gain: float = _LIVE.min_gain
+    horizon: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.margin) and self.margin >= 0) or not 0 <= self.min_gain < 1:
+            raise UserError(f"gate: need margin >= 0 and 0 <= min_gain < 1, got {self.margin}, "
+                            f"{self.min_gain}")
+        if self.horizon is not None and self.horizon < 1:
+            raise UserError(f"gate horizon must be >= 1 iteration, got {self.horizon}")
+
+    def config(self, iterations_left: int, bandwidth_Bps: float) -> GateConfig:
+        horizon = self.horizon if self.horizon is not None else max(int(iterations_left), 0)
+        return GateConfig(iterations_until_next_event=horizon, bandwidth_bytes_per_s=bandwidth_Bps,
+                          margin=self.margin, min_relative_gain=self.min_gain)
 
 
 @dataclass(frozen=True)
-class PlanOutcome:
-    """layout: the plan; decision_s: modelled seconds, charged to simulated time;
-    measured_s: wall-clock seconds the balancer took here, for information only (it
-    varies between runs, so it never enters a simulated result)."""
+class SimDecision:
+    """layout: in force after the decision (the current one when nothing applied);
+    kind: "rebalance", "repack" or "none"; decision_s: modelled seconds."""
 
     layout: Layout
+    applied: bool
+    reason: str
+    kind: str
     decision_s: float
-    measured_s: float = 0.0
-
-
-Planner = Callable[[PlanRequest], PlanOutcome]
-
-
-def _balancing_module():
-    try:
-        from dynmo_plugin import balancing
-    except ImportError as e:  # pragma: no cover - package always present
-        raise UserError(f"cannot import dynmo_plugin.balancing: {e}") from e
-    if not all(hasattr(balancing, n) for n in ("BalanceProblem", "solve", "BALANCERS")):
-        raise UserError("dynmo_plugin.balancing does not export BalanceProblem/solve/BALANCERS "
-                        "yet; only --balancer uniform works in this checkout")
-    return balancing
+    plan: Plan | None = None
+    repack: RepackPlan | None = None
 
 
 def available_balancers() -> list[str]:
-    """'uniform' plus whatever dynmo_plugin.balancing offers (nothing if not built)."""
-    try:
-        return ["uniform"] + [b for b in _balancing_module().BALANCERS if b != "uniform"]
-    except UserError:
-        return ["uniform"]
+    """Balancer names `decide` accepts."""
+    return list(BALANCERS)
 
 
-def _uniform_planner(decision: DecisionTimeModel) -> Planner:
-    """Megatron's static split, without the balancing package (it may be absent)."""
-    cost = decision.cost_of("uniform")
+def build_problem(*, costs: LayerCosts, load: LayerLoad, shape: GPTShape, hw: Hardware,
+                  current: Layout, num_microbatches: int) -> BalanceProblem:
+    """The problem the live controller would build from a profile of these layers."""
+    p = current.num_stages
+    state = shape.layer_params * hw.state_bytes_per_param
+    act = 34.0 * shape.seq * shape.micro_batch * shape.hidden
+    in_flight = min(p, num_microbatches)
+    emb = shape.vocab * shape.hidden
+    extras_mem, extras_grad = [0.0] * p, [0.0] * p
+    for s in {0, p - 1}:  # tied embedding: a copy on the first and the last stage
+        extras_mem[s] += emb * hw.state_bytes_per_param
+        extras_grad[s] += emb * hw.grad_bytes_per_param
+    n = shape.num_layers
+    return BalanceProblem(
+        costs=costs.total_s.tolist(), num_stages=p, memory=[state + in_flight * act] * n,
+        move_bytes=[state] * n, capacity=hw.memory_bytes, extras_cost=costs.extras_s(p),
+        extras_memory=extras_mem, current=current, num_microbatches=num_microbatches,
+        param_counts=(load.param_share * shape.layer_params).tolist(),
+        rebuild_bytes=[shape.layer_params * hw.grad_bytes_per_param] * n,
+        extras_rebuild_bytes=extras_grad)
 
-    def plan(req: PlanRequest) -> PlanOutcome:
-        n = len(req.costs)
-        return PlanOutcome(Layout.uniform(n, req.num_stages), cost.seconds(n, req.num_stages))
 
-    return plan
-
-
-def make_planner(method: str, decision: DecisionTimeModel | None = None) -> Planner:
-    """Planner running balancer `method`, its decision time from `decision`
-    (default `DecisionTimeModel()`).
+def decide(problem: BalanceProblem, balancer: str, gate: GateConfig,
+           repack: RepackCriteria | None, decision_time: DecisionTimeModel) -> SimDecision:
+    """`DynMo._decide` on a simulated profile (module docstring).
 
     Raises:
-        UserError: `method` is unknown or unavailable, or `decision` has no cost for it.
+        UserError: `balancer` has no decision-time model.
     """
-    if decision is None:
-        decision = DecisionTimeModel()
-    if method == "uniform":
-        return _uniform_planner(decision)
-    balancing = _balancing_module()
-    if method not in balancing.BALANCERS:
-        raise UserError(f"unknown balancer {method!r}; choose one of "
-                        f"{', '.join(available_balancers())}")
-    cost = decision.cost_of(method)
-
-    def plan(req: PlanRequest) -> PlanOutcome:
-        problem = balancing.BalanceProblem(
-            costs=list(req.costs), num_stages=req.num_stages, extras_cost=list(req.extras_cost),
-            memory=req.memory, extras_memory=req.extras_memory, capacity=req.capacity,
-            move_bytes=req.move_bytes, current=req.current,
-            allow_empty_stages=len(req.costs) < req.num_stages,
-            num_microbatches=req.num_microbatches)
-        started = time.perf_counter()
-        result = balancing.solve(problem, method)
-        measured = time.perf_counter() - started
-        modelled = cost.seconds(len(req.costs), req.num_stages)
-        return PlanOutcome(result.layout, modelled, measured_s=measured)
-
-    return plan
+    current = problem.current
+    n, p = problem.num_layers, problem.num_stages
+    seconds = decision_time.seconds(balancer, n, p)
+    repack_plan = None
+    try:
+        if repack is not None and p > repack.min_stages:
+            repack_plan = plan_repack(problem, repack, gate)
+            seconds += sum(decision_time.seconds("exact", n, c.stages)
+                           for c in repack_plan.candidates if c.layout is not None)
+            if repack_plan.apply:
+                return SimDecision(repack_plan.layout_after, True, repack_plan.reason, "repack",
+                                   seconds, repack=repack_plan)
+        plan = solve(problem, balancer, gate=gate)
+    except (InfeasibleError, ProblemError) as e:
+        return SimDecision(current, False, f"no feasible plan: {e}", "none", seconds, repack=repack_plan)
+    if plan.layout == current:
+        return SimDecision(current, False, "already balanced", "none", seconds, plan, repack_plan)
+    ok = plan.gate.apply
+    return SimDecision(plan.layout if ok else current, ok, plan.gate.reason,
+                       "rebalance" if ok else "none", seconds, plan, repack_plan)
