@@ -26,7 +26,7 @@ from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout, LayoutError
 
 __all__ = [
-    "ConfigError", "ModelArgs", "ProfilingConfig", "RebalanceConfig", "PruningConfig",
+    "ConfigError", "ModelArgs", "DataConfig", "ProfilingConfig", "RebalanceConfig", "PruningConfig",
     "FreezingConfig", "EarlyExitConfig", "MoeConfig", "ModConfig", "SparseAttentionConfig",
     "DynamismConfig", "SCENARIO_SECTIONS", "RepackConfig",
     "ClusterConfig", "CLUSTER_STRATEGIES", "DynmoConfig",
@@ -56,6 +56,53 @@ def one_of(*choices: str) -> Callable[[Any], Optional[str]]:
 def opt(help: str, flag: str | None = None, check: Callable | None = None, **kw) -> dict:
     """Field metadata: `flag` defaults to --<field-name> for model args, see `_flag`."""
     return {"help": help, "flag": flag, "check": check, **kw}
+
+
+# ---- the launcher's data (dynmo_plugin.data) -----------------------------------------------
+def _ascending_lengths(v: Any) -> Optional[str]:
+    try:
+        xs = [int(x) for x in v.split(",")] if v.strip() else []
+    except ValueError:
+        xs = None
+    ok = xs is not None and xs == sorted(set(xs)) and all(x > 0 for x in xs)
+    return None if ok else "ascending positive lengths separated by commas, e.g. '1024,1536'"
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """What the launcher trains on. Default: the synthetic token stream. With --data-path
+    or --data-documents lognormal: documents packed into micro-batches of --seq-length
+    positions (THD, per-document attention; --micro-batch-size 1)."""
+
+    path: str = field(default="", metadata=opt(
+        "Megatron indexed dataset prefix (PREFIX.bin/.idx, tokenizer beside it; made by "
+        "scripts/prepare_data.py); the vocabulary size comes from its tokenizer", "--data-path"))
+    documents: str = field(default="none", metadata=opt(
+        "synthetic documents instead of a dataset: lognormal lengths (none: the synthetic "
+        "token stream unless --data-path)", "--data-documents", one_of("none", "lognormal")))
+    lognormal_median: float = field(default=256.0, metadata=opt(
+        "median document length (positions) of --data-documents lognormal",
+        "--data-lognormal-median", positive))
+    lognormal_sigma: float = field(default=1.0, metadata=opt(
+        "sigma of log(length) of --data-documents lognormal", "--data-lognormal-sigma", positive))
+    packer: str = field(default="sequential", metadata=opt(
+        "sequential (Megatron-style next-fit) or wlb (WLB-LLM: by predicted workload)",
+        "--data-packer", one_of("sequential", "wlb")))
+    cost_exponent: float = field(default=2.0, metadata=opt(
+        "a document's workload for --data-packer wlb is length^p (2: quadratic attention; "
+        "AdaptiveLoad's fitted p otherwise)", "--data-cost-exponent", positive))
+    outlier_thresholds: str = field(default="", metadata=opt(
+        "WLB-LLM outlier queues: ascending lengths, one queue per level (empty: no delay)",
+        "--data-outlier-thresholds", _ascending_lengths))
+    outlier_max_delay: int = field(default=8, metadata=opt(
+        "iterations an outlier document waits at most", "--data-outlier-max-delay", positive))
+
+    @property
+    def packed(self) -> bool:
+        return bool(self.path) or self.documents != "none"
+
+    def thresholds(self) -> list[int]:
+        return [int(x) for x in self.outlier_thresholds.split(",")] if self.outlier_thresholds.strip() else []
 
 
 # ---- the launcher's model/run settings (Megatron-LM flag names) ---------------------------
@@ -89,6 +136,7 @@ class ModelArgs:
     save: Optional[str] = field(default=None, metadata=opt("checkpoint directory to save to"))
     save_interval: int = field(default=0, metadata=opt("iterations between checkpoints (0 = only at a checkpoint repack)", check=non_negative))
     load: Optional[str] = field(default=None, metadata=opt("checkpoint directory to resume from (any pipeline split)"))
+    data: DataConfig = field(default_factory=DataConfig)
 
     def validate_shape(self, where: str, world_size: int | None = None) -> None:
         """Cross-field checks: layout vs layers, batch divisibility, world shape."""
@@ -571,7 +619,46 @@ def load_config(args: argparse.Namespace, world_size: int | None = None) -> RunC
     _check_forced_layouts(cfg, where)
     _check_dynamism(cfg, given)
     _check_repack(cfg, given)
+    _check_data(cfg, given)
     return cfg
+
+
+def _check_data(cfg: RunConfig, given: dict[str, str]) -> None:
+    """Packed documents: one packed row per micro-batch, scenarios that keep Megatron's
+    attention, and the vocabulary of the dataset's tokenizer."""
+    m, d = cfg.model, cfg.model.data
+    where = lambda key: given.get(f"model.{key}", key)  # noqa: E731
+    if d.path and d.documents != "none":
+        raise ConfigError(f"{where('data.documents')}: --data-documents {d.documents} and "
+                          "--data-path both choose the documents; give one")
+    if not d.packed:
+        return
+    if m.micro_batch_size != 1:
+        raise ConfigError(f"{where('micro_batch_size')}: packed documents put one row of "
+                          f"--seq-length positions in each micro-batch; use --micro-batch-size 1 "
+                          f"(got {m.micro_batch_size}) and set --global-batch-size to DP x micro-batches")
+    if cfg.dynmo.dynamism.kind != "none":
+        raise ConfigError(f"{where('data.path') if d.path else where('data.documents')}: packed "
+                          f"documents are supported with dynamism none only (got "
+                          f"{cfg.dynmo.dynamism.kind!r}); drop --data-path/--data-documents")
+    too_long = [t for t in d.thresholds() if t > m.seq_length]
+    if too_long:
+        raise ConfigError(f"{where('data.outlier_thresholds')}: thresholds {too_long} exceed "
+                          f"--seq-length ({m.seq_length}); no document piece is that long")
+    if d.path:
+        from dynmo_plugin.data.tokenizer import TokenizerError, load_tokenizer
+        missing = [x for x in (d.path + ".bin", d.path + ".idx") if not os.path.isfile(x)]
+        if missing:
+            raise ConfigError(f"{where('data.path')}: {', '.join(missing)} not found; give the "
+                              "prefix of a .bin/.idx pair made by scripts/prepare_data.py")
+        try:
+            vocab = load_tokenizer(d.path).padded_vocab_size()
+        except TokenizerError as e:
+            raise ConfigError(f"{where('data.path')}: {e}") from e
+        if "model.vocab_size" in given and m.vocab_size < vocab:
+            raise ConfigError(f"{where('vocab_size')}: --vocab-size ({m.vocab_size}) is smaller "
+                              f"than the dataset tokenizer's ({vocab}); drop --vocab-size")
+        m.vocab_size = max(m.vocab_size, vocab) if "model.vocab_size" in given else vocab
 
 
 def _check_repack(cfg: RunConfig, given: dict[str, str]) -> None:

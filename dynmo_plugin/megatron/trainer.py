@@ -22,14 +22,30 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dynmo_plugin.config import ConfigError, ModelArgs
 from dynmo_plugin.data import SyntheticTokens
+from dynmo_plugin.data.build import build_packed_documents
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.megatron.model import build_stage_model, layer_spec, transformer_config
 from dynmo_plugin.megatron.parallel import ParallelDims
 from dynmo_plugin.megatron.stage_state import restore_model, restore_optimizer
+from dynmo_plugin.megatron.varlen_attention import packed_seq_params, varlen_attention_spec
 
 __all__ = ["StageTrainer"]
 
 logger = logging.getLogger(__name__)
+
+
+def _packed_forward_step(data_iterator, model):
+    """A packed micro-batch (data.stream.PackedDocuments): THD, per-document attention."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   packed_seq_params=packed_seq_params(batch))
+    return output, partial(_packed_loss_func, batch["loss_mask"])
+
+
+def _packed_loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """Mean over the micro-batch's document positions (none: a padding-only row, loss 0)."""
+    loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def _forward_step(data_iterator, model):
@@ -62,6 +78,11 @@ class StageTrainer:
         if configure is not None:
             configure(self.config)
         self.spec = spec if spec is not None else layer_spec()
+        if args.data.packed:
+            try:
+                self.spec = varlen_attention_spec(self.spec)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
         self.model = build_stage_model(args, self.config, self.spec,
                                        dims.is_first_stage, dims.is_last_stage)
         if state is not None:
@@ -71,11 +92,8 @@ class StageTrainer:
         self.optimizer_config = OptimizerConfig(
             optimizer="adam", lr=args.lr, min_lr=args.min_lr, clip_grad=args.clip_grad, bf16=False, fp16=False,
             params_dtype=torch.float32, use_distributed_optimizer=False)
-        self.data = SyntheticTokens(seed=args.seed, vocab_size=args.vocab_size,
-                                    seq_length=args.seq_length,
-                                    global_batch_size=args.global_batch_size,
-                                    micro_batch_size=args.micro_batch_size)
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * dims.dp)
+        self.data, self._forward_step = self._build_data(args, dims)
         self.ddp = self.build_ddp()
         self.optimizer = self.build_optimizer(self.ddp)
         if state is not None:
@@ -87,6 +105,17 @@ class StageTrainer:
             lr_decay_style=args.lr_decay_style, start_wd=0.0, end_wd=0.0, wd_incr_steps=1,
             wd_incr_style="constant")
         self.install_wrappers(self.ddp, self.optimizer)
+
+    def _build_data(self, args: ModelArgs, dims: ParallelDims):
+        """(the data stream, the schedule's forward-step function): the synthetic token
+        stream, or packed documents (args.data) with per-document attention."""
+        if args.data.packed:
+            data = build_packed_documents(args.data, args.seed, args.vocab_size, args.seq_length,
+                                          dims.dp, self.num_microbatches)
+            return data, _packed_forward_step
+        return SyntheticTokens(seed=args.seed, vocab_size=args.vocab_size,
+                               seq_length=args.seq_length, global_batch_size=args.global_batch_size,
+                               micro_batch_size=args.micro_batch_size), _forward_step
 
     def build_ddp(self) -> DistributedDataParallel:
         """A Megatron DDP wrapper over the stage model as it is now (local, may raise).
@@ -120,7 +149,7 @@ class StageTrainer:
         batches = iter(list(self.data.micro_batches(iteration, self.dims.dp_rank, self.dims.dp,
                                                     self.dims.device)))
         losses = get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=batches, model=[self.ddp],
+            forward_step_func=self._forward_step, data_iterator=batches, model=[self.ddp],
             num_microbatches=self.num_microbatches, seq_length=self.args.seq_length,
             micro_batch_size=self.args.micro_batch_size, forward_only=False)
         ok, _grad_norm, _ = self.optimizer.step()

@@ -1,0 +1,168 @@
+"""What a micro-batch of documents costs: one model fitted from profiled samples (pure numpy).
+
+A sample is one micro-batch through one layer (or a whole stage): the lengths of the
+documents it packs, the positions it carries (`tokens`, padding included: linear
+layers pay for padding, per-document attention does not) and its forward + backward
+seconds. Three forms are fitted by least squares:
+
+* `KnapFormerCost` (KnapFormer, per layer): t = k (24 T d^2 + gamma 4 d sum l^2) with
+  T the positions and d the hidden size; no intercept. Its WLB-LLM coefficients are
+  beta = 24 k d^2 per position and alpha = 4 k gamma d per squared document length.
+* `AdaptiveLoadCost` (AdaptiveLoad): t = a + b sum l^p, p searched on a grid in
+  [1.6, 2.4] for the best R^2 (for B equal sequences of length S, sum l^p = B S^p).
+* `TokenCost`: t = a + b T, the token-count baseline both are compared with.
+
+`held_out_error` reports the mean absolute relative error on samples not fitted. The
+same fitted model serves the packers (`doc_workload`), the DP redistribution and the
+layer balancer (`layer_cost` for a given length mix). `adaptive_batch_size` is
+AdaptiveLoad's batch size per length bucket.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+__all__ = ["CostSample", "CostModel", "KnapFormerCost", "AdaptiveLoadCost", "TokenCost",
+           "fit_knapformer", "fit_adaptiveload", "fit_tokens", "held_out_error",
+           "adaptive_batch_size", "FORMS"]
+
+FORMS = ("knapformer", "adaptiveload", "tokens")
+
+
+@dataclass(frozen=True)
+class CostSample:
+    lengths: tuple[int, ...]   # document lengths packed in the micro-batch
+    tokens: int                # positions the micro-batch carries, padding included
+    seconds: float             # measured forward + backward time
+
+
+class CostModel(Protocol):
+    def predict(self, lengths: Sequence[int], tokens: int) -> float: ...
+
+    def doc_workload(self, length: int) -> float:
+        """The part of the cost a document adds beyond the positions it fills
+        (what a packer balances when micro-batches are padded to one shape)."""
+
+
+def _sq(lengths: Sequence[int]) -> float:
+    return float(np.sum(np.asarray(lengths, dtype=np.float64) ** 2))
+
+
+@dataclass(frozen=True)
+class KnapFormerCost:
+    k: float
+    gamma: float
+    hidden: int
+
+    def predict(self, lengths: Sequence[int], tokens: int) -> float:
+        d = self.hidden
+        return self.k * (24 * tokens * d * d + self.gamma * 4 * d * _sq(lengths))
+
+    def doc_workload(self, length: int) -> float:
+        return self.alpha * length * length
+
+    @property
+    def alpha(self) -> float:
+        return 4 * self.k * self.gamma * self.hidden
+
+    @property
+    def beta(self) -> float:
+        return 24 * self.k * self.hidden ** 2
+
+
+@dataclass(frozen=True)
+class AdaptiveLoadCost:
+    a: float
+    b: float
+    p: float
+    r2: float
+
+    def predict(self, lengths: Sequence[int], tokens: int) -> float:
+        return self.a + self.b * float(np.sum(np.asarray(lengths, dtype=np.float64) ** self.p))
+
+    def doc_workload(self, length: int) -> float:
+        return self.b * float(length) ** self.p
+
+
+@dataclass(frozen=True)
+class TokenCost:
+    a: float
+    b: float
+
+    def predict(self, lengths: Sequence[int], tokens: int) -> float:
+        return self.a + self.b * float(sum(lengths))
+
+    def doc_workload(self, length: int) -> float:
+        return self.b * length
+
+
+def _check(samples: Sequence[CostSample], need: int) -> None:
+    if len(samples) < need:
+        raise ValueError(f"a cost fit needs at least {need} samples, got {len(samples)}")
+
+
+def fit_knapformer(samples: Sequence[CostSample], hidden: int) -> KnapFormerCost:
+    """Least squares of seconds on [24 T d^2, 4 d sum l^2], no intercept."""
+    _check(samples, 2)
+    d = float(hidden)
+    X = np.array([[24 * s.tokens * d * d, 4 * d * _sq(s.lengths)] for s in samples])
+    y = np.array([s.seconds for s in samples])
+    scale = X.max(axis=0)
+    scale[scale == 0] = 1.0
+    (c1, c2), *_ = np.linalg.lstsq(X / scale, y, rcond=None)
+    k, kg = c1 / scale[0], c2 / scale[1]
+    if k <= 0:
+        raise ValueError("the fitted linear coefficient k is not positive: the samples do not "
+                         "vary the positions per micro-batch enough, or are too noisy")
+    return KnapFormerCost(k=float(k), gamma=float(kg / k), hidden=hidden)
+
+
+def _r2(y: np.ndarray, pred: np.ndarray) -> float:
+    ss = float(np.sum((y - y.mean()) ** 2))
+    return 1.0 - float(np.sum((y - pred) ** 2)) / ss if ss > 0 else 1.0
+
+
+def fit_adaptiveload(samples: Sequence[CostSample],
+                     grid: Sequence[float] = tuple(np.round(np.arange(1.6, 2.401, 0.05), 2))
+                     ) -> AdaptiveLoadCost:
+    """a + b sum l^p by least squares for each p on the grid; the best R^2 wins."""
+    _check(samples, 3)
+    y = np.array([s.seconds for s in samples])
+    best = None
+    for p in grid:
+        f = np.array([float(np.sum(np.asarray(s.lengths, dtype=np.float64) ** p)) for s in samples])
+        scale = f.max() or 1.0
+        A = np.stack([np.ones_like(f), f / scale], axis=1)
+        (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
+        r2 = _r2(y, A @ np.array([a, b]))
+        if best is None or r2 > best.r2:
+            best = AdaptiveLoadCost(a=float(a), b=float(b / scale), p=float(p), r2=r2)
+    return best
+
+
+def fit_tokens(samples: Sequence[CostSample]) -> TokenCost:
+    """a + b (real tokens): the baseline that ignores how tokens are split into documents."""
+    _check(samples, 2)
+    f = np.array([float(sum(s.lengths)) for s in samples])
+    A = np.stack([np.ones_like(f), f], axis=1)
+    (a, b), *_ = np.linalg.lstsq(A, np.array([s.seconds for s in samples]), rcond=None)
+    return TokenCost(a=float(a), b=float(b))
+
+
+def held_out_error(model: CostModel, samples: Sequence[CostSample]) -> float:
+    """Mean |predicted - measured| / measured over `samples`."""
+    errs = [abs(model.predict(s.lengths, s.tokens) - s.seconds) / s.seconds for s in samples]
+    return float(np.mean(errs))
+
+
+def adaptive_batch_size(seq_len: int, p: float, mem_tokens: float, comp_budget: float) -> int:
+    """AdaptiveLoad: B = max(1, min(floor(M_mem / S), floor(M_comp / S^p))) for bucket S.
+
+    `mem_tokens` (M_mem): tokens that fit in memory; `comp_budget` (M_comp): (T_target -
+    a) / b of a fitted AdaptiveLoadCost, in units of S^p."""
+    if seq_len < 1:
+        raise ValueError(f"sequence length must be positive, got {seq_len}")
+    return max(1, min(math.floor(mem_tokens / seq_len), math.floor(comp_budget / seq_len ** p)))

@@ -1,0 +1,152 @@
+"""Packed micro-batches of documents, iteration by iteration, identical on every rank.
+
+`PackedDocuments` draws pieces from a `DocumentStream`, lets the outlier queues hold
+back long ones (WLB-LLM), packs the rest with a packer from dynmo_plugin.data.packing
+into DP x micro-batch bins of `max_seqlen` positions, and builds this rank's
+micro-batches in the THD layout Megatron's packed attention reads: one row of
+`max_seqlen` positions per micro-batch, documents back to back, padding at the end
+(`loss_mask` 0, outside every document), positions restarting at each document, and
+`cu_seqlens` (int32, the document boundaries; padding not included) for per-document
+causal attention.
+
+Per iteration the stream offers the packer: documents released by the outlier queues,
+documents left over last iteration, then new pieces in stream order until the offered
+positions reach the global batch's capacity (DP x micro-batches x max_seqlen). What a
+packer leaves out is offered again next iteration; nothing is dropped. Plans are pure
+functions of (seed, configuration, iteration), computed in iteration order and cached;
+resuming at iteration k replays the plans before k (packing only, no tokens read),
+which restores the queues exactly. `state_dict` gives the same state as plain data.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+from dynmo_plugin.data.documents import DocumentStream, Piece
+from dynmo_plugin.data.packing import OutlierQueues, WlbPacker
+
+__all__ = ["PackedDocuments", "IterationPlan"]
+
+
+@dataclass
+class IterationPlan:
+    groups: list[list[list[int]]]          # [mb][dp rank] -> piece ids
+    pieces: dict[int, Piece]               # every piece placed this iteration
+    pulled: list[int]                      # ids newly drawn from the stream
+    leftover: list[int]                    # offered, not placed (offered again next time)
+    queued: list[int]                      # held in the outlier queues after this iteration
+    packing_s: float = 0.0                 # wall seconds spent planning this iteration
+    lengths: list[list[list[int]]] = field(default_factory=list)  # like groups, lengths
+
+
+class PackedDocuments:
+    """Micro-batches of packed documents; `micro_batches` matches SyntheticTokens'."""
+
+    def __init__(self, stream: DocumentStream, packer, max_seqlen: int, dp_size: int,
+                 num_microbatches: int, outliers: Optional[OutlierQueues] = None):
+        self.stream, self.packer, self.outliers = stream, packer, outliers
+        self.max_seqlen, self.dp_size, self.num_microbatches = max_seqlen, dp_size, num_microbatches
+        self.cursor = 0
+        self.carry: list[int] = []
+        self.plans: dict[int, IterationPlan] = {}
+        self._planned = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.dp_size * self.num_microbatches * self.max_seqlen
+
+    # ---- planning ---------------------------------------------------------------------------
+    def plan(self, iteration: int) -> IterationPlan:
+        """The packing of iteration `iteration` (1-based), planning earlier ones first."""
+        while self._planned < iteration:
+            self._planned += 1
+            self.plans[self._planned] = self._plan_next()
+            self.plans.pop(self._planned - 8, None)
+        if iteration not in self.plans:
+            raise ValueError(f"iteration {iteration} was planned and forgotten; plans are kept "
+                             "for the last 8 iterations only")
+        return self.plans[iteration]
+
+    def _plan_next(self) -> IterationPlan:
+        start = time.perf_counter()
+        piece = self.stream.piece
+        released = self.outliers.release() if self.outliers else []
+        offered = [(s, n) for s, n in released] + [(s, piece(s).length) for s in self.carry]
+        first = {s for s, _ in offered}
+        pulled, total = [], sum(n for _, n in offered)
+        while total < self.capacity:
+            p = piece(self.cursor)
+            self.cursor += 1
+            pulled.append(p.id)
+            if self.outliers is not None and self.outliers.admit(p.id, p.length):
+                continue
+            offered.append((p.id, p.length))
+            total += p.length
+        if isinstance(self.packer, WlbPacker):
+            groups = self.packer.get_groups_and_subsamples(offered, first=first)
+        else:
+            groups = self.packer.get_groups_and_subsamples(offered)
+        self.carry = list(self.packer.leftover)
+        if self.outliers is not None:
+            self.outliers.tick()
+        pieces = {s: piece(s) for mb in groups for ids in mb for s in ids}
+        plan = IterationPlan(groups, pieces, pulled, list(self.carry),
+                             self.outliers.pending() if self.outliers else [])
+        plan.lengths = [[[pieces[s].length for s in ids] for ids in mb] for mb in groups]
+        plan.packing_s = time.perf_counter() - start
+        return plan
+
+    # ---- micro-batches ----------------------------------------------------------------------
+    def micro_batches(self, iteration: int, dp_rank: int, dp_size: int,
+                      device: torch.device | str = "cpu") -> Iterator[dict]:
+        """This replica's packed micro-batches of iteration `iteration`."""
+        if dp_size != self.dp_size:
+            raise ValueError(f"the stream was built for DP={self.dp_size}, asked for DP={dp_size}")
+        plan = self.plan(iteration)
+        for mb in plan.groups:
+            yield self.build([plan.pieces[s] for s in mb[dp_rank]], device)
+
+    def build(self, pieces: list[Piece], device: torch.device | str = "cpu") -> dict:
+        """One THD micro-batch of `pieces`, padded to max_seqlen positions."""
+        L = self.max_seqlen
+        tokens = np.zeros(L + 1, dtype=np.int64)
+        positions = np.zeros(L, dtype=np.int64)
+        lengths = [p.length for p in pieces]
+        at = 0
+        labels = np.zeros(L, dtype=np.int64)
+        for p in pieces:
+            t = self.stream.tokens(p)
+            tokens[at:at + p.length] = t[:-1]
+            labels[at:at + p.length] = t[1:]
+            positions[at:at + p.length] = np.arange(p.length)
+            at += p.length
+        loss_mask = np.zeros(L, dtype=np.float32)
+        loss_mask[:at] = 1.0
+        cu = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32)
+        as_t = torch.from_numpy
+        return {
+            "tokens": as_t(tokens[:L])[None].to(device),
+            "labels": as_t(labels)[None].to(device),
+            "position_ids": as_t(positions)[None].to(device),
+            "attention_mask": None,
+            "loss_mask": as_t(loss_mask)[None].to(device),
+            "cu_seqlens": as_t(cu).to(device),
+            "max_seqlen": max(lengths, default=0),
+            "lengths": lengths,
+        }
+
+    # ---- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Plain data: where the stream is, what is carried over, the outlier queues."""
+        return {"planned": self._planned, "cursor": self.cursor, "carry": list(self.carry),
+                "outliers": self.outliers.state_dict() if self.outliers else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._planned, self.cursor, self.carry = state["planned"], state["cursor"], list(state["carry"])
+        self.plans.clear()
+        if self.outliers is not None and state["outliers"] is not None:
+            self.outliers.load_state_dict(state["outliers"])

@@ -1,0 +1,128 @@
+"""Per-document causal attention over packed (THD) micro-batches, for CPU.
+
+Megatron's local `DotProductAttention` refuses `packed_seq_params` and its THD path
+needs Transformer Engine, so packing documents on CPU needs a core attention of its
+own. `VarlenCoreAttention` replaces DotProductAttention as the `core_attention`
+submodule of a layer's self-attention (`varlen_attention_spec`) and is called like it.
+With `packed_seq_params` (qkv_format "thd"): query/key/value `[t, heads, head_dim]`,
+documents back to back as `cu_seqlens_q` says; each document attends causally to
+itself only, through torch's SDPA, one call per document, so a micro-batch costs
+sum(l_i^2) in attention, not t^2: packing changes compute. Positions after the last
+document (padding) get zeros. Without packed params it is dense causal SDPA on
+`[s, b, heads, head_dim]`, like DotProductAttention with a causal mask.
+
+Where CUDA and Transformer Engine exist, TE's layer spec handles THD natively and
+`varlen_attention_spec` leaves it as it is.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+__all__ = ["VarlenCoreAttention", "varlen_attention", "varlen_attention_spec",
+           "packed_seq_params"]
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens,
+                     scale: float) -> torch.Tensor:
+    """Causal attention within each document: q, k, v `[t, n, d]`, `cu_seqlens` the
+    document boundaries (a list or 1-D tensor, starting at 0). Returns `[t, n, d]`."""
+    bounds = [int(x) for x in cu_seqlens]
+    t = q.shape[0]
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b > a:
+            x = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                               v[a:b].transpose(0, 1), is_causal=True, scale=scale)
+            outs.append(x.transpose(0, 1))
+    if bounds[-1] < t:
+        outs.append(q.new_zeros(t - bounds[-1], q.shape[1], v.shape[2]))
+    return torch.cat(outs, 0) if len(outs) > 1 else outs[0]
+
+
+class VarlenCoreAttention(MegatronModule):
+    """Core attention for packed documents (see the module docstring). Built by
+    Megatron's Attention with DotProductAttention's arguments."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"varlen attention has no attention dropout; got {dropout}")
+        if config.context_parallel_size != 1:
+            raise ValueError("varlen attention on CPU does not support context parallelism")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = (softmax_scale if softmax_scale is not None
+                              else 1.0 / math.sqrt(config.kv_channels))
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if attention_bias is not None:
+            raise NotImplementedError("varlen attention does not take an attention bias")
+        if (attn_mask_type or self.attn_mask_type) != AttnMaskType.causal:
+            raise NotImplementedError("varlen attention is causal only")
+        n = query.shape[-2]
+        if key.shape[-2] != n:  # grouped-query attention: repeat keys/values per query head
+            key = key.repeat_interleave(n // key.shape[-2], dim=-2)
+            value = value.repeat_interleave(n // value.shape[-2], dim=-2)
+        if packed_seq_params is None:
+            s, b = query.shape[:2]
+            out = F.scaled_dot_product_attention(
+                query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+                is_causal=True, scale=self.softmax_scale)
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        if packed_seq_params.qkv_format != "thd":
+            raise NotImplementedError(f"packed format {packed_seq_params.qkv_format!r}; only thd")
+        cu = packed_seq_params.cu_seqlens_q
+        if packed_seq_params.cu_seqlens_kv is not None and not torch.equal(
+                packed_seq_params.cu_seqlens_kv, cu):
+            raise NotImplementedError("self-attention only: cu_seqlens_q must equal cu_seqlens_kv")
+        out = varlen_attention(query, key, value, cu.tolist(), self.softmax_scale)
+        return out.reshape(out.shape[0], -1)
+
+
+def varlen_attention_spec(spec: ModuleSpec) -> ModuleSpec:
+    """`spec` whose self-attention's core attention handles packed documents: TE's own
+    where the spec already uses Transformer Engine, else VarlenCoreAttention.
+
+    Raises:
+        ValueError: the spec's core attention is something else (e.g. LSH attention).
+    """
+    try:
+        sub = spec.submodules.self_attention.submodules
+        current = sub.core_attention
+    except AttributeError as e:
+        raise ValueError(f"packed documents need a layer spec with self_attention.submodules."
+                         f"core_attention, got {spec.module!r}") from e
+    name = getattr(current, "__name__", type(current).__name__)
+    if name.startswith("TE"):
+        return spec
+    if name not in ("DotProductAttention", "VarlenCoreAttention"):
+        raise ValueError(f"packed documents replace the core attention with per-document "
+                         f"attention, but this layer spec already uses {name}; train that "
+                         "scenario on the synthetic token stream")
+    out = copy.copy(spec)
+    out.submodules = copy.copy(spec.submodules)
+    out.submodules.self_attention = copy.copy(spec.submodules.self_attention)
+    out.submodules.self_attention.submodules = copy.copy(sub)
+    out.submodules.self_attention.submodules.core_attention = VarlenCoreAttention
+    return out
+
+
+def packed_seq_params(batch: dict) -> PackedSeqParams:
+    """Megatron's THD parameters for a micro-batch built by data.stream.PackedDocuments."""
+    cu = batch["cu_seqlens"]
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"])

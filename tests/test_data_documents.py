@@ -1,0 +1,137 @@
+"""Real and synthetic documents: the indexed dataset round-trips, the stream, the config.
+
+In-process except the two torchrun runs at the end (PP=2 lognormal documents, and
+PP=1 x DP=2 on a corpus prepared from the Python standard library's sources).
+"""
+import argparse
+import json
+import math
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launch import losses, train
+
+from dynmo_plugin.config import ConfigError, add_dynmo_args, add_model_args, load_config
+from dynmo_plugin.data import SyntheticTokens
+from dynmo_plugin.data.documents import DocumentStream, LognormalDocuments
+from dynmo_plugin.data.indexed import IndexedDocuments
+from dynmo_plugin.data.tokenizer import ByteTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+STDLIB_JSON = sorted(Path(sysconfig.get_paths()["stdlib"], "json").glob("*.py"))
+
+
+def _run_prepare(tmp_path: Path, files, *extra) -> tuple[str, dict]:
+    import subprocess
+    import sys
+    prefix = str(tmp_path / "corpus")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/prepare_data.py"), "--input",
+                          *map(str, files), "--output-prefix", prefix, "--json", *extra],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    return prefix, json.loads(out)
+
+
+def test_prepare_then_read_gives_the_same_tokens(tmp_path):
+    prefix, summary = _run_prepare(tmp_path, STDLIB_JSON)
+    tok = ByteTokenizer()
+    docs = IndexedDocuments(prefix)
+    assert summary["documents"] == len(docs) == len(STDLIB_JSON)
+    for i, path in enumerate(STDLIB_JSON):
+        text = path.read_text(encoding="utf-8")
+        assert tok.detokenize(docs.document(i)) == text
+        assert docs.document(i)[-1] == tok.eod
+        assert docs.lengths()[i] == len(text.encode()) + 1 - 1  # bytes + EOD, minus one
+    assert docs.vocab_size == 384  # 257 padded to a multiple of 128
+    piece = docs.tokens(0, 5, 10)
+    assert list(piece) == list(docs.document(0)[5:16])
+
+
+def test_prepare_splits_on_blank_lines_and_rejects_bad_input(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("one\n\n\ntwo two\n\n\n\nthree\n")
+    prefix, summary = _run_prepare(tmp_path, [f], "--split", "blank-lines")
+    assert summary["documents"] == 3
+    docs = IndexedDocuments(prefix)
+    assert [ByteTokenizer().detokenize(docs.document(i)) for i in range(3)] == ["one", "two two", "three\n"]
+    import subprocess
+    import sys
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts/prepare_data.py"), "--input",
+                          str(tmp_path / "nope.txt"), "--output-prefix", prefix],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "input not found" in bad.stderr
+
+
+def test_synthetic_token_stream_is_unchanged():
+    """The default stream, bit for bit as before the data package (other tests' exact
+    loss comparisons depend on it)."""
+    data = SyntheticTokens(seed=1234, vocab_size=256, seq_length=32, global_batch_size=16,
+                           micro_batch_size=2)
+    assert data.sample(3, 5)[:8].tolist() == [79, 80, 81, 82, 47, 84, 85, 86]
+    mb = next(data.micro_batches(2, 1, 2))
+    assert mb["tokens"].shape == (2, 32) and int(mb["tokens"].sum()) == 11474
+
+
+def test_lognormal_lengths_and_stream_pieces():
+    src = LognormalDocuments(seed=3, vocab_size=256, median=200, sigma=1.0, max_length=1500)
+    lengths = src.lengths()
+    assert 180 < np.median(lengths) < 220 and lengths.max() <= 1500 and lengths.min() >= 8
+    assert np.array_equal(lengths, LognormalDocuments(seed=3, vocab_size=256, median=200,
+                                                      sigma=1.0, max_length=1500).lengths())
+    stream = DocumentStream(src, seed=3, max_length=512)
+    per_doc: dict[int, int] = {}
+    i = 0
+    while len(per_doc) < len(src) or i < stream._per_epoch:
+        p = stream.piece(i)
+        assert 1 <= p.length <= 512 and p.start % 512 == 0
+        per_doc[p.doc] = per_doc.get(p.doc, 0) + p.length
+        i += 1
+    assert all(per_doc[d] == lengths[d] for d in per_doc)  # an epoch covers every position once
+    t = stream.tokens(stream.piece(0))
+    assert len(t) == stream.piece(0).length + 1 and t.max() < 256
+
+
+def _cfg(*flags, world_size=2):
+    p = add_dynmo_args(add_model_args(argparse.ArgumentParser()))
+    return load_config(p.parse_args(list(flags)), world_size=world_size)
+
+
+def test_config_checks(tmp_path):
+    prefix, _ = _run_prepare(tmp_path, STDLIB_JSON[:1])
+    cfg = _cfg("--data-path", prefix, "--micro-batch-size", "1", "--global-batch-size", "4")
+    assert cfg.model.vocab_size == 384 and cfg.model.data.packed
+    assert not _cfg().model.data.packed
+    with pytest.raises(ConfigError, match="--micro-batch-size 1"):
+        _cfg("--data-documents", "lognormal")
+    with pytest.raises(ConfigError, match="not found"):
+        _cfg("--data-path", str(tmp_path / "missing"), "--micro-batch-size", "1")
+    with pytest.raises(ConfigError, match="exceed --seq-length"):
+        _cfg("--data-documents", "lognormal", "--micro-batch-size", "1",
+             "--data-outlier-thresholds", "16,64")
+    with pytest.raises(ConfigError, match="ascending"):
+        _cfg("--data-documents", "lognormal", "--micro-batch-size", "1",
+             "--data-outlier-thresholds", "16,8")
+
+
+# ---- real runs ---------------------------------------------------------------------------------
+_SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+          "--seq-length", "256", "--micro-batch-size", "1", "--train-iters", "6", "--lr", "3e-3"]
+
+
+def test_lognormal_documents_train_on_two_stages_with_wlb_and_outliers(tmp_path):
+    rep = train(2, [*_SMALL, "--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
+                    "--data-documents", "lognormal", "--data-lognormal-median", "48",
+                    "--data-packer", "wlb", "--data-outlier-thresholds", "128",
+                    "--data-outlier-max-delay", "2"], tmp_path)
+    ls = losses(rep)
+    assert all(math.isfinite(x) for x in ls) and ls[-1] < ls[0]
+
+
+def test_indexed_corpus_trains_data_parallel(tmp_path):
+    prefix, _ = _run_prepare(tmp_path, STDLIB_JSON, "--split", "blank-lines")
+    rep = train(2, [*_SMALL, "--global-batch-size", "4", "--data-path", prefix], tmp_path / "run")
+    ls = losses(rep)
+    assert rep["config"]["model"]["vocab_size"] == 384
+    assert all(math.isfinite(x) for x in ls) and ls[-1] < ls[0]
