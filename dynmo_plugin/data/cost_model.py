@@ -27,7 +27,7 @@ import numpy as np
 
 __all__ = ["CostSample", "CostModel", "KnapFormerCost", "AdaptiveLoadCost", "TokenCost",
            "fit_knapformer", "fit_adaptiveload", "fit_tokens", "held_out_error",
-           "adaptive_batch_size", "FORMS"]
+           "adaptive_batch_size", "samples_from_probe", "FORMS"]
 
 FORMS = ("knapformer", "adaptiveload", "tokens")
 
@@ -150,6 +150,18 @@ def fit_tokens(samples: Sequence[CostSample]) -> TokenCost:
     A = np.stack([np.ones_like(f), f], axis=1)
     (a, b), *_ = np.linalg.lstsq(A, np.array([s.seconds for s in samples]), rcond=None)
     return TokenCost(a=float(a), b=float(b))
+
+
+def samples_from_probe(probe_samples: dict, layer: int, lengths: Sequence[Sequence[int]],
+                       tokens: int) -> list[CostSample]:
+    """CostSamples of one layer from the profiler's per-micro-batch times
+    (megatron.probe.StageProbe.samples: "fwd/N" and "bwd/N" lists, one entry per
+    micro-batch in order) and the document lengths of those micro-batches."""
+    fwd, bwd = probe_samples[f"fwd/{layer}"], probe_samples[f"bwd/{layer}"]
+    if not (len(fwd) == len(bwd) == len(lengths)):
+        raise ValueError(f"layer {layer}: {len(fwd)} forward and {len(bwd)} backward times "
+                         f"for {len(lengths)} micro-batches")
+    return [CostSample(tuple(ls), tokens, f + b) for ls, f, b in zip(lengths, fwd, bwd)]
 
 
 def held_out_error(model: CostModel, samples: Sequence[CostSample]) -> float:
