@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from dynmo_plugin.cli._output import third_party_output_to_stderr
 from dynmo_plugin.errors import UserError
@@ -15,6 +16,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="training --output directory (holds report.json)")
     p.add_argument("--out", default=None, help="where to write the PNGs and summary.md "
                    "(default: RUN_DIR)")
+    p.add_argument("--json", action="store_true", help='print {"written": [paths]} as one JSON document')
     p.set_defaults(func=run)
 
 
@@ -28,6 +30,9 @@ def run(args: argparse.Namespace) -> int:
             where = args.out if args.out is not None else args.run_dir
             raise UserError(f"cannot write the report into {where!r}: {e.strerror or e}; "
                             "pass a writable directory with --out") from e
-    for path in written:
-        print(path)
+    if args.json:
+        print(json.dumps({"written": [str(path) for path in written]}))
+    else:
+        for path in written:
+            print(path)
     return 0
