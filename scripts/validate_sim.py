@@ -39,12 +39,26 @@ take medians. Per stage it also prints the CPU time the layer costs predict agai
 the compute timers, the predicted blocked time against the measured p2p wait
 (wait_s), and what the step spends outside both ("rest").
 
+Live scenarios (`--scenarios CONFIG ...`): each scenario YAML runs twice on PP=2 as
+scripts/bench_e2e.py runs it, static (the `uniform` balancer: dynamism on, split never
+changed) and DynMo (`exact`). Measured speedup: bench_e2e's load-robust tokens/s of the
+dynamic phase (after the first dynamism event), DynMo over static. Predicted speedup:
+the simulator replays the phase from the DynMo run's own per-layer profiles (each
+covering the iterations until the next): every iteration is one simulated 1F1B
+iteration of the layout in force (static: the initial split; DynMo: the layout after
+each applied rebalance), its stage costs the profiled layers + extras; the plugin's
+measured time in the phase is added to DynMo's side, as the measured tokens/s charges
+it. So the prediction checks the schedule model and the layouts, not the profiler.
+
     .venv/bin/python scripts/validate_sim.py                # PP=2 and PP=4, ~2-3 min
     .venv/bin/python scripts/validate_sim.py --pp 2 --repeats 3
+    .venv/bin/python scripts/validate_sim.py --pp --scenarios configs/gradual_pruning.yaml
+With --json: one JSON document on stdout, the text report on stderr.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -57,6 +71,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dynmo_plugin.cli._output import third_party_output_to_stderr
+from dynmo_plugin.layout import Layout
 from dynmo_plugin.sim import Link, PipelineCosts, simulate_iteration
 from dynmo_plugin.sim.schedule import BACKWARD, FORWARD, rank_orders
 
@@ -479,9 +495,90 @@ def report_pp(a: argparse.Namespace, pp: int) -> dict:
             "median_loaded_err": loaded}
 
 
+# ---- live scenarios: predicted vs measured speedup of DynMo over static ----------------------
+def _profile_costs(profile: dict, layout: Layout) -> tuple[list[float], list[float]]:
+    """Per stage of `layout`, fwd and bwd seconds per micro-batch: its layers' profiled
+    medians plus the stage's extras, split in the ratio of its layers (as `stage_costs`)."""
+    layers = {x["layer"]: x for x in profile["layers"]}
+    extras = {x["stage"]: x["extra_s"] for x in profile["stages"]}
+    fwd, bwd = [], []
+    b = layout.boundaries
+    for s in range(layout.num_stages):
+        f = sum(layers[i]["fwd_s"] for i in range(b[s] + 1, b[s + 1] + 1))
+        w = sum(layers[i]["bwd_s"] for i in range(b[s] + 1, b[s + 1] + 1))
+        share = f / (f + w) if f + w > 0 else 1 / 3
+        fwd.append(f + share * extras.get(s, 0.0))
+        bwd.append(w + (1 - share) * extras.get(s, 0.0))
+    return fwd, bwd
+
+
+def _layouts(report: dict) -> list[tuple[int, Layout]]:
+    """(first iteration it is in force, layout): the initial one, then each applied
+    rebalance's, from the iteration after its event."""
+    out = [(0, Layout.parse(report["initial_layout"]))]
+    for e in report["events"]:
+        if e.get("kind") == "rebalance" and e.get("applied"):
+            out.append((e["iteration"] + 1, Layout.parse(e["layout_after"])))
+    return out
+
+
+def predicted_phase_s(report: dict, start: int, static: bool, a: argparse.Namespace) -> float:
+    """Simulated seconds of iterations >= start (module docstring), one per iteration."""
+    profiles = sorted(((e["iteration"], e["profile"]) for e in report["events"] if e.get("profile")),
+                      key=lambda x: x[0])
+    if not profiles:
+        raise SystemExit("the DynMo run has no per-layer profile: nothing to predict from")
+    layouts = _layouts(report)
+    m = profiles[0][1]["stages"][0]["num_microbatches"] or 1
+    model = report["config"]["model"]
+    act = 4.0 * model["seq_length"] * model["micro_batch_size"] * model["hidden_size"]  # fp32
+    cache: dict[tuple, float] = {}
+    total = 0.0
+    for row in report["iterations"]:
+        it = row["iteration"]
+        if it < start:
+            continue
+        k = max([i for i, (p_it, _) in enumerate(profiles) if p_it <= it], default=0)
+        layout = layouts[0][1] if static else [lay for first, lay in layouts if first <= it][-1]
+        key = (k, layout.counts)
+        if key not in cache:
+            fwd, bwd = _profile_costs(profiles[k][1], layout)
+            costs = PipelineCosts(fwd_s=fwd, bwd_s=bwd, num_microbatches=m, p2p=P2P, act_bytes=act)
+            cache[key] = (simulate_iteration(costs).iteration_s if layout.num_stages <= a.cores
+                          else simulate_shared(costs, a.cores).iteration_s)
+        total += cache[key]
+    return total
+
+
+def scenario_speedup(a: argparse.Namespace, config: str) -> dict:
+    """Static and DynMo runs of one scenario YAML: measured vs predicted speedup."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_e2e  # the benchmark's own runs and measurement: one way to measure
+
+    with tempfile.TemporaryDirectory(prefix="validate_sim_") as tmp:
+        static = bench_e2e._run(config, "static", [], Path(tmp) / "static")
+        dynmo = bench_e2e._run(config, "exact", [], Path(tmp) / "dynmo")
+    start = bench_e2e.phase_start(static)
+    measured = (bench_e2e.summarise(dynmo, start)["tokens_per_s"]
+                / bench_e2e.summarise(static, start)["tokens_per_s"])
+    plugin = sum(r.get("dynmo_s", 0.0) for r in dynmo["iterations"] if r["iteration"] >= start)
+    static_s = predicted_phase_s(dynmo, start, True, a)
+    dynmo_s = predicted_phase_s(dynmo, start, False, a)
+    predicted = static_s / (dynmo_s + plugin)
+    applied = [e["layout_after"] for e in dynmo["events"] if e.get("kind") == "rebalance" and e.get("applied")]
+    row = {"config": config, "scenario": dynmo["config"]["dynmo"]["dynamism"]["kind"],
+           "phase_start": start, "measured_speedup": measured, "predicted_speedup": predicted,
+           "predicted_compute_only": static_s / dynmo_s, "plugin_s": plugin,
+           "error": predicted / measured - 1, "layouts": applied}
+    print(f" {row['scenario']:18s} measured {measured:.3f}x  predicted {predicted:.3f}x "
+          f"({row['error']:+.1%}; compute only {row['predicted_compute_only']:.3f}x)  layouts {applied}")
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--pp", type=int, nargs="*", default=[2, 4],
+                   help="pipeline sizes to check (default 2 4; none: only --scenarios)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -503,14 +600,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="stage cost per micro-batch: the schedule's compute timers (compute_s / m) "
                         "or the sum of the per-layer hook costs + extras")
     p.add_argument("--keep", default=None, metavar="DIR", help="keep each run's report.json under DIR")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the figures here")
+    p.add_argument("--scenarios", nargs="*", default=[], metavar="CONFIG",
+                   help="scenario YAMLs: predicted vs measured speedup of DynMo over static (PP=2)")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout (text on stderr)")
     a = p.parse_args(argv)
-    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
-          f"(1, 5, 15 min) on {a.cores} cores")
-    results = [report_pp(a, pp) for pp in a.pp]
-    print(f"\nload average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    with third_party_output_to_stderr() if a.json else contextlib.nullcontext():
+        print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
+              f"(1, 5, 15 min) on {a.cores} cores")
+        results = {"pipelines": [report_pp(a, pp) for pp in a.pp]}
+        if a.scenarios:
+            print("\n== live scenarios, PP=2: DynMo (exact) over static, dynamic phase ==")
+            results["scenarios"] = [scenario_speedup(a, c) for c in a.scenarios]
+        print(f"\nload average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=1))
+        print(json.dumps(results, indent=1, allow_nan=False))
     return 0
 
 

@@ -100,3 +100,30 @@ def test_background_load_slows_the_shared_pipeline(vs):
     one = vs.simulate_shared(single, cores=1).iteration_s
     assert one == pytest.approx(4 * 0.03 + 0.005)
     assert vs.simulate_shared(single, cores=1, background=1).iteration_s == pytest.approx(2 * one)
+
+
+def _scenario_report() -> dict:
+    """4 layers on 2 stages, layer 1 three times as costly; a rebalance at iteration 4
+    moves layer 2 to stage 1 (Et|tttL balances 3 vs 1+1+1)."""
+    layers = [{"layer": i + 1, "stage": i // 2, "fwd_s": c / 3, "bwd_s": 2 * c / 3, "param_bytes": 4,
+               "grad_bytes": 4, "optim_bytes": 8, "act_bytes": 0}
+              for i, c in enumerate([0.03, 0.01, 0.01, 0.01])]
+    stages = [{"stage": s, "extra_s": 0.0, "wait_s": 0.0, "peak_bytes": 0, "num_microbatches": 8}
+              for s in range(2)]
+    profile = {"layers": layers, "stages": stages}
+    return {"config": {"model": {"seq_length": 16, "micro_batch_size": 1, "hidden_size": 8}},
+            "initial_layout": "Ett|ttL",
+            "iterations": [{"iteration": i, "time_s": 1.0} for i in range(1, 9)],
+            "events": [{"kind": "rebalance", "iteration": 4, "applied": True, "profile": profile,
+                        "layout_before": "Ett|ttL", "layout_after": "Et|tttL"}]}
+
+
+def test_scenario_replay_uses_the_layout_in_force_each_iteration(vs):
+    import argparse
+    report, a = _scenario_report(), argparse.Namespace(cores=2)
+    assert [(it, str(lay)) for it, lay in vs._layouts(report)] == [(0, "Ett|ttL"), (5, "Et|tttL")]
+    static = vs.predicted_phase_s(report, 5, True, a)
+    dynmo = vs.predicted_phase_s(report, 5, False, a)
+    # iterations 5-8 on the balanced split: 3 vs 3 units per micro-batch, against 4 vs 2
+    assert static / dynmo == pytest.approx(4 / 3, rel=0.1)
+    assert vs.predicted_phase_s(report, 2, False, a) > dynmo  # 2-4 still ran the old split
