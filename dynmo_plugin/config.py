@@ -96,6 +96,9 @@ class DataConfig:
         "--data-outlier-thresholds", _ascending_lengths))
     outlier_max_delay: int = field(default=8, metadata=opt(
         "iterations an outlier document waits at most", "--data-outlier-max-delay", positive))
+    redistribute: bool = field(default=False, metadata=opt(
+        "after packing, move whole documents between DP replicas to even their predicted "
+        "workload (KnapFormer-style)", "--data-redistribute"))
 
     @property
     def packed(self) -> bool:

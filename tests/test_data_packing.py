@@ -16,24 +16,27 @@ from dynmo_plugin.data.stream import PackedDocuments
 L = 512
 
 
-def _stream(packer: str, dp=1, mb=4, thresholds=(), delay=3, count=400):
+def _stream(packer: str, dp=1, mb=4, thresholds=(), delay=3, count=400, redistribute=False):
     src = LognormalDocuments(seed=5, vocab_size=64, median=60, sigma=1.0, max_length=2 * L,
                              count=count)
     docs = DocumentStream(src, seed=5, max_length=L)
     p = (SequentialPacker(L, dp, mb) if packer == "sequential"
          else WlbPacker(L, dp, mb, lambda n: float(n) ** 2))
     q = OutlierQueues(list(thresholds), dp * mb, delay) if thresholds else None
-    return PackedDocuments(docs, p, L, dp, mb, q)
+    return PackedDocuments(docs, p, L, dp, mb, q,
+                           redistribute=(lambda n: float(n) ** 2) if redistribute else None)
 
 
 def _placed(plan):
     return [s for mb in plan.groups for ids in mb for s in ids]
 
 
-@pytest.mark.parametrize("packer,thresholds", [("sequential", ()), ("wlb", ()), ("wlb", (200, 350))])
+@pytest.mark.parametrize("packer,thresholds,redistribute", [
+    ("sequential", (), False), ("wlb", (), False), ("wlb", (200, 350), False),
+    ("sequential", (), True), ("wlb", (200, 350), True)])
 @pytest.mark.parametrize("dp", [1, 2])
-def test_no_document_lost_or_duplicated_over_an_epoch(packer, thresholds, dp):
-    stream = _stream(packer, dp=dp, thresholds=thresholds)
+def test_no_document_lost_or_duplicated_over_an_epoch(packer, thresholds, redistribute, dp):
+    stream = _stream(packer, dp=dp, thresholds=thresholds, redistribute=redistribute)
     trained, pulled, it = [], [], 0
     epoch = stream.stream._per_epoch
     while stream.cursor < epoch:
@@ -85,6 +88,18 @@ def test_state_resumes_exactly():
     fresh = _stream("wlb", dp=2, thresholds=(200,))   # resuming by replay: what the trainer does
     for it in range(6, 12):
         assert a.plan(it).groups == b.plan(it).groups == fresh.plan(it).groups
+
+
+def test_redistribution_evens_replicas_after_sequential_packing():
+    def spread(stream):
+        out = []
+        for it in range(1, 30):
+            per_rank = [sum(x * x for mb in stream.plan(it).lengths for x in mb[r]) for r in range(2)]
+            out.append(max(per_rank) / np.mean(per_rank))
+        return float(np.mean(out))
+    plain, moved = _stream("sequential", dp=2), _stream("sequential", dp=2, redistribute=True)
+    assert spread(moved) < spread(plain)
+    assert any(moved.plan(it).moves for it in range(25, 30))
 
 
 def test_wlb_balances_predicted_workload_better_than_sequential():

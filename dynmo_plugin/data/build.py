@@ -23,12 +23,14 @@ def build_packed_documents(data, seed: int, vocab_size: int, seq_length: int, dp
     `data.packer` into `dp_size` x `num_microbatches` rows of `seq_length`."""
     source = document_source(data, seed, vocab_size, seq_length)
     stream = DocumentStream(source, seed, seq_length)
+    p = data.cost_exponent
+    workload = lambda n: float(n) ** p  # noqa: E731 - the quadratic (attention) part by default
     if data.packer == "wlb":
-        p = data.cost_exponent
-        packer = WlbPacker(seq_length, dp_size, num_microbatches, lambda n: float(n) ** p)
+        packer = WlbPacker(seq_length, dp_size, num_microbatches, workload)
     else:
         packer = SequentialPacker(seq_length, dp_size, num_microbatches)
     thresholds = data.thresholds()
     outliers = (OutlierQueues(thresholds, dp_size * num_microbatches, data.outlier_max_delay)
                 if thresholds else None)
-    return PackedDocuments(stream, packer, seq_length, dp_size, num_microbatches, outliers)
+    return PackedDocuments(stream, packer, seq_length, dp_size, num_microbatches, outliers,
+                           redistribute=workload if data.redistribute else None)

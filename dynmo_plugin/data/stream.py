@@ -28,6 +28,7 @@ import torch
 
 from dynmo_plugin.data.documents import DocumentStream, Piece
 from dynmo_plugin.data.packing import OutlierQueues, WlbPacker
+from dynmo_plugin.data.redistribute import plan_redistribution
 
 __all__ = ["PackedDocuments", "IterationPlan"]
 
@@ -41,14 +42,19 @@ class IterationPlan:
     queued: list[int]                      # held in the outlier queues after this iteration
     packing_s: float = 0.0                 # wall seconds spent planning this iteration
     lengths: list[list[list[int]]] = field(default_factory=list)  # like groups, lengths
+    moves: list = field(default_factory=list)  # redistribution: (id, mb, src rank, dst rank)
 
 
 class PackedDocuments:
     """Micro-batches of packed documents; `micro_batches` matches SyntheticTokens'."""
 
     def __init__(self, stream: DocumentStream, packer, max_seqlen: int, dp_size: int,
-                 num_microbatches: int, outliers: Optional[OutlierQueues] = None):
+                 num_microbatches: int, outliers: Optional[OutlierQueues] = None,
+                 redistribute=None):
+        """`redistribute(length) -> workload`: after packing, move whole documents between
+        DP replicas to even their predicted workload (data.redistribute)."""
         self.stream, self.packer, self.outliers = stream, packer, outliers
+        self.redistribute = redistribute
         self.max_seqlen, self.dp_size, self.num_microbatches = max_seqlen, dp_size, num_microbatches
         self.cursor = 0
         self.carry: list[int] = []
@@ -91,12 +97,18 @@ class PackedDocuments:
         else:
             groups = self.packer.get_groups_and_subsamples(offered)
         self.carry = list(self.packer.leftover)
+        moves = []
+        if self.redistribute is not None and self.dp_size > 1:
+            groups, moves = plan_redistribution(groups, {s: piece(s).length for mb in groups
+                                                         for ids in mb for s in ids},
+                                                self.redistribute, self.max_seqlen)
         if self.outliers is not None:
             self.outliers.tick()
         pieces = {s: piece(s) for mb in groups for ids in mb for s in ids}
         plan = IterationPlan(groups, pieces, pulled, list(self.carry),
                              self.outliers.pending() if self.outliers else [])
         plan.lengths = [[[pieces[s].length for s in ids] for ids in mb] for mb in groups]
+        plan.moves = moves
         plan.packing_s = time.perf_counter() - start
         return plan
 
