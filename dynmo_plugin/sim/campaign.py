@@ -19,6 +19,9 @@ Baselines (`BASELINES`), each over the same iterations and tokens:
 * static: the same dynamism on Megatron's uniform split (what DynMo itself adds);
 * static_deepspeed: the same dynamism on DeepSpeed's static 'parameters' split of the
   initial model (imports DeepSpeed: opt-in); "static_best" is the faster of the two;
+* static_tuned: the same dynamism on the split `exact` gives the initial model, kept
+  for the whole run (what a user setting Megatron's pipeline layout once by hand
+  would get: it fixes the output layer's imbalance, not the dynamism's);
 * no_dynamism: the dense model on Megatron's split (no early exit, dense attention);
 * fluid: not a baseline but a bound: the same dynamism with every stage holding exactly
   1/pp of the work (layers divisible at will, no overheads); no layer-granular
@@ -42,10 +45,10 @@ from dynmo_plugin.sim.planner import GateSettings, build_problem, decide, live_r
 from dynmo_plugin.sim.scenarios import Scenario
 
 __all__ = ["BASELINES", "CampaignConfig", "RunSummary", "RebalanceRecord", "CampaignResult",
-           "run_campaign", "run_variants", "VARIANT_FIELDS"]
+           "run_campaign", "run_variants", "VARIANT_FIELDS", "work_share"]
 
 log = logging.getLogger(__name__)
-BASELINES = ("static", "static_deepspeed", "no_dynamism", "fluid")
+BASELINES = ("static", "static_deepspeed", "static_tuned", "no_dynamism", "fluid")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -294,6 +297,18 @@ def _fixed_layout_run(run: _Run, layout: Layout, dense: bool = False) -> RunSumm
     return _fixed_summary(cfg, time_s, idle, cfg.dp * layout.num_stages)
 
 
+def work_share(cfg: CampaignConfig) -> float:
+    """Compute the run keeps, as a share of the dense model's (layers + extras, weighted
+    by iterations): the bound on any speedup over the dense model at equal balance."""
+    shape, kept = cfg.shape, 0.0
+    dense = layer_costs(shape, cfg.hw, LayerLoad.dense(cfg.scenario.num_layers))  # type: ignore[arg-type]
+    total = dense.total_s.sum() + 3 * (dense.head_fwd_s + dense.embed_fwd_s)
+    for a, b, _, load in _segments(cfg):
+        c = layer_costs(shape, cfg.hw, load)  # type: ignore[arg-type]
+        kept += (b - a) * (c.total_s.sum() + 3 * (c.head_fwd_s + c.embed_fwd_s))
+    return kept / (cfg.iterations * total)
+
+
 def _fluid_run(run: _Run) -> RunSummary:
     """Every stage holds exactly 1/pp of the work (module docstring: the bound)."""
     cfg, shape = run.cfg, run.shape
@@ -313,14 +328,15 @@ def _fluid_run(run: _Run) -> RunSummary:
     return _fixed_summary(cfg, time_s, idle, cfg.dp * p)
 
 
-def _deepspeed_layout(run: _Run) -> Layout:
-    """DeepSpeed's static 'parameters' split of the initial model (through `solve`)."""
+def _initial_split(run: _Run, method: str) -> Layout:
+    """`method`'s split of the initial model (through `solve`): DeepSpeed's
+    'parameters' or the exact split of the initial costs."""
     cfg = run.cfg
     load = cfg.scenario.load(0)
     uniform = Layout.uniform(cfg.scenario.num_layers, cfg.pp)
     problem = build_problem(costs=layer_costs(run.shape, cfg.hw, load), load=load, shape=run.shape,
                             hw=cfg.hw, current=uniform, num_microbatches=cfg.num_microbatches)  # type: ignore[arg-type]
-    return solve(problem, "parameters").layout
+    return solve(problem, method).layout
 
 
 def _baselines(run: _Run) -> dict[str, RunSummary]:
@@ -328,8 +344,10 @@ def _baselines(run: _Run) -> dict[str, RunSummary]:
     uniform = Layout.uniform(cfg.scenario.num_layers, cfg.pp)
     out = {"static": _fixed_layout_run(run, uniform)}
     if "static_deepspeed" in cfg.baselines:
-        out["static_deepspeed"] = _fixed_layout_run(run, _deepspeed_layout(run))
+        out["static_deepspeed"] = _fixed_layout_run(run, _initial_split(run, "parameters"))
         out["static_best"] = max(out["static"], out["static_deepspeed"], key=lambda r: r.tokens_per_s)
+    if "static_tuned" in cfg.baselines:
+        out["static_tuned"] = _fixed_layout_run(run, _initial_split(run, "exact"))
     if "no_dynamism" in cfg.baselines:
         out["no_dynamism"] = _fixed_layout_run(run, uniform, dense=True)
     if "fluid" in cfg.baselines:
