@@ -341,7 +341,7 @@ class DynMo:
             if len(samples) == _MEASURE_ITERS:
                 event.measured_iter_s_after = statistics.fmean(samples)
                 if self.report is not None:
-                    self.report.write()
+                    self.report.update_event(event)
         self._awaiting_after = [(e, s) for e, s in self._awaiting_after if len(s) < _MEASURE_ITERS]
 
     def _record(self, event) -> None:

@@ -174,7 +174,7 @@ class TrainingSession:
         if self.releases is not None:
             self.releases.join()
         self.report.layout = str(self.trainer.layout)
-        self.report.write()
+        self.report.close()
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self, iteration: int) -> None:

@@ -1,4 +1,5 @@
-"""Reading `report.json` (written by the launcher's `dynmo_plugin.report.RunReport`).
+"""Reading `report.json` (written by the launcher's `dynmo_plugin.report.RunReport`), or
+the `report.jsonl` log beside it when the run did not complete.
 
 Tolerant of what real runs leave out, strict about what cannot be real:
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dynmo_plugin.errors import UserError
+from dynmo_plugin.report import LOG_NAME, replay_log, summary_if_complete
 
 __all__ = ["Event", "Report", "load_report", "REPORT_NAME"]
 
@@ -192,6 +194,25 @@ def _read_json(path: Path) -> Any:
                         "to read; it is not a report.json written by dynmo") from e
 
 
+def _read_raw(path: Path) -> tuple[Any, Path]:
+    """(the report document, the file it came from): the summary when its run completed
+    or there is no log beside it (older launchers, hand-written files), else the log
+    replayed (a run that crashed or is still running: its summary lags behind).
+
+    Raises:
+        UserError: see `_read_json` and `dynmo_plugin.report.replay_log`.
+    """
+    log_path = path.with_name(LOG_NAME)
+    if not log_path.is_file():
+        return _read_json(path), path
+    summary = summary_if_complete(path)
+    if summary is not None:
+        return summary, path
+    log.warning("%s is not the final report (the run did not finish); read %s instead",
+                path, log_path)
+    return replay_log(log_path), log_path
+
+
 def _list_field(raw: dict, key: str, path: Path) -> list:
     """raw[key] as a list ([] if absent or null).
 
@@ -326,7 +347,7 @@ def load_report(run_dir: str | Path) -> Report:
     path = Path(run_dir)
     if path.is_dir():
         path = path / REPORT_NAME
-    raw = _read_json(path)
+    raw, path = _read_raw(path)
     if not isinstance(raw, dict):
         raise UserError(f"{path} is not a run report (expected a JSON object, got {_type_name(raw)})")
     iterations, losses, times = _iterations(raw, path)
