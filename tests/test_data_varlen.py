@@ -60,20 +60,23 @@ def test_documents_do_not_see_each_other_and_padding_is_zero():
     assert q.grad[:26].abs().sum() > 0
 
 
-def _attention_seconds(cu, t=2048, heads=4, head_dim=32, repeats=3):
+def _attention_seconds(bounds: dict, t=2048, heads=4, head_dim=32, repeats=5) -> dict:
+    """{name: fastest forward + backward CPU thread time}, names measured round-robin so a
+    burst of load on this shared machine hits each alike; the minimum is the cost with
+    the least interference."""
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(t, heads, head_dim, generator=gen, requires_grad=True) for _ in range(3))
-    times = []
+    times: dict = {name: [] for name in bounds}
     for _ in range(repeats + 1):
-        start = time.thread_time()
-        varlen_attention(q, k, v, cu, 1.0 / math.sqrt(head_dim)).sum().backward()
-        times.append(time.thread_time() - start)
-    return sorted(times[1:])[len(times[1:]) // 2]
+        for name, cu in bounds.items():
+            start = time.thread_time()
+            varlen_attention(q, k, v, cu, 1.0 / math.sqrt(head_dim)).sum().backward()
+            times[name].append(time.thread_time() - start)
+    return {name: min(v[1:]) for name, v in times.items()}
 
 
 def test_many_short_documents_cost_less_than_one_long_document():
     """Same 2048 tokens: one document vs eight of 256. Attention work differs 8x, so the
-    direction holds far above CPU timing noise (thread CPU time, medians)."""
-    one = _attention_seconds([0, 2048])
-    eight = _attention_seconds(list(range(0, 2049, 256)))
-    assert eight < one
+    direction holds far above CPU timing noise (thread CPU time, fastest of 5)."""
+    secs = _attention_seconds({"one": [0, 2048], "eight": list(range(0, 2049, 256))})
+    assert secs["eight"] < secs["one"]
