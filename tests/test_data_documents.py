@@ -17,7 +17,7 @@ from launch import losses, train
 from dynmo_plugin.config import ConfigError, add_dynmo_args, add_model_args, load_config
 from dynmo_plugin.data import SyntheticTokens
 from dynmo_plugin.data.documents import DocumentStream, LognormalDocuments
-from dynmo_plugin.data.indexed import IndexedDocuments
+from dynmo_plugin.megatron.indexed_data import IndexedDocuments
 from dynmo_plugin.data.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
