@@ -18,11 +18,8 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dynmo_plugin.report import RunReport  # noqa: E402
+from dynmo_plugin.report import RunReport
 
 
 def _event(it: int, layers: int) -> dict:
