@@ -7,7 +7,7 @@ Adam state, checksums, DDP/optimizer rebuild) and times a raw p2p send of exactl
 same bytes between the same ranks. Then runs the launcher once with an interval
 rebalance on an unbalanced start and prints the time split of that rebalance and the
 predicted vs measured iteration time before and after it.
-Usage: python scripts/bench_migration.py [--hidden 512] [--repeats 3]
+Usage: python scripts/bench_migration.py [--hidden 512] [--repeats 7] [--no-rebalance]
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 from _torchrun import print_result, read_result, torchrun
+
+from dynmo_plugin.report import read_report
 
 # ---- worker (runs under torchrun) ---------------------------------------------------------
 def _raw_send_s(nbytes: int, dims, repeats: int, fresh: bool) -> float:
@@ -44,9 +46,22 @@ def _raw_send_s(nbytes: int, dims, repeats: int, fresh: bool) -> float:
     return statistics.median(times)
 
 
+class _NoPool:
+    """Stands in for the migrator's StagingPool: receive into new buffers, as before it."""
+
+    nbytes = 0
+
+    def take(self, headers):
+        return None
+
+    def release(self) -> None:
+        pass
+
+
 def worker(hidden: int, layers: int, repeats: int) -> None:
     import torch.distributed as dist
     from dynmo_plugin.config import ModelArgs
+    from dynmo_plugin.consensus import ControlPlane
     from dynmo_plugin.layout import Layout
     from dynmo_plugin.megatron.migrate import LayerMigrator
     from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
@@ -58,20 +73,33 @@ def worker(hidden: int, layers: int, repeats: int) -> None:
     base = Layout.uniform(layers, 2)
     trainer = StageTrainer(args, dims, base)
     trainer.train_step(1)  # optimizer state exists from here on
-    migrator = LayerMigrator(trainer)
+    migrator = LayerMigrator(trainer, ControlPlane(300.0))
     rows = []
     for n in (1, 2, layers // 2 - 1):
         moved = Layout((base.counts[0] - n, base.counts[1] + n))
-        results = []
-        for _ in range(repeats):
-            results.append(migrator.migrate(moved))
+        # the first move of a new size grows the receivers' staging pools (touching their
+        # pages while the senders wait in the transfer): timed apart, as "first"
+        first = migrator.migrate(moved)
+        migrator.migrate(base)
+        runs = []
+        for _ in range(repeats):  # interleaved, so load drifts hit every column alike
+            there, back = migrator.migrate(moved), migrator.migrate(base)
+            pool, migrator.pool = migrator.pool, _NoPool()
+            unpooled = migrator.migrate(moved)
             migrator.migrate(base)
-        nbytes = results[0].bytes_moved
-        rows.append({"layers": n, "bytes": nbytes,
-                     "transfer_s": statistics.median(r.transfer_s for r in results),
-                     "total_s": statistics.median(r.total_s for r in results),
-                     "raw_s": _raw_send_s(nbytes, dims, repeats, fresh=False),
-                     "raw_fresh_s": _raw_send_s(nbytes, dims, repeats, fresh=True)})
+            migrator.pool = pool
+            runs.append({"transfer_s": there.transfer_s, "total_s": there.total_s,
+                         "no_pool_transfer_s": unpooled.transfer_s,
+                         "staging_s": there.phase_s["staging"], "back_transfer_s": back.transfer_s,
+                         "raw_s": _raw_send_s(there.bytes_moved, dims, 1, fresh=False),
+                         "raw_fresh_s": _raw_send_s(there.bytes_moved, dims, 1, fresh=True),
+                         "pool_bytes": there.staging_pool_bytes})
+        rows.append({"layers": n, "bytes": there.bytes_moved, "runs": runs,
+                     "first_transfer_s": first.transfer_s, "first_staging_s": first.phase_s["staging"],
+                     **{k: statistics.median(r[k] for r in runs) for k in runs[0]},
+                     "xfer_over_raw": statistics.median(r["raw_s"] / r["transfer_s"] for r in runs),
+                     "no_pool_over_raw": statistics.median(r["raw_s"] / r["no_pool_transfer_s"]
+                                                           for r in runs)})
     if dist.get_rank() == 0:
         print_result(rows)
     destroy_parallel()
@@ -83,7 +111,7 @@ def _time_split(out: Path) -> dict:
                "--seq-length", "64", "--train-iters", "16", "--pipeline-model-parallel-size", "2",
                "--pipeline-model-parallel-layout", "Ettttttt|tL", "--dynmo",
                "--dynmo-rebalance-interval", "4", "--output", str(out)])
-    report = json.loads((out / "report.json").read_text())
+    report = read_report(out)
     return next(e for e in report["events"] if e["kind"] == "rebalance" and e.get("applied"))
 
 
@@ -91,7 +119,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json-rows", default=None, metavar="FILE", help="also write the rows (every repeat) to FILE")
+    ap.add_argument("--no-rebalance", action="store_true", help="skip the launcher run's time split")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -100,17 +130,32 @@ def main() -> int:
     stdout = torchrun(2, [__file__, "--worker", "--hidden", str(a.hidden), "--layers", str(a.layers),
                         "--repeats", str(a.repeats)])
     rows = read_result(stdout)
-    print(f"hidden {a.hidden}, PP=2, median of {a.repeats}; GB/s = bytes / seconds (max over ranks)")
-    print(f"{'layers':>6s} {'MB':>7s} {'raw':>6s} {'raw,fresh':>9s} {'xfer':>6s} {'xfer/raw':>8s} "
-          f"{'xfer/fresh':>10s} {'total':>6s} {'total/raw':>9s}")
+    if a.json_rows:
+        Path(a.json_rows).write_text(json.dumps(rows))
+    print(f"hidden {a.hidden}, PP=2, median of {a.repeats} interleaved repeats; GB/s = bytes / "
+          f"seconds (max over ranks); load avg {os.getloadavg()[0]:.1f}")
+    print("| layers | MB | raw GB/s | raw,fresh | xfer | xfer/raw | xfer, no pool | no pool/raw "
+          "| staging ms | total | total/raw | pool MB | first: xfer GB/s, staging ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        raw, fresh, xfer, total = (r["bytes"] / r[k] / 1e9
-                                   for k in ("raw_s", "raw_fresh_s", "transfer_s", "total_s"))
-        print(f"{r['layers']:6d} {r['bytes'] / 1e6:7.1f} {raw:6.2f} {fresh:9.2f} {xfer:6.2f} "
-              f"{xfer / raw:8.2f} {xfer / fresh:10.2f} {total:6.2f} {total / raw:9.2f}")
-    print("raw: one send/recv into a warm buffer; raw,fresh: into a new buffer, as a migration "
-          "must.\nxfer: the migration's batched p2p phase; total adds packing, checksums, "
-          "building and\nloading the layers, the all-rank agreement and the DDP/optimizer rebuild.")
+        raw, fresh, xfer, unpooled, total = (
+            r["bytes"] / r[k] / 1e9 for k in ("raw_s", "raw_fresh_s", "transfer_s",
+                                              "no_pool_transfer_s", "total_s"))
+        print(f"| {r['layers']} | {r['bytes'] / 1e6:.1f} | {raw:.2f} | {fresh:.2f} | {xfer:.2f} "
+              f"| {r['xfer_over_raw']:.2f} | {unpooled:.2f} | {r['no_pool_over_raw']:.2f} "
+              f"| {1e3 * r['staging_s']:.1f} "
+              f"| {total:.2f} | {total / raw:.2f} | {r['pool_bytes'] / 1e6:.1f} "
+              f"| {r['bytes'] / r['first_transfer_s'] / 1e9:.2f}, {1e3 * r['first_staging_s']:.0f} |")
+    print("raw: one send/recv into a warm buffer; raw,fresh: into a new buffer.\n"
+          "xfer: the migration's batched p2p phase, receiving into the staging pool; xfer/raw:\n"
+          "median of the per-repeat ratios; no pool: the same migration receiving into new\n"
+          "buffers. staging: taking the receive buffers from the pool. total adds packing,\n"
+          "checksums, building and loading the layers, the all-rank agreement and the\n"
+          "DDP/optimizer rebuild. pool: bytes the pool holds after the move (max over ranks).\n"
+          "first: the first move of that size, which grows the pools and touches their pages\n"
+          "while the senders wait (not in the medians).")
+    if a.no_rebalance:
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         event = _time_split(Path(tmp))
     o = event["overhead_s"]

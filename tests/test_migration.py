@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from dynmo_plugin.migration.pool import StagingPool
+from dynmo_plugin.migration.wire import pack, unpack
 from launch import assert_same_training, load_params, losses, worker
 
 pytestmark = pytest.mark.multiproc
@@ -13,6 +15,9 @@ MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
 # Iteration 5: 2-3 go back 1->0, 5-6 go 1->2, 7 goes 1->3 (across two stages).
 PP4_FORCED = "3:Et|tttttt||tL;5:Ettt|t|tt|ttL"
 PP2_FORCED = "3:Etttttt|ttL;5:Et|tttttttL"
+# Stage 0 receives layer 5, then layer 6 into the same staging pool while layer 5 trains on
+# (state that still pointed into the pool would be overwritten), then stage 1 receives 2-6.
+PP2_REUSE = "3:Ettttt|tttL;4:Etttttt|ttL;5:Et|tttttttL"
 
 
 def _assert_same_training(a_dir, a, b_dir, b, ranks):
@@ -35,6 +40,7 @@ def test_pp4_migrations_are_bit_exact(pp4_static, tmp_path):
         (2, 0, 1), (5, 2, 1), (6, 2, 1), (7, 3, 1)}
     assert all(m["bytes"] > 0 for m in events[0]["moves"])
     assert events[0]["migration"]["bandwidth_bytes_per_s"] > 0
+    assert events[0]["migration"]["staging_pool_bytes"] >= max(m["bytes"] for m in events[0]["moves"])
     assert report["initial_layout"] == "Ett|tt|tt|ttL" and report["layout"] == "Ettt|t|tt|ttL"
     _assert_same_training(pp4_static[0], pp4_static[1], tmp_path, report, range(4))
 
@@ -64,8 +70,10 @@ def test_pp2_dp2_migrations_are_bit_exact(tmp_path_factory):
     static_dir, moved_dir = tmp_path_factory.mktemp("dp_static"), tmp_path_factory.mktemp("dp_moved")
     flags = MODEL + ["--pipeline-model-parallel-size", "2"]
     static = worker(4, flags, static_dir)
-    moved = worker(4, flags + ["--dynmo-forced-layouts", PP2_FORCED], moved_dir)
-    assert [e["applied"] for e in moved["events"]] == [True, True]
+    moved = worker(4, flags + ["--dynmo-forced-layouts", PP2_REUSE], moved_dir)
+    assert [e["applied"] for e in moved["events"]] == [True, True, True]
+    pools = [e["migration"]["staging_pool_bytes"] for e in moved["events"]]
+    assert 0 < pools[0] == pools[1] < pools[2]  # layer 6 reused layer 5's buffer; 2-6 grew it
     assert moved["world"]["dp"] == 2
     _assert_same_training(static_dir, static, moved_dir, moved, range(4))
 
@@ -85,3 +93,32 @@ def test_pp2_tp2_migrations_are_bit_exact(tmp_path_factory):
         a, b = load_params(static_dir, tp_ranks), load_params(moved_dir, tp_ranks)
         assert a.keys() == b.keys()
         assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+# ---- the staging pool (in process) ----------------------------------------------------------
+def _headers(*layers):
+    tensors = {"w": torch.randn(33), "step": torch.tensor(3.0), "x": torch.randn(5).double(),
+               "h": torch.randn(7).to(torch.bfloat16)}
+    return [pack(n, 0, 1, tensors, torch.device("cpu"))[0] for n in layers], tensors
+
+
+def test_pool_views_hold_every_buffer_and_are_reused():
+    (h3, h4), tensors = _headers(3, 4)
+    pool = StagingPool(torch.device("cpu"), release_after=2)
+    views = pool.take([h3, h4])
+    assert [[(v.dtype, v.numel()) for v in views[n]] for n in (3, 4)] == [
+        [(torch.float32, 34), (torch.float64, 5), (torch.bfloat16, 7)]] * 2
+    ptrs = [v.data_ptr() for n in (3, 4) for v in views[n]]
+    assert len(set(ptrs)) == 6 and all(p % 64 == 0 for p in ptrs)
+    _, buffers = pack(3, 0, 1, tensors, torch.device("cpu"))
+    for view, buf in zip(views[3], buffers):
+        view.copy_(buf)
+    assert all(torch.equal(tensors[k], v) for k, v in unpack(h3, views[3]).items())
+    held, grown = pool.nbytes, pool.grown
+    again = pool.take([h4])  # smaller: no new memory, same pages
+    assert pool.nbytes == held and pool.grown == grown and again[4][0].data_ptr() == ptrs[0]
+    assert pool.take([]) == {} and pool.nbytes == held  # one idle migration: kept
+    assert pool.take([]) == {} and pool.nbytes == 0     # release_after=2 idle ones: released
+    big, _ = _headers(5, 6, 7)
+    pool.take(big)
+    assert pool.nbytes > held and pool.grown == grown + 1

@@ -8,6 +8,8 @@ Everything that can fail happens BEFORE the point of no return, on new objects o
                 (Adam moments, step, fp32 master copy in bf16/fp16) and which of its
                 parameters are frozen;
   2. headers  - all-gather of headers on the control plane;
+     staging  - receivers take their receive buffers from a StagingPool (kept between
+                migrations on CPU: fresh host memory halves the receive bandwidth);
   3. transfer - buffers by batched p2p on the pipeline group, with a timeout;
   4. stage    - receivers build the layers (the new layout on the config gives them
                 their global numbers), verify checksums, load state;
@@ -37,6 +39,7 @@ from dynmo_plugin.consensus import ControlPlane, PeerFailure
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.megatron.optim_state import carry_optimizer_state, param_state, state_owner
 from dynmo_plugin.migration.exchange import (TIMEOUT_MARK, exchange_buffers, exchange_headers)
+from dynmo_plugin.migration.pool import StagingPool
 from dynmo_plugin.migration.result import MigrationError, MigrationResult
 from dynmo_plugin.migration.wire import Header, checksum, pack, unpack
 
@@ -44,7 +47,7 @@ __all__ = ["LayerMigrator", "retire_ddp"]
 
 logger = logging.getLogger(__name__)
 # Every rank reports every phase (0 s where it skipped one): reductions need equal lengths.
-PHASES = ("pack", "headers", "transfer", "stage", "prepare", "optimizer")
+PHASES = ("pack", "headers", "staging", "transfer", "stage", "prepare", "optimizer")
 
 
 def _main_grad(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -74,6 +77,10 @@ class LayerMigrator:
         self.trainer, self.control, self.timeout_s, self.fault = trainer, control, timeout_s, fault
         self._phase_s: dict[str, float] = {}
         self._extra_bytes = 0
+        # Receive buffers: kept between migrations on CPU (first-touch page faults would
+        # halve gloo's bandwidth); on CUDA released after each one (device memory has no
+        # first-touch cost and the caching allocator recycles it).
+        self.pool = StagingPool(trainer.dims.device)
 
     # ---- entry point ------------------------------------------------------------------
     def rebuild(self) -> MigrationResult:
@@ -101,13 +108,7 @@ class LayerMigrator:
                 error, outgoing, sending = f"pack on stage {stage}: {e!r}", [], {}
         with self._phase("headers"):
             headers = exchange_headers(outgoing, self.control, self.pp_ranks())
-        received = {}
-        with self._phase("transfer"):
-            try:
-                received = exchange_buffers(headers, sending, stage, t.dims.groups.pp,
-                                            t.dims.device, self.timeout_s)
-            except Exception as e:  # noqa: BLE001
-                error = error or f"transfer on stage {stage}: {e}"
+        received, error = self._transfer(headers, sending, stage, error)
         self._extra_bytes += _nbytes(b for bufs in received.values() for b in bufs)
         with self._phase("stage"):
             staged, error = self._stage(new, headers, received, stage, error)
@@ -123,9 +124,31 @@ class LayerMigrator:
             self._commit(prepared, new)
         else:
             self._abandon(prepared, old, new, error)
+        if t.dims.device.type == "cuda":
+            self.pool.release()
         peak = (torch.cuda.max_memory_allocated() - base if t.dims.device.type == "cuda"
                 else self._extra_bytes)
         return self._result(old, new, ok, error, headers, start, peak)
+
+    def _transfer(self, headers: list[Header], sending: dict, stage: int,
+                  error: Optional[str]) -> tuple[dict, Optional[str]]:
+        """Receive buffers from the pool (phase 'staging'), then the p2p exchange. What
+        is received are views of the pool: used up (copied into layers, gradients and
+        optimizer state) before `migrate` returns, as the next migration reuses them."""
+        t = self.trainer
+        with self._phase("staging"):
+            try:
+                receive_into = self.pool.take([h for h in headers if h.dst == stage])
+            except Exception as e:  # noqa: BLE001 - an out-of-memory pool: fresh buffers then
+                logger.warning("staging pool on stage %d: %r; receiving into new buffers", stage, e)
+                self.pool.release()
+                receive_into = None
+        with self._phase("transfer"):
+            try:
+                return exchange_buffers(headers, sending, stage, t.dims.groups.pp, t.dims.device,
+                                        self.timeout_s, receive_into), error
+            except Exception as e:  # noqa: BLE001
+                return {}, error or f"transfer on stage {stage}: {e}"
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -307,14 +330,16 @@ class LayerMigrator:
     def _result(self, old, new, ok, error, headers, start, peak) -> MigrationResult:
         names = PHASES
         total = time.perf_counter() - start
-        values = self.control.max([total, float(peak)] + [self._phase_s.get(n, 0.0) for n in names], "result")
-        total_s, peak_max, phases = values[0], int(values[1]), dict(zip(names, values[2:]))
+        values = self.control.max([total, float(peak), float(self.pool.nbytes)]
+                                  + [self._phase_s.get(n, 0.0) for n in names], "result")
+        total_s, peak_max, pool = values[0], int(values[1]), int(values[2])
+        phases = dict(zip(names, values[3:]))
         return MigrationResult(
             applied=ok, layout_before=str(old), layout_after=str(new if ok else old),
             moves=[{"layer": h.layer, "src": h.src, "dst": h.dst, "bytes": h.nbytes} for h in headers],
             bytes_moved=sum(h.nbytes for h in headers), transfer_s=phases.get("transfer", 0.0),
             total_s=total_s, error=None if ok else error, phase_s=phases,
-            peak_extra_bytes=peak_max,
+            peak_extra_bytes=peak_max, staging_pool_bytes=pool,
             peak_source="measured" if self.trainer.dims.device.type == "cuda" else "accounted")
 
 

@@ -9,6 +9,7 @@ destination stages.
 from __future__ import annotations
 
 import datetime
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -32,8 +33,11 @@ def exchange_headers(outgoing: list[Header], control, pp_ranks: list[int]) -> li
 
 
 def exchange_buffers(headers: list[Header], sending: dict[int, list[torch.Tensor]], my_stage: int,
-                     pp_group, device: torch.device, timeout_s: float) -> dict[int, list[torch.Tensor]]:
-    """Send this stage's packed layers and receive the ones addressed to it.
+                     pp_group, device: torch.device, timeout_s: float,
+                     receive_into: Optional[dict[int, list[torch.Tensor]]] = None
+                     ) -> dict[int, list[torch.Tensor]]:
+    """Send this stage's packed layers and receive the ones addressed to it, into
+    `receive_into` ({layer: buffers}, e.g. from a StagingPool) or into new buffers.
 
     Returns {layer: received buffers}.
 
@@ -48,7 +52,8 @@ def exchange_buffers(headers: list[Header], sending: dict[int, list[torch.Tensor
             ops += [dist.P2POp(dist.isend, b, peer, group=pp_group) for b in sending[h.layer]]
         elif h.dst == my_stage:
             peer = dist.get_global_rank(pp_group, h.src)
-            received[h.layer] = empty_buffers(h, device)
+            received[h.layer] = (receive_into[h.layer] if receive_into is not None
+                                 else empty_buffers(h, device))
             ops += [dist.P2POp(dist.irecv, b, peer, group=pp_group) for b in received[h.layer]]
         else:
             continue

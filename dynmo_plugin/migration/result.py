@@ -24,6 +24,7 @@ class MigrationResult:
     phase_s: dict[str, float] = field(default_factory=dict)  # seconds per phase (max over ranks)
     peak_extra_bytes: int = 0  # most memory held beside the old state before commit (max over ranks)
     peak_source: str = ""      # "measured" (CUDA allocator) or "accounted" (sum of new allocations)
+    staging_pool_bytes: int = 0  # receive buffers kept for the next migration (max over ranks)
 
     @property
     def bandwidth_bytes_per_s(self) -> float:

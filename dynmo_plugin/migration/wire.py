@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Segment", "Header", "pack", "unpack", "checksum"]
+__all__ = ["Segment", "Header", "pack", "unpack", "checksum", "dtype_of", "empty_buffers"]
 
 _PRIME = 65521
 
@@ -40,10 +40,11 @@ class Header:
 
     @property
     def nbytes(self) -> int:
-        return sum(n * torch.empty((), dtype=_dtype(d)).element_size() for d, n, _ in self.buffers)
+        return sum(n * dtype_of(d).itemsize for d, n, _ in self.buffers)
 
 
-def _dtype(name: str) -> torch.dtype:
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype a header names ("torch.float32")."""
     return getattr(torch, name.removeprefix("torch."))
 
 
@@ -79,7 +80,7 @@ def pack(layer: int, src: int, dst: int, tensors: dict[str, torch.Tensor],
 
 
 def empty_buffers(header: Header, device: torch.device) -> list[torch.Tensor]:
-    return [torch.empty(n, dtype=_dtype(d), device=device) for d, n, _ in header.buffers]
+    return [torch.empty(n, dtype=dtype_of(d), device=device) for d, n, _ in header.buffers]
 
 
 def unpack(header: Header, buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
