@@ -19,7 +19,9 @@ the same split (a scenario without events, e.g. the demo, is measured from itera
                    active for a few iterations; the median ignores it, while every
                    second the plugin spends still counts;
   tokens_per_s_sum the plain one: trained tokens / summed iteration wall time;
-  speedup          over static (robust; `speedup_sum` from the plain sums); the
+  speedup          over static: the median over repeats of this run's throughput over
+                   the static run of the SAME repeat (paired: load that drifts over
+                   minutes cancels), robust throughputs (`speedup_sum`: plain); the
                    table's "of ideal" is (speedup - 1) / (ideal - 1), shown when
                    the ideal gain exceeds 2% (below that it is noise over noise);
   speedup_whole_run  the same over iterations 2..N;
@@ -127,6 +129,11 @@ def summarise(report: dict, start: int) -> dict:
             "scenario": report["config"]["dynmo"]["dynamism"]["kind"]}
 
 
+def _paired(runs: list[dict], static: list[dict], key: str) -> float:
+    """Median over repeats of run / static of the same repeat."""
+    return statistics.median(x[key] / s[key] for x, s in zip(runs, static))
+
+
 def bench(config: str, extra: list[str], repeats: int) -> dict:
     runs: dict[str, list[dict]] = {b: [] for b in BALANCERS}
     start = None  # the dynamic phase, from the first (static) run's events
@@ -138,19 +145,17 @@ def bench(config: str, extra: list[str], repeats: int) -> dict:
                 start = phase_start(report) if start is None else start
                 runs[b].append(summarise(report, start))
     static_tps = statistics.median(x["tokens_per_s"] for x in runs["static"])
-    static_sum = statistics.median(x["tokens_per_s_sum"] for x in runs["static"])
-    static_whole = statistics.median(x["tokens_per_s_whole_run"] for x in runs["static"])
+    static = runs["static"]
     static_losses = runs["static"][0]["losses"]
     out = []
     for b in BALANCERS:
         xs = runs[b]
         ideals = [x["ideal_speedup"] for x in xs if x["ideal_speedup"] is not None]
         tps = statistics.median(x["tokens_per_s"] for x in xs)
-        whole = statistics.median(x["tokens_per_s_whole_run"] for x in xs)
-        plain = statistics.median(x["tokens_per_s_sum"] for x in xs)
-        out.append({"balancer": b, "tokens_per_s": tps, "speedup": tps / static_tps,
-                    "speedup_sum": plain / static_sum,
-                    "speedup_whole_run": whole / static_whole,
+        out.append({"balancer": b, "tokens_per_s": tps, "speedup": _paired(xs, static, "tokens_per_s"),
+                    "speedup_sum": _paired(xs, static, "tokens_per_s_sum"),
+                    "tokens_per_s_repeats": [x["tokens_per_s"] for x in xs],
+                    "speedup_whole_run": _paired(xs, static, "tokens_per_s_whole_run"),
                     "ideal_speedup": statistics.median(ideals) if ideals else None,
                     "overhead_share": statistics.median(x["overhead_share"] for x in xs),
                     "losses_identical": all(x["losses"] == static_losses for x in xs),
