@@ -133,6 +133,9 @@ class ModelArgs:
     log_interval: int = field(default=1, metadata=opt("iterations between log lines", check=positive))
     pipeline_model_parallel_size: int = field(default=1, metadata=opt("pipeline stages", check=positive))
     tensor_model_parallel_size: int = field(default=1, metadata=opt("tensor-parallel ranks", check=positive))
+    distributed_backend: Optional[str] = field(default=None, metadata=opt(
+        "torch.distributed backend: nccl (GPUs, one rank per GPU) or gloo (CPU); default nccl "
+        "where CUDA GPUs are visible, else gloo", check=one_of("nccl", "gloo")))
     pipeline_model_parallel_layout: Optional[str] = field(default=None, metadata=opt("Megatron layout string, e.g. 'Ett|ttL'"))
     untie_embeddings_and_output_weights: bool = field(default=False, metadata=opt("separate output-layer weights"))
     output: str = field(default="runs/latest", metadata=opt("directory for report.json"))

@@ -1,7 +1,8 @@
 """Process groups for one training run: torch.distributed + Megatron's parallel_state.
 
-`init_parallel` is the only place the backend is chosen (nccl with CUDA, gloo
-without) and the only caller of the CPU compatibility layer. The resulting
+`init_parallel` is the only place the backend is chosen (`--distributed-backend`, by
+default nccl with CUDA, gloo without; `resolve_backend` checks the choice against the
+machine before any CUDA call) and the only caller of the CPU compatibility layer. The resulting
 `ParallelDims` carries the groups explicitly; code below it takes them from there
 rather than reading module globals, so a repack can rebuild them.
 """
@@ -16,10 +17,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from dynmo_plugin.config import ModelArgs
+from dynmo_plugin.config import ConfigError, ModelArgs
 from dynmo_plugin.consensus import agent_store
 
-__all__ = ["ParallelDims", "init_parallel", "destroy_parallel", "shrink_world", "survives"]
+__all__ = ["ParallelDims", "init_parallel", "destroy_parallel", "shrink_world", "survives",
+           "resolve_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +53,50 @@ class ParallelDims:
         return dist.get_backend()
 
 
+def resolve_backend(requested: str | None, cuda_devices: int, local_world_size: int) -> str:
+    """The backend to use: `requested` (--distributed-backend) or, if None, nccl where
+    CUDA GPUs are visible, else gloo. Pure, so it runs before any CUDA call.
+
+    Raises:
+        ConfigError: nccl without GPUs; gloo with GPUs visible (the launcher's CUDA path
+            needs nccl: gloo cannot send CUDA tensors between pipeline stages); more
+            ranks on this node than GPUs (one GPU per rank: NCCL refuses a shared GPU).
+    """
+    backend = requested or ("nccl" if cuda_devices > 0 else "gloo")
+    if backend == "nccl" and cuda_devices == 0:
+        raise ConfigError("--distributed-backend nccl needs CUDA GPUs and none is visible here; "
+                          "use --distributed-backend gloo (the default without GPUs) to train on CPU")
+    if backend == "gloo" and cuda_devices > 0:
+        raise ConfigError(f"--distributed-backend gloo with {cuda_devices} CUDA GPU(s) visible: the "
+                          "launcher trains on GPUs over nccl only (gloo cannot send CUDA tensors "
+                          "between pipeline stages); use nccl, or hide the GPUs "
+                          "(CUDA_VISIBLE_DEVICES=) to train on CPU")
+    if backend == "nccl" and local_world_size > cuda_devices:
+        raise ConfigError(f"{local_world_size} ranks on this node but {cuda_devices} CUDA GPU(s) "
+                          f"visible: each rank needs its own GPU; start at most {cuda_devices} per "
+                          f"node (torchrun --nproc-per-node {cuda_devices}) or make more GPUs "
+                          "visible (CUDA_VISIBLE_DEVICES)")
+    return backend
+
+
 def init_parallel(args: ModelArgs) -> ParallelDims:
-    """Initialise torch.distributed (env:// from torchrun) and Megatron's groups."""
-    cuda = torch.cuda.is_available()
+    """Initialise torch.distributed (env:// from torchrun) and Megatron's groups.
+
+    Raises:
+        ConfigError: the backend does not fit the machine (see `resolve_backend`).
+    """
+    # device_count asks NVML where it can: no CUDA context exists before this check
+    backend = resolve_backend(args.distributed_backend, torch.cuda.device_count(),
+                              int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    cuda = backend == "nccl"
     if not dist.is_initialized():
         if cuda:
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
             torch.cuda.set_device(local_rank)
             # Binding the device lets new_group/split_group use ncclCommSplit.
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+            dist.init_process_group(backend, device_id=torch.device("cuda", local_rank))
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group(backend)
     if not cuda:
         from dynmo_plugin.megatron import cpu_compat
         cpu_compat.apply()
