@@ -25,7 +25,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from dynmo_plugin.balancing import BalanceProblem, GateConfig, InfeasibleError, ProblemError, solve
+from dynmo_plugin.balancing import BalanceProblem, GateConfig, InfeasibleError, ProblemError
+from dynmo_plugin.balancing.decide import decide
 from dynmo_plugin.config import DynmoConfig
 from dynmo_plugin.consensus import ControlPlane, DecisionFailed
 from dynmo_plugin.events import Decision, ProfileEvent, RebalanceEvent
@@ -223,31 +224,28 @@ class DynMo:
 
     # ---- decision and migration -----------------------------------------------------------
     def _decide(self, profile: PipelineProfile, trigger: str) -> Decision:
-        """Rank 0 only. An impossible plan is a decision not to move, never an exception.
-        A repack that passes its gate wins over a rebalance: its layout is balanced too."""
+        """Rank 0 only: the one decision path (balancing.decide), which the simulator
+        shares. An impossible plan is a decision not to move, never an exception."""
         t, rb = self.trainer, self.config.rebalance
         try:
             problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches)
-            gate = GateConfig(iterations_until_next_event=rb.expected_event_gap,
-                              bandwidth_bytes_per_s=self.bandwidth, margin=rb.margin,
-                              min_relative_gain=rb.min_gain)
-            repack = self._plan_repack(problem, gate, trigger)
-            if repack is not None and repack.apply:
-                return Decision(profile.to_dict(), None, True, repack.reason, repack=repack)
-            plan = solve(problem, rb.balancer, gate=gate)
         except (InfeasibleError, ProblemError) as e:
             return Decision(profile.to_dict(), None, False, f"no feasible plan: {e}")
-        if plan.layout == t.layout:
-            return Decision(profile.to_dict(), plan, False, "already balanced")
-        return Decision(profile.to_dict(), plan, plan.gate.apply, plan.gate.reason, repack=repack)
+        gate = GateConfig(iterations_until_next_event=rb.expected_event_gap,
+                          bandwidth_bytes_per_s=self.bandwidth, margin=rb.margin,
+                          min_relative_gain=rb.min_gain)
+        choice = decide(problem, rb.balancer, gate, self._repack_criteria(problem, trigger))
+        return Decision(profile.to_dict(), choice.plan, choice.apply, choice.reason,
+                        repack=choice.repack)
 
-    def _plan_repack(self, problem: BalanceProblem, gate: GateConfig, trigger: str):
+    def _repack_criteria(self, problem: BalanceProblem, trigger: str):
+        """The criteria when a repack may be considered now, else None."""
         rp = self.config.repack
         wanted = rp.trigger == "rebalance" or trigger.startswith("event:")
         if self._repacker is None or not rp.enabled or not wanted or problem.num_stages <= rp.min_stages:
             return None
-        from dynmo_plugin.balancing.repack import RepackCriteria, plan_repack
-        return plan_repack(problem, RepackCriteria.from_config(rp), gate)
+        from dynmo_plugin.balancing.repack import RepackCriteria
+        return RepackCriteria.from_config(rp)
 
     def _rebalance(self, iteration: int, trigger: str, window: Optional[list[int]],
                    gathered: PipelineProfile, start: float, source: str = "timed") -> None:

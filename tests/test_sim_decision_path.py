@@ -59,7 +59,7 @@ def _live_decide(profile, current, config, bandwidth):
     """The live controller's `_decide`, on a stand-in for its trainer (layout, micro-batches)."""
     me = types.SimpleNamespace(trainer=types.SimpleNamespace(layout=current, num_microbatches=M),
                                config=config, bandwidth=bandwidth, _repacker=object())
-    me._plan_repack = functools.partial(DynMo._plan_repack, me)
+    me._repack_criteria = functools.partial(DynMo._repack_criteria, me)
     return DynMo._decide(me, profile, "event:test")
 
 

@@ -4,14 +4,9 @@ A simulated rebalance builds the `BalanceProblem` the live controller builds fro
 profile (`dynmo_plugin.controller.problem_from_profile`: per-layer cost; memory =
 training state + activations of min(p, m) micro-batches in flight; move bytes = state;
 rebuilt gradient buffers; stage extras; the current layout; micro-batches; parameter
-counts) and decides as `DynMo._decide` does, with the same calls:
-
-1. with repacking on, `plan_repack(problem, criteria, gate)`: if it applies, it wins
-   (its layout is balanced too);
-2. else `solve(problem, balancer, gate=GateConfig(...))`; a plan equal to the current
-   layout is "already balanced", otherwise the gate's verdict (margin, noise floor
-   `min_relative_gain`, horizon) decides;
-3. an infeasible or malformed problem is a decision not to move, never an exception.
+counts) and decides with the function `DynMo._decide` calls,
+`dynmo_plugin.balancing.decide.decide` (repack if one passes its gate, else the
+balancer's plan if it passes the gate, else keep the layout; infeasible means keep).
 
 The gate settings default to the live ones (`config.RebalanceConfig`,
 `config.RepackConfig`). Two differences, both stated: the live plugin considers a
@@ -26,8 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dynmo_plugin.balancing import (BALANCERS, BalanceProblem, GateConfig, InfeasibleError, Plan,
-                                    ProblemError, RepackCriteria, RepackPlan, plan_repack, solve)
+from dynmo_plugin.balancing import BALANCERS, BalanceProblem, GateConfig, Plan, RepackCriteria, RepackPlan
+from dynmo_plugin.balancing.decide import decide as decide_live
 from dynmo_plugin.config import RebalanceConfig, RepackConfig
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
@@ -117,28 +112,19 @@ def build_problem(*, costs: LayerCosts, load: LayerLoad, shape: GPTShape, hw: Ha
 
 def decide(problem: BalanceProblem, balancer: str, gate: GateConfig,
            repack: RepackCriteria | None, decision_time: DecisionTimeModel) -> SimDecision:
-    """`DynMo._decide` on a simulated profile (module docstring).
+    """The live decision (`balancing.decide`, which `DynMo._decide` calls) on a simulated
+    problem, with modelled decision time.
 
     Raises:
         UserError: `balancer` has no decision-time model.
     """
-    current = problem.current
     n, p = problem.num_layers, problem.num_stages
     seconds = decision_time.seconds(balancer, n, p)
-    repack_plan = None
-    try:
-        if repack is not None and p > repack.min_stages:
-            repack_plan = plan_repack(problem, repack, gate)
-            seconds += sum(decision_time.seconds("exact", n, c.stages)
-                           for c in repack_plan.candidates if c.layout is not None)
-            if repack_plan.apply:
-                return SimDecision(repack_plan.layout_after, True, repack_plan.reason, "repack",
-                                   seconds, repack=repack_plan)
-        plan = solve(problem, balancer, gate=gate)
-    except (InfeasibleError, ProblemError) as e:
-        return SimDecision(current, False, f"no feasible plan: {e}", "none", seconds, repack=repack_plan)
-    if plan.layout == current:
-        return SimDecision(current, False, "already balanced", "none", seconds, plan, repack_plan)
-    ok = plan.gate.apply
-    return SimDecision(plan.layout if ok else current, ok, plan.gate.reason,
-                       "rebalance" if ok else "none", seconds, plan, repack_plan)
+    choice = decide_live(problem, balancer, gate, repack)
+    if choice.repack is not None:
+        seconds += sum(decision_time.seconds("exact", n, c.stages)
+                       for c in choice.repack.candidates if c.layout is not None)
+    layout = {"repack": choice.repack.layout_after if choice.repack else None,
+              "rebalance": choice.plan.layout if choice.plan else None}.get(choice.action)
+    return SimDecision(layout or problem.current, choice.apply, choice.reason, choice.action,
+                       seconds, choice.plan, choice.repack)
