@@ -71,7 +71,10 @@ class RunReport:
     def update_event(self, event) -> None:
         """Log an event again after fields were filled in (the measured time after a
         rebalance); the replay keeps the last line of each event."""
-        index = next(i for i in range(len(self.events) - 1, -1, -1) if self.events[i] is event)
+        index = next((i for i in range(len(self.events) - 1, -1, -1) if self.events[i] is event), None)
+        if index is None:  # never added: it is new
+            self.add_event(event)
+            return
         self._append({"kind": "event", "index": index, "record": _as_dict(event)})
 
     def to_dict(self) -> dict:
