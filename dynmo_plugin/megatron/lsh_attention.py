@@ -39,8 +39,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+
+from dynmo_plugin.megatron.core_attention import CausalCoreAttention
 
 __all__ = ["LSHCoreAttention", "lsh_attention", "dense_causal_attention", "hash_rotation",
            "lsh_attention_spec", "core_attentions", "time_attention", "time_layer"]
@@ -128,30 +129,24 @@ def lsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: in
 
 
 # ---- the Megatron module ----------------------------------------------------------------------
-class LSHCoreAttention(MegatronModule):
+class LSHCoreAttention(CausalCoreAttention):
     """Core attention with a per-layer bucket count (1 = dense SDPA); see module docstring.
 
     Built by Megatron's Attention like DotProductAttention (keyword arguments below up
     to `pg_collection`); `seed`, `initial_buckets` ({global layer: buckets}) and
     `hashes` come from the spec (`lsh_attention_spec`)."""
 
+    kind = "LSH attention"
+
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: Optional[float] = None,
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
                  pg_collection=None, *, seed: int, initial_buckets: dict, hashes: int = 1):
-        super().__init__(config=config)
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout:
-            raise ValueError(f"LSH attention has no attention dropout; got attention_dropout={dropout}")
-        if config.context_parallel_size != 1:
-            raise ValueError("LSH attention does not support context parallelism")
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
+                         softmax_scale, cp_comm_type, pg_collection)
         if hashes < 1:
             raise ValueError(f"hashes must be >= 1, got {hashes}")
-        self.layer_number = max(1, layer_number)  # global, as Megatron numbers layers
-        self.attn_mask_type = attn_mask_type
         self.seed, self.hashes = seed, hashes
-        head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.register_buffer("buckets", torch.tensor(int(initial_buckets.get(self.layer_number, 1)),
                                                      dtype=torch.int64))
         self._iteration: Optional[int] = None

@@ -17,15 +17,14 @@ Where CUDA and Transformer Engine exist, TE's layer spec handles THD natively an
 from __future__ import annotations
 
 import copy
-import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+
+from dynmo_plugin.megatron.core_attention import CausalCoreAttention
 
 __all__ = ["VarlenCoreAttention", "varlen_attention", "varlen_attention_spec",
            "packed_seq_params"]
@@ -48,24 +47,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return torch.cat(outs, 0) if len(outs) > 1 else outs[0]
 
 
-class VarlenCoreAttention(MegatronModule):
+class VarlenCoreAttention(CausalCoreAttention):
     """Core attention for packed documents (see the module docstring). Built by
     Megatron's Attention with DotProductAttention's arguments."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None):
-        super().__init__(config=config)
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout:
-            raise ValueError(f"varlen attention has no attention dropout; got {dropout}")
-        if config.context_parallel_size != 1:
-            raise ValueError("varlen attention on CPU does not support context parallelism")
-        self.layer_number = max(1, layer_number)
-        self.attn_mask_type = attn_mask_type
-        self.softmax_scale = (softmax_scale if softmax_scale is not None
-                              else 1.0 / math.sqrt(config.kv_channels))
+    kind = "varlen attention on CPU"
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
