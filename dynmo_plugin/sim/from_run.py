@@ -28,6 +28,7 @@ from typing import Any
 
 from dynmo_plugin.config import SCENARIO_SECTIONS
 from dynmo_plugin.errors import UserError
+from dynmo_plugin.report import SUMMARY_NAME, read_report
 from dynmo_plugin.sim.gpt import GPTShape, Hardware
 from dynmo_plugin.sim.measured import Curve, MeasuredCosts, with_measured
 
@@ -54,9 +55,10 @@ class RunCosts:
 
 
 def _read(run_dir: str | Path) -> dict:
-    path = Path(run_dir) / "report.json"
+    """The run's report: its summary, or its log replayed when the run did not finish."""
+    path = Path(run_dir) / SUMMARY_NAME
     try:
-        return json.loads(path.read_text())
+        return read_report(run_dir)
     except OSError as e:
         raise UserError(f"--costs-from {str(run_dir)!r}: cannot read {path} ({e.strerror or e}); "
                         "pass a training run's --output directory") from e
