@@ -124,7 +124,10 @@ def decide(problem: BalanceProblem, balancer: str, gate: GateConfig,
     if choice.repack is not None:
         seconds += sum(decision_time.seconds("exact", n, c.stages)
                        for c in choice.repack.candidates if c.layout is not None)
-    layout = {"repack": choice.repack.layout_after if choice.repack else None,
-              "rebalance": choice.plan.layout if choice.plan else None}.get(choice.action)
-    return SimDecision(layout or problem.current, choice.apply, choice.reason, choice.action,
-                       seconds, choice.plan, choice.repack)
+    layout = problem.current
+    if choice.action == "repack":
+        layout = choice.repack.layout_after
+    elif choice.action == "rebalance":
+        layout = choice.plan.layout
+    return SimDecision(layout, choice.apply, choice.reason, choice.action, seconds, choice.plan,
+                       choice.repack)
