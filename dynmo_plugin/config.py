@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -31,9 +32,11 @@ __all__ = [
     "DynamismConfig", "SCENARIO_SECTIONS", "RepackConfig",
     "ClusterConfig", "CLUSTER_STRATEGIES", "DynmoConfig",
     "RunConfig", "add_model_args", "add_dynmo_args", "load_config",
+    "LOCAL_ONLY_SCENARIOS", "resolve_transformer_impl", "transformer_engine_problem",
 ]
 
 BALANCER_NAMES = ("exact", "partition", "diffusion", "uniform", "parameters")
+logger = logging.getLogger(__name__)
 
 
 class ConfigError(UserError):
@@ -136,6 +139,10 @@ class ModelArgs:
     distributed_backend: Optional[str] = field(default=None, metadata=opt(
         "torch.distributed backend: nccl (GPUs, one rank per GPU) or gloo (CPU); default nccl "
         "where CUDA GPUs are visible, else gloo", check=one_of("nccl", "gloo")))
+    transformer_impl: Optional[str] = field(default=None, metadata=opt(
+        "decoder layer implementation: transformer_engine (NVIDIA TE, CUDA only) or local "
+        "(Megatron's own); default transformer_engine where TE imports and CUDA GPUs are "
+        "visible, else local", check=one_of("local", "transformer_engine")))
     pipeline_model_parallel_layout: Optional[str] = field(default=None, metadata=opt("Megatron layout string, e.g. 'Ett|ttL'"))
     untie_embeddings_and_output_weights: bool = field(default=False, metadata=opt("separate output-layer weights"))
     output: str = field(default="runs/latest", metadata=opt("directory for report.json"))
@@ -626,7 +633,81 @@ def load_config(args: argparse.Namespace, world_size: int | None = None) -> RunC
     _check_dynamism(cfg, given)
     _check_repack(cfg, given)
     _check_data(cfg, given)
+    _resolve_transformer_impl(cfg, given)
     return cfg
+
+
+# Scenarios whose layers are written against Megatron's local layer spec, and why.
+LOCAL_ONLY_SCENARIOS = {
+    "gradual_pruning": "its masked linears replace Megatron's local Column/RowParallelLinear",
+    "early_exit": "it runs attention on gathered tokens with their own mask, which TE's "
+                  "fused causal attention ignores",
+    "mixture_of_depths": "it runs attention on gathered tokens with their own mask, which "
+                         "TE's fused causal attention ignores",
+    "sparse_attention": "its LSH core attention is written against Megatron's local "
+                        "attention and not verified with TE",
+}
+
+
+def transformer_engine_problem() -> Optional[str]:
+    """None when Transformer Engine and Megatron's TE layer spec import, else why not."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+        from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: F401
+            get_gpt_layer_with_transformer_engine_spec)
+    except Exception as e:  # noqa: BLE001 - any import failure means "not usable here"
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    return None
+
+
+def resolve_transformer_impl(requested: Optional[str], cuda_devices: int, scenario: str,
+                             te_problem: Callable[[], Optional[str]],
+                             where: str = "--transformer-impl") -> tuple[str, Optional[str]]:
+    """(implementation, a note to log or None) for --transformer-impl on this machine.
+
+    Default: transformer_engine where CUDA GPUs are visible, TE imports (`te_problem()`
+    is None, called only when it matters) and the scenario's layers support it; local
+    otherwise, with a note when TE was usable but the scenario needs local layers.
+
+    Raises:
+        ConfigError: transformer_engine asked for without CUDA GPUs, without an
+            importable TE, or with a local-only scenario (LOCAL_ONLY_SCENARIOS).
+    """
+    local_only = LOCAL_ONLY_SCENARIOS.get(scenario)
+    if requested == "local" or (requested is None and cuda_devices == 0):
+        return "local", None
+    if requested is None:
+        problem = te_problem()
+        if problem is not None:
+            return "local", f"Transformer Engine does not import ({problem}); using local layers"
+        if local_only:
+            return "local", (f"scenario {scenario}: {local_only}; using local layers "
+                             "(--transformer-impl local)")
+        return "transformer_engine", None
+    if cuda_devices == 0:
+        raise ConfigError(f"{where}: transformer_engine needs CUDA GPUs and none is visible "
+                          "here; use --transformer-impl local (the default without GPUs)")
+    if local_only:
+        raise ConfigError(f"{where}: transformer_engine cannot build the {scenario} scenario's "
+                          f"layers ({local_only}); use --transformer-impl local")
+    problem = te_problem()
+    if problem is not None:
+        raise ConfigError(f"{where}: transformer_engine does not import here ({problem}); "
+                          "install it (pip install -c constraints.txt 'transformer-engine[pytorch]' "
+                          "or the NGC image, docs/docker.md) or use --transformer-impl local")
+    return "transformer_engine", None
+
+
+def _resolve_transformer_impl(cfg: RunConfig, given: dict[str, str]) -> None:
+    """Fix model.transformer_impl once, so the report records what was built."""
+    import torch  # here, not at import: the config module stays light
+    source = given.get("model.transformer_impl", "flag --transformer-impl")
+    where = source if source.startswith("flag ") else f"{source}: model.transformer_impl"
+    impl, note = resolve_transformer_impl(cfg.model.transformer_impl, torch.cuda.device_count(),
+                                          cfg.dynmo.dynamism.kind, transformer_engine_problem, where)
+    if note:
+        logger.info("%s", note)
+    cfg.model.transformer_impl = impl
 
 
 def _check_data(cfg: RunConfig, given: dict[str, str]) -> None:

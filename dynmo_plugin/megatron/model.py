@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import zlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -18,7 +18,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from dynmo_plugin.config import ModelArgs
+from dynmo_plugin.config import ModelArgs, resolve_transformer_impl, transformer_engine_problem
 from dynmo_plugin.layout import Layout
 
 __all__ = ["transformer_config", "layer_spec", "build_stage_model", "global_named_parameters",
@@ -53,16 +53,21 @@ def transformer_config(args: ModelArgs, layout: Layout) -> TransformerConfig:
     )
 
 
-def layer_spec() -> ModuleSpec:
-    """Transformer Engine's layer spec where TE and CUDA exist, else Megatron's local one."""
-    if torch.cuda.is_available():
-        try:
-            from megatron.core.models.gpt.gpt_layer_specs import (
-                get_gpt_layer_with_transformer_engine_spec)
-            import transformer_engine  # noqa: F401
-            return get_gpt_layer_with_transformer_engine_spec()
-        except ImportError:
-            logger.warning("Transformer Engine not importable; using the local layer spec")
+def layer_spec(impl: Optional[str] = None) -> ModuleSpec:
+    """Megatron's GPT layer spec for `impl` (--transformer-impl: "transformer_engine" or
+    "local"), which `load_config` resolved and checked against the machine and scenario;
+    None (a stage built without load_config) resolves the same way, with no scenario."""
+    if impl is None:
+        impl, note = resolve_transformer_impl(None, torch.cuda.device_count(), "none",
+                                              transformer_engine_problem)
+        if note:
+            logger.warning("%s", note)
+    if impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec)
+        return get_gpt_layer_with_transformer_engine_spec()
+    if impl != "local":
+        raise ValueError(f"transformer_impl {impl!r}: expected local or transformer_engine")
     return get_gpt_layer_local_spec()
 
 
