@@ -92,8 +92,18 @@ class DataConfig:
         "sequential (Megatron-style next-fit) or wlb (WLB-LLM: by predicted workload)",
         "--data-packer", one_of("sequential", "wlb")))
     cost_exponent: float = field(default=2.0, metadata=opt(
-        "a document's workload for --data-packer wlb is length^p (2: quadratic attention; "
-        "AdaptiveLoad's fitted p otherwise)", "--data-cost-exponent", positive))
+        "the prior cost of a document, length^p, which --data-packer wlb and "
+        "--data-redistribute balance until a fitted model replaces it (2: quadratic attention)",
+        "--data-cost-exponent", positive))
+    cost_model: str = field(default="power", metadata=opt(
+        "what packing and redistribution balance by: power (length^--data-cost-exponent, no "
+        "fit), or a model fitted from the profiler's per-micro-batch layer times of the "
+        "first --data-cost-fit-iters iterations: knapformer (k(24 T d^2 + gamma 4 d sum l^2)) "
+        "or adaptiveload (a + b sum l^p)", "--data-cost-model",
+        one_of("power", "knapformer", "adaptiveload")))
+    cost_fit_iters: int = field(default=2, metadata=opt(
+        "iterations profiled at the start of the run to fit --data-cost-model",
+        "--data-cost-fit-iters", positive))
     outlier_thresholds: str = field(default="", metadata=opt(
         "WLB-LLM outlier queues: ascending lengths, one queue per level (empty: no delay)",
         "--data-outlier-thresholds", _ascending_lengths))
@@ -710,6 +720,21 @@ def _resolve_transformer_impl(cfg: RunConfig, given: dict[str, str]) -> None:
     cfg.model.transformer_impl = impl
 
 
+# Scenarios whose layers cannot take packed (THD) micro-batches, and why. The others
+# (none, gradual_pruning, layer_freezing) keep TransformerLayer's forward, which passes
+# packed_seq_params on to the per-document core attention.
+_PACKED_REFUSED = {
+    "early_exit": "its layers gather the tokens still active at absolute positions and "
+                  "refuse packed_seq_params",
+    "mixture_of_depths": "its layers route the top tokens of each sequence, which a packed "
+                         "row of several documents does not index (they refuse packed_seq_params)",
+    "sparse_attention": "its LSH core attention replaces the per-document attention packed "
+                        "documents need",
+    "moe": "its MoE layers are built from Megatron's MoE spec, whose core attention is not "
+           "replaced by the per-document one (not wired)",
+}
+
+
 def _check_data(cfg: RunConfig, given: dict[str, str]) -> None:
     """Packed documents: one packed row per micro-batch, scenarios that keep Megatron's
     attention, and the vocabulary of the dataset's tokenizer."""
@@ -724,10 +749,12 @@ def _check_data(cfg: RunConfig, given: dict[str, str]) -> None:
         raise ConfigError(f"{where('micro_batch_size')}: packed documents put one row of "
                           f"--seq-length positions in each micro-batch; use --micro-batch-size 1 "
                           f"(got {m.micro_batch_size}) and set --global-batch-size to DP x micro-batches")
-    if cfg.dynmo.dynamism.kind != "none":
+    why = _PACKED_REFUSED.get(cfg.dynmo.dynamism.kind)
+    if why:
         raise ConfigError(f"{where('data.path') if d.path else where('data.documents')}: packed "
-                          f"documents are supported with dynamism none only (got "
-                          f"{cfg.dynmo.dynamism.kind!r}); drop --data-path/--data-documents")
+                          f"documents cannot train with dynamism {cfg.dynmo.dynamism.kind!r}: "
+                          f"{why}; train it on the synthetic token stream (drop "
+                          "--data-path/--data-documents)")
     too_long = [t for t in d.thresholds() if t > m.seq_length]
     if too_long:
         raise ConfigError(f"{where('data.outlier_thresholds')}: thresholds {too_long} exceed "

@@ -66,6 +66,8 @@ class TrainingSession:
             self.dynmo.add_layout_listener(self.scenario.after_layout_change)
         if meta is not None:
             self._resume(meta)
+        from dynmo_plugin.data.calibration import CostCalibration
+        self.data_fit = CostCalibration.for_run(args.data, self.trainer.data, self.start_iteration)
         self.stop_after: Optional[int] = None
         self._completed = self.start_iteration
 
@@ -91,6 +93,11 @@ class TrainingSession:
         scheduler.step(increment=0)  # the learning rate of that step, in every param group
         if self.scenario is not None:
             self.scenario.load_state_dict(meta.get("scenario", {}))
+        if "data" in meta:  # the data stream's position, outlier queues, cost model
+            try:
+                self.trainer.data.load_state_dict(meta["data"])
+            except ValueError as e:
+                raise ConfigError(f"--load {self.cfg.model.load}: {e}") from e
         if self.trainer.dims.rank == 0:
             logger.info("resumed from %s at iteration %d (saved with layout %s), layout %s",
                         self.cfg.model.load, meta["iteration"], meta["layout"], self.trainer.layout)
@@ -99,6 +106,7 @@ class TrainingSession:
         from dynmo_plugin.megatron.checkpoint import save_checkpoint
         d = self.trainer.dims
         meta = {"scenario": self.scenario.state_dict() if self.scenario is not None else {},
+                "data": self.trainer.data.state_dict(),
                 "next": None if next_layout is None else {
                     "layout": str(next_layout), "pp": next_layout.num_stages,
                     "world_size": d.tp * d.dp * next_layout.num_stages}}
@@ -140,7 +148,10 @@ class TrainingSession:
     def rebind(self, trainer, control, migrator) -> None:
         """Switch everything to the stage rebuilt in the shrunk world (megatron.repack)."""
         from dynmo_plugin.dynamism import Runtime
+        trainer.data.load_state_dict(self.trainer.data.state_dict())  # same stream, same place
         self.trainer, self.control, self.migrator = trainer, control, migrator
+        if self.data_fit is not None:
+            self.data_fit.cancel()  # it timed the old stage's layers
         self.dynmo.rebind(trainer, control, migrator)
         if self.scenario is not None:
             self.scenario.attach(Runtime(trainer, control, migrator))
@@ -191,10 +202,16 @@ class TrainingSession:
             raise StopTraining(f"checkpoint repack after iteration {self.stop_after}")
         if self.scenario is not None:
             self.scenario.before_step(iteration)
+        if self.data_fit is not None:
+            self.data_fit.before_step(self.trainer, iteration)
         step_start = time.perf_counter()
         loss = self.trainer.train_step(iteration)
         self._completed = iteration
         step_end = time.perf_counter()
+        if self.data_fit is not None:
+            fitted = self.data_fit.after_step(self.trainer, self.control, iteration)
+            if fitted is not None:
+                self.report.add_event(fitted)
         if self.scenario is not None:
             event = self.scenario.after_step(iteration)
             if event is not None:

@@ -113,6 +113,12 @@ def test_config_checks(tmp_path):
     with pytest.raises(ConfigError, match="ascending"):
         _cfg("--data-documents", "lognormal", "--micro-batch-size", "1",
              "--data-outlier-thresholds", "16,8")
+    packed = ("--data-documents", "lognormal", "--micro-batch-size", "1")
+    for kind in ("gradual_pruning", "layer_freezing"):  # their layers pass packed params on
+        assert _cfg(*packed, "--dynmo-dynamism", kind).dynmo.dynamism.kind == kind
+    for kind in ("early_exit", "mixture_of_depths", "sparse_attention", "moe"):
+        with pytest.raises(ConfigError, match=f"cannot train with dynamism '{kind}': .*synthetic"):
+            _cfg(*packed, "--dynmo-dynamism", kind)
 
 
 # ---- real runs ---------------------------------------------------------------------------------
@@ -121,12 +127,27 @@ _SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "
 
 
 def test_lognormal_documents_train_on_two_stages_with_wlb_and_outliers(tmp_path):
-    rep = train(2, [*_SMALL, "--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
-                    "--data-documents", "lognormal", "--data-lognormal-median", "48",
-                    "--data-packer", "wlb", "--data-outlier-thresholds", "128",
-                    "--data-outlier-max-delay", "2"], tmp_path)
+    """PP=2, WLB + outlier queues balanced by a KnapFormer model fitted from the profiler
+    at iterations 1-2, under layer freezing; the checkpoint's meta carries the data state
+    (position, queues, fitted model) and a resumed run continues from it without refitting."""
+    flags = [*_SMALL, "--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
+             "--data-documents", "lognormal", "--data-lognormal-median", "48",
+             "--data-packer", "wlb", "--data-outlier-thresholds", "128",
+             "--data-outlier-max-delay", "2", "--data-cost-model", "knapformer",
+             "--dynmo-dynamism", "layer_freezing", "--save", str(tmp_path / "ckpt")]
+    rep = train(2, [*flags, "--save-interval", "6"], tmp_path / "a")
     ls = losses(rep)
     assert all(math.isfinite(x) for x in ls) and ls[-1] < ls[0]
+    fit = [e for e in rep["events"] if e.get("kind") == "data_cost_fit"]
+    assert [e["iteration"] for e in fit] == [2] and fit[0]["model"]["form"] == "knapformer"
+    assert set(fit[0]["held_out_error"]) == {"knapformer", "adaptiveload", "tokens"}
+    data = json.loads((tmp_path / "ckpt/iter_0000006/meta.json").read_text())["data"]
+    assert data["kind"] == "packed" and data["planned"] == 6
+    assert data["cost_model"] == fit[0]["model"] and data["outliers"]["thresholds"] == [128]
+    flags[flags.index("--train-iters") + 1] = "8"
+    resumed = train(2, [*flags, "--load", str(tmp_path / "ckpt")], tmp_path / "b")
+    assert [it["iteration"] for it in resumed["iterations"]] == [7, 8]
+    assert not [e for e in resumed["events"] if e.get("kind") == "data_cost_fit"]
 
 
 def test_indexed_corpus_trains_data_parallel(tmp_path):

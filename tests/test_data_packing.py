@@ -24,7 +24,7 @@ def _stream(packer: str, dp=1, mb=4, thresholds=(), delay=3, count=400, redistri
          else WlbPacker(L, dp, mb, lambda n: float(n) ** 2))
     q = OutlierQueues(list(thresholds), dp * mb, delay) if thresholds else None
     return PackedDocuments(docs, p, L, dp, mb, q,
-                           redistribute=(lambda n: float(n) ** 2) if redistribute else None)
+                           redistribute=redistribute)
 
 
 def _placed(plan):

@@ -1,6 +1,7 @@
 """The packed-document stream a run's `DataConfig` asks for (same on every rank)."""
 from __future__ import annotations
 
+from dynmo_plugin.data.cost_model import PowerCost
 from dynmo_plugin.data.documents import DocumentStream, LognormalDocuments
 from dynmo_plugin.data.packing import OutlierQueues, SequentialPacker, WlbPacker
 from dynmo_plugin.data.stream import PackedDocuments
@@ -23,14 +24,13 @@ def build_packed_documents(data, seed: int, vocab_size: int, seq_length: int, dp
     `data.packer` into `dp_size` x `num_microbatches` rows of `seq_length`."""
     source = document_source(data, seed, vocab_size, seq_length)
     stream = DocumentStream(source, seed, seq_length)
-    p = data.cost_exponent
-    workload = lambda n: float(n) ** p  # noqa: E731 - the quadratic (attention) part by default
+    prior = PowerCost(data.cost_exponent)  # until data.calibration sets a fitted model
     if data.packer == "wlb":
-        packer = WlbPacker(seq_length, dp_size, num_microbatches, workload)
+        packer = WlbPacker(seq_length, dp_size, num_microbatches, prior.doc_workload)
     else:
         packer = SequentialPacker(seq_length, dp_size, num_microbatches)
     thresholds = data.thresholds()
     outliers = (OutlierQueues(thresholds, dp_size * num_microbatches, data.outlier_max_delay)
                 if thresholds else None)
     return PackedDocuments(stream, packer, seq_length, dp_size, num_microbatches, outliers,
-                           redistribute=workload if data.redistribute else None)
+                           redistribute=data.redistribute, cost_model=prior)

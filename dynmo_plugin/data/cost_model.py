@@ -25,9 +25,10 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-__all__ = ["CostSample", "CostModel", "KnapFormerCost", "AdaptiveLoadCost", "TokenCost",
-           "fit_knapformer", "fit_adaptiveload", "fit_tokens", "held_out_error",
-           "adaptive_batch_size", "samples_from_probe", "FORMS"]
+__all__ = ["CostSample", "CostModel", "PowerCost", "KnapFormerCost", "AdaptiveLoadCost",
+           "TokenCost", "fit_knapformer", "fit_adaptiveload", "fit_tokens", "fit_all",
+           "held_out_error", "adaptive_batch_size", "samples_from_probe", "model_to_dict",
+           "model_from_dict", "FORMS"]
 
 FORMS = ("knapformer", "adaptiveload", "tokens")
 
@@ -49,6 +50,20 @@ class CostModel(Protocol):
 
 def _sq(lengths: Sequence[int]) -> float:
     return float(np.sum(np.asarray(lengths, dtype=np.float64) ** 2))
+
+
+@dataclass(frozen=True)
+class PowerCost:
+    """The prior before anything is measured: a document costs length^p (p = 2: with
+    rows padded to one shape only the attention part differs between micro-batches)."""
+
+    p: float = 2.0
+
+    def predict(self, lengths: Sequence[int], tokens: int) -> float:
+        return float(np.sum(np.asarray(lengths, dtype=np.float64) ** self.p))
+
+    def doc_workload(self, length: int) -> float:
+        return float(length) ** self.p
 
 
 @dataclass(frozen=True)
@@ -162,6 +177,34 @@ def samples_from_probe(probe_samples: dict, layer: int, lengths: Sequence[Sequen
         raise ValueError(f"layer {layer}: {len(fwd)} forward and {len(bwd)} backward times "
                          f"for {len(lengths)} micro-batches")
     return [CostSample(tuple(ls), tokens, f + b) for ls, f, b in zip(lengths, fwd, bwd)]
+
+
+_CLASSES = {"power": PowerCost, "knapformer": KnapFormerCost, "adaptiveload": AdaptiveLoadCost,
+            "tokens": TokenCost}
+
+
+def model_to_dict(model: CostModel) -> dict:
+    """Plain data (JSON): {"form": name, **fields}; `model_from_dict` reads it back."""
+    form = next(k for k, c in _CLASSES.items() if isinstance(model, c))
+    return {"form": form, **{k: getattr(model, k) for k in model.__dataclass_fields__}}
+
+
+def model_from_dict(data: dict) -> CostModel:
+    fields = {k: v for k, v in data.items() if k != "form"}
+    return _CLASSES[data["form"]](**fields)
+
+
+def fit_all(samples: Sequence[CostSample], hidden: int) -> dict:
+    """The three forms fitted on the even samples, held-out error on the odd ones, and
+    each form refitted on all samples: {"models": {form: model}, "held_out_error":
+    {form: error}, "samples": n}. Raises ValueError when there are too few samples."""
+    fit_set, held = list(samples[0::2]), list(samples[1::2])
+    _check(held, 2)
+    fits = {"knapformer": lambda s: fit_knapformer(s, hidden), "adaptiveload": fit_adaptiveload,
+            "tokens": fit_tokens}
+    errors = {k: held_out_error(f(fit_set), held) for k, f in fits.items()}
+    return {"models": {k: f(samples) for k, f in fits.items()}, "held_out_error": errors,
+            "samples": len(samples)}
 
 
 def held_out_error(model: CostModel, samples: Sequence[CostSample]) -> float:

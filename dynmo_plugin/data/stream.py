@@ -13,9 +13,15 @@ Per iteration the stream offers the packer: documents released by the outlier qu
 documents left over last iteration, then new pieces in stream order until the offered
 positions reach the global batch's capacity (DP x micro-batches x max_seqlen). What a
 packer leaves out is offered again next iteration; nothing is dropped. Plans are pure
-functions of (seed, configuration, iteration), computed in iteration order and cached;
-resuming at iteration k replays the plans before k (packing only, no tokens read),
-which restores the queues exactly. `state_dict` gives the same state as plain data.
+functions of (seed, configuration, the cost model in force, iteration), computed in
+iteration order and cached. The cost model (data.cost_model) is what WLB packing and the
+redistribution balance: a prior (length^p) until a fitted one is set
+(`set_cost_model`, from data.calibration at the start of a run); it applies to the
+iterations planned after it is set. `state_dict` is the whole state as plain data
+(position, carry-over, outlier queues, cost model): a checkpoint stores it and a
+resumed run loads it (dynmo_plugin.session); without it, a resume replays the plans
+before its first iteration (packing only, no tokens read), which restores the queues
+exactly only while the cost model is the prior.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
+from dynmo_plugin.data.cost_model import CostModel, PowerCost, model_from_dict, model_to_dict
 from dynmo_plugin.data.documents import DocumentStream, Piece
 from dynmo_plugin.data.packing import OutlierQueues, WlbPacker
 from dynmo_plugin.data.redistribute import plan_redistribution
@@ -50,16 +57,26 @@ class PackedDocuments:
 
     def __init__(self, stream: DocumentStream, packer, max_seqlen: int, dp_size: int,
                  num_microbatches: int, outliers: Optional[OutlierQueues] = None,
-                 redistribute=None):
-        """`redistribute(length) -> workload`: after packing, move whole documents between
-        DP replicas to even their predicted workload (data.redistribute)."""
+                 redistribute: bool = False, cost_model: Optional[CostModel] = None):
+        """`redistribute`: after packing, move whole documents between DP replicas to even
+        their predicted workload (data.redistribute); `cost_model`: the prior (default
+        PowerCost(2))."""
         self.stream, self.packer, self.outliers = stream, packer, outliers
         self.redistribute = redistribute
+        self.cost_model: CostModel = PowerCost() if cost_model is None else cost_model
+        self.set_cost_model(self.cost_model)
         self.max_seqlen, self.dp_size, self.num_microbatches = max_seqlen, dp_size, num_microbatches
         self.cursor = 0
         self.carry: list[int] = []
         self.plans: dict[int, IterationPlan] = {}
         self._planned = 0
+
+    def set_cost_model(self, model: CostModel) -> None:
+        """Balance the iterations planned from now on by `model` (WLB packing and the DP
+        redistribution both use its `doc_workload`)."""
+        self.cost_model = model
+        if isinstance(self.packer, WlbPacker):
+            self.packer.workload = model.doc_workload
 
     @property
     def capacity(self) -> int:
@@ -98,10 +115,10 @@ class PackedDocuments:
             groups = self.packer.get_groups_and_subsamples(offered)
         self.carry = list(self.packer.leftover)
         moves = []
-        if self.redistribute is not None and self.dp_size > 1:
+        if self.redistribute and self.dp_size > 1:
             groups, moves = plan_redistribution(groups, {s: piece(s).length for mb in groups
                                                          for ids in mb for s in ids},
-                                                self.redistribute, self.max_seqlen)
+                                                self.cost_model.doc_workload, self.max_seqlen)
         if self.outliers is not None:
             self.outliers.tick()
         pieces = {s: piece(s) for mb in groups for ids in mb for s in ids}
@@ -153,12 +170,29 @@ class PackedDocuments:
 
     # ---- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Plain data: where the stream is, what is carried over, the outlier queues."""
-        return {"planned": self._planned, "cursor": self.cursor, "carry": list(self.carry),
-                "outliers": self.outliers.state_dict() if self.outliers else None}
+        """Plain data (JSON): where the stream is, what is carried over, the outlier
+        queues and the cost model in force; the same on every rank."""
+        return {"kind": "packed", "planned": self._planned, "cursor": self.cursor,
+                "carry": list(self.carry),
+                "outliers": self.outliers.state_dict() if self.outliers else None,
+                "cost_model": model_to_dict(self.cost_model)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue after the iteration `state` was taken at (its plans are not kept:
+        planning resumes with the next iteration).
+
+        Raises:
+            ValueError: the state is not a packed stream's, or its outlier levels differ
+                from this stream's.
+        """
+        if state.get("kind") != "packed":
+            raise ValueError(f"data state of kind {state.get('kind')!r} cannot resume packed "
+                             "documents; train with the data options the checkpoint was saved with")
+        if (self.outliers is None) != (state["outliers"] is None):
+            raise ValueError("the checkpoint's data state and this run disagree on outlier "
+                             "queues (--data-outlier-thresholds); use the saved setting")
         self._planned, self.cursor, self.carry = state["planned"], state["cursor"], list(state["carry"])
         self.plans.clear()
-        if self.outliers is not None and state["outliers"] is not None:
+        if self.outliers is not None:
             self.outliers.load_state_dict(state["outliers"])
+        self.set_cost_model(model_from_dict(state["cost_model"]))

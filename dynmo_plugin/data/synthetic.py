@@ -54,3 +54,13 @@ class SyntheticTokens:
                 "attention_mask": causal[None, None].to(device),
                 "loss_mask": torch.ones(len(idx), self.seq_length, device=device),
             }
+
+    def state_dict(self) -> dict:
+        """Nothing to save: every micro-batch is a function of (seed, iteration)."""
+        return {"kind": "synthetic"}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != "synthetic":
+            raise ValueError(f"data state of kind {state.get('kind')!r} cannot resume the "
+                             "synthetic token stream; train with the data options the "
+                             "checkpoint was saved with")
