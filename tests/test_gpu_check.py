@@ -1,0 +1,92 @@
+"""scripts/gpu_check.sh / gpu_check.py: the verdict logic, and the CPU dry run end to end
+(the GPU checks themselves need CUDA: on this machine they must say "skipped: no CUDA")."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_check"] = gpu_check  # its dataclasses look their module up
+_spec.loader.exec_module(gpu_check)
+GPU_CHECKS = {"transformer_engine", "bf16_vs_fp32_speed", "migration_bitexact[fp32]",
+              "migration_bitexact[bf16]", "repack_2_to_1"}
+
+
+def _profile(costs: dict[int, float]) -> dict:
+    return {"layers": [{"layer": n, "fwd_s": c / 3, "bwd_s": 2 * c / 3} for n, c in costs.items()],
+            "stages": [{"clock": "cuda_events"}]}
+
+
+def test_heavy_layer_verdict_needs_the_factor_within_tolerance():
+    detail = gpu_check.heavy_layer_verdict(_profile({1: 1.0, 2: 1.1, 3: 3.0, 4: 0.9}), 3, 3, 0.25)
+    assert detail.startswith("layer 3: 3.000x its neighbours' median (expected 3x +-25%); 4 layers")
+    for costs in ({1: 1.0, 2: 1.0, 3: 1.5, 4: 1.0}, {1: 1.0, 2: 1.0, 3: 4.0, 4: 1.0}):
+        with pytest.raises(gpu_check.CheckFailed, match="layer 3: "):
+            gpu_check.heavy_layer_verdict(_profile(costs), 3, 3, 0.25)
+    with pytest.raises(gpu_check.CheckFailed, match="missing from the profile"):
+        gpu_check.heavy_layer_verdict(_profile({1: 1.0, 2: 1.0}), 3, 3, 0.25)
+
+
+def test_parameters_compared_bit_for_bit():
+    a = {"w": torch.ones(3), "b": torch.zeros(2)}
+    b = {"w": torch.ones(3), "b": torch.tensor([0.0, 1e-30]), "extra": torch.ones(1)}
+    assert gpu_check.compare_params(a, dict(a)) == []
+    assert gpu_check.compare_params(a, b) == ["b", "extra"]
+
+
+def test_table_and_exit_status():
+    Row = gpu_check.Row
+    rows = [Row("machine", "pass", "1 x H100"), Row("repack_2_to_1", gpu_check.NO_CUDA)]
+    assert gpu_check.exit_status(rows) == 0
+    assert gpu_check.exit_status(rows + [Row("x", "FAIL", "why")]) == 1
+    lines = gpu_check.render(rows).splitlines()
+    assert lines[0].split(" | ") == ["check        ", "result          ", "detail"]
+    assert lines[3] == "repack_2_to_1 | skipped: no CUDA | "
+
+
+def test_no_cuda_fails_the_machine_check_unless_dry_run():
+    with pytest.raises(gpu_check.CheckFailed, match="--dry-run to check this script on CPU"):
+        gpu_check.check_machine(gpu_check.Machine(torch="2.13.0+cpu"), None, None)
+    row = gpu_check.check_machine(gpu_check.Machine(cpu_mode=True), None, None)
+    assert row.result == gpu_check.NO_CUDA
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bogus"], "gpu_check.sh: error: unknown argument --bogus (see --help)"),
+    (["--wheels", "/nonexistent-wheels"], "gpu_check.sh: error: --wheels /nonexistent-wheels: no such directory"),
+])
+def test_usage_errors_exit_2_with_one_line(argv, message):
+    proc = subprocess.run(["bash", str(SCRIPT), *argv], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == message
+
+
+@pytest.mark.multiproc
+def test_dry_run_on_cpu_runs_what_it_can_and_skips_the_gpu_checks():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--", "--json"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=400)
+    result = json.loads(proc.stdout)  # exactly one JSON document on stdout
+    rows = {r["check"]: r for r in result["rows"]}
+    assert "dry run:" in proc.stderr and result["machine"]["cpu_mode"]
+    expected = {"machine", "packages", "precision_flag", "profile_heavy_layer"} | GPU_CHECKS
+    if not result["machine"]["bf16"]:
+        expected.discard("migration_bitexact[bf16]")
+    assert set(rows) == expected
+    assert all(rows[c]["result"] == gpu_check.NO_CUDA for c in GPU_CHECKS & set(rows))
+    assert rows["machine"]["result"] == gpu_check.NO_CUDA
+    assert rows["packages"]["result"] == rows["precision_flag"]["result"] == "pass"
+    heavy = rows["profile_heavy_layer"]  # a real PP=1 run with the 3x layer (CPU thread time)
+    assert heavy["result"] in ("pass", "FAIL") and "layer 3: " in heavy["detail"], heavy
+    failed = [r for r in result["rows"] if r["result"] == "FAIL"]
+    assert result["ok"] == (not failed) and proc.returncode == (1 if failed else 0), proc.stderr[-2000:]
