@@ -104,6 +104,15 @@ class DataConfig:
     cost_fit_iters: int = field(default=2, metadata=opt(
         "iterations profiled at the start of the run to fit --data-cost-model",
         "--data-cost-fit-iters", positive))
+    batching: str = field(default="packed", metadata=opt(
+        "packed: documents back to back in one row of --seq-length per micro-batch "
+        "(per-document attention); adaptive (AdaptiveLoad): unpacked, each micro-batch "
+        "holds B(S) documents of one length bucket S (--seq-length/8 .. --seq-length), "
+        "each padded to S, B(S) = max(1, min(M_mem/S, cost(--seq-length)/cost(S))) from the "
+        "cost model (--data-cost-model)", "--data-batching", one_of("packed", "adaptive")))
+    mem_tokens: int = field(default=0, metadata=opt(
+        "M_mem of --data-batching adaptive: positions one micro-batch may hold (0: 4 x "
+        "--seq-length)", "--data-mem-tokens", non_negative))
     outlier_thresholds: str = field(default="", metadata=opt(
         "WLB-LLM outlier queues: ascending lengths, one queue per level (empty: no delay)",
         "--data-outlier-thresholds", _ascending_lengths))
@@ -755,6 +764,16 @@ def _check_data(cfg: RunConfig, given: dict[str, str]) -> None:
                           f"documents cannot train with dynamism {cfg.dynmo.dynamism.kind!r}: "
                           f"{why}; train it on the synthetic token stream (drop "
                           "--data-path/--data-documents)")
+    if d.batching == "adaptive":
+        packing = [f for f, on in (("--data-packer wlb", d.packer == "wlb"),
+                                   ("--data-outlier-thresholds", bool(d.thresholds())),
+                                   ("--data-redistribute", d.redistribute)) if on]
+        if packing:
+            raise ConfigError(f"{where('data.batching')}: --data-batching adaptive does not "
+                              f"pack documents; {', '.join(packing)} apply to packed batching only")
+        if d.mem_tokens and d.mem_tokens < m.seq_length:
+            raise ConfigError(f"{where('data.mem_tokens')}: --data-mem-tokens ({d.mem_tokens}) "
+                              f"must hold one row of --seq-length ({m.seq_length})")
     too_long = [t for t in d.thresholds() if t > m.seq_length]
     if too_long:
         raise ConfigError(f"{where('data.outlier_thresholds')}: thresholds {too_long} exceed "

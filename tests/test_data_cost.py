@@ -57,3 +57,21 @@ def test_adaptive_batch_size():
     assert adaptive_batch_size(4096, 2.0, mem_tokens=1024, comp_budget=1.0) == 1   # at least 1
     with pytest.raises(ValueError):
         adaptive_batch_size(0, 2.0, 1, 1)
+
+
+def test_calibration_fit_record_from_gathered_samples():
+    """Rank 0's fit over every rank's {layer: samples}: the asked-for form, held-out errors
+    of all three, per-layer KnapFormer; too few samples keep the prior (no exception)."""
+    from dynmo_plugin.data.calibration import fit_record
+    from dynmo_plugin.data.cost_model import model_from_dict, model_to_dict
+    rng, d, k, gamma = np.random.default_rng(3), 64, 2e-10, 1.5
+    def samples(n):
+        return [CostSample(ls, t, k * (24 * t * d * d + gamma * 4 * d * sum(x * x for x in ls)))
+                for ls, t in _mixes(rng, n)]
+    rec = fit_record([{1: samples(20)}, {2: samples(20)}], "knapformer", d, iteration=2)
+    model = model_from_dict(rec["model"])
+    assert model.k == pytest.approx(k, rel=1e-6) and model.gamma == pytest.approx(gamma, rel=1e-6)
+    assert model_to_dict(model) == rec["model"] and rec["samples"] == 40
+    assert rec["held_out_error"]["knapformer"] < 1e-6 < rec["held_out_error"]["tokens"]
+    assert set(rec["per_layer_knapformer"]) == {"1", "2"}
+    assert fit_record([{1: samples(2)}], "adaptiveload", d, 2)["model"] is None

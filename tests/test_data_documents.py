@@ -1,7 +1,8 @@
 """Real and synthetic documents: the indexed dataset round-trips, the stream, the config.
 
 In-process except the two torchrun runs at the end (PP=2 lognormal documents, and
-PP=1 x DP=2 on a corpus prepared from the Python standard library's sources).
+PP=1 x DP=2 on a corpus prepared from the Python standard library's sources in
+adaptive batches).
 """
 import argparse
 import json
@@ -114,6 +115,10 @@ def test_config_checks(tmp_path):
         _cfg("--data-documents", "lognormal", "--micro-batch-size", "1",
              "--data-outlier-thresholds", "16,8")
     packed = ("--data-documents", "lognormal", "--micro-batch-size", "1")
+    with pytest.raises(ConfigError, match="does not pack documents; --data-packer wlb"):
+        _cfg(*packed, "--data-batching", "adaptive", "--data-packer", "wlb")
+    with pytest.raises(ConfigError, match="must hold one row"):
+        _cfg(*packed, "--data-batching", "adaptive", "--data-mem-tokens", "16")
     for kind in ("gradual_pruning", "layer_freezing"):  # their layers pass packed params on
         assert _cfg(*packed, "--dynmo-dynamism", kind).dynmo.dynamism.kind == kind
     for kind in ("early_exit", "mixture_of_depths", "sparse_attention", "moe"):
@@ -150,9 +155,17 @@ def test_lognormal_documents_train_on_two_stages_with_wlb_and_outliers(tmp_path)
     assert not [e for e in resumed["events"] if e.get("kind") == "data_cost_fit"]
 
 
-def test_indexed_corpus_trains_data_parallel(tmp_path):
+def test_indexed_corpus_trains_data_parallel_with_adaptive_batches(tmp_path):
+    """DP=2 on the stdlib corpus, unpacked: AdaptiveLoad batches (B(S) rows of bucket S,
+    from a model fitted at iterations 1-2), under gradual pruning (a round at iteration 4)."""
     prefix, _ = _run_prepare(tmp_path, STDLIB_JSON, "--split", "blank-lines")
-    rep = train(2, [*_SMALL, "--global-batch-size", "4", "--data-path", prefix], tmp_path / "run")
+    rep = train(2, [*_SMALL, "--global-batch-size", "4", "--data-path", prefix,
+                    "--data-batching", "adaptive", "--data-cost-model", "adaptiveload",
+                    "--dynmo-dynamism", "gradual_pruning", "--dynmo-pruning-start", "2",
+                    "--dynmo-pruning-interval", "2", "--dynmo-pruning-rounds", "2"],
+                tmp_path / "run")
     ls = losses(rep)
     assert rep["config"]["model"]["vocab_size"] == 384
     assert all(math.isfinite(x) for x in ls) and ls[-1] < ls[0]
+    kinds = [(e.get("kind"), e.get("iteration")) for e in rep["events"]]
+    assert ("data_cost_fit", 2) in kinds and ("dynamism", 4) in kinds

@@ -10,7 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynmo_plugin.data.documents import DocumentStream, LognormalDocuments
-from dynmo_plugin.data.packing import OutlierQueues, SequentialPacker, WlbPacker
+from dynmo_plugin.data.cost_model import (AdaptiveLoadCost, PowerCost, adaptive_batch_size,
+                                          adaptive_batch_sizes)
+from dynmo_plugin.data.packing import (AdaptiveBatcher, OutlierQueues, SequentialPacker,
+                                       WlbPacker, length_buckets)
 from dynmo_plugin.data.stream import PackedDocuments
 
 L = 512
@@ -21,7 +24,8 @@ def _stream(packer: str, dp=1, mb=4, thresholds=(), delay=3, count=400, redistri
                              count=count)
     docs = DocumentStream(src, seed=5, max_length=L)
     p = (SequentialPacker(L, dp, mb) if packer == "sequential"
-         else WlbPacker(L, dp, mb, lambda n: float(n) ** 2))
+         else AdaptiveBatcher(L, dp, mb, length_buckets(L), 4 * L, PowerCost(2.0))
+         if packer == "adaptive" else WlbPacker(L, dp, mb, lambda n: float(n) ** 2))
     q = OutlierQueues(list(thresholds), dp * mb, delay) if thresholds else None
     return PackedDocuments(docs, p, L, dp, mb, q,
                            redistribute=redistribute)
@@ -33,7 +37,7 @@ def _placed(plan):
 
 @pytest.mark.parametrize("packer,thresholds,redistribute", [
     ("sequential", (), False), ("wlb", (), False), ("wlb", (200, 350), False),
-    ("sequential", (), True), ("wlb", (200, 350), True)])
+    ("sequential", (), True), ("wlb", (200, 350), True), ("adaptive", (), False)])
 @pytest.mark.parametrize("dp", [1, 2])
 def test_no_document_lost_or_duplicated_over_an_epoch(packer, thresholds, redistribute, dp):
     stream = _stream(packer, dp=dp, thresholds=thresholds, redistribute=redistribute)
@@ -45,7 +49,13 @@ def test_no_document_lost_or_duplicated_over_an_epoch(packer, thresholds, redist
         trained += _placed(plan)
         pulled += plan.pulled
         for mb in plan.lengths:
-            assert len(mb) == dp and all(sum(x) <= L for x in mb)
+            assert len(mb) == dp
+            if packer == "adaptive":  # one bucket per micro-batch, at most B(S) documents
+                for x in mb:
+                    S = stream.packer.bucket(max(x, default=1))
+                    assert len(x) <= stream.packer.batch_sizes[S] and all(n <= S for n in x)
+            else:
+                assert all(sum(x) <= L for x in mb)
     waiting = set(plan.leftover) | set(plan.queued)
     assert len(trained) == len(set(trained))                       # nothing twice
     assert set(trained) | waiting == set(pulled) == set(range(stream.cursor))  # nothing lost
@@ -150,3 +160,26 @@ def test_pure_modules_import_neither_torch_nor_megatron():
                          check=True).stdout
     loaded = json.loads(out.strip().splitlines()[-1])
     assert not [m for m in loaded if m.split(".")[0] in ("torch", "megatron")]
+
+
+def test_adaptive_batches_follow_the_fitted_model():
+    """B(S) is AdaptiveLoad's formula with M_comp = cost of one full row; a fitted model
+    set on the stream changes the batches formed next; rows are padded per bucket."""
+    model = AdaptiveLoadCost(a=0.01, b=3e-7, p=1.8, r2=1.0)
+    sizes = adaptive_batch_sizes(model, length_buckets(L), 4 * L, L)
+    assert sizes == {S: adaptive_batch_size(S, 1.8, 4 * L, L ** 1.8) for S in length_buckets(L)}
+    assert sizes[L] == 1 and sizes[64] == min(4 * L // 64, int((L / 64) ** 1.8))
+    stream = _stream("adaptive", mb=4)
+    assert stream.packer.batch_sizes == {64: 32, 128: 16, 256: 4, 512: 1}  # prior p = 2
+    stream.set_cost_model(model)
+    assert stream.packer.batch_sizes == sizes
+    plan = stream.plan(1)
+    shapes = set()
+    for ids in (mb[0] for mb in plan.groups):
+        batch = stream.build([plan.pieces[s] for s in ids])
+        B, S = batch["tokens"].shape
+        shapes.add((B, S))
+        assert S == stream.packer.bucket(max(batch["lengths"])) and B == len(ids) <= sizes[S]
+        assert batch["loss_mask"].sum(1).tolist() == [float(n) for n in batch["lengths"]]
+        assert stream.cost_shape(batch["lengths"]) == ([S] * B, S * B)
+    assert len(shapes) > 1

@@ -33,7 +33,7 @@ class CostCalibration:
         self.form, self.first = form, start_iteration + 1
         self.last = start_iteration + iterations
         self.probe = None
-        self.lengths: list[list[int]] = []
+        self.shapes: list[tuple[list[int], int]] = []  # per micro-batch: (lengths, positions)
         self.done = False
 
     @classmethod
@@ -61,13 +61,14 @@ class CostCalibration:
             return None
         self.probe.end_iteration()
         plan = trainer.data.plan(iteration)
-        self.lengths += [mb[trainer.dims.dp_rank] for mb in plan.lengths]
+        self.shapes += [trainer.data.cost_shape(mb[trainer.dims.dp_rank]) for mb in plan.lengths]
         if iteration < self.last:
             return None
         probe, self.probe, self.done = self.probe, None, True
         probe.detach()
+        lengths, tokens = [s for s, _ in self.shapes], [t for _, t in self.shapes]
         local = {layer.layer_number: samples_from_probe(probe.samples, layer.layer_number,
-                                                        self.lengths, trainer.args.seq_length)
+                                                        lengths, tokens)
                  for layer in probe.layers}
         gathered = control.all_gather(local, "data-cost-samples")
         hidden = trainer.args.hidden_size

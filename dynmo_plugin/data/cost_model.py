@@ -27,7 +27,8 @@ import numpy as np
 
 __all__ = ["CostSample", "CostModel", "PowerCost", "KnapFormerCost", "AdaptiveLoadCost",
            "TokenCost", "fit_knapformer", "fit_adaptiveload", "fit_tokens", "fit_all",
-           "held_out_error", "adaptive_batch_size", "samples_from_probe", "model_to_dict",
+           "held_out_error", "adaptive_batch_size", "adaptive_batch_sizes", "sequence_cost",
+           "samples_from_probe", "model_to_dict",
            "model_from_dict", "FORMS"]
 
 FORMS = ("knapformer", "adaptiveload", "tokens")
@@ -168,15 +169,17 @@ def fit_tokens(samples: Sequence[CostSample]) -> TokenCost:
 
 
 def samples_from_probe(probe_samples: dict, layer: int, lengths: Sequence[Sequence[int]],
-                       tokens: int) -> list[CostSample]:
+                       tokens: int | Sequence[int]) -> list[CostSample]:
     """CostSamples of one layer from the profiler's per-micro-batch times
     (megatron.probe.StageProbe.samples: "fwd/N" and "bwd/N" lists, one entry per
-    micro-batch in order) and the document lengths of those micro-batches."""
+    micro-batch in order) and the document lengths of those micro-batches; `tokens`:
+    the positions of every micro-batch, or one count per micro-batch."""
     fwd, bwd = probe_samples[f"fwd/{layer}"], probe_samples[f"bwd/{layer}"]
     if not (len(fwd) == len(bwd) == len(lengths)):
         raise ValueError(f"layer {layer}: {len(fwd)} forward and {len(bwd)} backward times "
                          f"for {len(lengths)} micro-batches")
-    return [CostSample(tuple(ls), tokens, f + b) for ls, f, b in zip(lengths, fwd, bwd)]
+    per_mb = [tokens] * len(lengths) if isinstance(tokens, int) else list(tokens)
+    return [CostSample(tuple(ls), t, f + b) for ls, t, f, b in zip(lengths, per_mb, fwd, bwd)]
 
 
 _CLASSES = {"power": PowerCost, "knapformer": KnapFormerCost, "adaptiveload": AdaptiveLoadCost,
@@ -221,3 +224,25 @@ def adaptive_batch_size(seq_len: int, p: float, mem_tokens: float, comp_budget: 
     if seq_len < 1:
         raise ValueError(f"sequence length must be positive, got {seq_len}")
     return max(1, min(math.floor(mem_tokens / seq_len), math.floor(comp_budget / seq_len ** p)))
+
+
+def sequence_cost(model: CostModel, length: int) -> float:
+    """What one sequence of `length` positions adds to a micro-batch (the model's cost of
+    it, less the intercept every micro-batch pays)."""
+    return model.predict([length], length) - model.predict([], 0)
+
+
+def adaptive_batch_sizes(model: CostModel, buckets: Sequence[int], mem_tokens: int,
+                         target_length: int) -> dict[int, int]:
+    """{S: B} for every bucket: AdaptiveLoad's B = max(1, min(floor(M_mem / S),
+    floor(M_comp / cost(S)))) with M_comp the cost of one `target_length` sequence, so a
+    micro-batch of any bucket predicts about the time of one full row. For an
+    AdaptiveLoadCost (cost(S) = b S^p) this is `adaptive_batch_size(S, p, M_mem,
+    target^p)`."""
+    budget = sequence_cost(model, target_length)
+    out = {}
+    for S in buckets:
+        one = sequence_cost(model, S)
+        comp = math.floor(budget / one + 1e-9) if one > 0 else mem_tokens
+        out[int(S)] = max(1, min(mem_tokens // S, comp))
+    return out

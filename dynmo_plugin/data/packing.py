@@ -13,6 +13,9 @@ next iteration, so nothing is ever dropped.
   contiguous run of micro-batches, as a global batch is split by Megatron's sampler.
 * `WlbPacker` (WLB-LLM, Wang et al. 2025): heaviest predicted *workload* first into
   the lightest micro-batch (over all DP x micro-batch bins) that still has room.
+* `AdaptiveBatcher` (AdaptiveLoad, unpacked): each micro-batch holds B(S) documents of
+  one length bucket S, each padded to S (dense [B, S] rows, shapes differ between
+  micro-batches); B(S) comes from the fitted cost model (cost_model.adaptive_batch_sizes).
 * `OutlierQueues`: WLB-LLM's multi-level FIFO outlier delay, applied before packing
   by the stream (dynmo_plugin.data.stream): a document at or above a level's length
   threshold waits in that level's queue until the queue holds one document per bin
@@ -24,7 +27,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Sequence
 
-__all__ = ["SequentialPacker", "WlbPacker", "OutlierQueues", "PACKERS"]
+from dynmo_plugin.data.cost_model import CostModel, adaptive_batch_sizes, sequence_cost
+
+__all__ = ["SequentialPacker", "WlbPacker", "AdaptiveBatcher", "OutlierQueues", "PACKERS",
+           "length_buckets"]
 
 PACKERS = ("sequential", "wlb")
 
@@ -111,6 +117,71 @@ class WlbPacker(_Packer):
         self.bin_workload = load
         M = self.num_microbatches
         return self._groups(bins, lambda mb, r: r * M + mb)
+
+
+def length_buckets(max_seqlen: int, count: int = 4, smallest: int = 8) -> list[int]:
+    """Bucket lengths max_seqlen, max_seqlen/2, ... (`count` of them, none below
+    `smallest`), ascending: a document goes to the smallest bucket that holds it."""
+    out = [max_seqlen >> j for j in range(count) if (max_seqlen >> j) >= smallest]
+    return sorted(set(out)) or [max_seqlen]
+
+
+class AdaptiveBatcher(_Packer):
+    """AdaptiveLoad: micro-batches of `batch_sizes[S]` documents of bucket S.
+
+    Documents join their bucket's open batch in offered order; a batch that reaches its
+    size is complete. Once DP x micro-batches batches are complete the rest is left over;
+    if the offer runs out first, the fullest open batches fill the remaining bins. The
+    batches are dealt to DP ranks heaviest first (`cost(S) x documents`) onto the rank
+    with the least so far, so replicas carry similar predicted work.
+    """
+
+    def __init__(self, max_seqlen: int, dp_size: int, num_microbatches: int,
+                 buckets: Sequence[int], mem_tokens: int, model: CostModel):
+        """`mem_tokens` (M_mem): positions one micro-batch may hold; `model`: the cost
+        model B(S) follows (`use` replaces it)."""
+        super().__init__(max_seqlen, dp_size, num_microbatches)
+        if sorted(buckets) != list(buckets) or buckets[-1] != max_seqlen:
+            raise ValueError(f"buckets {list(buckets)} must ascend to max_seqlen ({max_seqlen})")
+        if mem_tokens < max_seqlen:
+            raise ValueError(f"mem_tokens ({mem_tokens}) must hold one row of {max_seqlen}")
+        self.buckets, self.mem_tokens = list(buckets), mem_tokens
+        self.use(model)
+
+    def use(self, model: CostModel) -> None:
+        """Batch sizes and replica dealing from `model` (for batches formed from now on)."""
+        self.batch_sizes = adaptive_batch_sizes(model, self.buckets, self.mem_tokens,
+                                                self.max_seqlen)
+        self.cost = lambda S: sequence_cost(model, S)
+
+    def bucket(self, length: int) -> int:
+        return next(b for b in self.buckets if b >= length)
+
+    def get_groups_and_subsamples(self, sample_id_seqlens: Sequence[tuple[int, int]]) -> Groups:
+        self._check(sample_id_seqlens)
+        open_: dict[int, list[int]] = {}
+        full: list[tuple[int, list[int]]] = []
+        for sid, n in sample_id_seqlens:
+            S = self.bucket(n)
+            open_.setdefault(S, []).append(sid)
+            if len(open_[S]) >= self.batch_sizes[S]:
+                full.append((S, open_.pop(S)))
+                if len(full) == self.num_bins:
+                    break
+        partial = sorted(open_.items(), key=lambda kv: (-len(kv[1]), -kv[0]))
+        full += partial[:self.num_bins - len(full)]
+        placed = {s for _, ids in full for s in ids}
+        self.leftover = [s for s, _ in sample_id_seqlens if s not in placed]
+        bins: list[list[list[int]]] = [[] for _ in range(self.dp_size)]
+        load = [0.0] * self.dp_size
+        for S, ids in sorted(full, key=lambda b: (-self.cost(b[0]) * len(b[1]), b[1][0])):
+            r = min((r for r in range(self.dp_size) if len(bins[r]) < self.num_microbatches),
+                    key=lambda r: (load[r], r))
+            bins[r].append(ids)
+            load[r] += self.cost(S) * len(ids)
+        for r in range(self.dp_size):
+            bins[r] += [[] for _ in range(self.num_microbatches - len(bins[r]))]
+        return [[bins[r][mb] for r in range(self.dp_size)] for mb in range(self.num_microbatches)]
 
 
 class OutlierQueues:

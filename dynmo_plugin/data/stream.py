@@ -34,7 +34,7 @@ import torch
 
 from dynmo_plugin.data.cost_model import CostModel, PowerCost, model_from_dict, model_to_dict
 from dynmo_plugin.data.documents import DocumentStream, Piece
-from dynmo_plugin.data.packing import OutlierQueues, WlbPacker
+from dynmo_plugin.data.packing import AdaptiveBatcher, OutlierQueues, WlbPacker
 from dynmo_plugin.data.redistribute import plan_redistribution
 
 __all__ = ["PackedDocuments", "IterationPlan"]
@@ -77,10 +77,30 @@ class PackedDocuments:
         self.cost_model = model
         if isinstance(self.packer, WlbPacker):
             self.packer.workload = model.doc_workload
+        elif isinstance(self.packer, AdaptiveBatcher):
+            self.packer.use(model)
+
+    @property
+    def adaptive(self) -> bool:
+        """Unpacked micro-batches of B(S) padded rows (AdaptiveLoad), not one packed row."""
+        return isinstance(self.packer, AdaptiveBatcher)
+
+    def cost_shape(self, lengths: list[int]) -> tuple[list[int], int]:
+        """(lengths, positions) a micro-batch of these documents costs as: packed, the
+        documents in one row of max_seqlen; adaptive, B rows of the bucket's length S,
+        each attending over all S (padding included)."""
+        if not self.adaptive:
+            return list(lengths), self.max_seqlen
+        S = self.packer.bucket(max(lengths, default=1))
+        rows = max(len(lengths), 1)
+        return [S] * rows, S * rows
 
     @property
     def capacity(self) -> int:
-        return self.dp_size * self.num_microbatches * self.max_seqlen
+        """Positions offered per iteration: every bin's worth (rows of max_seqlen, or
+        adaptive micro-batches of up to mem_tokens)."""
+        per_bin = self.packer.mem_tokens if self.adaptive else self.max_seqlen
+        return self.dp_size * self.num_microbatches * per_bin
 
     # ---- planning ---------------------------------------------------------------------------
     def plan(self, iteration: int) -> IterationPlan:
@@ -140,7 +160,10 @@ class PackedDocuments:
             yield self.build([plan.pieces[s] for s in mb[dp_rank]], device)
 
     def build(self, pieces: list[Piece], device: torch.device | str = "cpu") -> dict:
-        """One THD micro-batch of `pieces`, padded to max_seqlen positions."""
+        """One micro-batch of `pieces`: THD, padded to max_seqlen positions; or, adaptive,
+        one row per piece padded to its bucket's length."""
+        if self.adaptive:
+            return self._build_rows(pieces, device)
         L = self.max_seqlen
         tokens = np.zeros(L + 1, dtype=np.int64)
         positions = np.zeros(L, dtype=np.int64)
@@ -167,6 +190,26 @@ class PackedDocuments:
             "max_seqlen": max(lengths, default=0),
             "lengths": lengths,
         }
+
+    def _build_rows(self, pieces: list[Piece], device) -> dict:
+        """[B, S] rows, one document each from position 0, padding at the end (loss_mask
+        0); causal attention within a row is attention within its document. No pieces:
+        one padding row of the smallest bucket (loss 0)."""
+        S = self.packer.bucket(max((p.length for p in pieces), default=1))
+        B = max(len(pieces), 1)
+        tokens = np.zeros((B, S), dtype=np.int64)
+        labels = np.zeros((B, S), dtype=np.int64)
+        loss_mask = np.zeros((B, S), dtype=np.float32)
+        for row, p in enumerate(pieces):
+            t = self.stream.tokens(p)
+            tokens[row, :p.length], labels[row, :p.length] = t[:-1], t[1:]
+            loss_mask[row, :p.length] = 1.0
+        causal = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)[None, None]
+        as_t = torch.from_numpy
+        return {"tokens": as_t(tokens).to(device), "labels": as_t(labels).to(device),
+                "position_ids": torch.arange(S).expand(B, S).to(device),
+                "attention_mask": causal.to(device), "loss_mask": as_t(loss_mask).to(device),
+                "lengths": [p.length for p in pieces]}
 
     # ---- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -42,6 +42,15 @@ def _packed_forward_step(data_iterator, model):
     return output, partial(_packed_loss_func, batch["loss_mask"])
 
 
+def _batched_forward_step(data_iterator, model):
+    """An adaptive micro-batch (AdaptiveLoad): [B, S] rows of one document each, padded;
+    B and S differ between micro-batches (the pipeline exchanges shapes)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+    return output, partial(_packed_loss_func, batch["loss_mask"])
+
+
 def _packed_loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     """Mean over the micro-batch's document positions (none: a padding-only row, loss 0)."""
     loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
@@ -112,6 +121,9 @@ class StageTrainer:
         if args.data.packed:
             data = build_packed_documents(args.data, args.seed, args.vocab_size, args.seq_length,
                                           dims.dp, self.num_microbatches)
+            if data.adaptive:
+                self.config.variable_seq_lengths = True  # micro-batch shapes differ
+                return data, _batched_forward_step
             return data, _packed_forward_step
         return SyntheticTokens(seed=args.seed, vocab_size=args.vocab_size,
                                seq_length=args.seq_length, global_batch_size=args.global_batch_size,
