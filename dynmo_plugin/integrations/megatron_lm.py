@@ -1,0 +1,597 @@
+"""The plugin inside Megatron-LM's own `pretrain()` (the only module that knows `megatron.training`).
+
+    from dynmo_plugin.integrations import megatron_lm
+    megatron_lm.enable()        # once, before pretrain(...)
+    pretrain(...)               # --dynmo* flags now work in Megatron-LM's train() loop
+
+or, with Megatron-LM's own script unchanged:
+`python -m dynmo_plugin.integrations.pretrain_gpt <Megatron-LM flags> --dynmo ...`.
+
+Megatron-LM's `pretrain()` and `train()` look a few functions of
+`megatron.training.training` up as module globals at call time; `enable()` replaces
+four of them with wrappers that call the originals (checked against Megatron-LM tag
+core_v0.16.1; any other version is refused with a message):
+  initialize_megatron       - the plugin's flags join the caller's extra_args_provider
+                              (chained, never replaced); the plugin's config is validated
+                              once, before any model is built
+  setup_model_and_optimizer - the stage handle (`MegatronLMStage`) and the controller
+                              are built on what it returns
+  train_step                - the controller's before_step/after_step around every step
+  train                     - the report is completed and the writers flushed at the end
+`train()` keeps `model` (a list of DDP chunks) and `optimizer` (a ChainedOptimizer) as
+locals for the whole loop, so a migration changes nothing train() holds by reference:
+`model[0]` becomes the new DDP wrapper in the same list, and the same ChainedOptimizer
+object (which train(), the OptimizerParamScheduler and `config.grad_scale_func` hold)
+is re-initialised over the new inner optimizers. Per-layer timings and rebalance events
+go to Megatron-LM's TensorBoard / W&B writers (scalars `dynmo/...` at the iteration)
+and, through the profiling window's timer tap, into Megatron-LM's Timers.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import inspect
+import logging
+import os
+import re
+import sys
+import time
+from typing import Callable, Optional
+
+from dynmo_plugin.config import ConfigError, RunConfig, add_dynmo_args, load_config
+from dynmo_plugin.errors import UserError
+from dynmo_plugin.layout import Layout
+from dynmo_plugin.report import RunReport
+
+__all__ = ["enable", "disable", "is_enabled", "use_source", "check_version", "add_args",
+           "notify_event", "MegatronLMStage", "MegatronLMError", "event_scalars",
+           "SUPPORTED_CORE", "SUPPORTED_TAG", "SOURCE_ENV"]
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_CORE = "0.16.1"          # megatron.core.package_info.__version__
+SUPPORTED_TAG = "core_v0.16.1"     # the Megatron-LM tag whose megatron.training this knows
+SOURCE_ENV = "DYNMO_MEGATRON_LM"   # root of a Megatron-LM checkout at that tag
+
+# The functions enable() wraps, with their parameters at SUPPORTED_TAG: a version whose
+# functions differ is refused rather than half-hooked.
+_SIGNATURES = {
+    "initialize_megatron": ("extra_args_provider", "args_defaults", "ignore_unknown_args",
+                            "allow_no_cuda", "skip_mpu_initialization", "get_embedding_ranks",
+                            "get_position_embedding_ranks", "parsed_args", "store"),
+    "setup_model_and_optimizer": ("model_provider_func", "model_type", "checkpointing_context"),
+    "train_step": ("forward_step_func", "data_iterator", "model", "optimizer",
+                   "opt_param_scheduler", "config", "forward_backward_func", "iteration"),
+    "train": ("forward_step_func", "model", "optimizer", "opt_param_scheduler",
+              "train_data_iterator", "valid_data_iterator", "process_non_loss_data_func",
+              "config", "checkpointing_context", "non_loss_data_func", "inference_model"),
+}
+
+
+class MegatronLMError(UserError):
+    """Megatron-LM is missing, of a version this integration does not know, or configured
+    in a way the plugin cannot follow."""
+
+
+# ---- the source and its version ----------------------------------------------------------
+def _source_core_version(root: str) -> Optional[str]:
+    path = os.path.join(root, "megatron", "core", "package_info.py")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    parts = [re.search(rf"^{k}\s*=\s*(\d+)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts) if all(parts) else None
+
+
+def use_source(path: str) -> str:
+    """Make Megatron-LM's `megatron.training` (not on PyPI) importable from a checkout.
+
+    The root is appended to sys.path, not prepended: `megatron` is a namespace package,
+    so the installed megatron-core stays the `megatron.core` in use and only what the
+    wheel lacks (megatron.training, legacy, rl, post_training, gpt_builders,
+    model_provider) comes from the checkout. Returns the absolute root.
+
+    Raises:
+        MegatronLMError: not a Megatron-LM tree, or one for another megatron-core.
+    """
+    root = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(os.path.join(root, "megatron", "training", "training.py")):
+        raise MegatronLMError(f"{path}: not a Megatron-LM source tree (no megatron/training/"
+                              f"training.py); give the root of a checkout at tag {SUPPORTED_TAG}")
+    found, installed = _source_core_version(root), _installed_core_version()
+    if found != installed:
+        raise MegatronLMError(f"{root} is Megatron-LM for megatron-core {found}, but megatron-core "
+                              f"{installed} is installed; check out the tag core_v{installed} "
+                              f"there (this integration knows {SUPPORTED_TAG})")
+    if root not in sys.path:
+        sys.path.append(root)
+    return root
+
+
+def _installed_core_version() -> str:
+    try:
+        from megatron.core import package_info
+    except ImportError as e:
+        raise MegatronLMError(f"megatron-core is not installed ({e}); pip install "
+                              f"megatron-core=={SUPPORTED_CORE}") from e
+    return package_info.__version__
+
+
+def check_version():
+    """The `megatron.training.training` module, if it is the version this integration
+    knows: megatron-core SUPPORTED_CORE and the wrapped functions' signatures at
+    SUPPORTED_TAG.
+
+    Raises:
+        MegatronLMError: naming what differs and the version to use.
+    """
+    found = _installed_core_version()
+    if found != SUPPORTED_CORE:
+        raise MegatronLMError(f"megatron-core {found} is installed; dynmo_plugin's Megatron-LM "
+                              f"integration knows Megatron-LM {SUPPORTED_TAG} (megatron-core "
+                              f"{SUPPORTED_CORE}) only: install megatron-core=={SUPPORTED_CORE} "
+                              f"and use Megatron-LM's source at tag {SUPPORTED_TAG}")
+    try:
+        import megatron.training.training as mtt
+    except ImportError as e:
+        raise MegatronLMError(
+            f"Megatron-LM's training package cannot be imported ({e}). It is not on PyPI: check "
+            f"out Megatron-LM at tag {SUPPORTED_TAG} and set {SOURCE_ENV} to its root (or call "
+            "use_source(root)); its imports also need: pip install six regex triton") from e
+    for name, expected in _SIGNATURES.items():
+        fn = getattr(mtt, name, None)
+        params = tuple(inspect.signature(fn).parameters) if callable(fn) else None
+        if params != expected:
+            shown = "missing" if params is None else f"{name}({', '.join(params)})"
+            raise MegatronLMError(
+                f"megatron.training.training.{name} is {shown}, not {name}({', '.join(expected)}) "
+                f"as in Megatron-LM {SUPPORTED_TAG}: this Megatron-LM is a version the "
+                f"integration does not know; use the tag {SUPPORTED_TAG}")
+    return mtt
+
+
+# ---- flags --------------------------------------------------------------------------------
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The plugin's flags for Megatron-LM's parser (what enable() chains in): the --dynmo*
+    flags of dynmo_plugin.config plus where the report goes."""
+    add_dynmo_args(parser)
+    parser.add_argument("--dynmo-output", default="runs/latest", metavar="DIR",
+                        help="directory for the plugin's report.json / report.jsonl "
+                             "(written by global rank 0)")
+    return parser
+
+
+def _chain(user_provider: Optional[Callable]) -> Callable:
+    """The caller's extra_args_provider, then the plugin's flags (unless it added them)."""
+    def provider(parser):
+        if user_provider is not None:
+            parser = user_provider(parser)
+        if "--dynmo" not in parser._option_string_actions:
+            add_args(parser)
+        return parser
+    provider.dynmo_chained = True
+    return provider
+
+
+# Megatron-LM argument names that dynmo_plugin.config validates the plugin's settings
+# against (the rest of its namespace is Megatron-LM's business).
+_MODEL_KEYS = ("num_layers", "pipeline_model_parallel_size", "tensor_model_parallel_size",
+               "hidden_size", "num_attention_heads", "micro_batch_size", "global_batch_size", "save")
+
+
+def load_plugin_config(args: argparse.Namespace) -> RunConfig:
+    """The plugin's validated config from Megatron-LM's parsed args.
+
+    Raises:
+        ConfigError: a bad --dynmo* value, or a Megatron-LM setting the plugin cannot
+            follow while --dynmo is on (named, with the alternative).
+    """
+    ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if k.startswith("dynmo")})
+    for key in _MODEL_KEYS:
+        setattr(ns, key, getattr(args, key, None))
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    ns.pipeline_model_parallel_layout = None if layout is None else str(layout)
+    ns.train_iters = args.train_iters or sys.maxsize  # sample-based runs: not known yet
+    cfg = load_config(ns)
+    if cfg.dynmo.enabled:
+        _check_supported(args, cfg)
+    return cfg
+
+
+def _check_supported(args, cfg: RunConfig) -> None:
+    unsupported = [
+        (getattr(args, "virtual_pipeline_model_parallel_size", None) is not None,
+         "--num-layers-per-virtual-pipeline-stage / virtual pipeline stages"),
+        (getattr(args, "use_distributed_optimizer", False), "--use-distributed-optimizer"),
+        (getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False),
+         "FSDP (--use-megatron-fsdp / --use-torch-fsdp2)"),
+        (bool(getattr(args, "mtp_num_layers", None)), "--mtp-num-layers"),
+        (getattr(args, "optimizer", "adam") not in ("adam", "sgd"), f"--optimizer {args.optimizer}"),
+        (cfg.dynmo.dynamism.kind != "none",
+         f"--dynmo-dynamism {cfg.dynmo.dynamism.kind} (the scenarios build their own layers in "
+         "the launcher; under Megatron-LM report events with megatron_lm.notify_event)"),
+        (cfg.dynmo.repack.enabled, "--dynmo-repack (repacking runs in the launcher only)"),
+    ]
+    bad = [what for hit, what in unsupported if hit]
+    if bad:
+        raise ConfigError(f"--dynmo under Megatron-LM does not support: {'; '.join(bad)}. Drop "
+                          "them, or run without --dynmo")
+
+
+# ---- the stage handle -------------------------------------------------------------------------
+class MegatronLMStage:
+    """What the controller and the migrator drive (the launcher's StageTrainer gives the
+    same), built over the objects Megatron-LM's train() holds: `chunks` (the list of DDP
+    model chunks, updated in place), `optimizer` (a ChainedOptimizer, kept as the same
+    object), `scheduler` and the model's TransformerConfig."""
+
+    def __init__(self, chunks: list, optimizer, scheduler, args):
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.optimizer import ChainedOptimizer
+        from megatron.core.utils import get_model_config
+        from megatron.training.utils import unwrap_model
+
+        if len(chunks) != 1 or not isinstance(chunks[0], DistributedDataParallel):
+            raise MegatronLMError(f"--dynmo needs one Megatron DDP model chunk per rank; got "
+                                  f"{[type(c).__name__ for c in chunks]} (virtual pipeline "
+                                  "stages and FSDP are not supported)")
+        if not isinstance(optimizer, ChainedOptimizer):
+            raise MegatronLMError(f"--dynmo needs Megatron's ChainedOptimizer, got {type(optimizer).__name__}")
+        self.chunks, self._optimizer, self.scheduler, self.args = chunks, optimizer, scheduler, args
+        self.model = unwrap_model(chunks[0])
+        if not isinstance(self.model, GPTModel):
+            raise MegatronLMError(f"--dynmo supports GPTModel, got {type(self.model).__name__}")
+        self.config = get_model_config(chunks[0])
+        self.spec = _layer_spec(self.model)
+        self.dims = _current_dims()
+        self.layout = _current_layout(self.model, self.dims)
+
+    @property
+    def ddp(self):
+        return self.chunks[0]
+
+    @property
+    def module(self):
+        """What DDP wraps: the GPTModel, or its Float16Module with --bf16/--fp16."""
+        return self.ddp.module
+
+    @property
+    def ddp_config(self):
+        return self.ddp.ddp_config
+
+    @property
+    def optimizer(self):
+        return self._optimizer
+
+    @property
+    def num_microbatches(self) -> int:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        return get_num_microbatches()
+
+    def build_ddp(self):
+        """A Megatron DDP over the stage's module as it is now, configured as Megatron-LM's
+        get_model configured the live one (local; the live one is untouched)."""
+        from megatron.core.distributed import DistributedDataParallel
+        return DistributedDataParallel(
+            config=self.config, ddp_config=self.ddp_config, module=self.module,
+            disable_bucketing=bool(getattr(self.args, "overlap_param_gather_with_optimizer_step", False)))
+
+    def build_optimizer(self, ddp):
+        """A fresh optimizer over `ddp`, made as Megatron-LM's setup_model_and_optimizer
+        makes it (collective)."""
+        from megatron.core.optimizer import ChainedOptimizer
+        from megatron.training import get_timers
+        import megatron.training.training as mtt
+        config, overrides = mtt.get_megatron_optimizer_config(self.args)
+        config.timers = get_timers()
+        optimizer = mtt.get_megatron_optimizer(
+            config, [ddp], config_overrides=overrides,
+            use_gloo_process_groups=self.args.enable_gloo_process_groups)
+        if not isinstance(optimizer, ChainedOptimizer):
+            raise MegatronLMError(f"get_megatron_optimizer returned {type(optimizer).__name__}, "
+                                  "not a ChainedOptimizer")
+        return optimizer
+
+    def install_wrappers(self, ddp, optimizer) -> None:
+        """Switch train() to `ddp` and `optimizer` without changing what it holds:
+        the same list gets the new chunk, the same ChainedOptimizer object takes the new
+        inner optimizers (re-initialised in place, as its constructor builds it), so the
+        scheduler and config.grad_scale_func (bound to it) stay valid. The DDP-bound sync
+        functions train() set are re-pointed. Reference updates only: cannot fail."""
+        from megatron.core.optimizer import ChainedOptimizer
+        self.chunks[0] = ddp
+        if optimizer is not self._optimizer:
+            ChainedOptimizer.__init__(self._optimizer, list(optimizer.chained_optimizers))
+        cfg = self.config  # train() binds these to the chunk only with --overlap-grad-reduce
+        if cfg.no_sync_func is not None:
+            cfg.no_sync_func = ddp.no_sync
+        if cfg.grad_sync_func is not None:
+            cfg.grad_sync_func = ddp.start_grad_sync
+
+
+def _layer_spec(model):
+    """The TransformerLayer spec arriving layers are built from: the decoder's, which must
+    be one spec for all its layers (heterogeneous blocks cannot be migrated)."""
+    specs = list(model.decoder.submodules.layer_specs)
+    if any(s != specs[0] for s in specs[1:]):
+        raise MegatronLMError("--dynmo needs one TransformerLayer spec for every decoder layer "
+                              "(this model mixes layer kinds); run without --dynmo")
+    return specs[0] if specs else None
+
+
+def _current_dims():
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from dynmo_plugin.megatron.parallel import ParallelDims
+    cuda = torch.cuda.is_available()
+    return ParallelDims(
+        rank=dist.get_rank(), world_size=dist.get_world_size(),
+        tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+        groups=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def _current_layout(model, dims) -> Layout:
+    """The split Megatron-LM built, read from the layers each stage holds (it may come
+    from a layout string, a uniform split or first/last-stage counts)."""
+    import torch.distributed as dist
+    numbers = [layer.layer_number for layer in model.decoder.layers]
+    held: list = [None] * dims.pp
+    dist.all_gather_object(held, numbers, group=dims.groups.pp)
+    layout = Layout(tuple(len(n) for n in held))
+    if [n for stage in held for n in stage] != list(range(1, layout.num_layers + 1)):
+        raise MegatronLMError(f"decoder layers per stage {held} are not one contiguous split")
+    return layout
+
+
+# ---- metrics for Megatron-LM's writers --------------------------------------------------------
+def event_scalars(record: dict) -> dict[str, float]:
+    """Scalars of one plugin event (an event's to_dict()) for TensorBoard / W&B:
+    per-layer fwd/bwd ms and the stages' imbalance from its profile; for a rebalance,
+    whether it applied, the imbalance it predicts after, and its overhead seconds."""
+    from dynmo_plugin.balancing.metrics import imbalance
+    out: dict[str, float] = {}
+    profile = record.get("profile")
+    if profile:
+        loads: dict[int, float] = {s["stage"]: s["extra_s"] for s in profile["stages"]}
+        for x in profile["layers"]:
+            out[f"dynmo/layer_{x['layer']}_fwd_ms"] = x["fwd_s"] * 1e3
+            out[f"dynmo/layer_{x['layer']}_bwd_ms"] = x["bwd_s"] * 1e3
+            loads[x["stage"]] = loads.get(x["stage"], 0.0) + x["fwd_s"] + x["bwd_s"]
+        out["dynmo/imbalance"] = imbalance(list(loads.values()))
+    if record.get("kind") == "rebalance":
+        out["dynmo/rebalance_applied"] = float(bool(record.get("applied")))
+        if record.get("imbalance_after") is not None:
+            out["dynmo/imbalance_after"] = float(record["imbalance_after"])
+        out["dynmo/moved_layers"] = float(len(record.get("moves", [])))
+    for phase, seconds in record.get("overhead_s", {}).items():
+        out[f"dynmo/{phase}_s"] = float(seconds)
+    return out
+
+
+@dataclasses.dataclass
+class _Report(RunReport):
+    """The run report, also handing each new event to `sink` (the writers)."""
+
+    sink: Optional[Callable] = None
+
+    def add_event(self, event) -> None:
+        super().add_event(event)
+        if self.sink is not None:
+            self.sink(event)
+
+
+class _Writers:
+    """Megatron-LM's TensorBoard and W&B writers (each exists on one rank, or none)."""
+
+    def __init__(self):
+        from megatron.training import get_tensorboard_writer, get_wandb_writer
+        self.tensorboard, self.wandb = get_tensorboard_writer(), get_wandb_writer()
+
+    def event(self, event) -> None:
+        record = event if isinstance(event, dict) else event.to_dict()
+        scalars = event_scalars(record)
+        it = record["iteration"]
+        if self.tensorboard is not None:
+            for name, value in scalars.items():
+                self.tensorboard.add_scalar(name, value, it)
+        if self.wandb is not None:
+            self.wandb.log(scalars, it)
+        from megatron.training.utils import print_rank_last
+        layout = record.get("layout_after") or record.get("layout")
+        print_rank_last(f" dynmo: iteration {it} {record['kind']} [{record['trigger']}] layout "
+                        f"{layout} imbalance {scalars.get('dynmo/imbalance', float('nan')):.3f}")
+
+    def flush(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
+
+
+# ---- one run inside pretrain() ----------------------------------------------------------------
+class _Run:
+    """The controller and what it needs, built after setup_model_and_optimizer."""
+
+    def __init__(self, cfg: RunConfig, args, chunks: list, optimizer, scheduler):
+        from dynmo_plugin.consensus import ControlPlane
+        from dynmo_plugin.controller import DynMo
+        from dynmo_plugin.megatron.migrate import LayerMigrator
+
+        self.args = args
+        self.stage = MegatronLMStage(chunks, optimizer, scheduler, args)
+        timeout = cfg.dynmo.rebalance.migration_timeout_s
+        self.control = ControlPlane(timeout)
+        self.migrator = LayerMigrator(self.stage, self.control, timeout)
+        d = self.stage.dims
+        self.writers = _Writers()
+        self.report = _Report(
+            path=os.path.join(args.dynmo_output, "report.json"),
+            config={"dynmo": dataclasses.asdict(cfg.dynmo), "megatron_lm": _run_settings(args)},
+            world={"pp": d.pp, "tp": d.tp, "dp": d.dp, "world_size": d.world_size,
+                   "backend": d.backend, "history": [{"iteration": args.iteration, "pp": d.pp,
+                                                      "tp": d.tp, "dp": d.dp,
+                                                      "world_size": d.world_size}]},
+            initial_layout=str(self.stage.layout), enabled=d.rank == 0, sink=self.writers.event)
+        self.controller = DynMo(cfg.dynmo, self.stage, self.control, self.migrator, self.report)
+        self.controller.add_layout_listener(self._layout_changed)
+        self._start = 0.0
+
+    def _layout_changed(self) -> None:
+        """Megatron-LM's args (saved with its checkpoints) follow the new layout."""
+        self.args.pipeline_model_parallel_layout = self.stage.config.pipeline_model_parallel_layout
+
+    def before_step(self, iteration: int, model: list, optimizer) -> None:
+        if model is not self.stage.chunks or optimizer is not self.stage.optimizer:
+            raise MegatronLMError("train() passed train_step a model list or optimizer other than "
+                                  "the ones setup_model_and_optimizer returned: this Megatron-LM "
+                                  f"differs from {SUPPORTED_TAG}")
+        self._start = time.perf_counter()
+        self.controller.before_step(iteration)
+
+    def after_step(self, iteration: int, result) -> None:
+        self.controller.after_step(iteration)
+        losses = result[0] if isinstance(result, tuple) and result else {}
+        loss = losses.get("lm loss") if isinstance(losses, dict) else None
+        self.report.add_iteration(iteration, None if loss is None else float(loss),
+                                  time.perf_counter() - self._start)
+
+    def finish(self) -> None:
+        self.report.layout = str(self.stage.layout)
+        self.report.close()
+        self.writers.flush()
+
+
+def _run_settings(args) -> dict:
+    keys = ("num_layers", "hidden_size", "seq_length", "micro_batch_size", "global_batch_size",
+            "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size", "bf16",
+            "fp16", "transformer_impl")
+    return {k: getattr(args, k, None) for k in keys} | {"megatron_core": SUPPORTED_CORE}
+
+
+# ---- the hooks --------------------------------------------------------------------------------
+class _Hooks:
+    """The wrapped functions' originals and the run they drive (one per process: Megatron-LM
+    itself keeps its args, timers and writers as process globals)."""
+
+    def __init__(self):
+        self.originals: dict[str, Callable] = {}
+        self.compile_helpers: Optional[Callable] = None
+        self.cfg: Optional[RunConfig] = None
+        self.run: Optional[_Run] = None
+
+
+_hooks = _Hooks()
+
+
+def is_enabled() -> bool:
+    return bool(_hooks.originals)
+
+
+def enable() -> None:
+    """Hook the plugin into Megatron-LM's pretrain() (idempotent). Call before pretrain().
+
+    Raises:
+        MegatronLMError: Megatron-LM is missing or a version this does not know.
+    """
+    if is_enabled():
+        return
+    mtt = check_version()
+    wrappers = {"initialize_megatron": _wrap_initialize, "setup_model_and_optimizer": _wrap_setup,
+                "train_step": _wrap_train_step, "train": _wrap_train}
+    for name, make in wrappers.items():
+        original = getattr(mtt, name)
+        _hooks.originals[name] = original
+        setattr(mtt, name, functools.wraps(original)(make(original)))
+    _skip_helper_build()
+
+
+def disable() -> None:
+    """Restore Megatron-LM's functions and forget the run."""
+    if not is_enabled():
+        return
+    import megatron.training.training as mtt
+    for name, original in _hooks.originals.items():
+        setattr(mtt, name, original)
+    _hooks.originals.clear()
+    if _hooks.compile_helpers is not None:
+        import megatron.core.datasets.utils as dutils
+        dutils.compile_helpers, _hooks.compile_helpers = _hooks.compile_helpers, None
+    _hooks.cfg = _hooks.run = None
+
+
+def _skip_helper_build() -> None:
+    """initialize_megatron runs `make` in megatron/core/datasets; the megatron-core wheel
+    ships the built helpers_cpp and no Makefile, so that make fails. Skip it only then."""
+    import megatron.core.datasets.utils as dutils
+    folder = os.path.dirname(dutils.__file__)
+    if os.path.exists(os.path.join(folder, "Makefile")):
+        return
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    _hooks.compile_helpers = dutils.compile_helpers
+    dutils.compile_helpers = lambda: None
+
+
+def notify_event(name: str, work: Optional[dict] = None) -> None:
+    """Tell the controller a dynamism event happened (see DynMo.notify_event); call it on
+    every rank at the same iteration. A no-op without --dynmo."""
+    if _hooks.run is not None:
+        _hooks.run.controller.notify_event(name, work)
+
+
+def _wrap_initialize(original):
+    def initialize_megatron(extra_args_provider=None, *a, **kw):
+        if not getattr(extra_args_provider, "dynmo_chained", False):
+            extra_args_provider = _chain(extra_args_provider)
+        out = original(extra_args_provider, *a, **kw)
+        from megatron.training import get_args
+        _hooks.cfg = load_plugin_config(get_args())
+        return out
+    return initialize_megatron
+
+
+def _wrap_setup(original):
+    def setup_model_and_optimizer(*a, **kw):
+        model, optimizer, scheduler = original(*a, **kw)
+        cfg = _hooks.cfg
+        if cfg is not None and cfg.dynmo.enabled and optimizer is not None:
+            from megatron.training import get_args
+            _hooks.run = _Run(cfg, get_args(), model, optimizer, scheduler)
+        return model, optimizer, scheduler
+    return setup_model_and_optimizer
+
+
+def _wrap_train_step(original):
+    def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                   config, forward_backward_func, iteration=None):
+        run = _hooks.run
+        if run is None:
+            return original(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                            config, forward_backward_func, iteration=iteration)
+        n = iteration + 1  # Megatron-LM passes the iterations done; the plugin numbers from 1
+        run.before_step(n, model, optimizer)
+        result = original(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                          config, forward_backward_func, iteration=iteration)
+        run.after_step(n, result)
+        return result
+    return train_step
+
+
+def _wrap_train(original):
+    def train(*a, **kw):
+        try:
+            return original(*a, **kw)
+        finally:
+            if _hooks.run is not None:
+                _hooks.run.finish()
+    return train

@@ -1,0 +1,272 @@
+"""The plugin inside Megatron-LM's own pretrain() machinery (dynmo_plugin.integrations.megatron_lm).
+
+Megatron-LM's `megatron.training` is not on PyPI: the tests that need it read the root of
+a Megatron-LM checkout at tag core_v0.16.1 from $DYNMO_MEGATRON_LM and skip without it
+(its imports also need six, regex and triton). On CPU they run Megatron-LM's real
+parse_args, setup_model_and_optimizer (model from pretrain_gpt.py's model_provider),
+mock-data iterators, forward_step and train() loop — only pretrain()'s CUDA-only
+start-up (initialize_megatron's CUDA assert, torch.distributed/MPU set-up, CUDA streams)
+is replaced by the harness below, run as `python tests/test_megatron_lm.py` under
+torchrun. The pure parts (flag validation, event scalars) run everywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from dynmo_plugin.config import ConfigError
+from dynmo_plugin.integrations import megatron_lm as ml
+
+SOURCE = os.environ.get(ml.SOURCE_ENV)
+_MISSING = [m for m in ("six", "regex", "triton") if importlib.util.find_spec(m) is None]
+needs_source = pytest.mark.skipif(
+    not SOURCE or bool(_MISSING),
+    reason=(f"{ml.SOURCE_ENV} is unset: point it at a Megatron-LM checkout at tag "
+            f"{ml.SUPPORTED_TAG} (megatron.training is not on PyPI)") if not SOURCE else
+    f"Megatron-LM's imports need {', '.join(_MISSING)}: pip install six regex triton")
+
+# A small GPT that Megatron-LM builds without Transformer Engine or Apex, on CPU.
+MODEL_FLAGS = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+    "--no-rope-fusion", "--distributed-backend", "gloo", "--use-cpu-initialization",
+    "--attention-dropout", "0", "--hidden-dropout", "0", "--clip-grad", "0", "--eval-iters", "0",
+    "--eval-interval", "1000", "--rerun-mode", "disabled", "--log-interval", "1", "--seed", "7"]
+
+
+# ---- everywhere: the plugin's config from Megatron-LM-shaped args, event scalars ----------------
+def _megatron_like(**overrides) -> argparse.Namespace:
+    parser = ml.add_args(argparse.ArgumentParser())
+    args = parser.parse_args(overrides.pop("argv", []))
+    base = dict(num_layers=4, pipeline_model_parallel_size=2, tensor_model_parallel_size=1,
+                hidden_size=64, num_attention_heads=4, micro_batch_size=2, global_batch_size=8,
+                save=None, train_iters=10, pipeline_model_parallel_layout=None,
+                virtual_pipeline_model_parallel_size=None, use_distributed_optimizer=False,
+                optimizer="adam")
+    for k, v in {**base, **overrides}.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow():
+    cfg = ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "3:Et|tttL"]))
+    assert cfg.dynmo.enabled and cfg.dynmo.rebalance.forced_layouts == {3: "Et|tttL"}
+    with pytest.raises(ConfigError, match="past --train-iters"):
+        ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "11:Et|tttL"]))
+    with pytest.raises(ConfigError, match="virtual pipeline stages; --use-distributed-optimizer"):
+        ml.load_plugin_config(_megatron_like(argv=["--dynmo"], use_distributed_optimizer=True,
+                                             virtual_pipeline_model_parallel_size=2))
+    # without --dynmo nothing is refused: the hooks pass every call through
+    assert not ml.load_plugin_config(_megatron_like(use_distributed_optimizer=True)).dynmo.enabled
+
+
+def test_event_scalars_for_the_writers():
+    profile = {"layers": [{"layer": 1, "stage": 0, "fwd_s": 0.002, "bwd_s": 0.004},
+                          {"layer": 2, "stage": 1, "fwd_s": 0.001, "bwd_s": 0.001}],
+               "stages": [{"stage": 0, "extra_s": 0.0}, {"stage": 1, "extra_s": 0.002}]}
+    out = ml.event_scalars({"iteration": 4, "kind": "rebalance", "trigger": "forced", "applied": True,
+                            "moves": [{"layer": 2}], "imbalance_after": 0.1, "profile": profile,
+                            "overhead_s": {"migration": 0.5, "decision": 0.01}})
+    assert out["dynmo/layer_1_fwd_ms"] == pytest.approx(2.0)
+    assert out["dynmo/layer_2_bwd_ms"] == pytest.approx(1.0)
+    assert out["dynmo/imbalance"] == pytest.approx((0.006 - 0.004) / 0.005)  # loads 6 ms, 4 ms
+    assert out["dynmo/migration_s"] == 0.5 and out["dynmo/rebalance_applied"] == 1.0
+    assert out["dynmo/moved_layers"] == 1.0 and out["dynmo/imbalance_after"] == 0.1
+
+
+def test_use_source_refuses_a_folder_that_is_not_megatron_lm(tmp_path):
+    with pytest.raises(ml.MegatronLMError, match="not a Megatron-LM source tree"):
+        ml.use_source(str(tmp_path))
+
+
+# ---- with the source: hooks, version checks, parse_args ---------------------------------------
+@pytest.fixture()
+def mtt():
+    ml.use_source(SOURCE)
+    import megatron.training.training as mtt
+    yield mtt
+    ml.disable()
+
+
+@needs_source
+def test_enable_wraps_and_disable_restores(mtt):
+    names = ("initialize_megatron", "setup_model_and_optimizer", "train_step", "train")
+    before = {n: getattr(mtt, n) for n in names}
+    ml.enable()
+    ml.enable()  # idempotent: wrapped once
+    assert all(getattr(mtt, n) is not before[n] and getattr(mtt, n).__wrapped__ is before[n]
+               for n in names)
+    ml.disable()
+    assert all(getattr(mtt, n) is before[n] for n in names)
+
+
+@needs_source
+def test_unknown_megatron_lm_versions_are_refused(mtt, monkeypatch):
+    from megatron.core import package_info
+    original = mtt.train_step
+    monkeypatch.setattr(package_info, "__version__", "0.17.0")
+    with pytest.raises(ml.MegatronLMError, match=r"megatron-core 0\.17\.0 .*core_v0\.16\.1"):
+        ml.enable()
+    assert not ml.is_enabled() and mtt.train_step is original
+    monkeypatch.setattr(package_info, "__version__", ml.SUPPORTED_CORE)
+    monkeypatch.setattr(mtt, "train_step", lambda model, optimizer: None)
+    with pytest.raises(ml.MegatronLMError, match=r"train_step is train_step\(model, optimizer\)"):
+        ml.enable()
+    assert not ml.is_enabled()
+
+
+@needs_source
+def test_flags_parse_inside_megatron_lm_parse_args_chained_with_the_callers(mtt, monkeypatch):
+    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+    from megatron.training.arguments import parse_args
+    from megatron.training.global_vars import destroy_global_vars, get_args
+
+    def user_provider(parser):
+        parser.add_argument("--my-flag", type=int, default=0)
+        return parser
+
+    ml.enable()
+    argv = ["pretrain_gpt.py", *MODEL_FLAGS, "--train-iters", "6", "--my-flag", "5", "--dynmo",
+            "--dynmo-profile-every", "3", "--dynmo-forced-layouts", "4:Et|tttL",
+            "--pipeline-model-parallel-size", "2"]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    try:  # pretrain() calls it so: the caller's provider, Megatron-LM's validation, then ours
+        mtt.initialize_megatron(extra_args_provider=user_provider, allow_no_cuda=True,
+                                skip_mpu_initialization=True)
+        args = get_args()
+        assert args.my_flag == 5 and args.dynmo__profiling__every == 3
+        cfg = ml._hooks.cfg
+        assert cfg.dynmo.enabled and cfg.dynmo.rebalance.forced_layouts == {4: "Et|tttL"}
+    finally:
+        destroy_global_vars()
+        destroy_rerun_state_machine()
+    # a bad plugin value inside Megatron-LM's own parser: a ConfigError naming the flag
+    monkeypatch.setattr(sys, "argv", argv + ["--dynmo-profile-every", "-1"])
+    with pytest.raises(ConfigError, match="--dynmo-profile-every"):
+        ml.load_plugin_config(parse_args(ml._chain(user_provider)))
+
+
+# ---- with the source, under torchrun: Megatron-LM's train() with the plugin ------------------------
+def _run(tmp: Path, extra: list[str]) -> tuple[dict, dict]:
+    from launch import ROOT, free_port
+    import subprocess
+    out = tmp / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__,
+           *MODEL_FLAGS, "--train-iters", "6", "--pipeline-model-parallel-size", "2",
+           "--dynmo-output", str(out), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DYNMO_TEST_LOSSES": str(tmp)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    report = json.loads((out / "report.json").read_text())
+    return report, json.loads((tmp / "losses.json").read_text())
+
+
+@needs_source
+def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp_path):
+    """PP=2 on gloo: Megatron-LM's own loop, profiled every 2 iterations; before iteration
+    4 a forced layout moves layer 2 to stage 1. The loss of every iteration equals that of
+    the same run whose layout never moves, to the last bit, and the events reach
+    Megatron-LM's TensorBoard writer."""
+    tb = tmp_path / "tb"
+    moved, moved_losses = _run(tmp_path / "moved", ["--dynmo", "--dynmo-profile-every", "2",
+                                                    "--dynmo-forced-layouts", "4:Et|tttL",
+                                                    "--tensorboard-dir", str(tb)])
+    static, static_losses = _run(tmp_path / "static", ["--dynmo"])
+    forced = [e for e in moved["events"] if e["kind"] == "rebalance"]
+    assert [(e["iteration"], e["applied"], e["layout_after"]) for e in forced] == [(4, True, "Et|tttL")]
+    assert [m["layer"] for m in forced[0]["moves"]] == [2] and moved["layout"] == "Et|tttL"
+    profiles = [e for e in moved["events"] if e["kind"] == "profile"]
+    assert [e["iteration"] for e in profiles] == [2, 4, 6]
+    stages = [[(x["layer"], x["stage"]) for x in e["profile"]["layers"]] for e in profiles]
+    assert stages[0] == [(1, 0), (2, 0), (3, 1), (4, 1)]  # measured where layer 2 moved from ...
+    assert stages[1] == stages[2] == [(1, 0), (2, 1), (3, 1), (4, 1)]  # ... and where it went
+    assert static["layout"] == "Ett|ttL" and static["events"] == []
+    assert len(moved_losses) == 6 and moved_losses == static_losses
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tb)).Reload()
+    assert [e.step for e in acc.Scalars("dynmo/layer_2_fwd_ms")] == [2, 4, 6]
+    assert [e.value for e in acc.Scalars("dynmo/rebalance_applied")] == [1.0]
+
+
+# ---- the harness torchrun runs ------------------------------------------------------------------
+def _cpu_streams() -> None:
+    """get_model wraps DDP construction in CUDA streams; on CPU they are no-ops."""
+    import torch
+
+    class _Stream:
+        def wait_stream(self, other):
+            pass
+    torch.cuda.Stream = _Stream
+    torch.cuda.current_stream = lambda *a, **k: _Stream()
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+
+
+def _record_losses(mtt, folder: str) -> None:
+    """Every iteration's loss as Megatron-LM's train_step returns it (last stage), exact."""
+    inner, losses = mtt.train_step, []
+
+    def train_step(*a, **kw):
+        result = inner(*a, **kw)
+        if "lm loss" in result[0]:
+            losses.append(float(result[0]["lm loss"]))
+            Path(folder, "losses.json").write_text(json.dumps(losses))
+        return result
+    mtt.train_step = train_step
+
+
+def _harness() -> None:
+    """pretrain() without its CUDA-only start-up: Megatron-LM's parse/validate (through
+    the hooked initialize_megatron), gloo and MPU groups, the CPU compatibility layer,
+    then Megatron-LM's setup_model_and_optimizer, data iterators and train()."""
+    from functools import partial
+
+    import torch
+    import torch.distributed as dist
+    ml.use_source(SOURCE)
+    ml.enable()
+    import megatron.training.training as mtt
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.enums import ModelType
+    from megatron.core.utils import get_model_config
+    from megatron.training import get_args
+    mtt.initialize_megatron(allow_no_cuda=True, skip_mpu_initialization=True)
+    args = get_args()
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
+                                             args.pipeline_model_parallel_size)
+    from dynmo_plugin.megatron import cpu_compat
+    cpu_compat.apply()
+    _cpu_streams()
+    torch.set_num_threads(1)
+    from megatron.training.initialize import _set_random_seed
+    _set_random_seed(args.seed, args.data_parallel_random_init)  # as finish_mpu_init does
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    _record_losses(mtt, os.environ["DYNMO_TEST_LOSSES"])
+    import runpy
+    pretrain_gpt = runpy.run_path(os.path.join(SOURCE, "pretrain_gpt.py"), run_name="pretrain_gpt")
+    from gpt_builders import gpt_builder
+    from model_provider import model_provider
+    model, optimizer, scheduler = mtt.setup_model_and_optimizer(
+        partial(model_provider, gpt_builder), ModelType.encoder_or_decoder)
+    provider = pretrain_gpt["train_valid_test_datasets_provider"]
+    provider.is_distributed = True
+    train_iter, valid_iter, _ = mtt.build_train_valid_test_data_iterators(provider)
+    mtt.train(pretrain_gpt["forward_step"], model, optimizer, scheduler, train_iter, valid_iter,
+              None, get_model_config(model[0]), {}, None)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _harness()
