@@ -76,4 +76,6 @@ class TimerTap:
         if self.inner is None:
             return
         for name, seconds in values.items():
-            self.inner(name, log_level=log_level).set_elapsed(seconds)
+            timer = self.inner(name, log_level=log_level)
+            if hasattr(timer, "set_elapsed"):  # not a DummyTimer (above --timing-log-level)
+                timer.set_elapsed(seconds)
