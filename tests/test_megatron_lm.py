@@ -89,6 +89,17 @@ def test_use_source_refuses_a_folder_that_is_not_megatron_lm(tmp_path):
         ml.use_source(str(tmp_path))
 
 
+def test_the_entry_point_exits_2_with_one_line_without_a_megatron_lm_tree(tmp_path):
+    import subprocess
+    proc = subprocess.run([sys.executable, "-m", "dynmo_plugin.integrations.pretrain_gpt", "--dynmo"],
+                          env={**os.environ, ml.SOURCE_ENV: str(tmp_path)}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"dynmo_plugin: no pretrain_gpt.py in {tmp_path}: set {ml.SOURCE_ENV} to the root of a "
+        f"Megatron-LM checkout at tag {ml.SUPPORTED_TAG}"]
+
+
 # ---- with the source: hooks, version checks, parse_args ---------------------------------------
 @pytest.fixture()
 def mtt():

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Megatron-LM's own pretrain_gpt.py with the plugin profiling inside it, on one GPU.
+#
+#   scripts/megatron_lm_gpu_check.sh [MEGATRON_LM_DIR] [--python PY] [--iters N]
+#                                    [--profile-every N] [--out DIR] [--no-install]
+#   scripts/megatron_lm_gpu_check.sh --check-only OUT_DIR ITERS PROFILE_EVERY LAYERS
+#
+# MEGATRON_LM_DIR: a Megatron-LM checkout at tag core_v0.16.1 (default $DYNMO_MEGATRON_LM;
+# else the tag is cloned into ~/.cache/dynmo-megatron-lm, which needs network).
+# Installs what Megatron-LM's imports need if missing (six regex triton pydantic, and
+# tensorboard for the writer check; --no-install: none), then runs under torchrun
+#   python -m dynmo_plugin.integrations.pretrain_gpt --mock-data --bf16 ... \
+#     --tensorboard-dir OUT/tb --dynmo --dynmo-profile-every N --dynmo-output OUT/dynmo
+# and checks that the plugin's profile events were written: one per N iterations in
+# OUT/dynmo/report.json, each timing every layer, and dynmo/layer_<n>_fwd_ms scalars in
+# Megatron-LM's TensorBoard events. --check-only runs that check alone on a finished
+# run's OUT_DIR. Exit 0: passed; 1: a check failed or the run failed; 2: usage/setup.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TAG=core_v0.16.1
+SRC="${DYNMO_MEGATRON_LM:-}"
+PY=""; ITERS=20; EVERY=5; LAYERS=4; OUT="$ROOT/runs/megatron_lm_gpu_check"; INSTALL=1
+
+die() { echo "megatron_lm_gpu_check.sh: error: $*" >&2; exit 2; }
+say() { echo "[megatron_lm_gpu_check.sh] $*" >&2; }
+
+check() {  # check OUT ITERS EVERY LAYERS: the plugin's events in the report and TensorBoard
+  "$PY" - "$@" <<'EOF'
+import json, os, sys
+out, iters, every, layers = sys.argv[1], *map(int, sys.argv[2:])
+report = json.load(open(os.path.join(out, "dynmo", "report.json")))
+profiles = [e for e in report["events"] if e["kind"] == "profile" and not e.get("cancelled")]
+want = list(range(every, iters + 1, every))
+got = [e["iteration"] for e in profiles]
+ok = got == want and all(len(e["profile"]["layers"]) == layers for e in profiles)
+print(f"profile events at {got} (want {want}), each timing {layers} layers: {'PASS' if ok else 'FAIL'}")
+try:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+except ImportError:
+    print("tensorboard not importable: writer check skipped")
+else:
+    acc = EventAccumulator(os.path.join(out, "tb")).Reload()
+    steps = [e.step for e in acc.Scalars("dynmo/layer_1_fwd_ms")] if "dynmo/layer_1_fwd_ms" in acc.Tags()["scalars"] else []
+    tb_ok = steps == want
+    print(f"TensorBoard dynmo/layer_1_fwd_ms at {steps}: {'PASS' if tb_ok else 'FAIL'}")
+    ok = ok and tb_ok
+sys.exit(0 if ok else 1)
+EOF
+}
+
+ARGS=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --python) [[ $# -ge 2 ]] || die "--python needs an interpreter"; PY="$2"; shift 2 ;;
+    --iters) [[ $# -ge 2 ]] || die "--iters needs a number"; ITERS="$2"; shift 2 ;;
+    --profile-every) [[ $# -ge 2 ]] || die "--profile-every needs a number"; EVERY="$2"; shift 2 ;;
+    --out) [[ $# -ge 2 ]] || die "--out needs a directory"; OUT="$2"; shift 2 ;;
+    --no-install) INSTALL=0; shift ;;
+    --check-only) [[ $# -eq 5 ]] || die "--check-only OUT_DIR ITERS PROFILE_EVERY LAYERS"; ARGS=("$2" "$3" "$4" "$5"); shift 5 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) die "unknown argument $1 (see --help)" ;;
+    *) SRC="$1"; shift ;;
+  esac
+done
+if [[ -z "$PY" ]]; then
+  if [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; else PY=python3; fi
+fi
+command -v "$PY" >/dev/null || die "interpreter $PY not found; give one with --python"
+if [[ ${#ARGS[@]} -gt 0 ]]; then check "${ARGS[@]}"; exit $?; fi
+
+# ---- the source ------------------------------------------------------------------------
+if [[ -z "$SRC" ]]; then
+  SRC="$HOME/.cache/dynmo-megatron-lm"
+  if [[ ! -f "$SRC/pretrain_gpt.py" ]]; then
+    say "cloning Megatron-LM $TAG into $SRC"
+    git clone -q --depth 1 --branch "$TAG" https://github.com/NVIDIA/Megatron-LM "$SRC" ||
+      die "cannot clone Megatron-LM; give the root of a checkout at $TAG as MEGATRON_LM_DIR"
+  fi
+fi
+[[ -f "$SRC/pretrain_gpt.py" ]] || die "$SRC: no pretrain_gpt.py; give the root of a Megatron-LM checkout at $TAG"
+SRC="$(cd "$SRC" && pwd)"
+
+# ---- the machine and the packages ---------------------------------------------------------
+"$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' ||
+  die "$PY sees no CUDA GPU: Megatron-LM's pretrain() asserts CUDA (the CPU tests are tests/test_megatron_lm.py)"
+"$PY" -c 'import dynmo_plugin' 2>/dev/null || die "$PY cannot import dynmo_plugin: pip install -e $ROOT"
+MISSING=()
+for m in six regex triton pydantic tensorboard; do
+  "$PY" -c "import $m" 2>/dev/null || MISSING+=("$m")
+done
+if [[ ${#MISSING[@]} -gt 0 ]]; then
+  [[ $INSTALL -eq 1 ]] || die "missing ${MISSING[*]} (drop --no-install, or install them)"
+  say "installing ${MISSING[*]}"
+  "$PY" -m pip install -q --disable-pip-version-check "${MISSING[@]}" || die "pip install ${MISSING[*]} failed"
+fi
+
+# ---- the run ---------------------------------------------------------------------------------
+rm -rf "$OUT"; mkdir -p "$OUT"
+say "pretrain_gpt.py from $SRC, $ITERS iterations, profiled every $EVERY; log: $OUT/train.log"
+set +e
+DYNMO_MEGATRON_LM="$SRC" CUDA_DEVICE_MAX_CONNECTIONS=1 "$PY" -m torch.distributed.run \
+  --nproc-per-node 1 --master-addr 127.0.0.1 --master-port "${DYNMO_CHECK_PORT:-29561}" \
+  -m dynmo_plugin.integrations.pretrain_gpt \
+  --num-layers "$LAYERS" --hidden-size 512 --num-attention-heads 8 --seq-length 512 \
+  --max-position-embeddings 512 --micro-batch-size 4 --global-batch-size 16 \
+  --train-iters "$ITERS" --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 \
+  --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --bf16 \
+  --transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion \
+  --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion \
+  --eval-iters 0 --eval-interval 1000 --log-interval 1 --tensorboard-dir "$OUT/tb" \
+  --dynmo --dynmo-profile-every "$EVERY" --dynmo-output "$OUT/dynmo" >"$OUT/train.log" 2>&1
+RC=$?
+set -e
+if [[ $RC -ne 0 ]]; then tail -n 30 "$OUT/train.log" >&2; say "the run failed (exit $RC)"; exit 1; fi
+grep -E "iteration +$ITERS/|dynmo:" "$OUT/train.log" | tail -n 4 >&2 || true
+check "$OUT" "$ITERS" "$EVERY" "$LAYERS"
