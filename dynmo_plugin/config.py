@@ -753,6 +753,9 @@ def _check_data(cfg: RunConfig, given: dict[str, str]) -> None:
         raise ConfigError(f"{where('data.documents')}: --data-documents {d.documents} and "
                           "--data-path both choose the documents; give one")
     if not d.packed:
+        if d.batching == "adaptive":
+            raise ConfigError(f"{where('data.batching')}: --data-batching adaptive batches "
+                              "documents by length; give --data-path or --data-documents lognormal")
         return
     if m.micro_batch_size != 1:
         raise ConfigError(f"{where('micro_batch_size')}: packed documents put one row of "

@@ -108,6 +108,9 @@ class DynMo:
         self._work_base: Optional[dict[int, float]] = None  # work during the last timed window
         self._estimated = 0                             # estimated decisions since that window
         self._timed_profile: Optional[PipelineProfile] = None  # the last measured one
+        # (profile, window) -> profile: a timed profile re-costed before deciding, the same
+        # on every rank (data.calibration.mix_adjuster: to the run's document-length mix)
+        self.cost_adjuster = None
         self.bandwidth = config.rebalance.bandwidth_gbps * 1e9
         self.last_profile: Optional[PipelineProfile] = None
         if config.enabled and config.rebalance.balancer in ("partition", "parameters"):
@@ -220,6 +223,8 @@ class DynMo:
             self._record(ProfileEvent(iteration, opened.trigger, window, str(self.trainer.layout),
                                       {"profiling": time.perf_counter() - start}, profile))
             return
+        if self.cost_adjuster is not None:
+            gathered = self.cost_adjuster(gathered, window)
         self._rebalance(iteration, opened.trigger, window, gathered, start)
 
     # ---- decision and migration -----------------------------------------------------------

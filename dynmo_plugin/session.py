@@ -66,8 +66,10 @@ class TrainingSession:
             self.dynmo.add_layout_listener(self.scenario.after_layout_change)
         if meta is not None:
             self._resume(meta)
-        from dynmo_plugin.data.calibration import CostCalibration
+        from dynmo_plugin.data.calibration import CostCalibration, mix_adjuster
         self.data_fit = CostCalibration.for_run(args.data, self.trainer.data, self.start_iteration)
+        if args.data.packed:  # the layer balancer's costs for the run's document-length mix
+            self.dynmo.cost_adjuster = mix_adjuster(lambda: self.trainer.data)
         self.stop_after: Optional[int] = None
         self._completed = self.start_iteration
 

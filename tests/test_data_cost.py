@@ -75,3 +75,23 @@ def test_calibration_fit_record_from_gathered_samples():
     assert rec["held_out_error"]["knapformer"] < 1e-6 < rec["held_out_error"]["tokens"]
     assert set(rec["per_layer_knapformer"]) == {"1", "2"}
     assert fit_record([{1: samples(2)}], "adaptiveload", d, 2)["model"] is None
+
+
+def test_layer_costs_follow_the_length_mix_by_each_layers_model():
+    """A profile timed over short documents, re-costed to a mix of long ones: the layer
+    whose attention weighs more (gamma) grows more; without models nothing changes."""
+    from dynmo_plugin.data.calibration import mix_adjusted_profile
+    from dynmo_plugin.data.cost_model import KnapFormerCost
+    from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile
+    layers = [LayerProfile(layer=n, stage=0, fwd_s=1.0, bwd_s=2.0, param_bytes=0, grad_bytes=0,
+                           optim_bytes=0, act_bytes=0) for n in (1, 2)]
+    profile = PipelineProfile(layers=layers, stages=[])
+    models = {1: KnapFormerCost(k=1e-9, gamma=0.5, hidden=64),
+              2: KnapFormerCost(k=1e-9, gamma=4.0, hidden=64)}
+    window, run = (4, 4 * 1024, 4 * 8 * 128.0 ** 2), (8, 8 * 1024, 8 * 1024.0 ** 2)
+    out = mix_adjusted_profile(profile, models, window, run)
+    ratio = {x.layer: x.cost_s / 3.0 for x in out.layers}
+    for n, m in models.items():
+        assert ratio[n] == pytest.approx(m.predict([1024], 1024) / m.predict([128] * 8, 1024))
+    assert 1 < ratio[1] < ratio[2]
+    assert mix_adjusted_profile(profile, {}, window, run) is profile

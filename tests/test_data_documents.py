@@ -117,6 +117,8 @@ def test_config_checks(tmp_path):
     packed = ("--data-documents", "lognormal", "--micro-batch-size", "1")
     with pytest.raises(ConfigError, match="does not pack documents; --data-packer wlb"):
         _cfg(*packed, "--data-batching", "adaptive", "--data-packer", "wlb")
+    with pytest.raises(ConfigError, match="give --data-path or --data-documents"):
+        _cfg("--data-batching", "adaptive")
     with pytest.raises(ConfigError, match="must hold one row"):
         _cfg(*packed, "--data-batching", "adaptive", "--data-mem-tokens", "16")
     for kind in ("gradual_pruning", "layer_freezing"):  # their layers pass packed params on
@@ -133,13 +135,16 @@ _SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "
 
 def test_lognormal_documents_train_on_two_stages_with_wlb_and_outliers(tmp_path):
     """PP=2, WLB + outlier queues balanced by a KnapFormer model fitted from the profiler
-    at iterations 1-2, under layer freezing; the checkpoint's meta carries the data state
-    (position, queues, fitted model) and a resumed run continues from it without refitting."""
+    at iterations 1-2, under layer freezing; the rebalance at iteration 4 decides from a
+    profile re-costed to the run's length mix by the per-layer models; the checkpoint's
+    meta carries the data state (position, queues, fitted models) and a resumed run
+    continues from it without refitting."""
     flags = [*_SMALL, "--global-batch-size", "4", "--pipeline-model-parallel-size", "2",
              "--data-documents", "lognormal", "--data-lognormal-median", "48",
              "--data-packer", "wlb", "--data-outlier-thresholds", "128",
              "--data-outlier-max-delay", "2", "--data-cost-model", "knapformer",
-             "--dynmo-dynamism", "layer_freezing", "--save", str(tmp_path / "ckpt")]
+             "--dynmo-dynamism", "layer_freezing", "--dynmo", "--dynmo-rebalance-interval", "4",
+             "--save", str(tmp_path / "ckpt")]
     rep = train(2, [*flags, "--save-interval", "6"], tmp_path / "a")
     ls = losses(rep)
     assert all(math.isfinite(x) for x in ls) and ls[-1] < ls[0]
@@ -149,6 +154,8 @@ def test_lognormal_documents_train_on_two_stages_with_wlb_and_outliers(tmp_path)
     data = json.loads((tmp_path / "ckpt/iter_0000006/meta.json").read_text())["data"]
     assert data["kind"] == "packed" and data["planned"] == 6
     assert data["cost_model"] == fit[0]["model"] and data["outliers"]["thresholds"] == [128]
+    assert set(data["layer_models"]) == {"1", "2"}  # per layer, both stages': the balancer's
+    assert [e["iteration"] for e in rep["events"] if e.get("kind") == "rebalance"] == [4]
     flags[flags.index("--train-iters") + 1] = "8"
     resumed = train(2, [*flags, "--load", str(tmp_path / "ckpt")], tmp_path / "b")
     assert [it["iteration"] for it in resumed["iterations"]] == [7, 8]

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynmo_plugin.data.documents import DocumentStream, LognormalDocuments
-from dynmo_plugin.data.cost_model import (AdaptiveLoadCost, PowerCost, adaptive_batch_size,
-                                          adaptive_batch_sizes)
+from dynmo_plugin.data.cost_model import (AdaptiveLoadCost, KnapFormerCost, PowerCost,
+                                          adaptive_batch_size, adaptive_batch_sizes)
 from dynmo_plugin.data.packing import (AdaptiveBatcher, OutlierQueues, SequentialPacker,
                                        WlbPacker, length_buckets)
 from dynmo_plugin.data.stream import PackedDocuments
@@ -89,15 +89,26 @@ def test_outlier_delay_is_bounded_and_fifo():
 
 
 def test_state_resumes_exactly():
+    """Replaying the plans restores the stream while the cost model is the prior; the
+    state (JSON) restores it with a fitted model and per-layer models too."""
     a = _stream("wlb", dp=2, thresholds=(200,))
-    for it in range(1, 6):
-        a.plan(it)
+    fresh = _stream("wlb", dp=2, thresholds=(200,))   # resuming by replay
+    for it in range(1, 9):
+        assert a.plan(it).groups == fresh.plan(it).groups
+    a.set_cost_model(KnapFormerCost(k=1e-9, gamma=0.3, hidden=64))
+    a.layer_models = {1: KnapFormerCost(k=2e-9, gamma=1.0, hidden=64)}
     state = json.loads(json.dumps(a.state_dict()))   # plain data
     b = _stream("wlb", dp=2, thresholds=(200,))
     b.load_state_dict(state)
-    fresh = _stream("wlb", dp=2, thresholds=(200,))   # resuming by replay: what the trainer does
-    for it in range(6, 12):
-        assert a.plan(it).groups == b.plan(it).groups == fresh.plan(it).groups
+    for it in range(9, 16):
+        assert a.plan(it).groups == b.plan(it).groups
+    assert b.cost_model == a.cost_model and b.layer_models == a.layer_models
+    assert b.mix_total == a.mix_total
+    plan = a.plan(15)
+    squares = sum(n * n for mb in plan.lengths for x in mb for n in x)
+    assert a.mix(15, 15) == plan.mix == (2 * 4, 2 * 4 * L, float(squares))
+    with pytest.raises(ValueError, match="outlier queues"):
+        _stream("wlb", dp=2).load_state_dict(state)
 
 
 def test_redistribution_evens_replicas_after_sequential_packing():

@@ -9,19 +9,23 @@ KnapFormer, AdaptiveLoad, token count, each with its held-out error) and KnapFor
 layer; the form the run asked for (`--data-cost-model`) is broadcast, and every rank's
 stream balances the following iterations by it (WLB packing and the DP redistribution
 use the same `doc_workload`). The record (kind "data_cost_fit") goes into report.json.
+The per-layer models serve the layer balancer: `mix_adjuster` scales a timed profile
+from its window's length mix to the run's before the controller decides from it.
 
 Until the fit, the stream balances by its prior (length^p). A resumed run whose
 checkpoint holds a fitted model (the stream's state) does not fit again.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
-from dynmo_plugin.data.cost_model import (CostSample, PowerCost, fit_all, fit_knapformer,
-                                          model_to_dict, samples_from_probe)
+from dynmo_plugin.data.cost_model import (CostSample, KnapFormerCost, PowerCost, fit_all,
+                                          fit_knapformer, model_from_dict, model_to_dict,
+                                          samples_from_probe)
 
-__all__ = ["CostCalibration", "fit_record"]
+__all__ = ["CostCalibration", "fit_record", "mix_adjusted_profile", "mix_adjuster"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +79,9 @@ class CostCalibration:
         record = control.decide(lambda: fit_record(gathered, self.form, hidden, iteration),
                                 "data-cost-fit")
         if record.get("model") is not None:
-            from dynmo_plugin.data.cost_model import model_from_dict
             trainer.data.set_cost_model(model_from_dict(record["model"]))
+            trainer.data.layer_models = {int(k): model_from_dict(v) for k, v in
+                                         record["per_layer_knapformer"].items() if "form" in v}
         if trainer.dims.rank == 0:
             logger.info("data cost model (%s) from %d samples: %s; held-out error %s",
                         self.form, record.get("samples", 0), record.get("model"),
@@ -109,9 +114,48 @@ def fit_record(gathered: list[dict[int, list[CostSample]]], form: str, hidden: i
     layers = {}
     for layer, samples in sorted(per_layer.items()):
         try:
-            m = fit_knapformer(samples, hidden)
-            layers[str(layer)] = {"k": m.k, "gamma": m.gamma}
+            layers[str(layer)] = model_to_dict(fit_knapformer(samples, hidden))
         except ValueError as e:
             layers[str(layer)] = {"error": str(e)}
     record["per_layer_knapformer"] = layers
     return record
+
+
+# ---- the layer balancer's costs for the length mix ---------------------------------------
+def _mean_cost(model: KnapFormerCost, mix: tuple) -> float:
+    """KnapFormer's cost of the mean micro-batch of `mix` (count, positions, sum l^2):
+    exact for the mean, the model being linear in both."""
+    n, tokens, squares = mix
+    d = model.hidden
+    return model.k * (24 * (tokens / n) * d * d + model.gamma * 4 * d * (squares / n))
+
+
+def mix_adjusted_profile(profile, layer_models: dict, window_mix: tuple, expected_mix: tuple):
+    """`profile` (profiling.records.PipelineProfile, timed over a window whose micro-batches
+    had `window_mix`) with each layer's time scaled to the length mix the run trains on
+    (`expected_mix`: every micro-batch planned so far) by that layer's fitted KnapFormer
+    model: a layer whose attention weighs more (larger gamma) moves more. Layers without a
+    model, or empty mixes, keep their times."""
+    if not layer_models or not window_mix[0] or not expected_mix[0]:
+        return profile
+    layers = []
+    for x in profile.layers:
+        model = layer_models.get(x.layer)
+        r = _mean_cost(model, expected_mix) / _mean_cost(model, window_mix) if model else 1.0
+        layers.append(dataclasses.replace(x, fwd_s=x.fwd_s * r, bwd_s=x.bwd_s * r))
+    return type(profile)(layers=layers, stages=list(profile.stages))
+
+
+def mix_adjuster(stream_of: Callable):
+    """The controller's `cost_adjuster(profile, window)`: `mix_adjusted_profile` with the
+    per-layer models, the window's mix and the run's mix of the stream `stream_of()`
+    returns (the current trainer's: a repack rebuilds it)."""
+    def adjust(profile, window):
+        stream = stream_of()
+        adjusted = mix_adjusted_profile(profile, stream.layer_models, stream.mix(*window),
+                                        tuple(stream.mix_total))
+        if adjusted is not profile:
+            logger.info("layer costs scaled from window %s's length mix to the run's "
+                        "(data cost model, per layer)", window)
+        return adjusted
+    return adjust

@@ -50,6 +50,7 @@ class IterationPlan:
     packing_s: float = 0.0                 # wall seconds spent planning this iteration
     lengths: list[list[list[int]]] = field(default_factory=list)  # like groups, lengths
     moves: list = field(default_factory=list)  # redistribution: (id, mb, src rank, dst rank)
+    mix: tuple = (0, 0, 0.0)  # over all micro-batches: (count, sum of positions, sum of l^2)
 
 
 class PackedDocuments:
@@ -70,6 +71,9 @@ class PackedDocuments:
         self.carry: list[int] = []
         self.plans: dict[int, IterationPlan] = {}
         self._planned = 0
+        self.mix_history: dict[int, tuple] = {}   # iteration -> IterationPlan.mix (last 64)
+        self.mix_total = [0, 0, 0.0]              # the same, summed over the run
+        self.layer_models: dict[int, CostModel] = {}  # fitted per layer (data.calibration)
 
     def set_cost_model(self, model: CostModel) -> None:
         """Balance the iterations planned from now on by `model` (WLB packing and the DP
@@ -79,6 +83,17 @@ class PackedDocuments:
             self.packer.workload = model.doc_workload
         elif isinstance(self.packer, AdaptiveBatcher):
             self.packer.use(model)
+
+    def _mix(self, lengths) -> tuple:
+        shapes = [self.cost_shape(x) for mb in lengths for x in mb]
+        return (len(shapes), sum(t for _, t in shapes),
+                float(sum(n * n for ls, _ in shapes for n in ls)))
+
+    def mix(self, first: int, last: int) -> tuple:
+        """(micro-batches, positions, sum of squared lengths) of iterations first..last,
+        as far as they are remembered (the last 64 planned)."""
+        rows = [self.mix_history[i] for i in range(first, last + 1) if i in self.mix_history]
+        return tuple(sum(col) for col in zip(*rows)) if rows else (0, 0, 0.0)
 
     @property
     def adaptive(self) -> bool:
@@ -146,6 +161,10 @@ class PackedDocuments:
                              self.outliers.pending() if self.outliers else [])
         plan.lengths = [[[pieces[s].length for s in ids] for ids in mb] for mb in groups]
         plan.moves = moves
+        plan.mix = self._mix(plan.lengths)
+        self.mix_history[self._planned] = plan.mix  # _planned: the iteration being planned
+        self.mix_history.pop(self._planned - 64, None)
+        self.mix_total = [a + b for a, b in zip(self.mix_total, plan.mix)]
         plan.packing_s = time.perf_counter() - start
         return plan
 
@@ -218,7 +237,8 @@ class PackedDocuments:
         return {"kind": "packed", "planned": self._planned, "cursor": self.cursor,
                 "carry": list(self.carry),
                 "outliers": self.outliers.state_dict() if self.outliers else None,
-                "cost_model": model_to_dict(self.cost_model)}
+                "cost_model": model_to_dict(self.cost_model), "mix_total": list(self.mix_total),
+                "layer_models": {str(k): model_to_dict(m) for k, m in self.layer_models.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue after the iteration `state` was taken at (its plans are not kept:
@@ -239,3 +259,6 @@ class PackedDocuments:
         if self.outliers is not None:
             self.outliers.load_state_dict(state["outliers"])
         self.set_cost_model(model_from_dict(state["cost_model"]))
+        self.mix_total = list(state.get("mix_total", [0, 0, 0.0]))
+        self.layer_models = {int(k): model_from_dict(m)
+                             for k, m in state.get("layer_models", {}).items()}
