@@ -575,7 +575,7 @@ def _wrap_train_step(original):
     def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
                    config, forward_backward_func, iteration=None):
         run = _hooks.run
-        if run is None:
+        if run is None or iteration is None:
             return original(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
                             config, forward_backward_func, iteration=iteration)
         n = iteration + 1  # Megatron-LM passes the iterations done; the plugin numbers from 1
