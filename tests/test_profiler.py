@@ -79,7 +79,9 @@ def test_cpu_peak_is_static_state_plus_in_flight_activations(pp2_heavy):
         static = len(layers) * (16 * p_layer + 12 * 4) + 16 * extras[s] + 4 * tensors[s]
         in_flight = min(2 - s, 4)  # PP - stage, at most the micro-batches
         assert stage["peak_source"] == "accounted"
-        assert stage["peak_bytes"] == static + in_flight * sum(x["act_bytes"] for x in layers)
+        assert stage["static_bytes"] == static
+        assert stage["peak_bytes"] == static + in_flight * (sum(x["act_bytes"] for x in layers)
+                                                            + stage["extra_act_bytes"])
 
 
 @pytest.mark.parametrize("nproc,pp,tp", [(1, 1, 1), (2, 2, 1), (4, 4, 1), (4, 2, 1), (4, 2, 2)],

@@ -4,6 +4,17 @@ Usage from a training loop (the controller does this):
     window = ProfileWindow(trainer)       # attaches hooks, installs the timer tap
     for it in ...: trainer.train_step(it); window.after_iteration()
     profile = window.close()              # detaches; same PipelineProfile on every rank
+
+Memory per stage (`StageProfile.peak_bytes`): on CUDA the allocator's peak over the
+window (`torch.cuda.max_memory_allocated`, reset when the window opens): everything,
+transient buffers included. On CPU there is no allocator peak, so the bytes are
+accounted from what the stage really holds: every parameter, gradient-buffer and
+optimizer-state storage once (`static_bytes`: a padded DDP buffer counts whole), plus
+the 1F1B warm-up depth times one micro-batch's activations — what autograd saves in
+the decoder layers (`act_bytes`) and outside them (`extra_act_bytes`: embedding, head,
+logits and loss). Transient buffers that are freed within a micro-batch are not seen
+on CPU. The balancer calibrates its memory model with this peak
+(`dynmo_plugin.balancing.memory`).
 """
 from __future__ import annotations
 
@@ -12,7 +23,7 @@ import logging
 import torch
 
 from dynmo_plugin.megatron.optim_state import state_nbytes
-from dynmo_plugin.megatron.probe import StageProbe
+from dynmo_plugin.megatron.probe import SavedBytes, StageProbe
 from dynmo_plugin.megatron.timers import COMPUTE_TIMERS, TimerTap
 from dynmo_plugin.profiling.clock import clock_for
 from dynmo_plugin.profiling.gather import gather_profile
@@ -27,9 +38,56 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def _grad_bytes(p: torch.nn.Parameter) -> int:
+def _grad_tensor(p: torch.nn.Parameter) -> torch.Tensor | None:
     """Megatron DDP keeps gradients in `main_grad` views of its contiguous buffer."""
-    return _nbytes(getattr(p, "main_grad", None)) or _nbytes(p.grad)
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad
+
+
+def _grad_bytes(p: torch.nn.Parameter) -> int:
+    return _nbytes(_grad_tensor(p))
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors`: a view of a contiguous buffer
+    (DDP's gradient buffer, a padded parameter buffer) counts the whole buffer, once."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class _ExtraActivations:
+    """Bytes autograd saves per micro-batch outside the decoder layers (embedding, final
+    norm, output layer, loss). The probe's per-layer `saved_tensors_hooks` are nested
+    inside this one and take precedence (the innermost pair applies), so a layer's own
+    saved tensors are never counted here."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._open: SavedBytes | None = None
+        self.per_microbatch: list[int] = []
+        self._handles = [model.register_forward_pre_hook(self._enter),
+                         model.register_forward_hook(self._exit)]
+
+    def _enter(self, module, args) -> None:
+        self._open = SavedBytes(self._param_ptrs).__enter__()
+
+    def _exit(self, module, args, output) -> None:
+        if self._open is not None:
+            self._open.__exit__(None, None, None)
+            self.per_microbatch.append(self._open.nbytes)
+            self._open = None
+
+    def detach(self) -> None:
+        if self._open is not None:  # cancelled inside a forward
+            self._open.__exit__(None, None, None)
+            self._open = None
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
 
 class ProfileWindow:
@@ -43,6 +101,7 @@ class ProfileWindow:
         trainer.config.timers = self.tap
         self.probe = StageProbe(trainer.model, self.clock)
         self.probe.attach()
+        self.extra_act = _ExtraActivations(trainer.model)
         self._compute: list[float] = []
         self._profiled: list[float] = []
         self._wait: list[float] = []
@@ -72,6 +131,7 @@ class ProfileWindow:
     def cancel(self) -> None:
         """Detach hooks and restore the timers without summarising (local, no collective)."""
         self.probe.detach()
+        self.extra_act.detach()
         self.trainer.config.timers = self._saved_timers
 
     # ---- summary ------------------------------------------------------------------------
@@ -83,19 +143,30 @@ class ProfileWindow:
         extras = [p for p in t.model.parameters() if id(p) not in layer_params]
         extra_grad = sum(_grad_bytes(p) for p in extras)
         extra_bytes = sum(_nbytes(p) + state_nbytes(t.optimizer, p) for p in extras) + extra_grad
-        static = sum(x.state_bytes for x in layers) + extra_bytes
-        act = sum(x.act_bytes for x in layers)
         in_flight = min(t.dims.pp - stage, t.num_microbatches)  # 1F1B warm-up depth
+        extra_act = max(self.extra_act.per_microbatch, default=0)
+        static = self._static_bytes()
         if t.dims.device.type == "cuda":
             peak = int(torch.cuda.max_memory_allocated())
         else:
-            peak = static + in_flight * act
+            peak = static + in_flight * (sum(x.act_bytes for x in layers) + extra_act)
         return PipelineProfile(layers, [StageProfile(
             stage=stage, extra_s=median(probe.samples["extra"]), wait_s=median(self._wait),
             peak_bytes=int(peak), extra_bytes=int(extra_bytes), extra_grad_bytes=int(extra_grad),
             compute_s=median(self._compute), profiled_s=median(self._profiled),
             num_microbatches=t.num_microbatches, clock=self.clock.name,
-            peak_source="measured" if t.dims.device.type == "cuda" else "accounted")])
+            peak_source="measured" if t.dims.device.type == "cuda" else "accounted",
+            static_bytes=int(static), extra_act_bytes=int(extra_act), in_flight=in_flight)])
+
+    def _static_bytes(self) -> int:
+        """What the stage holds between iterations: parameter and gradient storages (whole
+        buffers, once) and the optimizer state of every parameter (fp32 master copies
+        included, `optim_state.state_nbytes`)."""
+        t = self.trainer
+        params = list(t.model.parameters())
+        return (_storage_bytes(params)
+                + _storage_bytes(_grad_tensor(p) for p in params)
+                + sum(state_nbytes(t.optimizer, p) for p in params))
 
     def _layer_profile(self, layer, stage: int) -> LayerProfile:
         n, params = layer.layer_number, list(layer.parameters())

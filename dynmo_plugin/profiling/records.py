@@ -53,6 +53,9 @@ class StageProfile:
     num_microbatches: int = 0
     clock: str = ""
     peak_source: str = ""   # "measured" (CUDA allocator) or "accounted" (static + in-flight activations)
+    static_bytes: int = 0   # params + gradient buffers + optimizer state as held (storages once)
+    extra_act_bytes: int = 0  # saved for backward outside the decoder layers, per micro-batch
+    in_flight: int = 0      # micro-batches whose activations the stage holds at once (1F1B)
 
 
 @dataclass
