@@ -27,6 +27,7 @@ from typing import Optional
 
 from dynmo_plugin.balancing import BalanceProblem, GateConfig, InfeasibleError, ProblemError
 from dynmo_plugin.balancing.decide import decide
+from dynmo_plugin.balancing.memory import MemoryCalibration, calibrate, modelled_stage_bytes
 from dynmo_plugin.config import DynmoConfig
 from dynmo_plugin.consensus import ControlPlane, DecisionFailed
 from dynmo_plugin.events import Decision, ProfileEvent, RebalanceEvent
@@ -34,7 +35,7 @@ from dynmo_plugin.layout import Layout, LayoutError
 from dynmo_plugin.profiling.records import PipelineProfile
 from dynmo_plugin.report import RunReport
 
-__all__ = ["DynMo", "problem_from_profile", "scale_profile"]
+__all__ = ["DynMo", "memory_calibration", "problem_from_profile", "scale_profile"]
 
 logger = logging.getLogger(__name__)
 _MEASURE_ITERS = 5  # iterations averaged for measured time before/after a rebalance
@@ -49,20 +50,36 @@ class _OpenWindow:
     window: object
 
 
+def memory_calibration(profile: PipelineProfile, num_stages: int,
+                       num_microbatches: int) -> tuple[list[float], MemoryCalibration]:
+    """The memory model's per-layer bytes — state + the 1F1B warm-up depth of activations
+    a stage may hold (at most p micro-batches) — and its calibration by each stage's
+    measured peak, against the layers that stage held when profiled
+    (`balancing.memory`)."""
+    in_flight = min(num_stages, num_microbatches)
+    layer_bytes = [x.state_bytes + in_flight * x.act_bytes for x in profile.layers]
+    modelled = modelled_stage_bytes(layer_bytes, [x.stage for x in profile.layers],
+                                    [s.extra_bytes for s in profile.stages])
+    calibration = calibrate([s.peak_bytes for s in profile.stages], modelled,
+                            [s.peak_source for s in profile.stages])
+    return layer_bytes, calibration
+
+
 def problem_from_profile(profile: PipelineProfile, current: Layout, config: DynmoConfig,
                          num_microbatches: int) -> BalanceProblem:
-    """Per-layer cost = median fwd+bwd per micro-batch; memory counts the 1F1B warm-up
-    depth of activations a stage may hold (at most p micro-batches); a migration
-    rebuilds each stage's gradient buffers (`rebuild_bytes`)."""
+    """Per-layer cost = median fwd+bwd per micro-batch; memory as `memory_calibration`
+    models and calibrates it; a migration rebuilds each stage's gradient buffers
+    (`rebuild_bytes`)."""
     p = current.num_stages
-    in_flight = min(p, num_microbatches)
+    layer_bytes, calibration = memory_calibration(profile, p, num_microbatches)
     cap = config.rebalance.memory_cap_gb
     return BalanceProblem(
         costs=[x.cost_s for x in profile.layers],
         num_stages=p,
-        memory=[x.state_bytes + in_flight * x.act_bytes for x in profile.layers],
+        memory=layer_bytes,
         move_bytes=[x.state_bytes for x in profile.layers],
         capacity=cap * 1e9 if cap > 0 else None,
+        memory_overhead=calibration.overhead,
         extras_cost=[s.extra_s for s in profile.stages],
         extras_memory=[s.extra_bytes for s in profile.stages],
         current=current,
@@ -232,16 +249,22 @@ class DynMo:
         """Rank 0 only: the one decision path (balancing.decide), which the simulator
         shares. An impossible plan is a decision not to move, never an exception."""
         t, rb = self.trainer, self.config.rebalance
+        cap = rb.memory_cap_gb * 1e9 if rb.memory_cap_gb > 0 else None
         try:
             problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches)
         except (InfeasibleError, ProblemError) as e:
-            return Decision(profile.to_dict(), None, False, f"no feasible plan: {e}")
+            memory = _memory_record(profile, t.layout.num_stages, t.num_microbatches, cap, None)
+            return Decision(profile.to_dict(), None, False,
+                            _memory_hint(f"no feasible plan: {e}", memory), memory=memory)
         gate = GateConfig(iterations_until_next_event=rb.expected_event_gap,
                           bandwidth_bytes_per_s=self.bandwidth, margin=rb.margin,
                           min_relative_gain=rb.min_gain)
         choice = decide(problem, rb.balancer, gate, self._repack_criteria(problem, trigger))
-        return Decision(profile.to_dict(), choice.plan, choice.apply, choice.reason,
-                        repack=choice.repack)
+        memory = _memory_record(profile, problem.num_stages, problem.num_microbatches, cap,
+                                choice.plan)
+        return Decision(profile.to_dict(), choice.plan, choice.apply,
+                        choice.reason if choice.apply else _memory_hint(choice.reason, memory),
+                        repack=choice.repack, memory=memory)
 
     def _repack_criteria(self, problem: BalanceProblem, trigger: str):
         """The criteria when a repack may be considered now, else None."""
@@ -269,7 +292,8 @@ class DynMo:
                                {"profiling": profiling_s, "decision": decision_s, "migration": 0.0},
                                reason=decision.reason, plan=decision.plan, window=window,
                                profile=decision.profile, profile_source=source,
-                               measured_iter_s_before=self._measured_before())
+                               measured_iter_s_before=self._measured_before(),
+                               memory=decision.memory)
         if decision.repack is not None and decision.repack.apply and decision.apply:
             r = decision.repack
             info = {"method": r.method, "predicted_iter_s_before": r.predicted_iter_s_before,
@@ -356,6 +380,32 @@ class DynMo:
             self.report.add_event(event)
         logger.info("dynmo: iteration %d %s [%s]%s", event.iteration, event.kind, event.trigger,
                     _describe(event))
+
+
+def _memory_record(profile: PipelineProfile, num_stages: int, num_microbatches: int,
+                   cap: Optional[float], plan) -> Optional[dict]:
+    """The event's `memory`: the cap, each stage's calibration (measured peak vs the
+    model's bytes for what it held) and the calibrated bytes of the layouts before and
+    after the plan (model + overhead: what is checked against the cap). None when the
+    profile does not fit the layout (no calibration exists)."""
+    try:
+        _, calibration = memory_calibration(profile, num_stages, num_microbatches)
+    except ProblemError:
+        return None
+    record = {"cap_bytes": cap, **calibration.to_dict()}
+    if plan is not None:
+        if plan.stage_memory_before is not None:
+            record["calibrated_before"] = calibration.calibrated(plan.stage_memory_before)
+        record["calibrated_after"] = calibration.calibrated(plan.stage_memory_after)
+    return record
+
+
+def _memory_hint(reason: str, memory: Optional[dict]) -> str:
+    """An infeasible plan under calibrated caps says so (the numbers are in the event)."""
+    if memory and memory["cap_bytes"] and reason.startswith("no feasible plan") \
+            and any(s["overhead_bytes"] for s in memory["stages"]):
+        return reason + " (each stage's cap less its measured memory overhead: see the event's memory)"
+    return reason
 
 
 def _describe(event) -> str:

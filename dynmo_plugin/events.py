@@ -24,6 +24,7 @@ class Decision:
     apply: bool = False
     reason: str = ""
     repack: Any = None            # a balancing.repack.RepackPlan when repacking was considered
+    memory: Optional[dict] = None  # the memory calibration and calibrated bytes (controller)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class RebalanceEvent:
     measured_iter_s_after: Optional[float] = None
     repack: Optional[dict] = None  # what a repack did (megatron.repack); "cluster" is filled later
     profile_source: str = "timed"  # or "estimated": the last timed profile scaled by work
+    memory: Optional[dict] = None  # cap, per-stage calibration, calibrated bytes before/after
 
     kind = "rebalance"
 
@@ -98,6 +100,8 @@ class RebalanceEvent:
                        predicted_iter_s_after=p.predicted_iter_s_after)
         if self.migration is not None:
             out["migration"] = self.migration.to_dict()
+        if self.memory is not None:
+            out["memory"] = self.memory
         if self.repack is not None:
             out["repack"] = dict(self.repack)  # a copy: a release thread may fill "cluster"
         return out

@@ -84,6 +84,11 @@ class BalanceProblem:
             allocates anew for what a stage holds afterwards while the old state still
             lives (the rebuilt gradient buffer); with the received layers they make the
             migration's transient peak, which the gate checks against `capacity`.
+        memory_overhead: per-stage bytes a stage holds in training beyond its modelled
+            extras and layers (the memory calibration, `balancing.memory`: allocator
+            transients, the head's logits); counted against the capacity in every
+            steady-state check (`capacity_arr` = capacity - overhead), not in the
+            migration's transient peak, which happens between iterations. Default 0.
     Raises:
         ProblemError: malformed inputs (the message names the value and the fix).
         InfeasibleError: a stage's fixed extras alone exceed its capacity.
@@ -102,6 +107,7 @@ class BalanceProblem:
     param_counts: Sequence[float] | None = None
     rebuild_bytes: Sequence[float] | None = None
     extras_rebuild_bytes: Sequence[float] | None = None
+    memory_overhead: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
@@ -120,6 +126,7 @@ class BalanceProblem:
                                              "stages"))
         set_("extras_cost", _vector("extras_cost", self.extras_cost, p, "stages"))
         set_("extras_memory", _vector("extras_memory", self.extras_memory, p, "stages"))
+        set_("memory_overhead", _vector("memory_overhead", self.memory_overhead, p, "stages"))
         set_("capacity", self._checked_capacity())
         if n < p and not self.allow_empty_stages:
             raise ProblemError(f"{n} layers cannot fill {p} stages without empty stages; "
@@ -159,8 +166,10 @@ class BalanceProblem:
     def _check_extras_fit(self) -> None:
         for s, (em, cap) in enumerate(zip(self.extras_memory_arr, self.capacity_arr)):
             if em > cap + self.mem_tol:
-                raise InfeasibleError(f"stage {s}: fixed extras need {em:.4g} bytes but its capacity "
-                                      f"is {cap:.4g}; raise the capacity")
+                over = self.memory_overhead[s] if self.memory_overhead is not None else 0.0
+                extra = f" plus a measured overhead of {over:.4g}" if over else ""
+                raise InfeasibleError(f"stage {s}: fixed extras need {em:.4g} bytes{extra} but its "
+                                      f"capacity is {cap + over:.4g}; raise the capacity")
 
     # ---- derived views (numpy, cached) --------------------------------------------------
     @property
@@ -216,8 +225,12 @@ class BalanceProblem:
 
     @cached_property
     def capacity_arr(self) -> np.ndarray:
+        """Per-stage bytes the extras and layers may use: capacity - memory_overhead."""
         cap = self.capacity
-        return np.full(self.num_stages, np.inf) if cap is None else np.asarray(cap, dtype=float)
+        if cap is None:
+            return np.full(self.num_stages, np.inf)
+        over = self.memory_overhead
+        return np.asarray(cap, dtype=float) - (0.0 if over is None else np.asarray(over, dtype=float))
 
     @cached_property
     def load_tol(self) -> float:

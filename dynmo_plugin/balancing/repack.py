@@ -114,8 +114,9 @@ def shrink_problem(problem: BalanceProblem, k: int) -> BalanceProblem:
     Extras (cost, memory, rebuild bytes): stage 0 keeps stage 0's (embedding); stage k-1
     gets the old last stage's (output layer + loss); stages 1..k-2 get the MEDIAN of the
     old middle stages' extras (robust to one odd stage; 0 when P <= 2); k == 1 sums the
-    first and last; k == P keeps them all unchanged. Capacity: the first k entries (the
-    survivors are the lowest ranks). `current` is dropped (it has P stages).
+    first and last; k == P keeps them all unchanged. The calibrated `memory_overhead`
+    maps the same way (the head's logits go with the head). Capacity: the first k
+    entries (the survivors are the lowest ranks). `current` is dropped (it has P stages).
 
     Per-layer memory is kept as measured. It includes the activations of the micro-batches
     in flight under 1F1B on P stages (stage s holds up to P - s); on fewer stages fewer
@@ -134,7 +135,8 @@ def shrink_problem(problem: BalanceProblem, k: int) -> BalanceProblem:
         capacity=None if problem.capacity is None else tuple(problem.capacity[:k]),
         extras_cost=_shrink_extras(problem.extras_cost, p, k),
         extras_memory=_shrink_extras(problem.extras_memory, p, k),
-        extras_rebuild_bytes=_shrink_extras(problem.extras_rebuild_bytes, p, k))
+        extras_rebuild_bytes=_shrink_extras(problem.extras_rebuild_bytes, p, k),
+        memory_overhead=_shrink_extras(problem.memory_overhead, p, k))
 
 
 def _with_margin(problem: BalanceProblem, margin: float) -> BalanceProblem:
