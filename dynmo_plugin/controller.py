@@ -401,9 +401,9 @@ def _memory_record(profile: PipelineProfile, num_stages: int, num_microbatches: 
 
 
 def _memory_hint(reason: str, memory: Optional[dict]) -> str:
-    """An infeasible plan under calibrated caps says so (the numbers are in the event)."""
-    if memory and memory["cap_bytes"] and reason.startswith("no feasible plan") \
-            and any(s["overhead_bytes"] for s in memory["stages"]):
+    """A layout kept under calibrated caps says so (the numbers are in the event)."""
+    if memory and memory["cap_bytes"] and any(s["overhead_bytes"] for s in memory["stages"]) \
+            and reason.startswith(("no feasible plan", "already balanced")):
         return reason + " (each stage's cap less its measured memory overhead: see the event's memory)"
     return reason
 

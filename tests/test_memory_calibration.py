@@ -7,8 +7,10 @@ test_memory_calibration`) this file is that run's torchrun worker: the launcher 
 "busy" first layer, compute-heavy and memory-light, so that the balancer wants to move
 layers onto the last stage, whose logits the model does not count.
 """
+import functools
 import os
 import sys
+import types
 
 import pytest
 from hypothesis import given, settings
@@ -73,6 +75,41 @@ def test_every_plan_fits_the_cap_once_calibrated(costs, mem, over, cap):
         return
     for s, m in enumerate(stage_memory(pb, layout)):
         assert m + over[s] <= cap + 1e-6
+
+
+def _decide_live(cap_gb: float):
+    """The live controller's `_decide` on a profile whose last stage held 1000 bytes more
+    than modelled: layers of 400 state + 50 activation bytes (x2 in flight), extras 1000
+    per stage; layers 1-3 cost 3, layer 4 costs 1, so by time 2|2 is best."""
+    from dynmo_plugin.config import DynmoConfig, RebalanceConfig
+    from dynmo_plugin.controller import DynMo
+    from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile
+    layers = [LayerProfile(layer=n, stage=0 if n < 4 else 1, fwd_s=1.0 if n < 4 else 0.3,
+                           bwd_s=2.0 if n < 4 else 0.7, param_bytes=100, grad_bytes=100,
+                           optim_bytes=200, act_bytes=50) for n in range(1, 5)]
+    stages = [StageProfile(stage=s, extra_s=0.0, wait_s=0.0, peak_bytes=peak, extra_bytes=1000,
+                           peak_source="accounted") for s, peak in enumerate([2500, 2500])]
+    config = DynmoConfig(enabled=True, rebalance=RebalanceConfig(
+        balancer="exact", memory_cap_gb=cap_gb, min_gain=0.0))
+    me = types.SimpleNamespace(trainer=types.SimpleNamespace(layout=Layout.parse("Ettt|tL", None, 4),
+                                                             num_microbatches=4),
+                               config=config, bandwidth=1e9, _repacker=None)
+    me._repack_criteria = functools.partial(DynMo._repack_criteria, me)
+    return DynMo._decide(me, PipelineProfile(layers, stages), "rebalance_interval")
+
+
+def test_the_controller_keeps_a_layout_that_only_the_plain_model_would_leave():
+    kept = _decide_live(2600e-9)       # 2|2: model 2000 on the last stage, calibrated 3000
+    assert not kept.apply and kept.plan.layout == Layout.parse("Ettt|tL", None, 4)
+    assert kept.reason.startswith("already balanced") and "memory overhead" in kept.reason
+    assert [s["overhead_bytes"] for s in kept.memory["stages"]] == [0.0, 1000.0]
+    assert kept.memory["calibrated_after"] == [2500.0, 2500.0] and kept.memory["cap_bytes"] == 2600
+    moved = _decide_live(3100e-9)      # room for the overhead: 2|2 is applied
+    assert moved.apply and moved.plan.layout == Layout.parse("Ett|ttL", None, 4)
+    assert moved.memory["calibrated_after"] == [2000.0, 3000.0]
+    none = _decide_live(2400e-9)       # not even one layer fits beside the last stage's overhead
+    assert not none.apply and none.plan is None and none.reason.startswith("no feasible plan")
+    assert "memory overhead" in none.reason and none.memory["cap_bytes"] == 2400
 
 
 # ---- one real run -------------------------------------------------------------------------------
