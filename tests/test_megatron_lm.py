@@ -66,8 +66,12 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
     with pytest.raises(ConfigError, match="virtual pipeline stages; --use-distributed-optimizer"):
         ml.load_plugin_config(_megatron_like(argv=["--dynmo"], use_distributed_optimizer=True,
                                              virtual_pipeline_model_parallel_size=2))
-    # without --dynmo nothing is refused: the hooks pass every call through
-    assert not ml.load_plugin_config(_megatron_like(use_distributed_optimizer=True)).dynmo.enabled
+    # without --dynmo nothing is refused, not even a layout the plugin cannot represent
+    # (an MTP layer): the hooks pass every call through
+    mtp = dict(pipeline_model_parallel_layout="Ett|tt|mL", num_layers=4, pipeline_model_parallel_size=3)
+    assert not ml.load_plugin_config(_megatron_like(use_distributed_optimizer=True, **mtp)).dynmo.enabled
+    with pytest.raises(ConfigError, match="MTP"):
+        ml.load_plugin_config(_megatron_like(argv=["--dynmo"], **mtp))
 
 
 def test_event_scalars_for_the_writers():

@@ -195,7 +195,14 @@ def load_plugin_config(args: argparse.Namespace) -> RunConfig:
     layout = getattr(args, "pipeline_model_parallel_layout", None)
     ns.pipeline_model_parallel_layout = None if layout is None else str(layout)
     ns.train_iters = args.train_iters or sys.maxsize  # sample-based runs: not known yet
-    cfg = load_config(ns)
+    try:
+        cfg = load_config(ns)
+    except ConfigError:
+        asked = any(v not in (None, False) for k, v in vars(args).items() if k.startswith("dynmo")
+                    and k != "dynmo_output")
+        if asked:
+            raise
+        return RunConfig()  # nothing of the plugin's asked for: Megatron-LM's settings are its own
     if cfg.dynmo.enabled:
         _check_supported(args, cfg)
     return cfg
