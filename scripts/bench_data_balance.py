@@ -51,12 +51,20 @@ def log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
-def data_config(source: dict, packer: str, seq: int) -> DataConfig:
+def outlier_levels(seq: int) -> str:
+    """Three outlier levels, Lmax/4, Lmax/2, 3 Lmax/4: releases of one level are close in
+    length (scripts/bench_data_balance.py --levels-sweep measures the alternatives)."""
+    return f"{seq // 4},{seq // 2},{3 * seq // 4}"
+
+
+def data_config(source: dict, packer: str, seq: int, levels: str | None = None,
+                delay: int = 8) -> DataConfig:
     p = PACKERS[packer]
     return DataConfig(path=source.get("path", ""), documents=source.get("documents", "none"),
                       lognormal_median=source.get("median", 256.0), packer=p["packer"],
-                      outlier_thresholds=f"{seq // 2}" if p.get("outlier") else "",
-                      outlier_max_delay=8, redistribute=p.get("redistribute", False))
+                      outlier_thresholds=(levels or outlier_levels(seq)) if p.get("outlier") else "",
+                      outlier_max_delay=delay, redistribute=p.get("redistribute", False),
+                      cost_model="knapformer")
 
 
 def variants(sources: dict):
@@ -68,10 +76,11 @@ def variants(sources: dict):
                 yield sname, layout, packer
 
 
-def stream_for(a, source: dict, layout: str, packer: str):
+def stream_for(a, source: dict, layout: str, packer: str, levels: str | None = None,
+               delay: int = 8):
     dp = LAYOUTS[layout]["dp"]
-    return build_packed_documents(data_config(source, packer, a.seq), a.seed, 256, a.seq, dp,
-                                  a.global_batch // dp)
+    return build_packed_documents(data_config(source, packer, a.seq, levels, delay), a.seed, 256,
+                                  a.seq, dp, a.global_batch // dp)
 
 
 # ---- the profiler pass (one process, under torchrun: Megatron's groups) ---------------------
@@ -130,23 +139,33 @@ def measure_worker(a) -> None:
 
 
 # ---- planning (in this process) and wall-clock runs -------------------------------------------
-def plan_stats(a, source: dict, layout: str, packer: str, kf) -> dict:
-    stream = stream_for(a, source, layout, packer)
-    trained, pulled, tokens, packing, ratios = [], [], [], [], []
-    for it in range(1, a.iters + 1):
+def plan_stats(a, source: dict, layout: str, packer: str, kf, iters: int | None = None,
+               levels: str | None = None, delay: int = 8) -> dict:
+    """The planned iterations under the bench's fitted model `kf` (from the start; a run
+    fits its own at iterations 1-2, which with fixed-shape rows orders documents alike:
+    KnapFormer's document workload is alpha l^2). `lower_bound`: per iteration, max(the
+    row holding only its heaviest document, the mean row) / mean row: no packer of these
+    documents into these rows does better."""
+    stream = stream_for(a, source, layout, packer, levels, delay)
+    stream.set_cost_model(kf)
+    trained, pulled, tokens, packing, ratios, bounds = [], [], [], [], [], []
+    for it in range(1, (iters or a.iters) + 1):
         plan = stream.plan(it)
         trained += [s for mb in plan.groups for ids in mb for s in ids]
         pulled += plan.pulled
         tokens.append(sum(sum(x) for mb in plan.lengths for x in mb))
         packing.append(plan.packing_s)
         cost = [a.layers * kf.predict(x, a.seq) for mb in plan.lengths for x in mb]
+        longest = max(n for mb in plan.lengths for x in mb for n in x)
         if it > a.warmup:
-            ratios.append(max(cost) / float(np.mean(cost)))
+            mean = float(np.mean(cost))
+            ratios.append(max(cost) / mean)
+            bounds.append(max(a.layers * kf.predict([longest], a.seq), mean) / mean)
     waiting = set(plan.leftover) | set(plan.queued)
     complete = len(trained) == len(set(trained)) and set(trained) | waiting == set(pulled)
     return {"tokens": tokens, "packing_s": float(np.mean(packing)),
-            "predicted": float(np.mean(ratios)), "documents_complete": complete,
-            "trained": len(trained), "waiting": len(waiting)}
+            "predicted": float(np.mean(ratios)), "lower_bound": float(np.mean(bounds)),
+            "documents_complete": complete, "trained": len(trained), "waiting": len(waiting)}
 
 
 def run_once(a, source: dict, layout: str, packer: str, out: Path) -> list[float]:
@@ -159,7 +178,7 @@ def run_once(a, source: dict, layout: str, packer: str, out: Path) -> list[float
     d = data_config(source, packer, a.seq)
     flags += (["--data-path", d.path] if d.path else
               ["--data-documents", d.documents, "--data-lognormal-median", str(d.lognormal_median)])
-    flags += ["--data-packer", d.packer, "--output", str(out)]
+    flags += ["--data-packer", d.packer, "--data-cost-model", d.cost_model, "--output", str(out)]
     if d.outlier_thresholds:
         flags += ["--data-outlier-thresholds", d.outlier_thresholds]
     if d.redistribute:
@@ -169,7 +188,8 @@ def run_once(a, source: dict, layout: str, packer: str, out: Path) -> list[float
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
     report = json.loads((out / "report.json").read_text())
-    return [it["time_s"] for it in report["iterations"]]
+    fits = [e for e in report["events"] if e.get("kind") == "data_cost_fit"]
+    return [it["time_s"] for it in report["iterations"]], (fits[0] if fits else None)
 
 
 def make_corpus(tmp: Path) -> str:
@@ -222,32 +242,24 @@ def bench(a, tmp: Path) -> int:
     kf = KnapFormerCost(k=fit["knapformer"]["k"], gamma=fit["knapformer"]["gamma"], hidden=a.hidden)
     stats = {v: plan_stats(a, sources[v[0]], v[1], v[2], kf) for v in variants(sources)}
     times: dict = {v: [] for v in stats}
+    fits: list = []
     for r in range(a.rounds):
         for v in stats:
             log(f"round {r + 1}/{a.rounds}: {'/'.join(v)}")
-            t = run_once(a, sources[v[0]], v[1], v[2], tmp / "run")
+            t, run_fit = run_once(a, sources[v[0]], v[1], v[2], tmp / "run")
             times[v].append(t)
-    runs = []
-    for v, s in stats.items():
-        tok = s["tokens"][a.warmup:]
-        tps = statistics.median(sum(tok) / sum(t[a.warmup:]) for t in times[v])
-        it_s = statistics.median(statistics.median(t[a.warmup:]) for t in times[v])
-        runs.append({"documents": v[0], "layout": v[1], "packer": v[2],
-                     "mb_cost_max_over_mean_predicted": round(s["predicted"], 3),
-                     "mb_cost_max_over_mean_measured": round(fit["measured"]["/".join(v)], 3),
-                     "tokens_per_s": round(tps, 1), "iteration_s": round(it_s, 4),
-                     "packing_s": s["packing_s"], "packing_share": s["packing_s"] / it_s,
-                     "documents_complete": s["documents_complete"],
-                     "tokens_per_iteration": round(float(np.mean(tok)), 1)})
+            fits.append(run_fit)
+    runs = [run_row(a, v, s, times, fit) for v, s in stats.items()]
     for r in runs:
-        base = next(x for x in runs if x["documents"] == r["documents"] and x["layout"] == r["layout"]
-                    and x["packer"] == "sequential")
-        r["speedup"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
-        r["iteration_time_ratio"] = round(r["iteration_s"] / base["iteration_s"], 3)
+        add_ratios(r, runs, times, a.warmup)
     result = {"runs": runs, "cost_fit": {k: fit[k] for k in ("knapformer", "adaptiveload",
                                                              "held_out_error", "samples")},
+              "in_run_fits": in_run_fits(fits),
+              "outlier_sweep": outlier_sweep(a, sources["lognormal"], kf),
               "settings": {k: v for k, v in vars(a).items() if k not in ("sources", "measure_worker")},
               "load_average": [load0, os.getloadavg()[0]]}
+    for r in runs:
+        del r["_tps"]
     if a.json:
         print(json.dumps(result))
     else:
@@ -255,22 +267,79 @@ def bench(a, tmp: Path) -> int:
     return 0
 
 
+def run_row(a, v, s: dict, times: dict, fit: dict) -> dict:
+    tok = s["tokens"][a.warmup:]
+    tps = [sum(tok) / sum(t[a.warmup:]) for t in times[v]]
+    it_s = statistics.median(statistics.median(t[a.warmup:]) for t in times[v])
+    return {"documents": v[0], "layout": v[1], "packer": v[2],
+            "mb_cost_max_over_mean_predicted": round(s["predicted"], 3),
+            "mb_cost_max_over_mean_lower_bound": round(s["lower_bound"], 3),
+            "mb_cost_max_over_mean_measured": round(fit["measured"]["/".join(v)], 3),
+            "tokens_per_s": round(statistics.median(tps), 1),
+            "tokens_per_s_range": [round(min(tps), 1), round(max(tps), 1)],
+            "iteration_s": round(it_s, 4), "packing_s": s["packing_s"],
+            "packing_share": s["packing_s"] / it_s, "documents_complete": s["documents_complete"],
+            "tokens_per_iteration": round(float(np.mean(tok)), 1), "_tps": tps}
+
+
+def add_ratios(r: dict, runs: list, times: dict, warmup: int) -> None:
+    """speedup: median over rounds of tokens/s over sequential packing's in the same round
+    (runs interleaved, so a round's load hits both alike); its range over rounds."""
+    base = next(x for x in runs if x["documents"] == r["documents"] and x["layout"] == r["layout"]
+                and x["packer"] == "sequential")
+    paired = [x / y for x, y in zip(r["_tps"], base["_tps"])]
+    r["speedup"] = round(statistics.median(paired), 3)
+    r["speedup_range"] = [round(min(paired), 3), round(max(paired), 3)]
+    r["iteration_time_ratio"] = round(r["iteration_s"] / base["iteration_s"], 3)
+
+
+def in_run_fits(fits: list) -> dict:
+    """The runs' own fits (iterations 1-2, data_cost_fit events): median held-out error
+    of each form over the runs, and how many runs fitted."""
+    ok = [f for f in fits if f and f.get("held_out_error")]
+    forms = ok[0]["held_out_error"] if ok else {}
+    return {"runs": len(ok), "held_out_error_median": {
+        k: statistics.median(f["held_out_error"][k] for f in ok) for k in forms}}
+
+
+def outlier_sweep(a, source: dict, kf) -> list[dict]:
+    """Planning only (lognormal, PP=2 shape, 40 iterations): predicted micro-batch
+    max/mean and its lower bound for outlier levels and delays."""
+    out = []
+    for levels, delay in [("", 8), (f"{a.seq // 2}", 8), (f"{a.seq // 2},{3 * a.seq // 4}", 8),
+                          (outlier_levels(a.seq), 4), (outlier_levels(a.seq), 8),
+                          (outlier_levels(a.seq), 16)]:
+        packer = "wlb+outlier" if levels else "wlb"
+        st = plan_stats(a, source, "pp2", packer, kf, iters=40, levels=levels or None, delay=delay)
+        out.append({"levels": levels or "none", "max_delay": delay,
+                    "predicted": round(st["predicted"], 3), "lower_bound": round(st["lower_bound"], 3)})
+    return out
+
+
 def print_table(result: dict) -> None:
-    cols = ("documents", "layout", "packer", "mb_cost_max_over_mean_predicted",
-            "mb_cost_max_over_mean_measured", "tokens_per_s", "speedup", "iteration_time_ratio",
-            "packing_share", "documents_complete")
-    heads = ("docs", "layout", "packer", "mb max/mean pred", "mb max/mean meas", "tokens/s",
-             "speedup", "iter time x", "packing share", "complete")
-    print(" | ".join(heads))
+    print("| docs | layout | packer | mb max/mean predicted | lower bound | measured | tokens/s "
+          "(range) | speedup (range) | iter time x | packing share | complete |")
+    print("|---" * 11 + "|")
     for r in result["runs"]:
-        print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) and c != "packing_share"
-                         else f"{100 * r[c]:.2f}%" if c == "packing_share" else str(r[c])
-                         for c in cols))
+        lo, hi = r["tokens_per_s_range"]
+        slo, shi = r["speedup_range"]
+        print(f"| {r['documents']} | {r['layout']} | {r['packer']} | "
+              f"{r['mb_cost_max_over_mean_predicted']:.3f} | "
+              f"{r['mb_cost_max_over_mean_lower_bound']:.3f} | "
+              f"{r['mb_cost_max_over_mean_measured']:.3f} | {r['tokens_per_s']:.0f} ({lo:.0f}-{hi:.0f}) | "
+              f"{r['speedup']:.3f} ({slo:.2f}-{shi:.2f}) | {r['iteration_time_ratio']:.3f} | "
+              f"{100 * r['packing_share']:.2f}% | {'yes' if r['documents_complete'] else 'NO'} |")
     f = result["cost_fit"]
     print(f"cost fit on {f['samples']} profiled (layer, micro-batch) samples: KnapFormer k="
           f"{f['knapformer']['k']:.3g} gamma={f['knapformer']['gamma']:.3f}; AdaptiveLoad p="
           f"{f['adaptiveload']['p']} R^2={f['adaptiveload']['r2']:.4f}; held-out mean |error|: "
           + ", ".join(f"{k} {100 * v:.1f}%" for k, v in f["held_out_error"].items()))
+    g = result["in_run_fits"]
+    print(f"in-run fits ({g['runs']} runs, iterations 1-2): median held-out error "
+          + ", ".join(f"{k} {100 * v:.1f}%" for k, v in g["held_out_error_median"].items()))
+    print("outlier levels (planning only, lognormal, PP=2): "
+          + "; ".join(f"{x['levels']} delay {x['max_delay']}: {x['predicted']:.3f} "
+                      f"(bound {x['lower_bound']:.3f})" for x in result["outlier_sweep"]))
     print(f"load average: {result['load_average'][0]:.1f} at start, {result['load_average'][1]:.1f} at end")
 
 

@@ -11,11 +11,14 @@ seconds. Three forms are fitted by least squares:
 * `AdaptiveLoadCost` (AdaptiveLoad): t = a + b sum l^p, p searched on a grid in
   [1.6, 2.4] for the best R^2 (for B equal sequences of length S, sum l^p = B S^p).
 * `TokenCost`: t = a + b T, the token-count baseline both are compared with.
+* `PowerCost`: sum l^p, the prior a run balances by before anything is fitted.
 
-`held_out_error` reports the mean absolute relative error on samples not fitted. The
-same fitted model serves the packers (`doc_workload`), the DP redistribution and the
-layer balancer (`layer_cost` for a given length mix). `adaptive_batch_size` is
-AdaptiveLoad's batch size per length bucket.
+`held_out_error` reports the mean absolute relative error on samples not fitted
+(`fit_all` fits all three and reports each). The same fitted model serves the packers
+(`doc_workload`), the DP redistribution and AdaptiveLoad's batch sizes
+(`adaptive_batch_sizes`); per-layer KnapFormer fits re-cost the layer balancer's
+profile for the run's length mix (data.calibration). `model_to_dict`/`model_from_dict`
+keep a model in checkpoints and reports.
 """
 from __future__ import annotations
 
