@@ -237,8 +237,11 @@ class DynMo:
         if not opened.rebalance:
             profile = self.control.decide(gathered.to_dict, "profile")
             self.last_profile = self._timed_profile = PipelineProfile.from_dict(profile)
+            memory = _memory_record(self.last_profile, self.trainer.layout.num_stages,
+                                    self.trainer.num_microbatches, _cap_bytes(self.config), None)
             self._record(ProfileEvent(iteration, opened.trigger, window, str(self.trainer.layout),
-                                      {"profiling": time.perf_counter() - start}, profile))
+                                      {"profiling": time.perf_counter() - start}, profile,
+                                      memory=memory))
             return
         if self.cost_adjuster is not None:
             gathered = self.cost_adjuster(gathered, window)
@@ -249,7 +252,7 @@ class DynMo:
         """Rank 0 only: the one decision path (balancing.decide), which the simulator
         shares. An impossible plan is a decision not to move, never an exception."""
         t, rb = self.trainer, self.config.rebalance
-        cap = rb.memory_cap_gb * 1e9 if rb.memory_cap_gb > 0 else None
+        cap = _cap_bytes(self.config)
         try:
             problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches)
         except (InfeasibleError, ProblemError) as e:
@@ -380,6 +383,11 @@ class DynMo:
             self.report.add_event(event)
         logger.info("dynmo: iteration %d %s [%s]%s", event.iteration, event.kind, event.trigger,
                     _describe(event))
+
+
+def _cap_bytes(config: DynmoConfig) -> Optional[float]:
+    cap = config.rebalance.memory_cap_gb
+    return cap * 1e9 if cap > 0 else None
 
 
 def _memory_record(profile: PipelineProfile, num_stages: int, num_microbatches: int,

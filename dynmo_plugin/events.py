@@ -38,6 +38,7 @@ class ProfileEvent:
     overhead_s: dict[str, float]
     profile: Optional[dict] = None
     cancelled: str = ""           # why the window was dropped without a profile
+    memory: Optional[dict] = None  # cap and per-stage memory calibration (controller)
 
     kind = "profile"
 
@@ -47,6 +48,8 @@ class ProfileEvent:
                "profile": self.profile}
         if self.cancelled:
             out["cancelled"] = self.cancelled
+        if self.memory is not None:
+            out["memory"] = self.memory
         return out
 
 

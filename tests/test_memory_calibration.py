@@ -180,6 +180,9 @@ def test_a_capped_run_never_holds_more_than_the_cap(tmp_path):
     logits = 12288 * 128 * 2 * 4    # the softmax of one micro-batch's logits, fp32
     assert logits <= last_stage["extra_act_bytes"] < 1.1 * logits
     assert first["extra_act_bytes"] < 0.01 * logits
+    after = next(e for e in report["events"] if e["kind"] == "profile")  # recorded too
+    assert [s["measured_bytes"] for s in after["memory"]["stages"]] == [
+        s["peak_bytes"] for s in after["profile"]["stages"]]
     layouts = [[x["stage"] for x in p["layers"]] for p in profiles]
     assert layouts == [[0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1]]
     rebalance = next(e for e in report["events"] if e["kind"] == "rebalance")
