@@ -104,6 +104,25 @@ def test_the_entry_point_exits_2_with_one_line_without_a_megatron_lm_tree(tmp_pa
         f"Megatron-LM checkout at tag {ml.SUPPORTED_TAG}"]
 
 
+def test_the_entry_point_exits_2_with_one_line_without_cuda(tmp_path):
+    """A tree that passes the source checks; the machine (no CUDA) does not."""
+    for name, text in {"pretrain_gpt.py": "", "megatron/training/training.py": "",
+                       "megatron/core/package_info.py": "MAJOR = 0\nMINOR = 16\nPATCH = 1\n"}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    import subprocess
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = subprocess.run([sys.executable, "-m", "dynmo_plugin.integrations.pretrain_gpt", "--dynmo"],
+                          env={**os.environ, ml.SOURCE_ENV: str(tmp_path), "PYTHONWARNINGS": "ignore"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2  # megatron-core's import warnings aside, one line of ours:
+    assert [x for x in proc.stderr.splitlines() if x.startswith("dynmo_plugin:")] == [
+        "dynmo_plugin: no CUDA GPU here: Megatron-LM's pretrain() asserts CUDA; on CPU train with "
+        "the plugin's own launcher (python -m dynmo_plugin.train, docs/usage.md)"]
+
+
 # ---- with the source: hooks, version checks, parse_args ---------------------------------------
 @pytest.fixture()
 def mtt():
@@ -128,12 +147,15 @@ def test_enable_wraps_and_disable_restores(mtt):
 @needs_source
 def test_unknown_megatron_lm_versions_are_refused(mtt, monkeypatch):
     from megatron.core import package_info
+    assert ml._installed_core_version() == package_info.__version__ == ml.SUPPORTED_CORE
     original = mtt.train_step
-    monkeypatch.setattr(package_info, "__version__", "0.17.0")
+    monkeypatch.setattr(ml, "_installed_core_version", lambda: "0.17.0")
     with pytest.raises(ml.MegatronLMError, match=r"megatron-core 0\.17\.0 .*core_v0\.16\.1"):
         ml.enable()
     assert not ml.is_enabled() and mtt.train_step is original
-    monkeypatch.setattr(package_info, "__version__", ml.SUPPORTED_CORE)
+    with pytest.raises(ml.MegatronLMError, match=r"megatron-core 0\.16\.1, but megatron-core 0\.17\.0"):
+        ml.use_source(SOURCE)  # a checkout for another megatron-core than the installed one
+    monkeypatch.undo()
     monkeypatch.setattr(mtt, "train_step", lambda model, optimizer: None)
     with pytest.raises(ml.MegatronLMError, match=r"train_step is train_step\(model, optimizer\)"):
         ml.enable()

@@ -4,7 +4,7 @@ Runs Megatron-LM's own pretrain_gpt.py, unchanged, with the plugin hooked into i
 pretrain() (dynmo_plugin.integrations.megatron_lm.enable). The Megatron-LM checkout
 (tag core_v0.16.1) is $DYNMO_MEGATRON_LM, else the current directory. Launch it as
 Megatron-LM's script is launched, e.g. under torchrun. A bad flag or an unknown
-Megatron-LM version exits 2 with one line.
+Megatron-LM version or a machine without CUDA exits 2 with one line.
 """
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ def main() -> None:
                 f"no pretrain_gpt.py in {root}: set {megatron_lm.SOURCE_ENV} to the root of a "
                 f"Megatron-LM checkout at tag {megatron_lm.SUPPORTED_TAG}")
         root = megatron_lm.use_source(root)
+        import torch
+        if not torch.cuda.is_available():
+            raise megatron_lm.MegatronLMError(
+                "no CUDA GPU here: Megatron-LM's pretrain() asserts CUDA; on CPU train with the "
+                "plugin's own launcher (python -m dynmo_plugin.train, docs/usage.md)")
         megatron_lm.enable()
         script = os.path.join(root, "pretrain_gpt.py")
         sys.argv[0] = script
