@@ -12,8 +12,6 @@ import os
 import time
 from typing import Optional
 
-import torch.distributed as dist
-
 from dynmo_plugin.config import ConfigError, RunConfig
 from dynmo_plugin.layout import Layout
 
@@ -39,16 +37,21 @@ class TrainingSession:
         from dynmo_plugin.report import RunReport
 
         args, self.cfg = cfg.model, cfg
-        meta, state = self._checkpoint(dims)
+        meta = self._checkpoint(dims)
         layout = _initial_layout(args, dims, meta)
         self.scenario = build_scenario(cfg.dynmo.dynamism)
         spec = layer_spec if layer_spec is not None else default_spec(args.transformer_impl)
         if self.scenario is not None:
             spec = self.scenario.layer_spec(spec, args)
         configure = self.scenario.configure_model if self.scenario is not None else None
-        self.trainer = StageTrainer(args, dims, layout, spec=spec, state=state, configure=configure)
+        self.trainer = StageTrainer(args, dims, layout, spec=spec, configure=configure)
         timeout = cfg.dynmo.rebalance.migration_timeout_s
         self.control = ControlPlane(timeout)
+        if meta is not None:
+            from dynmo_plugin.megatron.checkpoint import load_checkpoint
+            start = time.perf_counter()
+            load_checkpoint(args.load, meta, self.trainer, self.control)
+            meta["load_s"] = time.perf_counter() - start
         self.migrator = LayerMigrator(self.trainer, self.control, timeout, fault)
         shape = {"pp": dims.pp, "tp": dims.tp, "dp": dims.dp, "world_size": dims.world_size}
         self.start_iteration = meta["iteration"] if meta else 0
@@ -74,20 +77,21 @@ class TrainingSession:
         self._completed = self.start_iteration
 
     # ---- checkpoints ------------------------------------------------------------------------
-    def _checkpoint(self, dims):
-        """(meta, state) of the checkpoint to resume from, or (None, None)."""
-        from dynmo_plugin.megatron.checkpoint import load_stage_state, read_meta
-        root = self.cfg.model.load
-        meta = read_meta(root) if root else None
+    def _checkpoint(self, dims) -> Optional[dict]:
+        """The meta of the checkpoint to resume from, or None. --load equal to --save
+        (a job that restarts itself) starts from scratch while nothing is saved there."""
+        from dynmo_plugin.megatron.checkpoint import read_meta
+        args = self.cfg.model
+        root = args.load
+        meta = read_meta(root, resume_if_absent=root == args.save) if root else None
         if meta is None:
             if root:
                 logger.warning("--load %s: no checkpoint there yet; starting from scratch", root)
-            return None, None
+            return None
         if meta["tp"] != dims.tp:
             raise ConfigError(f"--load {root}: saved with TP={meta['tp']}, this run has TP={dims.tp}; "
                               "only the pipeline split may change on restart")
-        tp_rank = dist.get_rank(dims.groups.tp) if dims.tp > 1 else 0
-        return meta, load_stage_state(root, meta, tp_rank)
+        return meta
 
     def _resume(self, meta: dict) -> None:
         scheduler = self.trainer.scheduler
@@ -101,8 +105,9 @@ class TrainingSession:
             except ValueError as e:
                 raise ConfigError(f"--load {self.cfg.model.load}: {e}") from e
         if self.trainer.dims.rank == 0:
-            logger.info("resumed from %s at iteration %d (saved with layout %s), layout %s",
-                        self.cfg.model.load, meta["iteration"], meta["layout"], self.trainer.layout)
+            logger.info("resumed from %s at iteration %d (saved with layout %s), layout %s; "
+                        "loaded in %.2f s", self.cfg.model.load, meta["iteration"], meta["layout"],
+                        self.trainer.layout, meta["load_s"])
 
     def save(self, iteration: int, next_layout: Optional[Layout] = None) -> str:
         from dynmo_plugin.megatron.checkpoint import save_checkpoint
@@ -112,9 +117,10 @@ class TrainingSession:
                 "next": None if next_layout is None else {
                     "layout": str(next_layout), "pp": next_layout.num_stages,
                     "world_size": d.tp * d.dp * next_layout.num_stages}}
+        start = time.perf_counter()
         path = save_checkpoint(self.cfg.model.save, iteration, self.trainer, self.control, meta)
         if d.rank == 0:
-            logger.info("checkpoint saved: %s", path)
+            logger.info("checkpoint saved: %s in %.2f s", path, time.perf_counter() - start)
         return path
 
     # ---- repacks ----------------------------------------------------------------------------

@@ -1,47 +1,72 @@
-"""Checkpoints keyed by global parameter name, loadable into any pipeline split.
+"""Checkpoints in Megatron-Core's `dist_checkpointing` format, loadable into any split.
 
-What a checkpoint-based repack needs (save, restart with fewer ranks, load into the
-new layout), and no more: one file per (tensor-parallel rank, pipeline stage) holding
-that stage's `StageState` (parameters, buffers, frozen flags, optimizer state, all by
-global name; one data-parallel replica saves, the others are identical), plus
-`meta.json` (iteration, layout, scheduler steps, the dynamism scenario's own state and,
-after a checkpoint repack, the layout to restart with). Loading merges every stage
-file of the rank's TP index and keeps what the new stage needs, so the restart may
-have any number of stages. The directory uses Megatron-LM's
-`latest_checkpointed_iteration.txt` / `iter_NNNNNNN` naming; the format inside is
-this plugin's (not loadable by Megatron-LM's `load_checkpoint`).
+A directory in Megatron-LM's layout: `latest_checkpointed_iteration.txt` names the
+newest `iter_NNNNNNN/`, which holds Megatron's sharded checkpoint of every stage's
+model and optimizer (megatron.dist_ckpt: keyed by global layer, so it loads under any
+layout and pipeline size) and this plugin's `meta.json`: iteration, the layout in
+force (a rebalanced run resumes balanced), the world shape, the scheduler's step,
+frozen parameters (not part of Megatron's state dicts), the scenario's and the data
+stream's state and, after a checkpoint repack, the layout to restart with.
 
 A checkpoint is written to `iter_N.tmp` and renamed by rank 0 only once every rank
-saved: a crash mid-save never leaves a partial checkpoint that looks complete.
+wrote its shards and meta.json is complete; the tracker file is replaced atomically
+after the rename. A crash mid-save never leaves a checkpoint that looks complete.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import traceback
 from typing import Optional
 
-import torch
-import torch.distributed as dist
+from dynmo_plugin.errors import UserError
 
-from dynmo_plugin.megatron.stage_state import StageState, capture
+__all__ = ["save_checkpoint", "read_meta", "load_checkpoint", "CheckpointError", "FORMAT"]
 
-__all__ = ["save_checkpoint", "read_meta", "load_stage_state", "CheckpointError"]
-
-FORMAT = "dynmo-stage-state/1"
+FORMAT = "dynmo-dist-ckpt/1"
 _LATEST = "latest_checkpointed_iteration.txt"
 
+logger = logging.getLogger(__name__)
 
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message names the file."""
+
+class CheckpointError(UserError):
+    """A checkpoint could not be written or read; the message names the path and why."""
 
 
 def _iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _stage_file(tp_rank: int, stage: int) -> str:
-    return f"tp{tp_rank:02d}_stage{stage:03d}.pt"
+def _frozen_names(model) -> list[str]:
+    from dynmo_plugin.megatron.model import global_named_parameters
+    return sorted(name for name, p in global_named_parameters(model) if not p.requires_grad)
+
+
+def _one_line(e: BaseException, frames=None) -> str:
+    """`Type: first line of the message`, or where it was raised when it has none (a
+    bare assert inside Megatron). torch.distributed.checkpoint's CheckpointException
+    (every rank raises it when one failed) is reported by its first rank's error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, (inner, trace) = sorted(e.failures.items(), key=lambda kv: kv[0])[0]
+        return f"{_one_line(inner, trace)} (reading on rank {rank})"
+    text = str(e).strip()
+    if text:
+        return f"{type(e).__name__}: {text.splitlines()[0]}"
+    frames = frames or traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return type(e).__name__
+    return f"{type(e).__name__} at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}"
+
+
+def _write_atomic(path: str, text: str) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(path + ".tmp", path)
 
 
 def save_checkpoint(root: str, iteration: int, trainer, control, meta: dict) -> str:
@@ -50,6 +75,9 @@ def save_checkpoint(root: str, iteration: int, trainer, control, meta: dict) -> 
     Raises:
         CheckpointError: on every rank, if any rank failed to write its part.
     """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dynmo_plugin.megatron.dist_ckpt import save_sharded
     d = trainer.dims
     final, tmp = _iter_dir(root, iteration), _iter_dir(root, iteration) + ".tmp"
     error = None
@@ -58,62 +86,100 @@ def save_checkpoint(root: str, iteration: int, trainer, control, meta: dict) -> 
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         except OSError as e:
-            error = f"rank 0: cannot create {tmp}: {e}"
+            error = f"cannot create {tmp}: {e}"
     ok, error = control.agree(error, "checkpoint-mkdir")
     if not ok:
         raise CheckpointError(f"checkpoint at iteration {iteration} not written: {error}")
+    frozen = sorted(set().union(*control.all_gather(_frozen_names(trainer.model), "checkpoint-frozen")))
+    error = None
     try:
-        if d.dp_rank == 0:
-            tp_rank = dist.get_rank(d.groups.tp)
-            state = capture(trainer.model, trainer.optimizer)
-            torch.save({"tensors": state.tensors, "optim": state.optim, "frozen": sorted(state.frozen)},
-                       os.path.join(tmp, _stage_file(tp_rank, d.pp_rank)))
-    except Exception as e:  # noqa: BLE001 - every rank must learn it
-        error = f"rank {d.rank}: {e!r}"
+        save_sharded(trainer, tmp)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn it
+        logger.debug("saving %s failed", tmp, exc_info=True)
+        error = _one_line(e)
     ok, error = control.agree(error, "checkpoint-saved")
     if not ok:
         raise CheckpointError(f"checkpoint at iteration {iteration} not written: {error}")
     if d.rank == 0:
         full = {"format": FORMAT, "iteration": iteration, "layout": str(trainer.layout),
-                "pp": d.pp, "tp": d.tp, "dp": d.dp,
+                "pp": d.pp, "tp": d.tp, "dp": d.dp, "frozen": frozen,
                 "scheduler": {"num_steps": trainer.scheduler.num_steps}, **meta}
-        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as fh:
-            json.dump(full, fh, indent=1)
+        _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(full, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        with open(os.path.join(root, _LATEST), "w", encoding="utf-8") as fh:
-            fh.write(str(iteration))
+        _write_atomic(os.path.join(root, _LATEST), str(iteration))
     control.agree(None, "checkpoint-done")
     return final
 
 
-def read_meta(root: str) -> Optional[dict]:
-    """The latest checkpoint's meta.json, or None when `root` holds none yet."""
+def read_meta(root: str, resume_if_absent: bool = False) -> Optional[dict]:
+    """The latest checkpoint's meta.json after checking the checkpoint is complete.
+
+    `resume_if_absent` (--load is also --save): a directory without a checkpoint yet,
+    or not there at all, returns None — a job restarted after a failure resumes, a
+    first run starts fresh.
+
+    Raises:
+        CheckpointError: no such directory, no checkpoint in it, or an incomplete,
+            unreadable or foreign one (the message names the file).
+    """
+    from dynmo_plugin.megatron.dist_ckpt import REQUIRED_FILES
     latest = os.path.join(root, _LATEST)
     if not os.path.exists(latest):
-        return None
-    with open(latest, encoding="utf-8") as fh:
-        iteration = int(fh.read().strip())
-    path = os.path.join(_iter_dir(root, iteration), "meta.json")
+        if resume_if_absent:
+            return None
+        what = "holds no checkpoint (no " + _LATEST + ")" if os.path.isdir(root) else "does not exist"
+        raise CheckpointError(f"--load {root}: the directory {what}; give a directory that "
+                              "--save wrote, or drop --load to start from scratch")
+    try:
+        with open(latest, encoding="utf-8") as fh:
+            iteration = int(fh.read().strip())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{latest}: unreadable ({e}); the checkpoint is corrupt") from e
+    directory = _iter_dir(root, iteration)
+    path = os.path.join(directory, "meta.json")
     try:
         with open(path, encoding="utf-8") as fh:
             meta = json.load(fh)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable ({e}); the checkpoint is incomplete") from e
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+        raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r} "
+                              "(written by another version of dynmo_plugin)")
+    missing = [f for f in REQUIRED_FILES if not os.path.exists(os.path.join(directory, f))]
+    if missing:
+        raise CheckpointError(f"{directory}: {', '.join(missing)} missing; the checkpoint is incomplete")
     return meta
 
 
-def load_stage_state(root: str, meta: dict, tp_rank: int) -> StageState:
-    """Every stage's state for TP index `tp_rank`, merged (the caller keeps what it needs)."""
-    d = _iter_dir(root, meta["iteration"])
-    state = StageState()
-    for stage in range(meta["pp"]):
-        path = os.path.join(d, _stage_file(tp_rank, stage))
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError) as e:
-            raise CheckpointError(f"{path}: cannot load ({e})") from e
-        state.merge(StageState(data["tensors"], data["optim"], set(data["frozen"])))
-    return state
+def load_checkpoint(root: str, meta: dict, trainer, control) -> None:
+    """Collective: restore the stage's weights, frozen flags and optimizer state.
+
+    Frozen parameters are frozen first and, if any, DDP and the optimizer rebuilt
+    without them (the optimizer state is matched to the parameters it manages).
+
+    Raises:
+        CheckpointError: on every rank, when the sharded data cannot be read or does not
+            fit this model (one line: the first line of Megatron's message).
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dynmo_plugin.megatron.dist_ckpt import load_sharded
+    from dynmo_plugin.megatron.migrate import retire_ddp
+    from dynmo_plugin.megatron.model import global_named_parameters
+    frozen = set(meta.get("frozen", []))
+    if frozen:
+        for name, p in global_named_parameters(trainer.model):
+            p.requires_grad_(name not in frozen)
+        retire_ddp(trainer.ddp)
+        ddp = trainer.build_ddp()
+        trainer.install_wrappers(ddp, trainer.build_optimizer(ddp))
+    directory, error = _iter_dir(root, meta["iteration"]), None
+    try:
+        load_sharded(trainer, directory)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line for the user
+        logger.debug("loading %s failed", directory, exc_info=True)
+        error = _one_line(e)
+    ok, error = control.agree(error, "checkpoint-loaded")
+    if not ok:
+        raise CheckpointError(f"{directory}: cannot load ({error})")

@@ -1,0 +1,183 @@
+"""One stage's model and optimizer through Megatron-Core's `dist_checkpointing`.
+
+The checkpoint holds Megatron's sharded state dicts: `GPTModel.sharded_state_dict()`
+keys every decoder tensor by its GLOBAL layer (a pipeline axis of length num_layers,
+offset `layer_number - 1`), and the Megatron optimizer's `sharded_state_dict` keys
+each parameter's state by the model key it belongs to. So a stage of any layout —
+including one whose layers a migration brought from elsewhere — writes its slice of
+the same global tensors, and a stage of any other layout or pipeline size reads its
+own slice back. The tied output weight is the embedding's replica; DP replicas and
+TP shards carry Megatron's replica ids, so each tensor is written exactly once.
+
+Saving uses the `torch_dist` format (readable by Megatron's default loader) but
+writes in the calling process: Megatron's own torch_dist save strategy starts a
+`spawn` multiprocessing Manager and forks writer processes on every save, which took
+21-33 s for the first save of a 1.5 MB checkpoint on this loaded 2-core machine
+(0.4-2.5 s in process; docs/checkpoints.md).
+
+Not in Megatron's state dicts, so kept by the caller (megatron.checkpoint's meta):
+which parameters are frozen, the layout, the scheduler, the scenario and data state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
+
+__all__ = ["save_sharded", "load_sharded", "sharded_state", "read_tensors", "REQUIRED_FILES",
+           "OPTIMIZER_METADATA"]
+
+# what a complete torch_dist checkpoint directory holds besides its data files
+REQUIRED_FILES = ("metadata.json", "common.pt", ".metadata")
+_MASK_SUFFIX = "_mask"
+# Optimizer state keyed by model parameter whatever the layout: the distributed
+# optimizer's 'fully_reshardable' form (gathered over DP on save, canonical per
+# parameter; its default 'fully_sharded_model_space' uses flattened ranges, which
+# Megatron 0.16's dist_checkpointing refuses), and no per-chain-index key prefix.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                      "chained_optim_avoid_prefix": True}
+
+
+class _InProcessTorchDist(SaveShardedStrategy):
+    """Megatron's torch_dist format written by torch.distributed.checkpoint in this
+    process (one file per rank, fsync'ed), with Megatron's own key translation and
+    save planner, so `dist_checkpointing.load`'s default strategy reads it."""
+
+    def __init__(self):
+        super().__init__("torch_dist", 1)
+
+    def save(self, sharded_state_dict, checkpoint_dir) -> None:
+        by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
+        dcp.save(mcore_to_pyt_state_dict(by_key, False),
+                 storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                 planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
+
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+
+def _masks_follow_weights(sharded: dict) -> None:
+    """A buffer `<name>_mask` (pruning masks) is sharded like `<name>`.
+
+    Megatron's linear layers shard only `weight`/`bias` over TP and declare every
+    other entry replicated; a mask has its weight's local shape, so under TP > 1 it
+    must take the weight's global shape and offsets, or one TP rank's mask would be
+    saved for all."""
+    for key, value in list(sharded.items()):
+        owner = sharded.get(key[: -len(_MASK_SUFFIX)]) if key.endswith(_MASK_SUFFIX) else None
+        if (isinstance(value, ShardedTensor) and isinstance(owner, ShardedTensor)
+                and value.local_shape == owner.local_shape and value.flattened_range is None):
+            sharded[key] = dataclasses.replace(owner, key=value.key, data=value.data, dtype=value.dtype)
+
+
+def _init_adam_state(optimizer) -> None:
+    """Give a fresh optimizer the state one Adam step creates (zero moments, step 0).
+
+    Without Apex or Transformer Engine (CPU), `DistributedOptimizer.state_dict` reads
+    the step from the per-parameter state and asserts it exists, which a never-stepped
+    optimizer lacks; loading replaces all of it."""
+    import torch
+
+    from dynmo_plugin.megatron.optim_state import megatron_optimizers
+    for opt in megatron_optimizers(optimizer):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(p.data),
+                                      "exp_avg_sq": torch.zeros_like(p.data)}
+
+
+def sharded_state(trainer, loading: bool) -> dict:
+    """{'model': ..., 'optimizer': ...}: the stage's sharded state dicts (tensors by
+    reference; with `loading`, the optimizer's state is created first to load into)."""
+    model = trainer.model.sharded_state_dict()
+    _masks_follow_weights(model)
+    if loading:
+        _init_adam_state(trainer.optimizer)
+    optimizer = trainer.optimizer.sharded_state_dict(model, is_loading=loading,
+                                                     metadata=dict(OPTIMIZER_METADATA))
+    return {"model": model, "optimizer": optimizer}
+
+
+def save_sharded(trainer, directory: str) -> None:
+    """Collective: every rank writes its main-replica shards into `directory` (exists,
+    empty). Raises what torch.distributed.checkpoint raises, on every rank."""
+    dist_checkpointing.save(sharded_state(trainer, loading=False), directory,
+                            sharded_strategy=_InProcessTorchDist())
+
+
+def load_sharded(trainer, directory: str) -> None:
+    """Collective: load this stage's slice of the model and optimizer from `directory`.
+
+    Call after the optimizer covers exactly the parameters that should train (frozen
+    ones excluded): the optimizer state is matched to its parameters by model key.
+    """
+    loaded = dist_checkpointing.load(sharded_state(trainer, loading=True), str(Path(directory)))
+    trainer.model.load_state_dict(loaded["model"], strict=True)
+    _load_optimizer(trainer.optimizer, loaded["optimizer"])
+
+
+def _load_optimizer(optimizer, state: dict) -> None:
+    """`optimizer.load_state_dict(state)`, around a Megatron 0.16 bug of the distributed
+    optimizer without Apex/TE (torch Adam, e.g. on CPU): its load puts Adam's `step` into
+    every parameter's state, then copies the per-parameter tensors of the checkpoint
+    over ALL state entries, `step` included, which the checkpoint's entries never hold
+    (KeyError 'step'). So the parameter state is loaded with `step` set aside."""
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+
+    from dynmo_plugin.megatron.optim_state import megatron_optimizers
+    chain = list(megatron_optimizers(optimizer))
+    if HAVE_APEX_OR_TE or not any(isinstance(o, DistributedOptimizer) for o in chain):
+        optimizer.load_state_dict(state)
+        return
+    for opt, part in zip(chain, [state] if len(chain) == 1 else [state[i] for i in range(len(chain))]):
+        if not isinstance(opt, DistributedOptimizer):
+            opt.load_state_dict(part)
+            continue
+        param_state = part.pop("param_state")
+        kind = part.pop("param_state_sharding_type")
+        if kind != OPTIMIZER_METADATA["distrib_optim_sharding_type"]:
+            raise ValueError(f"distributed optimizer state saved as {kind!r}, expected "
+                             f"{OPTIMIZER_METADATA['distrib_optim_sharding_type']!r}")
+        opt.load_state_dict(part)  # param groups, step, grad scaler; placeholder tensors
+        steps = {p: s.pop("step") for p, s in opt.optimizer.state.items() if "step" in s}
+        opt.load_parameter_state_from_fully_reshardable(param_state)
+        for p, step in steps.items():
+            opt.optimizer.state[p]["step"] = step
+
+
+def read_tensors(directory: str) -> dict:
+    """Every tensor of the checkpoint in `directory` by its global key, read in this
+    process without a process group (tests, inspection): model tensors stack the
+    decoder layers on a leading axis; optimizer state is under
+    `optimizer.state.<kind>.<model key>`; tensors of the common state (rank 0's, e.g.
+    `optimizer.state.common_step`) by their dotted path."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "all.pt")
+        dcp_to_torch_save(directory, path)
+        state = torch.load(path, weights_only=False)
+    tensors = {k: v for k, v in state.items() if torch.is_tensor(v)}
+    _flatten(torch.load(os.path.join(directory, "common.pt"), weights_only=False), "", tensors)
+    return tensors
+
+
+def _flatten(value, prefix: str, out: dict) -> None:
+    import torch
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(v, f"{prefix}{k}.", out)
+    elif torch.is_tensor(value):
+        out[prefix[:-1]] = value

@@ -1,0 +1,162 @@
+"""Checkpoints (Megatron dist_checkpointing) resume under any layout and pipeline size.
+
+One PP=2 run under `Ettt|tttL` saves every 2 iterations and is rebalanced by a forced
+migration before iteration 4. Resumed runs must continue it exactly: same losses to the
+last bit, and the same final checkpoint — weights AND optimizer state (Adam moments,
+step), compared key by key in Megatron's global keys, which do not depend on the split.
+"""
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from launch import losses, torchrun, worker
+
+MODEL = ["--num-layers", "6", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--train-iters", "6", "--lr", "3e-3", "--seed", "11", "--save-interval", "2"]
+REBALANCED = "Ett|ttttL"
+
+
+def _only(src, iteration: int, dst):
+    """A checkpoint root holding only `src`'s iteration `iteration` (copied)."""
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(src / name, dst / name)
+    (dst / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return dst
+
+
+def _final_state(root) -> dict:
+    """Every tensor of the run's last checkpoint, by global key."""
+    from dynmo_plugin.megatron.dist_ckpt import read_tensors
+    return read_tensors(str(root / "iter_0000006"))
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    assert {k.split(".")[2] for k in a if k.startswith("optimizer.state.")} == {
+        "exp_avg", "exp_avg_sq", "common_step"}
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """PP=2 under Ettt|tttL, rebalanced to Ett|ttttL before iteration 4; checkpoints
+    at 2 (old layout), 4 (rebalanced) and 6."""
+    out = tmp_path_factory.mktemp("saved")
+    report = worker(2, MODEL + ["--pipeline-model-parallel-size", "2",
+                                "--pipeline-model-parallel-layout", "Ettt|tttL", "--dynmo",
+                                "--dynmo-forced-layouts", f"4:{REBALANCED}",
+                                "--save", str(out / "ckpt")], out)
+    return out, report, _final_state(out / "ckpt")
+
+
+def _resume(tmp_path, saved, iteration: int, nproc: int, flags: list) -> tuple[dict, dict]:
+    out, report, final = saved
+    root = _only(out / "ckpt", iteration, tmp_path / "load")
+    resumed = worker(nproc, MODEL + flags + ["--load", str(root), "--save", str(tmp_path / "ckpt"),
+                                             "--save-interval", "6"], tmp_path)
+    assert [it["iteration"] for it in resumed["iterations"]] == list(range(iteration + 1, 7))
+    assert losses(resumed) == losses(report)[iteration:]
+    _assert_same_state(_final_state(tmp_path / "ckpt"), final)
+    return report, resumed
+
+
+@pytest.mark.multiproc
+def test_saved_layout_and_rebalanced_layout_are_recorded(saved):
+    out, report, _ = saved
+    assert [e["layout_after"] for e in report["events"] if e.get("applied")] == [REBALANCED]
+    metas = [json.loads((out / f"ckpt/iter_{i:07d}/meta.json").read_text()) for i in (2, 4)]
+    assert [(m["iteration"], m["layout"], m["pp"]) for m in metas] == [
+        (2, "Ettt|tttL", 2), (4, REBALANCED, 2)]
+    assert metas[0]["scheduler"] == {"num_steps": 2} and metas[0]["frozen"] == []
+    assert (out / "ckpt/latest_checkpointed_iteration.txt").read_text() == "6"
+    assert not list((out / "ckpt").glob("*.tmp"))
+
+
+@pytest.mark.multiproc
+def test_resume_under_pp4(saved, tmp_path):
+    """Saved by 2 stages under Ettt|tttL, resumed by 4 (Megatron's uniform split)."""
+    _, resumed = _resume(tmp_path, saved, 2, 4, ["--pipeline-model-parallel-size", "4"])
+    assert resumed["initial_layout"] == "Ett|tt|t|tL"
+
+
+@pytest.mark.multiproc
+def test_resume_under_another_pp2_layout(saved, tmp_path):
+    """Saved under Ettt|tttL, resumed under the layout the flag gives (the flag wins)."""
+    _, resumed = _resume(tmp_path, saved, 2, 2, ["--pipeline-model-parallel-size", "2",
+                                                 "--pipeline-model-parallel-layout", "Ettttt|tL"])
+    assert resumed["initial_layout"] == "Ettttt|tL"
+
+
+@pytest.mark.multiproc
+def test_rebalanced_run_resumes_balanced(saved, tmp_path):
+    """Saved after the migration: decoder layers of other stages' numbers were on each
+    stage. Resumed without a layout flag, the saved (rebalanced) layout is restored."""
+    _, resumed = _resume(tmp_path, saved, 4, 2, ["--pipeline-model-parallel-size", "2"])
+    assert resumed["initial_layout"] == REBALANCED
+
+
+@pytest.mark.multiproc
+def test_corrupt_checkpoint_exits_2_with_one_line(saved, tmp_path):
+    root = _only(saved[0] / "ckpt", 2, tmp_path / "load")
+    for data in (root / "iter_0000002").glob("*.distcp"):
+        data.write_bytes(data.read_bytes()[:100])
+    proc = torchrun(1, MODEL + ["--load", str(root)], tmp_path / "out", check=False)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("dynmo-train: error:")]
+    assert lines and lines[0].startswith(f"dynmo-train: error: {root / 'iter_0000002'}: cannot load (")
+    assert "exitcode: 2" in proc.stderr  # torchrun reports the launcher's status
+
+
+# ---- no processes: reading the directory, and which layout a resumed run takes ----------
+
+def _meta_dir(tmp_path, **meta):
+    from dynmo_plugin.megatron.checkpoint import FORMAT
+    d = tmp_path / "iter_0000003"
+    d.mkdir(parents=True)
+    for name in ("metadata.json", "common.pt", ".metadata"):
+        (d / name).write_text("x")
+    (d / "meta.json").write_text(json.dumps({"format": FORMAT, "iteration": 3, **meta}))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    return d
+
+
+def test_read_meta_names_what_is_missing_or_broken(tmp_path):
+    from dynmo_plugin.megatron.checkpoint import CheckpointError, read_meta
+    from dynmo_plugin.errors import UserError
+    assert issubclass(CheckpointError, UserError)  # the launcher's exit 2
+    with pytest.raises(CheckpointError, match=r"the directory does not exist; give a directory"):
+        read_meta(str(tmp_path / "nowhere"))
+    assert read_meta(str(tmp_path / "nowhere"), resume_if_absent=True) is None
+    with pytest.raises(CheckpointError, match=r"holds no checkpoint \(no latest_checkpointed"):
+        read_meta(str(tmp_path))
+    d = _meta_dir(tmp_path, layout="Et|tL")
+    assert read_meta(str(tmp_path))["layout"] == "Et|tL"
+    (d / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"iter_0000003: \.metadata missing; the checkpoint is incomplete"):
+        read_meta(str(tmp_path))
+    (d / "meta.json").write_text("{")
+    with pytest.raises(CheckpointError, match=r"meta.json: unreadable"):
+        read_meta(str(tmp_path))
+    (d / "meta.json").write_text(json.dumps({"format": "dynmo-stage-state/1"}))
+    with pytest.raises(CheckpointError, match=r"format 'dynmo-stage-state/1', expected 'dynmo-dist-ckpt/1'"):
+        read_meta(str(tmp_path))
+
+
+def test_layout_precedence():
+    """Flag > the layout a checkpoint repack chose for this PP > the saved layout for
+    the same PP > Megatron's uniform split."""
+    from dynmo_plugin.session import _initial_layout
+    meta = {"pp": 2, "layout": REBALANCED, "next": {"pp": 1, "layout": "EttttttL"}}
+
+    def layout(pp, flag=None, m=meta):
+        args = SimpleNamespace(pipeline_model_parallel_layout=flag, num_layers=6)
+        return str(_initial_layout(args, SimpleNamespace(pp=pp), m))
+
+    assert layout(2, flag="Etttt|ttL") == "Etttt|ttL"
+    assert layout(1) == "EttttttL"
+    assert layout(2) == REBALANCED
+    assert layout(2, m=None) == "Ettt|tttL" and layout(4) == "Ett|tt|t|tL"
