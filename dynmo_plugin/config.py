@@ -151,6 +151,11 @@ class ModelArgs:
     lr_decay_iters: Optional[int] = field(default=None, metadata=opt("iterations over which the rate decays (default --train-iters)", check=positive))
     min_lr: float = field(default=0.0, metadata=opt("learning rate at the end of the decay", check=non_negative))
     clip_grad: float = field(default=0.0, metadata=opt("gradient clipping norm (0 = off; CPU needs 0)", check=non_negative))
+    bf16: bool = field(default=False, metadata=opt("bf16 weights and activations, fp32 master weights in the optimizer"))
+    fp16: bool = field(default=False, metadata=opt("fp16 weights and activations, fp32 master weights, dynamic loss scaling"))
+    loss_scale: Optional[float] = field(default=None, metadata=opt("static loss scale for --fp16 (default: dynamic)", check=positive))
+    initial_loss_scale: float = field(default=2.0**32, metadata=opt("initial dynamic loss scale for --fp16", check=positive))
+    use_distributed_optimizer: bool = field(default=False, metadata=opt("shard optimizer state and fp32 master weights over data-parallel ranks"))
     seed: int = field(default=1234, metadata=opt("seed for weights and data", check=non_negative))
     log_interval: int = field(default=1, metadata=opt("iterations between log lines", check=positive))
     pipeline_model_parallel_size: int = field(default=1, metadata=opt("pipeline stages", check=positive))
@@ -648,6 +653,7 @@ def load_config(args: argparse.Namespace, world_size: int | None = None) -> RunC
         given[key] = f"flag {_flag(f)}"
     where = cfg.config_path or "command line"
     cfg.model.validate_shape(where, world_size)
+    _check_precision(cfg, given)
     _check_forced_layouts(cfg, where)
     _check_dynamism(cfg, given)
     _check_repack(cfg, given)
@@ -727,6 +733,17 @@ def _resolve_transformer_impl(cfg: RunConfig, given: dict[str, str]) -> None:
     if note:
         logger.info("%s", note)
     cfg.model.transformer_impl = impl
+
+
+def _check_precision(cfg: RunConfig, given: dict[str, str]) -> None:
+    """One training precision; loss scaling only where it means something (fp16)."""
+    m = cfg.model
+    if m.bf16 and m.fp16:
+        raise ConfigError(f"{given.get('model.fp16', 'command line')}: --bf16 and --fp16 both set; "
+                          "choose one precision")
+    if m.loss_scale is not None and not m.fp16:
+        raise ConfigError(f"{given.get('model.loss_scale', 'command line')}: --loss-scale "
+                          f"{m.loss_scale} needs --fp16 (bf16 and fp32 train unscaled)")
 
 
 # Scenarios whose layers cannot take packed (THD) micro-batches, and why. The others

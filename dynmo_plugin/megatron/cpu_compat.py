@@ -10,11 +10,23 @@ tensor-factory wrappers (a dictionary lookup per call).
 
 The minimal set of patches was measured on this project's machines (see
 docs/cpu.md); a catch-all TorchFunctionMode also works but costs 15-30% CPU time.
+
+Mixed precision and the distributed optimizer: Megatron's
+`Float16OptimizerWithFloat16Params` and `DistributedOptimizer` sort parameters by
+comparing `param.type()` with CUDA type names ('torch.cuda.BFloat16Tensor',
+'torch.cuda.HalfTensor', 'torch.cuda.FloatTensor') and refuse anything else ("Wrapped
+parameters must be one of torch.cuda.FloatTensor ..."). Probed on megatron-core 0.16.1:
+that check is the only thing that stops both on CPU. `Tensor.type()` therefore spells
+CPU float tensors the CUDA way, but only when called without arguments from exactly
+those two Megatron modules (`_CUDA_TYPE_CALLERS`): every other caller, torch's own
+included, sees the true CPU names. Those calls happen when an optimizer is built, not
+per step, so the frame lookup costs nothing measurable.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import sys
 
 import torch
 
@@ -25,6 +37,11 @@ logger = logging.getLogger(__name__)
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn",
               "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor")
 _applied = False
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
+                    "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+_CUDA_TYPE_CALLERS = ("megatron.core.optimizer.optimizer",
+                      "megatron.core.optimizer.distrib_optimizer")
 
 
 def _to_cpu(device):
@@ -46,6 +63,18 @@ def _wrap_factory(fn):
     return factory
 
 
+def _wrap_type(fn):
+    """`Tensor.type()` that answers the CUDA spelling to `_CUDA_TYPE_CALLERS` only."""
+    @functools.wraps(fn)
+    def type_(self, *args, **kwargs):
+        name = fn(self, *args, **kwargs)
+        if args or kwargs or sys._getframe(1).f_globals.get("__name__") not in _CUDA_TYPE_CALLERS:
+            return name
+        return _CUDA_TYPE_NAMES.get(name, name)
+
+    return type_
+
+
 def is_applied() -> bool:
     return _applied
 
@@ -63,6 +92,7 @@ def apply() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *a, **k: None
     torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.type = _wrap_type(torch.Tensor.type)
     for name in _FACTORIES:
         setattr(torch, name, _wrap_factory(getattr(torch, name)))
     _patch_megatron()

@@ -3,9 +3,11 @@
 A migration is collective over every rank (data-parallel and tensor-parallel replicas
 migrate their own copies the same way) and atomic: every rank commits or none does.
 Everything that can fail happens BEFORE the point of no return, on new objects only:
-  1. pack     - each source packs every tensor of each outgoing layer: weights, biases,
-                norms (its state_dict), the gradient (DDP's main_grad), optimizer state
-                (Adam moments, step, fp32 master copy in bf16/fp16) and which of its
+  1. pack     - every rank takes the full optimizer state of its stage (with the
+                distributed optimizer: unsharded over DP, see optim_state); each source
+                packs every tensor of each outgoing layer: weights, biases, norms (its
+                state_dict), the gradient (DDP's main_grad), optimizer state (Adam
+                moments, step, fp32 master copy in bf16/fp16) and which of its
                 parameters are frozen;
   2. headers  - all-gather of headers on the control plane;
      staging  - receivers take their receive buffers from a StagingPool (kept between
@@ -16,7 +18,8 @@ Everything that can fail happens BEFORE the point of no return, on new objects o
   5. prepare  - install the new layer list and build a new DDP (new gradient buffers,
                 hooks) beside the old one;                       -> agree
   6. optimizer- build the new optimizer (collective), carry per-group state and the
-                loss scaler, put every parameter's state into it; -> agree
+                loss scaler, put every parameter's state into it (each DP rank keeps
+                its new shard when the optimizer is distributed); -> agree
   7. commit   - switch the trainer to the new wrappers: reference updates only.
 On a failed agreement every rank undoes step 5 (old layer list, old gradient views and
 hooks) and keeps training on the old layout. A rank that dies or hangs makes the
@@ -37,7 +40,8 @@ from megatron.core.transformer.spec_utils import build_module
 
 from dynmo_plugin.consensus import ControlPlane, PeerFailure
 from dynmo_plugin.layout import Layout
-from dynmo_plugin.megatron.optim_state import carry_optimizer_state, param_state, state_owner
+from dynmo_plugin.megatron.optim_state import (carry_optimizer_state, gather_param_states,
+                                               put_param_state)
 from dynmo_plugin.migration.exchange import (TIMEOUT_MARK, exchange_buffers, exchange_headers)
 from dynmo_plugin.migration.pool import StagingPool
 from dynmo_plugin.migration.result import MigrationError, MigrationResult
@@ -65,6 +69,7 @@ class _Prepared:
 
     old_layers: torch.nn.ModuleList
     old_main_grads: dict
+    old_data: dict  # param -> its .data (a view of DDP's parameter buffer when sharded)
     saved: dict = field(default_factory=dict)  # param -> (grad, optimizer state)
     ddp: object = None
     optimizer: object = None
@@ -77,6 +82,7 @@ class LayerMigrator:
         self.trainer, self.control, self.timeout_s, self.fault = trainer, control, timeout_s, fault
         self._phase_s: dict[str, float] = {}
         self._extra_bytes = 0
+        self._states: dict = {}  # param -> full optimizer state, taken at pack time
         # Receive buffers: kept between migrations on CPU (first-touch page faults would
         # halve gloo's bandwidth); on CUDA released after each one (device memory has no
         # first-touch cost and the caching allocator recycles it).
@@ -103,6 +109,9 @@ class LayerMigrator:
         error, headers, prepared = None, [], None
         with self._phase("pack"):
             try:
+                self._states = gather_param_states(t.optimizer, t.model.parameters())
+                if t.ddp_config.use_distributed_optimizer:
+                    self._extra_bytes += _nbytes(v for s in self._states.values() for v in s.values())
                 outgoing, sending = self._pack(moves, stage)
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 error, outgoing, sending = f"pack on stage {stage}: {e!r}", [], {}
@@ -124,6 +133,7 @@ class LayerMigrator:
             self._commit(prepared, new)
         else:
             self._abandon(prepared, old, new, error)
+        self._states = {}  # unsharded copies (distributed optimizer) are freed here
         if t.dims.device.type == "cuda":
             self.pool.release()
         peak = (torch.cuda.max_memory_allocated() - base if t.dims.device.type == "cuda"
@@ -192,7 +202,7 @@ class LayerMigrator:
             grad = _main_grad(p)
             if grad is not None:
                 out[f"grad/{name}"] = grad
-            for key, value in param_state(self.trainer.optimizer, p).items():
+            for key, value in self._states.get(p, {}).items():
                 out[f"optim/{name}/{key}"] = value
         return out
 
@@ -230,6 +240,8 @@ class LayerMigrator:
         if layer.layer_number != number:
             raise MigrationError(f"built layer {layer.layer_number}, expected {number}")
         layer.to(t.dims.device)
+        if t.config.bf16 or t.config.fp16:  # as Float16Module cast the stage's own layers
+            layer.to(t.config.params_dtype)
         state = {k.removeprefix("state/"): v for k, v in tensors.items() if k.startswith("state/")}
         missing, unexpected = layer.load_state_dict(state, strict=False)
         if unexpected or any(not k.endswith("_extra_state") for k in missing):
@@ -248,12 +260,13 @@ class LayerMigrator:
         decoder, model = t.model.decoder, t.model
         out_layers = {n for n, src, _ in moves if src == stage}
         prepared = _Prepared(old_layers=decoder.layers, old_main_grads={
-            p: p.main_grad for p in model.parameters() if getattr(p, "main_grad", None) is not None})
+            p: p.main_grad for p in model.parameters() if getattr(p, "main_grad", None) is not None},
+            old_data={p: p.data for p in model.parameters()})
         keep = [layer for layer in decoder.layers if layer.layer_number not in out_layers]
         layer_params = {p for layer in decoder.layers for p in layer.parameters()}
         kept = [p for layer in keep for p in layer.parameters()]
         kept += [p for p in model.parameters() if p not in layer_params]
-        prepared.saved = {p: (_main_grad(p), param_state(t.optimizer, p)) for p in kept}
+        prepared.saved = {p: (_main_grad(p), self._states.get(p, {})) for p in kept}
         for layer, tensors in staged.values():
             for name, p in layer.named_parameters():
                 state = {k.rsplit("/", 1)[-1]: v.clone() for k, v in tensors.items()
@@ -283,15 +296,7 @@ class LayerMigrator:
             for p, (grad, state) in prepared.saved.items():
                 if grad is not None and getattr(p, "main_grad", None) is not None:
                     p.main_grad.copy_(grad)
-                owner = state_owner(prepared.optimizer, p)
-                if not state or owner is None:
-                    continue
-                state = dict(state)
-                inner, key = owner
-                main = state.pop("main_param", None)
-                if main is not None:
-                    key.data.copy_(main)
-                inner.state[key] = state
+                put_param_state(prepared.optimizer, p, state, copy=False)
         if self.fault is not None:
             self.fault.on_restored(stage)
 
@@ -321,6 +326,8 @@ class LayerMigrator:
             prepared.ddp = prepared.optimizer = None
         decoder.layers = prepared.old_layers
         decoder.num_layers_per_pipeline_rank = len(decoder.layers)
+        for p, data in prepared.old_data.items():
+            p.data = data
         for p, grad in prepared.old_main_grads.items():
             p.main_grad = grad
         if not t.ddp.grad_accs:

@@ -21,7 +21,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from dynmo_plugin.config import ModelArgs, resolve_transformer_impl, transformer_engine_problem
 from dynmo_plugin.layout import Layout
 
-__all__ = ["transformer_config", "layer_spec", "build_stage_model", "global_named_parameters",
+__all__ = ["transformer_config", "params_dtype", "layer_spec", "build_stage_model", "global_named_parameters",
            "init_by_global_name", "INIT_STD"]
 
 logger = logging.getLogger(__name__)
@@ -29,8 +29,15 @@ INIT_STD = 0.02
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
+def params_dtype(args: ModelArgs) -> torch.dtype:
+    """The dtype of weights and activations: bf16, fp16 (--bf16/--fp16) or fp32."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
 def transformer_config(args: ModelArgs, layout: Layout) -> TransformerConfig:
-    """A deterministic fp32 TransformerConfig with the given pipeline layout."""
+    """A deterministic TransformerConfig with the given pipeline layout, in fp32 or (with
+    --bf16/--fp16) in half precision: weights, activations and pipeline messages."""
+    dtype = params_dtype(args)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -39,8 +46,10 @@ def transformer_config(args: ModelArgs, layout: Layout) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         pipeline_model_parallel_layout=layout.to_megatron(),
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
         hidden_dropout=0.0,          # dropout would consume RNG differently per split
         attention_dropout=0.0,
         use_cpu_initialization=True,

@@ -9,15 +9,32 @@ State that is not per parameter must survive a rebuild too: the `param_groups` e
 (learning rate set by a scheduler; `step` where fused Adam keeps it per group, as TE's
 and Apex's FusedAdam do on GPU) and the fp16 loss scaler. `carry_optimizer_state`
 moves those from the optimizer being replaced to its replacement.
+
+With --use-distributed-optimizer (Megatron's DistributedOptimizer) each DP rank holds
+only its shard of every state tensor and of every fp32 master weight, cut from the
+flat gradient buffer without regard to parameter boundaries. Rebuilding DDP over a
+changed layer set changes that buffer, so the shards of the layers that STAY move too,
+not only those of the moved layers. The design is therefore: unshard, move, reshard.
+`gather_param_states` gives every DP rank the full state of every parameter of its
+stage (one all-reduce over the DP group: each rank writes its own ranges into zeroed
+tensors, summed as integers so every bit, -0.0 included, arrives unchanged); the
+migration then moves full tensors exactly as without sharding, and `put_param_state`
+cuts each DP rank's new range out of them. Megatron's own
+`get_parameter_state_dp_zero` / `load_parameter_state_from_dp_zero` do the same per
+bucket, but keyed by the OLD buffer's layout, which the new optimizer does not share.
+Cost: the full state of one stage is held transiently on each DP rank, what an
+unsharded optimizer holds all the time.
 """
 from __future__ import annotations
 
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 __all__ = ["megatron_optimizers", "state_owner", "param_state", "state_nbytes",
-           "carry_optimizer_state"]
+           "carry_optimizer_state", "gather_param_states", "put_param_state"]
 
 # Keys that identify a Megatron param group (besides its position).
 _GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
@@ -57,7 +74,138 @@ def param_state(optimizer, param: torch.nn.Parameter) -> dict[str, torch.Tensor]
 
 
 def state_nbytes(optimizer, param: torch.nn.Parameter) -> int:
+    """Bytes of `param`'s optimizer state held on this rank (its shard when sharded)."""
+    for opt in _distributed(optimizer):
+        shard = _shard(opt, param)
+        if shard is not None:
+            main, _ = shard
+            state = [t for t in opt.optimizer.state.get(main, {}).values() if torch.is_tensor(t)]
+            if main.dtype != param.dtype:
+                state.append(main)
+            return sum(t.numel() * t.element_size() for t in state)
     return sum(t.numel() * t.element_size() for t in param_state(optimizer, param).values())
+
+
+# ---- the distributed optimizer: full state from shards and back ---------------------------
+def _distributed(optimizer) -> list[DistributedOptimizer]:
+    return [o for o in megatron_optimizers(optimizer) if isinstance(o, DistributedOptimizer)]
+
+
+def _shard(opt: DistributedOptimizer, param: torch.nn.Parameter):
+    """(shard main param, its Range within the flattened `param`) on this DP rank, or
+    None where this rank owns no piece of `param` (megatron-core 0.16 internals)."""
+    index = opt.model_param_group_index_map.get(param)
+    if index is None:
+        return None
+    group, order = index
+    return (opt.optimizer.param_groups[group]["params"][order],
+            opt._get_model_param_range_map(param)["param"])
+
+
+def _state_keys(opt: DistributedOptimizer) -> list[str]:
+    """The per-parameter state keys (Adam: exp_avg, exp_avg_sq, step), the same on every
+    DP rank; empty before the first step."""
+    local = next((sorted(k for k, v in s.items() if torch.is_tensor(v))
+                  for s in opt.optimizer.state.values() if s), [])
+    every: list = [None] * dist.get_world_size(opt.data_parallel_group)
+    dist.all_gather_object(every, local, group=opt.data_parallel_group)
+    return max(every, key=len)
+
+
+def _gather_sharded(opt: DistributedOptimizer, params: list) -> dict:
+    """Full state of each of `params` that `opt` manages, on every DP rank (collective)."""
+    managed = [p for p in params if any(p in b.param_index_map for b in opt.buffers)]
+    keys = _state_keys(opt)
+    moments = [k for k in keys if k != "step"]
+    layout = []  # (param, key, offset) of each full fp32 tensor in `flat`
+    size = 0
+    for p in managed:
+        for key in moments + (["main_param"] if p.dtype != torch.float32 else []):
+            layout.append((p, key, size))
+            size += p.numel()
+    flat = torch.zeros(size, dtype=torch.float32, device=_device(managed))
+    steps = torch.zeros(len(managed), dtype=torch.float64, device=flat.device)
+    for i, p in enumerate(managed):
+        shard = _shard(opt, p)
+        if shard is None:
+            continue
+        main, rng = shard
+        state = opt.optimizer.state.get(main, {})
+        if "step" in state:
+            steps[i] = float(state["step"])
+    for p, key, offset in layout:
+        shard = _shard(opt, p)
+        if shard is None:
+            continue
+        main, rng = shard
+        value = main if key == "main_param" else opt.optimizer.state[main][key]
+        if value.dtype != torch.float32:
+            raise TypeError(f"distributed optimizer state {key} is {value.dtype}; only fp32 "
+                            "state can be gathered (precision-aware optimizers are not supported)")
+        flat[offset + rng.start: offset + rng.end] = value.detach().reshape(-1)
+    dist.all_reduce(flat.view(torch.int32), group=opt.data_parallel_group)  # disjoint ranges
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=opt.data_parallel_group)
+    full: dict = {p: {} for p in managed}
+    for p, key, offset in layout:
+        full[p][key] = flat[offset: offset + p.numel()].view(p.shape)
+    if "step" in keys:
+        for i, p in enumerate(managed):
+            full[p]["step"] = torch.tensor(float(steps[i]), dtype=torch.float32)
+    return full
+
+
+def _device(params: list) -> torch.device:
+    return params[0].device if params else torch.device("cpu")
+
+
+def gather_param_states(optimizer, params) -> dict:
+    """{param: its full optimizer state} for `params`, as `param_state` gives it: moments,
+    step and, for bf16/fp16 parameters, the fp32 master copy under 'main_param'.
+
+    Collective over the DP group when `optimizer` is (or chains) a DistributedOptimizer:
+    every DP rank of the stage must call it with the same parameters in the same order.
+    Without one it is local, and the values are references to the live state.
+    """
+    params = list(params)
+    states: dict = {}
+    for opt in _distributed(optimizer):
+        states.update(_gather_sharded(opt, params))
+    for p in params:
+        if p not in states:
+            states[p] = param_state(optimizer, p)
+    return states
+
+
+def put_param_state(optimizer, param: torch.nn.Parameter, state: dict, copy: bool = True) -> bool:
+    """Install `param`'s full `state` (from `gather_param_states`) into `optimizer`; a
+    DistributedOptimizer keeps this DP rank's range of it. Returns whether `optimizer`
+    holds state for `param` here (False: frozen, or no piece on this DP rank).
+    `copy=False` keeps the given tensors where no sharding needs a cut (the caller
+    guarantees nothing else writes them)."""
+    if not state:
+        return False
+    for opt in _distributed(optimizer):
+        shard = _shard(opt, param)
+        if shard is not None:
+            main, rng = shard
+            cut = {k: v.clone() if v.dim() == 0 else v.reshape(-1)[rng.start:rng.end].to(main.device, copy=True)
+                   for k, v in state.items()}
+            value = cut.pop("main_param", None)
+            if value is not None:
+                main.data.copy_(value)
+            opt.optimizer.state[main] = cut
+            return True
+    owner = state_owner(optimizer, param)
+    if owner is None:
+        return False
+    inner, key = owner
+    state = {k: v.clone() if v.dim() == 0 else v.to(key.device, copy=True) for k, v in state.items()} \
+        if copy else dict(state)
+    value = state.pop("main_param", None)
+    if value is not None:
+        key.data.copy_(value)
+    inner.state[key] = state
+    return True
 
 
 def _identity(group: dict) -> tuple:

@@ -12,6 +12,11 @@ dynamism scenario keeps in its layers travels too), the optimizer state of each
 parameter (Adam moments, step; the fp32 master copy in bf16/fp16) and which
 parameters are frozen. Gradients are not kept: they are captured between iterations,
 and the next step zeroes them first.
+
+With the distributed optimizer the optimizer state is kept whole here too:
+`capture` gathers it over the DP group (so every DP rank of a stage must call it) and
+`restore_optimizer` keeps each DP rank's shard of it, so a state captured under one
+DP size and layout restores under another.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from dynmo_plugin.megatron.optim_state import param_state, state_owner
+from dynmo_plugin.megatron.optim_state import gather_param_states, put_param_state
 
 __all__ = ["StageState", "capture", "restore_model", "restore_optimizer", "global_key"]
 
@@ -71,17 +76,20 @@ def _layer_numbers(model) -> list[int]:
 
 
 def capture(model, optimizer) -> StageState:
-    """The stage's state now (references, not copies: capture between iterations)."""
+    """The stage's state now (references, not copies: capture between iterations).
+    Collective over the DP group with the distributed optimizer (it gathers the shards)."""
     numbers = _layer_numbers(model)
     state = StageState()
     for key, value in model.state_dict(keep_vars=True).items():
         if torch.is_tensor(value):
             state.tensors[global_key(key, numbers)] = value.detach()
-    for name, p in model.named_parameters():
+    named = list(model.named_parameters())
+    optim_states = gather_param_states(optimizer, [p for _, p in named])
+    for name, p in named:
         key = global_key(name, numbers)
         if not p.requires_grad:
             state.frozen.add(key)
-        optim = param_state(optimizer, p)
+        optim = optim_states[p]
         if optim:
             state.optim[key] = optim
     return state
@@ -113,25 +121,16 @@ def restore_model(model, state: StageState) -> None:
 
 
 def restore_optimizer(model, optimizer, state: StageState) -> int:
-    """Put each parameter's carried optimizer state into `optimizer`; returns how many
-    parameters received state (parameters that never stepped have none)."""
+    """Put each parameter's carried optimizer state into `optimizer` (copies; with the
+    distributed optimizer this DP rank's shard of it); returns how many parameters
+    received state here (parameters that never stepped have none)."""
     numbers = _layer_numbers(model)
     restored = 0
     with torch.no_grad():
         for name, p in model.named_parameters():
             carried = state.optim.get(global_key(name, numbers))
-            owner = state_owner(optimizer, p)
-            if not carried or owner is None:
-                continue
-            inner, key = owner
-            # 0-d entries (Adam's step) stay where they are; moments follow the parameter
-            carried = {k: v.clone() if v.dim() == 0 else v.to(key.device, copy=True)
-                       for k, v in carried.items()}
-            main = carried.pop("main_param", None)
-            if main is not None:
-                key.data.copy_(main)
-            inner.state[key] = carried
-            restored += 1
+            if carried:
+                restored += put_param_state(optimizer, p, carried)
     return restored
 
 

@@ -6,6 +6,12 @@ PyPI wheel has no megatron.training. The stage's model, DDP wrapper and optimize
 attributes that a migration may rebuild, in two steps so that a failure can be undone:
 `build_ddp` (local) and `build_optimizer` (collective) make the new wrappers without
 touching the live ones; `install_wrappers` switches to them and cannot fail.
+
+With --bf16/--fp16 the GPTModel is wrapped in Megatron's Float16Module (half-precision
+weights, fp32 logits) and the optimizer keeps fp32 master weights; DDP wraps that
+module. `model` stays the GPTModel itself (what layers, profiling and migration use);
+`module` is what DDP wraps (the GPTModel or its Float16Module). With
+--use-distributed-optimizer the optimizer state and master weights are sharded over DP.
 """
 from __future__ import annotations
 
@@ -19,12 +25,14 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 
 from dynmo_plugin.config import ConfigError, ModelArgs
 from dynmo_plugin.data import SyntheticTokens
 from dynmo_plugin.data.build import build_packed_documents
 from dynmo_plugin.layout import Layout
-from dynmo_plugin.megatron.model import build_stage_model, layer_spec, transformer_config
+from dynmo_plugin.megatron.model import (build_stage_model, layer_spec, params_dtype,
+                                         transformer_config)
 from dynmo_plugin.megatron.parallel import ParallelDims
 from dynmo_plugin.megatron.stage_state import restore_model, restore_optimizer
 from dynmo_plugin.megatron.varlen_attention import packed_seq_params, varlen_attention_spec
@@ -96,11 +104,17 @@ class StageTrainer:
                                        dims.is_first_stage, dims.is_last_stage)
         if state is not None:
             restore_model(self.model, state)  # before DDP: it only wraps trainable params
+        # Float16Module casts the model (norms built in fp32 included): exact for restored
+        # half-precision values, and init_by_global_name drew fp32 values then cast them.
+        self.module = Float16Module(self.config, self.model) if args.bf16 or args.fp16 else self.model
         self.ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=args.use_distributed_optimizer)
         self.optimizer_config = OptimizerConfig(
-            optimizer="adam", lr=args.lr, min_lr=args.min_lr, clip_grad=args.clip_grad, bf16=False, fp16=False,
-            params_dtype=torch.float32, use_distributed_optimizer=False)
+            optimizer="adam", lr=args.lr, min_lr=args.min_lr, clip_grad=args.clip_grad,
+            bf16=args.bf16, fp16=args.fp16, params_dtype=params_dtype(args),
+            loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+            use_distributed_optimizer=args.use_distributed_optimizer)
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * dims.dp)
         self.data, self._forward_step = self._build_data(args, dims)
         self.ddp = self.build_ddp()
@@ -133,9 +147,14 @@ class StageTrainer:
         """A Megatron DDP wrapper over the stage model as it is now (local, may raise).
 
         It allocates new gradient buffers and re-points every trainable parameter's
-        `main_grad` at them; the caller restores the old views if it abandons it.
+        `main_grad` at them (with the distributed optimizer also `param.data`, into a new
+        parameter buffer); the caller restores the old views if it abandons it.
         """
-        return DistributedDataParallel(self.config, self.ddp_config, self.model)
+        if self.ddp_config.use_distributed_optimizer:
+            for p in self.module.parameters():  # Megatron asserts a param owns its storage
+                if p.data._base is not None:
+                    p.data = p.data.clone()
+        return DistributedDataParallel(self.config, self.ddp_config, self.module)
 
     def build_optimizer(self, ddp: DistributedDataParallel):
         """A fresh Megatron optimizer over `ddp` (collective: it gathers param-group keys
