@@ -7,7 +7,11 @@ Adam state, checksums, DDP/optimizer rebuild) and times a raw p2p send of exactl
 same bytes between the same ranks. Then runs the launcher once with an interval
 rebalance on an unbalanced start and prints the time split of that rebalance and the
 predicted vs measured iteration time before and after it.
+With --precision instead: tokens/s of fp32 vs bf16 training of the same model (PP=2,
+one rank per core), and the time of a migration with and without the distributed
+optimizer (PP=2 x DP=2: the distributed optimizer gathers and re-shards state over DP).
 Usage: python scripts/bench_migration.py [--hidden 512] [--repeats 7] [--no-rebalance]
+       python scripts/bench_migration.py --precision [--hidden 512] [--repeats 5]
 """
 from __future__ import annotations
 
@@ -105,6 +109,80 @@ def worker(hidden: int, layers: int, repeats: int) -> None:
     destroy_parallel()
 
 
+# ---- --precision (runs under torchrun) ---------------------------------------------------
+PRECISIONS = {"fp32": {}, "bf16": {"bf16": True}, "fp32+distopt": {"use_distributed_optimizer": True},
+              "bf16+distopt": {"bf16": True, "use_distributed_optimizer": True}}
+
+
+def precision_worker(hidden: int, layers: int, repeats: int, mode: str) -> None:
+    """mode 'throughput' (PP=2): seconds per training iteration of fp32 and bf16 trainers
+    of the same model, interleaved. mode 'migration' (PP=2 x DP=2): seconds of moving
+    two layers there and back, per optimizer kind, interleaved. Max over ranks."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+    from dynmo_plugin.config import ModelArgs
+    from dynmo_plugin.consensus import ControlPlane
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.migrate import LayerMigrator
+    from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
+    from dynmo_plugin.megatron.trainer import StageTrainer
+
+    args = ModelArgs(num_layers=layers, hidden_size=hidden, num_attention_heads=8, seq_length=128,
+                     micro_batch_size=2, global_batch_size=8, pipeline_model_parallel_size=2)
+    dims = init_parallel(args)
+    base = Layout.uniform(layers, 2)
+    names = ("fp32", "bf16") if mode == "throughput" else ("fp32", "fp32+distopt", "bf16+distopt")
+    trainers = {n: StageTrainer(dataclasses.replace(args, **PRECISIONS[n]), dims, base) for n in names}
+    for t in trainers.values():
+        t.train_step(1)  # optimizer state exists from here on
+    moved = Layout((base.counts[0] - 2, base.counts[1] + 2))
+    migrators = {n: LayerMigrator(t, ControlPlane(300.0)) for n, t in trainers.items()}
+    if mode == "migration":
+        for m in migrators.values():  # the first move grows the staging pools: not timed
+            m.migrate(moved), m.migrate(base)
+    runs = {n: [] for n in names}
+    for r in range(repeats):
+        for n in names[r % len(names):] + names[:r % len(names)]:  # rotated order
+            dist.barrier()
+            start = time.perf_counter()
+            if mode == "throughput":
+                trainers[n].train_step(2 + r)
+                row = {}
+            else:
+                there, back = migrators[n].migrate(moved), migrators[n].migrate(base)
+                row = {"bytes": there.bytes_moved, **{f"{k}_s": v for k, v in there.phase_s.items()},
+                       "there_s": there.total_s, "back_s": back.total_s}
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            runs[n].append({"s": float(elapsed), **row})
+    if dist.get_rank() == 0:
+        print_result({n: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for n, rs in runs.items()})
+    destroy_parallel()
+
+
+def _precision_tables(a) -> None:
+    common = ["--hidden", str(a.hidden), "--layers", str(a.layers), "--repeats", str(a.repeats)]
+    speed = read_result(torchrun(2, [__file__, "--worker", "--precision", "throughput", *common]))
+    tokens = 8 * 128  # global batch x sequence length
+    print(f"hidden {a.hidden}, {a.layers} layers, seq 128, global batch 8 (mbs 2), PP=2, "
+          f"median of {a.repeats} interleaved iterations; load avg {os.getloadavg()[0]:.1f}")
+    print("| precision | s/iteration | tokens/s | vs fp32 |\n|---|---|---|---|")
+    for n, r in speed.items():
+        print(f"| {n} | {r['s']:.3f} | {tokens / r['s']:.0f} | {speed['fp32']['s'] / r['s']:.2f}x |")
+    moves = read_result(torchrun(4, [__file__, "--worker", "--precision", "migration", *common]))
+    print(f"\nmigration of 2 layers stage 0 -> 1 (PP=2 x DP=2, 4 ranks on this machine), median of "
+          f"{a.repeats}; load avg {os.getloadavg()[0]:.1f}")
+    print("| optimizer | MB moved | total ms | pack ms | transfer ms | prepare ms | optimizer ms |"
+          "\n|---|---|---|---|---|---|---|")
+    for n, r in moves.items():
+        print(f"| {n} | {r['bytes'] / 1e6:.1f} | {1e3 * r['there_s']:.0f} | {1e3 * r['pack_s']:.0f} "
+              f"| {1e3 * r['transfer_s']:.0f} | {1e3 * r['prepare_s']:.0f} | {1e3 * r['optimizer_s']:.0f} |")
+    print("pack includes the distributed optimizer's gather of full state over DP; optimizer:\n"
+          "building the new optimizer and putting state into it (re-sharding with distopt).")
+
+
 # ---- driver -------------------------------------------------------------------------------
 def _time_split(out: Path) -> dict:
     torchrun(2, ["-m", "dynmo_plugin.train", "--num-layers", "8", "--hidden-size", "128",
@@ -122,10 +200,18 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json-rows", default=None, metavar="FILE", help="also write the rows (every repeat) to FILE")
     ap.add_argument("--no-rebalance", action="store_true", help="skip the launcher run's time split")
+    ap.add_argument("--precision", nargs="?", const="tables", default=None,
+                    help="fp32 vs bf16 tokens/s, and migration with/without the distributed optimizer")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.worker and a.precision:
+        precision_worker(a.hidden, a.layers, a.repeats, a.precision)
+        return 0
     if a.worker:
         worker(a.hidden, a.layers, a.repeats)
+        return 0
+    if a.precision:
+        _precision_tables(a)
         return 0
     stdout = torchrun(2, [__file__, "--worker", "--hidden", str(a.hidden), "--layers", str(a.layers),
                         "--repeats", str(a.repeats)])
