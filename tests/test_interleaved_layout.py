@@ -239,3 +239,41 @@ def test_sim_memory_counts_in_flight_chunks_per_rank():
     # rank 1 (stages 1, 3; 2 + 2 layers): warm-up 2*0 + (v-1)*pp = 2 forwards of chunk 0,
     # then F(chunk 0)... so at most 3 chunk-0 and 1 chunk-1 micro-batches: below 4 of both
     assert 4 * state + 4 * act + emb <= inter[1] <= 4 * state + 2 * 4 * act + emb
+
+
+# ---- the launcher's flags ----------------------------------------------------------------
+def _config(argv, world_size=2):
+    import argparse
+
+    from dynmo_plugin.config import add_dynmo_args, add_model_args, load_config
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    add_dynmo_args(parser)
+    return load_config(parser.parse_args(argv), world_size=world_size)
+
+
+BASE = ["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+        "--num-virtual-stages-per-pipeline-rank", "2", "--micro-batch-size", "2"]
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--global-batch-size", "6"], r"micro-batches \(3 = .*multiple of --pipeline-model-parallel-size \(2\)"),
+    (["--global-batch-size", "8", "--pipeline-model-parallel-layout", "Etttt|ttttL"],
+     "has 2 stages but the pipeline has 4"),
+    (["--global-batch-size", "8", "--dynmo", "--dynmo-repack"],
+     r"interleaved training does not support repacking \(--dynmo-repack\)"),
+    (["--global-batch-size", "8", "--dynmo", "--dynmo-forced-layouts", "2:Ettt|t|tt|ttL;3:Etttt|ttttL"],
+     "has 2 stages but the pipeline has 4"),
+])
+def test_interleaved_flags_are_validated(extra, match):
+    from dynmo_plugin.config import ConfigError
+    with pytest.raises(ConfigError, match=match):
+        _config(BASE + extra)
+
+
+def test_interleaved_flags_accepted():
+    cfg = _config(BASE + ["--global-batch-size", "8", "--pipeline-model-parallel-layout",
+                          "Et|ttt|tt|ttL", "--dynmo", "--dynmo-forced-layouts", "2:Ettt|t|tt|ttL"])
+    assert cfg.model.num_virtual_stages_per_pipeline_rank == 2
+    with pytest.raises(Exception, match=r"needs --pipeline-model-parallel-size >= 2"):
+        _config(["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "8"], 1)
