@@ -191,6 +191,18 @@ def test_rank_cap_binds_across_chunks():
     assert plan.migration_peak_memory is not None and len(plan.migration_peak_memory) == 2
     with pytest.raises(Exception, match="one per pipeline rank"):
         BalanceProblem(costs=[1] * 4, num_stages=4, num_chunks=2, capacity=[1, 1, 1, 1])
+    # the calibrated overhead is per rank too: rank 0 keeps 9 - 1 = 8 bytes for its chunks
+    kw = dict(costs=[1] * 8, num_stages=4, num_chunks=2, memory=[4, 4, 1, 1, 4, 4, 1, 1],
+              capacity=[9, 100], current=Layout((2, 2, 2, 2), 2))
+    plan = solve(BalanceProblem(**kw, memory_overhead=[1, 0]), "exact")
+    assert sum(kw["memory"][n - 1] for n in plan.layout.rank_layers(0)) <= 8
+    # the documented limit: with 7 bytes, rank 0 could hold {1} and {7} (4 + 1), but the
+    # even split (3.5 per chunk) has no layout; the solver says so instead of guessing
+    with pytest.raises(InfeasibleError, match="uneven chunks may exist"):
+        solve(BalanceProblem(**kw, memory_overhead=[2, 0]), "exact")
+    with pytest.raises(InfeasibleError, match="rank 0: fixed extras need 8 bytes plus a measured"):
+        BalanceProblem(costs=[1] * 4, num_stages=4, num_chunks=2, capacity=[9, 9],
+                       memory_overhead=[2, 0], extras_memory=[4, 0, 4, 0])
 
 
 def test_local_moves_cost_no_bytes():
