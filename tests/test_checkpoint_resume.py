@@ -153,7 +153,8 @@ def test_layout_precedence():
     meta = {"pp": 2, "layout": REBALANCED, "next": {"pp": 1, "layout": "EttttttL"}}
 
     def layout(pp, flag=None, m=meta):
-        args = SimpleNamespace(pipeline_model_parallel_layout=flag, num_layers=6)
+        args = SimpleNamespace(pipeline_model_parallel_layout=flag, num_layers=6,
+                               num_virtual_stages_per_pipeline_rank=1)
         return str(_initial_layout(args, SimpleNamespace(pp=pp), m))
 
     assert layout(2, flag="Etttt|ttL") == "Etttt|ttL"
