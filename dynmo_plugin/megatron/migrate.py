@@ -43,6 +43,7 @@ from megatron.core.transformer.spec_utils import build_module
 
 from dynmo_plugin.consensus import ControlPlane, PeerFailure
 from dynmo_plugin.layout import Layout
+from dynmo_plugin.megatron.extra_state import carried_state, loadable_state
 from dynmo_plugin.megatron.optim_state import (carry_optimizer_state, gather_param_states,
                                                put_param_state)
 from dynmo_plugin.migration.exchange import (TIMEOUT_MARK, exchange_buffers, exchange_headers)
@@ -205,7 +206,7 @@ class LayerMigrator:
         return outgoing, sending
 
     def _layer_tensors(self, layer: torch.nn.Module) -> dict[str, torch.Tensor]:
-        out = {f"state/{k}": v for k, v in layer.state_dict().items() if torch.is_tensor(v)}
+        out = carried_state(layer)  # state/ tensors, TE's io.BytesIO extra state as bytes
         for name, p in layer.named_parameters():
             grad = _main_grad(p)
             if grad is not None:
@@ -251,7 +252,7 @@ class LayerMigrator:
         layer.to(t.dims.device)
         if t.config.bf16 or t.config.fp16:  # as Float16Module cast the stage's own layers
             layer.to(t.config.params_dtype)
-        state = {k.removeprefix("state/"): v for k, v in tensors.items() if k.startswith("state/")}
+        state = loadable_state(tensors)
         missing, unexpected = layer.load_state_dict(state, strict=False)
         if unexpected or any(not k.endswith("_extra_state") for k in missing):
             raise MigrationError(f"layer {number}: state mismatch (missing {missing}, unexpected {unexpected})")
