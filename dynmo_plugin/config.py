@@ -159,6 +159,9 @@ class ModelArgs:
     seed: int = field(default=1234, metadata=opt("seed for weights and data", check=non_negative))
     log_interval: int = field(default=1, metadata=opt("iterations between log lines", check=positive))
     pipeline_model_parallel_size: int = field(default=1, metadata=opt("pipeline stages", check=positive))
+    num_virtual_stages_per_pipeline_rank: int = field(default=1, metadata=opt(
+        "model chunks per pipeline rank: > 1 runs Megatron's interleaved 1F1B (the layout "
+        "then has pp x this many stages; virtual stage s on rank s %% pp)", check=positive))
     tensor_model_parallel_size: int = field(default=1, metadata=opt("tensor-parallel ranks", check=positive))
     distributed_backend: Optional[str] = field(default=None, metadata=opt(
         "torch.distributed backend: nccl (GPUs, one rank per GPU) or gloo (CPU); default nccl "
@@ -181,17 +184,21 @@ class ModelArgs:
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"{where}: --hidden-size ({self.hidden_size}) must be divisible by "
                               f"--num-attention-heads ({self.num_attention_heads})")
+        v = self.num_virtual_stages_per_pipeline_rank
         if self.pipeline_model_parallel_layout is not None:
             try:
-                Layout.parse(self.pipeline_model_parallel_layout, pp, self.num_layers)
+                Layout.parse(self.pipeline_model_parallel_layout, pp, self.num_layers, v)
             except LayoutError as e:
                 raise ConfigError(f"{where}: --pipeline-model-parallel-layout: {e}") from e
-        elif self.num_layers < pp:
+        elif self.num_layers < pp * v:
             raise ConfigError(f"{where}: --num-layers ({self.num_layers}) is smaller than "
-                              f"--pipeline-model-parallel-size ({pp}); give a layout with empty stages")
+                              f"--pipeline-model-parallel-size ({pp}) x "
+                              f"--num-virtual-stages-per-pipeline-rank ({v}); give a layout with "
+                              "empty stages")
         self._validate_schedule(where)
         if world_size is None:
             return
+        self._validate_interleaved(where, world_size)
         if world_size % (tp * pp):
             raise ConfigError(f"{where}: world size {world_size} is not a multiple of TP({tp}) x PP({pp})")
         dp = world_size // (tp * pp)
@@ -199,6 +206,23 @@ class ModelArgs:
             raise ConfigError(f"{where}: --global-batch-size ({self.global_batch_size}) must be a multiple "
                               f"of --micro-batch-size ({self.micro_batch_size}) x DP ({dp})")
 
+
+    def _validate_interleaved(self, where: str, world_size: int) -> None:
+        """Megatron's interleaved 1F1B runs micro-batches in groups of pp (its default
+        microbatch_group_size_per_vp_stage) and refuses a partial last group."""
+        pp, v = self.pipeline_model_parallel_size, self.num_virtual_stages_per_pipeline_rank
+        if v == 1:
+            return
+        if pp < 2:
+            raise ConfigError(f"{where}: --num-virtual-stages-per-pipeline-rank {v} needs "
+                              "--pipeline-model-parallel-size >= 2 (Megatron interleaves only "
+                              "across pipeline ranks)")
+        m = self.global_batch_size // (self.micro_batch_size * (world_size // (self.tensor_model_parallel_size * pp)))
+        if m % pp:
+            raise ConfigError(f"{where}: the interleaved schedule (--num-virtual-stages-per-"
+                              f"pipeline-rank {v}) needs the number of micro-batches ({m} = "
+                              f"--global-batch-size / (--micro-batch-size x DP)) to be a multiple "
+                              f"of --pipeline-model-parallel-size ({pp}); change the batch sizes")
 
     def _validate_schedule(self, where: str) -> None:
         decay = self.lr_decay_iters or self.train_iters
@@ -657,6 +681,7 @@ def load_config(args: argparse.Namespace, world_size: int | None = None) -> RunC
     _check_forced_layouts(cfg, where)
     _check_dynamism(cfg, given)
     _check_repack(cfg, given)
+    _check_interleaved(cfg, where)
     _check_data(cfg, given)
     _resolve_transformer_impl(cfg, given)
     return cfg
@@ -844,12 +869,36 @@ def _check_dynamism(cfg: RunConfig, given: dict[str, str]) -> None:
                           f"({p.final_sparsity})")
 
 
+def _check_interleaved(cfg: RunConfig, where: str) -> None:
+    """What an interleaved (virtual) pipeline supports so far: training, forced layouts
+    (migration across chunks and ranks). Everything that reads one model per rank is
+    refused by name."""
+    v = cfg.model.num_virtual_stages_per_pipeline_rank
+    if v == 1:
+        return
+    d = cfg.dynmo
+    refused = [name for name, on in (
+        ("a dynamism scenario (--dynmo-dynamism)", d.dynamism.kind != "none"),
+        ("repacking (--dynmo-repack)", d.repack.enabled),
+        ("profiled rebalancing (--dynmo-rebalance-interval)", d.rebalance.interval > 0),
+        ("periodic profiling (--dynmo-profile-every)", d.profiling.every > 0),
+        ("checkpoints (--save/--load)", bool(cfg.model.save or cfg.model.load)),
+        ("packed documents (--data-*)", cfg.model.data.packed),
+        ("--bf16/--fp16", cfg.model.bf16 or cfg.model.fp16),
+        ("the distributed optimizer (--use-distributed-optimizer)",
+         cfg.model.use_distributed_optimizer)) if on]
+    if refused:
+        raise ConfigError(f"{where}: --num-virtual-stages-per-pipeline-rank {v}: interleaved "
+                          f"training does not support {', '.join(refused)} yet; it trains and "
+                          "applies --dynmo-forced-layouts (docs/interleaved.md)")
+
+
 def _check_forced_layouts(cfg: RunConfig, where: str) -> None:
     m = cfg.model
-    pp = m.pipeline_model_parallel_size
+    pp = m.pipeline_model_parallel_size * m.num_virtual_stages_per_pipeline_rank
     for it, text in cfg.dynmo.rebalance.forced_layouts.items():
         try:
-            layout = Layout.parse(text, None, m.num_layers)
+            layout = Layout.parse(text, None, m.num_layers, m.num_virtual_stages_per_pipeline_rank)
         except LayoutError as e:
             raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: {e}") from e
         if layout.num_stages > pp or (layout.num_stages < pp and not cfg.dynmo.repack.enabled):

@@ -321,9 +321,10 @@ class DynMo:
                 callback()
 
     def _apply_forced(self, iteration: int, text: str) -> None:
-        before, pp = self.trainer.layout, self.trainer.dims.pp
+        before = self.trainer.layout
+        pp = self.trainer.dims.pp * before.num_chunks  # (virtual) stages
         try:
-            layout = Layout.parse(text, None, self.trainer.layout.num_layers)
+            layout = Layout.parse(text, None, before.num_layers, before.num_chunks)
             if layout.num_stages > pp or (layout.num_stages < pp and self._repacker is None):
                 raise LayoutError(f"forced layout {text!r} has {layout.num_stages} stages, the "
                                   f"pipeline {pp}; fewer stages repack, which needs repack.enabled")

@@ -3,10 +3,18 @@
 A layout is written the way Megatron-Core writes `pipeline_model_parallel_layout`
 ("Ett|ttL": E embedding, t decoder layer, L output layer + loss, | stage separator,
 "x*n" and "(..)*n" repeats, commas cosmetic), so a plan can be handed to Megatron
-unchanged. Only layouts with one virtual stage per rank, the embedding on the first
-stage and the loss on the last are represented: those are the layouts a rebalancer
-produces. This module is pure (no torch, no megatron) so the balancing and simulation
-wings can use it.
+unchanged. Only layouts with the embedding on the first stage and the loss on the last
+are represented: those are the layouts a rebalancer produces.
+
+Interleaved (virtual) pipelines: with `num_chunks` = v model chunks per rank
+(Megatron's `--num-virtual-stages-per-pipeline-rank`) the string has pp * v stages,
+in layer order, and virtual stage s runs on rank `s % pp` as its chunk `s // pp`
+(Megatron's numbering): "Et|tt|tt|tL" with pp = 2, v = 2 puts layers 1, 4, 5 on rank 0
+(chunks 0 and 1) and layers 2, 3, 6 on rank 1. A layer that changes virtual stage but
+not rank moves without communication.
+
+This module is pure (no torch, no megatron) so the balancing and simulation wings can
+use it.
 """
 from __future__ import annotations
 
@@ -35,13 +43,15 @@ def _expand(text: str) -> str:
 
 @dataclass(frozen=True)
 class Layout:
-    """Decoder-layer counts per pipeline stage, in stage order.
+    """Decoder-layer counts per (virtual) pipeline stage, in stage order.
 
     Layers are numbered globally from 1, as Megatron numbers `TransformerLayer`s;
-    stage s holds layers `offset(s)+1 .. offset(s)+counts[s]`.
+    stage s holds layers `offset(s)+1 .. offset(s)+counts[s]`. With `num_chunks` > 1 the
+    stages are virtual: `num_stages` = pp * num_chunks, stage s on rank `rank_of(s)`.
     """
 
     counts: tuple[int, ...]
+    num_chunks: int = 1
 
     def __post_init__(self) -> None:
         if not self.counts:
@@ -49,11 +59,21 @@ class Layout:
         if any((not isinstance(c, int)) or c < 0 for c in self.counts):
             raise LayoutError(f"layer counts must be non-negative integers, got {list(self.counts)}")
         object.__setattr__(self, "counts", tuple(int(c) for c in self.counts))
+        v = self.num_chunks
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise LayoutError(f"num_chunks (virtual stages per pipeline rank) must be a positive "
+                              f"integer, got {v!r}")
+        if len(self.counts) % v:
+            raise LayoutError(f"{len(self.counts)} stages cannot be split into {v} virtual stages "
+                              f"per rank; give pp * {v} stages")
 
     # ---- construction -------------------------------------------------------------
     @classmethod
-    def parse(cls, text: str, num_stages: int | None = None, num_layers: int | None = None) -> "Layout":
-        """Parse a Megatron layout string; check it against PP size and layer count."""
+    def parse(cls, text: str, num_stages: int | None = None, num_layers: int | None = None,
+              num_chunks: int = 1) -> "Layout":
+        """Parse a Megatron layout string; check it against PP size (`num_stages`: pipeline
+        ranks), layer count and virtual stages per rank (`num_chunks`): the string must
+        have pp * num_chunks stages."""
         expanded = _expand(text)
         stages = expanded.split("|")
         bad = sorted(set(expanded) - set("Et|L"))
@@ -64,36 +84,69 @@ class Layout:
             raise LayoutError(f"layout {text!r}: the embedding 'E' must open the first stage, once")
         if not stages[-1].endswith("L") or "".join(stages).count("L") != 1:
             raise LayoutError(f"layout {text!r}: the loss 'L' must close the last stage, once")
-        layout = cls(tuple(s.count("t") for s in stages))
-        if num_stages is not None and layout.num_stages != num_stages:
-            raise LayoutError(f"layout {text!r} has {layout.num_stages} stages but the pipeline "
-                              f"has {num_stages} (--pipeline-model-parallel-size); virtual "
-                              "pipeline layouts are not supported")
+        counts = tuple(s.count("t") for s in stages)
+        if num_stages is not None and len(counts) != num_stages * num_chunks:
+            raise LayoutError(_stage_count_message(text, len(counts), num_stages, num_chunks))
+        if len(counts) % num_chunks:
+            raise LayoutError(f"layout {text!r} has {len(counts)} stages, not a multiple of "
+                              f"{num_chunks} (--num-virtual-stages-per-pipeline-rank)")
+        layout = cls(counts, num_chunks)
         if num_layers is not None and layout.num_layers != num_layers:
             raise LayoutError(f"layout {text!r} holds {layout.num_layers} decoder layers but "
                               f"--num-layers is {num_layers}")
         return layout
 
     @classmethod
-    def uniform(cls, num_layers: int, num_stages: int) -> "Layout":
-        """Megatron's static split; the remainder goes to the first stages."""
+    def uniform(cls, num_layers: int, num_stages: int, num_chunks: int = 1) -> "Layout":
+        """Megatron's static split over `num_stages` (virtual) stages; the remainder goes
+        to the first stages."""
         if num_stages <= 0:
             raise LayoutError(f"need a positive number of stages, got {num_stages}")
         base, extra = divmod(num_layers, num_stages)
-        return cls(tuple(base + (1 if s < extra else 0) for s in range(num_stages)))
+        return cls(tuple(base + (1 if s < extra else 0) for s in range(num_stages)), num_chunks)
 
     @classmethod
-    def from_boundaries(cls, boundaries: Sequence[int]) -> "Layout":
+    def from_boundaries(cls, boundaries: Sequence[int], num_chunks: int = 1) -> "Layout":
         """From DeepSpeed-style boundaries [0, b1, ..., n] over 0-based layer indices."""
         b = [int(x) for x in boundaries]
         if len(b) < 2 or b[0] != 0 or any(y < x for x, y in zip(b, b[1:])):
             raise LayoutError(f"boundaries must start at 0 and never decrease, got {b}")
-        return cls(tuple(y - x for x, y in zip(b, b[1:])))
+        return cls(tuple(y - x for x, y in zip(b, b[1:])), num_chunks)
 
     # ---- queries -----------------------------------------------------------------
     @property
     def num_stages(self) -> int:
+        """(Virtual) stages: pipeline ranks times `num_chunks`."""
         return len(self.counts)
+
+    @property
+    def num_ranks(self) -> int:
+        """Pipeline ranks (pp)."""
+        return len(self.counts) // self.num_chunks
+
+    @property
+    def interleaved(self) -> bool:
+        return self.num_chunks > 1
+
+    def rank_of(self, stage: int) -> int:
+        """Pipeline rank that runs virtual stage `stage` (Megatron: s % pp)."""
+        return stage % self.num_ranks
+
+    def chunk_of(self, stage: int) -> int:
+        """Model chunk of its rank that virtual stage `stage` is (Megatron: s // pp)."""
+        return stage // self.num_ranks
+
+    def stage_of(self, rank: int, chunk: int) -> int:
+        """Virtual stage of `rank`'s chunk `chunk`."""
+        return chunk * self.num_ranks + rank
+
+    def rank_stages(self, rank: int) -> list[int]:
+        """The virtual stages of `rank`, chunk 0 first."""
+        return [self.stage_of(rank, c) for c in range(self.num_chunks)]
+
+    def rank_layers(self, rank: int) -> list[int]:
+        """Global layer numbers held by `rank` over all its chunks."""
+        return [n for s in self.rank_stages(rank) for n in self.layers_of(s)]
 
     @property
     def num_layers(self) -> int:
@@ -123,8 +176,15 @@ class Layout:
         """(layer, src stage, dst stage) for each layer that `other` places elsewhere."""
         if other.num_layers != self.num_layers:
             raise LayoutError(f"cannot compare layouts of {self.num_layers} and {other.num_layers} layers")
+        if other.num_chunks != self.num_chunks:
+            raise LayoutError(f"cannot compare layouts of {self.num_chunks} and {other.num_chunks} "
+                              "virtual stages per rank: their stage numbers name different ranks")
         return [(i + 1, a, b) for i, (a, b) in
                 enumerate(zip(self.assignment(), other.assignment())) if a != b]
+
+    def with_chunks(self, num_chunks: int) -> "Layout":
+        """The same counts read with `num_chunks` virtual stages per rank."""
+        return Layout(self.counts, num_chunks)
 
     def to_megatron(self) -> str:
         """Megatron's layout string, e.g. 'Ett|ttL' (empty stages allowed: 'Et||tL')."""
@@ -135,3 +195,14 @@ class Layout:
 
     def __str__(self) -> str:
         return self.to_megatron()
+
+
+def _stage_count_message(text: str, found: int, pp: int, chunks: int) -> str:
+    want = pp * chunks
+    hint = ""
+    if found % pp == 0 and found != want:
+        hint = (f"; with {found // pp} virtual stages per rank it fits: give "
+                f"--num-virtual-stages-per-pipeline-rank {found // pp}")
+    return (f"layout {text!r} has {found} stages but the pipeline has {want} "
+            f"(--pipeline-model-parallel-size {pp} x --num-virtual-stages-per-pipeline-rank "
+            f"{chunks}){hint}")

@@ -248,12 +248,13 @@ def _initial_layout(args, dims, meta: Optional[dict]) -> Layout:
     """An explicit --pipeline-model-parallel-layout; else, resuming, the layout a checkpoint
     repack chose for this many stages, or the saved one if the split is unchanged; else
     Megatron's uniform split."""
+    v = args.num_virtual_stages_per_pipeline_rank
     if args.pipeline_model_parallel_layout:
-        return Layout.parse(args.pipeline_model_parallel_layout, dims.pp, args.num_layers)
+        return Layout.parse(args.pipeline_model_parallel_layout, dims.pp, args.num_layers, v)
     if meta is not None:
         nxt = meta.get("next")
         if nxt and nxt["pp"] == dims.pp:
             return Layout.parse(nxt["layout"], dims.pp, args.num_layers)
         if meta["pp"] == dims.pp:
             return Layout.parse(meta["layout"], dims.pp, args.num_layers)
-    return Layout.uniform(args.num_layers, dims.pp)
+    return Layout.uniform(args.num_layers, dims.pp * v, v)

@@ -1,9 +1,12 @@
 """Checkpoints (Megatron dist_checkpointing) resume under any layout and pipeline size.
 
-One PP=2 run under `Ettt|tttL` saves every 2 iterations and is rebalanced by a forced
-migration before iteration 4. Resumed runs must continue it exactly: same losses to the
-last bit, and the same final checkpoint — weights AND optimizer state (Adam moments,
-step), compared key by key in Megatron's global keys, which do not depend on the split.
+One PP=2 run under `Ettt|tttL`, layers 2-3 frozen, saves every 2 iterations and is
+rebalanced by a forced migration before iteration 4. Resumed runs must continue it
+exactly: same losses to the last bit, and the same final checkpoint — weights AND
+optimizer state (Adam moments, step), compared key by key in Megatron's global keys,
+which do not depend on the split. The frozen layers come back frozen from the checkpoint
+(the resumed runs are not told), and their optimizer state is saved as zeros: a save
+with frozen parameters once hung, Megatron's sharding check failing on rank 0 only.
 """
 import json
 import shutil
@@ -39,6 +42,8 @@ def _assert_same_state(a: dict, b: dict) -> None:
     assert {k.split(".")[2] for k in a if k.startswith("optimizer.state.")} == {
         "exp_avg", "exp_avg_sq", "common_step"}
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    frozen_rows = a["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"][1:3]
+    assert not frozen_rows.any()  # the placeholder of frozen layers 2-3
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +54,7 @@ def saved(tmp_path_factory):
     report = worker(2, MODEL + ["--pipeline-model-parallel-size", "2",
                                 "--pipeline-model-parallel-layout", "Ettt|tttL", "--dynmo",
                                 "--dynmo-forced-layouts", f"4:{REBALANCED}",
-                                "--save", str(out / "ckpt")], out)
+                                "--test-freeze-layers", "2,3", "--save", str(out / "ckpt")], out)
     return out, report, _final_state(out / "ckpt")
 
 
@@ -71,7 +76,9 @@ def test_saved_layout_and_rebalanced_layout_are_recorded(saved):
     metas = [json.loads((out / f"ckpt/iter_{i:07d}/meta.json").read_text()) for i in (2, 4)]
     assert [(m["iteration"], m["layout"], m["pp"]) for m in metas] == [
         (2, "Ettt|tttL", 2), (4, REBALANCED, 2)]
-    assert metas[0]["scheduler"] == {"num_steps": 2} and metas[0]["frozen"] == []
+    assert metas[0]["scheduler"] == {"num_steps": 2}
+    assert {name.split(".")[2] for name in metas[0]["frozen"]} == {"1", "2"}  # layers 2-3
+    assert all(name.startswith("decoder.layers.") for name in metas[0]["frozen"])
     assert (out / "ckpt/latest_checkpointed_iteration.txt").read_text() == "6"
     assert not list((out / "ckpt").glob("*.tmp"))
 
@@ -153,7 +160,8 @@ def test_layout_precedence():
     meta = {"pp": 2, "layout": REBALANCED, "next": {"pp": 1, "layout": "EttttttL"}}
 
     def layout(pp, flag=None, m=meta):
-        args = SimpleNamespace(pipeline_model_parallel_layout=flag, num_layers=6)
+        args = SimpleNamespace(pipeline_model_parallel_layout=flag, num_layers=6,
+                               num_virtual_stages_per_pipeline_rank=1)
         return str(_initial_layout(args, SimpleNamespace(pp=pp), m))
 
     assert layout(2, flag="Etttt|ttL") == "Etttt|ttL"

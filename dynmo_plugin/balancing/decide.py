@@ -5,7 +5,7 @@ Live training (`dynmo_plugin.controller.DynMo._decide`, on rank 0) and the simul
 plugin would do:
 
 1. with repack criteria, `plan_repack`: a repack that passes its gate wins (its layout
-   is balanced too);
+   is balanced too); interleaved pipelines are not repacked (only rebalanced);
 2. else `solve(problem, balancer, gate=gate)`: a plan equal to the current layout is
    "already balanced", otherwise the gate's verdict (margin, noise floor, horizon)
    decides;
@@ -48,7 +48,7 @@ def decide(problem: BalanceProblem, balancer: str, gate: GateConfig,
     balancer's plan if it moves something and passes the gate, else keep the layout."""
     repack_plan = None
     try:
-        if repack is not None and problem.num_stages > repack.min_stages:
+        if repack is not None and problem.num_chunks == 1 and problem.num_stages > repack.min_stages:
             repack_plan = plan_repack(problem, repack, gate)
             if repack_plan.apply:
                 return Choice(True, repack_plan.reason, repack=repack_plan)

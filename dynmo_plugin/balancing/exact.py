@@ -59,21 +59,43 @@ numpy DP's O(p n log n), which takes over for wide bands). Measured on this proj
 fast"): about a millisecond or less per decision (solve + plan + gate) at 48 or 256
 layers on 16 stages.
 
+Interleaved pipelines (`problem.num_chunks` = v > 1; `solve_interleaved`). The objective
+is the bottleneck over virtual stages, which are contiguous segments like stages, so
+steps 0-3 apply unchanged; only two things differ. (a) Moves: a layer that changes chunk
+but stays on its rank costs nothing, so the tie-break keeps layers on their RANK (the
+DP's A_s sums the reference segments of s's rank: still prefix sums). (b) Memory: a
+rank's cap bounds the SUM of its v chunks, which couples non-adjacent segments and
+breaks the segment DP. What is done, precisely:
+  1. relaxation: every chunk alone may use its rank's whole capacity. Its optimum T_r
+     is a lower bound on the true optimum. If the layout found at T_r fits every rank,
+     it is optimal (and moves the fewest bytes among the relaxation's optima that the
+     tie-break saw): returned, note "exact".
+  2. otherwise, a restriction: each rank's free capacity (cap minus its chunks' fixed
+     extras) split evenly over its chunks, each chunk capped at its extras plus its
+     share. Every layout admissible there fits every rank, so the layout returned is
+     sound, with bottleneck T_s >= optimum >= T_r; the plan's notes give both bounds.
+     If the restriction has no layout, InfeasibleError, although a layout with uneven
+     chunks may exist (say so: the caller keeps the current layout).
+Without memory caps, step 1 always succeeds: the result is optimal.
+
 `solve_exact_reference` keeps the implementation before the warm start and the bitset
 oracle (cold bounds, plain binary search, `NumpySegmentModel`); it returns the same
 layout and is what the tests and the benchmark compare against.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
 
+from dynmo_plugin.balancing.metrics import memory_violations
 from dynmo_plugin.balancing.problem import BalanceProblem, InfeasibleError
 from dynmo_plugin.balancing.segments import NumpySegmentModel, SegmentModel
 from dynmo_plugin.layout import Layout
 
-__all__ = ["solve_exact", "solve_exact_reference", "optimal_bottleneck", "ENUMERATE_BELOW"]
+__all__ = ["solve_exact", "solve_exact_reference", "solve_interleaved", "optimal_bottleneck",
+           "ENUMERATE_BELOW"]
 
 log = logging.getLogger(__name__)
 
@@ -226,9 +248,14 @@ def reference_boundaries(problem: BalanceProblem) -> list[int]:
 def solve_exact(problem: BalanceProblem) -> Layout:
     """Optimal layout (min bottleneck, then min bytes/layers moved); see module docstring.
 
+    Interleaved problems go to `solve_interleaved` (optimal unless per-rank memory
+    caps bind; see there).
+
     Raises:
         InfeasibleError: no layout satisfies the memory caps.
     """
+    if problem.num_chunks > 1:
+        return solve_interleaved(problem)[0]
     model = SegmentModel(problem)
     best = optimal_bottleneck(problem, model)
     bounds = model.closest(best, reference_boundaries(problem))
@@ -252,3 +279,54 @@ def solve_exact_reference(problem: BalanceProblem) -> Layout:
     if bounds is None:
         raise RuntimeError(f"exact: no layout at the optimal bottleneck {best!r}")
     return Layout.from_boundaries(bounds)
+
+
+def _flat(problem: BalanceProblem, capacity) -> BalanceProblem:
+    """The problem over its virtual stages as plain stages, with per-stage `capacity`
+    (net of the rank's calibrated overhead, which is therefore dropped)."""
+    current = problem.current.with_chunks(1) if problem.current is not None else None
+    tiny = np.finfo(float).tiny  # a capacity must be > 0; a full rank's chunks get the smallest
+    cap = None if capacity is None else [max(float(c), tiny) for c in capacity]
+    return dataclasses.replace(problem, num_chunks=1, capacity=cap, current=current,
+                               memory_overhead=None)
+
+
+def _at_optimum(flat: BalanceProblem, problem: BalanceProblem) -> tuple[float, Layout]:
+    """Optimal bottleneck of `flat` and its layout closest to the current one by rank."""
+    best = optimal_bottleneck(flat)
+    groups = problem.stage_rank.tolist()
+    bounds = NumpySegmentModel(flat).closest(best, reference_boundaries(problem), groups)
+    if bounds is None:  # cannot happen: F(best) is true
+        raise RuntimeError(f"exact: no layout at the optimal bottleneck {best!r}")
+    return best, Layout.from_boundaries(bounds, problem.num_chunks)
+
+
+def _even_split(problem: BalanceProblem) -> np.ndarray:
+    """Per virtual stage: its extras plus an even share of its rank's free capacity."""
+    extras = problem.extras_memory_arr
+    free = np.maximum(problem.rank_capacity_arr - problem.per_rank(extras), 0.0)
+    return extras + free[problem.stage_rank] / problem.num_chunks
+
+
+def solve_interleaved(problem: BalanceProblem) -> tuple[Layout, list[str]]:
+    """Layout over virtual stages (min bottleneck, then fewest bytes leaving their rank)
+    and notes saying whether it is proven optimal; module docstring, "Interleaved".
+
+    Raises:
+        InfeasibleError: the relaxation has no layout (then none exists), or the
+            per-rank caps bind and the even split has none.
+    """
+    relaxed = _flat(problem, None if problem.capacity is None else problem.capacity_arr)
+    lower, layout = _at_optimum(relaxed, problem)
+    if not memory_violations(problem, layout):
+        return layout, ["exact: optimal over virtual stages"]
+    try:
+        upper, layout = _at_optimum(_flat(problem, _even_split(problem)), problem)
+    except InfeasibleError as e:
+        raise InfeasibleError(
+            f"per-rank memory caps bind and no layout fits an even split of each rank's "
+            f"capacity over its {problem.num_chunks} chunks ({e}); a layout with uneven chunks "
+            "may exist but this solver does not search for it: raise the capacity") from e
+    return layout, [f"exact: per-rank memory caps bind; bottleneck {upper:.6g} is within "
+                    f"[{lower:.6g}, {upper:.6g}] (relaxation bound, even split of each rank's "
+                    "capacity over its chunks): not proven optimal"]

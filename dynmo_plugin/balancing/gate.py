@@ -79,7 +79,8 @@ def _over_capacity(plan: Plan) -> str:
         return ""
     for s, (peak, cap) in enumerate(zip(plan.migration_peak_memory, plan.capacity)):
         if peak > cap:
-            return (f"migration needs {peak / 1e9:.4g} GB on stage {s} while old and new state "
+            where = "stage" if plan.layout.num_chunks == 1 else "rank"
+            return (f"migration needs {peak / 1e9:.4g} GB on {where} {s} while old and new state "
                     f"coexist, above its cap {cap / 1e9:.4g} GB")
     return ""
 

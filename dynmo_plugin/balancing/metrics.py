@@ -12,7 +12,7 @@ import numpy as np
 from dynmo_plugin.balancing.problem import BalanceProblem
 from dynmo_plugin.layout import Layout
 
-__all__ = ["stage_loads", "stage_memory", "moved_layers", "migration_peak_memory", "imbalance",
+__all__ = ["stage_loads", "stage_memory", "rank_memory", "moved_layers", "migration_peak_memory", "imbalance",
            "predicted_iteration_s", "memory_violations", "empty_stages", "feasibility_problems"]
 
 
@@ -33,6 +33,12 @@ def stage_memory(problem: BalanceProblem, layout: Layout) -> list[float]:
     lo, hi = _segments(layout)
     pre = problem.memory_prefix
     return (problem.extras_memory_arr + (pre[hi] - pre[lo])).tolist()
+
+
+def rank_memory(problem: BalanceProblem, layout: Layout) -> list[float]:
+    """Per-rank bytes: the sum of the rank's (virtual) stages; = stage_memory when not
+    interleaved. Memory caps apply to these."""
+    return problem.per_rank(stage_memory(problem, layout)).tolist()
 
 
 def moved_layers(before: Layout, after: Layout) -> list[tuple[int, int, int]]:
@@ -58,24 +64,28 @@ def moved_layers(before: Layout, after: Layout) -> list[tuple[int, int, int]]:
 def migration_peak_memory(problem: BalanceProblem, before: Layout, after: Layout, *,
                           moved: list[tuple[int, int, int]] | None = None,
                           memory_before: list[float] | None = None) -> list[float]:
-    """Per-stage bytes while a migration from `before` to `after` is prepared.
+    """Per-rank bytes while a migration from `before` to `after` is prepared (a rank is
+    a stage when not interleaved).
 
     Migration is atomic: until every rank agrees, the old state stays live beside the
     new — the stage's memory before, plus each incoming layer twice (the receive buffer
     and the built layer with its optimizer state), plus what is rebuilt for the stage's
     new contents (gradient buffers). Outgoing layers are freed only after the commit.
     `moved` (`moved_layers(before, after)`) and `memory_before` (`stage_memory(problem,
-    before)`) may be passed when the caller has them.
+    before)`) may be passed when the caller has them. A layer that changes chunk but not
+    rank (interleaved) is not received: it moves without a copy.
     """
     incoming = [0.0] * problem.num_stages
-    move_bytes = problem.move_bytes_arr
-    for layer, _src, dst in moved_layers(before, after) if moved is None else moved:
-        incoming[dst] += float(move_bytes[layer - 1])
+    move_bytes, rank = problem.move_bytes_arr, problem.stage_rank
+    for layer, src, dst in moved_layers(before, after) if moved is None else moved:
+        if rank[src] != rank[dst]:
+            incoming[dst] += float(move_bytes[layer - 1])
     lo, hi = _segments(after)
     rebuilt = problem.extras_rebuild_arr + (problem.rebuild_prefix[hi] - problem.rebuild_prefix[lo])
     if memory_before is None:
         memory_before = stage_memory(problem, before)
-    return [m + 2 * i + r for m, i, r in zip(memory_before, incoming, rebuilt.tolist())]
+    peak = [m + 2 * i + r for m, i, r in zip(memory_before, incoming, rebuilt.tolist())]
+    return peak if problem.num_chunks == 1 else problem.per_rank(peak).tolist()
 
 
 def imbalance(loads: Sequence[float]) -> float:
@@ -85,23 +95,33 @@ def imbalance(loads: Sequence[float]) -> float:
     return 0.0 if mean <= 0 else float((arr.max() - arr.min()) / mean)
 
 
-def predicted_iteration_s(loads: Sequence[float], num_microbatches: int) -> float:
+def predicted_iteration_s(loads: Sequence[float], num_microbatches: int,
+                          num_chunks: int = 1) -> float:
     """Predicted 1F1B iteration time: sum(loads) + (m - 1) * max(loads).
 
     Identical micro-batches through a p-stage flow shop: the first micro-batch crosses
     every stage (fill + drain = sum of stage loads), each further one leaves at the
     bottleneck's pace. Tighter than (m + p - 1) * max when stages differ; equal when
     balanced. Communication is not modelled.
+
+    Interleaved (`loads` per virtual stage, v = `num_chunks` > 1): the busiest rank's
+    work, m * max over ranks of its chunks' sum, plus Megatron's interleaved bubble
+    (p - 1) * max(loads), i.e. (p - 1) / (v m) of the ideal time when balanced.
     """
     arr = np.asarray(loads, dtype=float)
-    return float(arr.sum() + (num_microbatches - 1) * arr.max())
+    if num_chunks == 1:
+        return float(arr.sum() + (num_microbatches - 1) * arr.max())
+    pp = arr.size // num_chunks
+    per_rank = arr.reshape(num_chunks, pp).sum(axis=0)
+    return float(num_microbatches * per_rank.max() + (pp - 1) * arr.max())
 
 
 def memory_violations(problem: BalanceProblem, layout: Layout) -> list[tuple[int, float, float]]:
-    """(stage, bytes, capacity) for each stage over its capacity (beyond mem_tol)."""
-    mem = stage_memory(problem, layout)
-    cap = problem.capacity_arr
-    return [(s, m, float(cap[s])) for s, m in enumerate(mem) if m > cap[s] + problem.mem_tol]
+    """(rank, bytes, capacity) for each pipeline rank over its capacity (beyond mem_tol);
+    a rank is a stage when not interleaved, else the sum of its chunks."""
+    mem = rank_memory(problem, layout)
+    cap = problem.rank_capacity_arr
+    return [(r, m, float(cap[r])) for r, m in enumerate(mem) if m > cap[r] + problem.mem_tol]
 
 
 def empty_stages(problem: BalanceProblem, layout: Layout) -> list[int]:
@@ -113,7 +133,8 @@ def empty_stages(problem: BalanceProblem, layout: Layout) -> list[int]:
 
 def feasibility_problems(problem: BalanceProblem, layout: Layout) -> list[str]:
     """Human-readable reasons `layout` is not allowed; [] when it is."""
-    out = [f"stage {s} needs {m:.4g} bytes > capacity {c:.4g}"
+    where = "stage" if problem.num_chunks == 1 else "rank"
+    out = [f"{where} {s} needs {m:.4g} bytes > capacity {c:.4g}"
            for s, m, c in memory_violations(problem, layout)]
     empty = empty_stages(problem, layout)
     if empty:

@@ -43,7 +43,8 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Move:
-    """One layer migration: global 1-based layer number, source/destination stage, bytes."""
+    """One layer migration: global 1-based layer number, source/destination (virtual)
+    stage, bytes sent (0 for a move between chunks of the same rank: no communication)."""
 
     layer: int
     src: int
@@ -75,7 +76,7 @@ class Plan:
     rounds: int | None = None
     notes: list[str] = field(default_factory=list)
     gate: GateVerdict | None = None
-    capacity: list[float] | None = None  # per-stage bytes, None = unlimited
+    capacity: list[float] | None = None  # per-rank (= per-stage) bytes, None = unlimited
 
     @property
     def bytes_moved(self) -> float:
@@ -93,6 +94,7 @@ class Plan:
             "layout_before": self.before.to_megatron() if self.before else None,
             "boundaries": self.boundaries,
             "num_stages": self.layout.num_stages,
+            "num_chunks": self.layout.num_chunks,
             "num_layers": self.layout.num_layers,
             "stage_loads": self.stage_loads_after,
             "stage_loads_before": self.stage_loads_before,
@@ -136,7 +138,7 @@ def make_plan(problem: BalanceProblem, layout: Layout, method: str, solve_second
         bottleneck_before=None, bottleneck_after=max(loads),
         imbalance_before=None, imbalance_after=metrics.imbalance(loads),
         moves=[], predicted_iter_s_before=None,
-        predicted_iter_s_after=metrics.predicted_iteration_s(loads, m),
+        predicted_iter_s_after=metrics.predicted_iteration_s(loads, m, problem.num_chunks),
         solve_seconds=solve_seconds, num_microbatches=m, rounds=rounds, notes=list(notes or []))
     if before is None:
         return plan
@@ -145,10 +147,12 @@ def make_plan(problem: BalanceProblem, layout: Layout, method: str, solve_second
     moved = metrics.moved_layers(before, layout)
     move_bytes = problem.move_bytes_arr
     plan.stage_loads_before, plan.stage_memory_before = loads_before, memory_before
-    plan.moves = [Move(layer, src, dst, float(move_bytes[layer - 1])) for layer, src, dst in moved]
+    rank = problem.stage_rank
+    plan.moves = [Move(layer, src, dst, float(move_bytes[layer - 1]) if rank[src] != rank[dst] else 0.0)
+                  for layer, src, dst in moved]
     plan.migration_peak_memory = metrics.migration_peak_memory(
         problem, before, layout, moved=moved, memory_before=memory_before)
     plan.bottleneck_before = max(loads_before)
     plan.imbalance_before = metrics.imbalance(loads_before)
-    plan.predicted_iter_s_before = metrics.predicted_iteration_s(loads_before, m)
+    plan.predicted_iter_s_before = metrics.predicted_iteration_s(loads_before, m, problem.num_chunks)
     return plan

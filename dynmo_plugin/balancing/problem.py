@@ -11,6 +11,15 @@ computed as ``extras_cost[s] + (prefix[j] - prefix[i])`` over prefix sums of the
 costs, and "load <= T" means ``load <= T + load_tol`` with
 ``load_tol = REL_TOL * (sum(costs) + sum(extras_cost))``; memory the same way with
 ``mem_tol``. Optimality claims hold up to this tolerance.
+
+Interleaved pipelines (`num_chunks` = v > 1): `num_stages` counts virtual stages
+(pp * v, in layer order; virtual stage s runs on rank s % pp, see `layout`), costs and
+extras are per virtual stage, and the min-max objective is over virtual stages (what
+Megatron's interleaved 1F1B approximately needs: every chunk is one step of the
+pipeline). Memory is a property of the rank: `capacity` is per rank and caps the SUM of
+the rank's chunks; `capacity_arr` (per virtual stage) is the rank's whole capacity, the
+relaxation the contiguous solvers work with, and `metrics.memory_violations` checks
+the per-rank sums.
 """
 from __future__ import annotations
 
@@ -71,7 +80,8 @@ class BalanceProblem:
         move_bytes: bytes that move if the layer migrates; default `memory`, else 0.
             Rounded to whole bytes for the tie-break.
         capacity: per-stage memory capacity in bytes; a scalar applies to every stage;
-            None = unlimited.
+            None = unlimited. Interleaved (`num_chunks` > 1): per RANK (pp values), the
+            cap on the sum of the rank's chunks.
         extras_cost / extras_memory: per-stage fixed cost / bytes (embedding on the
             first stage, output layer + loss on the last); default 0.
         current: the layout running now (moves and "before" numbers refer to it).
@@ -84,11 +94,13 @@ class BalanceProblem:
             allocates anew for what a stage holds afterwards while the old state still
             lives (the rebuilt gradient buffer); with the received layers they make the
             migration's transient peak, which the gate checks against `capacity`.
-        memory_overhead: per-stage bytes a stage holds in training beyond its modelled
-            extras and layers (the memory calibration, `balancing.memory`: allocator
+        memory_overhead: per-stage (interleaved: per-rank) bytes a stage holds in training
+            beyond its modelled extras and layers (the memory calibration, `balancing.memory`: allocator
             transients, the head's logits); counted against the capacity in every
             steady-state check (`capacity_arr` = capacity - overhead), not in the
             migration's transient peak, which happens between iterations. Default 0.
+        num_chunks: virtual stages per pipeline rank (Megatron's
+            --num-virtual-stages-per-pipeline-rank); `num_stages` must be a multiple.
     Raises:
         ProblemError: malformed inputs (the message names the value and the fix).
         InfeasibleError: a stage's fixed extras alone exceed its capacity.
@@ -108,10 +120,15 @@ class BalanceProblem:
     rebuild_bytes: Sequence[float] | None = None
     extras_rebuild_bytes: Sequence[float] | None = None
     memory_overhead: Sequence[float] | None = None
+    num_chunks: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ProblemError(f"num_stages must be a positive integer, got {self.num_stages!r}")
+        v = self.num_chunks
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or self.num_stages % v:
+            raise ProblemError(f"num_chunks must be a positive integer dividing num_stages "
+                               f"({self.num_stages} virtual stages), got {v!r}")
         costs = _vector("costs", self.costs, len(self.costs) if self.costs is not None else 0, "layers")
         if not costs:
             raise ProblemError("costs is empty: give one cost per decoder layer")
@@ -126,7 +143,8 @@ class BalanceProblem:
                                              "stages"))
         set_("extras_cost", _vector("extras_cost", self.extras_cost, p, "stages"))
         set_("extras_memory", _vector("extras_memory", self.extras_memory, p, "stages"))
-        set_("memory_overhead", _vector("memory_overhead", self.memory_overhead, p, "stages"))
+        set_("memory_overhead", _vector("memory_overhead", self.memory_overhead, self.num_ranks,
+                                        "stages" if self.num_chunks == 1 else "ranks"))
         set_("capacity", self._checked_capacity())
         if n < p and not self.allow_empty_stages:
             raise ProblemError(f"{n} layers cannot fill {p} stages without empty stages; "
@@ -146,11 +164,12 @@ class BalanceProblem:
         if cap is None:
             return None
         if isinstance(cap, (int, float)) and not isinstance(cap, bool):
-            cap = [cap] * self.num_stages
+            cap = [cap] * self.num_ranks
         out = tuple(float(c) for c in cap) if not isinstance(cap, str) else None
-        if out is None or len(out) != self.num_stages or any(not (c > 0) for c in out):
-            raise ProblemError(f"capacity must be a positive number of bytes or one per stage "
-                               f"({self.num_stages}), got {self.capacity!r}")
+        if out is None or len(out) != self.num_ranks or any(not (c > 0) for c in out):
+            per = "stage" if self.num_chunks == 1 else "pipeline rank (it caps the sum of its chunks)"
+            raise ProblemError(f"capacity must be a positive number of bytes or one per {per} "
+                               f"({self.num_ranks}), got {self.capacity!r}")
         return out
 
     def _check_current(self) -> None:
@@ -159,22 +178,41 @@ class BalanceProblem:
             return
         if not isinstance(cur, Layout):
             raise ProblemError(f"current must be a Layout (Layout.parse('Ett|ttL')), got {cur!r}")
-        if cur.num_stages != self.num_stages or cur.num_layers != self.num_layers:
+        if cur.num_stages != self.num_stages or cur.num_layers != self.num_layers \
+                or cur.num_chunks != self.num_chunks:
             raise ProblemError(f"current layout {cur} has {cur.num_stages} stages / {cur.num_layers} "
-                               f"layers but the problem has {self.num_stages} / {self.num_layers}")
+                               f"layers / {cur.num_chunks} chunks per rank but the problem has "
+                               f"{self.num_stages} / {self.num_layers} / {self.num_chunks}")
 
     def _check_extras_fit(self) -> None:
-        for s, (em, cap) in enumerate(zip(self.extras_memory_arr, self.capacity_arr)):
+        extras = self.per_rank(self.extras_memory_arr)
+        for r, (em, cap) in enumerate(zip(extras, self.rank_capacity_arr)):
             if em > cap + self.mem_tol:
-                over = self.memory_overhead[s] if self.memory_overhead is not None else 0.0
+                where = f"stage {r}" if self.num_chunks == 1 else f"rank {r}"
+                over = self.memory_overhead[r] if self.memory_overhead is not None else 0.0
                 extra = f" plus a measured overhead of {over:.4g}" if over else ""
-                raise InfeasibleError(f"stage {s}: fixed extras need {em:.4g} bytes{extra} but its "
+                raise InfeasibleError(f"{where}: fixed extras need {em:.4g} bytes{extra} but its "
                                       f"capacity is {cap + over:.4g}; raise the capacity")
 
     # ---- derived views (numpy, cached) --------------------------------------------------
     @property
     def num_layers(self) -> int:
         return len(self.costs)
+
+    @property
+    def num_ranks(self) -> int:
+        """Pipeline ranks: `num_stages` when not interleaved."""
+        return self.num_stages // self.num_chunks
+
+    @cached_property
+    def stage_rank(self) -> np.ndarray:
+        """Rank of each (virtual) stage: s % pp, Megatron's numbering."""
+        return np.arange(self.num_stages) % self.num_ranks
+
+    def per_rank(self, values: Sequence[float]) -> np.ndarray:
+        """Per-stage values summed over each rank's chunks."""
+        return np.bincount(self.stage_rank, weights=np.asarray(values, dtype=float),
+                           minlength=self.num_ranks)
 
     @cached_property
     def cost_arr(self) -> np.ndarray:
@@ -224,13 +262,19 @@ class BalanceProblem:
         return np.zeros(self.num_stages) if em is None else np.asarray(em, dtype=float)
 
     @cached_property
-    def capacity_arr(self) -> np.ndarray:
-        """Per-stage bytes the extras and layers may use: capacity - memory_overhead."""
+    def rank_capacity_arr(self) -> np.ndarray:
+        """Per-rank (= per-stage when not interleaved) bytes the extras and layers may
+        use: capacity - memory_overhead."""
         cap = self.capacity
         if cap is None:
-            return np.full(self.num_stages, np.inf)
+            return np.full(self.num_ranks, np.inf)
         over = self.memory_overhead
         return np.asarray(cap, dtype=float) - (0.0 if over is None else np.asarray(over, dtype=float))
+
+    @cached_property
+    def capacity_arr(self) -> np.ndarray:
+        """Per (virtual) stage: its rank's capacity_arr; interleaved, a relaxation (module doc)."""
+        return self.rank_capacity_arr[self.stage_rank]
 
     @cached_property
     def load_tol(self) -> float:

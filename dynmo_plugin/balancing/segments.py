@@ -335,7 +335,8 @@ class NumpySegmentModel:
                 return False
         return bool(reach[n])
 
-    def closest(self, threshold: float, reference: list[int]) -> list[int] | None:
+    def closest(self, threshold: float, reference: list[int],
+                groups: list[int] | None = None) -> list[int] | None:
         """Boundaries of the admissible layout that moves the fewest bytes, then the
         fewest layers, away from `reference` (boundaries); None if none is admissible.
 
@@ -343,10 +344,14 @@ class NumpySegmentModel:
         reference segment [r_s, r_{s+1}) when it holds [b, j) is A_s(j) - A_s(b). So
         f_{s+1}(j) = A_s(j) + max_{b in window_s(j)} (f_s(b) - A_s(b)): a range maximum.
         Ties between equal keys take the smallest start (deterministic).
+
+        `groups` (stage -> rank, interleaved pipelines): a layer is kept when it stays on
+        its rank, whichever chunk; A_s then sums the reference segments of s's rank,
+        still a prefix sum, so the recurrence is unchanged.
         """
         n = self.n
         first = self.windows(threshold)
-        kept = self._kept_prefix(reference)
+        kept = self._kept_prefix(reference, groups)
         f = np.full(n + 1, _NEG, dtype=np.int64)
         f[0] = 0
         table = [f]
@@ -361,11 +366,17 @@ class NumpySegmentModel:
             return None
         return self._backtrack(table, kept, first)
 
-    def _kept_prefix(self, reference: list[int]) -> list[np.ndarray]:
-        """A_s(x): key of reference stage s's layers before position x."""
+    def _kept_prefix(self, reference: list[int], groups: list[int] | None = None) -> list[np.ndarray]:
+        """A_s(x): key of reference stage s's layers (with `groups`: of the reference
+        stages in s's group) before position x."""
         key_prefix = np.concatenate(([0], np.cumsum(self.problem.move_key)))
-        return [key_prefix[np.clip(self._positions, reference[s], reference[s + 1])]
-                for s in range(self.problem.num_stages)]
+        p = self.problem.num_stages
+        own = [key_prefix[np.clip(self._positions, reference[s], reference[s + 1])]
+               for s in range(p)]
+        if groups is None:
+            return own
+        summed = {g: sum(own[s] for s in range(p) if groups[s] == g) for g in set(groups)}
+        return [summed[groups[s]] for s in range(p)]
 
     def _backtrack(self, table: list[np.ndarray], kept: list[np.ndarray],
                    first: list[np.ndarray]) -> list[int]:

@@ -8,11 +8,13 @@ from typing import Any, Callable
 
 from dynmo_plugin.balancing.baselines import solve_parameters, solve_uniform
 from dynmo_plugin.balancing.diffusion import solve_diffusion
-from dynmo_plugin.balancing.exact import solve_exact
+from dynmo_plugin.balancing.exact import solve_exact, solve_interleaved
 from dynmo_plugin.balancing.gate import GateConfig, attach_gate
+from dynmo_plugin.balancing.metrics import feasibility_problems
 from dynmo_plugin.balancing.partition import solve_partition
 from dynmo_plugin.balancing.plan import Outcome, Plan, make_plan
-from dynmo_plugin.balancing.problem import BalanceProblem, ProblemError
+from dynmo_plugin.balancing.problem import BalanceProblem, InfeasibleError, ProblemError
+from dynmo_plugin.layout import Layout
 
 __all__ = ["solve", "BALANCERS"]
 
@@ -20,6 +22,8 @@ log = logging.getLogger(__name__)
 
 
 def _exact(problem: BalanceProblem) -> Outcome:
+    if problem.num_chunks > 1:
+        return Outcome(*solve_interleaved(problem))
     return Outcome(solve_exact(problem))
 
 
@@ -59,6 +63,20 @@ def solve(problem: BalanceProblem, method: str, *, gate: GateConfig | None = Non
     start = time.perf_counter()
     outcome = fn(problem, **options)
     seconds = time.perf_counter() - start
-    plan = make_plan(problem, outcome.layout, method, seconds, outcome.rounds, outcome.notes)
+    layout = outcome.layout.with_chunks(problem.num_chunks)  # balancers see plain stages
+    if problem.num_chunks > 1:
+        _check_rank_memory(problem, layout, method)
+    plan = make_plan(problem, layout, method, seconds, outcome.rounds, outcome.notes)
     log.info("balancing %s: %s -> %s in %.3f s", method, problem.current, plan.layout, seconds)
     return attach_gate(plan, gate) if gate is not None else plan
+
+
+def _check_rank_memory(problem: BalanceProblem, layout: Layout, method: str) -> None:
+    """Interleaved: the balancers other than exact see each chunk capped by its rank's
+    whole capacity (a relaxation, see `problem`); a layout whose chunks together break a
+    rank's cap is no plan."""
+    broken = feasibility_problems(problem, layout)
+    if broken:
+        raise InfeasibleError(f"{method} layout {layout} is not allowed on an interleaved "
+                              f"pipeline: {'; '.join(broken)}; use the exact balancer or raise "
+                              "the capacity")

@@ -235,8 +235,8 @@ def _check_supported(args, cfg: RunConfig) -> None:
 # ---- the stage handle -------------------------------------------------------------------------
 class MegatronLMStage:
     """What the controller and the migrator drive (the launcher's StageTrainer gives the
-    same), built over the objects Megatron-LM's train() holds: `chunks` (the list of DDP
-    model chunks, updated in place), `optimizer` (a ChainedOptimizer, kept as the same
+    same), built over the objects Megatron-LM's train() holds: `model_list` (train()'s list
+    of DDP model chunks, updated in place), `optimizer` (a ChainedOptimizer, kept as the same
     object), `scheduler` and the model's TransformerConfig."""
 
     def __init__(self, chunks: list, optimizer, scheduler, args):
@@ -252,7 +252,7 @@ class MegatronLMStage:
                                   "stages and FSDP are not supported)")
         if not isinstance(optimizer, ChainedOptimizer):
             raise MegatronLMError(f"--dynmo needs Megatron's ChainedOptimizer, got {type(optimizer).__name__}")
-        self.chunks, self._optimizer, self.scheduler, self.args = chunks, optimizer, scheduler, args
+        self.model_list, self._optimizer, self.scheduler, self.args = chunks, optimizer, scheduler, args
         self.model = unwrap_model(chunks[0])
         if not isinstance(self.model, GPTModel):
             raise MegatronLMError(f"--dynmo supports GPTModel, got {type(self.model).__name__}")
@@ -263,7 +263,18 @@ class MegatronLMStage:
 
     @property
     def ddp(self):
-        return self.chunks[0]
+        return self.model_list[0]
+
+    num_chunks = 1  # virtual pipeline stages are refused above
+
+    @property
+    def chunks(self) -> list:
+        """The GPTModel of every model chunk (the migrator's view; one here)."""
+        return [self.model]
+
+    @property
+    def ddps(self) -> list:
+        return [self.ddp]
 
     @property
     def module(self):
@@ -283,7 +294,7 @@ class MegatronLMStage:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         return get_num_microbatches()
 
-    def build_ddp(self):
+    def build_ddp(self, chunk: int = 0):
         """A Megatron DDP over the stage's module as it is now, configured as Megatron-LM's
         get_model configured the live one (local; the live one is untouched)."""
         from megatron.core.distributed import DistributedDataParallel
@@ -314,7 +325,7 @@ class MegatronLMStage:
         scheduler and config.grad_scale_func (bound to it) stay valid. The DDP-bound sync
         functions train() set are re-pointed. Reference updates only: cannot fail."""
         from megatron.core.optimizer import ChainedOptimizer
-        self.chunks[0] = ddp
+        self.model_list[0] = ddp
         if optimizer is not self._optimizer:
             ChainedOptimizer.__init__(self._optimizer, list(optimizer.chained_optimizers))
         cfg = self.config  # train() binds these to the chunk only with --overlap-grad-reduce
@@ -460,7 +471,7 @@ class _Run:
         self.args.pipeline_model_parallel_layout = self.stage.config.pipeline_model_parallel_layout
 
     def before_step(self, iteration: int, model: list, optimizer) -> None:
-        if model is not self.stage.chunks or optimizer is not self.stage.optimizer:
+        if model is not self.stage.model_list or optimizer is not self.stage.optimizer:
             raise MegatronLMError("train() passed train_step a model list or optimizer other than "
                                   "the ones setup_model_and_optimizer returned: this Megatron-LM "
                                   f"differs from {SUPPORTED_TAG}")

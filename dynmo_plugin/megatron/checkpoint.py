@@ -69,6 +69,12 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _agree_or_raise(control, error: Optional[str], phase: str, iteration: int) -> None:
+    ok, error = control.agree(error, phase)
+    if not ok:
+        raise CheckpointError(f"checkpoint at iteration {iteration} not written: {error}")
+
+
 def save_checkpoint(root: str, iteration: int, trainer, control, meta: dict) -> str:
     """Collective: every rank calls it between iterations. Returns the directory.
 
@@ -77,29 +83,32 @@ def save_checkpoint(root: str, iteration: int, trainer, control, meta: dict) -> 
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from dynmo_plugin.megatron.dist_ckpt import save_sharded
+    from dynmo_plugin.megatron.dist_ckpt import check_sharding, save_sharded, sharded_state
     d = trainer.dims
     final, tmp = _iter_dir(root, iteration), _iter_dir(root, iteration) + ".tmp"
-    error = None
-    if d.rank == 0:
+    state, error = None, None
+    try:  # local, before any collective: an error here must not strand the other ranks
+        state = sharded_state(trainer, loading=False)
+    except Exception as e:  # noqa: BLE001 - every rank must learn it
+        logger.debug("building the sharded state failed", exc_info=True)
+        error = f"building the sharded state: {_one_line(e)}"
+    if d.rank == 0 and error is None:
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         except OSError as e:
             error = f"cannot create {tmp}: {e}"
-    ok, error = control.agree(error, "checkpoint-mkdir")
-    if not ok:
-        raise CheckpointError(f"checkpoint at iteration {iteration} not written: {error}")
+    _agree_or_raise(control, error, "checkpoint-mkdir", iteration)
     frozen = sorted(set().union(*control.all_gather(_frozen_names(trainer.model), "checkpoint-frozen")))
-    error = None
-    try:
-        save_sharded(trainer, tmp)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn it
-        logger.debug("saving %s failed", tmp, exc_info=True)
-        error = _one_line(e)
-    ok, error = control.agree(error, "checkpoint-saved")
-    if not ok:
-        raise CheckpointError(f"checkpoint at iteration {iteration} not written: {error}")
+    for phase, step in (("checkpoint-checked", lambda: check_sharding(state, False)),  # rank 0 raises
+                        ("checkpoint-saved", lambda: save_sharded(state, tmp))):
+        error = None
+        try:
+            step()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn it
+            logger.debug("%s of %s failed", phase, tmp, exc_info=True)
+            error = _one_line(e)
+        _agree_or_raise(control, error, phase, iteration)
     if d.rank == 0:
         full = {"format": FORMAT, "iteration": iteration, "layout": str(trainer.layout),
                 "pp": d.pp, "tp": d.tp, "dp": d.dp, "frozen": frozen,
@@ -164,7 +173,7 @@ def load_checkpoint(root: str, meta: dict, trainer, control) -> None:
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from dynmo_plugin.megatron.dist_ckpt import load_sharded
+    from dynmo_plugin.megatron.dist_ckpt import check_sharding, load_sharded, sharded_state
     from dynmo_plugin.megatron.migrate import retire_ddp
     from dynmo_plugin.megatron.model import global_named_parameters
     frozen = set(meta.get("frozen", []))
@@ -174,12 +183,17 @@ def load_checkpoint(root: str, meta: dict, trainer, control) -> None:
         retire_ddp(trainer.ddp)
         ddp = trainer.build_ddp()
         trainer.install_wrappers(ddp, trainer.build_optimizer(ddp))
-    directory, error = _iter_dir(root, meta["iteration"]), None
-    try:
-        load_sharded(trainer, directory)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line for the user
-        logger.debug("loading %s failed", directory, exc_info=True)
-        error = _one_line(e)
-    ok, error = control.agree(error, "checkpoint-loaded")
-    if not ok:
-        raise CheckpointError(f"{directory}: cannot load ({error})")
+    directory, built = _iter_dir(root, meta["iteration"]), []
+    steps = (("checkpoint-built", lambda: built.append(sharded_state(trainer, loading=True))),
+             ("checkpoint-checked", lambda: check_sharding(built[0], True)),  # rank 0 raises
+             ("checkpoint-loaded", lambda: load_sharded(trainer, built[0], directory)))
+    for phase, step in steps:  # each agreed on: no rank may go on into a collective alone
+        error = None
+        try:
+            step()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line for the user
+            logger.debug("%s of %s failed", phase, directory, exc_info=True)
+            error = _one_line(e)
+        ok, error = control.agree(error, phase)
+        if not ok:
+            raise CheckpointError(f"{directory}: cannot load ({error})")

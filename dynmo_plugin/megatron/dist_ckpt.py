@@ -24,14 +24,20 @@ import dataclasses
 import os
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess, save_preprocess
+from megatron.core.dist_checkpointing.utils import extract_sharded_base
+from megatron.core.dist_checkpointing.validation import (determine_global_metadata,
+                                                         validate_sharding_integrity)
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
 
-__all__ = ["save_sharded", "load_sharded", "sharded_state", "read_tensors", "REQUIRED_FILES",
+__all__ = ["check_sharding", "save_sharded", "load_sharded", "sharded_state", "read_tensors", "REQUIRED_FILES",
            "OPTIMIZER_METADATA"]
 
 # what a complete torch_dist checkpoint directory holds besides its data files
@@ -97,31 +103,93 @@ def _init_adam_state(optimizer) -> None:
 
 
 def sharded_state(trainer, loading: bool) -> dict:
-    """{'model': ..., 'optimizer': ...}: the stage's sharded state dicts (tensors by
-    reference; with `loading`, the optimizer's state is created first to load into)."""
+    """{'model': ..., 'optimizer': ..., 'frozen_optimizer_state': ...}: the stage's
+    sharded state dicts (tensors by reference; with `loading`, the optimizer's state is
+    created first to load into). Local: it may raise on this rank alone, so callers
+    agree on it before any collective.
+
+    Frozen parameters have no optimizer state, yet Megatron keys a decoder tensor's
+    state by its GLOBAL layer: with layers 1-2 frozen no rank would write (or read)
+    rows 0-1 of `optimizer.state.exp_avg.decoder...` and Megatron's sharding check
+    fails, on rank 0 only. So a frozen parameter's state is written as zeros, and read
+    back into throw-away zeros: a placeholder no optimizer uses."""
     model = trainer.model.sharded_state_dict()
     _masks_follow_weights(model)
     if loading:
         _init_adam_state(trainer.optimizer)
     optimizer = trainer.optimizer.sharded_state_dict(model, is_loading=loading,
                                                      metadata=dict(OPTIMIZER_METADATA))
-    return {"model": model, "optimizer": optimizer}
+    state = {"model": model, "optimizer": optimizer}
+    state["frozen_optimizer_state"] = _frozen_placeholders(trainer, state)
+    return state
 
 
-def save_sharded(trainer, directory: str) -> None:
-    """Collective: every rank writes its main-replica shards into `directory` (exists,
-    empty). Raises what torch.distributed.checkpoint raises, on every rank."""
-    dist_checkpointing.save(sharded_state(trainer, loading=False), directory,
-                            sharded_strategy=_InProcessTorchDist())
+def check_sharding(state: dict, loading: bool) -> None:
+    """Collective: Megatron's sharding check of `state` (`sharded_state`) over every
+    rank: each tensor covered exactly once. It raises on rank 0 ONLY, so callers agree
+    on it before `save_sharded`/`load_sharded`: a rank that went on into their
+    collectives would wait there for ever."""
+    if loading:
+        state, _, _ = load_preprocess(state)  # a copy: the load preprocesses again
+        state, _ = extract_sharded_base(state)
+        validate_sharding_integrity(determine_global_metadata(state)[1])
+    else:
+        save_preprocess(state, validate_access_integrity=True)
 
 
-def load_sharded(trainer, directory: str) -> None:
-    """Collective: load this stage's slice of the model and optimizer from `directory`.
+def save_sharded(state: dict, directory: str) -> None:
+    """Collective: every rank writes its main-replica shards of `state` (`sharded_state`,
+    passed by `check_sharding`) into `directory` (exists, empty). Raises what
+    torch.distributed.checkpoint raises, on every rank."""
+    dist_checkpointing.save(state, directory, sharded_strategy=_InProcessTorchDist(),
+                            validate_access_integrity=False)
 
-    Call after the optimizer covers exactly the parameters that should train (frozen
-    ones excluded): the optimizer state is matched to its parameters by model key.
+
+def _frozen_placeholders(trainer, state: dict) -> dict:
+    """Zero optimizer-state tensors for this stage's frozen parameters, keyed and
+    sharded as Megatron keys a trainable parameter's (`optimizer.state.<kind>.<model
+    key>`, the model tensor's replica id: one writer). Kinds: those this rank's
+    optimizer holds, else what Adam holds under this configuration."""
+    frozen = {id(p) for p in trainer.model.parameters() if not p.requires_grad}
+    if not frozen:
+        return {}
+    kinds = sorted({t.key.split(".")[2] for t in _sharded_tensors(state["optimizer"])
+                    if t.key.startswith("optimizer.state.")})
+    if not kinds:
+        args = trainer.args
+        extra = ("param",) if args.use_distributed_optimizer else (
+            ("fp32_param",) if args.bf16 or args.fp16 else ())
+        kinds = ["exp_avg", "exp_avg_sq", *extra]
+    out = {}
+    for key, model_tensor in state["model"].items():
+        if isinstance(model_tensor, ShardedTensor) and id(model_tensor.data) in frozen:
+            for kind in kinds:
+                zeros = torch.zeros(model_tensor.local_shape, dtype=torch.float32)
+                out[f"{kind}.{key}"] = make_sharded_optimizer_tensor(
+                    model_tensor, zeros, prefix=f"optimizer.state.{kind}")
+    return out
+
+
+def _sharded_tensors(value):
+    """Every ShardedTensor in a nested state dict."""
+    if isinstance(value, ShardedTensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _sharded_tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _sharded_tensors(v)
+
+
+def load_sharded(trainer, state: dict, directory: str) -> None:
+    """Collective: load this stage's slice of the model and optimizer from `directory`
+    into `state` (`sharded_state(trainer, loading=True)`, passed by `check_sharding`).
+
+    Build `state` after the optimizer covers exactly the parameters that should train
+    (frozen ones excluded): the optimizer state is matched to its parameters by model key.
     """
-    loaded = dist_checkpointing.load(sharded_state(trainer, loading=True), str(Path(directory)))
+    loaded = dist_checkpointing.load(state, str(Path(directory)), validate_access_integrity=False)
     trainer.model.load_state_dict(loaded["model"], strict=True)
     _load_optimizer(trainer.optimizer, loaded["optimizer"])
 

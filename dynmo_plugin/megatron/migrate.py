@@ -22,7 +22,10 @@ Everything that can fail happens BEFORE the point of no return, on new objects o
                 its new shard when the optimizer is distributed); -> agree
   7. commit   - switch the trainer to the new wrappers: reference updates only.
 On a failed agreement every rank undoes step 5 (old layer list, old gradient views and
-hooks) and keeps training on the old layout. A rank that dies or hangs makes the
+hooks) and keeps training on the old layout.
+Interleaved pipelines (v model chunks per rank): only layers that change RANK are packed
+and sent (headers name ranks); a layer that changes chunk on its rank is the same module
+re-parented in step 5, its gradient and optimizer state carried like a kept layer's. A rank that dies or hangs makes the
 control plane raise `PeerFailure` (naming it) after `timeout_s`, on every survivor.
 """
 from __future__ import annotations
@@ -40,6 +43,7 @@ from megatron.core.transformer.spec_utils import build_module
 
 from dynmo_plugin.consensus import ControlPlane, PeerFailure
 from dynmo_plugin.layout import Layout
+from dynmo_plugin.megatron.extra_state import carried_state, loadable_state
 from dynmo_plugin.megatron.optim_state import (carry_optimizer_state, gather_param_states,
                                                put_param_state)
 from dynmo_plugin.migration.exchange import (TIMEOUT_MARK, exchange_buffers, exchange_headers)
@@ -67,7 +71,7 @@ def _nbytes(tensors) -> int:
 class _Prepared:
     """What step 5 changed, to commit or to undo."""
 
-    old_layers: torch.nn.ModuleList
+    old_layers: list  # per model chunk, its decoder's ModuleList
     old_main_grads: dict
     old_data: dict  # param -> its .data (a view of DDP's parameter buffer when sharded)
     saved: dict = field(default_factory=dict)  # param -> (grad, optimizer state)
@@ -106,13 +110,17 @@ class LayerMigrator:
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if t.dims.device.type == "cuda" else 0
         moves = old.moved_layers(new)
+        # what crosses ranks (for one chunk per rank: every move; stages are ranks)
+        remote = [(n, old.rank_of(s), new.rank_of(d)) for n, s, d in moves
+                  if old.rank_of(s) != new.rank_of(d)]
         error, headers, prepared = None, [], None
         with self._phase("pack"):
             try:
-                self._states = gather_param_states(t.optimizer, t.model.parameters())
+                params = [p for chunk in t.chunks for p in chunk.parameters()]
+                self._states = gather_param_states(t.optimizer, params)
                 if t.ddp_config.use_distributed_optimizer:
                     self._extra_bytes += _nbytes(v for s in self._states.values() for v in s.values())
-                outgoing, sending = self._pack(moves, stage)
+                outgoing, sending = self._pack(remote, stage)
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 error, outgoing, sending = f"pack on stage {stage}: {e!r}", [], {}
         with self._phase("headers"):
@@ -123,7 +131,7 @@ class LayerMigrator:
             staged, error = self._stage(new, headers, received, stage, error)
         if error is None:
             with self._phase("prepare"):
-                prepared, error = self._try(self._prepare, staged, moves, stage)
+                prepared, error = self._try(self._prepare, staged, new, stage)
         ok, error = self.control.agree(error, "agree-prepare")
         if ok:
             with self._phase("optimizer"):
@@ -138,7 +146,7 @@ class LayerMigrator:
             self.pool.release()
         peak = (torch.cuda.max_memory_allocated() - base if t.dims.device.type == "cuda"
                 else self._extra_bytes)
-        return self._result(old, new, ok, error, headers, start, peak)
+        return self._result(old, new, ok, error, headers, start, peak, moves)
 
     def _transfer(self, headers: list[Header], sending: dict, stage: int,
                   error: Optional[str]) -> tuple[dict, Optional[str]]:
@@ -183,7 +191,8 @@ class LayerMigrator:
 
     # ---- pack / stage -------------------------------------------------------------------
     def _pack(self, moves, stage: int) -> tuple[list[Header], dict[int, list[torch.Tensor]]]:
-        by_number = {layer.layer_number: layer for layer in self.trainer.model.decoder.layers}
+        by_number = {layer.layer_number: layer for chunk in self.trainer.chunks
+                     for layer in chunk.decoder.layers}
         outgoing, sending = [], {}
         for number, src, dst in moves:
             if src != stage:
@@ -197,7 +206,7 @@ class LayerMigrator:
         return outgoing, sending
 
     def _layer_tensors(self, layer: torch.nn.Module) -> dict[str, torch.Tensor]:
-        out = {f"state/{k}": v for k, v in layer.state_dict().items() if torch.is_tensor(v)}
+        out = carried_state(layer)  # state/ tensors, TE's io.BytesIO extra state as bytes
         for name, p in layer.named_parameters():
             grad = _main_grad(p)
             if grad is not None:
@@ -234,15 +243,16 @@ class LayerMigrator:
 
     def _build_layer(self, number: int, new: Layout, stage: int, tensors: dict) -> torch.nn.Module:
         t = self.trainer
-        decoder = t.model.decoder
-        layer = build_module(t.spec, config=t.config, layer_number=number - new.offset(stage),
+        vstage = new.assignment()[number - 1]  # = stage with one chunk per rank
+        decoder = t.chunks[new.chunk_of(vstage)].decoder
+        layer = build_module(t.spec, config=t.config, layer_number=number - new.offset(vstage),
                              pg_collection=decoder.pg_collection, vp_stage=decoder.vp_stage)
         if layer.layer_number != number:
             raise MigrationError(f"built layer {layer.layer_number}, expected {number}")
         layer.to(t.dims.device)
         if t.config.bf16 or t.config.fp16:  # as Float16Module cast the stage's own layers
             layer.to(t.config.params_dtype)
-        state = {k.removeprefix("state/"): v for k, v in tensors.items() if k.startswith("state/")}
+        state = loadable_state(tensors)
         missing, unexpected = layer.load_state_dict(state, strict=False)
         if unexpected or any(not k.endswith("_extra_state") for k in missing):
             raise MigrationError(f"layer {number}: state mismatch (missing {missing}, unexpected {unexpected})")
@@ -250,22 +260,24 @@ class LayerMigrator:
 
     def _set_config_layout(self, layout: Layout) -> None:
         cfg = self.trainer.config
-        parsed = PipelineParallelLayerLayout(layout.to_megatron(), layout.num_stages)
+        parsed = PipelineParallelLayerLayout(layout.to_megatron(), layout.num_ranks)
         parsed.validate_layer_layout(num_layers=cfg.num_layers, mtp_num_layers=None)
         cfg.pipeline_model_parallel_layout = parsed
 
     # ---- prepare: new layer list and DDP beside the old ones ------------------------------
-    def _prepare(self, staged: dict, moves, stage: int) -> _Prepared:
+    def _prepare(self, staged: dict, new: Layout, stage: int) -> _Prepared:
         t = self.trainer
-        decoder, model = t.model.decoder, t.model
-        out_layers = {n for n, src, _ in moves if src == stage}
-        prepared = _Prepared(old_layers=decoder.layers, old_main_grads={
-            p: p.main_grad for p in model.parameters() if getattr(p, "main_grad", None) is not None},
-            old_data={p: p.data for p in model.parameters()})
-        keep = [layer for layer in decoder.layers if layer.layer_number not in out_layers]
-        layer_params = {p for layer in decoder.layers for p in layer.parameters()}
+        chunks = t.chunks
+        params = [p for c in chunks for p in c.parameters()]
+        prepared = _Prepared(old_layers=[c.decoder.layers for c in chunks], old_main_grads={
+            p: p.main_grad for p in params if getattr(p, "main_grad", None) is not None},
+            old_data={p: p.data for p in params})
+        here = {layer.layer_number: layer for c in chunks for layer in c.decoder.layers}
+        staying = set(new.rank_layers(stage))  # kept, possibly in another chunk of this rank
+        keep = [layer for number, layer in here.items() if number in staying]
+        layer_params = {p for layer in here.values() for p in layer.parameters()}
         kept = [p for layer in keep for p in layer.parameters()]
-        kept += [p for p in model.parameters() if p not in layer_params]
+        kept += [p for p in params if p not in layer_params]
         prepared.saved = {p: (_main_grad(p), self._states.get(p, {})) for p in kept}
         for layer, tensors in staged.values():
             for name, p in layer.named_parameters():
@@ -273,13 +285,19 @@ class LayerMigrator:
                          if k.startswith(f"optim/{name}/")}
                 self._extra_bytes += _nbytes(state.values())
                 prepared.saved[p] = (tensors.get(f"grad/{name}"), state)
+        here.update((number, layer) for number, (layer, _) in staged.items())
         try:
-            _detach_hooks(t.ddp)  # the new DDP must hook fresh grad accumulators
-            decoder.layers = torch.nn.ModuleList(
-                sorted(keep + [layer for layer, _ in staged.values()], key=lambda m: m.layer_number))
-            decoder.num_layers_per_pipeline_rank = len(decoder.layers)
-            prepared.ddp = t.build_ddp()
-            self._extra_bytes += _ddp_buffer_bytes(prepared.ddp)
+            for ddp in t.ddps:
+                _detach_hooks(ddp)  # the new DDPs must hook fresh grad accumulators
+            for c, chunk in enumerate(chunks):
+                numbers = new.layers_of(new.stage_of(stage, c))
+                chunk.decoder.layers = torch.nn.ModuleList(here[n] for n in numbers)
+                chunk.decoder.num_layers_per_pipeline_rank = len(numbers)
+            prepared.ddp = built = []  # filled one by one: `_undo` retires what was built
+            for c in range(len(chunks)):
+                built.append(t.build_ddp(c))
+                self._extra_bytes += _ddp_buffer_bytes(built[-1])
+            prepared.ddp = built if len(built) > 1 else built[0]
             if self.fault is not None:
                 self.fault.on_prepared(stage)
         except Exception:
@@ -304,7 +322,8 @@ class LayerMigrator:
     def _commit(self, prepared: _Prepared, new: Layout) -> None:
         """Reference updates only: nothing here allocates or communicates."""
         t = self.trainer
-        retire_ddp(t.ddp)
+        for ddp in t.ddps:
+            retire_ddp(ddp)
         t.install_wrappers(prepared.ddp, prepared.optimizer)
         t.layout = new
 
@@ -320,21 +339,23 @@ class LayerMigrator:
     def _undo(self, prepared: _Prepared) -> None:
         """Back to the old layer list, gradient views and DDP hooks."""
         t = self.trainer
-        decoder = t.model.decoder
         if prepared.ddp is not None:
-            retire_ddp(prepared.ddp)
+            for ddp in prepared.ddp if isinstance(prepared.ddp, list) else [prepared.ddp]:
+                retire_ddp(ddp)
             prepared.ddp = prepared.optimizer = None
-        decoder.layers = prepared.old_layers
-        decoder.num_layers_per_pipeline_rank = len(decoder.layers)
+        for chunk, layers in zip(t.chunks, prepared.old_layers):
+            chunk.decoder.layers = layers
+            chunk.decoder.num_layers_per_pipeline_rank = len(layers)
         for p, data in prepared.old_data.items():
             p.data = data
         for p, grad in prepared.old_main_grads.items():
             p.main_grad = grad
-        if not t.ddp.grad_accs:
-            _attach_hooks(t.ddp)
+        for ddp in t.ddps:
+            if not ddp.grad_accs:
+                _attach_hooks(ddp)
 
     # ---- result -----------------------------------------------------------------------------
-    def _result(self, old, new, ok, error, headers, start, peak) -> MigrationResult:
+    def _result(self, old, new, ok, error, headers, start, peak, moves) -> MigrationResult:
         names = PHASES
         total = time.perf_counter() - start
         values = self.control.max([total, float(peak), float(self.pool.nbytes)]
@@ -343,11 +364,20 @@ class LayerMigrator:
         phases = dict(zip(names, values[3:]))
         return MigrationResult(
             applied=ok, layout_before=str(old), layout_after=str(new if ok else old),
-            moves=[{"layer": h.layer, "src": h.src, "dst": h.dst, "bytes": h.nbytes} for h in headers],
+            moves=_moves(old, headers, moves),
             bytes_moved=sum(h.nbytes for h in headers), transfer_s=phases.get("transfer", 0.0),
             total_s=total_s, error=None if ok else error, phase_s=phases,
             peak_extra_bytes=peak_max, staging_pool_bytes=pool,
             peak_source="measured" if self.trainer.dims.device.type == "cuda" else "accounted")
+
+
+def _moves(old: Layout, headers: list[Header], moves) -> list[dict]:
+    """The report's moves: one per header (src/dst: stages = ranks); interleaved, one per
+    moved layer with (virtual) stages, 0 bytes for a move between chunks of a rank."""
+    if not old.interleaved:
+        return [{"layer": h.layer, "src": h.src, "dst": h.dst, "bytes": h.nbytes} for h in headers]
+    sent = {h.layer: h.nbytes for h in headers}
+    return [{"layer": n, "src": s, "dst": d, "bytes": sent.get(n, 0)} for n, s, d in moves]
 
 
 # ---- Megatron DDP internals (megatron-core 0.16) ------------------------------------------------

@@ -36,7 +36,8 @@ def params_dtype(args: ModelArgs) -> torch.dtype:
 
 def transformer_config(args: ModelArgs, layout: Layout) -> TransformerConfig:
     """A deterministic TransformerConfig with the given pipeline layout, in fp32 or (with
-    --bf16/--fp16) in half precision: weights, activations and pipeline messages."""
+    --bf16/--fp16) in half precision: weights, activations and pipeline messages. With
+    virtual stages, Megatron sets virtual_pipeline_model_parallel_size from the layout."""
     dtype = params_dtype(args)
     return TransformerConfig(
         num_layers=args.num_layers,
@@ -59,6 +60,11 @@ def transformer_config(args: ModelArgs, layout: Layout) -> TransformerConfig:
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        # Interleaved on 2 ranks: each rank's previous and next rank are the same one, and a
+        # batched exchange would pair the activation and the gradient sent in one call by
+        # posting order (measured: swapped on gloo). Megatron's unbatched path sends the two
+        # directions on different groups when the pipeline group has 2 ranks.
+        batch_p2p_comm=not (layout.num_chunks > 1 and layout.num_ranks == 2),
     )
 
 
@@ -81,8 +87,9 @@ def layer_spec(impl: Optional[str] = None) -> ModuleSpec:
 
 
 def build_stage_model(args: ModelArgs, config: TransformerConfig, spec: ModuleSpec,
-                      pre_process: bool, post_process: bool) -> GPTModel:
-    """The GPTModel shell of the current pipeline stage (layout taken from `config`)."""
+                      pre_process: bool, post_process: bool, vp_stage: int | None = None) -> GPTModel:
+    """The GPTModel shell of the current pipeline stage (layout taken from `config`);
+    `vp_stage`: which model chunk of this rank, for an interleaved pipeline."""
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -92,6 +99,7 @@ def build_stage_model(args: ModelArgs, config: TransformerConfig, spec: ModuleSp
         post_process=post_process,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type="learned_absolute",
+        vp_stage=vp_stage,
     )
     init_by_global_name(model, args.seed)
     if torch.cuda.is_available():

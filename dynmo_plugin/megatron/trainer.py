@@ -12,6 +12,10 @@ weights, fp32 logits) and the optimizer keeps fp32 master weights; DDP wraps tha
 module. `model` stays the GPTModel itself (what layers, profiling and migration use);
 `module` is what DDP wraps (the GPTModel or its Float16Module). With
 --use-distributed-optimizer the optimizer state and master weights are sharded over DP.
+
+Interleaved pipelines (`layout.num_chunks` = v > 1): the rank holds v model chunks
+(`chunks`, one GPTModel per virtual stage with its `vp_stage`), one DDP each (`ddps`),
+one optimizer over all of them, and Megatron's interleaved 1F1B runs them.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
@@ -100,8 +105,15 @@ class StageTrainer:
                 self.spec = varlen_attention_spec(self.spec)
             except ValueError as e:
                 raise ConfigError(str(e)) from e
-        self.model = build_stage_model(args, self.config, self.spec,
-                                       dims.is_first_stage, dims.is_last_stage)
+        self.num_chunks = v = layout.num_chunks
+        if v > 1:  # Megatron's layer-count helpers and schedule read these globals
+            parallel_state.set_virtual_pipeline_model_parallel_world_size(v)
+            parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+        self.chunks = [build_stage_model(args, self.config, self.spec,
+                                         dims.is_first_stage and c == 0,
+                                         dims.is_last_stage and c == v - 1,
+                                         vp_stage=c if v > 1 else None) for c in range(v)]
+        self.model = self.chunks[0]  # the stage's model; interleaved: chunk 0 (see `chunks`)
         if state is not None:
             restore_model(self.model, state)  # before DDP: it only wraps trainable params
         # Float16Module casts the model (norms built in fp32 included): exact for restored
@@ -117,7 +129,7 @@ class StageTrainer:
             use_distributed_optimizer=args.use_distributed_optimizer)
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * dims.dp)
         self.data, self._forward_step = self._build_data(args, dims)
-        self.ddp = self.build_ddp()
+        self.ddp = [self.build_ddp(c) for c in range(v)] if v > 1 else self.build_ddp()
         self.optimizer = self.build_optimizer(self.ddp)
         if state is not None:
             restore_optimizer(self.model, self.optimizer, state)
@@ -143,29 +155,38 @@ class StageTrainer:
                                seq_length=args.seq_length, global_batch_size=args.global_batch_size,
                                micro_batch_size=args.micro_batch_size), _forward_step
 
-    def build_ddp(self) -> DistributedDataParallel:
-        """A Megatron DDP wrapper over the stage model as it is now (local, may raise).
+    def build_ddp(self, chunk: int = 0) -> DistributedDataParallel:
+        """A Megatron DDP wrapper over the stage model (interleaved: model chunk `chunk`)
+        as it is now (local, may raise).
 
         It allocates new gradient buffers and re-points every trainable parameter's
         `main_grad` at them (with the distributed optimizer also `param.data`, into a new
         parameter buffer); the caller restores the old views if it abandons it.
         """
+        module = self.module if self.num_chunks == 1 else self.chunks[chunk]
         if self.ddp_config.use_distributed_optimizer:
-            for p in self.module.parameters():  # Megatron asserts a param owns its storage
+            for p in module.parameters():  # Megatron asserts a param owns its storage
                 if p.data._base is not None:
                     p.data = p.data.clone()
-        return DistributedDataParallel(self.config, self.ddp_config, self.module)
+        return DistributedDataParallel(self.config, self.ddp_config, module)
 
-    def build_optimizer(self, ddp: DistributedDataParallel):
-        """A fresh Megatron optimizer over `ddp` (collective: it gathers param-group keys
-        over the world, so every rank must call it)."""
-        return get_megatron_optimizer(self.optimizer_config, [ddp])
+    def build_optimizer(self, ddp):
+        """A fresh Megatron optimizer over `ddp` (interleaved: the list of the chunks'
+        DDPs) (collective: it gathers param-group keys over the world, so every rank
+        must call it)."""
+        return get_megatron_optimizer(self.optimizer_config, ddp if isinstance(ddp, list) else [ddp])
 
-    def install_wrappers(self, ddp: DistributedDataParallel, optimizer) -> None:
-        """Switch training to `ddp` and `optimizer` (reference updates only: cannot fail)."""
+    @property
+    def ddps(self) -> list:
+        """The DDP of every model chunk (one when not interleaved)."""
+        return self.ddp if isinstance(self.ddp, list) else [self.ddp]
+
+    def install_wrappers(self, ddp, optimizer) -> None:
+        """Switch training to `ddp` (interleaved: a list, one per chunk) and `optimizer`
+        (reference updates only: cannot fail)."""
         self.ddp, self.optimizer = ddp, optimizer
         self.scheduler.optimizer = optimizer
-        self.config.no_sync_func = ddp.no_sync
+        self.config.no_sync_func = [d.no_sync for d in ddp] if isinstance(ddp, list) else ddp.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = optimizer.scale_loss
 
@@ -174,13 +195,19 @@ class StageTrainer:
 
         Returns the iteration's mean loss, known on every rank.
         """
-        self.ddp.zero_grad_buffer()
+        for ddp in self.ddps:
+            ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         # Built up front so data generation stays outside the schedule's compute timers.
-        batches = iter(list(self.data.micro_batches(iteration, self.dims.dp_rank, self.dims.dp,
-                                                    self.dims.device)))
-        losses = get_forward_backward_func()(
-            forward_step_func=self._forward_step, data_iterator=batches, model=[self.ddp],
+        batches = list(self.data.micro_batches(iteration, self.dims.dp_rank, self.dims.dp,
+                                               self.dims.device))
+        if self.num_chunks > 1:  # each chunk reads every micro-batch once, in order
+            data, schedule = [iter(batches) for _ in self.ddps], get_forward_backward_func(
+                self.dims.pp, self.num_chunks)
+        else:
+            data, schedule = iter(batches), get_forward_backward_func()
+        losses = schedule(
+            forward_step_func=self._forward_step, data_iterator=data, model=self.ddps,
             num_microbatches=self.num_microbatches, seq_length=self.args.seq_length,
             micro_batch_size=self.args.micro_batch_size, forward_only=False)
         ok, _grad_norm, _ = self.optimizer.step()

@@ -63,7 +63,8 @@ def main():
     def dump_params(trainer):
         import torch
         from dynmo_plugin.megatron.model import global_named_parameters
-        params = {n: p.detach().clone() for n, p in global_named_parameters(trainer.model)}
+        params = {n: p.detach().clone() for chunk in trainer.chunks  # interleaved: several
+                  for n, p in global_named_parameters(chunk)}
         torch.save(params, os.path.join(cfg.model.output, f"params_rank{rank}.pt"))
 
     def freeze(trainer):
