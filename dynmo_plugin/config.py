@@ -880,8 +880,6 @@ def _check_interleaved(cfg: RunConfig, where: str) -> None:
     refused = [name for name, on in (
         ("a dynamism scenario (--dynmo-dynamism)", d.dynamism.kind != "none"),
         ("repacking (--dynmo-repack)", d.repack.enabled),
-        ("profiled rebalancing (--dynmo-rebalance-interval)", d.rebalance.interval > 0),
-        ("periodic profiling (--dynmo-profile-every)", d.profiling.every > 0),
         ("checkpoints (--save/--load)", bool(cfg.model.save or cfg.model.load)),
         ("packed documents (--data-*)", cfg.model.data.packed),
         ("--bf16/--fp16", cfg.model.bf16 or cfg.model.fp16),

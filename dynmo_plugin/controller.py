@@ -55,13 +55,28 @@ def memory_calibration(profile: PipelineProfile, num_stages: int,
     """The memory model's per-layer bytes — state + the 1F1B warm-up depth of activations
     a stage may hold (at most p micro-batches) — and its calibration by each stage's
     measured peak, against the layers that stage held when profiled
-    (`balancing.memory`)."""
-    in_flight = min(num_stages, num_microbatches)
+    (`balancing.memory`).
+
+    Interleaved (`profile.num_chunks` = v > 1, `num_stages` virtual): a layer's
+    activations count at the most micro-batches any chunk of any rank held at once under
+    the interleaved schedule (the profile's per-chunk `in_flight`: a layer may move to any
+    chunk), and the calibration is per RANK, as memory is: the rank's measured peak
+    against the model's bytes summed over its chunks (`BalanceProblem.memory_overhead`
+    is per rank then)."""
+    v = profile.num_chunks
+    if v > 1 and len(profile.stages) != num_stages:
+        raise ProblemError(f"the profile has {len(profile.stages)} virtual stages but the "
+                           f"layout {num_stages}; profile again under the current layout")
+    in_flight = (min(num_stages, num_microbatches) if v == 1
+                 else max(s.in_flight for s in profile.stages))
     layer_bytes = [x.state_bytes + in_flight * x.act_bytes for x in profile.layers]
     modelled = modelled_stage_bytes(layer_bytes, [x.stage for x in profile.layers],
                                     [s.extra_bytes for s in profile.stages])
-    calibration = calibrate([s.peak_bytes for s in profile.stages], modelled,
-                            [s.peak_source for s in profile.stages])
+    ranks = profile.rank_records()
+    if v > 1:  # virtual stage s runs on rank s % pp
+        modelled = [sum(modelled[r::len(ranks)]) for r in range(len(ranks))]
+    calibration = calibrate([s.peak_bytes for s in ranks], modelled,
+                            [s.peak_source for s in ranks])
     return layer_bytes, calibration
 
 
@@ -69,7 +84,8 @@ def problem_from_profile(profile: PipelineProfile, current: Layout, config: Dynm
                          num_microbatches: int) -> BalanceProblem:
     """Per-layer cost = median fwd+bwd per micro-batch; memory as `memory_calibration`
     models and calibrates it; a migration rebuilds each stage's gradient buffers
-    (`rebuild_bytes`)."""
+    (`rebuild_bytes`). Interleaved: extras per virtual stage, memory overhead and the
+    cap per rank (`num_chunks` from the current layout)."""
     p = current.num_stages
     layer_bytes, calibration = memory_calibration(profile, p, num_microbatches)
     cap = config.rebalance.memory_cap_gb
@@ -88,6 +104,7 @@ def problem_from_profile(profile: PipelineProfile, current: Layout, config: Dynm
         param_counts=[x.param_bytes for x in profile.layers],
         rebuild_bytes=[x.grad_bytes for x in profile.layers],
         extras_rebuild_bytes=[s.extra_grad_bytes for s in profile.stages],
+        num_chunks=current.num_chunks,
     )
 
 
@@ -98,7 +115,7 @@ def scale_profile(profile: PipelineProfile, base: dict, now: dict) -> PipelinePr
     layers = [dataclasses.replace(x, fwd_s=x.fwd_s * now[x.layer] / base[x.layer],
                                   bwd_s=x.bwd_s * now[x.layer] / base[x.layer])
               for x in profile.layers]
-    return PipelineProfile(layers=layers, stages=list(profile.stages))
+    return dataclasses.replace(profile, layers=layers, stages=list(profile.stages))
 
 
 class DynMo:
@@ -393,8 +410,8 @@ def _cap_bytes(config: DynmoConfig) -> Optional[float]:
 
 def _memory_record(profile: PipelineProfile, num_stages: int, num_microbatches: int,
                    cap: Optional[float], plan) -> Optional[dict]:
-    """The event's `memory`: the cap, each stage's calibration (measured peak vs the
-    model's bytes for what it held) and the calibrated bytes of the layouts before and
+    """The event's `memory`: the cap, each stage's (interleaved: each rank's, `per:
+    rank`) calibration (measured peak vs the model's bytes for what it held) and the calibrated bytes of the layouts before and
     after the plan (model + overhead: what is checked against the cap). None when the
     profile does not fit the layout (no calibration exists)."""
     try:
@@ -402,10 +419,14 @@ def _memory_record(profile: PipelineProfile, num_stages: int, num_microbatches: 
     except ProblemError:
         return None
     record = {"cap_bytes": cap, **calibration.to_dict()}
+    pp = len(calibration.stages)
+    if profile.num_chunks > 1:  # the calibration is per rank: fold the virtual stages
+        record["per"] = "rank"
+    per_rank = lambda stage_bytes: [sum(stage_bytes[r::pp]) for r in range(pp)]  # noqa: E731
     if plan is not None:
         if plan.stage_memory_before is not None:
-            record["calibrated_before"] = calibration.calibrated(plan.stage_memory_before)
-        record["calibrated_after"] = calibration.calibrated(plan.stage_memory_after)
+            record["calibrated_before"] = calibration.calibrated(per_rank(plan.stage_memory_before))
+        record["calibrated_after"] = calibration.calibrated(per_rank(plan.stage_memory_after))
     return record
 
 

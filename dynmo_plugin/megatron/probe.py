@@ -67,7 +67,8 @@ class _Spans:
 
 
 class StageProbe:
-    """Times each layer of `model` (one pipeline stage) per micro-batch."""
+    """Times each layer of `model` (one pipeline stage; interleaved: one model chunk, i.e.
+    one virtual stage, and the profiler attaches one probe per chunk) per micro-batch."""
 
     def __init__(self, model: torch.nn.Module, clock: Clock, count_activations: bool = True):
         """count_activations=False skips the saved-tensor accounting, which is most of

@@ -15,6 +15,13 @@ the decoder layers (`act_bytes`) and outside them (`extra_act_bytes`: embedding,
 logits and loss). Transient buffers that are freed within a micro-batch are not seen
 on CPU. The balancer calibrates its memory model with this peak
 (`dynmo_plugin.balancing.memory`).
+
+Interleaved pipelines (v > 1 chunks per rank, `trainer.chunks`): every chunk is probed,
+each layer recorded under its virtual stage, one `StageProfile` per chunk with that
+virtual stage's extras (`profiling.records` says which fields are per rank). Memory is
+the rank's: the static bytes of all chunks (one optimizer), and on CPU the activations
+the rank holds at the worst point of its interleaved schedule (`sim.schedule`: a
+forward of chunk c adds chunk c's bytes, its backward frees them).
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from dynmo_plugin.megatron.timers import COMPUTE_TIMERS, TimerTap
 from dynmo_plugin.profiling.clock import clock_for
 from dynmo_plugin.profiling.gather import gather_profile
 from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile, median
+from dynmo_plugin.sim.schedule import FORWARD, rank_orders
 
 __all__ = ["ProfileWindow"]
 
@@ -91,7 +99,7 @@ class _ExtraActivations:
 
 
 class ProfileWindow:
-    """Profiles the stage owned by `trainer` until `close()`."""
+    """Profiles the stage (interleaved: every chunk) owned by `trainer` until `close()`."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -99,9 +107,10 @@ class ProfileWindow:
         self._saved_timers = trainer.config.timers
         self.tap = TimerTap(self._saved_timers, self.clock)
         trainer.config.timers = self.tap
-        self.probe = StageProbe(trainer.model, self.clock)
-        self.probe.attach()
-        self.extra_act = _ExtraActivations(trainer.model)
+        self.probes = [StageProbe(chunk, self.clock) for chunk in trainer.chunks]
+        for probe in self.probes:
+            probe.attach()
+        self.extra_acts = [_ExtraActivations(chunk) for chunk in trainer.chunks]
         self._compute: list[float] = []
         self._profiled: list[float] = []
         self._wait: list[float] = []
@@ -109,7 +118,8 @@ class ProfileWindow:
             torch.cuda.reset_peak_memory_stats()
 
     def after_iteration(self) -> None:
-        self._profiled.append(self.probe.end_iteration())  # resolves the clock first
+        # resolves the clock first
+        self._profiled.append(sum(probe.end_iteration() for probe in self.probes))
         totals = self.tap.take_totals()
         self._compute.append(sum(totals.get(n, 0.0) for n in COMPUTE_TIMERS))
         self._wait.append(sum(v for n, v in totals.items() if "recv" in n))
@@ -130,51 +140,85 @@ class ProfileWindow:
 
     def cancel(self) -> None:
         """Detach hooks and restore the timers without summarising (local, no collective)."""
-        self.probe.detach()
-        self.extra_act.detach()
+        for probe, extra_act in zip(self.probes, self.extra_acts):
+            probe.detach()
+            extra_act.detach()
         self.trainer.config.timers = self._saved_timers
 
     # ---- summary ------------------------------------------------------------------------
     def _local_profile(self) -> PipelineProfile:
-        t, probe = self.trainer, self.probe
-        stage = t.dims.pp_rank
-        layers = [self._layer_profile(layer, stage) for layer in probe.layers]
-        layer_params = {id(p) for layer in probe.layers for p in layer.parameters()}
-        extras = [p for p in t.model.parameters() if id(p) not in layer_params]
-        extra_grad = sum(_grad_bytes(p) for p in extras)
-        extra_bytes = sum(_nbytes(p) + state_nbytes(t.optimizer, p) for p in extras) + extra_grad
-        in_flight = min(t.dims.pp - stage, t.num_microbatches)  # 1F1B warm-up depth
-        extra_act = max(self.extra_act.per_microbatch, default=0)
+        """This rank's layers (every chunk, under its virtual stage) and one record per
+        chunk; the rank's memory and times repeated on each (`profiling.records`)."""
+        t = self.trainer
+        rank, v = t.dims.pp_rank, len(self.probes)
+        stages = [t.layout.stage_of(rank, c) if v > 1 else rank for c in range(v)]
+        layers = [[self._layer_profile(probe, layer, stage) for layer in probe.layers]
+                  for probe, stage in zip(self.probes, stages)]
+        extras = [self._chunk_extras(chunk, probe) for chunk, probe in zip(t.chunks, self.probes)]
+        extra_act = [max(x.per_microbatch, default=0) for x in self.extra_acts]
+        act = [sum(x.act_bytes for x in chunk) + e for chunk, e in zip(layers, extra_act)]
+        in_flight, held = self._in_flight(act)
         static = self._static_bytes()
         if t.dims.device.type == "cuda":
             peak = int(torch.cuda.max_memory_allocated())
         else:
-            peak = static + in_flight * (sum(x.act_bytes for x in layers) + extra_act)
-        return PipelineProfile(layers, [StageProfile(
-            stage=stage, extra_s=median(probe.samples["extra"]), wait_s=median(self._wait),
-            peak_bytes=int(peak), extra_bytes=int(extra_bytes), extra_grad_bytes=int(extra_grad),
-            compute_s=median(self._compute), profiled_s=median(self._profiled),
-            num_microbatches=t.num_microbatches, clock=self.clock.name,
-            peak_source="measured" if t.dims.device.type == "cuda" else "accounted",
-            static_bytes=int(static), extra_act_bytes=int(extra_act), in_flight=in_flight)])
+            peak = static + held
+        rank_fields = dict(
+            wait_s=median(self._wait), peak_bytes=int(peak), compute_s=median(self._compute),
+            profiled_s=median(self._profiled), num_microbatches=t.num_microbatches,
+            clock=self.clock.name, static_bytes=int(static),
+            peak_source="measured" if t.dims.device.type == "cuda" else "accounted")
+        records = [StageProfile(stage=stage, extra_s=median(probe.samples["extra"]),
+                                extra_bytes=int(nbytes), extra_grad_bytes=int(grad),
+                                extra_act_bytes=int(e_act), in_flight=depth, **rank_fields)
+                   for stage, probe, (nbytes, grad), e_act, depth
+                   in zip(stages, self.probes, extras, extra_act, in_flight)]
+        return PipelineProfile([x for chunk in layers for x in chunk], records, v)
+
+    def _chunk_extras(self, chunk, probe) -> tuple[int, int]:
+        """(bytes, gradient bytes) of the chunk's parameters outside its decoder layers:
+        params + grads + optimizer state of the embedding, final norm and output layer."""
+        layer_params = {id(p) for layer in probe.layers for p in layer.parameters()}
+        extras = [p for p in chunk.parameters() if id(p) not in layer_params]
+        grad = sum(_grad_bytes(p) for p in extras)
+        return sum(_nbytes(p) + state_nbytes(self.trainer.optimizer, p) for p in extras) + grad, grad
+
+    def _in_flight(self, chunk_act: list[int]) -> tuple[list[int], int]:
+        """(per chunk: the most of its micro-batches held at once, the most activation
+        bytes held at once) under this rank's schedule, one micro-batch of chunk c
+        saving chunk_act[c]. 1F1B: min(pp - rank, m) micro-batches, its warm-up depth."""
+        t = self.trainer
+        pp, rank, m, v = t.dims.pp, t.dims.pp_rank, t.num_microbatches, len(chunk_act)
+        if v == 1:
+            depth = min(pp - rank, m)
+            return [depth], depth * chunk_act[0]
+        group = getattr(t.config, "microbatch_group_size_per_vp_stage", None) or pp
+        count, depth, held, peak = [0] * v, [0] * v, 0, 0
+        for op in rank_orders(pp, m, v, group)[rank]:
+            step = 1 if op.kind == FORWARD else -1
+            count[op.chunk] += step
+            held += step * chunk_act[op.chunk]
+            depth[op.chunk] = max(depth[op.chunk], count[op.chunk])
+            peak = max(peak, held)
+        return depth, peak
 
     def _static_bytes(self) -> int:
         """What the stage holds between iterations: parameter and gradient storages (whole
         buffers, once) and the optimizer state of every parameter (fp32 master copies
         included, `optim_state.state_nbytes`)."""
         t = self.trainer
-        params = list(t.model.parameters())
+        params = [p for chunk in t.chunks for p in chunk.parameters()]
         return (_storage_bytes(params)
                 + _storage_bytes(_grad_tensor(p) for p in params)
                 + sum(state_nbytes(t.optimizer, p) for p in params))
 
-    def _layer_profile(self, layer, stage: int) -> LayerProfile:
+    def _layer_profile(self, probe: StageProbe, layer, stage: int) -> LayerProfile:
         n, params = layer.layer_number, list(layer.parameters())
         return LayerProfile(
             layer=n, stage=stage,
-            fwd_s=median(self.probe.samples[f"fwd/{n}"]),
-            bwd_s=median(self.probe.samples[f"bwd/{n}"]),
+            fwd_s=median(probe.samples[f"fwd/{n}"]),
+            bwd_s=median(probe.samples[f"bwd/{n}"]),
             param_bytes=sum(_nbytes(p) for p in params),
             grad_bytes=sum(_grad_bytes(p) for p in params),
             optim_bytes=sum(state_nbytes(self.trainer.optimizer, p) for p in params),
-            act_bytes=int(median(self.probe.act_bytes[n])))
+            act_bytes=int(median(probe.act_bytes[n])))

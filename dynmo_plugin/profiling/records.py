@@ -2,6 +2,17 @@
 
 Plain data (no torch): built on each rank, reduced over data-parallel replicas by max,
 gathered over the pipeline group, then read by the balancer and written to the report.
+
+Interleaved pipelines (`PipelineProfile.num_chunks` = v > 1, pp ranks): a layer's `stage`
+is its VIRTUAL stage and `stages` holds one record per virtual stage (pp * v, in layer
+order; virtual stage s runs on rank s % pp as chunk s // pp). What belongs to the
+virtual stage is its own (`extra_*`: the embedding on virtual stage 0, the head and loss
+on the last; `in_flight`: its chunk's micro-batches in flight at once). What belongs to
+the RANK — memory (`peak_bytes`, `static_bytes`: one allocator, one optimizer over all
+chunks) and the schedule's times (`wait_s`, `compute_s`, `profiled_s`) — is the rank's
+value, repeated on each of its virtual stages (`rank_records()` gives one per rank: never
+sum these over virtual stages). With v = 1 both readings coincide and the format is the
+one it always was (no `num_chunks` key).
 """
 from __future__ import annotations
 
@@ -55,29 +66,43 @@ class StageProfile:
     peak_source: str = ""   # "measured" (CUDA allocator) or "accounted" (static + in-flight activations)
     static_bytes: int = 0   # params + gradient buffers + optimizer state as held (storages once)
     extra_act_bytes: int = 0  # saved for backward outside the decoder layers, per micro-batch
-    in_flight: int = 0      # micro-batches whose activations the stage holds at once (1F1B)
+    in_flight: int = 0      # micro-batches whose activations the stage holds at once (1F1B;
+    # interleaved: the most of this chunk's micro-batches the rank's schedule holds at once)
 
 
 @dataclass
 class PipelineProfile:
     layers: list[LayerProfile] = field(default_factory=list)
     stages: list[StageProfile] = field(default_factory=list)
+    num_chunks: int = 1     # virtual stages per pipeline rank (module docstring)
 
     def to_dict(self) -> dict:
-        return {"layers": [asdict(x) for x in self.layers],
-                "stages": [asdict(x) for x in self.stages]}
+        out = {"layers": [asdict(x) for x in self.layers],
+               "stages": [asdict(x) for x in self.stages]}
+        if self.num_chunks != 1:
+            out["num_chunks"] = self.num_chunks
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "PipelineProfile":
         return cls([LayerProfile(**x) for x in data["layers"]],
-                   [StageProfile(**x) for x in data["stages"]])
+                   [StageProfile(**x) for x in data["stages"]], int(data.get("num_chunks", 1)))
+
+    def rank_records(self) -> list[StageProfile]:
+        """One record per pipeline rank, rank 0 first, for what is per rank (memory, the
+        schedule's times): the record of the rank's chunk 0, virtual stage r = rank r."""
+        return self.stages[:len(self.stages) // self.num_chunks]
 
     @staticmethod
     def merge(parts: list["PipelineProfile"]) -> "PipelineProfile":
-        """Union of per-stage profiles, layers in global order."""
+        """Union of per-rank profiles: layers in global order, (virtual) stages in order."""
+        chunks = {p.num_chunks for p in parts}
+        if len(chunks) != 1:
+            raise ValueError(f"profiles with different chunks per rank {sorted(chunks)} cannot "
+                             "be merged: every rank must profile the same pipeline")
         layers = sorted((x for p in parts for x in p.layers), key=lambda x: x.layer)
         stages = sorted((x for p in parts for x in p.stages), key=lambda x: x.stage)
-        return PipelineProfile(layers, stages)
+        return PipelineProfile(layers, stages, chunks.pop())
 
     @staticmethod
     def elementwise_max(parts: list["PipelineProfile"]) -> "PipelineProfile":
@@ -93,4 +118,4 @@ class PipelineProfile:
             return out
         layers = [fold([p.layers[i] for p in parts]) for i in range(len(parts[0].layers))]
         stages = [fold([p.stages[i] for p in parts]) for i in range(len(parts[0].stages))]
-        return PipelineProfile(layers, stages)
+        return PipelineProfile(layers, stages, parts[0].num_chunks)
