@@ -882,9 +882,7 @@ def _check_interleaved(cfg: RunConfig, where: str) -> None:
         ("repacking (--dynmo-repack)", d.repack.enabled),
         ("checkpoints (--save/--load)", bool(cfg.model.save or cfg.model.load)),
         ("packed documents (--data-*)", cfg.model.data.packed),
-        ("--bf16/--fp16", cfg.model.bf16 or cfg.model.fp16),
-        ("the distributed optimizer (--use-distributed-optimizer)",
-         cfg.model.use_distributed_optimizer)) if on]
+    ) if on]
     if refused:
         raise ConfigError(f"{where}: --num-virtual-stages-per-pipeline-rank {v}: interleaved "
                           f"training does not support {', '.join(refused)} yet; it trains and "

@@ -5,6 +5,12 @@ anything, with the same precision and optimizer: identical losses to the last bi
 identical final weights and identical optimizer state (fp32 master weights, Adam
 moments, step), as `stage_state.capture` reads them at the end, by global name
 (tests/workers/state_worker.py).
+
+The interleaved cases (pp = 2, v = 2 virtual stages per rank) share the never-moved
+plain-1F1B run of the same precision (module fixtures): never-moved interleaved training
+equals plain 1F1B to the last bit in bf16 and fp16 too (measured, docs/interleaved.md), so
+one comparison checks the interleaved schedule in half precision and the moves, one
+torchrun run per case.
 """
 import argparse
 from pathlib import Path
@@ -15,11 +21,20 @@ import torch
 from dynmo_plugin.config import ConfigError, add_dynmo_args, add_model_args, load_config
 from launch import in_megatron_process, losses, train
 
-MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--train-iters", "6", "--lr", "3e-3", "--seed", "11", "--dynmo"]
-# Iteration 2: layer 3 goes 1->0; iteration 3: layers 2-3 go 0->1.
-MOVES = "2:Ettt|tL;3:Et|tttL"
+         "--train-iters", "6", "--lr", "3e-3", "--seed", "11", "--dynmo",
+         "--pipeline-model-parallel-size", "2"]
+# From Etttt|ttttL. Iteration 2: layers 5-6 go 1->0; iteration 3: layers 3-6 go 0->1.
+MOVES = "2:Etttttt|ttL;3:Ett|ttttttL"
+# Interleaved, virtual stage s on rank s % 2, from Ett|tt|tt|ttL = rank 0 {1,2 | 5,6},
+# rank 1 {3,4 | 7,8}. Iteration 3: layer 2 goes chunk 0 -> 1 of rank 0 (local, 0 bytes),
+# 3, 4 and 7 go rank 1 -> rank 0; iteration 5: 2, 3 go chunk 1 -> 0 of rank 0 (local), 4
+# and 7 go rank 0 -> rank 1.
+INTERLEAVED = ["--num-virtual-stages-per-pipeline-rank", "2",
+               "--dynmo-forced-layouts", "3:Et||tttttt|tL;5:Ettt|t|tt|ttL"]
+FP16 = ["--fp16", "--initial-loss-scale", str(2**20)]
+BF16_DISTOPT = ["--bf16", "--use-distributed-optimizer", "--untie-embeddings-and-output-weights"]
 
 
 def _parse(argv):
@@ -34,6 +49,9 @@ def test_precision_flags_are_validated():
         _parse(["--bf16", "--fp16"])
     with pytest.raises(ConfigError, match="--loss-scale 8.0 needs --fp16"):
         _parse(["--bf16", "--loss-scale", "8"])
+    for flags in (FP16, BF16_DISTOPT):  # interleaved pipelines take them
+        cfg = _parse(MODEL + flags + INTERLEAVED)
+        assert cfg.model.num_virtual_stages_per_pipeline_rank == 2
 
 
 def _check_type_spelling(args):
@@ -89,35 +107,81 @@ def _run(tmp: Path, name: str, nproc: int, flags: list) -> tuple[Path, dict]:
     return out, train(nproc, MODEL + flags, out, module="workers.state_worker")
 
 
+@pytest.fixture(scope="module")
+def fp16_static(tmp_path_factory):
+    """The never-moved fp16 run (PP=2, plain 1F1B)."""
+    return _run(tmp_path_factory.mktemp("fp16"), "static", 2, FP16)
+
+
+@pytest.fixture(scope="module")
+def bf16_distopt_static(tmp_path_factory):
+    """The never-moved bf16 + distributed-optimizer run (PP=2 x DP=2, plain 1F1B)."""
+    return _run(tmp_path_factory.mktemp("bf16"), "static", 4, BF16_DISTOPT)
+
+
 @pytest.mark.multiproc
-def test_fp16_with_loss_scaler_migrates_bit_exact(tmp_path):
+def test_fp16_with_loss_scaler_migrates_bit_exact(tmp_path, fp16_static):
     """Float16OptimizerWithFloat16Params: fp32 master weights move with the fp16 ones.
     The initial scale overflows in the first iterations (skipped steps, the scale backs
     off across the first migration): the scaler must be carried, not restarted."""
-    flags = ["--pipeline-model-parallel-size", "2", "--fp16", "--initial-loss-scale", str(2**20)]
-    static_dir, static = _run(tmp_path, "static", 2, flags)
-    moved_dir, moved = _run(tmp_path, "moved", 2, flags + ["--dynmo-forced-layouts", MOVES])
+    static_dir, static = fp16_static
+    moved_dir, moved = _run(tmp_path, "moved", 2, FP16 + ["--dynmo-forced-layouts", MOVES])
     assert [e["applied"] for e in moved["events"]] == [True, True]
-    assert moved["layout"] == "Et|tttL" and moved["config"]["model"]["fp16"]
+    assert moved["layout"] == "Ett|ttttttL" and moved["config"]["model"]["fp16"]
     assert losses(static) == losses(moved)
     _assert_same_state(_state(static_dir, range(2)), _state(moved_dir, range(2)), torch.float16)
 
 
 @pytest.mark.multiproc
-def test_bf16_distributed_optimizer_migrates_and_repacks_bit_exact(tmp_path):
+def test_bf16_distributed_optimizer_migrates_and_repacks_bit_exact(tmp_path, bf16_distopt_static):
     """PP=2 x DP=2, bf16, optimizer state and fp32 master weights sharded over DP: two
     migrations, then a live repack onto one stage (PP=1 x DP=2: the head handoff and the
     rebuild capture and restore the sharded state). Untied embeddings: with PP=1 the tied
     weight's two bf16 gradients are summed in bf16 by autograd, with PP=2 in fp32 by the
     embedding all-reduce, which differs without any migration (docs/precision.md)."""
-    flags = ["--pipeline-model-parallel-size", "2", "--bf16", "--use-distributed-optimizer",
-             "--untie-embeddings-and-output-weights"]
-    static_dir, static = _run(tmp_path, "static", 4, flags)
-    moved_dir, moved = _run(tmp_path, "moved", 4, flags + [
-        "--dynmo-repack", "--dynmo-forced-layouts", MOVES + ";5:EttttL"])
+    static_dir, static = bf16_distopt_static
+    moved_dir, moved = _run(tmp_path, "moved", 4, BF16_DISTOPT + [
+        "--dynmo-repack", "--dynmo-forced-layouts", MOVES + ";5:EttttttttL"])
     assert [e["applied"] for e in moved["events"]] == [True, True, True]
-    assert moved["events"][-1]["repack"]["applied"] and moved["layout"] == "EttttL"
+    assert moved["events"][-1]["repack"]["applied"] and moved["layout"] == "EttttttttL"
     assert moved["world"]["dp"] == 2
     assert losses(static) == losses(moved)
     _assert_same_state(_state(static_dir, range(4)), _state(moved_dir, range(2)), torch.bfloat16)
 
+
+def _assert_interleaved_moves(report: dict) -> None:
+    """Both forced migrations applied, each with chunk-local (0 bytes) and cross-rank moves."""
+    events = [e for e in report["events"] if e["kind"] == "rebalance"]
+    assert [(e["applied"], e["layout_after"]) for e in events] == [
+        (True, "Et||tttttt|tL"), (True, "Ettt|t|tt|ttL")]
+    sent = [{(m["layer"], m["src"], m["dst"]): m["bytes"] for m in e["migration"]["moves"]}
+            for e in events]
+    assert sent[0].keys() == {(2, 0, 2), (3, 1, 2), (4, 1, 2), (7, 3, 2)}
+    assert sent[1].keys() == {(2, 2, 0), (3, 2, 0), (4, 2, 1), (7, 2, 3)}
+    assert sent[0][(2, 0, 2)] == sent[1][(2, 2, 0)] == sent[1][(3, 2, 0)] == 0
+    assert min(sent[0][(3, 1, 2)], sent[0][(7, 3, 2)], sent[1][(4, 2, 1)]) > 0
+    assert report["initial_layout"] == "Ett|tt|tt|ttL"
+
+
+@pytest.mark.multiproc
+def test_fp16_interleaved_migrates_bit_exact(tmp_path, fp16_static):
+    """fp16, pp = 2, v = 2: fp32 master weights and Adam state follow layers across ranks
+    and between chunks of a rank; the loss scaler (which skipped steps and backed off
+    before the first migration) carries over."""
+    static_dir, static = fp16_static
+    moved_dir, moved = _run(tmp_path, "il_moved", 2, FP16 + INTERLEAVED)
+    _assert_interleaved_moves(moved)
+    assert losses(static) == losses(moved)
+    _assert_same_state(_state(static_dir, range(2)), _state(moved_dir, range(2)), torch.float16)
+
+
+@pytest.mark.multiproc
+def test_bf16_distributed_optimizer_interleaved_migrates_bit_exact(tmp_path, bf16_distopt_static):
+    """bf16 + distributed optimizer, pp = 2 x DP = 2, v = 2: one distributed optimizer over
+    both chunks' DDPs; its sharded state is gathered over DP, moved and re-cut."""
+    static_dir, static = bf16_distopt_static
+    moved_dir, moved = _run(tmp_path, "il_moved", 4, BF16_DISTOPT + INTERLEAVED)
+    _assert_interleaved_moves(moved)
+    assert moved["world"]["dp"] == 2
+    assert losses(static) == losses(moved)
+    _assert_same_state(_state(static_dir, range(4)), _state(moved_dir, range(4)), torch.bfloat16)

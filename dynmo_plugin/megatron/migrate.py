@@ -25,8 +25,10 @@ On a failed agreement every rank undoes step 5 (old layer list, old gradient vie
 hooks) and keeps training on the old layout.
 Interleaved pipelines (v model chunks per rank): only layers that change RANK are packed
 and sent (headers name ranks); a layer that changes chunk on its rank is the same module
-re-parented in step 5, its gradient and optimizer state carried like a kept layer's. A rank that dies or hangs makes the
-control plane raise `PeerFailure` (naming it) after `timeout_s`, on every survivor.
+re-parented in step 5, its gradient and optimizer state (fp32 master copy in bf16/fp16;
+gathered over DP with the distributed optimizer, which spans all chunks) carried like a
+kept layer's. A rank that dies or hangs makes the control plane raise `PeerFailure`
+(naming it) after `timeout_s`, on every survivor.
 """
 from __future__ import annotations
 

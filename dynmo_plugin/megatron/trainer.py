@@ -7,15 +7,18 @@ attributes that a migration may rebuild, in two steps so that a failure can be u
 `build_ddp` (local) and `build_optimizer` (collective) make the new wrappers without
 touching the live ones; `install_wrappers` switches to them and cannot fail.
 
-With --bf16/--fp16 the GPTModel is wrapped in Megatron's Float16Module (half-precision
+With --bf16/--fp16 each GPTModel is wrapped in Megatron's Float16Module (half-precision
 weights, fp32 logits) and the optimizer keeps fp32 master weights; DDP wraps that
 module. `model` stays the GPTModel itself (what layers, profiling and migration use);
-`module` is what DDP wraps (the GPTModel or its Float16Module). With
+`modules` are what the DDPs wrap (per chunk, the GPTModel or its Float16Module). With
 --use-distributed-optimizer the optimizer state and master weights are sharded over DP.
 
 Interleaved pipelines (`layout.num_chunks` = v > 1): the rank holds v model chunks
-(`chunks`, one GPTModel per virtual stage with its `vp_stage`), one DDP each (`ddps`),
-one optimizer over all of them, and Megatron's interleaved 1F1B runs them.
+(`chunks`, one GPTModel per virtual stage with its `vp_stage`), a Float16Module around
+each in half precision, one DDP each (`ddps`) and ONE Megatron optimizer over all the
+DDPs (`get_megatron_optimizer` over the list of chunks, as Megatron-LM builds it: one
+mixed-precision or distributed optimizer whose groups and buffers span every chunk);
+Megatron's interleaved 1F1B runs them.
 """
 from __future__ import annotations
 
@@ -116,9 +119,12 @@ class StageTrainer:
         self.model = self.chunks[0]  # the stage's model; interleaved: chunk 0 (see `chunks`)
         if state is not None:
             restore_model(self.model, state)  # before DDP: it only wraps trainable params
-        # Float16Module casts the model (norms built in fp32 included): exact for restored
+        # Float16Module casts each chunk (norms built in fp32 included): exact for restored
         # half-precision values, and init_by_global_name drew fp32 values then cast them.
-        self.module = Float16Module(self.config, self.model) if args.bf16 or args.fp16 else self.model
+        # Its vp_stage (read off the chunk) makes it cast inputs on the first virtual stage
+        # only and outputs on the last only.
+        self.modules = [Float16Module(self.config, c) if args.bf16 or args.fp16 else c
+                        for c in self.chunks]
         self.ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=args.use_distributed_optimizer)
@@ -163,7 +169,7 @@ class StageTrainer:
         `main_grad` at them (with the distributed optimizer also `param.data`, into a new
         parameter buffer); the caller restores the old views if it abandons it.
         """
-        module = self.module if self.num_chunks == 1 else self.chunks[chunk]
+        module = self.modules[chunk]
         if self.ddp_config.use_distributed_optimizer:
             for p in module.parameters():  # Megatron asserts a param owns its storage
                 if p.data._base is not None:
