@@ -870,9 +870,10 @@ def _check_dynamism(cfg: RunConfig, given: dict[str, str]) -> None:
 
 
 def _check_interleaved(cfg: RunConfig, where: str) -> None:
-    """What an interleaved (virtual) pipeline supports so far: training, forced layouts
-    (migration across chunks and ranks). Everything that reads one model per rank is
-    refused by name."""
+    """What an interleaved (virtual) pipeline supports so far: training (fp32, bf16/fp16,
+    the distributed optimizer), profiling, profiled rebalancing and forced layouts
+    (migration across chunks and ranks). What still reads one model per rank is refused
+    by name."""
     v = cfg.model.num_virtual_stages_per_pipeline_rank
     if v == 1:
         return
@@ -885,8 +886,9 @@ def _check_interleaved(cfg: RunConfig, where: str) -> None:
     ) if on]
     if refused:
         raise ConfigError(f"{where}: --num-virtual-stages-per-pipeline-rank {v}: interleaved "
-                          f"training does not support {', '.join(refused)} yet; it trains and "
-                          "applies --dynmo-forced-layouts (docs/interleaved.md)")
+                          f"training does not support {', '.join(refused)} yet; it trains, "
+                          "profiles, rebalances and applies --dynmo-forced-layouts "
+                          "(docs/interleaved.md)")
 
 
 def _check_forced_layouts(cfg: RunConfig, where: str) -> None:

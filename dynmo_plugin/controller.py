@@ -411,9 +411,10 @@ def _cap_bytes(config: DynmoConfig) -> Optional[float]:
 def _memory_record(profile: PipelineProfile, num_stages: int, num_microbatches: int,
                    cap: Optional[float], plan) -> Optional[dict]:
     """The event's `memory`: the cap, each stage's (interleaved: each rank's, `per:
-    rank`) calibration (measured peak vs the model's bytes for what it held) and the calibrated bytes of the layouts before and
-    after the plan (model + overhead: what is checked against the cap). None when the
-    profile does not fit the layout (no calibration exists)."""
+    rank`) calibration (measured peak vs the model's bytes for what it held) and the
+    calibrated bytes of the layouts before and after the plan (model + overhead: what is
+    checked against the cap). None when the profile does not fit the layout (no
+    calibration exists)."""
     try:
         _, calibration = memory_calibration(profile, num_stages, num_microbatches)
     except ProblemError:
@@ -422,11 +423,11 @@ def _memory_record(profile: PipelineProfile, num_stages: int, num_microbatches: 
     pp = len(calibration.stages)
     if profile.num_chunks > 1:  # the calibration is per rank: fold the virtual stages
         record["per"] = "rank"
-    per_rank = lambda stage_bytes: [sum(stage_bytes[r::pp]) for r in range(pp)]  # noqa: E731
     if plan is not None:
         if plan.stage_memory_before is not None:
-            record["calibrated_before"] = calibration.calibrated(per_rank(plan.stage_memory_before))
-        record["calibrated_after"] = calibration.calibrated(per_rank(plan.stage_memory_after))
+            record["calibrated_before"] = calibration.calibrated(
+                _per_rank(plan.stage_memory_before, pp))
+        record["calibrated_after"] = calibration.calibrated(_per_rank(plan.stage_memory_after, pp))
     return record
 
 
@@ -446,3 +447,9 @@ def _describe(event) -> str:
         return (f": {event.layout_before} -> {event.layout_after} "
                 f"({len(event.moves)} layers, {moved:.1f} MB)")
     return f": kept {event.layout_before} ({event.error or event.reason})"
+
+
+def _per_rank(stage_bytes: list, pp: int) -> list:
+    """Per-virtual-stage bytes summed onto ranks (virtual stage s runs on rank s % pp);
+    unchanged for plain 1F1B, where stages are ranks."""
+    return [sum(stage_bytes[r::pp]) for r in range(pp)]
