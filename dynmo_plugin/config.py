@@ -879,7 +879,10 @@ def _check_interleaved(cfg: RunConfig, where: str) -> None:
         return
     d = cfg.dynmo
     refused = [name for name, on in (
-        ("a dynamism scenario (--dynmo-dynamism)", d.dynamism.kind != "none"),
+        ("the early_exit scenario (--dynmo-dynamism early_exit: its exit-flag rows change "
+         "the activations' shape between stages, and Megatron's interleaved schedule "
+         "crashed on mismatched shapes when a virtual stage held no decoder layer)",
+         d.dynamism.kind == "early_exit"),
         ("repacking (--dynmo-repack)", d.repack.enabled),
         ("checkpoints (--save/--load)", bool(cfg.model.save or cfg.model.load)),
         ("packed documents (--data-*)", cfg.model.data.packed),

@@ -16,8 +16,10 @@ about scenarios; the launcher glues them:
         if event: dynmo.notify_event(event.name)
     scenario.after_layout_change()                   # after a migration changed the layers
 
-Rules: a scenario keeps per-layer state IN the layer (buffers, parameters,
-requires_grad), so a migration moves it with the layer; and every decision that
+Rules: a scenario walks the rank's decoder layers as `runtime.trainer.layers` (every
+model chunk of an interleaved pipeline, in layer order; `trainer.model` is chunk 0 alone),
+read afresh after a layout change; it keeps per-layer state IN the layer (buffers,
+parameters, requires_grad), so a migration moves it with the layer; and every decision that
 leads to a collective or differs by rank is taken once with `runtime.control.decide`
 (see dynmo_plugin/consensus.py) — a scenario that decides per rank hangs the job.
 """

@@ -67,7 +67,7 @@ class EarlyExit(Scenario):
         runtime.trainer.config.variable_seq_lengths = True
 
     def _layers(self):
-        return list(self.runtime.trainer.model.decoder.layers)
+        return self.runtime.trainer.layers
 
     def before_step(self, iteration: int) -> None:
         from dynmo_plugin.megatron.early_exit_layer import ExitContext

@@ -117,7 +117,7 @@ class GradualPruning(Scenario):
     # ---- the round --------------------------------------------------------------------------
     def _linears(self):
         from dynmo_plugin.megatron.prunable import prunable_linears
-        for layer in self.runtime.trainer.model.decoder.layers:
+        for layer in self.runtime.trainer.layers:
             for name, module in prunable_linears(layer):
                 yield layer.layer_number, name, module
 
@@ -173,7 +173,7 @@ class GradualPruning(Scenario):
     def _mlp_pairs(self):
         """(layer number, fc1, fc2) of this stage's structured-pruned MLPs."""
         from dynmo_plugin.megatron.prunable import NeuronPrunableColumnParallelLinear
-        for layer in self.runtime.trainer.model.decoder.layers:
+        for layer in self.runtime.trainer.layers:
             fc1, fc2 = layer.mlp.linear_fc1, layer.mlp.linear_fc2
             if isinstance(fc1, NeuronPrunableColumnParallelLinear):
                 yield layer.layer_number, fc1, fc2

@@ -140,8 +140,7 @@ class LayerFreezing(Scenario):
         return freeze_limit(self.runtime.trainer.config.num_layers, self.freezing.max_layers)
 
     def _trainable_layers(self):
-        return [layer for layer in self.runtime.trainer.model.decoder.layers
-                if layer.layer_number > self.frozen]
+        return [layer for layer in self.runtime.trainer.layers if layer.layer_number > self.frozen]
 
     def _snapshot(self, references: dict | None = None) -> None:
         for layer in self._trainable_layers():
@@ -183,23 +182,22 @@ class LayerFreezing(Scenario):
     # ---- apply (every rank, collective) --------------------------------------------------------
     def _freeze(self, new: int):
         t = self.runtime.trainer
-        model = t.model
         flipped, flagged = [], []
-        for layer in model.decoder.layers:
+        for layer in t.layers:
             if layer.layer_number <= new and not bool(layer.in_frozen_prefix):
                 layer.in_frozen_prefix.fill_(True)
                 flagged.append(layer)
                 flipped += [p for p in layer.parameters() if p.requires_grad]
-        for p in _embedding_params(model):
+        for p in (p for chunk in t.chunks for p in _embedding_params(chunk)):
             if p.requires_grad:
                 flipped.append(p)
         for p in flipped:
             p.requires_grad_(False)
         result = self.runtime.migrator.rebuild()
         if not result.applied:
-            _restore(t.ddp, flipped, flagged)
+            _restore(t.ddps, flipped, flagged)
             return result
-        for p in model.parameters():
+        for p in (p for chunk in t.chunks for p in chunk.parameters()):
             if not p.requires_grad:  # the retired DDP's gradient view: no memory, no all-reduce
                 p.grad = None
                 if hasattr(p, "main_grad"):
@@ -208,7 +206,8 @@ class LayerFreezing(Scenario):
 
 
 def _embedding_params(model) -> list:
-    """The embedding (first stage) and the tied output weight (last stage)."""
+    """The embedding (first stage) and the tied output weight (last stage) of one model
+    chunk (interleaved: chunk 0 of the first rank, the last chunk of the last rank)."""
     params = []
     if getattr(model, "pre_process", False):
         params += list(model.embedding.parameters())
@@ -217,13 +216,14 @@ def _embedding_params(model) -> list:
     return params
 
 
-def _restore(ddp, params, layers) -> None:
-    """Undo a freeze whose rebuild was abandoned: the old DDP is live again and must hook
-    the parameters that train again."""
+def _restore(ddps, params, layers) -> None:
+    """Undo a freeze whose rebuild was abandoned: the old DDPs (one per model chunk) are
+    live again and must hook the parameters that train again."""
     from dynmo_plugin.megatron.migrate import _attach_hooks, _detach_hooks
     for p in params:
         p.requires_grad_(True)
     for layer in layers:
         layer.in_frozen_prefix.fill_(False)
-    _detach_hooks(ddp)
-    _attach_hooks(ddp)
+    for ddp in ddps:
+        _detach_hooks(ddp)
+        _attach_hooks(ddp)

@@ -284,7 +284,7 @@ class MixtureOfDepths(Scenario):
 
     # ---- helpers ------------------------------------------------------------------------------
     def _layers(self):
-        return list(self.runtime.trainer.model.decoder.layers)
+        return self.runtime.trainer.layers
 
     def _bind(self, reset: bool) -> None:
         from dynmo_plugin.megatron.mod_layer import ModContext

@@ -220,7 +220,7 @@ class MixtureOfExperts(Scenario):
             self.cost_model = CostModel.from_dict(state["cost_model"])
 
     def _layers(self):
-        return list(self.runtime.trainer.model.decoder.layers)
+        return self.runtime.trainer.layers
 
     def before_step(self, iteration: int) -> None:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker

@@ -268,7 +268,7 @@ class SparseAttention(Scenario):
 
     def _attentions(self):
         from dynmo_plugin.megatron.lsh_attention import core_attentions
-        return core_attentions(self.runtime.trainer.model)
+        return [a for chunk in self.runtime.trainer.chunks for a in core_attentions(chunk)]
 
     def _fit_once(self) -> dict:
         """The cost model, fitted on rank 0 and broadcast. Rank 0's whole tensor-parallel

@@ -187,6 +187,13 @@ class StageTrainer:
         """The DDP of every model chunk (one when not interleaved)."""
         return self.ddp if isinstance(self.ddp, list) else [self.ddp]
 
+    @property
+    def layers(self) -> list:
+        """This rank's decoder layers over ALL its model chunks, in layer order (chunk 0's,
+        then chunk 1's, ...): what a dynamism scenario walks (`model` is chunk 0 alone when
+        interleaved). Read it afresh after a migration: chunks' layer lists are replaced."""
+        return [layer for chunk in self.chunks for layer in chunk.decoder.layers]
+
     def install_wrappers(self, ddp, optimizer) -> None:
         """Switch training to `ddp` (interleaved: a list, one per chunk) and `optimizer`
         (reference updates only: cannot fail)."""
