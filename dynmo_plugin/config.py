@@ -881,7 +881,6 @@ def _check_interleaved(cfg: RunConfig, where: str) -> None:
     refused = [name for name, on in (
         ("a dynamism scenario (--dynmo-dynamism)", d.dynamism.kind != "none"),
         ("repacking (--dynmo-repack)", d.repack.enabled),
-        ("checkpoints (--save/--load)", bool(cfg.model.save or cfg.model.load)),
         ("packed documents (--data-*)", cfg.model.data.packed),
     ) if on]
     if refused:

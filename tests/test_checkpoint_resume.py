@@ -7,6 +7,10 @@ optimizer state (Adam moments, step), compared key by key in Megatron's global k
 which do not depend on the split. The frozen layers come back frozen from the checkpoint
 (the resumed runs are not told), and their optimizer state is saved as zeros: a save
 with frozen parameters once hung, Megatron's sharding check failing on rank 0 only.
+
+Interleaved pipelines (two more runs): the plain run's iteration-2 checkpoint resumed
+under pp=2 x v=2 (migrated there, saving), whose iteration-4 checkpoint is resumed
+under pp=4; both end with the plain run's losses and final checkpoint.
 """
 import json
 import shutil
@@ -21,6 +25,7 @@ MODEL = ["--num-layers", "6", "--hidden-size", "32", "--num-attention-heads", "4
          "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
          "--train-iters", "6", "--lr", "3e-3", "--seed", "11", "--save-interval", "2"]
 REBALANCED = "Ett|ttttL"
+INTERLEAVED = "Et|tt|tt|tL"  # pp=2 x v=2: rank 0 holds layers 1 and 4-5, rank 1 2-3 and 6
 
 
 def _only(src, iteration: int, dst):
@@ -58,11 +63,14 @@ def saved(tmp_path_factory):
     return out, report, _final_state(out / "ckpt")
 
 
-def _resume(tmp_path, saved, iteration: int, nproc: int, flags: list) -> tuple[dict, dict]:
+def _resume(tmp_path, saved, iteration: int, nproc: int, flags: list, src=None,
+            save_interval: int = 6) -> tuple[dict, dict]:
+    """Resume `src` (default: the saved run's checkpoints) at `iteration`; the losses and
+    the final checkpoint must be the uninterrupted saved run's."""
     out, report, final = saved
-    root = _only(out / "ckpt", iteration, tmp_path / "load")
+    root = _only(src or out / "ckpt", iteration, tmp_path / "load")
     resumed = worker(nproc, MODEL + flags + ["--load", str(root), "--save", str(tmp_path / "ckpt"),
-                                             "--save-interval", "6"], tmp_path)
+                                             "--save-interval", str(save_interval)], tmp_path)
     assert [it["iteration"] for it in resumed["iterations"]] == list(range(iteration + 1, 7))
     assert losses(resumed) == losses(report)[iteration:]
     _assert_same_state(_final_state(tmp_path / "ckpt"), final)
@@ -104,6 +112,43 @@ def test_rebalanced_run_resumes_balanced(saved, tmp_path):
     stage. Resumed without a layout flag, the saved (rebalanced) layout is restored."""
     _, resumed = _resume(tmp_path, saved, 4, 2, ["--pipeline-model-parallel-size", "2"])
     assert resumed["initial_layout"] == REBALANCED
+
+
+@pytest.fixture(scope="module")
+def interleaved(saved, tmp_path_factory):
+    """The plain (v=1) checkpoint of iteration 2 resumed under pp=2 x v=2: its 2-stage
+    layout does not fit 4 virtual stages, so the run starts from the uniform split; forced
+    to INTERLEAVED before iteration 4 (frozen layer 2 crosses ranks, layer 4 lands in
+    chunk 1 of rank 0); saves at 4 and 6. Interleaved training is bit-identical to 1F1B,
+    so the uninterrupted plain run is its reference."""
+    out = tmp_path_factory.mktemp("interleaved")
+    _, resumed = _resume(out, saved, 2, 2, ["--pipeline-model-parallel-size", "2",
+                                            "--num-virtual-stages-per-pipeline-rank", "2", "--dynmo",
+                                            "--dynmo-forced-layouts", f"4:{INTERLEAVED}"],
+                         save_interval=2)
+    return out, resumed
+
+
+@pytest.mark.multiproc
+def test_plain_checkpoint_resumes_interleaved(saved, interleaved):
+    """Losses and final weights/optimizer state checked by the fixture; here the layouts
+    and what the interleaved checkpoint records."""
+    out, resumed = interleaved
+    assert resumed["initial_layout"] == "Ett|tt|t|tL"
+    assert [e["layout_after"] for e in resumed["events"] if e.get("applied")] == [INTERLEAVED]
+    meta = json.loads((out / "ckpt/iter_0000004/meta.json").read_text())
+    saved_meta = json.loads((saved[0] / "ckpt/iter_0000004/meta.json").read_text())
+    assert (meta["layout"], meta["pp"], meta["vp"]) == (INTERLEAVED, 2, 2)
+    assert meta["frozen"] == saved_meta["frozen"]  # restored into chunk 0 of rank 0 and 1
+
+
+@pytest.mark.multiproc
+def test_interleaved_checkpoint_resumes_under_pp4(saved, interleaved, tmp_path):
+    """Saved by pp=2 x v=2 after a migration, resumed by pp=4 x v=1: the saved layout has
+    the 4 stages this run has, so it is restored (virtual stages become ranks)."""
+    _, resumed = _resume(tmp_path, saved, 4, 4, ["--pipeline-model-parallel-size", "4"],
+                         src=interleaved[0] / "ckpt")
+    assert resumed["initial_layout"] == INTERLEAVED
 
 
 @pytest.mark.multiproc
@@ -154,17 +199,25 @@ def test_read_meta_names_what_is_missing_or_broken(tmp_path):
 
 
 def test_layout_precedence():
-    """Flag > the layout a checkpoint repack chose for this PP > the saved layout for
-    the same PP > Megatron's uniform split."""
+    """Flag > the layout a checkpoint repack chose for this PP > the saved layout if it
+    has pp x v stages > Megatron's uniform split."""
     from dynmo_plugin.session import _initial_layout
     meta = {"pp": 2, "layout": REBALANCED, "next": {"pp": 1, "layout": "EttttttL"}}
 
-    def layout(pp, flag=None, m=meta):
+    def layout(pp, flag=None, m=meta, v=1):
         args = SimpleNamespace(pipeline_model_parallel_layout=flag, num_layers=6,
-                               num_virtual_stages_per_pipeline_rank=1)
-        return str(_initial_layout(args, SimpleNamespace(pp=pp), m))
+                               num_virtual_stages_per_pipeline_rank=v)
+        chosen = _initial_layout(args, SimpleNamespace(pp=pp), m)
+        assert chosen.num_chunks == v
+        return str(chosen)
 
     assert layout(2, flag="Etttt|ttL") == "Etttt|ttL"
     assert layout(1) == "EttttttL"
     assert layout(2) == REBALANCED
     assert layout(2, m=None) == "Ettt|tttL" and layout(4) == "Ett|tt|t|tL"
+    # interleaved: a layout fits when it has pp x v stages, whatever pp and v saved it
+    assert layout(2, v=2) == "Ett|tt|t|tL"  # REBALANCED has 2 stages, not 4: uniform
+    assert layout(2, v=2, flag="Ettt|t|t|tL") == "Ettt|t|t|tL"
+    il = {"pp": 2, "vp": 2, "layout": INTERLEAVED}
+    assert layout(2, v=2, m=il) == layout(4, m=il) == INTERLEAVED
+    assert layout(2, m=il) == "Ettt|tttL"  # 4 stages do not fit pp=2 x v=1: uniform
