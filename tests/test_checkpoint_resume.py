@@ -1,6 +1,6 @@
 """Checkpoints (Megatron dist_checkpointing) resume under any layout and pipeline size.
 
-One PP=2 run under `Ettt|tttL`, layers 2-3 frozen, saves every 2 iterations and is
+One PP=2 run under `Ettt|tttL`, layers 2 and 5 frozen, saves every 2 iterations and is
 rebalanced by a forced migration before iteration 4. Resumed runs must continue it
 exactly: same losses to the last bit, and the same final checkpoint — weights AND
 optimizer state (Adam moments, step), compared key by key in Megatron's global keys,
@@ -47,8 +47,8 @@ def _assert_same_state(a: dict, b: dict) -> None:
     assert {k.split(".")[2] for k in a if k.startswith("optimizer.state.")} == {
         "exp_avg", "exp_avg_sq", "common_step"}
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
-    frozen_rows = a["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"][1:3]
-    assert not frozen_rows.any()  # the placeholder of frozen layers 2-3
+    frozen_rows = a["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"][[1, 4]]
+    assert not frozen_rows.any()  # the placeholder of frozen layers 2 and 5
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def saved(tmp_path_factory):
     report = worker(2, MODEL + ["--pipeline-model-parallel-size", "2",
                                 "--pipeline-model-parallel-layout", "Ettt|tttL", "--dynmo",
                                 "--dynmo-forced-layouts", f"4:{REBALANCED}",
-                                "--test-freeze-layers", "2,3", "--save", str(out / "ckpt")], out)
+                                "--test-freeze-layers", "2,5", "--save", str(out / "ckpt")], out)
     return out, report, _final_state(out / "ckpt")
 
 
@@ -85,7 +85,7 @@ def test_saved_layout_and_rebalanced_layout_are_recorded(saved):
     assert [(m["iteration"], m["layout"], m["pp"]) for m in metas] == [
         (2, "Ettt|tttL", 2), (4, REBALANCED, 2)]
     assert metas[0]["scheduler"] == {"num_steps": 2}
-    assert {name.split(".")[2] for name in metas[0]["frozen"]} == {"1", "2"}  # layers 2-3
+    assert {name.split(".")[2] for name in metas[0]["frozen"]} == {"1", "4"}  # layers 2, 5
     assert all(name.startswith("decoder.layers.") for name in metas[0]["frozen"])
     assert (out / "ckpt/latest_checkpointed_iteration.txt").read_text() == "6"
     assert not list((out / "ckpt").glob("*.tmp"))
@@ -139,7 +139,7 @@ def test_plain_checkpoint_resumes_interleaved(saved, interleaved):
     meta = json.loads((out / "ckpt/iter_0000004/meta.json").read_text())
     saved_meta = json.loads((saved[0] / "ckpt/iter_0000004/meta.json").read_text())
     assert (meta["layout"], meta["pp"], meta["vp"]) == (INTERLEAVED, 2, 2)
-    assert meta["frozen"] == saved_meta["frozen"]  # restored into chunk 0 of rank 0 and 1
+    assert meta["frozen"] == saved_meta["frozen"]  # layer 2 in chunk 0, layer 5 in chunk 1
 
 
 @pytest.mark.multiproc
