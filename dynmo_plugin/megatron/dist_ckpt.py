@@ -243,8 +243,8 @@ def _load_optimizer(optimizer, state: dict) -> None:
         opt.load_state_dict(part)  # param groups, step, grad scaler; placeholder tensors
         steps = {p: s.pop("step") for p, s in opt.optimizer.state.items() if "step" in s}
         opt.load_parameter_state_from_fully_reshardable(param_state)
-        for p, step in steps.items():
-            opt.optimizer.state[p]["step"] = step
+        for p, step in steps.items():  # Megatron set ONE tensor for all: Adam would add
+            opt.optimizer.state[p]["step"] = step.clone()  # 1 to it once per parameter
 
 
 def read_tensors(directory: str) -> dict:
