@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from launch import losses, torchrun, worker
+from launch import in_megatron_process, losses, torchrun, worker
 
 MODEL = ["--num-layers", "6", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -221,3 +221,39 @@ def test_layout_precedence():
     il = {"pp": 2, "vp": 2, "layout": INTERLEAVED}
     assert layout(2, v=2, m=il) == layout(4, m=il) == INTERLEAVED
     assert layout(2, m=il) == "Ettt|tttL"  # 4 stages do not fit pp=2 x v=1: uniform
+
+
+def _check_distopt_step(args):
+    """Two trainers on one gloo rank: one trains 2 iterations and saves, the other loads;
+    both train iterations 3-4."""
+    import tempfile
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.dist_ckpt import check_sharding, load_sharded, save_sharded, sharded_state
+    from dynmo_plugin.megatron.parallel import ParallelDims
+    from dynmo_plugin.megatron.trainer import StageTrainer
+    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
+                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
+    saved, resumed = (StageTrainer(args, dims, Layout.uniform(args.num_layers, 1)) for _ in range(2))
+    for it in (1, 2):
+        saved.train_step(it)
+    with tempfile.TemporaryDirectory() as d:
+        state = sharded_state(saved, loading=False)
+        check_sharding(state, False)
+        save_sharded(state, d)
+        load_sharded(resumed, sharded_state(resumed, loading=True), d)
+    resumed.scheduler.num_steps = saved.scheduler.num_steps
+    resumed.scheduler.step(increment=0)
+    assert [resumed.train_step(it) for it in (3, 4)] == [saved.train_step(it) for it in (3, 4)]
+
+
+def test_distributed_optimizer_resumes_with_one_adam_step_per_parameter():
+    """Megatron's distributed optimizer (no Apex/TE) loads Adam's step as ONE tensor shared
+    by every parameter, which torch Adam increments once per parameter: the second resumed
+    iteration's bias correction was wrong (one process, no torchrun)."""
+    from dynmo_plugin.config import ModelArgs
+    in_megatron_process(_check_distopt_step, ModelArgs(
+        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
+        global_batch_size=4, lr=3e-3, use_distributed_optimizer=True))
