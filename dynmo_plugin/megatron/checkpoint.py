@@ -22,6 +22,7 @@ import traceback
 from typing import Optional
 
 from dynmo_plugin.errors import UserError
+from dynmo_plugin.layout import Layout
 
 __all__ = ["save_checkpoint", "read_meta", "load_checkpoint", "resume_layout", "CheckpointError",
            "FORMAT"]
@@ -124,14 +125,13 @@ def save_checkpoint(root: str, iteration: int, trainer, control, meta: dict) -> 
     return final
 
 
-def resume_layout(meta: dict, pp: int, v: int, num_layers: int):
+def resume_layout(meta: dict, pp: int, v: int, num_layers: int) -> Optional[Layout]:
     """The layout a resumed run takes from its checkpoint when no layout flag is given:
     the one a checkpoint repack chose, else the saved one (a rebalanced run resumes
     rebalanced), if it has this run's `pp x v` (virtual) stages, whatever pp and v it was
     saved with: a layout string lists (virtual) stages in layer order, so one of 4 stages
     is a split for pp=4 as for pp=2 x v=2. None when neither fits (the caller takes
     Megatron's uniform split, as for a changed pipeline size); logged on rank 0."""
-    from dynmo_plugin.layout import Layout
     stages = pp * v
     nxt = meta.get("next")
     for text in ([nxt["layout"]] if nxt else []) + [meta["layout"]]:
