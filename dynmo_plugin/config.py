@@ -871,9 +871,9 @@ def _check_dynamism(cfg: RunConfig, given: dict[str, str]) -> None:
 
 def _check_interleaved(cfg: RunConfig, where: str) -> None:
     """What an interleaved (virtual) pipeline supports so far: training (fp32, bf16/fp16,
-    the distributed optimizer), profiling, profiled rebalancing and forced layouts
-    (migration across chunks and ranks). What still reads one model per rank is refused
-    by name."""
+    the distributed optimizer), profiling, profiled rebalancing, forced layouts
+    (migration across chunks and ranks), five of the six scenarios and checkpoints.
+    The rest is refused by name."""
     v = cfg.model.num_virtual_stages_per_pipeline_rank
     if v == 1:
         return
@@ -884,14 +884,12 @@ def _check_interleaved(cfg: RunConfig, where: str) -> None:
          "crashed on mismatched shapes when a virtual stage held no decoder layer)",
          d.dynamism.kind == "early_exit"),
         ("repacking (--dynmo-repack)", d.repack.enabled),
-        ("checkpoints (--save/--load)", bool(cfg.model.save or cfg.model.load)),
         ("packed documents (--data-*)", cfg.model.data.packed),
     ) if on]
     if refused:
         raise ConfigError(f"{where}: --num-virtual-stages-per-pipeline-rank {v}: interleaved "
-                          f"training does not support {', '.join(refused)} yet; it trains, "
-                          "profiles, rebalances and applies --dynmo-forced-layouts "
-                          "(docs/interleaved.md)")
+                          f"training does not support {', '.join(refused)} yet (docs/interleaved.md "
+                          "lists what it does support)")
 
 
 def _check_forced_layouts(cfg: RunConfig, where: str) -> None:

@@ -246,15 +246,14 @@ class TrainingSession:
 
 def _initial_layout(args, dims, meta: Optional[dict]) -> Layout:
     """An explicit --pipeline-model-parallel-layout; else, resuming, the layout a checkpoint
-    repack chose for this many stages, or the saved one if the split is unchanged; else
-    Megatron's uniform split."""
+    repack chose or the saved one, if it has this run's pp x v stages
+    (megatron.checkpoint.resume_layout); else Megatron's uniform split."""
     v = args.num_virtual_stages_per_pipeline_rank
     if args.pipeline_model_parallel_layout:
         return Layout.parse(args.pipeline_model_parallel_layout, dims.pp, args.num_layers, v)
     if meta is not None:
-        nxt = meta.get("next")
-        if nxt and nxt["pp"] == dims.pp:
-            return Layout.parse(nxt["layout"], dims.pp, args.num_layers)
-        if meta["pp"] == dims.pp:
-            return Layout.parse(meta["layout"], dims.pp, args.num_layers)
+        from dynmo_plugin.megatron.checkpoint import resume_layout
+        layout = resume_layout(meta, dims.pp, v, args.num_layers)
+        if layout is not None:
+            return layout
     return Layout.uniform(args.num_layers, dims.pp * v, v)

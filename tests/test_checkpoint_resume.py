@@ -1,12 +1,16 @@
 """Checkpoints (Megatron dist_checkpointing) resume under any layout and pipeline size.
 
-One PP=2 run under `Ettt|tttL`, layers 2-3 frozen, saves every 2 iterations and is
+One PP=2 run under `Ettt|tttL`, layers 2 and 5 frozen, saves every 2 iterations and is
 rebalanced by a forced migration before iteration 4. Resumed runs must continue it
 exactly: same losses to the last bit, and the same final checkpoint — weights AND
 optimizer state (Adam moments, step), compared key by key in Megatron's global keys,
 which do not depend on the split. The frozen layers come back frozen from the checkpoint
 (the resumed runs are not told), and their optimizer state is saved as zeros: a save
 with frozen parameters once hung, Megatron's sharding check failing on rank 0 only.
+
+Interleaved pipelines (two more runs): the plain run's iteration-2 checkpoint resumed
+under pp=2 x v=2 (migrated there, saving), whose iteration-4 checkpoint is resumed
+under pp=4; both end with the plain run's losses and final checkpoint.
 """
 import json
 import shutil
@@ -15,12 +19,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from launch import losses, torchrun, worker
+from launch import in_megatron_process, losses, torchrun, worker
 
 MODEL = ["--num-layers", "6", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
          "--train-iters", "6", "--lr", "3e-3", "--seed", "11", "--save-interval", "2"]
 REBALANCED = "Ett|ttttL"
+INTERLEAVED = "Et|tt|tt|tL"  # pp=2 x v=2: rank 0 holds layers 1 and 4-5, rank 1 2-3 and 6
 
 
 def _only(src, iteration: int, dst):
@@ -42,8 +47,8 @@ def _assert_same_state(a: dict, b: dict) -> None:
     assert {k.split(".")[2] for k in a if k.startswith("optimizer.state.")} == {
         "exp_avg", "exp_avg_sq", "common_step"}
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
-    frozen_rows = a["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"][1:3]
-    assert not frozen_rows.any()  # the placeholder of frozen layers 2-3
+    frozen_rows = a["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"][[1, 4]]
+    assert not frozen_rows.any()  # the placeholder of frozen layers 2 and 5
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +59,18 @@ def saved(tmp_path_factory):
     report = worker(2, MODEL + ["--pipeline-model-parallel-size", "2",
                                 "--pipeline-model-parallel-layout", "Ettt|tttL", "--dynmo",
                                 "--dynmo-forced-layouts", f"4:{REBALANCED}",
-                                "--test-freeze-layers", "2,3", "--save", str(out / "ckpt")], out)
+                                "--test-freeze-layers", "2,5", "--save", str(out / "ckpt")], out)
     return out, report, _final_state(out / "ckpt")
 
 
-def _resume(tmp_path, saved, iteration: int, nproc: int, flags: list) -> tuple[dict, dict]:
+def _resume(tmp_path, saved, iteration: int, nproc: int, flags: list, src=None,
+            save_interval: int = 6) -> tuple[dict, dict]:
+    """Resume `src` (default: the saved run's checkpoints) at `iteration`; the losses and
+    the final checkpoint must be the uninterrupted saved run's."""
     out, report, final = saved
-    root = _only(out / "ckpt", iteration, tmp_path / "load")
+    root = _only(src or out / "ckpt", iteration, tmp_path / "load")
     resumed = worker(nproc, MODEL + flags + ["--load", str(root), "--save", str(tmp_path / "ckpt"),
-                                             "--save-interval", "6"], tmp_path)
+                                             "--save-interval", str(save_interval)], tmp_path)
     assert [it["iteration"] for it in resumed["iterations"]] == list(range(iteration + 1, 7))
     assert losses(resumed) == losses(report)[iteration:]
     _assert_same_state(_final_state(tmp_path / "ckpt"), final)
@@ -77,7 +85,7 @@ def test_saved_layout_and_rebalanced_layout_are_recorded(saved):
     assert [(m["iteration"], m["layout"], m["pp"]) for m in metas] == [
         (2, "Ettt|tttL", 2), (4, REBALANCED, 2)]
     assert metas[0]["scheduler"] == {"num_steps": 2}
-    assert {name.split(".")[2] for name in metas[0]["frozen"]} == {"1", "2"}  # layers 2-3
+    assert {name.split(".")[2] for name in metas[0]["frozen"]} == {"1", "4"}  # layers 2, 5
     assert all(name.startswith("decoder.layers.") for name in metas[0]["frozen"])
     assert (out / "ckpt/latest_checkpointed_iteration.txt").read_text() == "6"
     assert not list((out / "ckpt").glob("*.tmp"))
@@ -104,6 +112,43 @@ def test_rebalanced_run_resumes_balanced(saved, tmp_path):
     stage. Resumed without a layout flag, the saved (rebalanced) layout is restored."""
     _, resumed = _resume(tmp_path, saved, 4, 2, ["--pipeline-model-parallel-size", "2"])
     assert resumed["initial_layout"] == REBALANCED
+
+
+@pytest.fixture(scope="module")
+def interleaved(saved, tmp_path_factory):
+    """The plain (v=1) checkpoint of iteration 2 resumed under pp=2 x v=2: its 2-stage
+    layout does not fit 4 virtual stages, so the run starts from the uniform split; forced
+    to INTERLEAVED before iteration 4 (frozen layer 2 crosses ranks, layer 4 lands in
+    chunk 1 of rank 0); saves at 4 and 6. Interleaved training is bit-identical to 1F1B,
+    so the uninterrupted plain run is its reference."""
+    out = tmp_path_factory.mktemp("interleaved")
+    _, resumed = _resume(out, saved, 2, 2, ["--pipeline-model-parallel-size", "2",
+                                            "--num-virtual-stages-per-pipeline-rank", "2", "--dynmo",
+                                            "--dynmo-forced-layouts", f"4:{INTERLEAVED}"],
+                         save_interval=2)
+    return out, resumed
+
+
+@pytest.mark.multiproc
+def test_plain_checkpoint_resumes_interleaved(saved, interleaved):
+    """Losses and final weights/optimizer state checked by the fixture; here the layouts
+    and what the interleaved checkpoint records."""
+    out, resumed = interleaved
+    assert resumed["initial_layout"] == "Ett|tt|t|tL"
+    assert [e["layout_after"] for e in resumed["events"] if e.get("applied")] == [INTERLEAVED]
+    meta = json.loads((out / "ckpt/iter_0000004/meta.json").read_text())
+    saved_meta = json.loads((saved[0] / "ckpt/iter_0000004/meta.json").read_text())
+    assert (meta["layout"], meta["pp"], meta["vp"]) == (INTERLEAVED, 2, 2)
+    assert meta["frozen"] == saved_meta["frozen"]  # layer 2 in chunk 0, layer 5 in chunk 1
+
+
+@pytest.mark.multiproc
+def test_interleaved_checkpoint_resumes_under_pp4(saved, interleaved, tmp_path):
+    """Saved by pp=2 x v=2 after a migration, resumed by pp=4 x v=1: the saved layout has
+    the 4 stages this run has, so it is restored (virtual stages become ranks)."""
+    _, resumed = _resume(tmp_path, saved, 4, 4, ["--pipeline-model-parallel-size", "4"],
+                         src=interleaved[0] / "ckpt")
+    assert resumed["initial_layout"] == INTERLEAVED
 
 
 @pytest.mark.multiproc
@@ -154,17 +199,61 @@ def test_read_meta_names_what_is_missing_or_broken(tmp_path):
 
 
 def test_layout_precedence():
-    """Flag > the layout a checkpoint repack chose for this PP > the saved layout for
-    the same PP > Megatron's uniform split."""
+    """Flag > the layout a checkpoint repack chose for this PP > the saved layout if it
+    has pp x v stages > Megatron's uniform split."""
     from dynmo_plugin.session import _initial_layout
     meta = {"pp": 2, "layout": REBALANCED, "next": {"pp": 1, "layout": "EttttttL"}}
 
-    def layout(pp, flag=None, m=meta):
+    def layout(pp, flag=None, m=meta, v=1):
         args = SimpleNamespace(pipeline_model_parallel_layout=flag, num_layers=6,
-                               num_virtual_stages_per_pipeline_rank=1)
-        return str(_initial_layout(args, SimpleNamespace(pp=pp), m))
+                               num_virtual_stages_per_pipeline_rank=v)
+        chosen = _initial_layout(args, SimpleNamespace(pp=pp), m)
+        assert chosen.num_chunks == v
+        return str(chosen)
 
     assert layout(2, flag="Etttt|ttL") == "Etttt|ttL"
     assert layout(1) == "EttttttL"
     assert layout(2) == REBALANCED
     assert layout(2, m=None) == "Ettt|tttL" and layout(4) == "Ett|tt|t|tL"
+    # interleaved: a layout fits when it has pp x v stages, whatever pp and v saved it
+    assert layout(2, v=2) == "Ett|tt|t|tL"  # REBALANCED has 2 stages, not 4: uniform
+    assert layout(2, v=2, flag="Ettt|t|t|tL") == "Ettt|t|t|tL"
+    il = {"pp": 2, "vp": 2, "layout": INTERLEAVED}
+    assert layout(2, v=2, m=il) == layout(4, m=il) == INTERLEAVED
+    assert layout(2, m=il) == "Ettt|tttL"  # 4 stages do not fit pp=2 x v=1: uniform
+
+
+def _check_distopt_step(args):
+    """Two trainers on one gloo rank: one trains 2 iterations and saves, the other loads;
+    both train iterations 3-4."""
+    import tempfile
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.dist_ckpt import check_sharding, load_sharded, save_sharded, sharded_state
+    from dynmo_plugin.megatron.parallel import ParallelDims
+    from dynmo_plugin.megatron.trainer import StageTrainer
+    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
+                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
+    saved, resumed = (StageTrainer(args, dims, Layout.uniform(args.num_layers, 1)) for _ in range(2))
+    for it in (1, 2):
+        saved.train_step(it)
+    with tempfile.TemporaryDirectory() as d:
+        state = sharded_state(saved, loading=False)
+        check_sharding(state, False)
+        save_sharded(state, d)
+        load_sharded(resumed, sharded_state(resumed, loading=True), d)
+    resumed.scheduler.num_steps = saved.scheduler.num_steps
+    resumed.scheduler.step(increment=0)
+    assert [resumed.train_step(it) for it in (3, 4)] == [saved.train_step(it) for it in (3, 4)]
+
+
+def test_distributed_optimizer_resumes_with_one_adam_step_per_parameter():
+    """Megatron's distributed optimizer (no Apex/TE) loads Adam's step as ONE tensor shared
+    by every parameter, which torch Adam increments once per parameter: the second resumed
+    iteration's bias correction was wrong (one process, no torchrun)."""
+    from dynmo_plugin.config import ModelArgs
+    in_megatron_process(_check_distopt_step, ModelArgs(
+        num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
+        global_batch_size=4, lr=3e-3, use_distributed_optimizer=True))

@@ -22,8 +22,10 @@ import traceback
 from typing import Optional
 
 from dynmo_plugin.errors import UserError
+from dynmo_plugin.layout import Layout
 
-__all__ = ["save_checkpoint", "read_meta", "load_checkpoint", "CheckpointError", "FORMAT"]
+__all__ = ["save_checkpoint", "read_meta", "load_checkpoint", "resume_layout", "CheckpointError",
+           "FORMAT"]
 
 FORMAT = "dynmo-dist-ckpt/1"
 _LATEST = "latest_checkpointed_iteration.txt"
@@ -39,9 +41,11 @@ def _iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _frozen_names(model) -> list[str]:
+def _frozen_names(trainer) -> list[str]:
+    """Global names of the rank's frozen parameters, over every model chunk."""
     from dynmo_plugin.megatron.model import global_named_parameters
-    return sorted(name for name, p in global_named_parameters(model) if not p.requires_grad)
+    return sorted(name for chunk in trainer.chunks
+                  for name, p in global_named_parameters(chunk) if not p.requires_grad)
 
 
 def _one_line(e: BaseException, frames=None) -> str:
@@ -99,7 +103,7 @@ def save_checkpoint(root: str, iteration: int, trainer, control, meta: dict) -> 
         except OSError as e:
             error = f"cannot create {tmp}: {e}"
     _agree_or_raise(control, error, "checkpoint-mkdir", iteration)
-    frozen = sorted(set().union(*control.all_gather(_frozen_names(trainer.model), "checkpoint-frozen")))
+    frozen = sorted(set().union(*control.all_gather(_frozen_names(trainer), "checkpoint-frozen")))
     for phase, step in (("checkpoint-checked", lambda: check_sharding(state, False)),  # rank 0 raises
                         ("checkpoint-saved", lambda: save_sharded(state, tmp))):
         error = None
@@ -111,7 +115,7 @@ def save_checkpoint(root: str, iteration: int, trainer, control, meta: dict) -> 
         _agree_or_raise(control, error, phase, iteration)
     if d.rank == 0:
         full = {"format": FORMAT, "iteration": iteration, "layout": str(trainer.layout),
-                "pp": d.pp, "tp": d.tp, "dp": d.dp, "frozen": frozen,
+                "pp": d.pp, "vp": trainer.layout.num_chunks, "tp": d.tp, "dp": d.dp, "frozen": frozen,
                 "scheduler": {"num_steps": trainer.scheduler.num_steps}, **meta}
         _write_atomic(os.path.join(tmp, "meta.json"), json.dumps(full, indent=1))
         shutil.rmtree(final, ignore_errors=True)
@@ -119,6 +123,25 @@ def save_checkpoint(root: str, iteration: int, trainer, control, meta: dict) -> 
         _write_atomic(os.path.join(root, _LATEST), str(iteration))
     control.agree(None, "checkpoint-done")
     return final
+
+
+def resume_layout(meta: dict, pp: int, v: int, num_layers: int) -> Optional[Layout]:
+    """The layout a resumed run takes from its checkpoint when no layout flag is given:
+    the one a checkpoint repack chose, else the saved one (a rebalanced run resumes
+    rebalanced), if it has this run's `pp x v` (virtual) stages, whatever pp and v it was
+    saved with: a layout string lists (virtual) stages in layer order, so one of 4 stages
+    is a split for pp=4 as for pp=2 x v=2. None when neither fits (the caller takes
+    Megatron's uniform split, as for a changed pipeline size); logged on rank 0."""
+    stages = pp * v
+    nxt = meta.get("next")
+    for text in ([nxt["layout"]] if nxt else []) + [meta["layout"]]:
+        layout = Layout.parse(text, None, num_layers)
+        if layout.num_stages == stages:
+            return Layout(layout.counts, v)
+    logger.info("saved layout %s has %d (virtual) stages, this run has pp x v = %d x %d = %d: "
+                "starting from the uniform split", meta["layout"], Layout.parse(meta["layout"]).num_stages,
+                pp, v, stages)
+    return None
 
 
 def read_meta(root: str, resume_if_absent: bool = False) -> Optional[dict]:
@@ -161,6 +184,21 @@ def read_meta(root: str, resume_if_absent: bool = False) -> Optional[dict]:
     return meta
 
 
+def _freeze(trainer, frozen: set) -> None:
+    """Collective: freeze the parameters named `frozen` (global names) in every model
+    chunk and rebuild each chunk's DDP and the one optimizer without them."""
+    from dynmo_plugin.megatron.migrate import retire_ddp
+    from dynmo_plugin.megatron.model import global_named_parameters
+    for chunk in trainer.chunks:
+        for name, p in global_named_parameters(chunk):
+            p.requires_grad_(name not in frozen)
+    for ddp in trainer.ddps:
+        retire_ddp(ddp)
+    ddps = [trainer.build_ddp(c) for c in range(len(trainer.chunks))]
+    ddp = ddps if len(ddps) > 1 else ddps[0]
+    trainer.install_wrappers(ddp, trainer.build_optimizer(ddp))
+
+
 def load_checkpoint(root: str, meta: dict, trainer, control) -> None:
     """Collective: restore the stage's weights, frozen flags and optimizer state.
 
@@ -174,15 +212,9 @@ def load_checkpoint(root: str, meta: dict, trainer, control) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from dynmo_plugin.megatron.dist_ckpt import check_sharding, load_sharded, sharded_state
-    from dynmo_plugin.megatron.migrate import retire_ddp
-    from dynmo_plugin.megatron.model import global_named_parameters
     frozen = set(meta.get("frozen", []))
     if frozen:
-        for name, p in global_named_parameters(trainer.model):
-            p.requires_grad_(name not in frozen)
-        retire_ddp(trainer.ddp)
-        ddp = trainer.build_ddp()
-        trainer.install_wrappers(ddp, trainer.build_optimizer(ddp))
+        _freeze(trainer, frozen)
     directory, built = _iter_dir(root, meta["iteration"]), []
     steps = (("checkpoint-built", lambda: built.append(sharded_state(trainer, loading=True))),
              ("checkpoint-checked", lambda: check_sharding(built[0], True)),  # rank 0 raises

@@ -113,8 +113,7 @@ def sharded_state(trainer, loading: bool) -> dict:
     rows 0-1 of `optimizer.state.exp_avg.decoder...` and Megatron's sharding check
     fails, on rank 0 only. So a frozen parameter's state is written as zeros, and read
     back into throw-away zeros: a placeholder no optimizer uses."""
-    model = trainer.model.sharded_state_dict()
-    _masks_follow_weights(model)
+    model = _model_state(trainer)
     if loading:
         _init_adam_state(trainer.optimizer)
     optimizer = trainer.optimizer.sharded_state_dict(model, is_loading=loading,
@@ -122,6 +121,18 @@ def sharded_state(trainer, loading: bool) -> dict:
     state = {"model": model, "optimizer": optimizer}
     state["frozen_optimizer_state"] = _frozen_placeholders(trainer, state)
     return state
+
+
+def _model_state(trainer) -> dict:
+    """The model's sharded state dict; interleaved, one per model chunk under
+    `chunk<c>`. The grouping is local only: each chunk keys its tensors by global layer
+    (Megatron offsets a chunk's layers by its `vp_stage`), the checkpoint keeps only
+    those keys and no model entry outside them (common.pt holds optimizer entries), so
+    a checkpoint saved under any number of chunks loads into any other."""
+    states = [chunk.sharded_state_dict() for chunk in trainer.chunks]
+    for state in states:
+        _masks_follow_weights(state)
+    return states[0] if len(states) == 1 else {f"chunk{c}": s for c, s in enumerate(states)}
 
 
 def check_sharding(state: dict, loading: bool) -> None:
@@ -150,7 +161,7 @@ def _frozen_placeholders(trainer, state: dict) -> dict:
     sharded as Megatron keys a trainable parameter's (`optimizer.state.<kind>.<model
     key>`, the model tensor's replica id: one writer). Kinds: those this rank's
     optimizer holds, else what Adam holds under this configuration."""
-    frozen = {id(p) for p in trainer.model.parameters() if not p.requires_grad}
+    frozen = {id(p) for chunk in trainer.chunks for p in chunk.parameters() if not p.requires_grad}
     if not frozen:
         return {}
     kinds = sorted({t.key.split(".")[2] for t in _sharded_tensors(state["optimizer"])
@@ -161,13 +172,23 @@ def _frozen_placeholders(trainer, state: dict) -> dict:
             ("fp32_param",) if args.bf16 or args.fp16 else ())
         kinds = ["exp_avg", "exp_avg_sq", *extra]
     out = {}
-    for key, model_tensor in state["model"].items():
-        if isinstance(model_tensor, ShardedTensor) and id(model_tensor.data) in frozen:
+    for key, model_tensor in _sharded_items(state["model"]):
+        if id(model_tensor.data) in frozen:
             for kind in kinds:
                 zeros = torch.zeros(model_tensor.local_shape, dtype=torch.float32)
                 out[f"{kind}.{key}"] = make_sharded_optimizer_tensor(
                     model_tensor, zeros, prefix=f"optimizer.state.{kind}")
     return out
+
+
+def _sharded_items(value, prefix: str = ""):
+    """(dotted path, ShardedTensor) for every ShardedTensor in a nested dict: the path
+    is unique on the rank where sharded keys are not (a chunk's layers share theirs)."""
+    for k, v in value.items():
+        if isinstance(v, ShardedTensor):
+            yield f"{prefix}{k}", v
+        elif isinstance(v, dict):
+            yield from _sharded_items(v, f"{prefix}{k}.")
 
 
 def _sharded_tensors(value):
@@ -190,7 +211,10 @@ def load_sharded(trainer, state: dict, directory: str) -> None:
     (frozen ones excluded): the optimizer state is matched to its parameters by model key.
     """
     loaded = dist_checkpointing.load(state, str(Path(directory)), validate_access_integrity=False)
-    trainer.model.load_state_dict(loaded["model"], strict=True)
+    chunks = trainer.chunks
+    for c, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded["model"] if len(chunks) == 1 else loaded["model"][f"chunk{c}"],
+                              strict=True)
     _load_optimizer(trainer.optimizer, loaded["optimizer"])
 
 
@@ -219,8 +243,8 @@ def _load_optimizer(optimizer, state: dict) -> None:
         opt.load_state_dict(part)  # param groups, step, grad scaler; placeholder tensors
         steps = {p: s.pop("step") for p, s in opt.optimizer.state.items() if "step" in s}
         opt.load_parameter_state_from_fully_reshardable(param_state)
-        for p, step in steps.items():
-            opt.optimizer.state[p]["step"] = step
+        for p, step in steps.items():  # Megatron set ONE tensor for all: Adam would add
+            opt.optimizer.state[p]["step"] = step.clone()  # 1 to it once per parameter
 
 
 def read_tensors(directory: str) -> dict:
