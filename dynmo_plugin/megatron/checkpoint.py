@@ -73,10 +73,21 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _agree_or_raise(control, error: Optional[str], phase: str, iteration: int) -> None:
-    ok, error = control.agree(error, phase)
-    if not ok:
-        raise CheckpointError(f"checkpoint at iteration {iteration} not written: {error}")
+def _agreed_steps(control, steps, failed: str) -> None:
+    """Run each (phase, step) on every rank with an agreement after each: a step that
+    failed on one rank raises CheckpointError(f"{failed} ({first line})") on every rank,
+    rather than leaving the others alone inside the next collective."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    for phase, step in steps:
+        error = None
+        try:
+            step()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn it
+            logger.debug("%s failed", phase, exc_info=True)
+            error = _one_line(e)
+        ok, error = control.agree(error, phase)
+        if not ok:
+            raise CheckpointError(f"{failed} ({error})")
 
 
 def save_checkpoint(root: str, iteration: int, trainer, control, meta: dict) -> str:
@@ -85,34 +96,22 @@ def save_checkpoint(root: str, iteration: int, trainer, control, meta: dict) -> 
     Raises:
         CheckpointError: on every rank, if any rank failed to write its part.
     """
-    from torch.distributed.checkpoint.api import CheckpointException
-
     from dynmo_plugin.megatron.dist_ckpt import check_sharding, save_sharded, sharded_state
     d = trainer.dims
     final, tmp = _iter_dir(root, iteration), _iter_dir(root, iteration) + ".tmp"
-    state, error = None, None
-    try:  # local, before any collective: an error here must not strand the other ranks
-        state = sharded_state(trainer, loading=False)
-    except Exception as e:  # noqa: BLE001 - every rank must learn it
-        logger.debug("building the sharded state failed", exc_info=True)
-        error = f"building the sharded state: {_one_line(e)}"
-    if d.rank == 0 and error is None:
-        try:
+    built = []
+
+    def build() -> None:  # local, before any collective
+        built.append(sharded_state(trainer, loading=False))
+        if d.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-        except OSError as e:
-            error = f"cannot create {tmp}: {e}"
-    _agree_or_raise(control, error, "checkpoint-mkdir", iteration)
+
+    _agreed_steps(control, (("checkpoint-built", build),
+                            ("checkpoint-checked", lambda: check_sharding(built[0], False)),
+                            ("checkpoint-saved", lambda: save_sharded(built[0], tmp))),
+                  f"checkpoint at iteration {iteration} not written")
     frozen = sorted(set().union(*control.all_gather(_frozen_names(trainer), "checkpoint-frozen")))
-    for phase, step in (("checkpoint-checked", lambda: check_sharding(state, False)),  # rank 0 raises
-                        ("checkpoint-saved", lambda: save_sharded(state, tmp))):
-        error = None
-        try:
-            step()
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn it
-            logger.debug("%s of %s failed", phase, tmp, exc_info=True)
-            error = _one_line(e)
-        _agree_or_raise(control, error, phase, iteration)
     if d.rank == 0:
         full = {"format": FORMAT, "iteration": iteration, "layout": str(trainer.layout),
                 "pp": d.pp, "vp": trainer.layout.num_chunks, "tp": d.tp, "dp": d.dp, "frozen": frozen,
@@ -209,23 +208,13 @@ def load_checkpoint(root: str, meta: dict, trainer, control) -> None:
         CheckpointError: on every rank, when the sharded data cannot be read or does not
             fit this model (one line: the first line of Megatron's message).
     """
-    from torch.distributed.checkpoint.api import CheckpointException
-
     from dynmo_plugin.megatron.dist_ckpt import check_sharding, load_sharded, sharded_state
     frozen = set(meta.get("frozen", []))
     if frozen:
         _freeze(trainer, frozen)
     directory, built = _iter_dir(root, meta["iteration"]), []
-    steps = (("checkpoint-built", lambda: built.append(sharded_state(trainer, loading=True))),
-             ("checkpoint-checked", lambda: check_sharding(built[0], True)),  # rank 0 raises
-             ("checkpoint-loaded", lambda: load_sharded(trainer, built[0], directory)))
-    for phase, step in steps:  # each agreed on: no rank may go on into a collective alone
-        error = None
-        try:
-            step()
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line for the user
-            logger.debug("%s of %s failed", phase, directory, exc_info=True)
-            error = _one_line(e)
-        ok, error = control.agree(error, phase)
-        if not ok:
-            raise CheckpointError(f"{directory}: cannot load ({error})")
+    _agreed_steps(control, (
+        ("checkpoint-built", lambda: built.append(sharded_state(trainer, loading=True))),
+        ("checkpoint-checked", lambda: check_sharding(built[0], True)),  # rank 0 raises
+        ("checkpoint-loaded", lambda: load_sharded(trainer, built[0], directory))),
+        f"{directory}: cannot load")
