@@ -143,7 +143,7 @@ def mix_adjusted_profile(profile, layer_models: dict, window_mix: tuple, expecte
         model = layer_models.get(x.layer)
         r = _mean_cost(model, expected_mix) / _mean_cost(model, window_mix) if model else 1.0
         layers.append(dataclasses.replace(x, fwd_s=x.fwd_s * r, bwd_s=x.bwd_s * r))
-    return type(profile)(layers=layers, stages=list(profile.stages))
+    return dataclasses.replace(profile, layers=layers, stages=list(profile.stages))
 
 
 def mix_adjuster(stream_of: Callable):
