@@ -5,7 +5,9 @@ chunks and ranks.
 Under interleaving Megatron calls the forward step once per (micro-batch, chunk): every
 chunk must read the same packed micro-batch, in order (StageTrainer.train_step gives each
 chunk its own iterator over one list). One torchrun pair: the interleaved run with moves
-against the never-moved 1F1B run (as tests/test_interleaved_migration.py does)."""
+against the never-moved 1F1B run (as tests/test_interleaved_migration.py does); both fit
+the data cost model from the profiler (data.calibration), which must time the layers of
+every chunk."""
 import argparse
 
 import pytest
@@ -16,7 +18,8 @@ MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4
          "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
          "--train-iters", "6", "--lr", "3e-3", "--seed", "11", "--dynmo", "--test-dump-params",
          "--pipeline-model-parallel-size", "2",
-         "--data-documents", "lognormal", "--data-lognormal-median", "24"]
+         "--data-documents", "lognormal", "--data-lognormal-median", "24",
+         "--data-cost-model", "knapformer"]  # fitted at iterations 1-2; sequential packing ignores it
 INTERLEAVED = MODEL + ["--num-virtual-stages-per-pipeline-rank", "2"]
 # Start Ett|tt|tt|ttL; iteration 3: layer 2 chunk 0 -> 1 of rank 0 (local), 3, 4, 7 to rank 0;
 # iteration 5: back to a balanced layout with local and cross-rank moves.
@@ -58,5 +61,7 @@ def test_interleaved_packed_documents_equal_1f1b(tmp_path_factory):
     applied = [e["layout_after"] for e in il["events"] if e["kind"] == "rebalance" and e["applied"]]
     assert applied == ["Et||tttttt|tL", "Ettt|t|tt|ttL"]
     assert il["initial_layout"] == "Ett|tt|tt|ttL" and ref["layout"] == "Etttt|ttttL"
+    fit = [e for e in il["events"] if e["kind"] == "data_cost_fit"]
+    assert sorted(map(int, fit[0]["per_layer_knapformer"])) == list(range(1, 9))  # every chunk's
     assert_same_training(ref_dir, ref, il_dir, il, range(2))
     assert len(losses(il)) == 6

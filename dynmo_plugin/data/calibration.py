@@ -2,7 +2,7 @@
 
 For the first `iterations` iterations, the profiler's probe (megatron.probe.StageProbe:
 the hooks a profile window uses, without activation accounting) times every decoder
-layer of this stage per micro-batch; each time is paired with the document lengths of
+layer of this stage (interleaved: of every model chunk of the rank) per micro-batch; each time is paired with the document lengths of
 that micro-batch from the stream's plan. The samples of every rank go to rank 0, which
 fits the three forms of data.cost_model on all layers' samples pooled (`fit_all`:
 KnapFormer, AdaptiveLoad, token count, each with its held-out error) and KnapFormer per
@@ -36,7 +36,7 @@ class CostCalibration:
     def __init__(self, form: str, iterations: int, start_iteration: int):
         self.form, self.first = form, start_iteration + 1
         self.last = start_iteration + iterations
-        self.probe = None
+        self.probes: list = []  # one StageProbe per model chunk (interleaved: v of them)
         self.shapes: list[tuple[list[int], int]] = []  # per micro-batch: (lengths, positions)
         self.done = False
 
@@ -55,25 +55,29 @@ class CostCalibration:
             return
         from dynmo_plugin.megatron.probe import StageProbe
         from dynmo_plugin.profiling.clock import clock_for
-        self.probe = StageProbe(trainer.model, clock_for(trainer.dims.device), count_activations=False)
-        self.probe.attach()
+        clock = clock_for(trainer.dims.device)  # every chunk's layers (interleaved: v chunks)
+        self.probes = [StageProbe(chunk, clock, count_activations=False) for chunk in trainer.chunks]
+        for probe in self.probes:
+            probe.attach()
 
     def after_step(self, trainer, control, iteration: int) -> Optional[dict]:
         """The fit's report record after the last calibration iteration (every rank
         calls it at the same iteration), else None."""
-        if self.probe is None:
+        if not self.probes:
             return None
-        self.probe.end_iteration()
+        for probe in self.probes:
+            probe.end_iteration()
         plan = trainer.data.plan(iteration)
         self.shapes += [trainer.data.cost_shape(mb[trainer.dims.dp_rank]) for mb in plan.lengths]
         if iteration < self.last:
             return None
-        probe, self.probe, self.done = self.probe, None, True
-        probe.detach()
+        probes, self.probes, self.done = self.probes, [], True
+        for probe in probes:
+            probe.detach()
         lengths, tokens = [s for s, _ in self.shapes], [t for _, t in self.shapes]
         local = {layer.layer_number: samples_from_probe(probe.samples, layer.layer_number,
                                                         lengths, tokens)
-                 for layer in probe.layers}
+                 for probe in probes for layer in probe.layers}
         gathered = control.all_gather(local, "data-cost-samples")
         hidden = trainer.args.hidden_size
         record = control.decide(lambda: fit_record(gathered, self.form, hidden, iteration),
@@ -90,9 +94,9 @@ class CostCalibration:
 
     def cancel(self) -> None:
         """Stop timing without fitting (the stage was rebuilt, e.g. by a repack)."""
-        if self.probe is not None:
-            self.probe.detach()
-        self.probe, self.done = None, True
+        for probe in self.probes:
+            probe.detach()
+        self.probes, self.done = [], True
 
 
 def fit_record(gathered: list[dict[int, list[CostSample]]], form: str, hidden: int,
