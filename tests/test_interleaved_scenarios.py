@@ -60,15 +60,31 @@ def _config(argv):
 
 
 @pytest.mark.parametrize("kind", ["layer_freezing", "gradual_pruning", "moe",
-                                  "mixture_of_depths", "sparse_attention"])
-def test_layer_local_scenarios_are_accepted_with_virtual_stages(kind):
+                                  "mixture_of_depths", "sparse_attention", "early_exit"])
+def test_scenarios_are_accepted_with_virtual_stages(kind):
     assert _config(["--dynmo-dynamism", kind]).dynmo.dynamism.kind == kind
 
 
-def test_early_exit_is_refused_by_name_with_virtual_stages():
-    from dynmo_plugin.config import ConfigError
-    with pytest.raises(ConfigError, match=r"does not support the early_exit scenario .*no decoder layer"):
-        _config(["--dynmo-dynamism", "early_exit"])
+# ---- early exit ------------------------------------------------------------------------------
+EARLY_EXIT = ["--vocab-size", "16", "--dynmo-dynamism", "early_exit",
+              "--dynmo-early-exit-threshold", "0.1", "--dynmo-early-exit-start", "2",
+              "--dynmo-early-exit-interval", "2", "--dynmo-early-exit-min-layer", "2",
+              "--dynmo-forced-layouts", "5:E|ttttt|t|ttL", "--dynmo-min-gain", "1e9"]
+
+
+@pytest.mark.multiproc
+def test_early_exit_trains_through_a_layer_less_virtual_stage(tmp_path):
+    """Tokens exit, and a forced move empties virtual stage 0 (rank 0's chunk 0 keeps only
+    the embedding): its boundary carries the exit-flag rows like every other one. Before
+    the embedding appended them, Megatron's pp = 2 shape exchange swapped the [s, b, h]
+    and [s + R, b, h] shapes and gloo failed ("Received data size doesn't match")."""
+    report = worker(2, MODEL + EARLY_EXIT, tmp_path)
+    moved = [e for e in report["events"] if e["kind"] == "rebalance" and e["applied"]]
+    assert [(e["iteration"], e["layout_after"]) for e in moved] == [(5, "E|ttttt|t|ttL")], moved
+    exits = [e for e in report["events"] if e["kind"] == "dynamism"]
+    assert any(max(e["detail"]["exit_fraction"].values()) > 0 for e in exits if e["iteration"] > 5), exits
+    assert sorted(exits[-1]["detail"]["exit_fraction"]) == [str(n) for n in range(1, 9)]
+    assert len(losses(report)) == 9
 
 
 # ---- layer freezing --------------------------------------------------------------------------
