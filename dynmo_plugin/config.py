@@ -872,17 +872,13 @@ def _check_dynamism(cfg: RunConfig, given: dict[str, str]) -> None:
 def _check_interleaved(cfg: RunConfig, where: str) -> None:
     """What an interleaved (virtual) pipeline supports so far: training (fp32, bf16/fp16,
     the distributed optimizer), profiling, profiled rebalancing, forced layouts
-    (migration across chunks and ranks), five of the six scenarios, checkpoints and
-    packed documents. The rest is refused by name."""
+    (migration across chunks and ranks), the six scenarios, checkpoints and packed
+    documents. The rest is refused by name."""
     v = cfg.model.num_virtual_stages_per_pipeline_rank
     if v == 1:
         return
     d = cfg.dynmo
     refused = [name for name, on in (
-        ("the early_exit scenario (--dynmo-dynamism early_exit: its exit-flag rows change "
-         "the activations' shape between stages, and Megatron's interleaved schedule "
-         "crashed on mismatched shapes when a virtual stage held no decoder layer)",
-         d.dynamism.kind == "early_exit"),
         ("repacking (--dynmo-repack)", d.repack.enabled),
         ("adaptive batching (--data-batching adaptive: its micro-batches change shape, and "
          "under Megatron's interleaved schedule the p2p shape exchange crashed on gloo with "

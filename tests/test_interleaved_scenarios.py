@@ -4,7 +4,7 @@ A scenario walks the rank's decoder layers over every model chunk (`StageTrainer
 so its events see layers of both chunks; the events feed the profiled rebalance, whose
 migrations move layers (with the scenario's per-layer state) across chunks and ranks.
 
-Two torchrun runs, 8 layers from `Ett|tt|tt|ttL` (rank 0: layers 1, 2 and 5, 6; rank 1:
+Three torchrun runs, 8 layers from `Ett|tt|tt|ttL` (rank 0: layers 1, 2 and 5, 6; rank 1:
 3, 4 and 7, 8):
 - layer_freezing: layers 1-5 freeze at iteration 6 (chunk 0 of both ranks and chunk 1 of
   rank 0); the event's profiled rebalance moves frozen layers to the other rank; the
@@ -13,6 +13,8 @@ Two torchrun runs, 8 layers from `Ett|tt|tt|ttL` (rank 0: layers 1, 2 and 5, 6; 
 - moe: MoE layers 1, 3, 5, 7 (one per virtual stage); every event counts the tokens of
   all four, before and after a forced migration that moves MoE layers 3 and 7 across
   ranks (the gate refuses the events' own plans, so the layouts are known).
+- early_exit: tokens exit, and a forced move empties virtual stage 0 (embedding only);
+  training goes on (bit-exact with 1F1B, checked by hand: docs/interleaved.md).
 If a scenario saw chunk 0 only, layer 5 would not freeze (and layers 5-8 would not be
 measured), and MoE layers 5 and 7 would be missing from the counts: both tests fail,
 checked by hand. Freezing the embedding of chunk 0 alone (not the tied output weight of
@@ -20,7 +22,7 @@ rank 1's last chunk) made the freezing run hang until the launcher's timeout: ch
 hand too; the final tied copies are compared (launch.load_params).
 
 Not asserted here: that these runs train bit-for-bit like the same scenario under plain
-1F1B. They do (checked by hand for all five enabled scenarios, losses and final
+1F1B. They do (checked by hand for all six scenarios, losses and final
 parameters equal, docs/interleaved.md), but each comparison costs a third torchrun run,
 and the interleaved schedule's equality with 1F1B is tested already
 (test_interleaved_migration.py, test_interleaved_rebalance.py).
@@ -60,15 +62,31 @@ def _config(argv):
 
 
 @pytest.mark.parametrize("kind", ["layer_freezing", "gradual_pruning", "moe",
-                                  "mixture_of_depths", "sparse_attention"])
-def test_layer_local_scenarios_are_accepted_with_virtual_stages(kind):
+                                  "mixture_of_depths", "sparse_attention", "early_exit"])
+def test_scenarios_are_accepted_with_virtual_stages(kind):
     assert _config(["--dynmo-dynamism", kind]).dynmo.dynamism.kind == kind
 
 
-def test_early_exit_is_refused_by_name_with_virtual_stages():
-    from dynmo_plugin.config import ConfigError
-    with pytest.raises(ConfigError, match=r"does not support the early_exit scenario .*no decoder layer"):
-        _config(["--dynmo-dynamism", "early_exit"])
+# ---- early exit ------------------------------------------------------------------------------
+EARLY_EXIT = ["--vocab-size", "16", "--dynmo-dynamism", "early_exit",
+              "--dynmo-early-exit-threshold", "0.1", "--dynmo-early-exit-start", "2",
+              "--dynmo-early-exit-interval", "2", "--dynmo-early-exit-min-layer", "2",
+              "--dynmo-forced-layouts", "5:E|ttttt|t|ttL", "--dynmo-min-gain", "1e9"]
+
+
+@pytest.mark.multiproc
+def test_early_exit_trains_through_a_layer_less_virtual_stage(tmp_path):
+    """Tokens exit, and a forced move empties virtual stage 0 (rank 0's chunk 0 keeps only
+    the embedding): its boundary carries the exit-flag rows like every other one. Before
+    the embedding appended them, Megatron's pp = 2 shape exchange swapped the [s, b, h]
+    and [s + R, b, h] shapes and gloo failed ("Received data size doesn't match")."""
+    report = worker(2, MODEL + EARLY_EXIT, tmp_path)
+    moved = [e for e in report["events"] if e["kind"] == "rebalance" and e["applied"]]
+    assert [(e["iteration"], e["layout_after"]) for e in moved] == [(5, "E|ttttt|t|ttL")], moved
+    exits = [e for e in report["events"] if e["kind"] == "dynamism"]
+    assert any(max(e["detail"]["exit_fraction"].values()) > 0 for e in exits if e["iteration"] > 5), exits
+    assert sorted(exits[-1]["detail"]["exit_fraction"]) == [str(n) for n in range(1, 9)]
+    assert len(losses(report)) == 9
 
 
 # ---- layer freezing --------------------------------------------------------------------------

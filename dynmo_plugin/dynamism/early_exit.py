@@ -62,8 +62,8 @@ class EarlyExit(Scenario):
 
     def attach(self, runtime: Runtime) -> None:
         super().attach(runtime)
-        # Stage boundaries carry [s + R, b, h] (the exit flags ride in R extra rows), and
-        # with empty stages a boundary may carry [s, b, h]: let Megatron's p2p send shapes.
+        # Every stage boundary carries [s + R, b, h] (the exit flags ride in R extra rows,
+        # `attach_carrier`), not Megatron's [s, b, h]: let its p2p send shapes.
         runtime.trainer.config.variable_seq_lengths = True
 
     def _layers(self):
@@ -86,6 +86,10 @@ class EarlyExit(Scenario):
         self._bind()
 
     def _bind(self) -> None:
+        from dynmo_plugin.megatron.early_exit_layer import attach_carrier
+        t = self.runtime.trainer
+        for chunk in t.chunks:  # idempotent; a rebuilt trainer (repack) gets new chunks
+            attach_carrier(chunk, t.args.seq_length)
         for layer in self._layers():
             layer.exit_context = self._context
             layer.reset_exit_stats()

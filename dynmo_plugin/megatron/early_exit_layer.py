@@ -10,11 +10,16 @@ cross-entropy against the labels (`exit loss`), which reaches backward through
 `_AttachLoss` on the layer's output; the reported LM loss is unchanged.
 
 Which tokens have exited travels WITH the activation, so it crosses pipeline stages
-whatever the layout: global layer 1 appends `carrier_rows(s, h)` rows to the
-[s, b, h] hidden states holding one flag per token, every layer reads and updates
-them, and global layer N strips them again. Inter-stage tensors are therefore
-[s + R, b, h]; the trainer's config must communicate shapes
-(`variable_seq_lengths=True`), which the scenario sets. The decision is a function
+whatever the layout: the embedding's output gets `carrier_rows(s, h)` zero rows
+appended to its [s, b, h] hidden states, holding one flag per token (`attach_carrier`
+hooks the model), every layer reads and updates them, and the final LayerNorm's input
+drops them again. EVERY inter-stage tensor is therefore [s + R, b, h], whatever the
+layout (a stage holding only the embedding or only the output layer included). One
+shape everywhere is what Megatron's interleaved schedule needs: it receives a
+chunk's activation and the next chunk's gradient in one call, and with pp = 2 (both
+neighbours the same rank) its shape exchange (`variable_seq_lengths=True`, which the
+scenario sets) pairs the two shape messages in posting order, so two different
+shapes got swapped (gloo: "Received data size doesn't match expected size"). The decision is a function
 of the layer's own inputs and parameters only, so it is the same on any pipeline
 split and moves with the layer in a migration (the head is a submodule: its
 weights, gradients and Adam state move too).
@@ -40,7 +45,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-__all__ = ["ExitContext", "ExitHead", "EarlyExitLayer", "early_exit_spec", "carrier_rows",
+__all__ = ["ExitContext", "ExitHead", "EarlyExitLayer", "early_exit_spec", "attach_carrier",
+           "carrier_rows",
            "encode_exited", "decode_exited"]
 
 
@@ -142,11 +148,7 @@ class EarlyExitLayer(TransformerLayer):
         self._calls += 1
         hidden = kwargs.pop("hidden_states")
         s, h = ctx.seq_length, self.config.hidden_size
-        if self.layer_number == 1:
-            x = hidden
-            exited = torch.zeros(s, hidden.shape[1], dtype=torch.bool, device=hidden.device)
-        else:
-            x, exited = hidden[:s], decode_exited(hidden[s:], s)
+        x, exited = hidden[:s], decode_exited(hidden[s:], s)
         active = ~exited
         counts = active.sum(0)
         self.tokens_seen += exited.numel()
@@ -155,8 +157,6 @@ class EarlyExitLayer(TransformerLayer):
             out, context, exited_after = x, kwargs.get("context"), exited
         else:
             out, context, exited_after = self._run_active(x, exited, active, counts, mb, kwargs)
-        if self.layer_number == self.config.num_layers:
-            return out, context
         carrier = encode_exited(exited_after, h, out.dtype)
         return torch.cat([out, carrier], dim=0), context
 
@@ -218,6 +218,31 @@ def _gather_mask(mask: Optional[torch.Tensor], idx: torch.Tensor, valid: torch.T
     out = out | ~valid.T[:, None, None, :]
     eye = torch.eye(c, dtype=torch.bool, device=idx.device)
     return torch.where(~valid.T[:, None, :, None], ~eye, out)
+
+
+def attach_carrier(model, seq_length: int) -> None:
+    """Hook a GPTModel chunk so every stage boundary carries [s + R, b, h]: the
+    embedding (first stage) appends R zero rows (no token has exited), the final
+    LayerNorm (last stage) drops the rows before the output layer. Idempotent (a
+    chunk already hooked is left alone)."""
+    if getattr(model, "_dynmo_exit_carrier", False):
+        return
+    embedding = getattr(model, "embedding", None) if getattr(model, "pre_process", False) else None
+    if embedding is not None:
+        def add_rows(_module, _inputs, out):
+            rows = carrier_rows(seq_length, out.shape[2])
+            return torch.cat([out, out.new_zeros(rows, out.shape[1], out.shape[2])], dim=0)
+        embedding.register_forward_hook(add_rows)
+    if getattr(model, "post_process", False):
+        norm = model.decoder.final_layernorm
+        if norm is None:
+            raise ValueError("early exit strips its exit-flag rows at the final LayerNorm; this "
+                             "model has none on its last stage (keep the final layer norm on)")
+
+        def drop_rows(_module, args):
+            return (args[0][:seq_length],) + tuple(args[1:])
+        norm.register_forward_pre_hook(drop_rows)
+    model._dynmo_exit_carrier = True
 
 
 def early_exit_spec(spec: ModuleSpec, vocab_size: int) -> ModuleSpec:
