@@ -203,3 +203,16 @@ def test_aux_loss_gradient_reaches_training(half, tmp_path):
     plain = train(2, flags, tmp_path / "no_aux")
     assert losses(plain)[0] == losses(half)[0]
     assert losses(plain)[1] != losses(half)[1]
+
+
+def test_flop_fixed_tokens_is_the_calibration_fallback_split():
+    """When timing cannot tell full from quarter capacity, calibrate splits the layer's
+    time by matmul FLOPs: (8h^2 + 4sh + 2hE) / 4hf expert tokens per token (6hf gated)."""
+    from types import SimpleNamespace
+
+    from dynmo_plugin.megatron.moe_layer import flop_fixed_tokens
+    cfg = SimpleNamespace(hidden_size=32, moe_ffn_hidden_size=128, ffn_hidden_size=64,
+                          num_moe_experts=4, gated_linear_unit=False)
+    assert flop_fixed_tokens(cfg, 16) == (8 * 32 * 32 + 4 * 16 * 32 + 2 * 32 * 4) / (4 * 32 * 128)
+    gated = SimpleNamespace(**{**vars(cfg), "gated_linear_unit": True, "moe_ffn_hidden_size": None})
+    assert flop_fixed_tokens(gated, 16) == (8192 + 2048 + 256) / (6 * 32 * 64)

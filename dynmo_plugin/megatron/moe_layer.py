@@ -17,6 +17,7 @@ is a parameter of Megatron's own modules.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Optional
 
 import torch
@@ -25,7 +26,9 @@ from megatron.core.utils import get_pg_rank
 from megatron.core.transformer.transformer_layer import (TransformerLayer,
                                                          get_transformer_layer_offset)
 
-__all__ = ["MoeTransformerLayer", "moe_layer_spec"]
+__all__ = ["MoeTransformerLayer", "moe_layer_spec", "calibrate", "flop_fixed_tokens"]
+
+logger = logging.getLogger(__name__)
 
 
 class MoeTransformerLayer(TransformerLayer):
@@ -107,6 +110,16 @@ def _init_(layer, gen: torch.Generator, std: float = 0.02) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
+def flop_fixed_tokens(cfg, seq_length: int) -> float:
+    """An MoE layer's non-expert work per token, in units of one expert token's work, by
+    matmul FLOPs: QKV and output projections 8h^2, attention scores and values 4sh, router
+    2hE, against an expert's 4hf (6hf gated). What `calibrate` falls back to when timing
+    cannot tell full from quarter capacity (layers too small for the clock)."""
+    h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+    expert = (6 if cfg.gated_linear_unit else 4) * h * f
+    return (8 * h * h + 4 * seq_length * h + 2 * h * cfg.num_moe_experts) / expert
+
+
 def calibrate(trainer, moe_layers: tuple[int, ...], repeats: int = 3, rounds: int = 3,
               seed: int = 0) -> dict:
     """Time a throw-away MoE layer (and a dense one when some layer is dense) of this run's spec
@@ -167,6 +180,11 @@ def calibrate(trainer, moe_layers: tuple[int, ...], repeats: int = 3, rounds: in
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved_scale
     best = {name: min(v) for name, v in samples.items()}
     n_full, n_low = tokens["full"], tokens["quarter"]
-    per_token = max(best["full"] - best["quarter"], 0.0) / max(n_full - n_low, 1)
+    if best["full"] > best["quarter"] and n_full > n_low:
+        per_token = (best["full"] - best["quarter"]) / (n_full - n_low)
+    else:  # the clock could not resolve the slope (a tiny layer): split the full time
+        per_token = best["full"] / (flop_fixed_tokens(cfg, s) * s * b + n_full)
+        logger.warning("MoE calibration: full and quarter capacity timed alike (%.3g s, %.3g s); "
+                       "fixed part estimated from matmul FLOPs", best["full"], best["quarter"])
     return {"fixed_s": max(best["full"] - per_token * n_full, 0.0), "per_token_s": per_token,
             "dense_s": best.get("dense"), "tokens": s * b, "full_tokens": n_full, "low_tokens": n_low}
