@@ -11,13 +11,15 @@ import torch
 from launch import in_megatron_process
 
 
-def _optimizer(model):
+def _optimizer(model, distributed: bool = False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
     cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(), model)
-    return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), [ddp])
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distributed),
+                                  model)
+    return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0,
+                                                  use_distributed_optimizer=distributed), [ddp])
 
 
 def _check_carry(args):
@@ -54,5 +56,33 @@ def test_group_settings_and_loss_scaler_are_carried():
     in_megatron_process(_check_carry)
 
 
-def test_frozen_parameters_have_no_optimizer_state():
-    in_megatron_process(_check_frozen)
+def _check_lookup(args):
+    _check_frozen(args)
+    _check_pieces(args)
+
+
+def test_frozen_parameters_have_no_state_and_pruning_masks_plain_and_sharded_state():
+    in_megatron_process(_check_lookup)  # one spawned process for both (~10-20 s each)
+
+
+def _check_pieces(args):
+    """fp32 weights: the plain optimizer's one piece is keyed by the weight itself (no
+    master); the distributed one's (DP = 1: one shard of the whole buffer range) is a
+    1-D shard main param. Pruning's masking zeroes moments (and the shard) off the mask
+    in both."""
+    from dynmo_plugin.dynamism.gradual_pruning import _mask_optimizer_state
+    from dynmo_plugin.megatron.optim_state import local_state_pieces
+    for distributed in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        opt = _optimizer(model, distributed)
+        model(torch.randn(4, 8)).sum().backward()  # DDP's hooks fill main_grad
+        opt.step()
+        ((state, master, piece),) = local_state_pieces(opt, model.weight)
+        assert (piece.stop - piece.start, set(state)) == (64, {"exp_avg", "exp_avg_sq", "step"})
+        assert (master is None) != distributed and (not distributed or master.shape == (64,))
+        mask = torch.rand(8, 8) > 0.5
+        _mask_optimizer_state(opt, model.weight, mask)
+        off = ~mask.reshape(-1)[piece]
+        for t in [state["exp_avg"], state["exp_avg_sq"]] + ([master] if distributed else []):
+            assert not t.reshape(-1)[off].any() and t.reshape(-1)[~off].all()

@@ -155,19 +155,13 @@ class GradualPruning(Scenario):
 
     @torch.no_grad()
     def _apply(self, tau: float) -> None:
-        from dynmo_plugin.megatron.optim_state import state_owner
         optimizer = self.runtime.trainer.optimizer
         for _, _, module in self._linears():
             w, mask = module.weight, module.weight_mask
             mask &= magnitude_mask(w, tau)
             apply_mask_(w, mask)
             mask_grad_(w, mask)
-            owner = state_owner(optimizer, w)
-            if owner is not None:
-                inner, key = owner
-                if key is not w:  # fp32 master copy of a bf16/fp16 weight
-                    apply_mask_(key, mask)
-                zero_adam_state_(inner.state.get(key, {}), mask)
+            _mask_optimizer_state(optimizer, w, mask)
             module.refresh()
 
     def _mlp_pairs(self):
@@ -192,7 +186,6 @@ class GradualPruning(Scenario):
 
     @torch.no_grad()
     def _apply_structured(self, tau: float, scores: dict[int, torch.Tensor]) -> None:
-        from dynmo_plugin.megatron.optim_state import state_owner
         optimizer = self.runtime.trainer.optimizer
         for number, fc1, fc2 in self._mlp_pairs():
             keep = fc1.weight_mask.any(1) & (scores[number] >= tau)
@@ -204,12 +197,7 @@ class GradualPruning(Scenario):
             for w, mask in params:
                 apply_mask_(w, mask)
                 mask_grad_(w, mask)
-                owner = state_owner(optimizer, w)
-                if owner is not None:
-                    inner, key = owner
-                    if key is not w:
-                        apply_mask_(key, mask)
-                    zero_adam_state_(inner.state.get(key, {}), mask)
+                _mask_optimizer_state(optimizer, w, mask)
             fc1.refresh()
             fc2.refresh()
 
@@ -234,3 +222,18 @@ class GradualPruning(Scenario):
                     acc[i] += v
         per_layer = {n: round(v[0] / v[1], 6) for n, v in sorted(merged.items())}
         return per_layer, sorted(n for n, v in merged.items() if v[2])
+
+
+@torch.no_grad()
+def _mask_optimizer_state(optimizer, w: torch.nn.Parameter, mask: torch.Tensor) -> None:
+    """Zero the pruned entries of `w`'s fp32 master copy and Adam moments, for each piece
+    of them this rank holds: all of `w` with a plain optimizer, this DP rank's range of
+    the flattened `w` with the distributed optimizer (so the mask is flattened the same
+    way the gradient buffer flattens `w`). Without it Adam's history and the masters
+    drift at pruned positions (see zero_adam_state_)."""
+    from dynmo_plugin.megatron.optim_state import local_state_pieces
+    flat = mask.reshape(-1)
+    for state, master, piece in local_state_pieces(optimizer, w):
+        if master is not None:
+            apply_mask_(master, flat[piece])
+        zero_adam_state_(state, flat[piece])

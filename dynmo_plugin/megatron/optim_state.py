@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-__all__ = ["megatron_optimizers", "state_owner", "param_state", "state_nbytes",
+__all__ = ["megatron_optimizers", "state_owner", "param_state", "state_nbytes", "local_state_pieces",
            "carry_optimizer_state", "gather_param_states", "put_param_state"]
 
 # Keys that identify a Megatron param group (besides its position).
@@ -84,6 +84,30 @@ def state_nbytes(optimizer, param: torch.nn.Parameter) -> int:
                 state.append(main)
             return sum(t.numel() * t.element_size() for t in state)
     return sum(t.numel() * t.element_size() for t in param_state(optimizer, param).values())
+
+
+def local_state_pieces(optimizer, param: torch.nn.Parameter) -> Iterator[tuple[dict, Optional[torch.Tensor], slice]]:
+    """(state dict, master tensor or None, slice of the flattened `param`) for each piece of
+    `param`'s optimizer state held on THIS rank; local, no collective.
+
+    Plain optimizers give one piece covering all of `param` (master: the fp32 copy of a
+    bf16/fp16 weight, None for an fp32 one, whose state is keyed by `param` itself). The
+    DistributedOptimizer gives this DP rank's contiguous range of the flattened `param`
+    (its shard main param, a 1-D tensor of that range) or nothing where this rank owns no
+    piece. Masking code (pruning) cuts `mask.reshape(-1)[piece]` and needs no special
+    case for sharding. The state dict is empty before the first step."""
+    for opt in _distributed(optimizer):
+        shard = _shard(opt, param)
+        if shard is not None:
+            main, rng = shard
+            yield opt.optimizer.state.get(main, {}), main, slice(rng.start, rng.end)
+            return
+        if any(param in b.param_index_map for b in opt.buffers):
+            return  # managed here, but another DP rank owns all of it
+    owner = state_owner(optimizer, param)
+    if owner is not None:
+        inner, key = owner
+        yield inner.state.get(key, {}), (key if key is not param else None), slice(0, param.numel())
 
 
 # ---- the distributed optimizer: full state from shards and back ---------------------------
