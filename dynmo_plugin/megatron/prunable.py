@@ -77,7 +77,8 @@ class _MaskedLinear:
             return
         kept = int(mask.sum())
         self._sparsity = 1.0 - kept / mask.numel() if mask.numel() else 0.0
-        self._pattern = CsrPattern.from_mask(mask) if self._sparsity > self.sparse_threshold else None
+        sparse = self._sparsity > self.sparse_threshold and _csr_supported(self.weight)
+        self._pattern = CsrPattern.from_mask(mask) if sparse else None
         self._cache_key = key
 
     @property
@@ -103,6 +104,13 @@ class _MaskedLinear:
             input = copy_to_tensor_model_parallel_region(input, group=kwargs.get("tp_group"))
         return SparseLinearFunction.apply(input, weight, kwargs.get("bias"), self._pattern,
                                           self.chunk_rows)
+
+
+def _csr_supported(weight: torch.Tensor) -> bool:
+    """Whether torch has the CSR matmul for this weight: on CPU (MKL) only in fp32/fp64
+    (bf16/fp16 raise "addmm_out_sparse_csr_impl_mkl not implemented"); above the
+    threshold such a weight keeps the dense masked matmul."""
+    return weight.is_cuda or weight.dtype in (torch.float32, torch.float64)
 
 
 class PrunableColumnParallelLinear(_MaskedLinear, ColumnParallelLinear):
