@@ -26,6 +26,7 @@ MODEL = ["--num-layers", "12", "--hidden-size", "32", "--num-attention-heads", "
          "--dynmo-freezing-interval", "4", "--dynmo-freezing-threshold", "0.3",
          "--dynmo-profile-every", "4", "--test-dump-params"]
 ITERS = 32
+SAVED = 26  # the DynMo run's checkpoint: after the first freeze (24), before the second (28)
 
 
 # ---- pure decision logic ----------------------------------------------------------------------
@@ -50,12 +51,14 @@ def test_shards_summed_replicas_read_once():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """DynMo (exact balancer), static (uniform balancer: its plan is the uniform layout,
-    so nothing moves) and a static run that stops at the iteration of the first freeze."""
+    so nothing moves; saves a checkpoint at SAVED into <its dir>/ckpt) and a static run
+    that stops at the iteration of the first freeze."""
     out = {}
     for name, flags in [("dynmo", ["--dynmo-balancer", "exact", "--test-dump-ranks"]),
-                        ("static", ["--dynmo-balancer", "uniform"])]:
+                        ("static", ["--dynmo-balancer", "uniform", "--save-interval", str(SAVED)])]:
         path = tmp_path_factory.mktemp(name)
-        out[name] = (path, worker(2, MODEL + flags + ["--train-iters", str(ITERS)], path))
+        save = ["--save", str(path / "ckpt")] if name == "static" else []
+        out[name] = (path, worker(2, MODEL + flags + save + ["--train-iters", str(ITERS)], path))
     first = _freezes(out["dynmo"][1])[0]["iteration"]
     path = tmp_path_factory.mktemp("stop")
     out["stop"] = (path, worker(2, MODEL + ["--dynmo-balancer", "uniform",
@@ -140,6 +143,31 @@ def test_frozen_parameters_never_change(runs):
     assert [n for n in frozen_names if not torch.equal(at_freeze[n], end[n])] == []
     last = [n for n in end if n.startswith("decoder.layers.11.")]
     assert any(not torch.equal(at_freeze[n], end[n]) for n in last)  # the rest still trains
+
+
+@pytest.mark.multiproc
+def test_resumed_after_a_freeze_trains_on_exactly(runs, tmp_path):
+    """The static run's checkpoint after the first freeze, resumed: the frozen prefix
+    (the embedding, its tied copy on the last stage, and every layer of the first stage
+    under the uniform split Etttttt|ttttttL) comes back frozen, the scenario decides
+    the next freeze as the uninterrupted run did, and the losses and final parameters
+    are that run's to the last bit. A first stage with nothing to train holds no Adam
+    step, and rank 0 alone writes Megatron's common state: the step was missing from
+    the checkpoint and the resume failed (KeyError 'step') until ranks agreed on it."""
+    path, report = runs["static"]
+    ckpt = path / "ckpt"
+    meta = json.loads((ckpt / f"iter_{SAVED:07d}/meta.json").read_text())
+    assert meta["layout"] == "Etttttt|ttttttL"
+    first_stage = {f"decoder.layers.{n}." for n in range(6)} | {"embedding."}
+    assert {prefix for prefix in first_stage
+            if any(name.startswith(prefix) for name in meta["frozen"])} == first_stage
+    resumed = worker(2, MODEL + ["--dynmo-balancer", "uniform", "--train-iters", str(ITERS),
+                                 "--load", str(ckpt)], tmp_path)
+    assert [it["iteration"] for it in resumed["iterations"]] == list(range(SAVED + 1, ITERS + 1))
+    assert _decisions(resumed) == [d for d in _decisions(report) if d[0] > SAVED] != []
+    assert losses(resumed) == losses(report)[SAVED:]
+    pa, pb = load_params(tmp_path, range(2)), _params(path)
+    assert [n for n in pa if not torch.equal(pa[n], pb[n])] == []
 
 
 def test_shipped_config_is_valid():

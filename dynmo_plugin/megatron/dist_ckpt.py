@@ -123,6 +123,41 @@ def sharded_state(trainer, loading: bool) -> dict:
     return state
 
 
+def _step_holders(optimizer_state: dict) -> list[dict]:
+    """Per chained optimizer, the dict of `sharded_state` 's optimizer part that holds
+    Adam's step: `state` (its `common_step`) of Megatron's fp32 and mixed-precision
+    optimizers. (The distributed optimizer keeps it in each param group instead.)"""
+    parts = (list(optimizer_state.values()) if optimizer_state and all(
+        isinstance(k, int) for k in optimizer_state) else [optimizer_state])
+    return [part.get("optimizer", part)["state"] for part in parts
+            if "state" in part.get("optimizer", part)]
+
+
+def common_steps(state: dict) -> list:
+    """This rank's Adam step per chained optimizer (None: it holds no state); gather it
+    over the ranks for `fill_common_steps`."""
+    return [holder.get("common_step") for holder in _step_holders(state["optimizer"])]
+
+
+def fill_common_steps(state: dict, gathered: list[list]) -> None:
+    """Give this rank's optimizer state the step every rank's `common_steps` agree on.
+
+    Megatron saves Adam's step once, in the common state, and only rank 0 writes the
+    common state. A stage whose parameters are all frozen (layer freezing's prefix can
+    fill the first stage) holds no optimizer state, hence no step: the checkpoint then
+    lacks it and every other stage fails to load (torch's Adam: KeyError 'step').
+
+    Raises:
+        ValueError: when ranks hold different steps (the same on every rank)."""
+    for i, holder in enumerate(_step_holders(state["optimizer"])):
+        known = [steps[i] for steps in gathered if i < len(steps) and steps[i] is not None]
+        if any(not torch.equal(torch.as_tensor(s), torch.as_tensor(known[0])) for s in known):
+            raise ValueError(f"chained optimizer {i}: ranks hold different Adam steps "
+                             f"{sorted({float(s) for s in known})}")
+        if known and "common_step" not in holder:
+            holder["common_step"] = known[0]
+
+
 def _model_state(trainer) -> dict:
     """The model's sharded state dict; interleaved, one per model chunk under
     `chunk<c>`. The grouping is local only: each chunk keys its tensors by global layer
