@@ -872,18 +872,14 @@ def _check_dynamism(cfg: RunConfig, given: dict[str, str]) -> None:
 def _check_interleaved(cfg: RunConfig, where: str) -> None:
     """What an interleaved (virtual) pipeline supports so far: training (fp32, bf16/fp16,
     the distributed optimizer), profiling, profiled rebalancing, forced layouts
-    (migration across chunks and ranks), the six scenarios, checkpoints and packed
-    documents. The rest is refused by name."""
+    (migration across chunks and ranks), the six scenarios, checkpoints and documents,
+    packed or in adaptive batches. The rest is refused by name."""
     v = cfg.model.num_virtual_stages_per_pipeline_rank
     if v == 1:
         return
     d = cfg.dynmo
     refused = [name for name, on in (
         ("repacking (--dynmo-repack)", d.repack.enabled),
-        ("adaptive batching (--data-batching adaptive: its micro-batches change shape, and "
-         "under Megatron's interleaved schedule the p2p shape exchange crashed on gloo with "
-         "mismatched sizes; the default --data-batching packed is supported)",
-         cfg.model.data.packed and cfg.model.data.batching == "adaptive"),
     ) if on]
     if refused:
         raise ConfigError(f"{where}: --num-virtual-stages-per-pipeline-rank {v}: interleaved "

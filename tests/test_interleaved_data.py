@@ -32,12 +32,10 @@ def _config(*flags):
     return load_config(parser.parse_args(list(flags)), world_size=2)
 
 
-def test_packed_documents_accepted_adaptive_batching_refused():
-    from dynmo_plugin.config import ConfigError
+def test_packed_documents_and_adaptive_batching_accepted():
     flags = [f for f in INTERLEAVED if f != "--test-dump-params"]
     assert _config(*flags).model.data.packed
-    with pytest.raises(ConfigError, match=r"does not support adaptive batching \(--data-batching"):
-        _config(*flags, "--data-batching", "adaptive")
+    assert _config(*flags, "--data-batching", "adaptive").model.data.batching == "adaptive"
 
 
 def test_mix_adjusted_profile_keeps_num_chunks():
