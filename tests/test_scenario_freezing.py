@@ -26,6 +26,7 @@ MODEL = ["--num-layers", "12", "--hidden-size", "32", "--num-attention-heads", "
          "--dynmo-freezing-interval", "4", "--dynmo-freezing-threshold", "0.3",
          "--dynmo-profile-every", "4", "--test-dump-params"]
 ITERS = 32
+STATIC = ["--dynmo-balancer", "uniform", "--use-distributed-optimizer"]
 SAVED = 26  # the DynMo run's checkpoint: after the first freeze (24), before the second (28)
 
 
@@ -51,11 +52,12 @@ def test_shards_summed_replicas_read_once():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """DynMo (exact balancer), static (uniform balancer: its plan is the uniform layout,
-    so nothing moves; saves a checkpoint at SAVED into <its dir>/ckpt) and a static run
+    so nothing moves; Megatron's distributed optimizer, which at DP=1 updates exactly as
+    the others' Adam; saves a checkpoint at SAVED into <its dir>/ckpt) and a static run
     that stops at the iteration of the first freeze."""
     out = {}
     for name, flags in [("dynmo", ["--dynmo-balancer", "exact", "--test-dump-ranks"]),
-                        ("static", ["--dynmo-balancer", "uniform", "--save-interval", str(SAVED)])]:
+                        ("static", STATIC + ["--save-interval", str(SAVED)])]:
         path = tmp_path_factory.mktemp(name)
         save = ["--save", str(path / "ckpt")] if name == "static" else []
         out[name] = (path, worker(2, MODEL + flags + save + ["--train-iters", str(ITERS)], path))
@@ -153,7 +155,8 @@ def test_resumed_after_a_freeze_trains_on_exactly(runs, tmp_path):
     the next freeze as the uninterrupted run did, and the losses and final parameters
     are that run's to the last bit. A first stage with nothing to train holds no Adam
     step, and rank 0 alone writes Megatron's common state: the step was missing from
-    the checkpoint and the resume failed (KeyError 'step') until ranks agreed on it."""
+    the checkpoint and the resume failed (KeyError 'step'; the distributed optimizer
+    failed the save: an assertion) until ranks agreed on it."""
     path, report = runs["static"]
     ckpt = path / "ckpt"
     meta = json.loads((ckpt / f"iter_{SAVED:07d}/meta.json").read_text())
@@ -161,8 +164,8 @@ def test_resumed_after_a_freeze_trains_on_exactly(runs, tmp_path):
     first_stage = {f"decoder.layers.{n}." for n in range(6)} | {"embedding."}
     assert {prefix for prefix in first_stage
             if any(name.startswith(prefix) for name in meta["frozen"])} == first_stage
-    resumed = worker(2, MODEL + ["--dynmo-balancer", "uniform", "--train-iters", str(ITERS),
-                                 "--load", str(ckpt)], tmp_path)
+    resumed = worker(2, MODEL + STATIC + ["--train-iters", str(ITERS), "--load", str(ckpt)],
+                     tmp_path)
     assert [it["iteration"] for it in resumed["iterations"]] == list(range(SAVED + 1, ITERS + 1))
     assert _decisions(resumed) == [d for d in _decisions(report) if d[0] > SAVED] != []
     assert losses(resumed) == losses(report)[SAVED:]

@@ -96,24 +96,22 @@ def save_checkpoint(root: str, iteration: int, trainer, control, meta: dict) -> 
     Raises:
         CheckpointError: on every rank, if any rank failed to write its part.
     """
-    from dynmo_plugin.megatron.dist_ckpt import (check_sharding, common_steps, fill_common_steps,
+    from dynmo_plugin.megatron.dist_ckpt import (agreed_steps, check_sharding, local_steps,
                                                  save_sharded, sharded_state)
     d = trainer.dims
     final, tmp = _iter_dir(root, iteration), _iter_dir(root, iteration) + ".tmp"
-    built = []
+    built, steps = [], control.all_gather(local_steps(trainer.optimizer), "checkpoint-steps")
 
     def build() -> None:  # local, before any collective
-        built.append(sharded_state(trainer, loading=False))
+        built.append(sharded_state(trainer, loading=False, steps=agreed_steps(steps)))
         if d.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
 
-    failed = f"checkpoint at iteration {iteration} not written"
-    _agreed_steps(control, (("checkpoint-built", build),), failed)
-    steps = control.all_gather(common_steps(built[0]), "checkpoint-steps")
-    _agreed_steps(control, (("checkpoint-steps", lambda: fill_common_steps(built[0], steps)),
+    _agreed_steps(control, (("checkpoint-built", build),
                             ("checkpoint-checked", lambda: check_sharding(built[0], False)),
-                            ("checkpoint-saved", lambda: save_sharded(built[0], tmp))), failed)
+                            ("checkpoint-saved", lambda: save_sharded(built[0], tmp))),
+                  f"checkpoint at iteration {iteration} not written")
     frozen = sorted(set().union(*control.all_gather(_frozen_names(trainer), "checkpoint-frozen")))
     if d.rank == 0:
         full = {"format": FORMAT, "iteration": iteration, "layout": str(trainer.layout),

@@ -20,9 +20,11 @@ which parameters are frozen, the layout, the scheduler, the scenario and data st
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -102,7 +104,7 @@ def _init_adam_state(optimizer) -> None:
                                       "exp_avg_sq": torch.zeros_like(p.data)}
 
 
-def sharded_state(trainer, loading: bool) -> dict:
+def sharded_state(trainer, loading: bool, steps: Optional[list] = None) -> dict:
     """{'model': ..., 'optimizer': ..., 'frozen_optimizer_state': ...}: the stage's
     sharded state dicts (tensors by reference; with `loading`, the optimizer's state is
     created first to load into). Local: it may raise on this rank alone, so callers
@@ -112,50 +114,77 @@ def sharded_state(trainer, loading: bool) -> dict:
     state by its GLOBAL layer: with layers 1-2 frozen no rank would write (or read)
     rows 0-1 of `optimizer.state.exp_avg.decoder...` and Megatron's sharding check
     fails, on rank 0 only. So a frozen parameter's state is written as zeros, and read
-    back into throw-away zeros: a placeholder no optimizer uses."""
+    back into throw-away zeros: a placeholder no optimizer uses.
+
+    `steps` (saving; `agreed_steps`): Adam's step per chained optimizer, for a stage
+    that holds none. Loading, the checkpoint's step replaces a placeholder."""
     model = _model_state(trainer)
     if loading:
         _init_adam_state(trainer.optimizer)
-    optimizer = trainer.optimizer.sharded_state_dict(model, is_loading=loading,
-                                                     metadata=dict(OPTIMIZER_METADATA))
+        steps = [torch.zeros((), dtype=torch.float32)] * len(local_steps(trainer.optimizer))
+    with _steps_where_none(trainer.optimizer, steps or []):
+        optimizer = trainer.optimizer.sharded_state_dict(model, is_loading=loading,
+                                                         metadata=dict(OPTIMIZER_METADATA))
+    _pop_everywhere(optimizer, _STEP_HOLDER)
     state = {"model": model, "optimizer": optimizer}
     state["frozen_optimizer_state"] = _frozen_placeholders(trainer, state)
     return state
 
 
-def _step_holders(optimizer_state: dict) -> list[dict]:
-    """Per chained optimizer, the dict of `sharded_state` 's optimizer part that holds
-    Adam's step: `state` (its `common_step`) of Megatron's fp32 and mixed-precision
-    optimizers. (The distributed optimizer keeps it in each param group instead.)"""
-    parts = (list(optimizer_state.values()) if optimizer_state and all(
-        isinstance(k, int) for k in optimizer_state) else [optimizer_state])
-    return [part.get("optimizer", part)["state"] for part in parts
-            if "state" in part.get("optimizer", part)]
+def local_steps(optimizer) -> list:
+    """Adam's step per chained optimizer on this rank (None: it holds no Adam state, e.g.
+    every parameter of the stage is frozen). Gather it over the ranks: `agreed_steps`."""
+    from dynmo_plugin.megatron.optim_state import megatron_optimizers
+    steps = [next((s["step"] for s in opt.optimizer.state.values() if "step" in s), None)
+             for opt in megatron_optimizers(optimizer)]
+    return [None if s is None else torch.as_tensor(s).detach().cpu() for s in steps]
 
 
-def common_steps(state: dict) -> list:
-    """This rank's Adam step per chained optimizer (None: it holds no state); gather it
-    over the ranks for `fill_common_steps`."""
-    return [holder.get("common_step") for holder in _step_holders(state["optimizer"])]
-
-
-def fill_common_steps(state: dict, gathered: list[list]) -> None:
-    """Give this rank's optimizer state the step every rank's `common_steps` agree on.
-
-    Megatron saves Adam's step once, in the common state, and only rank 0 writes the
-    common state. A stage whose parameters are all frozen (layer freezing's prefix can
-    fill the first stage) holds no optimizer state, hence no step: the checkpoint then
-    lacks it and every other stage fails to load (torch's Adam: KeyError 'step').
+def agreed_steps(gathered: list[list]) -> list:
+    """Per chained optimizer, the step every rank's `local_steps` that has one agrees on.
 
     Raises:
-        ValueError: when ranks hold different steps (the same on every rank)."""
-    for i, holder in enumerate(_step_holders(state["optimizer"])):
+        ValueError: when ranks hold different steps (on every rank: same input)."""
+    out = []
+    for i in range(max(map(len, gathered), default=0)):
         known = [steps[i] for steps in gathered if i < len(steps) and steps[i] is not None]
         if any(not torch.equal(torch.as_tensor(s), torch.as_tensor(known[0])) for s in known):
             raise ValueError(f"chained optimizer {i}: ranks hold different Adam steps "
                              f"{sorted({float(s) for s in known})}")
-        if known and "common_step" not in holder:
-            holder["common_step"] = known[0]
+        out.append(known[0] if known else None)
+    return out
+
+
+_STEP_HOLDER = "dynmo-step"  # a state key torch keeps as is (not a parameter)
+
+
+@contextlib.contextmanager
+def _steps_where_none(optimizer, steps: list):
+    """Megatron saves Adam's step once, in the common state, which rank 0 alone writes,
+    and reads it from the shard's Adam state. A stage whose parameters are all frozen
+    (layer freezing's prefix can fill the first stage) holds no such state: the fp32
+    and mixed-precision optimizers then leave the step out (the checkpoint lacked it
+    and the other stages failed to load: KeyError 'step'), the distributed one asserts.
+    So such an optimizer holds the agreed step, under a key that is no parameter, while
+    Megatron builds its state dict."""
+    from dynmo_plugin.megatron.optim_state import megatron_optimizers
+    empty = [(opt.optimizer, step) for opt, step in zip(megatron_optimizers(optimizer), steps)
+             if step is not None and not opt.optimizer.state]
+    for inner, step in empty:
+        inner.state[_STEP_HOLDER] = {"step": step.clone()}
+    try:
+        yield
+    finally:
+        for inner, _ in empty:
+            inner.state.pop(_STEP_HOLDER, None)
+
+
+def _pop_everywhere(value: dict, key) -> None:
+    """Remove `key` from `value` and every dict nested in it."""
+    value.pop(key, None)
+    for v in value.values():
+        if isinstance(v, dict):
+            _pop_everywhere(v, key)
 
 
 def _model_state(trainer) -> dict:
