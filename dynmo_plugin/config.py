@@ -682,6 +682,7 @@ def load_config(args: argparse.Namespace, world_size: int | None = None) -> RunC
     _check_dynamism(cfg, given)
     _check_repack(cfg, given)
     _check_interleaved(cfg, where)
+    _check_interleaved_repack(cfg, where, world_size)
     _check_data(cfg, given)
     _resolve_transformer_impl(cfg, given)
     return cfg
@@ -877,9 +878,7 @@ def _check_interleaved(cfg: RunConfig, where: str) -> None:
     v = cfg.model.num_virtual_stages_per_pipeline_rank
     if v == 1:
         return
-    d = cfg.dynmo
     refused = [name for name, on in (
-        ("repacking (--dynmo-repack)", d.repack.enabled),
         ("adaptive batching (--data-batching adaptive: its micro-batches change shape, and "
          "under Megatron's interleaved schedule the p2p shape exchange crashed on gloo with "
          "mismatched sizes; the default --data-batching packed is supported)",
@@ -889,6 +888,36 @@ def _check_interleaved(cfg: RunConfig, where: str) -> None:
         raise ConfigError(f"{where}: --num-virtual-stages-per-pipeline-rank {v}: interleaved "
                           f"training does not support {', '.join(refused)} yet (docs/interleaved.md "
                           "lists what it does support)")
+
+
+def _check_interleaved_repack(cfg: RunConfig, where: str, world_size: Optional[int]) -> None:
+    """Interleaved repacks keep v chunks per rank on fewer ranks, so Megatron's
+    interleaved schedule must still run there: k >= 2 ranks and the micro-batches a
+    multiple of k (checked when the world size is known). Only forced layouts repack:
+    the repack planner does not plan virtual stages yet."""
+    m, rp = cfg.model, cfg.dynmo.repack
+    v, pp = m.num_virtual_stages_per_pipeline_rank, m.pipeline_model_parallel_size
+    if v == 1 or not rp.enabled:
+        return
+    micro = None if world_size is None else m.global_batch_size // (
+        m.micro_batch_size * (world_size // (m.tensor_model_parallel_size * pp)))
+    fewer = {it: text for it, text in cfg.dynmo.rebalance.forced_layouts.items()
+             if Layout.parse(text, None, m.num_layers, v).num_ranks < pp}
+    if not fewer:
+        raise ConfigError(
+            f"{where}: --num-virtual-stages-per-pipeline-rank {v}: interleaved runs repack only "
+            "onto forced layouts of fewer stages (--dynmo-forced-layouts IT:LAYOUT with k x "
+            f"{v} stages, k < {pp}); the repack planner does not plan virtual stages yet. Give "
+            "such a layout, or drop --dynmo-repack")
+    for it, text in fewer.items():
+        k = Layout.parse(text, None, m.num_layers, v).num_ranks
+        if k < 2 or (micro is not None and micro % k):
+            raise ConfigError(
+                f"{where}: rebalance.forced_layouts.{it}: layout {text!r} repacks onto {k} "
+                f"pipeline rank(s) keeping {v} virtual stages each; Megatron's interleaved "
+                f"schedule needs >= 2 ranks and the micro-batches ({micro}) a multiple of the "
+                "ranks; give a layout with more ranks, or run without "
+                "--num-virtual-stages-per-pipeline-rank")
 
 
 def _check_forced_layouts(cfg: RunConfig, where: str) -> None:

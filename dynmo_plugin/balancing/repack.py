@@ -205,7 +205,7 @@ class RepackPlan:
     def intermediate_layout(self) -> Layout:
         """`layout_after` over all `stages_before` stages, the released ones empty
         (e.g. 'Ettt|ttttt||L'): what the live migration moves to before the rebuild."""
-        return Layout(self.layout_after.counts + (0,) * (self.stages_before - self.stages_after))
+        return self.layout_after.padded(self.stages_before)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict (what `dynmo plan --repack --json` prints)."""
@@ -445,7 +445,7 @@ def _judge(problem: BalanceProblem, layout: Layout, iter_after: float, iter_now:
     understates it by P x h x (before - after) when it is faster. The GPU-seconds the
     same h iterations occupy is what the cluster pays for."""
     p, k = problem.num_stages, layout.num_stages
-    peak = _peak_problem(problem, Layout(layout.counts + (0,) * (p - k)))
+    peak = _peak_problem(problem, layout.padded(p))
     if gate is None:
         cost = criteria.rebuild_s
         if peak:
@@ -485,7 +485,7 @@ def _assemble(problem: BalanceProblem, method: str, chosen: RepackCandidate | No
                           released_stages=[], moves=[], bytes_moved=0.0, apply=False, reason=no_choice,
                           saving_gpu_s=0.0, cost_s=0.0, solve_seconds=time.perf_counter() - started)
     layout, k = chosen.layout, chosen.stages
-    intermediate = Layout(layout.counts + (0,) * (p - k))
+    intermediate = layout.padded(p)
     moves = [Move(layer, src, dst, float(problem.move_bytes_arr[layer - 1]))
              for layer, src, dst in current.moved_layers(intermediate)]
     moved = float(sum(m.bytes for m in moves))
