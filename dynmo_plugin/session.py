@@ -142,8 +142,10 @@ class TrainingSession:
                               generation=self.repacker.generation + 1)
         path = self.save(iteration, next_layout=layout)
         result.phase_s["save"] = time.perf_counter() - start
+        vp = (f" --num-virtual-stages-per-pipeline-rank {layout.num_chunks}"
+              if layout.num_chunks > 1 else "")
         restart = (f"torchrun --nproc-per-node <ranks per node> ... --pipeline-model-parallel-size "
-                   f"{layout.num_ranks} --load {self.cfg.model.save}")
+                   f"{layout.num_ranks}{vp} --load {self.cfg.model.save}")
         record = {**result.to_dict(), **info, "mode": "checkpoint", "checkpoint": path,
                   "next_layout": str(layout), "restart": restart, "cluster": None}
         del record["migration"]
