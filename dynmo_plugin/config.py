@@ -893,8 +893,8 @@ def _check_interleaved(cfg: RunConfig, where: str) -> None:
 def _check_interleaved_repack(cfg: RunConfig, where: str, world_size: Optional[int]) -> None:
     """Interleaved repacks keep v chunks per rank on fewer ranks, so Megatron's
     interleaved schedule must still run there: k >= 2 ranks and the micro-batches a
-    multiple of k (checked when the world size is known). Only forced layouts repack:
-    the repack planner does not plan virtual stages yet."""
+    multiple of k (checked when the world size is known) for forced layouts; the repack
+    planner skips such k itself."""
     m, rp = cfg.model, cfg.dynmo.repack
     v, pp = m.num_virtual_stages_per_pipeline_rank, m.pipeline_model_parallel_size
     if v == 1 or not rp.enabled:
@@ -903,12 +903,6 @@ def _check_interleaved_repack(cfg: RunConfig, where: str, world_size: Optional[i
         m.micro_batch_size * (world_size // (m.tensor_model_parallel_size * pp)))
     fewer = {it: text for it, text in cfg.dynmo.rebalance.forced_layouts.items()
              if Layout.parse(text, None, m.num_layers, v).num_ranks < pp}
-    if not fewer:
-        raise ConfigError(
-            f"{where}: --num-virtual-stages-per-pipeline-rank {v}: interleaved runs repack only "
-            "onto forced layouts of fewer stages (--dynmo-forced-layouts IT:LAYOUT with k x "
-            f"{v} stages, k < {pp}); the repack planner does not plan virtual stages yet. Give "
-            "such a layout, or drop --dynmo-repack")
     for it, text in fewer.items():
         k = Layout.parse(text, None, m.num_layers, v).num_ranks
         if k < 2 or (micro is not None and micro % k):
