@@ -681,7 +681,7 @@ def load_config(args: argparse.Namespace, world_size: int | None = None) -> RunC
     _check_forced_layouts(cfg, where)
     _check_dynamism(cfg, given)
     _check_repack(cfg, given)
-    _check_interleaved(cfg, where)
+    _check_interleaved_repack(cfg, where, world_size)
     _check_data(cfg, given)
     _resolve_transformer_impl(cfg, given)
     return cfg
@@ -869,22 +869,28 @@ def _check_dynamism(cfg: RunConfig, given: dict[str, str]) -> None:
                           f"({p.final_sparsity})")
 
 
-def _check_interleaved(cfg: RunConfig, where: str) -> None:
-    """What an interleaved (virtual) pipeline supports so far: training (fp32, bf16/fp16,
-    the distributed optimizer), profiling, profiled rebalancing, forced layouts
-    (migration across chunks and ranks), the six scenarios, checkpoints and documents,
-    packed or in adaptive batches. The rest is refused by name."""
-    v = cfg.model.num_virtual_stages_per_pipeline_rank
-    if v == 1:
+def _check_interleaved_repack(cfg: RunConfig, where: str, world_size: Optional[int]) -> None:
+    """Interleaved repacks keep v chunks per rank on fewer ranks, so Megatron's
+    interleaved schedule must still run there: k >= 2 ranks and the micro-batches a
+    multiple of k (checked when the world size is known) for forced layouts; the repack
+    planner skips such k itself."""
+    m, rp = cfg.model, cfg.dynmo.repack
+    v, pp = m.num_virtual_stages_per_pipeline_rank, m.pipeline_model_parallel_size
+    if v == 1 or not rp.enabled:
         return
-    d = cfg.dynmo
-    refused = [name for name, on in (
-        ("repacking (--dynmo-repack)", d.repack.enabled),
-    ) if on]
-    if refused:
-        raise ConfigError(f"{where}: --num-virtual-stages-per-pipeline-rank {v}: interleaved "
-                          f"training does not support {', '.join(refused)} yet (docs/interleaved.md "
-                          "lists what it does support)")
+    micro = None if world_size is None else m.global_batch_size // (
+        m.micro_batch_size * (world_size // (m.tensor_model_parallel_size * pp)))
+    fewer = {it: text for it, text in cfg.dynmo.rebalance.forced_layouts.items()
+             if Layout.parse(text, None, m.num_layers, v).num_ranks < pp}
+    for it, text in fewer.items():
+        k = Layout.parse(text, None, m.num_layers, v).num_ranks
+        if k < 2 or (micro is not None and micro % k):
+            raise ConfigError(
+                f"{where}: rebalance.forced_layouts.{it}: layout {text!r} repacks onto {k} "
+                f"pipeline rank(s) keeping {v} virtual stages each; Megatron's interleaved "
+                f"schedule needs >= 2 ranks and the micro-batches ({micro}) a multiple of the "
+                "ranks; give a layout with more ranks, or run without "
+                "--num-virtual-stages-per-pipeline-rank")
 
 
 def _check_forced_layouts(cfg: RunConfig, where: str) -> None:

@@ -287,10 +287,11 @@ class DynMo:
                         repack=choice.repack, memory=memory)
 
     def _repack_criteria(self, problem: BalanceProblem, trigger: str):
-        """The criteria when a repack may be considered now, else None."""
+        """The criteria when a repack may be considered now, else None (min_stages
+        counts pipeline ranks; interleaved, each keeps its chunks)."""
         rp = self.config.repack
         wanted = rp.trigger == "rebalance" or trigger.startswith("event:")
-        if self._repacker is None or not rp.enabled or not wanted or problem.num_stages <= rp.min_stages:
+        if self._repacker is None or not rp.enabled or not wanted or problem.num_ranks <= rp.min_stages:
             return None
         from dynmo_plugin.balancing.repack import RepackCriteria
         return RepackCriteria.from_config(rp)

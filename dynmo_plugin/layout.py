@@ -186,6 +186,19 @@ class Layout:
         """The same counts read with `num_chunks` virtual stages per rank."""
         return Layout(self.counts, num_chunks)
 
+    def padded(self, num_ranks: int) -> "Layout":
+        """These virtual stages on the lowest ranks of a `num_ranks`-rank pipeline, each
+        higher rank's chunks empty (same `num_chunks`): what a repack migrates to before
+        the higher ranks leave. Rank r < pp keeps its chunk c (virtual stage c * pp + r
+        here, c * num_ranks + r there), so layer order is kept: 'Ett|ttL' (pp = 2, v = 1)
+        over 3 ranks is 'Ett|tt|L'; 'Et|t|t|tL' (pp = 2, v = 2) is 'Et|t||t|t|L'."""
+        pp, v = self.num_ranks, self.num_chunks
+        if num_ranks < pp:
+            raise LayoutError(f"cannot spread {pp} pipeline ranks over {num_ranks}")
+        counts = [c for chunk in range(v)
+                  for c in self.counts[chunk * pp:(chunk + 1) * pp] + (0,) * (num_ranks - pp)]
+        return Layout(tuple(counts), v)
+
     def to_megatron(self) -> str:
         """Megatron's layout string, e.g. 'Ett|ttL' (empty stages allowed: 'Et||tL')."""
         parts = ["t" * c for c in self.counts]

@@ -115,8 +115,8 @@ class TrainingSession:
         meta = {"scenario": self.scenario.state_dict() if self.scenario is not None else {},
                 "data": self.trainer.data.state_dict(),
                 "next": None if next_layout is None else {
-                    "layout": str(next_layout), "pp": next_layout.num_stages,
-                    "world_size": d.tp * d.dp * next_layout.num_stages}}
+                    "layout": str(next_layout), "pp": next_layout.num_ranks,
+                    "world_size": d.tp * d.dp * next_layout.num_ranks}}
         start = time.perf_counter()
         path = save_checkpoint(self.cfg.model.save, iteration, self.trainer, self.control, meta)
         if d.rank == 0:
@@ -131,19 +131,21 @@ class TrainingSession:
 
     def _checkpoint_repack(self, layout: Layout, iteration: int, info: dict):
         """Save with the new layout recorded, then every rank ends after this iteration;
-        the job restarts with PP = layout.num_stages and `--load`."""
+        the job restarts with PP = layout.num_ranks and `--load`."""
         from dynmo_plugin.megatron.repack import RepackResult
         d, start = self.trainer.dims, time.perf_counter()
-        world = d.tp * d.dp * layout.num_stages
+        world = d.tp * d.dp * layout.num_ranks
         iteration = self._completed  # decided before a step (forced) or after it
-        result = RepackResult(True, d.pp, layout.num_stages, str(self.trainer.layout),
+        result = RepackResult(True, d.pp, layout.num_ranks, str(self.trainer.layout),
                               ranks_released=list(range(world, d.world_size)),
                               world_size_before=d.world_size, world_size_after=world,
                               generation=self.repacker.generation + 1)
         path = self.save(iteration, next_layout=layout)
         result.phase_s["save"] = time.perf_counter() - start
+        vp = (f" --num-virtual-stages-per-pipeline-rank {layout.num_chunks}"
+              if layout.num_chunks > 1 else "")
         restart = (f"torchrun --nproc-per-node <ranks per node> ... --pipeline-model-parallel-size "
-                   f"{layout.num_stages} --load {self.cfg.model.save}")
+                   f"{layout.num_ranks}{vp} --load {self.cfg.model.save}")
         record = {**result.to_dict(), **info, "mode": "checkpoint", "checkpoint": path,
                   "next_layout": str(layout), "restart": restart, "cluster": None}
         del record["migration"]
@@ -167,7 +169,8 @@ class TrainingSession:
     def release_stage(self) -> None:
         """A retiring rank drops its stage's buffers before leaving."""
         from dynmo_plugin.megatron.migrate import retire_ddp
-        retire_ddp(self.trainer.ddp)
+        for ddp in self.trainer.ddps:
+            retire_ddp(ddp)
 
     def repacked(self, iteration: int, record: dict, result) -> None:
         """Survivors, after a live repack: the world's new size in the report; the leader

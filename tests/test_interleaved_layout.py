@@ -253,6 +253,14 @@ def test_sim_memory_counts_in_flight_chunks_per_rank():
     assert 4 * state + 4 * act + emb <= inter[1] <= 4 * state + 2 * 4 * act + emb
 
 
+def test_padded_keeps_each_chunk_on_its_rank():
+    """A repack's intermediate layout: the survivors' virtual stages over the old ranks."""
+    assert str(Layout.parse("Ett|ttL").padded(4)) == "Ett|tt||L"
+    wide = Layout.parse("Ettttt|t|t|tL", num_chunks=2).padded(4)
+    assert str(wide) == "Ettttt|t|||t|t||L" and wide.num_ranks == 4 and wide.num_chunks == 2
+    assert [wide.rank_layers(r) for r in range(4)] == [[1, 2, 3, 4, 5, 7], [6, 8], [], []]
+
+
 # ---- the launcher's flags ----------------------------------------------------------------
 def _config(argv, world_size=2):
     import argparse
@@ -272,8 +280,8 @@ BASE = ["--num-layers", "8", "--pipeline-model-parallel-size", "2",
     (["--global-batch-size", "6"], r"micro-batches \(3 = .*multiple of --pipeline-model-parallel-size \(2\)"),
     (["--global-batch-size", "8", "--pipeline-model-parallel-layout", "Etttt|ttttL"],
      "has 2 stages but the pipeline has 4"),
-    (["--global-batch-size", "8", "--dynmo", "--dynmo-repack"],
-     r"interleaved training does not support repacking \(--dynmo-repack\)"),
+    (["--global-batch-size", "8", "--dynmo", "--dynmo-repack", "--dynmo-forced-layouts",
+      "3:Etttt|ttttL"], r"repacks onto 1 pipeline rank\(s\) keeping 2 virtual stages.*needs >= 2 ranks"),
     (["--global-batch-size", "8", "--dynmo", "--dynmo-forced-layouts", "2:Ettt|t|tt|ttL;3:Etttt|ttttL"],
      "has 2 stages but the pipeline has 4"),
 ])
@@ -281,6 +289,18 @@ def test_interleaved_flags_are_validated(extra, match):
     from dynmo_plugin.config import ConfigError
     with pytest.raises(ConfigError, match=match):
         _config(BASE + extra)
+
+
+def test_interleaved_repack_needs_whole_micro_batch_groups():
+    """pp = 4 -> 3 ranks: 4 micro-batches are no whole groups of 3; -> 2 ranks is accepted."""
+    from dynmo_plugin.config import ConfigError
+    flags = ["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--global-batch-size",
+             "8", "--num-virtual-stages-per-pipeline-rank", "2", "--micro-batch-size", "2",
+             "--dynmo", "--dynmo-repack", "--dynmo-forced-layouts"]
+    with pytest.raises(ConfigError, match=r"the micro-batches \(4\) a multiple of the ranks"):
+        _config(flags + ["3:Ett|tt|t|t|t|tL"], world_size=4)
+    assert _config(flags + ["3:Ettttt|t|t|tL"], world_size=4).dynmo.repack.enabled
+    assert _config(flags[:-1], world_size=4).dynmo.repack.enabled  # the planner decides
 
 
 def test_interleaved_flags_accepted():

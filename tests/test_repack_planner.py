@@ -55,6 +55,29 @@ def test_shrinking_profile_repacks_4_to_2():
     assert plan.released_stages == [2, 3]
 
 
+def test_interleaved_repack_keeps_the_chunks_per_rank():
+    """pp = 4, v = 2 (one layer per virtual stage) onto 2 ranks x 2 chunks. Interleaved
+    time: m x busiest rank + (pp - 1) x heaviest virtual stage. Now ranks {1,1}, {1,1},
+    {1,3}, {1,3}: 8 x 4 + 3 x 3 = 41 s (164 GPU-s); K = 2: 3|3|3|3, 8 x 6 + 1 x 3 = 51 s
+    (102 GPU-s); K = 1 and K = 3 cannot run the interleaved schedule on 8 micro-batches."""
+    problem = shrunk_problem(num_stages=8, num_chunks=2, current=Layout((1,) * 8, 2),
+                             memory=[10.0] * 8)
+    plan = plan_repack(problem, RepackCriteria(objective="throughput_per_gpu"))
+    assert plan.apply and (plan.stages_before, plan.stages_after) == (4, 2)
+    assert str(plan.layout_after) == "Ettt|ttt|t|tL" and plan.layout_after.num_chunks == 2
+    assert (plan.predicted_iter_s_before, plan.predicted_iter_s_after) == (41, 51)
+    assert str(plan.intermediate_layout()) == "Ettt|ttt|||t|t||L" and plan.released_stages == [2, 3]
+    assert [c.stages for c in plan.candidates if "interleaved schedule" in c.reason] == [1, 3]
+    assert {(m.layer, m.src, m.dst): m.bytes for m in plan.moves} == {
+        (2, 1, 0): 10, (3, 2, 0): 10, (4, 3, 1): 10, (5, 4, 1): 10, (6, 5, 1): 0,
+        (7, 6, 4): 10, (8, 7, 5): 10}
+    assert RepackPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    assert not plan_repack(problem, RepackCriteria(min_stages=2)).apply  # 51 s > 41 s
+    assert plan_repack(problem, RepackCriteria(min_stages=2, max_slowdown=1.3)).stages_after == 2
+    with pytest.raises(ProblemError, match="use plan_repack"):
+        first_fit_repack(problem, RepackCriteria())
+
+
 def test_max_slowdown_is_respected():
     strict = plan_repack(shrunk_problem(), RepackCriteria(max_slowdown=1.0))
     assert strict.stages_after == 2  # one stage would take 12 + 7 * 12 = 96 s > 54 s

@@ -48,7 +48,7 @@ def decide(problem: BalanceProblem, balancer: str, gate: GateConfig,
     balancer's plan if it moves something and passes the gate, else keep the layout."""
     repack_plan = None
     try:
-        if repack is not None and problem.num_chunks == 1 and problem.num_stages > repack.min_stages:
+        if repack is not None and problem.num_ranks > repack.min_stages:
             repack_plan = plan_repack(problem, repack, gate)
             if repack_plan.apply:
                 return Choice(True, repack_plan.reason, repack=repack_plan)

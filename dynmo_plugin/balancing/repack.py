@@ -24,6 +24,13 @@ highest ordinals first; under torchrun the rendezvous lives with rank 0). The li
 migration first moves to `RepackPlan.intermediate_layout()` (K stages' layers, then
 empty released stages) over the old P-stage pipeline, then rebuilds on K ranks.
 
+Interleaved problems (`num_chunks` = v > 1): P and K count pipeline RANKS, each keeping
+its v chunks (K x v virtual stages after); extras shrink over virtual stages, memory
+caps and overheads over ranks; a K below 2, or not dividing the micro-batches, is
+skipped (Megatron's interleaved schedule); each K is solved by `exact`'s interleaved
+solver, without the lower-bound skips (they assume plain 1F1B); moves within a rank
+cost no bytes. `first_fit_repack` is plain-pipeline only.
+
 Floating point follows `problem`: "a <= b" means ``a <= b + REL_TOL * |b|`` for times,
 and memory checks are the solver's (``<= cap / (1 + margin) + mem_tol``).
 """
@@ -36,7 +43,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
 from dynmo_plugin.balancing import metrics
-from dynmo_plugin.balancing.exact import optimal_bottleneck
+from dynmo_plugin.balancing.exact import optimal_bottleneck, solve_exact
 from dynmo_plugin.balancing.gate import GateConfig
 from dynmo_plugin.balancing.plan import Move
 from dynmo_plugin.balancing.problem import REL_TOL, BalanceProblem, InfeasibleError, ProblemError
@@ -109,7 +116,8 @@ def _shrink_extras(values: Sequence[float] | None, p: int, k: int) -> list[float
 
 
 def shrink_problem(problem: BalanceProblem, k: int) -> BalanceProblem:
-    """The same profiled layers over the first k <= P stages.
+    """The same profiled layers over the first k <= P stages (interleaved: k of the P
+    ranks, each with its `num_chunks` chunks; see `_shrink_interleaved`).
 
     Extras (cost, memory, rebuild bytes): stage 0 keeps stage 0's (embedding); stage k-1
     gets the old last stage's (output layer + loss); stages 1..k-2 get the MEDIAN of the
@@ -127,15 +135,32 @@ def shrink_problem(problem: BalanceProblem, k: int) -> BalanceProblem:
         ProblemError: k not an integer in [1, P].
         InfeasibleError: a surviving stage's extras alone exceed its capacity.
     """
-    p = problem.num_stages
+    p = problem.num_ranks
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= p:
         raise ProblemError(f"cannot shrink a {p}-stage problem to {k!r} stages; give 1 <= k <= {p}")
+    if problem.num_chunks > 1:
+        return _shrink_interleaved(problem, k)
     return replace(
         problem, num_stages=k, current=None,
         capacity=None if problem.capacity is None else tuple(problem.capacity[:k]),
         extras_cost=_shrink_extras(problem.extras_cost, p, k),
         extras_memory=_shrink_extras(problem.extras_memory, p, k),
         extras_rebuild_bytes=_shrink_extras(problem.extras_rebuild_bytes, p, k),
+        memory_overhead=_shrink_extras(problem.memory_overhead, p, k))
+
+
+def _shrink_interleaved(problem: BalanceProblem, k: int) -> BalanceProblem:
+    """`shrink_problem` for v > 1 chunks per rank: per-virtual-stage extras shrink from
+    P x v to k x v virtual stages (the embedding stays on the first, the head goes to the
+    last, the middle ones get the median); capacity and the calibrated overhead are per
+    rank, so they shrink from P to k ranks the same way."""
+    p, v = problem.num_ranks, problem.num_chunks
+    return replace(
+        problem, num_stages=k * v, current=None,
+        capacity=None if problem.capacity is None else tuple(problem.capacity[:k]),
+        extras_cost=_shrink_extras(problem.extras_cost, p * v, k * v),
+        extras_memory=_shrink_extras(problem.extras_memory, p * v, k * v),
+        extras_rebuild_bytes=_shrink_extras(problem.extras_rebuild_bytes, p * v, k * v),
         memory_overhead=_shrink_extras(problem.memory_overhead, p, k))
 
 
@@ -170,8 +195,8 @@ class RepackCandidate:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RepackCandidate":
-        layout = None if d["layout"] is None else Layout.parse(d["layout"])
+    def from_dict(cls, d: dict[str, Any], num_chunks: int = 1) -> "RepackCandidate":
+        layout = None if d["layout"] is None else Layout.parse(d["layout"], num_chunks=num_chunks)
         return cls(stages=d["stages"], layout=layout, predicted_iter_s=d["predicted_iter_s"],
                    fits=d["fits"], tokens_per_gpu_s_rel=d["tokens_per_gpu_s_rel"], reason=d["reason"])
 
@@ -204,14 +229,16 @@ class RepackPlan:
 
     def intermediate_layout(self) -> Layout:
         """`layout_after` over all `stages_before` stages, the released ones empty
-        (e.g. 'Ettt|ttttt||L'): what the live migration moves to before the rebuild."""
-        return Layout(self.layout_after.counts + (0,) * (self.stages_before - self.stages_after))
+        (e.g. 'Ettt|ttttt||L'; interleaved: every chunk of a released rank empty, see
+        `Layout.padded`): what the live migration moves to before the rebuild."""
+        return self.layout_after.padded(self.stages_before)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict (what `dynmo plan --repack --json` prints)."""
         return {
             "method": self.method, "apply": self.apply, "reason": self.reason,
             "stages_before": self.stages_before, "stages_after": self.stages_after,
+            "num_chunks": self.layout_before.num_chunks,
             "layout_before": self.layout_before.to_megatron(),
             "layout_after": self.layout_after.to_megatron(),
             "intermediate_layout": self.intermediate_layout().to_megatron(),
@@ -232,14 +259,16 @@ class RepackPlan:
             ProblemError: `d` is not a repack plan dict.
         """
         try:
+            v = d.get("num_chunks", 1)
             return cls(
                 method=d["method"], stages_before=d["stages_before"], stages_after=d["stages_after"],
-                layout_before=Layout.parse(d["layout_before"]), layout_after=Layout.parse(d["layout_after"]),
+                layout_before=Layout.parse(d["layout_before"], num_chunks=v),
+                layout_after=Layout.parse(d["layout_after"], num_chunks=v),
                 predicted_iter_s_before=d["predicted_iter_s_before"],
                 predicted_iter_s_after=d["predicted_iter_s_after"],
                 released_stages=list(d["released_stages"]), moves=[Move(**m) for m in d["moves"]],
                 bytes_moved=d["bytes_moved"],
-                candidates=[RepackCandidate.from_dict(c) for c in d["candidates"]],
+                candidates=[RepackCandidate.from_dict(c, v) for c in d["candidates"]],
                 apply=d["apply"], reason=d["reason"], saving_gpu_s=d["saving_gpu_s"],
                 cost_s=d["cost_s"], solve_seconds=d["solve_seconds"])
         except (KeyError, TypeError, AttributeError) as e:
@@ -260,7 +289,8 @@ def _better(a: float, b: float) -> bool:
 
 
 def _iteration_s(problem: BalanceProblem, layout: Layout) -> float:
-    return metrics.predicted_iteration_s(metrics.stage_loads(problem, layout), problem.num_microbatches)
+    return metrics.predicted_iteration_s(metrics.stage_loads(problem, layout), problem.num_microbatches,
+                                         problem.num_chunks)
 
 
 def _per_gpu(iter_s: float, stages: int) -> float | None:
@@ -326,13 +356,17 @@ def _closest_optimal(fit: BalanceProblem, current: Layout) -> Layout:
 def _candidate(problem: BalanceProblem, k: int, criteria: RepackCriteria) -> RepackCandidate:
     """Solve k stages. `fits` here means memory only; the objectives refine it."""
     scale = 1 + criteria.memory_margin
+    if problem.num_chunks > 1 and (k < 2 or problem.num_microbatches % k):
+        return _skipped(k, f"the interleaved schedule needs >= 2 ranks and the micro-batches "
+                           f"({problem.num_microbatches}) a multiple of them")
     try:
         sub = shrink_problem(problem, k)
         fit = _with_margin(sub, criteria.memory_margin)
     except InfeasibleError as e:  # a survivor's extras alone
         return RepackCandidate(k, None, None, False, None, f"does not fit (caps / {scale:g}): {e}")
     try:
-        layout = _closest_optimal(fit, problem.current)
+        layout = (_closest_optimal(fit, problem.current) if problem.num_chunks == 1
+                  else solve_exact(fit))
     except InfeasibleError:
         return RepackCandidate(k, None, None, False, None, "does not fit: no split keeps every "
                                f"stage's memory x {scale:g} within its cap")
@@ -353,8 +387,8 @@ def _scan_min_stages(problem: BalanceProblem, criteria: RepackCriteria,
     slow = f"exceeds max_slowdown {criteria.max_slowdown:g} x current {iter_now:.4g} s"
     lower = _LowerBound.of(problem)
     out: list[RepackCandidate] = []
-    for k in range(criteria.min_stages, problem.num_stages):
-        if not _at_most(lower(k), limit):
+    for k in range(criteria.min_stages, problem.num_ranks):
+        if problem.num_chunks == 1 and not _at_most(lower(k), limit):
             out.append(_skipped(k, f"even its lower bound {lower(k):.4g} s {slow}"))
             continue
         cand = _candidate(problem, k, criteria)
@@ -375,14 +409,15 @@ def _scan_throughput(problem: BalanceProblem, criteria: RepackCriteria,
     beats the current pipeline's; near-ties keep the smaller K. A K whose lower bound
     cannot beat the best so far is not solved; once even K x (sum of loads) cannot,
     no larger K can (it grows with K) and the scan stops."""
-    p = problem.num_stages
+    p = problem.num_ranks
     best_value, best = iter_now * p, None
     lower = _LowerBound.of(problem)
+    plain = problem.num_chunks == 1  # the bounds assume plain 1F1B
     out: list[RepackCandidate] = []
     for k in range(criteria.min_stages, p):
-        if not _better(k * lower.total(k) * (1 - REL_TOL), best_value):
+        if plain and not _better(k * lower.total(k) * (1 - REL_TOL), best_value):
             break
-        if not _better(k * lower(k), best_value):
+        if plain and not _better(k * lower(k), best_value):
             out.append(_skipped(k, f"even its lower bound {lower(k):.4g} s x {k} GPUs does not beat "
                                    f"{best_value:.4g} GPU-s/iter"))
             continue
@@ -444,8 +479,8 @@ def _judge(problem: BalanceProblem, layout: Layout, iter_after: float, iter_now:
     overstates the saving by (P - K) x h x (after - before) when the repack is slower and
     understates it by P x h x (before - after) when it is faster. The GPU-seconds the
     same h iterations occupy is what the cluster pays for."""
-    p, k = problem.num_stages, layout.num_stages
-    peak = _peak_problem(problem, Layout(layout.counts + (0,) * (p - k)))
+    p, k = problem.num_ranks, layout.num_ranks
+    peak = _peak_problem(problem, layout.padded(p))
     if gate is None:
         cost = criteria.rebuild_s
         if peak:
@@ -464,6 +499,13 @@ def _judge(problem: BalanceProblem, layout: Layout, iter_after: float, iter_now:
     return _Verdict(apply, ("pays: " if apply else "does not pay: ") + numbers, saving, cost)
 
 
+def _move_bytes(problem: BalanceProblem, layout: Layout, layer: int, src: int, dst: int) -> float:
+    """A layer's bytes, 0 when it only changes chunk on its rank (no communication)."""
+    if layout.rank_of(src) == layout.rank_of(dst):
+        return 0.0
+    return float(problem.move_bytes_arr[layer - 1])
+
+
 def _require_current(problem: BalanceProblem) -> Layout:
     if problem.current is None:
         raise ProblemError("repacking needs the current layout (BalanceProblem.current, "
@@ -476,7 +518,7 @@ def _assemble(problem: BalanceProblem, method: str, chosen: RepackCandidate | No
               gate: GateConfig | None, no_choice: str, started: float) -> RepackPlan:
     """The plan for `chosen` (None: nothing qualified, `no_choice` says why), gated."""
     current = problem.current
-    p = problem.num_stages
+    p = problem.num_ranks
     iter_now = _iteration_s(problem, current)
     keep = dict(method=method, stages_before=p, layout_before=current,
                 predicted_iter_s_before=iter_now, candidates=candidates)
@@ -485,8 +527,8 @@ def _assemble(problem: BalanceProblem, method: str, chosen: RepackCandidate | No
                           released_stages=[], moves=[], bytes_moved=0.0, apply=False, reason=no_choice,
                           saving_gpu_s=0.0, cost_s=0.0, solve_seconds=time.perf_counter() - started)
     layout, k = chosen.layout, chosen.stages
-    intermediate = Layout(layout.counts + (0,) * (p - k))
-    moves = [Move(layer, src, dst, float(problem.move_bytes_arr[layer - 1]))
+    intermediate = layout.padded(p)
+    moves = [Move(layer, src, dst, _move_bytes(problem, intermediate, layer, src, dst))
              for layer, src, dst in current.moved_layers(intermediate)]
     moved = float(sum(m.bytes for m in moves))
     verdict = _judge(problem, layout, chosen.predicted_iter_s, iter_now, moved, criteria, gate)
@@ -520,7 +562,7 @@ def plan_repack(problem: BalanceProblem, criteria: RepackCriteria,
     """
     started = time.perf_counter()
     current = _require_current(problem)
-    p = problem.num_stages
+    p = problem.num_ranks
     if criteria.min_stages >= p:
         return _assemble(problem, "dynmo", None, [], criteria, gate,
                          f"nothing to consider: the pipeline has {p} stage(s) and min_stages is "
@@ -580,10 +622,13 @@ def first_fit_repack(problem: BalanceProblem, criteria: RepackCriteria) -> Repac
     transient migration peak is still checked). Applies iff it releases a stage.
 
     Raises:
-        ProblemError: `problem.current` is not set.
+        ProblemError: `problem.current` is not set, or the problem is interleaved.
     """
     started = time.perf_counter()
     current = _require_current(problem)
+    if problem.num_chunks > 1:
+        raise ProblemError("first_fit_repack merges whole stages of a plain pipeline; for "
+                           "interleaved (virtual) stages use plan_repack")
     p = problem.num_stages
     if criteria.min_stages >= p:
         return _assemble(problem, "first_fit", None, [], criteria, None,

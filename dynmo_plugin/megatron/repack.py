@@ -91,8 +91,7 @@ class Repacker:
         Raises:
             RankRetired: on the ranks whose stages it releases.
         """
-        pp = self.session.trainer.dims.pp
-        intermediate = Layout(layout.counts + (0,) * (pp - layout.num_stages))
+        intermediate = layout.padded(self.session.trainer.dims.pp)
         result = self.repack(layout, intermediate)
         record = {**result.to_dict(), **info, "cluster": None}
         del record["migration"]  # the event holds it
@@ -103,9 +102,13 @@ class Repacker:
     def repack(self, layout_after: Layout, intermediate: Layout) -> RepackResult:
         s = self.session
         dims, before = s.trainer.dims, s.trainer.layout
-        k = layout_after.num_stages
+        k = layout_after.num_ranks  # pipeline ranks (interleaved: each keeps its v chunks)
         result = RepackResult(False, dims.pp, k, str(before), world_size_before=dims.world_size,
                               world_size_after=dims.world_size)
+        if layout_after.num_chunks > 1 and (k < 2 or s.trainer.num_microbatches % k):
+            result.error = (f"interleaved schedule cannot run {s.trainer.num_microbatches} "
+                            f"micro-batches on {k} pipeline rank(s); nothing moved")
+            return result  # config.py refuses such layouts at start; a last guard before moving
         start = time.perf_counter()
         migration = s.migrator.migrate(intermediate)
         result.migration, result.phase_s["migration"] = migration, time.perf_counter() - start
@@ -138,7 +141,8 @@ class Repacker:
 
     # ---- 2. the head ----------------------------------------------------------------------
     def _hand_over_head(self, new_last: int) -> tuple[Optional[StageState], Optional[str]]:
-        """Old last stage -> `new_last` (collective on every rank of the old world)."""
+        """Old last stage -> `new_last` (collective on every rank of the old world).
+        Interleaved: the head is in the last chunk of either rank."""
         t = self.session.trainer
         dims = t.dims
         old_last = dims.pp - 1
@@ -147,7 +151,8 @@ class Repacker:
         try:
             outgoing, sending = [], {}
             if dims.pp_rank == old_last:
-                head = capture(t.model, t.optimizer).select(lambda k: not k.startswith("decoder.layers."))
+                head = capture(t.chunks[-1], t.optimizer).select(
+                    lambda k: not k.startswith("decoder.layers."))
                 header, buffers = pack(HEAD, old_last, new_last, _flatten(head), dims.device,
                                        tuple(sorted(head.frozen)))
                 outgoing, sending = [header], {HEAD: buffers}
@@ -184,16 +189,19 @@ class Repacker:
         from dynmo_plugin.megatron.trainer import StageTrainer
         s = self.session
         old = s.trainer
-        state = capture(old.model, old.optimizer)
+        state = StageState()
+        for chunk in old.chunks:  # global keys: every chunk's state in one
+            state.merge(capture(chunk, old.optimizer))
         if head is not None:
             state.merge(head)
-        args = dataclasses.replace(old.args, pipeline_model_parallel_size=layout.num_stages,
+        args = dataclasses.replace(old.args, pipeline_model_parallel_size=layout.num_ranks,
                                    pipeline_model_parallel_layout=layout.to_megatron())
         trainer = StageTrainer(args, dims, layout, spec=old.spec, state=state,
                                configure=old.configure)
         carry_optimizer_state(old.optimizer, trainer.optimizer)
         trainer.scheduler.num_steps = old.scheduler.num_steps
-        retire_ddp(old.ddp)
+        for ddp in old.ddps:
+            retire_ddp(ddp)
         control = ControlPlane(s.control.timeout_s)
         migrator = LayerMigrator(trainer, control, s.migrator.timeout_s, s.migrator.fault)
         s.rebind(trainer, control, migrator)

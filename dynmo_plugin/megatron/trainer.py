@@ -118,8 +118,9 @@ class StageTrainer:
                                          dims.is_last_stage and c == v - 1,
                                          vp_stage=c if v > 1 else None) for c in range(v)]
         self.model = self.chunks[0]  # the stage's model; interleaved: chunk 0 (see `chunks`)
-        if state is not None:
-            restore_model(self.model, state)  # before DDP: it only wraps trainable params
+        if state is not None:  # before DDP: it only wraps trainable params
+            for chunk in self.chunks:
+                restore_model(chunk, state)
         # Float16Module casts each chunk (norms built in fp32 included): exact for restored
         # half-precision values, and init_by_global_name drew fp32 values then cast them.
         # Its vp_stage (read off the chunk) makes it cast inputs on the first virtual stage
@@ -139,7 +140,8 @@ class StageTrainer:
         self.ddp = [self.build_ddp(c) for c in range(v)] if v > 1 else self.build_ddp()
         self.optimizer = self.build_optimizer(self.ddp)
         if state is not None:
-            restore_optimizer(self.model, self.optimizer, state)
+            for chunk in self.chunks:
+                restore_optimizer(chunk, self.optimizer, state)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr,
             min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
