@@ -63,9 +63,12 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
     assert cfg.dynmo.enabled and cfg.dynmo.rebalance.forced_layouts == {3: "Et|tttL"}
     with pytest.raises(ConfigError, match="past --train-iters"):
         ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "11:Et|tttL"]))
-    with pytest.raises(ConfigError, match="virtual pipeline stages; --use-distributed-optimizer"):
+    with pytest.raises(ConfigError, match="virtual pipeline stages; --overlap-param-gather"):
         ml.load_plugin_config(_megatron_like(argv=["--dynmo"], use_distributed_optimizer=True,
-                                             virtual_pipeline_model_parallel_size=2))
+                                             virtual_pipeline_model_parallel_size=2,
+                                             overlap_param_gather=True))
+    # the distributed optimizer itself is followed (the migration test runs it)
+    assert ml.load_plugin_config(_megatron_like(argv=["--dynmo"], use_distributed_optimizer=True)).dynmo.enabled
     # without --dynmo nothing is refused, not even a layout the plugin cannot represent
     # (an MTP layer): the hooks pass every call through
     mtp = dict(pipeline_model_parallel_layout="Ett|tt|mL", num_layers=4, pipeline_model_parallel_size=3)
@@ -214,23 +217,28 @@ def _run(tmp: Path, extra: list[str]) -> tuple[dict, dict]:
 def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp_path):
     """PP=2 on gloo: Megatron-LM's own loop, profiled every 2 iterations; before iteration
     4 a forced layout moves layer 2 to stage 1. The loss of every iteration equals that of
-    the same run whose layout never moves, to the last bit, and the events reach
+    the same run whose layout never moves, to the last bit — also with
+    --use-distributed-optimizer (its sharded state moved through optim_state, as the
+    launcher moves it; DP=1 here, so one shard per parameter) — and the events reach
     Megatron-LM's TensorBoard writer."""
     tb = tmp_path / "tb"
-    moved, moved_losses = _run(tmp_path / "moved", ["--dynmo", "--dynmo-profile-every", "2",
-                                                    "--dynmo-forced-layouts", "4:Et|tttL",
-                                                    "--tensorboard-dir", str(tb)])
+    forced_flags = ["--dynmo", "--dynmo-profile-every", "2", "--dynmo-forced-layouts", "4:Et|tttL"]
+    moved, moved_losses = _run(tmp_path / "moved", [*forced_flags, "--tensorboard-dir", str(tb)])
+    distopt, distopt_losses = _run(tmp_path / "distopt", [*forced_flags, "--use-distributed-optimizer"])
     static, static_losses = _run(tmp_path / "static", ["--dynmo"])
-    forced = [e for e in moved["events"] if e["kind"] == "rebalance"]
-    assert [(e["iteration"], e["applied"], e["layout_after"]) for e in forced] == [(4, True, "Et|tttL")]
-    assert [m["layer"] for m in forced[0]["moves"]] == [2] and moved["layout"] == "Et|tttL"
-    profiles = [e for e in moved["events"] if e["kind"] == "profile"]
-    assert [e["iteration"] for e in profiles] == [2, 4, 6]
-    stages = [[(x["layer"], x["stage"]) for x in e["profile"]["layers"]] for e in profiles]
-    assert stages[0] == [(1, 0), (2, 0), (3, 1), (4, 1)]  # measured where layer 2 moved from ...
-    assert stages[1] == stages[2] == [(1, 0), (2, 1), (3, 1), (4, 1)]  # ... and where it went
+    assert distopt["config"]["megatron_lm"]["use_distributed_optimizer"] is True
+    for report in (moved, distopt):
+        forced = [e for e in report["events"] if e["kind"] == "rebalance"]
+        assert [(e["iteration"], e["applied"], e["layout_after"]) for e in forced] == [(4, True, "Et|tttL")]
+        assert [m["layer"] for m in forced[0]["moves"]] == [2] and report["layout"] == "Et|tttL"
+        profiles = [e for e in report["events"] if e["kind"] == "profile"]
+        assert [e["iteration"] for e in profiles] == [2, 4, 6]
+        stages = [[(x["layer"], x["stage"]) for x in e["profile"]["layers"]] for e in profiles]
+        assert stages[0] == [(1, 0), (2, 0), (3, 1), (4, 1)]  # measured where layer 2 moved from ...
+        assert stages[1] == stages[2] == [(1, 0), (2, 1), (3, 1), (4, 1)]  # ... and where it went
     assert static["layout"] == "Ett|ttL" and static["events"] == []
     assert len(moved_losses) == 6 and moved_losses == static_losses
+    assert distopt_losses == static_losses  # fp32, DP=1: the sharded Adam is the same arithmetic
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tb)).Reload()
     assert [e.step for e in acc.Scalars("dynmo/layer_2_fwd_ms")] == [2, 4, 6]

@@ -216,7 +216,9 @@ def _check_supported(args, cfg: RunConfig) -> None:
     unsupported = [
         (getattr(args, "virtual_pipeline_model_parallel_size", None) is not None,
          "--num-layers-per-virtual-pipeline-stage / virtual pipeline stages"),
-        (getattr(args, "use_distributed_optimizer", False), "--use-distributed-optimizer"),
+        (getattr(args, "overlap_param_gather", False),
+         "--overlap-param-gather (train() keeps the chunks' param_sync_func as a local, which a "
+         "migration would leave pointing at the old DDP; the distributed optimizer without it works)"),
         (getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False),
          "FSDP (--use-megatron-fsdp / --use-torch-fsdp2)"),
         (bool(getattr(args, "mtp_num_layers", None)), "--mtp-num-layers"),
@@ -237,7 +239,9 @@ class MegatronLMStage:
     """What the controller and the migrator drive (the launcher's StageTrainer gives the
     same), built over the objects Megatron-LM's train() holds: `model_list` (train()'s list
     of DDP model chunks, updated in place), `optimizer` (a ChainedOptimizer, kept as the same
-    object), `scheduler` and the model's TransformerConfig."""
+    object), `scheduler` and the model's TransformerConfig. With --use-distributed-optimizer
+    the ChainedOptimizer chains DistributedOptimizers: the migrator finds them through
+    `optimizer` and moves their sharded state with optim_state, as in the launcher."""
 
     def __init__(self, chunks: list, optimizer, scheduler, args):
         from megatron.core.distributed import DistributedDataParallel
@@ -494,7 +498,7 @@ class _Run:
 def _run_settings(args) -> dict:
     keys = ("num_layers", "hidden_size", "seq_length", "micro_batch_size", "global_batch_size",
             "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size", "bf16",
-            "fp16", "transformer_impl")
+            "fp16", "transformer_impl", "use_distributed_optimizer")
     return {k: getattr(args, k, None) for k in keys} | {"megatron_core": SUPPORTED_CORE}
 
 
