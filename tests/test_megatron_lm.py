@@ -204,11 +204,11 @@ def test_flags_parse_inside_megatron_lm_parse_args_chained_with_the_callers(mtt,
 
 
 # ---- with the source, under torchrun: Megatron-LM's train() with the plugin ------------------------
-def _run(tmp: Path, extra: list[str]) -> tuple[dict, dict]:
+def _run(tmp: Path, extra: list[str], ranks: int = 2) -> tuple[dict, dict]:
     from launch import ROOT, free_port
     import subprocess
     out = tmp / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__,
            *MODEL_FLAGS, "--train-iters", "6", "--pipeline-model-parallel-size", "2",
            "--dynmo-output", str(out), *extra]
@@ -226,8 +226,8 @@ def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp
     the same run whose layout never moves, to the last bit, and the events reach
     Megatron-LM's TensorBoard writer. The same pair again with virtual pipeline stages
     (8 layers, 2 chunks per rank, Megatron's interleaved 1F1B over train()'s list of DDP
-    chunks) and --use-distributed-optimizer (its sharded state moved through optim_state,
-    as the launcher moves it; DP=1 here, so one shard per parameter)."""
+    chunks) and --use-distributed-optimizer on 4 ranks, PP=2 x DP=2 (its state sharded over
+    the two DP ranks, gathered and re-sharded through optim_state as in the launcher)."""
     tb = tmp_path / "tb"
     forced = ["--dynmo", "--dynmo-profile-every", "2", "--dynmo-forced-layouts"]
     moved, moved_losses = _run(tmp_path / "moved", [*forced, "4:Et|tttL", "--tensorboard-dir", str(tb)])
@@ -237,9 +237,10 @@ def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp
     assert len(moved_losses) == 6 and moved_losses == static_losses
     vp = ["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2",
           "--use-distributed-optimizer"]
-    vp_moved, vp_moved_losses = _run(tmp_path / "vp_moved", [*vp, *forced, "4:Et|ttt|tt|ttL"])
-    vp_static, vp_static_losses = _run(tmp_path / "vp_static", [*vp, "--dynmo"])
+    vp_moved, vp_moved_losses = _run(tmp_path / "vp_moved", [*vp, *forced, "4:Et|ttt|tt|ttL"], ranks=4)
+    vp_static, vp_static_losses = _run(tmp_path / "vp_static", [*vp, "--dynmo"], ranks=4)
     assert vp_moved["config"]["megatron_lm"]["use_distributed_optimizer"] is True
+    assert vp_moved["world"]["dp"] == 2
     _check_forced_move(vp_moved, "Et|ttt|tt|ttL", 8)
     assert vp_static["layout"] == "Ett|tt|tt|ttL" and vp_static["events"] == []
     assert len(vp_moved_losses) == 6 and vp_moved_losses == vp_static_losses
