@@ -63,9 +63,18 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
     assert cfg.dynmo.enabled and cfg.dynmo.rebalance.forced_layouts == {3: "Et|tttL"}
     with pytest.raises(ConfigError, match="past --train-iters"):
         ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "11:Et|tttL"]))
-    with pytest.raises(ConfigError, match="virtual pipeline stages; --use-distributed-optimizer"):
+    with pytest.raises(ConfigError, match="support: --overlap-param-gather"):
         ml.load_plugin_config(_megatron_like(argv=["--dynmo"], use_distributed_optimizer=True,
-                                             virtual_pipeline_model_parallel_size=2))
+                                             overlap_param_gather=True))
+    # virtual pipeline stages and the distributed optimizer are followed (the migration
+    # test runs them): a forced layout then has pp x v stages
+    interleaved = dict(use_distributed_optimizer=True, virtual_pipeline_model_parallel_size=2)
+    cfg = ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "4:Et|t|tt|L"],
+                                               **interleaved))
+    assert cfg.model.num_virtual_stages_per_pipeline_rank == 2
+    with pytest.raises(ConfigError, match="has 2 stages but the pipeline has 4"):
+        ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "4:Et|tttL"],
+                                             **interleaved))
     # without --dynmo nothing is refused, not even a layout the plugin cannot represent
     # (an MTP layer): the hooks pass every call through
     mtp = dict(pipeline_model_parallel_layout="Ett|tt|mL", num_layers=4, pipeline_model_parallel_size=3)
@@ -195,11 +204,11 @@ def test_flags_parse_inside_megatron_lm_parse_args_chained_with_the_callers(mtt,
 
 
 # ---- with the source, under torchrun: Megatron-LM's train() with the plugin ------------------------
-def _run(tmp: Path, extra: list[str]) -> tuple[dict, dict]:
+def _run(tmp: Path, extra: list[str], ranks: int = 2) -> tuple[dict, dict]:
     from launch import ROOT, free_port
     import subprocess
     out = tmp / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__,
            *MODEL_FLAGS, "--train-iters", "6", "--pipeline-model-parallel-size", "2",
            "--dynmo-output", str(out), *extra]
@@ -215,26 +224,46 @@ def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp
     """PP=2 on gloo: Megatron-LM's own loop, profiled every 2 iterations; before iteration
     4 a forced layout moves layer 2 to stage 1. The loss of every iteration equals that of
     the same run whose layout never moves, to the last bit, and the events reach
-    Megatron-LM's TensorBoard writer."""
+    Megatron-LM's TensorBoard writer. The same pair again with virtual pipeline stages
+    (8 layers, 2 chunks per rank, Megatron's interleaved 1F1B over train()'s list of DDP
+    chunks) and --use-distributed-optimizer on 4 ranks, PP=2 x DP=2 (its state sharded over
+    the two DP ranks, gathered and re-sharded through optim_state as in the launcher)."""
     tb = tmp_path / "tb"
-    moved, moved_losses = _run(tmp_path / "moved", ["--dynmo", "--dynmo-profile-every", "2",
-                                                    "--dynmo-forced-layouts", "4:Et|tttL",
-                                                    "--tensorboard-dir", str(tb)])
+    forced = ["--dynmo", "--dynmo-profile-every", "2", "--dynmo-forced-layouts"]
+    moved, moved_losses = _run(tmp_path / "moved", [*forced, "4:Et|tttL", "--tensorboard-dir", str(tb)])
     static, static_losses = _run(tmp_path / "static", ["--dynmo"])
-    forced = [e for e in moved["events"] if e["kind"] == "rebalance"]
-    assert [(e["iteration"], e["applied"], e["layout_after"]) for e in forced] == [(4, True, "Et|tttL")]
-    assert [m["layer"] for m in forced[0]["moves"]] == [2] and moved["layout"] == "Et|tttL"
-    profiles = [e for e in moved["events"] if e["kind"] == "profile"]
-    assert [e["iteration"] for e in profiles] == [2, 4, 6]
-    stages = [[(x["layer"], x["stage"]) for x in e["profile"]["layers"]] for e in profiles]
-    assert stages[0] == [(1, 0), (2, 0), (3, 1), (4, 1)]  # measured where layer 2 moved from ...
-    assert stages[1] == stages[2] == [(1, 0), (2, 1), (3, 1), (4, 1)]  # ... and where it went
+    _check_forced_move(moved, "Et|tttL", 4)
     assert static["layout"] == "Ett|ttL" and static["events"] == []
     assert len(moved_losses) == 6 and moved_losses == static_losses
+    vp = ["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2",
+          "--use-distributed-optimizer"]
+    vp_moved, vp_moved_losses = _run(tmp_path / "vp_moved", [*vp, *forced, "4:Et|ttt|tt|ttL"], ranks=4)
+    vp_static, vp_static_losses = _run(tmp_path / "vp_static", [*vp, "--dynmo"], ranks=4)
+    assert vp_moved["config"]["megatron_lm"]["use_distributed_optimizer"] is True
+    assert vp_moved["world"]["dp"] == 2
+    _check_forced_move(vp_moved, "Et|ttt|tt|ttL", 8)
+    assert vp_static["layout"] == "Ett|tt|tt|ttL" and vp_static["events"] == []
+    assert len(vp_moved_losses) == 6 and vp_moved_losses == vp_static_losses
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tb)).Reload()
     assert [e.step for e in acc.Scalars("dynmo/layer_2_fwd_ms")] == [2, 4, 6]
     assert [e.value for e in acc.Scalars("dynmo/rebalance_applied")] == [1.0]
+
+
+def _check_forced_move(report: dict, after: str, num_layers: int) -> None:
+    """Layer 2 moved from stage 0 to 1 at iteration 4, and the profiles (2, 4, 6) timed
+    every layer where it was: first on the uniform split (2 layers per stage, virtual
+    stages included), then with layer 2 on stage 1."""
+    events = [e for e in report["events"] if e["kind"] == "rebalance"]
+    assert [(e["iteration"], e["applied"], e["layout_after"]) for e in events] == [(4, True, after)]
+    assert [(m["layer"], m["src"], m["dst"]) for m in events[0]["moves"]] == [(2, 0, 1)]
+    assert report["layout"] == after
+    profiles = [e for e in report["events"] if e["kind"] == "profile"]
+    assert [e["iteration"] for e in profiles] == [2, 4, 6]
+    before = [(n, (n - 1) // 2) for n in range(1, num_layers + 1)]
+    moved = [(n, 1 if n == 2 else s) for n, s in before]
+    stages = [[(x["layer"], x["stage"]) for x in e["profile"]["layers"]] for e in profiles]
+    assert stages == [before, moved, moved]
 
 
 # ---- the harness torchrun runs ------------------------------------------------------------------
@@ -248,6 +277,15 @@ def _cpu_streams() -> None:
     torch.cuda.Stream = _Stream
     torch.cuda.current_stream = lambda *a, **k: _Stream()
     torch.cuda.stream = lambda s: contextlib.nullcontext()
+
+
+def _gloo_interleaved_p2p(config) -> None:
+    """Interleaved 1F1B on 2 pipeline ranks over gloo: Megatron-LM sets batch_p2p_comm =
+    not overlap_p2p_comm, and both choices break on gloo here (the batched exchange pairs
+    the activation and gradient sent to the one peer by posting order, swapping them; the
+    overlapped one gave NaN losses that changed from run to run). Megatron's unbatched,
+    non-overlapped path (what the launcher uses, dynmo_plugin/megatron/model.py) is exact."""
+    config.batch_p2p_comm = config.overlap_p2p_comm = False
 
 
 def _record_losses(mtt, folder: str) -> None:
@@ -282,7 +320,8 @@ def _harness() -> None:
     args = get_args()
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
-                                             args.pipeline_model_parallel_size)
+                                             args.pipeline_model_parallel_size,
+                                             args.virtual_pipeline_model_parallel_size)
     from dynmo_plugin.megatron import cpu_compat
     cpu_compat.apply()
     _cpu_streams()
@@ -297,9 +336,20 @@ def _harness() -> None:
     from model_provider import model_provider
     model, optimizer, scheduler = mtt.setup_model_and_optimizer(
         partial(model_provider, gpt_builder), ModelType.encoder_or_decoder)
+    if args.virtual_pipeline_model_parallel_size is not None:
+        _gloo_interleaved_p2p(get_model_config(model[0]))
     provider = pretrain_gpt["train_valid_test_datasets_provider"]
     provider.is_distributed = True
-    train_iter, valid_iter, _ = mtt.build_train_valid_test_data_iterators(provider)
+    if args.virtual_pipeline_model_parallel_size is None:
+        train_iter, valid_iter, _ = mtt.build_train_valid_test_data_iterators(provider)
+    else:  # one iterator per model chunk, as pretrain() builds them
+        train_iter, valid_iter = [], []
+        for vp_stage in range(len(model)):
+            chunk_provider = partial(provider, vp_stage=vp_stage)
+            chunk_provider.is_distributed = True
+            iterators = mtt.build_train_valid_test_data_iterators(chunk_provider)
+            train_iter.append(iterators[0])
+            valid_iter.append(iterators[1])
     mtt.train(pretrain_gpt["forward_step"], model, optimizer, scheduler, train_iter, valid_iter,
               None, get_model_config(model[0]), {}, None)
     dist.destroy_process_group()

@@ -18,9 +18,10 @@ core_v0.16.1; any other version is refused with a message):
                               are built on what it returns
   train_step                - the controller's before_step/after_step around every step
   train                     - the report is completed and the writers flushed at the end
-`train()` keeps `model` (a list of DDP chunks) and `optimizer` (a ChainedOptimizer) as
-locals for the whole loop, so a migration changes nothing train() holds by reference:
-`model[0]` becomes the new DDP wrapper in the same list, and the same ChainedOptimizer
+`train()` keeps `model` (a list of DDP chunks: more than one with virtual pipeline stages)
+and `optimizer` (a ChainedOptimizer) as locals for the whole loop, so a migration changes
+nothing train() holds by reference: the new DDP wrappers replace the chunks in the same
+list, and the same ChainedOptimizer
 object (which train(), the OptimizerParamScheduler and `config.grad_scale_func` hold)
 is re-initialised over the new inner optimizers. Per-layer timings and rebalance events
 go to Megatron-LM's TensorBoard / W&B writers (scalars `dynmo/...` at the iteration)
@@ -199,6 +200,8 @@ def load_plugin_config(args: argparse.Namespace) -> RunConfig:
     layout = getattr(args, "pipeline_model_parallel_layout", None)
     ns.pipeline_model_parallel_layout = None if layout is None else str(layout)
     ns.train_iters = args.train_iters or sys.maxsize  # sample-based runs: not known yet
+    ns.num_virtual_stages_per_pipeline_rank = getattr(args, "virtual_pipeline_model_parallel_size",
+                                                      None) or 1
     try:
         cfg = load_config(ns)
     except ConfigError:
@@ -214,9 +217,9 @@ def load_plugin_config(args: argparse.Namespace) -> RunConfig:
 
 def _check_supported(args, cfg: RunConfig) -> None:
     unsupported = [
-        (getattr(args, "virtual_pipeline_model_parallel_size", None) is not None,
-         "--num-layers-per-virtual-pipeline-stage / virtual pipeline stages"),
-        (getattr(args, "use_distributed_optimizer", False), "--use-distributed-optimizer"),
+        (getattr(args, "overlap_param_gather", False),
+         "--overlap-param-gather (train() keeps the chunks' param_sync_func as a local, which a "
+         "migration would leave pointing at the old DDP; the distributed optimizer without it works)"),
         (getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False),
          "FSDP (--use-megatron-fsdp / --use-torch-fsdp2)"),
         (bool(getattr(args, "mtp_num_layers", None)), "--mtp-num-layers"),
@@ -236,8 +239,11 @@ def _check_supported(args, cfg: RunConfig) -> None:
 class MegatronLMStage:
     """What the controller and the migrator drive (the launcher's StageTrainer gives the
     same), built over the objects Megatron-LM's train() holds: `model_list` (train()'s list
-    of DDP model chunks, updated in place), `optimizer` (a ChainedOptimizer, kept as the same
-    object), `scheduler` and the model's TransformerConfig."""
+    of DDP model chunks, updated in place; more than one with virtual pipeline stages),
+    `optimizer` (a ChainedOptimizer over all chunks, kept as the same object), `scheduler`
+    and the model's TransformerConfig. With --use-distributed-optimizer
+    the ChainedOptimizer chains DistributedOptimizers: the migrator finds them through
+    `optimizer` and moves their sharded state with optim_state, as in the launcher."""
 
     def __init__(self, chunks: list, optimizer, scheduler, args):
         from megatron.core.distributed import DistributedDataParallel
@@ -246,39 +252,36 @@ class MegatronLMStage:
         from megatron.core.utils import get_model_config
         from megatron.training.utils import unwrap_model
 
-        if len(chunks) != 1 or not isinstance(chunks[0], DistributedDataParallel):
-            raise MegatronLMError(f"--dynmo needs one Megatron DDP model chunk per rank; got "
-                                  f"{[type(c).__name__ for c in chunks]} (virtual pipeline "
-                                  "stages and FSDP are not supported)")
+        if not chunks or not all(isinstance(c, DistributedDataParallel) for c in chunks):
+            raise MegatronLMError(f"--dynmo needs Megatron DDP model chunks; got "
+                                  f"{[type(c).__name__ for c in chunks]} (FSDP is not supported)")
         if not isinstance(optimizer, ChainedOptimizer):
             raise MegatronLMError(f"--dynmo needs Megatron's ChainedOptimizer, got {type(optimizer).__name__}")
         self.model_list, self._optimizer, self.scheduler, self.args = chunks, optimizer, scheduler, args
-        self.model = unwrap_model(chunks[0])
-        if not isinstance(self.model, GPTModel):
-            raise MegatronLMError(f"--dynmo supports GPTModel, got {type(self.model).__name__}")
+        self.chunks = [unwrap_model(c) for c in chunks]  # the GPTModels: a migration keeps them
+        bad = [type(m).__name__ for m in self.chunks if not isinstance(m, GPTModel)]
+        if bad:
+            raise MegatronLMError(f"--dynmo supports GPTModel, got {', '.join(bad)}")
+        self.model = self.chunks[0]
+        self.num_chunks = len(chunks)
         self.config = get_model_config(chunks[0])
-        self.spec = _layer_spec(self.model)
+        self.spec = _layer_spec(self.chunks)
         self.dims = _current_dims()
-        self.layout = _current_layout(self.model, self.dims)
+        self.layout = _current_layout(self.chunks, self.dims)
 
     @property
     def ddp(self):
+        """The DDP of chunk 0 (of the only chunk without virtual pipeline stages)."""
         return self.model_list[0]
-
-    num_chunks = 1  # virtual pipeline stages are refused above
-
-    @property
-    def chunks(self) -> list:
-        """The GPTModel of every model chunk (the migrator's view; one here)."""
-        return [self.model]
 
     @property
     def ddps(self) -> list:
-        return [self.ddp]
+        """The DDP of every model chunk, chunk 0 first."""
+        return list(self.model_list)
 
     @property
     def module(self):
-        """What DDP wraps: the GPTModel, or its Float16Module with --bf16/--fp16."""
+        """What chunk 0's DDP wraps: the GPTModel, or its Float16Module with --bf16/--fp16."""
         return self.ddp.module
 
     @property
@@ -295,23 +298,25 @@ class MegatronLMStage:
         return get_num_microbatches()
 
     def build_ddp(self, chunk: int = 0):
-        """A Megatron DDP over the stage's module as it is now, configured as Megatron-LM's
-        get_model configured the live one (local; the live one is untouched)."""
+        """A Megatron DDP over model chunk `chunk`'s module as it is now, configured as
+        Megatron-LM's get_model configured the live one (no bucketing past chunk 0;
+        local; the live one is untouched)."""
         from megatron.core.distributed import DistributedDataParallel
         return DistributedDataParallel(
-            config=self.config, ddp_config=self.ddp_config, module=self.module,
-            disable_bucketing=bool(getattr(self.args, "overlap_param_gather_with_optimizer_step", False)))
+            config=self.config, ddp_config=self.ddp_config, module=self.model_list[chunk].module,
+            disable_bucketing=chunk > 0 or bool(getattr(
+                self.args, "overlap_param_gather_with_optimizer_step", False)))
 
     def build_optimizer(self, ddp):
-        """A fresh optimizer over `ddp`, made as Megatron-LM's setup_model_and_optimizer
-        makes it (collective)."""
+        """A fresh optimizer over `ddp` (with virtual pipeline stages: the list of every
+        chunk's DDP), made as Megatron-LM's setup_model_and_optimizer makes it (collective)."""
         from megatron.core.optimizer import ChainedOptimizer
         from megatron.training import get_timers
         import megatron.training.training as mtt
         config, overrides = mtt.get_megatron_optimizer_config(self.args)
         config.timers = get_timers()
         optimizer = mtt.get_megatron_optimizer(
-            config, [ddp], config_overrides=overrides,
+            config, ddp if isinstance(ddp, list) else [ddp], config_overrides=overrides,
             use_gloo_process_groups=self.args.enable_gloo_process_groups)
         if not isinstance(optimizer, ChainedOptimizer):
             raise MegatronLMError(f"get_megatron_optimizer returned {type(optimizer).__name__}, "
@@ -319,26 +324,29 @@ class MegatronLMStage:
         return optimizer
 
     def install_wrappers(self, ddp, optimizer) -> None:
-        """Switch train() to `ddp` and `optimizer` without changing what it holds:
-        the same list gets the new chunk, the same ChainedOptimizer object takes the new
+        """Switch train() to `ddp` (a list with virtual pipeline stages) and `optimizer`
+        without changing what it holds: the same list gets the new chunks, the same
+        ChainedOptimizer object takes the new
         inner optimizers (re-initialised in place, as its constructor builds it), so the
         scheduler and config.grad_scale_func (bound to it) stay valid. The DDP-bound sync
         functions train() set are re-pointed. Reference updates only: cannot fail."""
         from megatron.core.optimizer import ChainedOptimizer
-        self.model_list[0] = ddp
+        ddps = ddp if isinstance(ddp, list) else [ddp]
+        self.model_list[:] = ddps
         if optimizer is not self._optimizer:
             ChainedOptimizer.__init__(self._optimizer, list(optimizer.chained_optimizers))
-        cfg = self.config  # train() binds these to the chunk only with --overlap-grad-reduce
+        cfg = self.config  # train() binds these to the chunks only with --overlap-grad-reduce
         if cfg.no_sync_func is not None:
-            cfg.no_sync_func = ddp.no_sync
+            cfg.no_sync_func = [d.no_sync for d in ddps] if len(ddps) > 1 else ddps[0].no_sync
         if cfg.grad_sync_func is not None:
-            cfg.grad_sync_func = ddp.start_grad_sync
+            cfg.grad_sync_func = ([d.start_grad_sync for d in ddps] if len(ddps) > 1
+                                  else ddps[0].start_grad_sync)
 
 
-def _layer_spec(model):
-    """The TransformerLayer spec arriving layers are built from: the decoder's, which must
-    be one spec for all its layers (heterogeneous blocks cannot be migrated)."""
-    specs = list(model.decoder.submodules.layer_specs)
+def _layer_spec(models: list):
+    """The TransformerLayer spec arriving layers are built from: the decoders', which must
+    be one spec for all their layers (heterogeneous blocks cannot be migrated)."""
+    specs = [s for m in models for s in m.decoder.submodules.layer_specs]
     if any(s != specs[0] for s in specs[1:]):
         raise MegatronLMError("--dynmo needs one TransformerLayer spec for every decoder layer "
                               "(this model mixes layer kinds); run without --dynmo")
@@ -362,16 +370,20 @@ def _current_dims():
         groups=ProcessGroupCollection.use_mpu_process_groups())
 
 
-def _current_layout(model, dims) -> Layout:
-    """The split Megatron-LM built, read from the layers each stage holds (it may come
-    from a layout string, a uniform split or first/last-stage counts)."""
+def _current_layout(models: list, dims) -> Layout:
+    """The split Megatron-LM built, read from the layers each (virtual) stage holds (it
+    may come from a layout string, a uniform split or first/last-stage counts); virtual
+    stage s is chunk s // pp of rank s % pp, as in Megatron."""
     import torch.distributed as dist
-    numbers = [layer.layer_number for layer in model.decoder.layers]
+    numbers = [[layer.layer_number for layer in m.decoder.layers] for m in models]
     held: list = [None] * dims.pp
     dist.all_gather_object(held, numbers, group=dims.groups.pp)
-    layout = Layout(tuple(len(n) for n in held))
-    if [n for stage in held for n in stage] != list(range(1, layout.num_layers + 1)):
-        raise MegatronLMError(f"decoder layers per stage {held} are not one contiguous split")
+    v = len(models)
+    stages = [held[s % dims.pp][s // dims.pp] for s in range(dims.pp * v)]
+    layout = Layout(tuple(len(n) for n in stages), v)
+    if [n for stage in stages for n in stage] != list(range(1, layout.num_layers + 1)):
+        raise MegatronLMError(f"decoder layers per (virtual) stage {stages} are not one "
+                              "contiguous split")
     return layout
 
 
@@ -494,7 +506,7 @@ class _Run:
 def _run_settings(args) -> dict:
     keys = ("num_layers", "hidden_size", "seq_length", "micro_batch_size", "global_batch_size",
             "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size", "bf16",
-            "fp16", "transformer_impl")
+            "fp16", "transformer_impl", "use_distributed_optimizer")
     return {k: getattr(args, k, None) for k in keys} | {"megatron_core": SUPPORTED_CORE}
 
 
