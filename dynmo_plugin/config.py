@@ -896,6 +896,9 @@ def _check_interleaved_repack(cfg: RunConfig, where: str, world_size: Optional[i
 def _check_forced_layouts(cfg: RunConfig, where: str) -> None:
     m = cfg.model
     pp = m.pipeline_model_parallel_size * m.num_virtual_stages_per_pipeline_rank
+    sizes = ("--pipeline-model-parallel-size" if m.num_virtual_stages_per_pipeline_rank == 1 else
+             f"--pipeline-model-parallel-size {m.pipeline_model_parallel_size} x "
+             f"--num-virtual-stages-per-pipeline-rank {m.num_virtual_stages_per_pipeline_rank}")
     for it, text in cfg.dynmo.rebalance.forced_layouts.items():
         try:
             layout = Layout.parse(text, None, m.num_layers, m.num_virtual_stages_per_pipeline_rank)
@@ -903,8 +906,8 @@ def _check_forced_layouts(cfg: RunConfig, where: str) -> None:
             raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: {e}") from e
         if layout.num_stages > pp or (layout.num_stages < pp and not cfg.dynmo.repack.enabled):
             raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: layout {text!r} has "
-                              f"{layout.num_stages} stages but the pipeline has {pp} "
-                              "(--pipeline-model-parallel-size); fewer stages force a repack, "
+                              f"{layout.num_stages} stages but the pipeline has {pp} ({sizes}); "
+                              "fewer stages force a repack, "
                               "which needs repack.enabled (--dynmo-repack)")
         if it > m.train_iters:
             raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: iteration is past "
