@@ -73,13 +73,18 @@ def test_events_follow_the_cubic_schedule(static):
 
 
 def test_pruned_layers_run_cheaper_than_dense(static):
+    """The profile sees the sparse kernels: relative to the head, a layer costs less
+    after the final event than dense. A direction, not a speed-up figure: measured 0.65x
+    on an idle machine and 0.87x during a full CI run (CSR matmuls are memory-bound and
+    suffer more from neighbours than the head's GEMM does), while the dense masked
+    windows in between measure 1.11-1.15x, which is what a broken switch would give."""
     report, _ = static
     profiles = _profiles(report)
     before = [p for end, p in profiles if end < 8]
     after = [p for end, p in profiles if end > 14]
     assert before and after
     ratio = _layer_to_head(after[-1]) / _layer_to_head(before[0])
-    assert ratio < 0.8, f"layer cost after pruning to {FINAL} is {ratio:.2f}x the dense cost"
+    assert ratio < 1.0, f"layer cost after pruning to {FINAL} is {ratio:.2f}x the dense cost"
 
 
 def test_dynmo_losses_equal_static_and_layers_moved(static, dynmo):
