@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): setup.cfg constraints.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[test]'
+	$(PIP) -e '.[test,megatron-lm]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -23,7 +23,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check dynmo_plugin tests scripts
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(PY) scripts/bench_balancers.py
