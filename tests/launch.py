@@ -9,6 +9,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The small GPT most multi-process tests train (8 layers, hidden 32): one place for its flags.
+SMALL_MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
+               "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+               "--lr", "3e-3", "--seed", "11"]
+# The 4-stage never-moved run that migration, repack and reliability tests compare against
+# (launched once per test session by conftest.py's `pp4_static`).
+PP4_STATIC = SMALL_MODEL + ["--train-iters", "6", "--dynmo", "--test-dump-params",
+                            "--pipeline-model-parallel-size", "4"]
 
 
 def free_port() -> int:

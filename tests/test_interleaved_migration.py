@@ -11,13 +11,11 @@ import json
 
 import pytest
 
-from launch import assert_same_training, losses, torchrun, worker
+from launch import SMALL_MODEL, assert_same_training, losses, torchrun, worker
 
 pytestmark = pytest.mark.multiproc
 
-MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--train-iters", "6", "--lr", "3e-3", "--seed", "11", "--dynmo", "--test-dump-params",
+MODEL = SMALL_MODEL + ["--train-iters", "6", "--dynmo", "--test-dump-params",
          "--pipeline-model-parallel-size", "2"]
 INTERLEAVED = MODEL + ["--num-virtual-stages-per-pipeline-rank", "2"]
 # Virtual stage s runs on rank s % 2. Start: Ett|tt|tt|ttL = rank 0 {1,2 | 5,6}, rank 1 {3,4 | 7,8}.

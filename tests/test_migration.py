@@ -4,13 +4,11 @@ import torch
 
 from dynmo_plugin.migration.pool import StagingPool
 from dynmo_plugin.migration.wire import pack, unpack
-from launch import assert_same_training, load_params, losses, worker
+from launch import SMALL_MODEL, assert_same_training, load_params, losses, worker
 
 pytestmark = pytest.mark.multiproc
 
-MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--train-iters", "6", "--lr", "3e-3", "--seed", "11", "--dynmo", "--test-dump-params"]
+MODEL = SMALL_MODEL + ["--train-iters", "6", "--dynmo", "--test-dump-params"]
 # Iteration 3: layer 2 goes 0->1, 5-6 go 2->1, 7 goes 3->1 (across two stages), stage 2 empties.
 # Iteration 5: 2-3 go back 1->0, 5-6 go 1->2, 7 goes 1->3 (across two stages).
 PP4_FORCED = "3:Et|tttttt||tL;5:Ettt|t|tt|ttL"
@@ -22,12 +20,6 @@ PP2_REUSE = "3:Ettttt|tttL;4:Etttttt|ttL;5:Et|tttttttL"
 
 def _assert_same_training(a_dir, a, b_dir, b, ranks):
     assert len(assert_same_training(a_dir, a, b_dir, b, ranks)) > 8 * 12
-
-
-@pytest.fixture(scope="module")
-def pp4_static(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pp4_static")
-    return out, worker(4, MODEL + ["--pipeline-model-parallel-size", "4"], out)
 
 
 def test_pp4_migrations_are_bit_exact(pp4_static, tmp_path):

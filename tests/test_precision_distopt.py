@@ -19,11 +19,9 @@ import pytest
 import torch
 
 from dynmo_plugin.config import ConfigError, add_dynmo_args, add_model_args, load_config
-from launch import in_megatron_process, losses, train
+from launch import SMALL_MODEL, in_megatron_process, losses, train
 
-MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--train-iters", "6", "--lr", "3e-3", "--seed", "11", "--dynmo",
+MODEL = SMALL_MODEL + ["--train-iters", "6", "--dynmo",
          "--pipeline-model-parallel-size", "2"]
 # From Etttt|ttttL. Iteration 2: layers 5-6 go 1->0; iteration 3: layers 3-6 go 0->1.
 MOVES = "2:Etttttt|ttL;3:Ett|ttttttL"

@@ -10,14 +10,12 @@ import time
 
 import pytest
 
-from launch import assert_same_training, torchrun, worker
+from launch import PP4_STATIC, SMALL_MODEL, assert_same_training, torchrun, worker
 
 pytestmark = pytest.mark.multiproc
 
-MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--lr", "3e-3", "--seed", "11", "--dynmo", "--test-dump-params"]
-PP4 = MODEL + ["--train-iters", "6", "--pipeline-model-parallel-size", "4"]
+MODEL = SMALL_MODEL + ["--dynmo", "--test-dump-params"]
+PP4 = PP4_STATIC
 PP4_FORCED = "3:Et|tttttt||tL;5:Ettt|t|tt|ttL"
 
 
@@ -28,12 +26,6 @@ def _rank_reports(path, n):
 def _decisions(report):
     return [(e["iteration"], e["applied"], e["layout_after"], e.get("reason"))
             for e in report["events"] if e["kind"] == "rebalance"]
-
-
-@pytest.fixture(scope="module")
-def pp4_static(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pp4_static")
-    return out, worker(4, PP4, out)
 
 
 # ---- decisions are the same on every rank ------------------------------------------------------

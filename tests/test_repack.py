@@ -9,13 +9,11 @@ import json
 import pytest
 import torch
 
-from launch import ROOT, load_params, losses, torchrun, train, worker
+from launch import ROOT, SMALL_MODEL, load_params, losses, torchrun, train, worker
 
 pytestmark = pytest.mark.multiproc
 
-MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--train-iters", "6", "--lr", "3e-3", "--seed", "11", "--dynmo", "--test-dump-params"]
+MODEL = SMALL_MODEL + ["--train-iters", "6", "--dynmo", "--test-dump-params"]
 REPACK = ["--dynmo-repack", "--dynmo-forced-layouts"]
 
 
@@ -32,12 +30,6 @@ def _same_params(a_dir, a_ranks, b_dir, b_ranks) -> None:
 def _repack_event(report: dict) -> dict:
     (event,) = [e for e in report["events"] if e["kind"] == "rebalance"]
     return event
-
-
-@pytest.fixture(scope="module")
-def pp4_static(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pp4_static")
-    return out, worker(4, MODEL + ["--pipeline-model-parallel-size", "4"], out)
 
 
 def test_live_repack_4_to_2_is_bit_exact(pp4_static, tmp_path):

@@ -13,14 +13,12 @@ import kube_cluster as kc
 import pytest
 from kube_cluster import free_port, write_kubeconfig
 
-from launch import losses, torchrun
+from launch import SMALL_MODEL, losses, torchrun
 
 pytestmark = pytest.mark.multiproc
 kube_cluster, kube_namespace = kc.kube_cluster, kc.kube_namespace  # the fixtures
 
-MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--train-iters", "6", "--lr", "3e-3", "--seed", "11", "--pipeline-model-parallel-size", "4",
+MODEL = SMALL_MODEL + ["--train-iters", "6", "--pipeline-model-parallel-size", "4",
          "--dynmo", "--dynmo-repack", "--dynmo-forced-layouts", "3:Etttt|ttttL",
          "--dynmo-cluster-ranks-per-replica", "1"]
 
