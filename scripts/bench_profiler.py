@@ -9,7 +9,12 @@ profiled step vs. the same run's unprofiled iterations, and the window's open/cl
 cost (summary + gather), which the report records separately as `dynmo_s`.
 Part 2 (thread CPU time, one process, no pipeline noise): the training step with no
 hooks, with timing hooks only, and with timing + activation accounting.
-Usage: python scripts/bench_profiler.py [--rounds 3] [--iters 40] [--every 5]
+Part 3 (wall clock, PP=2): stage 0 holds a layer three times heavier than the rest, so
+stage 1 should spend more of each iteration blocked in receives than stage 0 does. The
+profile's per-stage `wait_s` is wall-clock time, so this relation is a measurement, not
+a unit test (tests/test_profiler.py only checks that the receiving stage records a wait):
+it prints stage 1's wait over stage 0's for each round.
+Usage: python scripts/bench_profiler.py [--rounds 3] [--iters 40] [--every 5] [--part N]
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _torchrun import print_result, read_result, torchrun
+from _torchrun import ROOT, print_result, read_result, torchrun
 
 MODEL = ["--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4",
          "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "16"]
@@ -112,20 +117,45 @@ def cpu_overhead(steps: int, rounds: int) -> None:
         print(f"  {label:32s} {1e3 * res[name]:7.1f} ms  {res[name] / res['off']:.3f} x")
 
 
+def wait_relation(rounds: int) -> None:
+    flags = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "4",
+             "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+             "--train-iters", "3", "--dynmo", "--dynmo-profile-every", "2",
+             "--dynmo-profile-window", "2", "--pipeline-model-parallel-size", "2",
+             "--test-heavy-layer", "2", "--test-heavy-factor", "3"]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    ratios = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            out = Path(tmp) / f"wait{r}"
+            torchrun(2, ["-m", "workers.train_worker", *flags, "--output", str(out)])
+            events = json.loads((out / "report.json").read_text())["events"]
+            first, second = next(e for e in events if e["kind"] == "profile")["profile"]["stages"]
+            ratios.append(second["wait_s"] / max(first["wait_s"], 1e-9))
+    print(f"Part 3: PP=2, heavy layer on stage 0, {rounds} rounds")
+    print(f"  stage 1 wait / stage 0 wait: median {statistics.median(ratios):.2f} x "
+          f"(per round: {', '.join(f'{x:.2f}' for x in ratios)})")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--part", type=int, choices=(1, 2, 3), help="run one part only")
     ap.add_argument("--cpu-worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.cpu_worker:
         _cpu_worker(a.steps, a.rounds)
         return 0
     print(f"load average at start: {os.getloadavg()[0]:.1f}")
-    pipeline_overhead(a.rounds, a.iters, a.every)
-    cpu_overhead(a.steps, a.rounds)
+    if a.part in (None, 1):
+        pipeline_overhead(a.rounds, a.iters, a.every)
+    if a.part in (None, 2):
+        cpu_overhead(a.steps, a.rounds)
+    if a.part in (None, 3):
+        wait_relation(a.rounds)
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     return 0
 
