@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 import torch
 
 from launch import in_megatron_process
@@ -114,3 +116,40 @@ def test_cpu_clocks_are_unchanged():
     sum(range(20000))
     end = clock.mark()
     assert clock.seconds(start, end) == clock.host_seconds(start, end) == end - start >= 0
+
+
+def _check_window_summary(args):
+    """A real window on a real stage (CPU clock), then known samples injected for layer 1:
+    the profile holds their medians and their dispersion; host time beside the cost."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.parallel import ParallelDims
+    from dynmo_plugin.megatron.profiler import ProfileWindow
+    from dynmo_plugin.megatron.trainer import StageTrainer
+    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
+                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
+    trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1))
+    window = ProfileWindow(trainer)
+    for it in (1, 2):
+        trainer.train_step(it)
+        window.after_iteration()
+    probe = window.probes[0]
+    m = trainer.num_microbatches
+    assert all(len(probe.samples[f"{k}/{n}"]) == 2 * m  # every micro-batch of both iterations
+               for n in range(1, args.num_layers + 1) for k in ("fwd", "bwd", "host/fwd", "host/bwd"))
+    probe.samples["fwd/1"] = [1.0, 1.1, 0.9, 1.0, 5.0, 1.0]
+    probe.samples["bwd/1"] = [2.0] * 6
+    profile = window.close()
+    first, *others = profile.layers
+    assert (first.fwd_s, first.bwd_s) == (1.0, 2.0)
+    assert first.spread == pytest.approx(1.4826 * 0.05 / 3.0)  # sums 3 3.1 2.9 3 7 3: MAD 0.05
+    for x in others:  # CPU: host and device time are the same clock
+        assert x.spread >= 0 and x.host_s == x.fwd_s + x.bwd_s > 0
+    assert profile.dispersion() > 0
+
+
+def test_window_records_medians_their_dispersion_and_host_time():
+    in_megatron_process(_check_window_summary,
+                        ModelArgs(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16,
+                                  micro_batch_size=2, global_batch_size=6))

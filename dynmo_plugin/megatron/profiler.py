@@ -34,7 +34,7 @@ from dynmo_plugin.megatron.probe import SavedBytes, StageProbe
 from dynmo_plugin.megatron.timers import COMPUTE_TIMERS, TimerTap
 from dynmo_plugin.profiling.clock import clock_for
 from dynmo_plugin.profiling.gather import gather_profile
-from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile, median
+from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile, cost_spread, median
 from dynmo_plugin.sim.schedule import FORWARD, rank_orders
 
 __all__ = ["ProfileWindow"]
@@ -213,11 +213,14 @@ class ProfileWindow:
                 + sum(state_nbytes(t.optimizer, p) for p in params))
 
     def _layer_profile(self, probe: StageProbe, layer, stage: int) -> LayerProfile:
+        """Medians over every micro-batch of every window iteration, with their relative
+        dispersion (`records.cost_spread`), which the gate's noise floor follows."""
         n, params = layer.layer_number, list(layer.parameters())
+        fwd, bwd = probe.samples[f"fwd/{n}"], probe.samples[f"bwd/{n}"]
         return LayerProfile(
-            layer=n, stage=stage,
-            fwd_s=median(probe.samples[f"fwd/{n}"]),
-            bwd_s=median(probe.samples[f"bwd/{n}"]),
+            layer=n, stage=stage, fwd_s=median(fwd), bwd_s=median(bwd),
+            spread=cost_spread(fwd, bwd),
+            host_s=median(probe.samples[f"host/fwd/{n}"]) + median(probe.samples[f"host/bwd/{n}"]),
             param_bytes=sum(_nbytes(p) for p in params),
             grad_bytes=sum(_grad_bytes(p) for p in params),
             optim_bytes=sum(state_nbytes(self.trainer.optimizer, p) for p in params),
