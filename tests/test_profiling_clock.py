@@ -153,3 +153,48 @@ def test_window_records_medians_their_dispersion_and_host_time():
     in_megatron_process(_check_window_summary,
                         ModelArgs(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16,
                                   micro_batch_size=2, global_batch_size=6))
+
+
+class AllocatorStandIn:
+    """Stand-in for torch.cuda's allocator statistics (no GPU here): bytes allocated and
+    their peak since the last reset, as the caching allocator reports them."""
+
+    def __init__(self, allocated: int):
+        self.allocated = self.high = allocated
+
+    def use(self, nbytes: int) -> None:  # allocate, then free: a transient buffer
+        self.high = max(self.high, self.allocated + nbytes)
+
+    def reset_peak_memory_stats(self) -> None:
+        self.high = self.allocated
+
+    def max_memory_allocated(self) -> int:
+        return self.high
+
+
+def test_window_peak_survives_a_rebuild_that_resets_the_allocator_peak():
+    """Freezing rebuild()s between a step and the iteration's end (migrate.py resets the
+    peak for its own measurement): the window keeps each step's peak and leaves the
+    migration's transient out. The optimizer (and its global step hook) is real."""
+    from dynmo_plugin.megatron.profiler import _DevicePeak
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    cuda = AllocatorStandIn(allocated=10)
+    peak = _DevicePeak(cuda)
+
+    def iteration(training_bytes: int, rebuild_bytes: int) -> None:
+        cuda.use(training_bytes)            # forward/backward activations
+        weight.grad = torch.ones(2)
+        optimizer.step()                    # the window reads the peak here
+        if rebuild_bytes:                   # a freezing rebuild: reset, then its transient
+            cuda.reset_peak_memory_stats()
+            cuda.use(rebuild_bytes)
+        peak.end_iteration()
+
+    iteration(100, rebuild_bytes=500)
+    iteration(80, rebuild_bytes=0)
+    assert peak.peak == 110                 # not 90 (erased) nor 510 (the migration's)
+    peak.close()
+    cuda.use(1000)
+    optimizer.step()
+    assert peak.peak == 110                 # closed: the hook is gone
