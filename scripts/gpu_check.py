@@ -425,6 +425,8 @@ class Runs:
                 self._done[key] = start()
             except CheckFailed as e:
                 self._done[key] = e
+            except Exception as e:  # noqa: BLE001 - every row sharing the run fails with it
+                self._done[key] = CheckFailed(f"{type(e).__name__}: {e}"[:300])
         value = self._done[key]
         if isinstance(value, CheckFailed):
             raise CheckFailed(f"(shared run {key}) {value}")
