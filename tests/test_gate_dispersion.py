@@ -84,6 +84,13 @@ def test_gate_floor_never_drops_below_min_relative_gain():
     assert GateConfig(**GATE, measured_dispersion=0.04, dispersion_factor=2.0).noise_floor == 0.08
 
 
+def test_min_relative_gain_zero_switches_the_floor_off():
+    """--dynmo-min-gain 0 (tests that force a move use it): the prediction alone decides."""
+    plan, gain = _plan()
+    off = GateConfig(**{**GATE, "min_relative_gain": 0.0}, measured_dispersion=2 * gain)
+    assert off.noise_floor == 0.0 and evaluate_gate(plan, off).apply
+
+
 def test_gate_follows_the_dispersion_a_profile_measured():
     """End to end on data: per-micro-batch samples -> profile -> gate."""
     plan, gain = _plan()

@@ -8,7 +8,8 @@ profiles are measurements, and a plan that wins by less than their noise would m
 layers back and forth on every trigger. The floor follows the noise the profile
 measured (`PipelineProfile.dispersion()`, the cost-weighted relative dispersion of
 its layers over micro-batches) times `dispersion_factor`, and never drops below
-`min_relative_gain` (the fallback when nothing was measured: simulated profiles).
+`min_relative_gain` (the fallback when nothing was measured: simulated profiles);
+`min_relative_gain` 0 switches the floor off altogether.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class GateConfig:
         fixed_overhead_s: per-rebalance cost independent of bytes (sync, regrouping).
         min_relative_gain: smallest predicted saving worth acting on, as a fraction of
             the predicted current iteration time: the noise floor's minimum, and the
-            floor itself when no dispersion was measured.
+            floor itself when no dispersion was measured; 0 switches the floor off.
         measured_dispersion: the profile's relative dispersion
             (`PipelineProfile.dispersion()`; 0.0 = not measured).
         dispersion_factor: the floor is dispersion_factor x measured_dispersion where
@@ -49,7 +50,11 @@ class GateConfig:
 
     @property
     def noise_floor(self) -> float:
-        """The smallest relative gain the gate trusts."""
+        """The smallest relative gain the gate trusts; min_relative_gain 0 switches the
+        floor off, measured or not (decide on the prediction alone, as tests that force
+        moves do)."""
+        if self.min_relative_gain == 0:
+            return 0.0
         return max(self.min_relative_gain, self.dispersion_factor * self.measured_dispersion)
 
     def __post_init__(self) -> None:
