@@ -262,7 +262,8 @@ class RebalanceConfig:
     margin: float = field(default=1.0, metadata=opt("apply a plan only if its saving exceeds margin x its cost",
                                                     "--dynmo-gate-margin", non_negative))
     min_gain: float = field(default=0.05, metadata=opt(
-        "skip plans predicted to save less than this fraction of iteration time",
+        "skip plans predicted to save less than this fraction of iteration time, or than the "
+        "profile's measured dispersion if larger (docs/profiling.md; 0 = no floor)",
         "--dynmo-min-gain", non_negative))
     expected_event_gap: int = field(default=100, metadata=opt(
         "iterations a new layout is expected to last (gate horizon)", "--dynmo-event-gap", positive))

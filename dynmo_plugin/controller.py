@@ -278,7 +278,7 @@ class DynMo:
                             _memory_hint(f"no feasible plan: {e}", memory), memory=memory)
         gate = GateConfig(iterations_until_next_event=rb.expected_event_gap,
                           bandwidth_bytes_per_s=self.bandwidth, margin=rb.margin,
-                          min_relative_gain=rb.min_gain)
+                          min_relative_gain=rb.min_gain, measured_dispersion=profile.dispersion())
         choice = decide(problem, rb.balancer, gate, self._repack_criteria(problem, trigger))
         memory = _memory_record(profile, problem.num_stages, problem.num_microbatches, cap,
                                 choice.plan)

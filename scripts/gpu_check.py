@@ -2,9 +2,10 @@
 """The GPU acceptance checks, one verdict table: run by scripts/gpu_check.sh (which
 installs what is missing first), or directly with the packages in place.
 
-    python scripts/gpu_check.py [--cpu] [--json] [--out DIR]
+    python scripts/gpu_check.py [--cpu] [--json] [--out DIR] [--only NAME,...] [--rounds N]
 
-Checks, each a row `check | result | detail` (result: pass, FAIL or "skipped: why"):
+Checks, each a row `check | result | detail` (result: pass, FAIL or "skipped: why") with
+the seconds it took (a run shared by several rows counts for the first):
   machine                CUDA GPUs visible (names, torch and CUDA versions)
   packages               megatron-core imports; Transformer Engine imports or why not
   precision_flag         whether the launcher takes --bf16 (else everything runs fp32)
@@ -21,9 +22,26 @@ Checks, each a row `check | result | detail` (result: pass, FAIL or "skipped: wh
   repack_2_to_1          PP=2 -> 1 live repack; equal to a PP=1 run resumed from the
                          PP=2 checkpoint at the repack point (the tied output weight
                          becomes the embedding: see tests/test_repack.py)
+  identical_layers[S]    PP=1 bf16 at shape S (host: 12L h1024 s1024 mb4, host-bound;
+                         gpu: 6L h4096 s2048 mb1, GPU-bound), one test layer 3x heavy:
+                         max/min fwd+bwd of the identical others <= 1.10
+  heavy_layer[S]         the same run: the 3x layer at 3.0x +-10% its neighbours' median
+  profiling_overhead[S]  the same run: profiled iterations / unprofiled ones <= 1.3
+  identical_layers[mlm-S]  inside Megatron-LM's pretrain_gpt.py ($DYNMO_MEGATRON_LM),
+                         --dynmo profiling: max/min of the layers <= 1.10
+  throughput_vs_megatron_lm  host shape, bf16, --rounds interleaved rounds of: the
+                         launcher, pretrain_gpt.py, pretrain_gpt.py --dynmo
+                         --dynmo-profile-every 10: launcher/Megatron-LM <= 1.0x and
+                         plugin/plain <= 1.03x (medians of the rounds; spread printed)
+  scenario_cost[KIND]    each of the six scenarios at PP=1 bf16 at a shape where it
+                         should save: the affected layers' cost over the reference's
+                         (SCENARIOS below); also written to OUT/scenario_costs.json
+                         (docs/gpu.md: the format the simulator reads)
+  nccl/...               the rows of scripts/gpu_check_nccl.py --json, where it exists
+--only NAME,...: run only the rows whose name starts with one of these prefixes.
 --cpu (what `gpu_check.sh --dry-run` passes): hide any GPU, run what runs on CPU (the
-heavy-layer profile on a small model, thread CPU time), mark the GPU checks
-"skipped: no CUDA"; exits 0 when nothing failed. Without --cpu and without CUDA the
+heavy-layer profile on a small model, thread CPU time; gpu_check_nccl.py --cpu), mark
+the GPU checks "skipped: no CUDA"; exits 0 when nothing failed. Without --cpu and without CUDA the
 machine row fails. Exit status: 1 if any row is FAIL, else 0.
 --json: exactly one JSON document on stdout; progress goes to stderr.
 """
@@ -37,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -44,6 +63,9 @@ from typing import Callable, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 NO_CUDA = "skipped: no CUDA"
+# Bit-exact rows need deterministic kernels (issue 25 item 9): set here for direct runs
+# too, inherited by every launch. gpu_check.sh sets them as well.
+DETERMINISM_ENV = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 HEAVY_LAYER, HEAVY_FACTOR, HEAVY_TOLERANCE = 3, 3, 0.25
 # As tests/test_migration.py (8 layers, PP=2, start Etttt|ttttL): iteration 3 moves layers
 # 5-6 to stage 0, iteration 5 moves layers 2-6 to stage 1 (both directions).
@@ -59,6 +81,7 @@ class Row:
     check: str
     result: str      # "pass", "FAIL" or "skipped: why"
     detail: str = ""
+    seconds: float = 0.0
 
 
 @dataclass
@@ -198,7 +221,8 @@ def render(rows: list[Row]) -> str:
              for k in ("check", "result")]
     lines = [f"{'check':<{width[0]}} | {'result':<{width[1]}} | detail",
              f"{'-' * width[0]}-+-{'-' * width[1]}-+-------"]
-    lines += [f"{r.check:<{width[0]}} | {r.result:<{width[1]}} | {r.detail}" for r in rows]
+    lines += [f"{r.check:<{width[0]}} | {r.result:<{width[1]}} | {r.detail}"
+              + (f" [{r.seconds:.0f} s]" if r.seconds >= 0.5 else "") for r in rows]
     return "\n".join(lines)
 
 
@@ -338,21 +362,406 @@ def check_repack(m: Machine, sizes: Sizes, out: Path) -> Row:
                f"{phases}; losses and parameters equal to the resumed PP=1 run")
 
 
-def _guard(name: str, fn: Callable[[], Row]) -> Row:
+# ---- the product's GPU acceptance (issue 24) ---------------------------------------------------
+IDENTICAL_MAX, HEAVY_ACCEPT, OVERHEAD_MAX = 1.10, 0.10, 1.3
+THROUGHPUT_MAX, PLUGIN_OVERHEAD_MAX = 1.0, 1.03
+_COMMON = ["--vocab-size", "32000", "--lr", "1e-4", "--transformer-impl", "local"]
+SHAPES = {  # name: (model flags, what it is)
+    "host": (["--num-layers", "12", "--hidden-size", "1024", "--num-attention-heads", "16",
+              "--seq-length", "1024", "--micro-batch-size", "4", "--global-batch-size", "16"],
+             "12L h1024 s1024 mb4 (host-bound)"),
+    "gpu": (["--num-layers", "6", "--hidden-size", "4096", "--num-attention-heads", "32",
+             "--seq-length", "2048", "--micro-batch-size", "1", "--global-batch-size", "4"],
+            "6L h4096 s2048 mb1 (GPU-bound)"),
+}
+SHAPE_RUN = ["--train-iters", "12", "--dynmo", "--dynmo-profile-every", "4", "--dynmo-profile-window", "1"]
+
+
+def timed_profiles(report: dict) -> list[dict]:
+    """Every event's measured profile (profile windows and timed rebalances), in order."""
+    return [e for e in report["events"] if e.get("profile") and not e.get("cancelled")
+            and e.get("profile_source", "timed") == "timed"]
+
+
+def layer_costs(profile: dict) -> dict[int, float]:
+    return {x["layer"]: x["fwd_s"] + x["bwd_s"] for x in profile["layers"]}
+
+
+def identical_verdict(profile: dict, exclude: tuple = ()) -> tuple[float, str]:
+    """(max/min fwd+bwd over the layers not excluded, detail)."""
+    costs = {n: c for n, c in layer_costs(profile).items() if n not in exclude}
+    if len(costs) < 2 or min(costs.values()) <= 0:
+        raise CheckFailed(f"too few timed layers in the profile: {costs}")
+    ratio = max(costs.values()) / min(costs.values())
+    ms = " ".join(f"{1e3 * costs[n]:.2f}" for n in sorted(costs))
+    return ratio, f"max/min {ratio:.3f} (<= {IDENTICAL_MAX}) over {len(costs)} layers, ms: {ms}"
+
+
+def overhead_verdict(report: dict, warmup: int = 2) -> tuple[float, str]:
+    """Median time of iterations inside profiling windows over the others'."""
+    inside = set()
+    for e in timed_profiles(report):
+        lo, hi = e.get("window") or [e["iteration"], e["iteration"]]
+        inside.update(range(lo, hi + 1))
+    times = {i["iteration"]: i["time_s"] for i in report["iterations"] if i["iteration"] > warmup}
+    a = [t for i, t in times.items() if i in inside]
+    b = [t for i, t in times.items() if i not in inside]
+    if not a or not b:
+        raise CheckFailed(f"need profiled and unprofiled iterations after warm-up: {sorted(inside)}")
+    ratio = statistics.median(a) / statistics.median(b)
+    return ratio, (f"profiled {1e3 * statistics.median(a):.1f} ms / unprofiled "
+                   f"{1e3 * statistics.median(b):.1f} ms = {ratio:.3f}x (<= {OVERHEAD_MAX}x)")
+
+
+class Runs:
+    """Launches shared by several rows: run once, the first row pays the seconds."""
+
+    def __init__(self):
+        self._done: dict[str, object] = {}
+
+    def get(self, key: str, start: Callable[[], object]) -> object:
+        if key not in self._done:
+            try:
+                self._done[key] = start()
+            except CheckFailed as e:
+                self._done[key] = e
+            except Exception as e:  # noqa: BLE001 - every row sharing the run fails with it
+                self._done[key] = CheckFailed(f"{type(e).__name__}: {e}"[:300])
+        value = self._done[key]
+        if isinstance(value, CheckFailed):
+            raise CheckFailed(f"(shared run {key}) {value}")
+        return value
+
+
+def shape_run(m: Machine, shape: str, out: Path, runs: Runs) -> dict:
+    flags, _ = SHAPES[shape]
+    return runs.get(f"shape-{shape}", lambda: launch(
+        1, [*flags, *_COMMON, *SHAPE_RUN, *_precision(m), "--test-heavy-layer", str(HEAVY_LAYER),
+            "--test-heavy-factor", str(HEAVY_FACTOR)], out / f"shape_{shape}"))
+
+
+def check_identical(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
+    name = f"identical_layers[{shape}]"
+    if not m.gpus:
+        return Row(name, NO_CUDA)
+    profile = timed_profiles(shape_run(m, shape, out, runs))[-1]["profile"]
+    ratio, detail = identical_verdict(profile, exclude=(HEAVY_LAYER,))
+    detail = f"{SHAPES[shape][1]}, launcher: {detail}"
+    if ratio > IDENTICAL_MAX:
+        raise CheckFailed(detail)
+    return Row(name, "pass", detail)
+
+
+def check_heavy(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
+    name = f"heavy_layer[{shape}]"
+    if not m.gpus:
+        return Row(name, NO_CUDA)
+    profile = timed_profiles(shape_run(m, shape, out, runs))[-1]["profile"]
+    return Row(name, "pass", f"{SHAPES[shape][1]}: " + heavy_layer_verdict(
+        profile, HEAVY_LAYER, HEAVY_FACTOR, HEAVY_ACCEPT))
+
+
+def check_overhead(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
+    name = f"profiling_overhead[{shape}]"
+    if not m.gpus:
+        return Row(name, NO_CUDA)
+    ratio, detail = overhead_verdict(shape_run(m, shape, out, runs))
+    if ratio > OVERHEAD_MAX:
+        raise CheckFailed(detail)
+    return Row(name, "pass", f"{SHAPES[shape][1]}: {detail}")
+
+
+# ---- inside Megatron-LM's pretrain_gpt.py ---------------------------------------------------------
+MLM_ENV = "DYNMO_MEGATRON_LM"
+MLM_FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--bf16",
+             "--lr", "1e-4", "--transformer-impl", "local", "--no-persist-layer-norm",
+             "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+             "--no-bias-dropout-fusion", "--no-rope-fusion", "--eval-iters", "0",
+             "--eval-interval", "1000", "--log-interval", "1"]
+MLM_ITERS = 20
+
+
+def mlm_launch(shape: str, dynmo: bool, out: Path) -> tuple[list[float], Optional[dict]]:
+    """pretrain_gpt.py through the plugin's entry (docs/megatron-lm.md) at `shape`; returns
+    (ms per iteration after 3 warm-up iterations, the plugin's report or None)."""
+    out.mkdir(parents=True, exist_ok=True)
+    flags, _ = SHAPES[shape]
+    seq = flags[flags.index("--seq-length") + 1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "-m", "dynmo_plugin.integrations.pretrain_gpt", *flags, "--max-position-embeddings", seq,
+           *MLM_FLAGS, "--train-iters", str(MLM_ITERS)]
+    if dynmo:
+        cmd += ["--dynmo", "--dynmo-profile-every", "10", "--dynmo-output", str(out / "dynmo")]
+    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    _log(f"pretrain_gpt.py {shape}{' --dynmo' if dynmo else ''}")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    (out / "train.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise CheckFailed(f"pretrain_gpt.py exit {proc.returncode}: {_error_line(proc.stderr)} "
+                          f"(log: {out}/train.log)")
+    ms = mlm_iteration_ms(proc.stdout + proc.stderr)
+    report = json.loads((out / "dynmo" / "report.json").read_text()) if dynmo else None
+    return ms, report
+
+
+def mlm_iteration_ms(log: str, warmup: int = 3) -> list[float]:
+    """Megatron-LM's 'elapsed time per iteration (ms): X' after `warmup` iterations."""
+    import re
+    found = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", log)]
+    if len(found) <= warmup:
+        raise CheckFailed(f"Megatron-LM logged {len(found)} iteration times")
+    return found[warmup:]
+
+
+def _mlm_skip(name: str, m: Machine) -> Optional[Row]:
+    if not m.gpus:
+        return Row(name, NO_CUDA)
+    if not os.environ.get(MLM_ENV):
+        return Row(name, f"skipped: {MLM_ENV} not set (a Megatron-LM checkout at core_v0.16.1)")
+    return None
+
+
+def check_mlm_identical(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
+    name = f"identical_layers[mlm-{shape}]"
+    skip = _mlm_skip(name, m)
+    if skip:
+        return skip
+    # the host shape's profiled run is shared with throughput_vs_megatron_lm's first round
+    _, report = runs.get(f"mlm-{shape}-dynmo-0", lambda: mlm_launch(shape, True, out / f"mlm_{shape}_dynmo_0"))
+    profile = timed_profiles(report)[-1]["profile"]
+    ratio, detail = identical_verdict(profile)
+    detail = f"{SHAPES[shape][1]}, inside pretrain_gpt.py: {detail}"
+    if ratio > IDENTICAL_MAX:
+        raise CheckFailed(detail)
+    return Row(name, "pass", detail)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.3f}-{max(values):.3f}"
+
+
+def check_throughput(m: Machine, out: Path, runs: Runs, rounds: int) -> Row:
+    """Interleaved rounds of the three runs at the host shape (bf16)."""
+    name = "throughput_vs_megatron_lm"
+    skip = _mlm_skip(name, m)
+    if skip:
+        return skip
+    flags, what = SHAPES["host"]
+    ours, ratio, plugin = [], [], []
+    for r in range(rounds):
+        report = launch(1, [*flags, *_COMMON, "--train-iters", str(MLM_ITERS), *_precision(m)],
+                        out / f"launcher_{r}")
+        launcher = 1e3 * statistics.median(i["time_s"] for i in report["iterations"] if i["iteration"] > 3)
+        plain, _ = mlm_launch("host", False, out / f"mlm_host_plain_{r}")
+        profiled, _ = runs.get(f"mlm-host-dynmo-{r}", lambda: mlm_launch("host", True, out / f"mlm_host_dynmo_{r}"))
+        ours.append(launcher)
+        ratio.append(launcher / statistics.median(plain))
+        plugin.append(statistics.median(profiled) / statistics.median(plain))
+    a, b = statistics.median(ratio), statistics.median(plugin)
+    detail = (f"{what}, {rounds} interleaved rounds: launcher/Megatron-LM {a:.3f}x (rounds "
+              f"{_spread(ratio)}, <= {THROUGHPUT_MAX}); --dynmo profiling every 10 / plain "
+              f"{b:.3f}x (rounds {_spread(plugin)}, <= {PLUGIN_OVERHEAD_MAX}); launcher "
+              f"{statistics.median(ours):.1f} ms/iteration")
+    if a > THROUGHPUT_MAX or b > PLUGIN_OVERHEAD_MAX:
+        raise CheckFailed(detail)
+    return Row(name, "pass", detail)
+
+
+# ---- what each scenario saves on a GPU --------------------------------------------------------
+@dataclass
+class Scenario:
+    """One scenario_cost row: a PP=1 bf16 run, a YAML `dynamism` section, the layers the
+    scheme touches and what they are compared with: "dense" (the other layers of the same
+    profile) or "before" (the same layers in the run's first profile, before any event)."""
+
+    kind: str
+    dynamism: dict
+    model: list[str]
+    affected: tuple[int, ...]
+    reference: str
+    threshold: float
+    what: str
+    iters: int = 8
+    every: int = 4
+    extra: list[str] = field(default_factory=list)
+
+
+_S8 = ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16",
+       "--seq-length", "2048", "--micro-batch-size", "2", "--global-batch-size", "4",
+       "--vocab-size", "32000", "--lr", "1e-4", "--transformer-impl", "local"]
+_HEAD, _TAIL = (1, 2, 3, 4), (5, 6, 7, 8)
+SCENARIOS = [
+    Scenario("gradual_pruning", {"kind": "gradual_pruning", "pruning": {
+        "start": 2, "interval": 2, "rounds": 1, "initial_sparsity": 0.0, "final_sparsity": 0.67,
+        "granularity": "structured"}}, _S8, (*_HEAD, *_TAIL), "before", 0.75,
+        "structured, 67% of FFN neurons pruned at iteration 4, vs the same layers dense", iters=9, every=3),
+    Scenario("layer_freezing", {"kind": "none"}, _S8, _HEAD, "dense", 0.4,
+             "layers 1-4 and the embedding frozen (a frozen prefix: forward only) vs layers 5-8",
+             extra=["--test-freeze-layers", "1,2,3,4"]),
+    Scenario("mixture_of_depths", {"kind": "mixture_of_depths", "mod": {
+        "every": 1, "capacity": 1.0, "final_capacity": 0.125, "start": 2, "interval": 2, "rounds": 1,
+        "capacity_per_layer": "5:1.0,6:1.0,7:1.0,8:1.0", "predictor_loss_weight": 0.01}},
+        _S8, _HEAD, "dense", 0.3, "layers 1-4 routed at capacity 0.125 vs dense layers 5-8"),
+    Scenario("early_exit", {"kind": "early_exit", "early_exit": {
+        "threshold": 0.2, "start": 6, "interval": 4, "loss_weight": 0.5, "min_layer": 4}},
+        [*_S8, "--vocab-size", "16", "--lr", "3e-3"], _TAIL, "dense", 0.6,
+        "tail layers 5-8 after exits from layer 4 on (>= 75% of tokens out) vs layers 1-4",
+        iters=40, every=10),
+    Scenario("moe", {"kind": "moe", "moe": {
+        "num_experts": 8, "top_k": 2, "pattern": "1,1,1,1,0,0,0,0", "capacity_factor": 0.5,
+        "start": 2, "interval": 1}}, [*_S8, "--ffn-hidden-size", "8192"], _HEAD, "moe_capacity", 0.8,
+        "MoE layers 1-4 at capacity factor 0.5 vs 1.0 (each over dense layers 5-8 of its run)"),
+    Scenario("sparse_attention", {"kind": "sparse_attention", "sparse_attention": {
+        "buckets": 1, "buckets_per_layer": "1:1,2:1,3:1,4:1", "final_buckets": 16, "rounds": 1,
+        "start": 2, "interval": 2, "hashes": 1}},
+        ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8",
+         "--seq-length", "8192", "--micro-batch-size", "1", "--global-batch-size", "2",
+         "--vocab-size", "32000", "--lr", "1e-4", "--transformer-impl", "local"], _TAIL, "dense", 0.8,
+        "layers 5-8 with 16 hash buckets vs dense causal layers 1-4, sequence 8192"),
+]
+
+
+def scenario_launch(m: Machine, sc: Scenario, out: Path, dynamism: Optional[dict] = None) -> dict:
+    import yaml
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"profiling": {"window": 1, "every": sc.every, "retime_every": 0},
+              "dynamism": dynamism or sc.dynamism}
+    (out / "scenario.yaml").write_text(yaml.safe_dump(config))
+    return launch(1, [*sc.model, "--train-iters", str(sc.iters), *_precision(m), "--dynmo",
+                      "--dynmo-config", str(out / "scenario.yaml"), *sc.extra], out)
+
+
+def _median_of(costs: dict[int, float], layers) -> float:
+    values = [costs[n] for n in layers if n in costs]
+    if not values:
+        raise CheckFailed(f"layers {list(layers)} missing from the profile ({sorted(costs)})")
+    return statistics.median(values)
+
+
+def scenario_ratio(sc: Scenario, profiles: list[dict], num_layers: int) -> tuple[float, dict]:
+    """(affected cost / reference cost, the figures written to scenario_costs.json)."""
+    last = layer_costs(profiles[-1])
+    if sc.reference == "before":
+        first = layer_costs(profiles[0])
+        affected, reference = _median_of(last, sc.affected), _median_of(first, sc.affected)
+    else:
+        others = [n for n in range(1, num_layers + 1) if n not in sc.affected]
+        affected, reference = _median_of(last, sc.affected), _median_of(last, others)
+    return affected / reference, {"affected_cost_s": affected, "reference_cost_s": reference,
+                                  "layer_cost_s": {str(n): c for n, c in sorted(last.items())}}
+
+
+def _find(tree, key: str):
+    """The last value of `key` anywhere in a report (e.g. the early-exit fractions)."""
+    found = None
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    for k, v in items:
+        inner = v if k == key else _find(v, key)
+        found = inner if inner is not None else found
+    return found
+
+
+def check_scenario(m: Machine, sc: Scenario, out: Path, costs: dict) -> Row:
+    name = f"scenario_cost[{sc.kind}]"
+    if not m.gpus:
+        return Row(name, NO_CUDA)
+    report = scenario_launch(m, sc, out / f"scenario_{sc.kind}")
+    profiles = [e["profile"] for e in timed_profiles(report)]
+    if len(profiles) < 2:
+        raise CheckFailed(f"{len(profiles)} timed profiles: need one before and one after the events")
+    layers = report["config"]["model"]["num_layers"]
+    ratio, figures = scenario_ratio(sc, profiles, layers)
+    note = ""
+    if sc.reference == "moe_capacity":
+        dense_sc = Scenario(**{**sc.__dict__, "reference": "dense"})
+        full = {"kind": "moe", "moe": {**sc.dynamism["moe"], "capacity_factor": 1.0}}
+        ref = scenario_launch(m, sc, out / "scenario_moe_cf1", full)
+        ref_ratio, _ = scenario_ratio(dense_sc, [e["profile"] for e in timed_profiles(ref)], layers)
+        half_ratio, _ = scenario_ratio(dense_sc, profiles, layers)
+        ratio = half_ratio / ref_ratio
+        note = f"; MoE/dense {half_ratio:.3f} at 0.5, {ref_ratio:.3f} at 1.0"
+    if sc.kind == "early_exit":
+        fractions = _find(report["events"], "exit_fraction") or {}
+        out_frac = float(fractions.get(str(sc.affected[0]), fractions.get(sc.affected[0], 0.0)))
+        note = f"; {out_frac:.0%} of tokens exited before layer {sc.affected[0]}"
+        figures["exited_fraction"] = out_frac
+    passed = ratio <= sc.threshold and figures.get("exited_fraction", 1.0) >= 0.75
+    costs[sc.kind] = {"ratio": ratio, "threshold": sc.threshold, "passed": passed, "what": sc.what,
+                      "affected_layers": list(sc.affected), "reference": sc.reference,
+                      "model": sc.model + sc.extra, **figures}
+    detail = f"{ratio:.3f}x (<= {sc.threshold}x): {sc.what}{note}"
+    if not passed:
+        raise CheckFailed(detail)
+    return Row(name, "pass", detail)
+
+
+def write_scenario_costs(m: Machine, costs: dict, out: Path) -> Optional[Path]:
+    if not costs:
+        return None
+    path = out / "scenario_costs.json"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": "dynmo-scenario-costs/1", "device": (m.gpus or ["cpu"])[0],
+                                "torch": m.torch, "precision": "bf16" if _precision(m) else "fp32",
+                                "pipeline_model_parallel_size": 1, "scenarios": costs}, indent=1))
+    return path
+
+
+# ---- scripts/gpu_check_nccl.py (the 'nccl' rows) ----------------------------------------------
+NCCL_SCRIPT = ROOT / "scripts" / "gpu_check_nccl.py"
+
+
+def nccl_rows(cpu_mode: bool, timeout_s: int = 600) -> list[Row]:
+    """The rows of gpu_check_nccl.py --json (one JSON document {"rows": [...]}), each
+    named nccl/<check>; none where the script does not exist."""
+    if not NCCL_SCRIPT.exists():
+        return []
+    cmd = [sys.executable, str(NCCL_SCRIPT), *(["--cpu"] if cpu_mode else []), "--json"]
+    start = time.perf_counter()
     try:
-        return fn()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        rows = json.loads(proc.stdout)["rows"]
+    except (subprocess.TimeoutExpired, ValueError, KeyError, TypeError) as e:
+        return [Row("nccl", "FAIL", f"{NCCL_SCRIPT.name} gave no JSON rows: {type(e).__name__}: {e}"[:300],
+                    time.perf_counter() - start)]
+    return [Row(f"nccl/{r['check']}", r["result"], r.get("detail", ""), float(r.get("seconds", 0.0)))
+            for r in rows]
+
+
+def _guard(name: str, fn: Callable[[], Row]) -> Row:
+    start = time.perf_counter()
+    try:
+        row = fn()
     except CheckFailed as e:
-        return Row(name, "FAIL", str(e))
+        row = Row(name, "FAIL", str(e))
     except Exception as e:  # noqa: BLE001 - a broken check is a failed check, with its reason
-        return Row(name, "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+        row = Row(name, "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+    row.seconds = time.perf_counter() - start
+    return row
 
 
-def run_checks(m: Machine, sizes: Sizes, out: Path) -> list[Row]:
+def plan_checks(m: Machine, sizes: Sizes, out: Path, rounds: int = 2,
+                costs: Optional[dict] = None) -> list[tuple[str, Callable[[], Row]]]:
+    """Every row, in the order they run (cheap first; shared runs next to each other)."""
+    runs, costs = Runs(), costs if costs is not None else {}
     checks: list[tuple[str, Callable[[], Row]]] = [
         ("machine", lambda: check_machine(m, sizes, out)),
         ("packages", lambda: check_packages(m, sizes, out)),
         ("precision_flag", lambda: check_precision_flag(m, sizes, out)),
-        ("profile_heavy_layer", lambda: check_profile_heavy_layer(m, sizes, out)),
+    ]
+    if m.cpu_mode or not m.gpus:  # the per-shape rows replace it on a GPU
+        checks.append(("profile_heavy_layer", lambda: check_profile_heavy_layer(m, sizes, out)))
+    for shape in SHAPES:
+        checks += [(f"identical_layers[{shape}]", lambda s=shape: check_identical(m, s, out, runs)),
+                   (f"heavy_layer[{shape}]", lambda s=shape: check_heavy(m, s, out, runs)),
+                   (f"profiling_overhead[{shape}]", lambda s=shape: check_overhead(m, s, out, runs))]
+    checks += [(f"identical_layers[mlm-{shape}]", lambda s=shape: check_mlm_identical(m, s, out, runs))
+               for shape in SHAPES]
+    checks.append(("throughput_vs_megatron_lm", lambda: check_throughput(m, out, runs, rounds)))
+    checks += [(f"scenario_cost[{sc.kind}]", lambda sc=sc: check_scenario(m, sc, out, costs))
+               for sc in SCENARIOS]
+    checks += [
         ("transformer_engine", lambda: check_transformer_engine(m, sizes, out)),
         ("bf16_vs_fp32_speed", lambda: check_speed(m, sizes, out)),
         ("migration_bitexact[fp32]", lambda: check_migration(m, sizes, out, "fp32")),
@@ -360,11 +769,24 @@ def run_checks(m: Machine, sizes: Sizes, out: Path) -> list[Row]:
     if m.bf16:
         checks.append(("migration_bitexact[bf16]", lambda: check_migration(m, sizes, out, "bf16")))
     checks.append(("repack_2_to_1", lambda: check_repack(m, sizes, out)))
+    return checks
+
+
+def run_checks(m: Machine, sizes: Sizes, out: Path, only: tuple[str, ...] = (), rounds: int = 2) -> list[Row]:
+    costs: dict = {}
     rows = []
-    for name, fn in checks:
+    for name, fn in plan_checks(m, sizes, out, rounds, costs):
+        if only and not name.startswith(only):
+            continue
         _log(f"check {name}")
         rows.append(_guard(name, fn))
-        _log(f"  -> {rows[-1].result}: {rows[-1].detail}")
+        _log(f"  -> {rows[-1].result} ({rows[-1].seconds:.1f} s): {rows[-1].detail}")
+    if not only or any(o.startswith("nccl") for o in only):
+        _log(f"check {NCCL_SCRIPT.name}")
+        rows += nccl_rows(m.cpu_mode)
+    path = write_scenario_costs(m, costs, out)
+    if path is not None:
+        _log(f"per-scenario costs: {path}")
     return rows
 
 
@@ -374,17 +796,26 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="hide GPUs; run the checks that run on CPU, skip the GPU ones")
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
     parser.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
+    parser.add_argument("--only", default="", help="comma-separated row-name prefixes to run")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="interleaved rounds of throughput_vs_megatron_lm (default 2)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    for key, value in DETERMINISM_ENV.items():
+        os.environ.setdefault(key, value)
     if args.cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch initialises CUDA, here and in children
     machine = probe_machine(args.cpu)
     sizes = CPU_SIZES if not machine.gpus else GPU_SIZES
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         out = Path(args.out) if args.out else Path(tmp)
-        rows = run_checks(machine, sizes, out)
+        only = tuple(x.strip() for x in args.only.split(",") if x.strip())
+        rows = run_checks(machine, sizes, out, only, args.rounds)
     status = exit_status(rows)
     if args.json:
         print(json.dumps({"ok": status == 0, "machine": asdict(machine),
+                          "env": {k: os.environ.get(k) for k in DETERMINISM_ENV},
                           "rows": [asdict(r) for r in rows]}))
     else:
         print(render(rows))

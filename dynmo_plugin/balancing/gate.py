@@ -3,9 +3,13 @@
 saving per iteration = predicted 1F1B time before - after; total saving = that x
 iterations until the next expected dynamism event; migration time = fixed overhead +
 bytes moved / bandwidth. Apply only if total saving > margin x migration time and
-the predicted gain is at least `min_relative_gain` of the current iteration time:
+the predicted gain is at least the noise floor of the current iteration time:
 profiles are measurements, and a plan that wins by less than their noise would move
-layers back and forth on every trigger.
+layers back and forth on every trigger. The floor follows the noise the profile
+measured (`PipelineProfile.dispersion()`, the cost-weighted relative dispersion of
+its layers over micro-batches) times `dispersion_factor`, and never drops below
+`min_relative_gain` (the fallback when nothing was measured: simulated profiles);
+`min_relative_gain` 0 switches the floor off altogether.
 """
 from __future__ import annotations
 
@@ -27,7 +31,13 @@ class GateConfig:
         margin: the saving must exceed margin x migration time (1.2 = 20% headroom).
         fixed_overhead_s: per-rebalance cost independent of bytes (sync, regrouping).
         min_relative_gain: smallest predicted saving worth acting on, as a fraction of
-            the predicted current iteration time (the profile's noise floor).
+            the predicted current iteration time: the noise floor's minimum, and the
+            floor itself when no dispersion was measured; 0 switches the floor off.
+        measured_dispersion: the profile's relative dispersion
+            (`PipelineProfile.dispersion()`; 0.0 = not measured).
+        dispersion_factor: the floor is dispersion_factor x measured_dispersion where
+            that is above min_relative_gain (1.0: a gain smaller than the typical
+            deviation of one measurement from its median is not trusted).
     """
 
     iterations_until_next_event: int
@@ -35,6 +45,17 @@ class GateConfig:
     margin: float = 1.2
     fixed_overhead_s: float = 0.0
     min_relative_gain: float = 0.0
+    measured_dispersion: float = 0.0
+    dispersion_factor: float = 1.0
+
+    @property
+    def noise_floor(self) -> float:
+        """The smallest relative gain the gate trusts; min_relative_gain 0 switches the
+        floor off, measured or not (decide on the prediction alone, as tests that force
+        moves do)."""
+        if self.min_relative_gain == 0:
+            return 0.0
+        return max(self.min_relative_gain, self.dispersion_factor * self.measured_dispersion)
 
     def __post_init__(self) -> None:
         if not isinstance(self.iterations_until_next_event, int) or self.iterations_until_next_event < 0:
@@ -47,6 +68,10 @@ class GateConfig:
                             "must be >= 0")
         if not 0 <= self.min_relative_gain < 1:
             raise UserError(f"min_relative_gain must be in [0, 1), got {self.min_relative_gain!r}")
+        for name in ("measured_dispersion", "dispersion_factor"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise UserError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 def evaluate_gate(plan: Plan, config: GateConfig) -> GateVerdict:
@@ -62,15 +87,23 @@ def evaluate_gate(plan: Plan, config: GateConfig) -> GateVerdict:
     total = saving * config.iterations_until_next_event
     migration = config.fixed_overhead_s + plan.bytes_moved / config.bandwidth_bytes_per_s
     gain = saving / plan.predicted_iter_s_before if plan.predicted_iter_s_before > 0 else 0.0
-    if saving > 0 and gain < config.min_relative_gain:
+    if saving > 0 and gain < config.noise_floor:
         return GateVerdict(False, saving, total, migration,
                            f"gain {100 * gain:.1f}% is below the noise floor "
-                           f"min_relative_gain {100 * config.min_relative_gain:.1f}%")
+                           f"{100 * config.noise_floor:.1f}% ({_floor_source(config)})")
     apply = saving > 0 and total > config.margin * migration
     numbers = (f"saves {saving:.4g} s/iter x {config.iterations_until_next_event} iters = "
                f"{total:.4g} s vs migration {migration:.4g} s x margin {config.margin:g}")
     return GateVerdict(apply, saving, total, migration,
                        ("pays: " if apply else "does not pay: ") + numbers)
+
+
+def _floor_source(config: GateConfig) -> str:
+    measured = config.dispersion_factor * config.measured_dispersion
+    if measured > config.min_relative_gain:
+        return (f"measured dispersion {100 * config.measured_dispersion:.1f}% x "
+                f"{config.dispersion_factor:g}; min_relative_gain {100 * config.min_relative_gain:.1f}%")
+    return f"min_relative_gain {100 * config.min_relative_gain:.1f}%"
 
 
 def _over_capacity(plan: Plan) -> str:

@@ -14,6 +14,9 @@ the gradient of the model's output to the gradient of the final norm's input.
 Activation bytes: `saved_tensors_hooks` around each layer forward, counting the
 distinct storages autograd keeps that are not parameters.
 
+Every span opens with `clock.begin()` (on CUDA: the device is drained first, so the span
+holds that region's work only; `profiling.clock`) and closes with `clock.mark()`; the
+host's time between the same marks is kept beside it ("host/fwd/7").
 Hooks exist only between `attach()` and `detach()`: zero cost outside a window.
 """
 from __future__ import annotations
@@ -65,6 +68,11 @@ class _Spans:
         return [clock.seconds(self.start[mb], self.end[mb])
                 for mb in sorted(self.start) if mb in self.end]
 
+    def host_seconds(self, clock: Clock) -> list[float]:
+        """The host's time between the same marks (on CUDA: launching the region)."""
+        return [clock.host_seconds(self.start[mb], self.end[mb])
+                for mb in sorted(self.start) if mb in self.end]
+
 
 class StageProbe:
     """Times each layer of `model` (one pipeline stage; interleaved: one model chunk, i.e.
@@ -77,7 +85,8 @@ class StageProbe:
         self.layers = list(model.decoder.layers)
         self._handles: list = []
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.samples: dict[str, list[float]] = defaultdict(list)   # "fwd/7", "bwd/7", "extra"
+        # "fwd/7", "bwd/7", "extra"; "host/fwd/7", "host/bwd/7": the host's time beside them
+        self.samples: dict[str, list[float]] = defaultdict(list)
         self.act_bytes: dict[int, list[int]] = defaultdict(list)
         self._reset_iteration()
 
@@ -113,6 +122,7 @@ class StageProbe:
             total += sum(secs)
             if key.startswith(("fwd/", "bwd/")):
                 self.samples[key].extend(secs)
+                self.samples[f"host/{key}"].extend(spans.host_seconds(self.clock))
             else:
                 for mb, s in zip(sorted(spans.start), secs):
                     extras[mb] += s
@@ -129,8 +139,12 @@ class StageProbe:
         return mb
 
     def _grad_mark(self, spans: _Spans, which: str, mb: int) -> Callable:
+        """A gradient hook marking the start (`clock.begin`: drains the device) or the
+        end of a backward span."""
+        mark = self.clock.begin if which == "start" else self.clock.mark
+
         def hook(grad):
-            getattr(spans, which)[mb] = self.clock.mark()
+            getattr(spans, which)[mb] = mark()
         return hook
 
     def _hook_layer(self, layer: torch.nn.Module) -> None:
@@ -148,7 +162,7 @@ class StageProbe:
                 saved = SavedBytes(self._param_ptrs)
                 self._saved[(number, mb)] = saved
                 saved.__enter__()
-            self._spans[fwd_key].start[mb] = self.clock.mark()
+            self._spans[fwd_key].start[mb] = self.clock.begin()
 
         def post(module, args, kwargs, output):
             mb = self._counters[f"layer/{number}"] - 1
@@ -173,7 +187,7 @@ class StageProbe:
     def _hook_embedding(self, embedding: torch.nn.Module) -> None:
         # Spans are looked up on each call: _reset_iteration replaces the dict.
         def pre(module, args):
-            self._spans["emb_fwd"].start[self._next_mb("emb")] = self.clock.mark()
+            self._spans["emb_fwd"].start[self._next_mb("emb")] = self.clock.begin()
 
         def post(module, args, output):
             mb = self._counters["emb"] - 1
@@ -199,7 +213,7 @@ class StageProbe:
 
         def pre(module, args):
             mb = self._next_mb("head")
-            self._spans["head_fwd"].start[mb] = self.clock.mark()
+            self._spans["head_fwd"].start[mb] = self.clock.begin()
             hidden = args[0] if args else None
             if torch.is_tensor(hidden) and hidden.requires_grad:
                 hidden.register_hook(self._grad_mark(self._spans["head_bwd"], "end", mb))

@@ -6,8 +6,11 @@ Usage from a training loop (the controller does this):
     profile = window.close()              # detaches; same PipelineProfile on every rank
 
 Memory per stage (`StageProfile.peak_bytes`): on CUDA the allocator's peak over the
-window (`torch.cuda.max_memory_allocated`, reset when the window opens): everything,
-transient buffers included. On CPU there is no allocator peak, so the bytes are
+window's training steps (`torch.cuda.max_memory_allocated`): everything, transient buffers
+included. It is read right after each optimizer step and the statistics are reset at each
+iteration's end (`_DevicePeak`), so a freezing `rebuild()` between a step and the
+iteration's end (megatron/migrate.py resets the peak for its own measurement) neither
+erases the step's peak nor adds the migration's transient buffers to the window. On CPU there is no allocator peak, so the bytes are
 accounted from what the stage really holds: every parameter, gradient-buffer and
 optimizer-state storage once (`static_bytes`: a padded DDP buffer counts whole), plus
 the 1F1B warm-up depth times one micro-batch's activations — what autograd saves in
@@ -34,7 +37,7 @@ from dynmo_plugin.megatron.probe import SavedBytes, StageProbe
 from dynmo_plugin.megatron.timers import COMPUTE_TIMERS, TimerTap
 from dynmo_plugin.profiling.clock import clock_for
 from dynmo_plugin.profiling.gather import gather_profile
-from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile, median
+from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile, cost_spread, median
 from dynmo_plugin.sim.schedule import FORWARD, rank_orders
 
 __all__ = ["ProfileWindow"]
@@ -98,6 +101,34 @@ class _ExtraActivations:
         self._handles.clear()
 
 
+class _DevicePeak:
+    """The allocator's peak over a window's training steps, immune to peak resets by
+    others between them (module docstring). `cuda` is `torch.cuda`; tests pass a
+    stand-in allocator (tests/test_profiling_clock.py)."""
+
+    def __init__(self, cuda=None):
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        self.cuda = cuda if cuda is not None else torch.cuda
+        self.peak, self._stepped = 0, False
+        self.cuda.reset_peak_memory_stats()
+        # global: also fires for the optimizer a rebuild makes mid-window
+        self._handle = register_optimizer_step_post_hook(self._after_step)
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        self.peak, self._stepped = max(self.peak, int(self.cuda.max_memory_allocated())), True
+
+    def end_iteration(self) -> None:
+        """Called once per window iteration: an iteration whose step was skipped (fp16
+        overflow) is read here; then the statistics restart for the next step."""
+        if not self._stepped:
+            self.peak = max(self.peak, int(self.cuda.max_memory_allocated()))
+        self._stepped = False
+        self.cuda.reset_peak_memory_stats()
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
 class ProfileWindow:
     """Profiles the stage (interleaved: every chunk) owned by `trainer` until `close()`."""
 
@@ -114,12 +145,13 @@ class ProfileWindow:
         self._compute: list[float] = []
         self._profiled: list[float] = []
         self._wait: list[float] = []
-        if trainer.dims.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        self._peak = _DevicePeak() if trainer.dims.device.type == "cuda" else None
 
     def after_iteration(self) -> None:
         # resolves the clock first
         self._profiled.append(sum(probe.end_iteration() for probe in self.probes))
+        if self._peak is not None:
+            self._peak.end_iteration()
         totals = self.tap.take_totals()
         self._compute.append(sum(totals.get(n, 0.0) for n in COMPUTE_TIMERS))
         self._wait.append(sum(v for n, v in totals.items() if "recv" in n))
@@ -143,6 +175,8 @@ class ProfileWindow:
         for probe, extra_act in zip(self.probes, self.extra_acts):
             probe.detach()
             extra_act.detach()
+        if self._peak is not None:
+            self._peak.close()
         self.trainer.config.timers = self._saved_timers
 
     # ---- summary ------------------------------------------------------------------------
@@ -159,8 +193,8 @@ class ProfileWindow:
         act = [sum(x.act_bytes for x in chunk) + e for chunk, e in zip(layers, extra_act)]
         in_flight, held = self._in_flight(act)
         static = self._static_bytes()
-        if t.dims.device.type == "cuda":
-            peak = int(torch.cuda.max_memory_allocated())
+        if self._peak is not None:
+            peak = self._peak.peak or int(torch.cuda.max_memory_allocated())
         else:
             peak = static + held
         rank_fields = dict(
@@ -213,11 +247,14 @@ class ProfileWindow:
                 + sum(state_nbytes(t.optimizer, p) for p in params))
 
     def _layer_profile(self, probe: StageProbe, layer, stage: int) -> LayerProfile:
+        """Medians over every micro-batch of every window iteration, with their relative
+        dispersion (`records.cost_spread`), which the gate's noise floor follows."""
         n, params = layer.layer_number, list(layer.parameters())
+        fwd, bwd = probe.samples[f"fwd/{n}"], probe.samples[f"bwd/{n}"]
         return LayerProfile(
-            layer=n, stage=stage,
-            fwd_s=median(probe.samples[f"fwd/{n}"]),
-            bwd_s=median(probe.samples[f"bwd/{n}"]),
+            layer=n, stage=stage, fwd_s=median(fwd), bwd_s=median(bwd),
+            spread=cost_spread(fwd, bwd),
+            host_s=median(probe.samples[f"host/fwd/{n}"]) + median(probe.samples[f"host/bwd/{n}"]),
             param_bytes=sum(_nbytes(p) for p in params),
             grad_bytes=sum(_grad_bytes(p) for p in params),
             optim_bytes=sum(state_nbytes(self.trainer.optimizer, p) for p in params),

@@ -4,15 +4,21 @@ Megatron's schedules already call `config.timers('forward-compute', 2).start()/s
 and p2p calls `timers('forward-recv', 2)`; the tap answers those calls, forwarding
 each to the user's own `Timers` (if any, so Megatron's timer log is unchanged) while
 recording intervals with the profiler's clock: compute sections in the device clock
-(CPU time / CUDA events), communication in wall time (a blocked thread uses no CPU
-time). Outside a window `config.timers` is left exactly as the user set it.
+(CPU time / CUDA events, each interval opened with `clock.begin()`: on CUDA the queue is
+drained first), communication in wall time (a blocked thread uses no CPU time). On CUDA
+the wall clock drains the device at both ends of a communication interval
+(`profiling.clock.SyncedWallClock`): `wait_s` is then the time the host is blocked by the
+transfer itself once the compute queued before it has finished — neither ~0 (an
+unbatched NCCL `wait()` does not block the host) nor compute folded in (a batched
+exchange's synchronize waits for it). Outside a window `config.timers` is left exactly
+as the user set it.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from typing import Any
 
-from dynmo_plugin.profiling.clock import Clock, WallClock
+from dynmo_plugin.profiling.clock import Clock, comm_clock_for
 
 __all__ = ["TimerTap", "COMPUTE_TIMERS"]
 
@@ -27,7 +33,7 @@ class _TapTimer:
     def start(self, barrier: bool = False) -> None:
         if self._inner is not None:
             self._inner.start(barrier=barrier)
-        self._start = self._clock.mark()
+        self._start = self._clock.begin()
 
     def stop(self, barrier: bool = False) -> None:
         self._sink.append((self._start, self._clock.mark()))
@@ -46,7 +52,7 @@ class TimerTap:
     """Callable like `megatron.core.timers.Timers`; records what the schedule times."""
 
     def __init__(self, inner, clock: Clock):
-        self.inner, self.clock, self.wall = inner, clock, WallClock()
+        self.inner, self.clock, self.wall = inner, clock, comm_clock_for(clock)
         self._intervals: dict[str, list] = defaultdict(list)
         self._timers: dict[str, _TapTimer] = {}
 

@@ -1,23 +1,40 @@
 """Time sources for profiling, chosen by device.
 
-On GPU a mark is a recorded CUDA event: no synchronize per layer, one per profiled
-iteration (`resolve`). On CPU a mark is the calling thread's CPU time: with one thread
-per rank it is far less noisy than wall time on a shared machine (CV 0.03-0.07 vs up
-to 1.0 measured here), and backward of CPU tensors runs on the caller's thread, so
-autograd hooks see the same clock.
+An interval is `begin()` ... `mark()`, read with `seconds(start, end)` after `resolve()`.
+
+On CPU a mark is the calling thread's CPU time: with one thread per rank it is far less
+noisy than wall time on a shared machine (CV 0.03-0.07 vs up to 1.0 measured here), and
+backward of CPU tensors runs on the caller's thread, so autograd hooks see the same
+clock. `begin()` is `mark()`: nothing is queued, nothing to drain.
+
+On GPU a mark is a recorded CUDA event, and `begin()` first synchronizes the device
+(PipeDream's profiler does the same). Without it an event pair measured the host's lag
+as much as the layer: when the host runs ahead, a layer's start event waits in the
+queue behind earlier layers and the interval holds only GPU work; when the queue runs
+dry (start of the forward pass, small kernels) it holds the host's launch gaps. Which
+of the two a layer got depended on where it sat: identical layers measured 1.3-2.2x
+apart on an H200 (docs/profiling.md). With the queue drained at every start the
+interval is the same thing for every layer: from an idle GPU to the end of that
+layer's kernels, i.e. its GPU time when the GPU is the bottleneck, its launch time when
+the host is. Each mark also keeps the host's `perf_counter`, so a profile holds the
+host's time to launch the layer beside it (`host_seconds`). These clocks are only used
+inside profiling windows: outside them nothing syncs.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-__all__ = ["Clock", "CpuThreadClock", "CudaEventClock", "WallClock", "clock_for"]
+__all__ = ["Clock", "CpuThreadClock", "CudaEventClock", "CudaMark", "WallClock",
+           "SyncedWallClock", "clock_for", "comm_clock_for"]
 
 
 class Clock(Protocol):
     name: str
+
+    def begin(self) -> Any: ...
 
     def mark(self) -> Any: ...
 
@@ -25,19 +42,27 @@ class Clock(Protocol):
 
     def seconds(self, start: Any, end: Any) -> float: ...
 
+    def host_seconds(self, start: Any, end: Any) -> float: ...
+
 
 class CpuThreadClock:
-    """`time.thread_time()`: CPU seconds of this thread."""
+    """`time.thread_time()`: CPU seconds of this thread (host and device time coincide)."""
 
     name = "cpu_thread_time"
 
     def mark(self) -> float:
         return time.thread_time()
 
+    def begin(self) -> float:
+        return self.mark()
+
     def resolve(self) -> None:
         pass
 
     def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def host_seconds(self, start: float, end: float) -> float:
         return end - start
 
 
@@ -50,22 +75,67 @@ class WallClock(CpuThreadClock):
         return time.perf_counter()
 
 
+class SyncedWallClock(WallClock):
+    """Wall time with the device drained at both ends (for communication on CUDA).
+
+    An unbatched NCCL `wait()` returns before the transfer ends (it only makes the
+    compute stream wait), and a batched exchange's `synchronize` also waits for the
+    compute queued before it: a plain wall clock reads the first as ~0 and folds queued
+    compute into the second. Synchronizing before the start drains the compute; after
+    the end it waits for the transfer itself. So the interval is what the host is
+    blocked by communication once the compute before it has finished."""
+
+    name = "wall_synced"
+
+    def __init__(self, cuda: Any = None):
+        self.cuda = cuda if cuda is not None else torch.cuda
+
+    def mark(self) -> float:
+        self.cuda.synchronize()
+        return time.perf_counter()
+
+
+class CudaMark(NamedTuple):
+    event: Any          # torch.cuda.Event, recorded on the current stream
+    host: float         # time.perf_counter() when it was recorded
+
+
 class CudaEventClock:
-    """CUDA events on the current stream, read after one synchronize per iteration."""
+    """CUDA events on the current stream, read after one synchronize per iteration;
+    `begin()` drains the device first (module docstring).
+
+    `cuda` is the `torch.cuda` module; tests on CPU pass a stand-in that records the
+    order of calls (tests/test_profiling_clock.py)."""
 
     name = "cuda_event"
 
-    def mark(self) -> "torch.cuda.Event":
-        event = torch.cuda.Event(enable_timing=True)
+    def __init__(self, cuda: Any = None):
+        self.cuda = cuda if cuda is not None else torch.cuda
+
+    def mark(self) -> CudaMark:
+        event = self.cuda.Event(enable_timing=True)
         event.record()
-        return event
+        return CudaMark(event, time.perf_counter())
+
+    def begin(self) -> CudaMark:
+        self.cuda.synchronize()
+        return self.mark()
 
     def resolve(self) -> None:
-        torch.cuda.synchronize()
+        self.cuda.synchronize()
 
-    def seconds(self, start: "torch.cuda.Event", end: "torch.cuda.Event") -> float:
-        return start.elapsed_time(end) / 1e3
+    def seconds(self, start: CudaMark, end: CudaMark) -> float:
+        return start.event.elapsed_time(end.event) / 1e3
+
+    def host_seconds(self, start: CudaMark, end: CudaMark) -> float:
+        return end.host - start.host
 
 
 def clock_for(device: torch.device) -> Clock:
     return CudaEventClock() if device.type == "cuda" else CpuThreadClock()
+
+
+def comm_clock_for(clock: Clock) -> Clock:
+    """The clock for communication beside `clock`: wall time (a blocked thread uses no
+    CPU time); on CUDA with the device drained at both ends (`SyncedWallClock`)."""
+    return SyncedWallClock(clock.cuda) if isinstance(clock, CudaEventClock) else WallClock()

@@ -19,16 +19,43 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field, fields
 
-__all__ = ["LayerProfile", "StageProfile", "PipelineProfile", "median"]
+__all__ = ["LayerProfile", "StageProfile", "PipelineProfile", "median", "spread", "cost_spread"]
+
+# MAD x 1.4826 estimates the standard deviation of normally distributed samples.
+_MAD_TO_SIGMA = 1.4826
 
 
 def median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
 
 
+def spread(values: list[float]) -> float:
+    """Relative dispersion of samples: 1.4826 x median absolute deviation / median (a
+    robust coefficient of variation: one descheduled micro-batch moves it little).
+    0.0 with fewer than two samples or a zero median (nothing known)."""
+    mid = median(values)
+    if len(values) < 2 or mid <= 0:
+        return 0.0
+    return _MAD_TO_SIGMA * median([abs(v - mid) for v in values]) / mid
+
+
+def cost_spread(fwd: list[float], bwd: list[float]) -> float:
+    """The relative dispersion of a layer's fwd+bwd cost per micro-batch. The probe keeps
+    both lists in the same (iteration, micro-batch) order, so when they pair up the
+    spread is that of the sums; otherwise (a layer with no backward span in some
+    micro-batches) the two spreads weighted by their medians, as if fully correlated."""
+    if len(fwd) == len(bwd) and bwd:
+        return spread([f + b for f, b in zip(fwd, bwd)])
+    total = median(fwd) + median(bwd)
+    if total <= 0:
+        return 0.0
+    return (spread(fwd) * median(fwd) + spread(bwd) * median(bwd)) / total
+
+
 @dataclass
 class LayerProfile:
-    """One TransformerLayer: median seconds per micro-batch and exact bytes."""
+    """One TransformerLayer: median seconds per micro-batch (over every micro-batch of
+    every window iteration), their dispersion, and exact bytes."""
 
     layer: int          # global 1-based layer number
     stage: int
@@ -38,6 +65,9 @@ class LayerProfile:
     grad_bytes: int
     optim_bytes: int
     act_bytes: int      # saved for backward, per micro-batch
+    spread: float = 0.0  # relative dispersion of fwd+bwd per micro-batch (`cost_spread`)
+    host_s: float = 0.0  # median host seconds between the same marks, fwd+bwd (on CUDA:
+    # launching the layer; near cost_s when the step is host-bound; docs/profiling.md)
 
     @property
     def cost_s(self) -> float:
@@ -87,6 +117,16 @@ class PipelineProfile:
     def from_dict(cls, data: dict) -> "PipelineProfile":
         return cls([LayerProfile(**x) for x in data["layers"]],
                    [StageProfile(**x) for x in data["stages"]], int(data.get("num_chunks", 1)))
+
+    def dispersion(self) -> float:
+        """The profile's measured noise: the layers' relative dispersions weighted by
+        their costs — the relative error a stage's summed cost carries when its layers'
+        errors move together (the conservative case). 0.0 when nothing was measured
+        (simulated or old profiles): the gate then keeps its configured floor."""
+        total = sum(x.cost_s for x in self.layers)
+        if total <= 0:
+            return 0.0
+        return sum(x.cost_s * x.spread for x in self.layers) / total
 
     def rank_records(self) -> list[StageProfile]:
         """One record per pipeline rank, rank 0 first, for what is per rank (memory, the

@@ -1,0 +1,200 @@
+"""The GPU clock measures a layer's own work: inside a profiling window every timed span
+starts from a drained device (sync, then the start event), never in the middle of the
+queue, whatever the layer's position; communication is timed with the device drained
+at both ends. There is no GPU here, so the CUDA calls go to `RecordingCudaStandIn`, a
+stand-in for `torch.cuda` that records the order of calls; the model, its hooks and the
+Megatron schedule are real (one gloo rank). On CPU the clock stays thread CPU time."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+import torch
+
+from launch import in_megatron_process
+
+from dynmo_plugin.config import ModelArgs
+from dynmo_plugin.megatron.timers import TimerTap
+from dynmo_plugin.profiling.clock import CpuThreadClock, CudaEventClock, WallClock, comm_clock_for
+
+
+class RecordingCudaStandIn:
+    """Stand-in for the parts of `torch.cuda` the clocks call (no GPU on this machine):
+    logs "sync" and ("record", event id); an event's time is its record's position in
+    the log, in milliseconds."""
+
+    def __init__(self):
+        self.log: list = []
+        self._ids = itertools.count()
+
+    def synchronize(self) -> None:
+        self.log.append("sync")
+
+    def Event(self, enable_timing: bool = False):  # noqa: N802 - torch.cuda's name
+        assert enable_timing
+        return _StandInEvent(self, next(self._ids))
+
+
+class _StandInEvent:
+    def __init__(self, cuda: RecordingCudaStandIn, ident: int):
+        self.cuda, self.id, self.at = cuda, ident, None
+
+    def record(self) -> None:
+        self.at = len(self.cuda.log)
+        self.cuda.log.append(("record", self.id))
+
+    def elapsed_time(self, end: "_StandInEvent") -> float:
+        return float(end.at - self.at)
+
+
+def _preceded_by_sync(log: list, event_id: int) -> bool:
+    at = log.index(("record", event_id))
+    return at > 0 and log[at - 1] == "sync"
+
+
+def _check_every_span_starts_after_a_sync(args):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.parallel import ParallelDims
+    from dynmo_plugin.megatron.probe import StageProbe
+    from dynmo_plugin.megatron.trainer import StageTrainer
+    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
+                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
+    trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1))
+    cuda = RecordingCudaStandIn()
+    probe = StageProbe(trainer.model, CudaEventClock(cuda=cuda))
+    probe.attach()
+    trainer.train_step(1)
+    spans = dict(probe._spans)
+    m = trainer.num_microbatches
+    layers = [f"{d}/{n}" for n in range(1, args.num_layers + 1) for d in ("fwd", "bwd")]
+    assert set(layers + ["emb_fwd", "emb_bwd", "head_fwd", "head_bwd"]) <= set(spans)
+    starts = [mark.event.id for s in spans.values() for mark in s.start.values()]
+    ends = [mark.event.id for s in spans.values() for mark in s.end.values()]
+    for key in layers:  # every micro-batch of every layer, forward and backward
+        assert sorted(spans[key].start) == sorted(spans[key].end) == list(range(m)), key
+    assert all(_preceded_by_sync(cuda.log, i) for i in starts)
+    assert not any(_preceded_by_sync(cuda.log, i) for i in ends)
+    assert cuda.log.count("sync") == len(starts)  # no sync anywhere else
+    total = probe.end_iteration()  # the one sync that resolves the events
+    assert cuda.log[-1] == "sync" and total > 0
+    for key in layers:
+        assert len(probe.samples[key]) == len(probe.samples[f"host/{key}"]) == m
+    probe.detach()
+    syncs = cuda.log.count("sync")
+    trainer.train_step(2)  # outside the window: nothing
+    assert cuda.log.count("sync") == syncs
+
+
+def test_every_span_starts_from_a_drained_device_and_ends_without_a_sync():
+    in_megatron_process(_check_every_span_starts_after_a_sync,
+                        ModelArgs(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16,
+                                  micro_batch_size=2, global_batch_size=6))
+
+
+def test_timer_tap_drains_before_compute_and_around_communication():
+    cuda = RecordingCudaStandIn()
+    tap = TimerTap(None, CudaEventClock(cuda=cuda))
+    tap("forward-compute").start()
+    tap("forward-compute").stop()
+    assert cuda.log == ["sync", ("record", 0), ("record", 1)]
+    cuda.log.clear()
+    tap("forward-recv").start()
+    tap("forward-recv").stop()
+    assert cuda.log == ["sync", "sync"]  # wait_s: host-blocked time, queued compute drained first
+    totals = tap.take_totals()
+    assert totals["forward-compute"] == 1e-3 and totals["forward-recv"] >= 0
+
+
+def test_cpu_clocks_are_unchanged():
+    """On CPU: compute in thread CPU time, communication in plain wall time, no sync."""
+    clock = CpuThreadClock()
+    assert type(comm_clock_for(clock)) is WallClock
+    start = clock.begin()
+    sum(range(20000))
+    end = clock.mark()
+    assert clock.seconds(start, end) == clock.host_seconds(start, end) == end - start >= 0
+
+
+def _check_window_summary(args):
+    """A real window on a real stage (CPU clock), then known samples injected for layer 1:
+    the profile holds their medians and their dispersion; host time beside the cost."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.parallel import ParallelDims
+    from dynmo_plugin.megatron.profiler import ProfileWindow
+    from dynmo_plugin.megatron.trainer import StageTrainer
+    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
+                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
+    trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1))
+    window = ProfileWindow(trainer)
+    for it in (1, 2):
+        trainer.train_step(it)
+        window.after_iteration()
+    probe = window.probes[0]
+    m = trainer.num_microbatches
+    assert all(len(probe.samples[f"{k}/{n}"]) == 2 * m  # every micro-batch of both iterations
+               for n in range(1, args.num_layers + 1) for k in ("fwd", "bwd", "host/fwd", "host/bwd"))
+    probe.samples["fwd/1"] = [1.0, 1.1, 0.9, 1.0, 5.0, 1.0]
+    probe.samples["bwd/1"] = [2.0] * 6
+    profile = window.close()
+    first, *others = profile.layers
+    assert (first.fwd_s, first.bwd_s) == (1.0, 2.0)
+    assert first.spread == pytest.approx(1.4826 * 0.05 / 3.0)  # sums 3 3.1 2.9 3 7 3: MAD 0.05
+    for x in others:  # CPU: host and device time are the same clock
+        assert x.spread >= 0 and x.host_s == x.fwd_s + x.bwd_s > 0
+    assert profile.dispersion() > 0
+
+
+def test_window_records_medians_their_dispersion_and_host_time():
+    in_megatron_process(_check_window_summary,
+                        ModelArgs(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16,
+                                  micro_batch_size=2, global_batch_size=6))
+
+
+class AllocatorStandIn:
+    """Stand-in for torch.cuda's allocator statistics (no GPU here): bytes allocated and
+    their peak since the last reset, as the caching allocator reports them."""
+
+    def __init__(self, allocated: int):
+        self.allocated = self.high = allocated
+
+    def use(self, nbytes: int) -> None:  # allocate, then free: a transient buffer
+        self.high = max(self.high, self.allocated + nbytes)
+
+    def reset_peak_memory_stats(self) -> None:
+        self.high = self.allocated
+
+    def max_memory_allocated(self) -> int:
+        return self.high
+
+
+def test_window_peak_survives_a_rebuild_that_resets_the_allocator_peak():
+    """Freezing rebuild()s between a step and the iteration's end (migrate.py resets the
+    peak for its own measurement): the window keeps each step's peak and leaves the
+    migration's transient out. The optimizer (and its global step hook) is real."""
+    from dynmo_plugin.megatron.profiler import _DevicePeak
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    cuda = AllocatorStandIn(allocated=10)
+    peak = _DevicePeak(cuda)
+
+    def iteration(training_bytes: int, rebuild_bytes: int) -> None:
+        cuda.use(training_bytes)            # forward/backward activations
+        weight.grad = torch.ones(2)
+        optimizer.step()                    # the window reads the peak here
+        if rebuild_bytes:                   # a freezing rebuild: reset, then its transient
+            cuda.reset_peak_memory_stats()
+            cuda.use(rebuild_bytes)
+        peak.end_iteration()
+
+    iteration(100, rebuild_bytes=500)
+    iteration(80, rebuild_bytes=0)
+    assert peak.peak == 110                 # not 90 (erased) nor 510 (the migration's)
+    peak.close()
+    cuda.use(1000)
+    optimizer.step()
+    assert peak.peak == 110                 # closed: the hook is gone
