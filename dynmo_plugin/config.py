@@ -637,7 +637,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen: dict = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # an unhashable key: PyYAML's own error names it
+            if key in seen:
                 mark = key_node.start_mark
                 raise ConfigError(f"{self.name}:{mark.line + 1}:{mark.column + 1}: key {key!r} "
                                   f"given twice (first on line {seen[key]}); keep one")
@@ -660,9 +662,10 @@ def _read_yaml(path: str) -> dict:
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start]:#04x}); "
                           "save the config file as UTF-8") from e
-    loader = _UniqueKeyLoader(text)
-    loader.name = path
+    loader = None
     try:
+        loader = _UniqueKeyLoader(text)  # checks the characters: may raise already
+        loader.name = path
         data = loader.get_single_data()
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
@@ -672,7 +675,8 @@ def _read_yaml(path: str) -> dict:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from e
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -694,6 +698,8 @@ def _flatten(data: dict, known: dict, path: str, prefix: str = "") -> dict:
                               f"instead: {nested}")
         if key in known:
             flat[key] = v
+        elif section and v is None:
+            continue  # `rebalance:` with every key commented out: an empty section
         elif section and isinstance(v, dict):
             flat.update(_flatten(v, known, path, key + "."))
         elif section:
