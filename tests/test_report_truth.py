@@ -105,3 +105,37 @@ def test_only_a_log_the_message_does_not_name_a_missing_summary(tmp_path, caplog
         load_report(tmp_path)
     assert "is not the final report" not in caplog.text
     assert "no report.json yet" in caplog.text
+
+
+def test_figures_integer_ticks_legend_clear_of_bars_refused_lines_differ(tmp_path):
+    """Drawn figures, inspected: iteration ticks are whole numbers on a short run, the
+    stage-load legend overlaps no bar, and the refused rebalance's line is not the
+    applied one's."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    from dynmo_plugin.reporting.plots import gpus_figure, stage_loads_figure, training_figure
+
+    report = load_report(_write(tmp_path, iterations=_iterations(3),
+                                events=[_rebalance(2, True), _rebalance(3, False)],
+                                gpus=[{"iteration": 0, "gpus": 2}, {"iteration": 2, "gpus": 1}]))
+    for fig in (training_figure(report), gpus_figure(report)):
+        fig.canvas.draw()
+        ax = fig.axes[-1]
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+        if fig.axes[0].get_legend() is not None:
+            lines = {(ln.get_color(), ln.get_linestyle()) for ln in fig.axes[0].get_lines()[1:]}
+            assert len(lines) == 2, lines  # applied and refused: two different looks
+        plt.close(fig)
+    full = {**_rebalance(2, True), "stage_loads_before": [0.2, 0.2], "stage_loads_after": [0.2, 0.2]}
+    fig = stage_loads_figure(load_report(_write(tmp_path, iterations=_iterations(3), events=[full])))
+    fig.canvas.draw()  # bars as tall as the panel: the legend needs the headroom
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        box = legend.get_window_extent()
+        bars = [p.get_window_extent() for p in ax.patches if isinstance(p, Rectangle)]
+        assert bars and not any(box.overlaps(b) for b in bars)
+    plt.close(fig)

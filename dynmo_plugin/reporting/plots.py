@@ -12,7 +12,8 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from dynmo_plugin.reporting.model import Event, Report  # noqa: E402
 
-__all__ = ["plot_stage_loads", "plot_training", "plot_gpus", "event_style"]
+__all__ = ["plot_stage_loads", "plot_training", "plot_gpus", "event_style", "stage_loads_figure",
+           "training_figure", "gpus_figure"]
 
 _KIND_COLOURS = {"rebalance": "tab:red", "repack": "tab:purple", "profile": "tab:gray",
                  "dynamism": "tab:orange"}
@@ -62,8 +63,21 @@ def _panel(ax, report: Report, event: Event) -> None:
     ax.set_title(_plain(f"{event.kind} @ iter {event.iteration}{applied}"), fontsize=9)
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def plot_stage_loads(report: Report, path: Path) -> Path | None:
     """Grouped bars of per-stage load before/after each rebalance; None if no loads."""
+    fig = stage_loads_figure(report)
+    return None if fig is None else _save(fig, path)
+
+
+def stage_loads_figure(report: Report):
+    """The figure of `plot_stage_loads` (open: the caller saves and closes it)."""
     events = _load_events(report)[:_MAX_LOAD_PANELS]
     if not events:
         return None
@@ -74,10 +88,7 @@ def plot_stage_loads(report: Report, path: Path) -> Path | None:
         _panel(ax, report, event)
     for ax in list(axes.flat)[len(events):]:
         ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def event_style(e: Event) -> tuple[str, str, str, float]:
@@ -102,6 +113,11 @@ def _mark_events(ax, events: list[Event]) -> None:
 
 def plot_training(report: Report, path: Path) -> Path:
     """Iteration time and loss over training, events marked as dashed lines."""
+    return _save(training_figure(report), path)
+
+
+def training_figure(report: Report):
+    """The figure of `plot_training` (open: the caller saves and closes it)."""
     fig, (ax_t, ax_l) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     pts = [(i, t) for i, t in zip(report.iterations, report.times) if t is not None]
     ax_t.plot([i for i, _ in pts], [t for _, t in pts], lw=1, color="tab:blue")
@@ -115,14 +131,17 @@ def plot_training(report: Report, path: Path) -> Path:
         _mark_events(ax, report.events)
     if any(e.iteration is not None for e in report.events):
         ax_t.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def plot_gpus(report: Report, path: Path) -> Path | None:
     """GPUs in use over training; None unless a repack changed the count."""
+    fig = gpus_figure(report)
+    return None if fig is None else _save(fig, path)
+
+
+def gpus_figure(report: Report):
+    """The figure of `plot_gpus` (open: the caller saves and closes it), or None."""
     if len({g for _, g in report.gpus}) < 2:
         return None
     fig, ax = plt.subplots(figsize=(8, 3))
@@ -134,7 +153,4 @@ def plot_gpus(report: Report, path: Path) -> Path | None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     _mark_events(ax, [e for e in report.events if e.kind == "repack"])
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
