@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -33,6 +34,7 @@ __all__ = [
     "ClusterConfig", "CLUSTER_STRATEGIES", "DynmoConfig",
     "RunConfig", "add_model_args", "add_dynmo_args", "load_config",
     "LOCAL_ONLY_SCENARIOS", "resolve_transformer_impl", "transformer_engine_problem",
+    "check_paths",
 ]
 
 BALANCER_NAMES = ("exact", "partition", "diffusion", "uniform", "parameters")
@@ -195,6 +197,11 @@ class ModelArgs:
                               f"--pipeline-model-parallel-size ({pp}) x "
                               f"--num-virtual-stages-per-pipeline-rank ({v}); give a layout with "
                               "empty stages")
+        if self.max_position_embeddings is not None and self.seq_length > self.max_position_embeddings:
+            raise ConfigError(f"{where}: model.seq_length ({self.seq_length}) exceeds "
+                              f"model.max_position_embeddings ({self.max_position_embeddings}): "
+                              "positions past the table have no embedding; raise "
+                              "--max-position-embeddings or lower --seq-length")
         self._validate_schedule(where)
         if world_size is None:
             return
@@ -580,6 +587,8 @@ def _expect_type(f: dataclasses.Field, value: Any) -> tuple[Any, Optional[str]]:
         return value, None if ok else "an integer"
     if base == "float":
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok and not math.isfinite(value):  # inf/nan: `nan > 0` fails a check, `inf > 0` passes
+            return value, "a finite number"
         return (float(value) if ok else value), None if ok else "a number"
     if base == "str":
         return value, None if isinstance(value, str) else "a string"
@@ -607,28 +616,68 @@ def _layouts(value: Any) -> tuple[Any, Optional[str]]:
     return out, None
 
 
-def _apply(obj: Any, key: str, f: dataclasses.Field, value: Any, where: str) -> None:
+def _apply(obj: Any, key: str, f: dataclasses.Field, value: Any, where: str, name: str) -> None:
+    """Set `key` (dotted, relative to `obj`) after its type and check; errors name the
+    setting as `name`, its full dotted key (model.num_layers, rebalance.interval)."""
     value, problem = _expect_type(f, value)
     if problem is None and value is not None and f.metadata.get("check"):
         problem = f.metadata["check"](value)
     if problem:
-        raise ConfigError(f"{where}: {key}: expected {problem}, got {value!r}")
+        raise ConfigError(f"{where}: {name}: expected {problem}, got {value!r}")
     target = obj
     for part in key.split(".")[:-1]:
         target = getattr(target, part)
     setattr(target, f.name, value)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error
+    (PyYAML keeps the last silently: two `model:` sections would drop the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # an unhashable key: PyYAML's own error names it
+            if key in seen:
+                mark = key_node.start_mark
+                raise ConfigError(f"{self.name}:{mark.line + 1}:{mark.column + 1}: key {key!r} "
+                                  f"given twice (first on line {seen[key]}); keep one")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: str) -> dict:
-    if not os.path.isfile(path):
+    """The YAML file as a dict; every way it can be unusable is one ConfigError line."""
+    if os.path.isdir(path):
+        raise ConfigError(f"{path}: cannot read the config file: it is a directory; give the "
+                          "YAML file (e.g. configs/demo.yaml)")
+    if not os.path.exists(path):
         raise ConfigError(f"{path}: cannot read the config file: no such file")
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+        with open(path, "rb") as fh:
+            text = fh.read().decode("utf-8-sig")
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the config file: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start]:#04x}); "
+                          "save the config file as UTF-8") from e
+    loader = None
+    try:
+        loader = _UniqueKeyLoader(text)  # checks the characters: may raise already
+        loader.name = path
+        data = loader.get_single_data()
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        what = " ".join(x for x in (e.context, e.problem) if x)
+        raise ConfigError(f"{path}{at}: not valid YAML: {what}") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from e
+    finally:
+        if loader is not None:
+            loader.dispose()
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -637,21 +686,39 @@ def _read_yaml(path: str) -> dict:
 
 
 def _flatten(data: dict, known: dict, path: str, prefix: str = "") -> dict:
+    """{dotted key: value} for a nested YAML mapping; unknown keys, dotted spellings and
+    sections given as plain values are errors naming the key in dotted form."""
     flat = {}
     for k, v in data.items():
         key = f"{prefix}{k}"
+        section = any(n.startswith(key + ".") for n in known)
+        if isinstance(k, str) and "." in k:
+            parts = key.split(".")
+            nested = "".join(f"{p}: {{" for p in parts[:-1]) + f"{parts[-1]}: ...{'}' * (len(parts) - 1)}"
+            raise ConfigError(f"{path}: {key}: dotted key names are not read; nest the key "
+                              f"instead: {nested}")
         if key in known:
             flat[key] = v
-        elif isinstance(v, dict) and any(n.startswith(key + ".") for n in known):
+        elif section and v is None:
+            continue  # `rebalance:` with every key commented out: an empty section
+        elif section and isinstance(v, dict):
             flat.update(_flatten(v, known, path, key + "."))
+        elif section:
+            children = sorted({n[len(key) + 1:].split(".")[0] for n in known if n.startswith(key + ".")})
+            raise ConfigError(f"{path}: {key}: expected a section (a mapping of "
+                              f"{', '.join(children)}), got {v!r}")
         else:
             siblings = sorted({n[len(prefix):].split(".")[0] for n in known if n.startswith(prefix)})
             raise ConfigError(f"{path}: {key}: unknown key; expected one of {', '.join(siblings)}")
     return flat
 
 
-def load_config(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
+def load_config(args: argparse.Namespace, world_size: int | None = None,
+                te_problem: Callable[[], Optional[str]] = None) -> RunConfig:
     """Resolve defaults <- YAML <- flags into a validated `RunConfig`.
+
+    `te_problem` replaces `transformer_engine_problem` (torchrun's pre-spawn check
+    passes one that does not import Transformer Engine into the launcher process).
 
     Raises:
         ConfigError: on any unknown key, wrong type, out-of-range or inconsistent value.
@@ -665,7 +732,7 @@ def load_config(args: argparse.Namespace, world_size: int | None = None) -> RunC
         for key, value in _flatten(_read_yaml(path), known, path).items():
             f, _ = known[key]
             _apply(cfg.model if key.startswith("model.") else cfg.dynmo,
-                   key.removeprefix("model."), f, value, path)
+                   key.removeprefix("model."), f, value, path, key)
             given[key] = path
     for key, (f, dest) in known.items():
         value = getattr(args, dest, None)
@@ -674,7 +741,7 @@ def load_config(args: argparse.Namespace, world_size: int | None = None) -> RunC
         if key == "model.pipeline_model_parallel_layout" and not isinstance(value, str):
             value = str(value)  # Megatron-LM's args hold a parsed PipelineParallelLayerLayout
         _apply(cfg.model if key.startswith("model.") else cfg.dynmo,
-               key.removeprefix("model."), f, value, f"flag {_flag(f)}")
+               key.removeprefix("model."), f, value, f"flag {_flag(f)}", key)
         given[key] = f"flag {_flag(f)}"
     where = cfg.config_path or "command line"
     cfg.model.validate_shape(where, world_size)
@@ -684,8 +751,27 @@ def load_config(args: argparse.Namespace, world_size: int | None = None) -> RunC
     _check_repack(cfg, given)
     _check_interleaved_repack(cfg, where, world_size)
     _check_data(cfg, given)
-    _resolve_transformer_impl(cfg, given)
+    _resolve_transformer_impl(cfg, given, te_problem or transformer_engine_problem)
     return cfg
+
+
+def check_paths(model: ModelArgs) -> None:
+    """The launcher's own paths, before anything is built: --output and --save must be
+    directories or not exist yet, --load must not be a file. (Whether --load holds a
+    checkpoint is read_meta's question: dynmo_plugin.train asks it just as early.)
+
+    Raises:
+        ConfigError: a path that training would fail on later, named with the fix.
+    """
+    for flag, key, path in (("--output", "model.output", model.output),
+                            ("--save", "model.save", model.save)):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"flag {flag}: {key}: {path} is a file, not a directory; give a "
+                              "directory (it is created if missing)")
+    if model.load and os.path.exists(model.load) and not os.path.isdir(model.load):
+        raise ConfigError(f"flag --load: model.load: {model.load} is a file, not a directory; "
+                          "give the directory --save wrote (it holds "
+                          "latest_checkpointed_iteration.txt)")
 
 
 # Scenarios whose layers are written against Megatron's local layer spec, and why.
@@ -749,13 +835,13 @@ def resolve_transformer_impl(requested: Optional[str], cuda_devices: int, scenar
     return "transformer_engine", None
 
 
-def _resolve_transformer_impl(cfg: RunConfig, given: dict[str, str]) -> None:
+def _resolve_transformer_impl(cfg: RunConfig, given: dict[str, str], te_problem) -> None:
     """Fix model.transformer_impl once, so the report records what was built."""
     import torch  # here, not at import: the config module stays light
     source = given.get("model.transformer_impl", "flag --transformer-impl")
     where = source if source.startswith("flag ") else f"{source}: model.transformer_impl"
     impl, note = resolve_transformer_impl(cfg.model.transformer_impl, torch.cuda.device_count(),
-                                          cfg.dynmo.dynamism.kind, transformer_engine_problem, where)
+                                          cfg.dynmo.dynamism.kind, te_problem, where)
     if note:
         logger.info("%s", note)
     cfg.model.transformer_impl = impl

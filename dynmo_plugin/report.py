@@ -14,6 +14,15 @@ Two files in the output directory:
 
 `read_report` gives the document either way: the summary of a finished run, else the
 log replayed (a crashed run, whose summary lags behind its log).
+
+A run resumed from a checkpoint (its world history starts after iteration 0) into the
+same output directory continues the log instead of truncating it: a `resume` line, then
+the new segment. The summary holds every iteration of every segment: each record
+carries `segment` (0, 1, ...), the old segment's iterations after the checkpoint are
+marked `"repeated": true` (the new segment ran them again: those count), and a
+`kind: "resume"` event records where and what was repeated. A fresh run into a
+directory that holds a log moves that log aside (`report.jsonl.1`, ...): nothing
+is overwritten.
 """
 from __future__ import annotations
 
@@ -46,6 +55,7 @@ class RunReport:
 
     def __post_init__(self) -> None:
         self.layout = self.layout or self.initial_layout
+        self.segment = 0
         self._log: Optional[IO[str]] = None
         self._lines = 0                 # log lines written
         self._next_snapshot = self.snapshot_every
@@ -59,6 +69,8 @@ class RunReport:
 
     def add_iteration(self, iteration: int, loss: float, time_s: float, **extra: Any) -> None:
         record = {"iteration": iteration, "loss": loss, "time_s": time_s, **extra}
+        if self.segment:
+            record["segment"] = self.segment
         self.iterations.append(record)
         self._append({"kind": "iteration", "record": record})
 
@@ -105,8 +117,39 @@ class RunReport:
 
     # ---- the log --------------------------------------------------------------------------
     def _open(self) -> None:
-        """Start the log (truncating a previous run's) and replace a previous summary."""
+        """Start the log, or continue it when resuming (see the module docstring)."""
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        history = self.world.get("history") or [{}]
+        resumed_at = history[0].get("iteration") or 0
+        if resumed_at > 0 and os.path.isfile(self.log_path):
+            self._continue(resumed_at)
+            return
+        _move_aside(self.log_path)
+        self._open_fresh()
+
+    def _continue(self, resumed_at: int) -> None:
+        """Append a new segment to the log of the run this one resumes."""
+        _drop_cut_line(self.log_path)
+        try:
+            old = replay_log(self.log_path)
+        except UserError:  # not a log we can extend: keep it, start a new one
+            _move_aside(self.log_path)
+            return self._open_fresh()
+        self.segment = 1 + sum(1 for e in old["events"] if isinstance(e, dict) and e.get("kind") == "resume")
+        repeated = _mark_repeated(old["iterations"], resumed_at)
+        self.iterations[:0] = old["iterations"]
+        self.events[:0] = old["events"]
+        self.world["history"][:0] = old["world"].get("history", [])
+        self.initial_layout = old["initial_layout"] or self.initial_layout
+        self._logged_state = (self.layout, len(self.world.get("history", [])))
+        self._log = open(self.log_path, "a", encoding="utf-8")
+        self._line({"kind": "resume", "iteration": resumed_at, "segment": self.segment,
+                    "config": self.config, "world": self.world, "layout": self.layout})
+        self.add_event({"kind": "resume", "iteration": resumed_at, "segment": self.segment,
+                        "layout": self.layout, "repeated": repeated})
+        self.write()
+
+    def _open_fresh(self) -> None:
         self._log = open(self.log_path, "w", encoding="utf-8")
         self._line({"kind": "header", "config": self.config, "world": self.world,
                     "initial_layout": self.initial_layout})
@@ -132,6 +175,33 @@ class RunReport:
         if self._lines >= self._next_snapshot:
             self.write()
             self._next_snapshot = self._lines + max(self.snapshot_every, self._lines)
+
+
+def _move_aside(log: str) -> None:
+    """Rename an existing log to the first free `<log>.N`: a new run never overwrites one."""
+    if not os.path.exists(log):
+        return
+    n = 1
+    while os.path.exists(f"{log}.{n}"):
+        n += 1
+    os.replace(log, f"{log}.{n}")
+
+
+def _drop_cut_line(log: str) -> None:
+    """Cut a last line left without its newline by a kill, so appending stays JSON lines."""
+    with open(log, "rb+") as fh:
+        data = fh.read()
+        if data and not data.endswith(b"\n"):
+            fh.truncate(data.rfind(b"\n") + 1)
+
+
+def _mark_repeated(iterations: list, resumed_at: int) -> Optional[list[int]]:
+    """Mark the records after the checkpoint `repeated`; [first, last] of them, or None."""
+    marked = [r for r in iterations if isinstance(r, dict) and isinstance(r.get("iteration"), (int, float))
+              and r["iteration"] > resumed_at and not r.get("repeated")]
+    for r in marked:
+        r["repeated"] = True
+    return [marked[0]["iteration"], marked[-1]["iteration"]] if marked else None
 
 
 def _as_dict(event) -> dict:
@@ -198,6 +268,9 @@ def replay_log(path: str | Path) -> dict:
         elif kind == "event" and isinstance(obj.get("index"), int):
             events[obj["index"]] = obj.get("record")
         elif kind == "state":
+            world, layout = obj.get("world") or world, obj.get("layout", layout)
+        elif kind == "resume" and isinstance(obj.get("iteration"), int):
+            _mark_repeated(iterations, obj["iteration"])
             world, layout = obj.get("world") or world, obj.get("layout", layout)
     records = [r for r in iterations if isinstance(r, dict)]
     usable = [r for r in records if isinstance(r.get("iteration"), (int, float))]

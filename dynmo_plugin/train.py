@@ -11,12 +11,19 @@ import os
 import sys
 import warnings
 
-from dynmo_plugin.config import RunConfig, add_dynmo_args, add_model_args, load_config
+from dynmo_plugin.config import (RunConfig, add_dynmo_args, add_model_args, check_paths,
+                                 load_config, transformer_engine_problem)
 from dynmo_plugin.errors import USER_ERROR_EXIT, UserError
 
-__all__ = ["main", "build_parser", "run", "exit_on_peer_failure"]
+__all__ = ["main", "build_parser", "run", "exit_on_peer_failure", "validate", "LAUNCH_ENV"]
 
 logger = logging.getLogger("dynmo_plugin.train")
+
+# What torchrun (or any env:// launcher) sets for every worker; without them
+# torch.distributed cannot start, ~30 s later, with a traceback.
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCH_HINT = ("run it under torchrun: torchrun --nproc-per-node N -m dynmo_plugin.train ... "
+               "(N = TP x PP x DP; docs/usage.md \"Launch\")")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +72,40 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
         destroy_parallel()
 
 
+def validate(args: argparse.Namespace, world_size: int | None, in_launcher: bool = False) -> RunConfig:
+    """Everything that can be checked before a process group exists: the flags and YAML
+    (load_config), the launcher's paths, and whether --load holds a usable checkpoint.
+    Nothing is created. `in_launcher` (torchrun's own process, dynmo_plugin.torchrun_check)
+    leaves out what would import Transformer Engine or Megatron there: whether TE
+    imports, and reading a checkpoint that is present (each worker checks both).
+
+    Raises:
+        UserError: the first problem, one line naming the key and the fix.
+    """
+    cfg = load_config(args, world_size=world_size,
+                      te_problem=(lambda: None) if in_launcher else transformer_engine_problem)
+    check_paths(cfg.model)
+    load = cfg.model.load
+    if load:
+        from dynmo_plugin.megatron import checkpoint
+        if not in_launcher or not os.path.exists(os.path.join(load, checkpoint._LATEST)):
+            checkpoint.read_meta(load, resume_if_absent=load == cfg.model.save)
+    return cfg
+
+
+def nothing_to_balance(cfg: RunConfig) -> str | None:
+    """A warning when the run has one pipeline stage yet asks for balancing or a
+    scenario: it trains, but no layer can move (docs/usage.md, "Dynamism scenarios")."""
+    m, kind = cfg.model, cfg.dynmo.dynamism.kind
+    if m.pipeline_model_parallel_size * m.num_virtual_stages_per_pipeline_rank > 1:
+        return None
+    if kind == "none" and not cfg.dynmo.enabled:
+        return None
+    what = f"dynamism.kind {kind}" if kind != "none" else "--dynmo"
+    return (f"{what} with --pipeline-model-parallel-size 1: one stage, nothing to balance; the "
+            "run trains as a static baseline (give --pipeline-model-parallel-size >= 2 to balance)")
+
+
 def exit_on_peer_failure(fn, *args) -> int:
     """Run `fn(*args)`; a lost peer ends this rank with one line and status 1, so
     torchrun (or Kubernetes) sees the failure and stops or restarts the job."""
@@ -78,16 +119,33 @@ def exit_on_peer_failure(fn, *args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `dynmo-train` command. Bad input ends in one line and status 2, printed by
+    rank 0 only (every rank finds the same problem). From the command line (`argv`
+    None) without torchrun's environment it says how to launch, before anything heavy
+    is imported; called from Python with `argv`, the caller owns that environment."""
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank{rank}] %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     args = build_parser().parse_args(argv)
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     try:
-        cfg = load_config(args, world_size=int(os.environ.get("WORLD_SIZE", 1)))
-        return exit_on_peer_failure(run, cfg)
+        cfg = validate(args, world_size=world if argv is None else (world or 1))
+        missing = [v for v in LAUNCH_ENV if v not in os.environ]
+        if argv is None and missing:
+            raise UserError(f"{', '.join(missing)} not set: dynmo-train is a torchrun worker; "
+                            f"{LAUNCH_HINT}")
     except UserError as e:
+        if rank == 0:
+            print(f"dynmo-train: error: {e}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT
+    warning = nothing_to_balance(cfg)
+    if warning and rank == 0:
+        print(f"dynmo-train: warning: {warning}", file=sys.stderr, flush=True)
+    try:
+        return exit_on_peer_failure(run, cfg)
+    except UserError as e:  # found while building (a checkpoint's TP, the GPUs): every rank
         print(f"dynmo-train: error: {e}", file=sys.stderr)
         return USER_ERROR_EXIT
 

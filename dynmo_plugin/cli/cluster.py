@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 from typing import Any
@@ -68,8 +69,13 @@ def run(args: argparse.Namespace) -> int:
                         backoff_s=args.backoff_s, timeout_s=args.timeout_s)
     request = ReleaseRequest(keep=args.keep, current=args.current, released_ranks=parse_ranks(args.ranks),
                              reason=args.reason, grace_period_s=args.grace_period)
-    with third_party_output_to_stderr():
-        outcome = release(cfg, request, env={})  # the operator's flags, never this shell's POD_*
+    release_log = logging.getLogger("dynmo_plugin.cluster.release")
+    level, release_log.level = release_log.level, logging.ERROR  # the outcome is printed below
+    try:
+        with third_party_output_to_stderr():
+            outcome = release(cfg, request, env={})  # the operator's flags, never this shell's POD_*
+    finally:
+        release_log.setLevel(level)
     if args.json:
         print(json.dumps(outcome.to_dict()))
     else:

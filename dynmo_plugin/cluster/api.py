@@ -66,13 +66,42 @@ def connect(kubeconfig: str) -> Any:
 
     conf = client.Configuration()
     if kubeconfig:
+        _check_kubeconfig([kubeconfig], "--kubeconfig")
         config.load_kube_config(config_file=kubeconfig, client_configuration=conf)
     elif os.environ.get("KUBERNETES_SERVICE_HOST"):
         config.load_incluster_config(client_configuration=conf)
     else:
+        env = os.environ.get("KUBECONFIG", "")
+        paths = [p for p in env.split(os.pathsep) if p] or [os.path.expanduser("~/.kube/config")]
+        _check_kubeconfig(paths, "$KUBECONFIG" if env else "~/.kube/config")
         config.load_kube_config(client_configuration=conf)
     conf.retries = False
     return client.ApiClient(conf)
+
+
+def _check_kubeconfig(paths: list[str], source: str) -> None:
+    """Name what the kubernetes client would trip over with a Python error ("list
+    indices must be integers"): no file at all, or one that is not a YAML mapping.
+
+    Raises:
+        ValueError: the problem and where the path came from, in one line.
+    """
+    import yaml
+
+    present = [p for p in paths if os.path.isfile(p)]
+    if not present:
+        raise ValueError(f"no kubeconfig at {', '.join(paths)} ({source}) and not inside a pod; "
+                         "give --kubeconfig FILE or set KUBECONFIG")
+    for path in present:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = yaml.safe_load(fh)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            raise ValueError(f"{path} ({source}): not a readable kubeconfig: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        if data is not None and not isinstance(data, dict):
+            raise ValueError(f"{path} ({source}): a kubeconfig is a mapping (apiVersion, clusters, "
+                             f"contexts, users), this file holds a {type(data).__name__}")
 
 
 @dataclass

@@ -54,7 +54,8 @@ def release(cfg, request: ReleaseRequest, *, env: Mapping[str, str] | None = Non
         _release_through_api(cfg, request, target, out)
     out.elapsed_s = time.monotonic() - start
     level = logging.INFO if out.outcome in ("released", "logged") else logging.WARNING
-    log.log(level, "cluster release: ranks %s: %s", list(request.released_ranks), out)
+    ranks = f"ranks {list(request.released_ranks)}: " if request.released_ranks else ""
+    log.log(level, "cluster release: %s%s", ranks, out)
     return out
 
 

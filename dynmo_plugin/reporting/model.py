@@ -100,6 +100,8 @@ class Event:
     num_moves: int = 0
     moved_bytes: float = 0.0
     scenario: str | None = None  # dynamism events: which scenario changed the work
+    stages_before: int | None = None  # repacks: pipeline stages before/after
+    stages_after: int | None = None
 
     @property
     def label(self) -> str:
@@ -134,7 +136,9 @@ class Event:
                         if v is not None},
             num_moves=len(moves),
             moved_bytes=sum(_num(m.get("bytes")) or 0.0 for m in moves if isinstance(m, dict)),
-            scenario=_opt_text(raw.get("scenario")))
+            scenario=_opt_text(raw.get("scenario")),
+            stages_before=_stage_count(repack, "stages_before"),
+            stages_after=_stage_count(repack, "stages_after"))
 
     def impossible(self) -> tuple[str, float] | None:
         """The first field holding a value no run produces (negative seconds or bytes,
@@ -153,6 +157,11 @@ class Event:
         return bad or (("moves[].bytes", self.moved_bytes) if self.moved_bytes < 0 else None)
 
 
+def _stage_count(repack: Any, key: str) -> int | None:
+    value = _num(repack.get(key)) if isinstance(repack, dict) else None
+    return int(value) if _whole(value, 1, _MAX_ITERATION) else None
+
+
 @dataclass(frozen=True)
 class Report:
     """What the plots and the summary need from one run."""
@@ -167,6 +176,19 @@ class Report:
     events: list[Event]
     gpus: list[tuple[int, int]]
     config: dict
+    complete: bool = True       # False: the run did not finish (its log was replayed)
+    train_iters: int | None = None  # iterations the run was asked for (config)
+    repeated: int = 0           # records of a killed run that its resume ran again (left out)
+
+    def steady_times(self, iteration: int, count: int = 5) -> tuple[float | None, float | None]:
+        """Mean iteration time over up to `count` iterations before `iteration` and
+        after it, leaving out `iteration` itself (the change happens in it) and the first
+        one after (still slow: new communicators, caches), so the gain is not understated."""
+        pts = [(i, t) for i, t in zip(self.iterations, self.times) if t is not None]
+        before = [t for i, t in pts if i < iteration][-count:]
+        after = [t for i, t in pts if i > iteration + 1][:count]
+        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        return mean(before), mean(after)
 
 
 def _read_json(path: Path) -> Any:
@@ -185,13 +207,13 @@ def _read_json(path: Path) -> Any:
         return json.loads(data.decode("utf-8-sig"))
     except UnicodeDecodeError as e:
         raise UserError(f"run report {path} is not UTF-8 text (byte {data[e.start]:#04x} at offset "
-                        f"{e.start}); it is not a report.json written by dynmo") from e
+                        f"{e.start}); it is not a run report written by dynmo") from e
     except json.JSONDecodeError as e:
         raise UserError(f"run report {path} is not valid JSON ({e}); a run killed while writing "
                         "it leaves report.json.tmp: check that file") from e
     except (ValueError, RecursionError) as e:  # a number of > 4300 digits; [[[[...]]]] nesting
         raise UserError(f"run report {path} holds JSON nested too deeply or a number too long "
-                        "to read; it is not a report.json written by dynmo") from e
+                        "to read; it is not a run report written by dynmo") from e
 
 
 def _read_raw(path: Path) -> tuple[Any, Path]:
@@ -208,8 +230,11 @@ def _read_raw(path: Path) -> tuple[Any, Path]:
     summary = summary_if_complete(path)
     if summary is not None:
         return summary, path
-    log.warning("%s is not the final report (the run did not finish); read %s instead",
-                path, log_path)
+    if path.exists():
+        log.warning("%s is not the final report (the run did not finish); read %s instead",
+                    path, log_path)
+    else:
+        log.warning("the run did not finish (no %s yet); read its log %s", path.name, log_path)
     return replay_log(log_path), log_path
 
 
@@ -224,7 +249,7 @@ def _list_field(raw: dict, key: str, path: Path) -> list:
         return []
     if not isinstance(value, list):
         raise UserError(f"{path}: '{key}' must be a list of records, got {_type_name(value)}; "
-                        "the file is not a report.json written by dynmo")
+                        "the file is not a run report written by dynmo")
     return value
 
 
@@ -284,11 +309,12 @@ def _iterations(raw: dict, path: Path) -> tuple[list[int], list[float | None], l
     """
     if raw.get("iterations") is None:
         raise UserError(f"{path} holds no iterations ('iterations' is missing): the run stopped "
-                        "before its first iteration, or this is not a report.json written by dynmo")
+                        "before its first iteration, or this is not a run report written by dynmo")
     records = _records(_list_field(raw, "iterations", path), "iterations", "iteration")
     if not records:
         raise UserError(f"{path} holds no iterations: 'iterations' has no record with an "
                         "'iteration' number, so there is nothing to plot")
+    records = [(i, r) for i, r in records if r.get("repeated") is not True]  # ran again later
     numbers = [_iteration_number(path, i, r) for i, r in records]
     times = [_iteration_time(path, i, it, r) for (i, r), it in zip(records, numbers)]
     return numbers, _losses(records), times
@@ -351,9 +377,14 @@ def load_report(run_dir: str | Path) -> Report:
     if not isinstance(raw, dict):
         raise UserError(f"{path} is not a run report (expected a JSON object, got {_type_name(raw)})")
     iterations, losses, times = _iterations(raw, path)
+    repeated = sum(1 for r in raw["iterations"] if isinstance(r, dict) and r.get("repeated") is True)
+    model = _dict_field(_dict_field(raw, "config"), "model")
+    train_iters = _num(model.get("train_iters"))
     world = {_text(k): v if isinstance(v, (int, float)) else _text(v)
              for k, v in _dict_field(raw, "world").items() if not isinstance(v, (list, dict))}
     return Report(path=path, world=world, initial_layout=_opt_text(raw.get("initial_layout")),
                   layout=_opt_text(raw.get("layout")), iterations=iterations, losses=losses,
                   times=times, events=_events(raw, path), gpus=_gpus(raw, path),
-                  config=_dict_field(raw, "config"))
+                  config=_dict_field(raw, "config"), complete=raw.get("complete") is not False,
+                  train_iters=int(train_iters) if _whole(train_iters, 1, _MAX_ITERATION) else None,
+                  repeated=repeated)

@@ -17,14 +17,33 @@ def _pair(a: float | None, b: float | None, spec: str = ".3f", unit: str = "") -
     return f"{_fmt(a, spec, unit)} → {_fmt(b, spec, unit)}"
 
 
-def _event_row(e: Event) -> str:
+def _cell(text: str) -> str:
+    """A table cell: `|` escaped (GitHub's tables split on it even inside backticks, and
+    every layout holds one), line breaks flattened."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _measured(report: Report, e: Event) -> str:
+    """Iteration time before → after; for a repack the steady state around it (the repack
+    iteration and the slow first one after it left out: they are not the new speed)."""
+    if e.kind == "repack" and e.iteration is not None:
+        before, after = report.steady_times(e.iteration)
+        if before is not None or after is not None:
+            return _pair(before, after, ".4f", " s") + " (steady)"
+    return _pair(e.measured_before, e.measured_after, ".4f", " s")
+
+
+def _event_row(report: Report, e: Event) -> str:
     layouts = f"`{e.layout_before}` → `{e.layout_after}`" if e.layout_before or e.layout_after else "–"
     overhead = sum(e.overhead_s.values()) if e.overhead_s else None
     applied = "–" if e.applied is None else ("yes" if e.applied else "no")
-    return (f"| {e.iteration if e.iteration is not None else '–'} | {e.label} | {e.trigger or '–'} "
-            f"| {applied} | {layouts} | {_pair(e.imbalance_before, e.imbalance_after, '.2f')} "
-            f"| {_pair(e.measured_before, e.measured_after, '.4f', ' s')} | {e.num_moves} "
-            f"| {_fmt(overhead, '.3f', ' s')} |")
+    imbalance = _pair(e.imbalance_before, e.imbalance_after, ".2f")
+    if e.kind == "repack" and e.imbalance_before is None and e.stages_before and e.stages_after:
+        imbalance = f"{e.stages_before} → {e.stages_after} stages"
+    cells = [str(e.iteration) if e.iteration is not None else "–", e.label, e.trigger or "–",
+             applied, layouts, imbalance, _measured(report, e), str(e.num_moves),
+             _fmt(overhead, ".3f", " s")]
+    return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 
 def _time_lines(report: Report) -> list[str]:
@@ -32,7 +51,13 @@ def _time_lines(report: Report) -> list[str]:
     if not times:
         return ["- iteration time: not recorded"]
     k = max(1, len(times) // 10)
-    lines = [f"- iterations: {len(report.iterations)}; median iteration time "
+    count = str(len(report.iterations))
+    if not report.complete:
+        count += f" of {report.train_iters} (did not finish)" if report.train_iters else " (did not finish)"
+    if report.repeated:
+        count += (f"; resumed from a checkpoint, {report.repeated} iteration(s) of the stopped "
+                  "run ran again and are left out")
+    lines = [f"- iterations: {count}; median iteration time "
              f"{median(times):.4f} s (first {k}: {median(times[:k]):.4f} s, last {k}: "
              f"{median(times[-k:]):.4f} s)"]
     losses = [v for v in report.losses if v is not None]
@@ -65,7 +90,7 @@ def markdown_summary(report: Report, plots: list[Path]) -> str:
     if report.events:
         out += ["", "| iteration | kind | trigger | applied | layout | imbalance | measured iter time "
                 "| moves | overhead |", "|---|---|---|---|---|---|---|---|---|"]
-        out += [_event_row(e) for e in report.events]
+        out += [_event_row(report, e) for e in report.events]
     if plots:
         out += ["", "## Plots", ""]
         out += [f"![{p.stem}]({p.name})" for p in plots]

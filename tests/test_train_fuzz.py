@@ -1,0 +1,144 @@
+"""Fuzz `dynmo-train`'s flags and YAML through the validation path (no training).
+
+Hypothesis sets one or two settings to arbitrary values (wrong types, NaN/inf, negative,
+huge, strings, lists, nested mappings), through the YAML file or the flag, or writes a
+malformed YAML file (duplicate keys, tabs, bad bytes, dotted names). It then runs what
+`dynmo-train` runs before any process group exists (`dynmo_plugin.train.validate`), in
+process. Every outcome must be one of:
+
+* a validated RunConfig;
+* a UserError whose message is one line naming a setting: the one set, in dotted form
+  (`model.num_layers`, `rebalance.interval`), whenever the problem is that value's type
+  or range ("expected ..."); for a cross-field problem, some setting by dotted key or flag;
+* argparse's own exit 2 for a flag value of the wrong type (`--num-layers four`).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dynmo_plugin.config import DynmoConfig, ModelArgs, _flag, _leaf_fields
+from dynmo_plugin.errors import UserError
+from dynmo_plugin.train import build_parser, validate
+
+FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FIELDS = {f"model.{k}": f for k, f, _ in _leaf_fields(ModelArgs)}
+FIELDS.update({k: f for k, f, _ in _leaf_fields(DynmoConfig)})
+# reading real files is out of scope here: tests/test_config_input.py covers these paths
+SKIP = {"model.data.path", "model.load", "model.save", "model.output"}
+KEYS = sorted(k for k in FIELDS if k not in SKIP)
+NAMES = ({k.rsplit(".", i)[0] for k in FIELDS for i in range(k.count(".") + 1)}
+         | {_flag(f) for f in FIELDS.values()})  # dotted keys, their sections, flags
+WHOLE_FILE = ("YAML", "UTF-8", "mapping of sections", "given twice", "unknown key")
+
+values = st.one_of(
+    st.integers(-3, 40), st.integers(), st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(), st.none(), st.sampled_from(["", "four", "exact", "Ett|ttL", "1,1,0,0", "none",
+                                                "gloo", "cosine", "5:Ett|ttL", "1e9", "-1"]),
+    st.text(max_size=6), st.lists(st.integers(0, 3), max_size=3),
+    st.dictionaries(st.sampled_from(["a", "2", "interval"]), st.integers(0, 3), max_size=2))
+
+
+def _nest(key: str, value) -> dict:
+    head, _, rest = key.partition(".")
+    return {head: _nest(rest, value) if rest else value}
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
+    return out
+
+
+def _run(argv: list[str]) -> tuple[str, str]:
+    """('ok' | 'user' | 'argparse', message) of validate() on `argv`."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as e:
+            assert e.code == 2, argv
+            return "argparse", err.getvalue()
+    try:
+        validate(args, world_size=2)
+    except UserError as e:
+        return "user", str(e)
+    return "ok", ""
+
+
+def _check(outcome: str, message: str, keys: list[str]) -> None:
+    if outcome == "argparse":
+        lines = message.strip().splitlines()
+        assert lines[0].startswith("usage: dynmo-train") and "error: argument" in lines[-1], message
+        return
+    if outcome == "ok":
+        return
+    assert message and "\n" not in message, message
+    assert "Traceback" not in message
+    if keys and re.search(r": expected (?!a section)", message):  # a value's type or range
+        assert any(f": {k}: expected" in message or f"{k}." in message for k in keys), (keys, message)
+    else:
+        assert any(n in message for n in NAMES) or any(w in message for w in WHOLE_FILE), message
+
+
+@FUZZ
+@given(pairs=st.lists(st.tuples(st.sampled_from(KEYS), values), min_size=1, max_size=2),
+       via_flag=st.booleans())
+def test_settings_validate_or_fail_in_one_line(tmp_path_factory, pairs, via_flag):
+    tmp = tmp_path_factory.mktemp("fuzz")
+    argv: list[str] = []
+    doc: dict = {}
+    for key, value in pairs:
+        f = FIELDS[key]
+        scalar = not isinstance(value, (list, dict)) and value is not None
+        if via_flag and scalar and "bool" not in str(f.type):
+            argv.append(f"{_flag(f)}={value}")
+        elif via_flag and value is True and "bool" in str(f.type):
+            argv.append(_flag(f))
+        else:
+            doc = _merge(doc, _nest(key, value))
+    if doc:
+        path = tmp / "c.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        argv = ["--dynmo-config", str(path), *argv]
+    _check(*_run(argv), [k for k, _ in pairs])
+
+
+yaml_texts = st.one_of(
+    st.binary(max_size=40).map(lambda b: b),
+    st.sampled_from([b"model:\n  num_layers: 4\nmodel:\n  hidden_size: 8\n",
+                     b"rebalance:\n\tinterval: 2\n", b"rebalance: [\n", b"rebalance: 5\n",
+                     b"model.num_layers: 4\n", b"\xff\xfemodel: {}\n", b"- 1\n- 2\n",
+                     b"profiling: {window: 2, window: 3}\n", b"repack:\n  enabled: yes\n  mode: checkpoint\n",
+                     b"model: {num_layers: 4, pipeline_model_parallel_size: 2, "
+                     b"pipeline_model_parallel_layout: 'Et|tttL'}\n", b"dynamism:\n  kind: moe\n  pruning: {start: 2}\n",
+                     b"model: {lr: .inf}\n", b"model: {lr: .nan}\n", b"{a: 1\n", b"? [1, 2]\n: 3\n"]))
+
+
+@FUZZ
+@given(text=yaml_texts)
+def test_yaml_files_validate_or_fail_in_one_line(tmp_path_factory, text):
+    path = tmp_path_factory.mktemp("fuzz") / "c.yaml"
+    path.write_bytes(text)
+    outcome, message = _run(["--dynmo-config", str(path)])
+    assert outcome in ("ok", "user"), message
+    _check(outcome, message, [])
+    if outcome == "user":
+        assert message.startswith(str(path)), message
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_non_finite_numbers_are_refused_everywhere(value):
+    """argparse's float() reads these spellings, so validation must refuse them."""
+    for key, f in FIELDS.items():
+        if "float" in str(f.type):
+            outcome, message = _run([f"{_flag(f)}={value}"])
+            assert outcome == "user" and f": {key}: expected" in message, (key, message)
