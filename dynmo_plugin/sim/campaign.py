@@ -246,8 +246,12 @@ def _rebalance(run: _Run, current: Layout, point: int, load: LayerLoad, iteratio
     problem = build_problem(costs=layer_costs(run.shape, cfg.hw, load), load=load, shape=run.shape,
                             hw=cfg.hw, current=current, num_microbatches=cfg.num_microbatches)  # type: ignore[arg-type]
     gate = cfg.gate.config(iterations_left, cfg.hw.p2p.bandwidth_Bps)
+
+    def simulated(_problem, layout: Layout) -> float:  # the repack planner's iteration model
+        return run.simulate(layout, point, load).iteration_s
+
     decision = decide(problem, cfg.balancer, gate, cfg.repack_criteria if cfg.repack else None,
-                      cfg.decision_time)
+                      cfg.decision_time, simulated)
     after = run.simulate(decision.layout, point, load)
     record = RebalanceRecord(iteration, decision.kind, decision.applied, decision.reason,
                              current.to_megatron(), decision.layout.to_megatron(),
