@@ -115,6 +115,9 @@ def _check_names(args: argparse.Namespace) -> None:
     if args.pruning_granularity not in (None, "unstructured", "structured"):
         raise UserError(f"--pruning-granularity {show(args.pruning_granularity)}: choose "
                         "unstructured or structured")
+    if args.pruning_granularity is not None and args.scenario != "pruning":
+        raise UserError(f"--pruning-granularity applies only to --scenario pruning, not "
+                        f"{args.scenario}; drop it")
     if args.repack_objective not in (None, "min_stages", "throughput_per_gpu"):
         raise UserError(f"--repack-objective {show(args.repack_objective)}: choose min_stages or "
                         "throughput_per_gpu")
