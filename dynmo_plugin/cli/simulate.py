@@ -85,10 +85,12 @@ def _text(args: argparse.Namespace, result, cost_model: dict) -> str:
         f"{'idleness':22s}{s.idleness:14.1%}{d.idleness:14.1%}",
         f"speedup: {result.speedup:.3f}x over the same dynamism on Megatron's static split",
     ]
-    for name, label in (("no_dynamism", "the dense model (no dynamism)"),
+    for name, label in (("static_tuned", "the split tuned once at the start (static_tuned)"),
+                        ("no_dynamism", "the dense model (no dynamism)"),
                         ("static_best", "the better of Megatron's and DeepSpeed's static splits")):
         if name in result.baselines:
             lines.append(f"speedup: {result.speedup_over(name):.3f}x over {label}")
+    lines += _baseline_table(args, result)
     lines += [
         f"decisions (live plan -> gate path): {len(result.events)} rebalance points, "
         f"{len(applied)} applied ({sum(e.kind == 'repack' for e in applied)} repacks)",
@@ -100,6 +102,22 @@ def _text(args: argparse.Namespace, result, cost_model: dict) -> str:
         lines.append(f"GPUs used on average: {d.gpus_avg:.1f} of {args.dp * args.pp}; tokens/s per "
                      f"GPU {d.tokens_per_gpu_s:,.0f} vs static {s.tokens_per_gpu_s:,.0f}")
     return "\n".join(lines)
+
+
+_LABELS = {"static": "static (Megatron's split)", "static_tuned": "static_tuned (exact, at start)",
+           "static_deepspeed": "static_deepspeed", "packed_once": "packed_once (repack at start)",
+           "no_dynamism": "no_dynamism (dense)", "fluid": "fluid bound (1/pp each)"}
+
+
+def _baseline_table(args: argparse.Namespace, result) -> list[str]:
+    """Every strategy's tokens/s, GPUs and tokens per GPU-hour, DynMo last."""
+    rows = [(_LABELS[k], v) for k, v in result.baselines.items() if k in _LABELS]
+    rows.append(("DynMo" + (" (repacking)" if result.repack else ""), result.dynmo))
+    out = [f"{'':32s}{'tokens/s':>14s}{'GPUs':>8s}{'tok/GPU-hour':>16s}{'vs DynMo':>10s}"]
+    for label, r in rows:
+        out.append(f"{label:32s}{r.tokens_per_s:14,.0f}{r.gpus_avg:8.1f}"
+                   f"{r.tokens_per_gpu_s * 3600:16,.0f}{r.tokens_per_s / result.dynmo.tokens_per_s:9.3f}x")
+    return out
 
 
 def _check_names(args: argparse.Namespace) -> None:
@@ -199,7 +217,8 @@ def _simulate(args: argparse.Namespace):
     criteria = replace(criteria, **{k: v for k, v in (("objective", args.repack_objective),
                                                       ("max_slowdown", args.repack_max_slowdown))
                                     if v is not None})
-    baselines = ("static", "no_dynamism") + (("static_deepspeed",) if args.deepspeed_baseline else ())
+    baselines = ("static", "static_tuned", "packed_once", "no_dynamism", "fluid") + (
+        ("static_deepspeed",) if args.deepspeed_baseline else ())
     cfg = CampaignConfig(scenario=scenario, dp=args.dp, pp=args.pp,
                          num_microbatches=args.microbatches, iterations=args.iterations,
                          balancer=args.balancer, rebalance_every=args.rebalance_every,

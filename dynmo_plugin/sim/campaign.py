@@ -22,6 +22,11 @@ Baselines (`BASELINES`), each over the same iterations and tokens:
 * static_tuned: the same dynamism on the split `exact` gives the initial model, kept
   for the whole run (what a user setting Megatron's pipeline layout once by hand
   would get: it fixes the output layer's imbalance, not the dynamism's);
+* packed_once: the repack decision (`plan_repack` with the campaign's repack criteria,
+  default the live ones, priced by the simulated iteration) taken on the initial model
+  over Megatron's split, without a gate (nothing moves before training starts), then
+  kept: a pipeline made smaller once at the start; when no smaller K qualifies, the
+  static_tuned split on all pp stages;
 * no_dynamism: the dense model on Megatron's split (no early exit, dense attention);
 * fluid: not a baseline but a bound: the same dynamism with every stage holding exactly
   1/pp of the work (layers divisible at will, no overheads); no layer-granular
@@ -33,7 +38,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 
-from dynmo_plugin.balancing import RepackCriteria, solve
+from dynmo_plugin.balancing import RepackCriteria, plan_repack, solve
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.sim.cost import PipelineCosts
@@ -48,7 +53,7 @@ __all__ = ["BASELINES", "CampaignConfig", "RunSummary", "RebalanceRecord", "Camp
            "run_campaign", "run_variants", "VARIANT_FIELDS", "work_share"]
 
 log = logging.getLogger(__name__)
-BASELINES = ("static", "static_deepspeed", "static_tuned", "no_dynamism", "fluid")
+BASELINES = ("static", "static_deepspeed", "static_tuned", "packed_once", "no_dynamism", "fluid")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -332,15 +337,29 @@ def _fluid_run(run: _Run) -> RunSummary:
     return _fixed_summary(cfg, time_s, idle, cfg.dp * p)
 
 
-def _initial_split(run: _Run, method: str) -> Layout:
-    """`method`'s split of the initial model (through `solve`): DeepSpeed's
-    'parameters' or the exact split of the initial costs."""
+def _initial_problem(run: _Run):
+    """The balancing problem of the initial model on Megatron's uniform split."""
     cfg = run.cfg
     load = cfg.scenario.load(0)
     uniform = Layout.uniform(cfg.scenario.num_layers, cfg.pp)
-    problem = build_problem(costs=layer_costs(run.shape, cfg.hw, load), load=load, shape=run.shape,
-                            hw=cfg.hw, current=uniform, num_microbatches=cfg.num_microbatches)  # type: ignore[arg-type]
-    return solve(problem, method).layout
+    return build_problem(costs=layer_costs(run.shape, cfg.hw, load), load=load, shape=run.shape,
+                         hw=cfg.hw, current=uniform, num_microbatches=cfg.num_microbatches)  # type: ignore[arg-type]
+
+
+def _initial_split(run: _Run, method: str) -> Layout:
+    """`method`'s split of the initial model (through `solve`): DeepSpeed's
+    'parameters' or the exact split of the initial costs."""
+    return solve(_initial_problem(run), method).layout
+
+
+def _packed_once_layout(run: _Run) -> Layout:
+    """The repack decision on the initial model, without a gate (module docstring)."""
+    cfg = run.cfg
+    load = cfg.scenario.load(0)
+    criteria = cfg.repack_criteria or live_repack_criteria()
+    plan = plan_repack(_initial_problem(run), criteria,
+                       iteration_model=lambda _p, layout: run.simulate(layout, 0, load).iteration_s)
+    return plan.layout_after if plan.apply else _initial_split(run, "exact")
 
 
 def _baselines(run: _Run) -> dict[str, RunSummary]:
@@ -352,6 +371,8 @@ def _baselines(run: _Run) -> dict[str, RunSummary]:
         out["static_best"] = max(out["static"], out["static_deepspeed"], key=lambda r: r.tokens_per_s)
     if "static_tuned" in cfg.baselines:
         out["static_tuned"] = _fixed_layout_run(run, _initial_split(run, "exact"))
+    if "packed_once" in cfg.baselines:
+        out["packed_once"] = _fixed_layout_run(run, _packed_once_layout(run))
     if "no_dynamism" in cfg.baselines:
         out["no_dynamism"] = _fixed_layout_run(run, uniform, dense=True)
     if "fluid" in cfg.baselines:
