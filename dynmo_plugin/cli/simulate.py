@@ -16,7 +16,7 @@ from dataclasses import replace
 from dynmo_plugin.cli._output import show, third_party_output_to_stderr
 from dynmo_plugin.errors import UserError
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "campaign_config", "run"]
 
 _SCENARIOS = ("pruning", "freezing", "moe", "mod", "early_exit", "sparse_attention")
 # Per-op jitter beyond sigma 2 (a factor e^2 at one standard deviation) is no longer
@@ -194,9 +194,10 @@ _KNOBS = {"pruning": ("pruning_unstructured", "pruning_structured"), "freezing":
           "sparse_attention": ("attention_density",)}
 
 
-def _simulate(args: argparse.Namespace):
-    """Validate the flags and run the campaign: (CampaignResult, cost-model description)."""
-    from dynmo_plugin.sim.campaign import CampaignConfig, run_campaign
+def campaign_config(args: argparse.Namespace):
+    """Validate the flags: (CampaignConfig, cost-model description). scripts/value_sweep.py
+    builds its campaigns here, so they are exactly the CLI's."""
+    from dynmo_plugin.sim.campaign import CampaignConfig
     from dynmo_plugin.sim.planner import GateSettings, live_repack_criteria
     from dynmo_plugin.sim.scenarios import make_scenario
 
@@ -224,6 +225,14 @@ def _simulate(args: argparse.Namespace):
                          balancer=args.balancer, rebalance_every=args.rebalance_every,
                          repack=args.repack, repack_criteria=criteria, gate=gate, baselines=baselines,
                          noise_sigma=args.noise, seed=args.seed, shape=shape, hw=hw)
+    return cfg, info
+
+
+def _simulate(args: argparse.Namespace):
+    """Validate the flags and run the campaign: (CampaignResult, cost-model description)."""
+    from dynmo_plugin.sim.campaign import run_campaign
+
+    cfg, info = campaign_config(args)
     return run_campaign(cfg), info
 
 
