@@ -26,7 +26,10 @@ _MAX_NOISE = 2.0
 # parallelism overflows the throughput): far beyond the paper's runs (24-48 layers,
 # 10,000 iterations), and --pp is bounded by --layers.
 _MAX_COUNT = {"--layers": 10_000, "--dp": 1_000_000, "--microbatches": 100_000,
-              "--iterations": 100_000_000}
+              "--iterations": 100_000_000, "--hidden": 1_000_000, "--heads": 100_000,
+              "--seq-length": 10_000_000, "--micro-batch": 100_000}
+_SHAPE_FLAGS = (("--hidden", "hidden"), ("--heads", "heads"), ("--seq-length", "seq"),
+                ("--micro-batch", "micro_batch"))
 
 
 def add_parser(subparsers) -> None:
@@ -58,6 +61,11 @@ def add_parser(subparsers) -> None:
     costs.add_argument("--costs-from", default=None, metavar="RUN_DIR",
                        help="price layers with a training run's measured profiles (report.json); "
                             "the model takes the run's shape")
+    for flag, what in (("--hidden", "hidden size (default 1024)"), ("--heads", "attention heads (default 32)"),
+                       ("--seq-length", "sequence length (default 2048)"),
+                       ("--micro-batch", "micro-batch size (default 2)")):
+        p.add_argument(flag, type=int, default=None, metavar="N",
+                       help=f"model {what}; a measured profile needs an entry at this shape")
     p.add_argument("--pruning-granularity", default=None, metavar="G",
                    help="unstructured | structured (pruning; default unstructured, or the run's)")
     p.add_argument("--deepspeed-baseline", action="store_true",
@@ -146,7 +154,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
     own checks would name internal fields, or fail inside numpy)."""
     for flag, value in (("--layers", args.layers), ("--dp", args.dp), ("--pp", args.pp),
                         ("--iterations", args.iterations), ("--microbatches", args.microbatches),
-                        ("--rebalance-every", args.rebalance_every), ("--event-gap", args.event_gap)):
+                        ("--rebalance-every", args.rebalance_every), ("--event-gap", args.event_gap),
+                        *((flag, getattr(args, attr.replace("seq", "seq_length"))) for flag, attr in _SHAPE_FLAGS)):
         high = _MAX_COUNT.get(flag)
         if value is not None and not (1 <= value and (high is None or value <= high)):
             bound = f"between 1 and {high:,}" if high else ">= 1"
@@ -175,12 +184,17 @@ def _model(args: argparse.Namespace):
     from dynmo_plugin.sim.measured import hardware
 
     head = not args.no_output_layer
+    given = {attr: getattr(args, attr.replace("seq", "seq_length")) for _, attr in _SHAPE_FLAGS}
+    given = {k: v for k, v in given.items() if v is not None}
     if args.costs_from is not None:
+        if given:
+            raise UserError("--costs-from takes the model shape from the run; drop "
+                            + ", ".join(f for f, a in _SHAPE_FLAGS if a in given))
         run = from_run(args.costs_from)
         shape = run.shape(args.layers, head)
         hw, granularity = run.hardware(), args.pruning_granularity or run.granularity
     else:
-        shape = GPTShape(num_layers=args.layers, output_layer=head)
+        shape = GPTShape(num_layers=args.layers, output_layer=head, **given)
         hw, granularity = hardware(args.hardware, shape), args.pruning_granularity
     m = hw.measured
     info = ({"name": hw.name, "source": "FLOPs (Narayanan et al. 2021) at 45% of 312 TFLOP/s"}

@@ -34,7 +34,8 @@ import numpy as np
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.sim.gpt import GPTShape, Hardware, LayerCosts, LayerLoad, flop_layer_costs
 
-__all__ = ["KNOBS", "Curve", "MeasuredCosts", "PROFILES", "hardware", "load_profile_file", "with_measured"]
+__all__ = ["KNOBS", "Curve", "MeasuredCosts", "PROFILES", "hardware", "load_profile_file",
+           "profile_entries", "with_measured"]
 
 KNOBS = {
     "tokens": "share of the micro-batch's tokens the layer processes (MoD, early exit)",
@@ -171,6 +172,15 @@ def load_profile_file(path: str | Path) -> list[MeasuredCosts]:
         raise UserError(f"cannot read hardware profile {str(path)!r}: {e.strerror or e}") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{what} ({type(e).__name__} {e})") from e
+    return profile_entries(data, what)
+
+
+def profile_entries(data: Any, what: str = "the profile") -> list[MeasuredCosts]:
+    """Every shape of a profile dict ({name, source, shapes: [...]}), checked.
+
+    Raises:
+        UserError: `what` is not a profile, or an entry is malformed.
+    """
     if not isinstance(data, dict) or not {"name", "source", "shapes"} <= data.keys():
         found = type(data).__name__ if not isinstance(data, dict) else f"keys {sorted(data)}"
         raise UserError(f"{what}; found {found}")
