@@ -242,6 +242,9 @@ class ProfilingConfig:
                                                  "--dynmo-profile-window", positive))
     every: int = field(default=0, metadata=opt("profile every N iterations without events (0 = off)",
                                                "--dynmo-profile-every", non_negative))
+    start_at: int = field(default=0, metadata=opt(
+        "profile a window at this iteration and apply the exact solver's layout before the "
+        "dynamism begins (0 = off)", "--dynmo-start-balanced-at", non_negative))
     retime_every: int = field(default=8, metadata=opt(
         "events decided from the scenario's work estimates (no timing window) between timed "
         "windows; 0: time a window after every event", "--dynmo-profile-retime-every", non_negative))

@@ -4,6 +4,11 @@
                --capacity 80GiB] [--extras extras.json] [--current-layout 'Ettt|tttL'] [--json]
     dynmo plan costs.json --current-layout 'Ett|tt|tt|ttL' --repack [--min-stages K]
                [--max-slowdown X] [--objective min_stages|throughput_per_gpu] [--json]
+    dynmo plan --from-run RUN_DIR [--json]
+
+--from-run prints the --pipeline-model-parallel-size and --pipeline-model-parallel-layout
+to start a Megatron-LM run with: the exact solver on the profile a run trained with
+`--dynmo --dynmo-start-balanced-at N` measured (`cli/_from_run.py`).
 
 costs.json: a JSON list of per-layer costs, or an object {"costs": [...], "memory":
 [...], "move_bytes": [...], "params": [...]} (all but costs optional). mem.json: a list
@@ -72,6 +77,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--bandwidth", default="1GB", help="gate: migration bandwidth per second (1GB)")
     p.add_argument("--margin", type=float, default=1.2, help="gate: required saving/cost ratio")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--from-run", metavar="RUN_DIR",
+                   help="recommend a Megatron-LM layout from a run's start profile (no costs file)")
     _add_repack_flags(p)
     p.set_defaults(func=run)
 
@@ -342,6 +349,15 @@ def _as_json(plan: Plan | RepackPlan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_run is not None:
+        from dynmo_plugin.cli._from_run import recommend, render
+
+        extra = [f for f in ("costs_file", "costs", "method", "current_layout") if getattr(args, f)]
+        if extra or args.repack:
+            raise UserError("--from-run takes everything from the run; drop "
+                            + ", ".join(["--repack"] * args.repack + [f"--{f.replace('_', '-')}" for f in extra]))
+        print(render(recommend(args.from_run), args.json))
+        return 0
     with third_party_output_to_stderr():
         plan = _solve(args)
         text = _as_json(plan) if args.json else str(plan)
