@@ -448,7 +448,7 @@ class RepackConfig:
     min_stages: int = field(default=1, metadata=opt(
         "never repack below this many pipeline stages", "--dynmo-repack-min-stages", positive))
     max_slowdown: float = field(default=1.0, metadata=opt(
-        "objective min_stages: the predicted iteration time may grow at most this factor over "
+        "every objective: the predicted iteration time may grow at most this factor over "
         "the current one", "--dynmo-repack-max-slowdown", positive))
     objective: str = field(default="min_stages", metadata=opt(
         "min_stages (fewest stages within max_slowdown) or throughput_per_gpu",

@@ -11,7 +11,8 @@ migration -> report event. Triggers: dynamism events (`notify_event`), a black-b
 rebalance interval, profiling-only intervals, forced layouts (operators, tests), and
 the start (`profiling.start_at`): one window early in the run, then the exact solver's
 layout for it, so the run starts balanced before any dynamism (trigger "start";
-`dynmo plan --from-run` prints the same layout for a Megatron-LM user).
+`dynmo plan --from-run` prints the same layout for a Megatron-LM user); with repacking
+on, the start also considers fewer stages (the repack decision, released ranks leave).
 No rank ever recomputes a decision from its own measurements: what leads to a
 collective is decided once (`ControlPlane.decide`), so ranks cannot diverge. Nothing a
 balancer or a migration can raise stops training: an infeasible or failed plan is an
@@ -238,7 +239,8 @@ class DynMo:
         """The criteria when a repack may be considered now, else None (min_stages
         counts pipeline ranks; interleaved, each keeps its chunks)."""
         rp = self.config.repack
-        wanted = rp.trigger == "rebalance" or trigger.startswith("event:")
+        # the start chooses the pipeline size too (the smallest within max_slowdown)
+        wanted = rp.trigger == "rebalance" or trigger.startswith("event:") or trigger == "start"
         if self._repacker is None or not rp.enabled or not wanted or problem.num_ranks <= rp.min_stages:
             return None
         from dynmo_plugin.balancing.repack import RepackCriteria

@@ -79,3 +79,28 @@ def test_plan_from_run_without_a_profile_is_one_line(tmp_path):
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "--dynmo-start-balanced-at" in r.stderr
+
+
+REPACK_START = ["--dynmo-repack", "--dynmo-repack-min-stages", "2", "--dynmo-repack-max-slowdown", "4",
+                "--dynmo-repack-rebuild-s", "0"]
+
+
+def test_with_repacking_the_start_also_chooses_the_pipeline_size(tmp_path):
+    """PP=4 with repacking on: the start decides 4 -> 2 stages live (within max_slowdown 4),
+    the released ranks leave, training matches a run forced to repack to that layout at
+    the same point, and `dynmo plan --from-run` recommends pp 2 with that layout."""
+    pp4 = [f if f != "2" or MODEL[i - 1] != "--pipeline-model-parallel-size" else "4"
+           for i, f in enumerate(MODEL)]
+    started, forced = tmp_path / "started", tmp_path / "forced"
+    report = worker(4, pp4 + START + REPACK_START, started)
+    event = _start_event(report)
+    assert event["applied"] and event["repack"]["applied"], event["reason"]
+    assert (event["repack"]["stages_before"], event["repack"]["stages_after"]) == (4, 2)
+    layout = event["layout_after"]
+    other = worker(4, pp4 + ["--dynmo-repack", "--dynmo-forced-layouts", f"3:{layout}"], forced)
+    assert other["layout"] == report["layout"] == layout
+    assert_same_training(started, report, forced, other, ranks=[0, 1])
+    r = subprocess.run([sys.executable, "-m", "dynmo_plugin.cli", "plan", "--from-run", str(started)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout '{layout}'" in r.stdout

@@ -5,7 +5,11 @@ applied the exact solver's layout for it (trigger "start"). This rebuilds the sa
 balancing problem from the recorded profile (`balancing.profile_problem`, which the
 live controller uses) and solves it exactly, so the printed
 `--pipeline-model-parallel-layout` is the layout the live run chose when its gate let
-it move. Without a "start" event, the run's first rebalance profile is used.
+it move. Without a "start" event, the run's first rebalance profile is used. When the
+run had repacking on, the pipeline size is chosen too: the repack decision
+(`plan_repack` with the run's criteria) without the gate, since a fresh Megatron-LM
+start migrates nothing; the live run's gate may have kept the larger pipeline (the
+output says what it did).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dynmo_plugin.balancing import solve
+from dynmo_plugin.balancing import RepackCriteria, plan_repack, solve
 from dynmo_plugin.balancing.problem import ProblemError
 from dynmo_plugin.balancing.profile_problem import problem_from_profile
 from dynmo_plugin.config import DynmoConfig, RebalanceConfig
@@ -70,16 +74,24 @@ def recommend(run_dir: str) -> dict[str, Any]:
         problem = problem_from_profile(PipelineProfile.from_dict(event["profile"]), current, config,
                                        _microbatches(report, event))
         plan = solve(problem, "exact")
-    except (KeyError, TypeError, LayoutError, ProblemError) as e:
+        layout, predicted = plan.layout, plan.predicted_iter_s_after
+        rp = report["config"]["dynmo"].get("repack") or {}
+        if rp.get("enabled") and problem.num_ranks > int(rp["min_stages"]):
+            criteria = RepackCriteria(min_stages=int(rp["min_stages"]), max_slowdown=float(rp["max_slowdown"]),
+                                      objective=rp["objective"], memory_margin=float(rp["memory_margin"]),
+                                      rebuild_s=float(rp["rebuild_s"]))
+            repack = plan_repack(problem, criteria)
+            if repack.apply:
+                layout, predicted = repack.layout_after, repack.predicted_iter_s_after
+    except (KeyError, TypeError, ValueError, LayoutError, ProblemError) as e:
         raise UserError(f"--from-run {run_dir!r}: its report lacks or mangles what the plan needs "
                         f"({type(e).__name__}: {e})") from e
-    layout = plan.layout
     return {"run": str(Path(run_dir)), "trigger": event.get("trigger"), "window": event.get("window"),
             "layout_profiled": str(current),
             "pipeline_model_parallel_size": layout.num_ranks,
             "num_virtual_stages_per_pipeline_rank": layout.num_chunks,
             "pipeline_model_parallel_layout": layout.to_megatron(),
-            "predicted_iter_s": plan.predicted_iter_s_after,
+            "predicted_iter_s": predicted,
             "predicted_iter_s_profiled": plan.predicted_iter_s_before,
             "live": {"iteration": event.get("iteration"), "applied": bool(event.get("applied")),
                      "layout_after": event.get("layout_after"), "reason": event.get("reason")}}
