@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
+
+import pytest
 
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.sim.campaign import CampaignConfig, _initial_split, _packed_once_layout, _Run, run_campaign
@@ -56,3 +59,22 @@ def test_packed_once_is_the_repack_decision_on_the_initial_model():
     assert packed.num_stages < 8 and tuned.num_stages == 8
     assert run.simulate(packed, 0, load).iteration_s <= uniform * (1 + 1e-9)
     assert run_campaign(cfg).baselines.keys() == {"static"}  # only what was asked
+
+
+def test_start_balanced_dynmo_starts_on_the_tuned_split():
+    """With every later plan refused (noise floor 99%), DynMo started balanced runs the
+    tuned split throughout: its time is static_tuned's plus the overheads it paid (one
+    profiled iteration and the migration at the start, then each rebalance point's)."""
+    from dynmo_plugin.sim.planner import GateSettings
+
+    cfg = CampaignConfig(scenario=make_scenario("freezing", num_layers=32), dp=2, pp=8,
+                         iterations=4000, baselines=("static", "static_tuned"), start_balanced=True,
+                         gate=GateSettings(min_gain=0.99))
+    r = run_campaign(cfg)
+    assert not any(e.applied for e in r.events)
+    assert r.events[0].layout_before == _initial_split(_Run(cfg), "exact").to_megatron()
+    paid = sum(r.dynmo.overhead_s.values())
+    assert r.dynmo.overhead_s["migration"] > 0
+    assert r.dynmo.time_s - paid == pytest.approx(r.baselines["static_tuned"].time_s, rel=1e-12)
+    plain = run_campaign(replace(cfg, start_balanced=False))
+    assert plain.events[0].layout_before == Layout.uniform(32, 8).to_megatron()

@@ -45,6 +45,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--rebalance-every", type=int, default=None, metavar="N",
                    help="rebalance every N iterations (default: at each dynamism event)")
     p.add_argument("--repack", action="store_true", help="consolidate onto fewer stages when it pays")
+    p.add_argument("--start-balanced", action="store_true",
+                   help="DynMo starts on the exact split of the initial model (--dynmo-start-balanced-at)")
     p.add_argument("--repack-objective", default=None, metavar="NAME",
                    help="min_stages | throughput_per_gpu (default: the live default)")
     p.add_argument("--repack-max-slowdown", type=float, default=None, metavar="X",
@@ -238,6 +240,7 @@ def campaign_config(args: argparse.Namespace):
                          num_microbatches=args.microbatches, iterations=args.iterations,
                          balancer=args.balancer, rebalance_every=args.rebalance_every,
                          repack=args.repack, repack_criteria=criteria, gate=gate, baselines=baselines,
+                         start_balanced=args.start_balanced,
                          noise_sigma=args.noise, seed=args.seed, shape=shape, hw=hw)
     return cfg, info
 

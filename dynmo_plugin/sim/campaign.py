@@ -67,7 +67,9 @@ class CampaignConfig:
     `RepackConfig`'s); gate: the rebalance gate (`planner.GateSettings`); baselines:
     which of `BASELINES` to run besides "static"; noise_sigma, seed: per-op log-normal
     noise; profiling_*: assumed profiling overhead; decision_time: modelled seconds per
-    decision (the balancer's wall clock is never charged)."""
+    decision (the balancer's wall clock is never charged); start_balanced: DynMo starts
+    on the exact split of the initial model (the live `--dynmo-start-balanced-at`; its
+    one profiled iteration is charged), else on Megatron's uniform split."""
 
     scenario: Scenario
     dp: int
@@ -87,6 +89,7 @@ class CampaignConfig:
     profiling_iterations: int = 1
     profiling_slowdown: float = 0.10
     decision_time: DecisionTimeModel = field(default_factory=DecisionTimeModel)
+    start_balanced: bool = False
 
     def __post_init__(self) -> None:
         L = self.scenario.num_layers
@@ -385,8 +388,14 @@ def _dynmo_run(run: _Run) -> tuple[RunSummary, list[RebalanceRecord]]:
     _, _, rebalance = _boundaries(cfg)
     points = sorted(rebalance) + [cfg.iterations]
     layout = Layout.uniform(cfg.scenario.num_layers, cfg.pp)
-    time_s = idle = gpu_s = 0.0
     overhead = dict(_NO_OVERHEAD)
+    if cfg.start_balanced:
+        tuned = _initial_split(run, "exact")
+        first = run.simulate(layout, 0, cfg.scenario.load(0))
+        overhead["profiling"] += cfg.profiling_iterations * cfg.profiling_slowdown * first.iteration_s
+        overhead["migration"] += run.migration_s(layout, tuned)
+        layout = tuned
+    time_s = idle = gpu_s = 0.0
     events = []
     for a, b, point, load in _segments(cfg):
         if a in rebalance:
@@ -412,7 +421,8 @@ def run_campaign(cfg: CampaignConfig) -> CampaignResult:
 
 # what a variant may change: how DynMo decides, never what an iteration costs
 VARIANT_FIELDS = frozenset({"balancer", "repack", "repack_criteria", "gate", "decision_time",
-                            "rebalance_every", "profiling_iterations", "profiling_slowdown"})
+                            "rebalance_every", "profiling_iterations", "profiling_slowdown",
+                            "start_balanced"})
 
 
 def run_variants(cfg: CampaignConfig, variants: dict[str, dict]) -> dict[str, CampaignResult]:
