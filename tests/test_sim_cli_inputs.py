@@ -63,3 +63,14 @@ def test_the_h100_profile_cites_a_file_in_the_repository():
     for path in cited:
         assert (ROOT / path).is_file(), f"{path} is cited but not in the repository"
     assert "### Measured on an H100" in (ROOT / cited[0]).read_text()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--costs-from", "/nonexistent", "--hidden", "2048"],
+     "--costs-from takes the model shape from the run; drop --hidden"),
+    (["--seq-length", "0"], "--seq-length must be an integer between 1"),
+    (["--hidden", "1000"], "hidden (1000) must be divisible by heads (32)"),
+    (["--hardware", "h100", "--hidden", "2048"], "has no curves for hidden 2048"),
+])
+def test_shape_flags_are_checked(extra, message):
+    _one_line_exit_2(_simulate("--scenario", "mod", *SMALL, *extra), message)

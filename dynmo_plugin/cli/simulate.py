@@ -28,6 +28,7 @@ _MAX_NOISE = 2.0
 _MAX_COUNT = {"--layers": 10_000, "--dp": 1_000_000, "--microbatches": 100_000,
               "--iterations": 100_000_000, "--hidden": 1_000_000, "--heads": 100_000,
               "--seq-length": 10_000_000, "--micro-batch": 100_000}
+# (flag, GPTShape field): argparse's dest is the flag without dashes
 _SHAPE_FLAGS = (("--hidden", "hidden"), ("--heads", "heads"), ("--seq-length", "seq"),
                 ("--micro-batch", "micro_batch"))
 
@@ -151,13 +152,17 @@ def _check_names(args: argparse.Namespace) -> None:
                         "throughput_per_gpu")
 
 
+def _flag_value(args: argparse.Namespace, flag: str):
+    return getattr(args, flag[2:].replace("-", "_"))
+
+
 def _check_numbers(args: argparse.Namespace) -> None:
     """Range-check every numeric flag here, so the message names the flag (the simulator's
     own checks would name internal fields, or fail inside numpy)."""
     for flag, value in (("--layers", args.layers), ("--dp", args.dp), ("--pp", args.pp),
                         ("--iterations", args.iterations), ("--microbatches", args.microbatches),
                         ("--rebalance-every", args.rebalance_every), ("--event-gap", args.event_gap),
-                        *((flag, getattr(args, attr.replace("seq", "seq_length"))) for flag, attr in _SHAPE_FLAGS)):
+                        *((flag, _flag_value(args, flag)) for flag, _ in _SHAPE_FLAGS)):
         high = _MAX_COUNT.get(flag)
         if value is not None and not (1 <= value and (high is None or value <= high)):
             bound = f"between 1 and {high:,}" if high else ">= 1"
@@ -186,7 +191,7 @@ def _model(args: argparse.Namespace):
     from dynmo_plugin.sim.measured import hardware
 
     head = not args.no_output_layer
-    given = {attr: getattr(args, attr.replace("seq", "seq_length")) for _, attr in _SHAPE_FLAGS}
+    given = {attr: _flag_value(args, flag) for flag, attr in _SHAPE_FLAGS}
     given = {k: v for k, v in given.items() if v is not None}
     if args.costs_from is not None:
         if given:
