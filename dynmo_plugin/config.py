@@ -249,6 +249,9 @@ class ProfilingConfig:
                                                  "--dynmo-profile-window", positive))
     every: int = field(default=0, metadata=opt("profile every N iterations without events (0 = off)",
                                                "--dynmo-profile-every", non_negative))
+    start_at: int = field(default=0, metadata=opt(
+        "profile a window at this iteration and apply the exact solver's layout before the "
+        "dynamism begins (0 = off)", "--dynmo-start-balanced-at", non_negative))
     retime_every: int = field(default=8, metadata=opt(
         "events decided from the scenario's work estimates (no timing window) between timed "
         "windows; 0: time a window after every event", "--dynmo-profile-retime-every", non_negative))
@@ -453,7 +456,7 @@ class RepackConfig:
     min_stages: int = field(default=1, metadata=opt(
         "never repack below this many pipeline stages", "--dynmo-repack-min-stages", positive))
     max_slowdown: float = field(default=1.0, metadata=opt(
-        "objective min_stages: the predicted iteration time may grow at most this factor over "
+        "every objective: the predicted iteration time may grow at most this factor over "
         "the current one", "--dynmo-repack-max-slowdown", positive))
     objective: str = field(default="min_stages", metadata=opt(
         "min_stages (fewest stages within max_slowdown) or throughput_per_gpu",

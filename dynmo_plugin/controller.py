@@ -8,7 +8,11 @@
 
 Per trigger: profile window -> gathered profile -> decision on rank 0, broadcast ->
 migration -> report event. Triggers: dynamism events (`notify_event`), a black-box
-rebalance interval, profiling-only intervals, and forced layouts (operators, tests).
+rebalance interval, profiling-only intervals, forced layouts (operators, tests), and
+the start (`profiling.start_at`): one window early in the run, then the exact solver's
+layout for it, so the run starts balanced before any dynamism (trigger "start";
+`dynmo plan --from-run` prints the same layout for a Megatron-LM user); with repacking
+on, the start also considers fewer stages (the repack decision, released ranks leave).
 No rank ever recomputes a decision from its own measurements: what leads to a
 collective is decided once (`ControlPlane.decide`), so ranks cannot diverge. Nothing a
 balancer or a migration can raise stops training: an infeasible or failed plan is an
@@ -27,7 +31,7 @@ from typing import Optional
 
 from dynmo_plugin.balancing import BalanceProblem, GateConfig, InfeasibleError, ProblemError
 from dynmo_plugin.balancing.decide import decide
-from dynmo_plugin.balancing.memory import MemoryCalibration, calibrate, modelled_stage_bytes
+from dynmo_plugin.balancing.profile_problem import memory_calibration, problem_from_profile
 from dynmo_plugin.config import DynmoConfig
 from dynmo_plugin.consensus import ControlPlane, DecisionFailed
 from dynmo_plugin.events import Decision, ProfileEvent, RebalanceEvent
@@ -48,64 +52,6 @@ class _OpenWindow:
     remaining: int
     rebalance: bool
     window: object
-
-
-def memory_calibration(profile: PipelineProfile, num_stages: int,
-                       num_microbatches: int) -> tuple[list[float], MemoryCalibration]:
-    """The memory model's per-layer bytes — state + the 1F1B warm-up depth of activations
-    a stage may hold (at most p micro-batches) — and its calibration by each stage's
-    measured peak, against the layers that stage held when profiled
-    (`balancing.memory`).
-
-    Interleaved (`profile.num_chunks` = v > 1, `num_stages` virtual): a layer's
-    activations count at the most micro-batches any chunk of any rank held at once under
-    the interleaved schedule (the profile's per-chunk `in_flight`: a layer may move to any
-    chunk), and the calibration is per RANK, as memory is: the rank's measured peak
-    against the model's bytes summed over its chunks (`BalanceProblem.memory_overhead`
-    is per rank then)."""
-    v = profile.num_chunks
-    if v > 1 and len(profile.stages) != num_stages:
-        raise ProblemError(f"the profile has {len(profile.stages)} virtual stages but the "
-                           f"layout {num_stages}; profile again under the current layout")
-    in_flight = (min(num_stages, num_microbatches) if v == 1
-                 else max(s.in_flight for s in profile.stages))
-    layer_bytes = [x.state_bytes + in_flight * x.act_bytes for x in profile.layers]
-    modelled = modelled_stage_bytes(layer_bytes, [x.stage for x in profile.layers],
-                                    [s.extra_bytes for s in profile.stages])
-    ranks = profile.rank_records()
-    if v > 1:  # virtual stage s runs on rank s % pp
-        modelled = [sum(modelled[r::len(ranks)]) for r in range(len(ranks))]
-    calibration = calibrate([s.peak_bytes for s in ranks], modelled,
-                            [s.peak_source for s in ranks])
-    return layer_bytes, calibration
-
-
-def problem_from_profile(profile: PipelineProfile, current: Layout, config: DynmoConfig,
-                         num_microbatches: int) -> BalanceProblem:
-    """Per-layer cost = median fwd+bwd per micro-batch; memory as `memory_calibration`
-    models and calibrates it; a migration rebuilds each stage's gradient buffers
-    (`rebuild_bytes`). Interleaved: extras per virtual stage, memory overhead and the
-    cap per rank (`num_chunks` from the current layout)."""
-    p = current.num_stages
-    layer_bytes, calibration = memory_calibration(profile, p, num_microbatches)
-    cap = config.rebalance.memory_cap_gb
-    return BalanceProblem(
-        costs=[x.cost_s for x in profile.layers],
-        num_stages=p,
-        memory=layer_bytes,
-        move_bytes=[x.state_bytes for x in profile.layers],
-        capacity=cap * 1e9 if cap > 0 else None,
-        memory_overhead=calibration.overhead,
-        extras_cost=[s.extra_s for s in profile.stages],
-        extras_memory=[s.extra_bytes for s in profile.stages],
-        current=current,
-        allow_empty_stages=config.rebalance.allow_empty_stages,
-        num_microbatches=num_microbatches,
-        param_counts=[x.param_bytes for x in profile.layers],
-        rebuild_bytes=[x.grad_bytes for x in profile.layers],
-        extras_rebuild_bytes=[s.extra_grad_bytes for s in profile.stages],
-        num_chunks=current.num_chunks,
-    )
 
 
 def scale_profile(profile: PipelineProfile, base: dict, now: dict) -> PipelineProfile:
@@ -207,6 +153,8 @@ class DynMo:
         if self._pending_events:
             trigger, rebalance = "event:" + ",".join(self._pending_events), True
             self._pending_events.clear()
+        elif iteration == self.config.profiling.start_at:
+            trigger, rebalance = "start", True
         elif interval and iteration % interval == 0:
             trigger, rebalance = "rebalance_interval", True
         elif every and iteration % every == 0:
@@ -279,7 +227,8 @@ class DynMo:
         gate = GateConfig(iterations_until_next_event=rb.expected_event_gap,
                           bandwidth_bytes_per_s=self.bandwidth, margin=rb.margin,
                           min_relative_gain=rb.min_gain, measured_dispersion=profile.dispersion())
-        choice = decide(problem, rb.balancer, gate, self._repack_criteria(problem, trigger))
+        balancer = "exact" if trigger == "start" else rb.balancer  # the start: the optimum
+        choice = decide(problem, balancer, gate, self._repack_criteria(problem, trigger))
         memory = _memory_record(profile, problem.num_stages, problem.num_microbatches, cap,
                                 choice.plan)
         return Decision(profile.to_dict(), choice.plan, choice.apply,
@@ -290,7 +239,8 @@ class DynMo:
         """The criteria when a repack may be considered now, else None (min_stages
         counts pipeline ranks; interleaved, each keeps its chunks)."""
         rp = self.config.repack
-        wanted = rp.trigger == "rebalance" or trigger.startswith("event:")
+        # the start chooses the pipeline size too (the smallest within max_slowdown)
+        wanted = rp.trigger == "rebalance" or trigger.startswith("event:") or trigger == "start"
         if self._repacker is None or not rp.enabled or not wanted or problem.num_ranks <= rp.min_stages:
             return None
         from dynmo_plugin.balancing.repack import RepackCriteria

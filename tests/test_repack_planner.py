@@ -62,7 +62,7 @@ def test_interleaved_repack_keeps_the_chunks_per_rank():
     (102 GPU-s); K = 1 and K = 3 cannot run the interleaved schedule on 8 micro-batches."""
     problem = shrunk_problem(num_stages=8, num_chunks=2, current=Layout((1,) * 8, 2),
                              memory=[10.0] * 8)
-    plan = plan_repack(problem, RepackCriteria(objective="throughput_per_gpu"))
+    plan = plan_repack(problem, RepackCriteria(objective="throughput_per_gpu", max_slowdown=1.3))
     assert plan.apply and (plan.stages_before, plan.stages_after) == (4, 2)
     assert str(plan.layout_after) == "Ettt|ttt|t|tL" and plan.layout_after.num_chunks == 2
     assert (plan.predicted_iter_s_before, plan.predicted_iter_s_after) == (41, 51)
@@ -109,7 +109,7 @@ def test_memory_margin_shrinks_the_caps():
 
 def test_throughput_per_gpu_objective_matches_brute_force():
     pb = shrunk_problem()
-    plan = plan_repack(pb, RepackCriteria(objective="throughput_per_gpu"))
+    plan = plan_repack(pb, RepackCriteria(objective="throughput_per_gpu", max_slowdown=2.0))
     # per K: the best 1F1B time over every contiguous split; GPU-seconds = time x K
     best = {k: min(iteration(pb.costs, [0] * k, b, 8) for b in splits(8, k, False)) for k in (1, 2, 3)}
     expected = min(best, key=lambda k: (best[k] * k, k))
@@ -408,7 +408,8 @@ def expected_k(case: Case) -> int | None:
     if case.objective == "min_stages":
         within = [k for k, t in ok.items() if t <= case.max_slowdown * now * (1 + REL_TOL)]
         return min(within, default=None)
-    if not ok:
+    ok = {k: t for k, t in ok.items() if t <= case.max_slowdown * now * (1 + REL_TOL)}
+    if not ok:  # max_slowdown bounds every objective
         return None
     k = min(ok, key=lambda k: (ok[k] * k, k))
     return k if ok[k] * k < now * case.p * (1 - REL_TOL) else None
@@ -536,7 +537,7 @@ def test_cli_repack_json_is_one_document(tmp_path):
 def test_cli_repack_options(tmp_path):
     costs = _costs_file(tmp_path)
     code, out, _ = _cli("plan", "--costs", costs, "--stages", "4", "--microbatches", "8", "--repack",
-                        "--objective", "throughput_per_gpu", "--json")
+                        "--objective", "throughput_per_gpu", "--max-slowdown", "2", "--json")
     assert code == 0 and json.loads(out)["stages_after"] == 1  # uniform current split assumed
     code, out, _ = _cli("plan", costs, "--current-layout", "Ett|tt|tt|ttL", "--repack",
                         "--capacity", "3", "--memory-margin", "0", "--max-slowdown", "4",

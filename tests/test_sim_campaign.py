@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from dynmo_plugin.balancing import RepackCriteria
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.sim.campaign import CampaignConfig, run_campaign, run_variants
 from dynmo_plugin.sim.decision import DecisionCost, DecisionTimeModel
@@ -54,7 +55,9 @@ def test_black_box_mode_rebalances_every_n_iterations():
 
 
 def test_repacking_goes_through_plan_repack_and_frees_gpus():
+    # 4 -> 3 stages simulates 1.4% slower here (the larger all-reduce): allowed at 1.05
     cfg = _cfg("freezing", layers=16, iterations=9000, repack=True,
+               repack_criteria=RepackCriteria(max_slowdown=1.05),
                shape=GPTShape(num_layers=16, output_layer=False))
     r = run_campaign(cfg)
     repacks = [e for e in r.events if e.kind == "repack"]

@@ -40,7 +40,7 @@ def test_h100_profile_and_gate_flags_reach_the_campaign():
                   "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["cost_model"]["name"] == "h100" and "h100-measured.md" in out["cost_model"]["source"]
+    assert out["cost_model"]["name"] == "h100" and "docs/simulator.md" in out["cost_model"]["source"]
     assert out["cost_model"]["priced_by"]["pruning_unstructured"] == "curve"
     assert not any(e["applied"] for e in out["events"])  # a 90% noise floor refuses every plan
     assert {"static", "no_dynamism"} <= set(out["speedup_over"])

@@ -22,7 +22,7 @@ PAPER = GPTShape(num_layers=4)  # hidden 1024, seq 2048, micro-batch 2
 def test_h100_profile_states_its_source_and_ships_as_package_data():
     entries = load_profile_file(ROOT / "dynmo_plugin/sim/profiles/h100.json")
     assert {(e.hidden, e.micro_batch) for e in entries} == {(1024, 2), (1024, 8), (4096, 1)}
-    assert all("h100-measured.md" in e.source for e in entries)
+    assert all("docs/simulator.md" in e.source for e in entries)
     assert all(set(e.curves) <= set(KNOBS) for e in entries)
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")

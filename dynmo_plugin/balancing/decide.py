@@ -19,7 +19,7 @@ from typing import Optional
 from dynmo_plugin.balancing.gate import GateConfig
 from dynmo_plugin.balancing.plan import Plan
 from dynmo_plugin.balancing.problem import BalanceProblem, InfeasibleError, ProblemError
-from dynmo_plugin.balancing.repack import RepackCriteria, RepackPlan, plan_repack
+from dynmo_plugin.balancing.repack import IterationModel, RepackCriteria, RepackPlan, plan_repack
 from dynmo_plugin.balancing.solve import solve
 
 __all__ = ["Choice", "decide"]
@@ -43,13 +43,16 @@ class Choice:
 
 
 def decide(problem: BalanceProblem, balancer: str, gate: GateConfig,
-           repack: Optional[RepackCriteria] = None) -> Choice:
+           repack: Optional[RepackCriteria] = None, *,
+           iteration_model: Optional[IterationModel] = None) -> Choice:
     """Repack if `repack` criteria are given and a repack passes its gate, else the
-    balancer's plan if it moves something and passes the gate, else keep the layout."""
+    balancer's plan if it moves something and passes the gate, else keep the layout.
+    `iteration_model`: how the repack planner predicts iteration times (default the
+    flow-shop formula; the simulator passes its own, `repack` module docstring)."""
     repack_plan = None
     try:
         if repack is not None and problem.num_ranks > repack.min_stages:
-            repack_plan = plan_repack(problem, repack, gate)
+            repack_plan = plan_repack(problem, repack, gate, iteration_model=iteration_model)
             if repack_plan.apply:
                 return Choice(True, repack_plan.reason, repack=repack_plan)
         plan = solve(problem, balancer, gate=gate)

@@ -101,6 +101,9 @@ class BalanceProblem:
             migration's transient peak, which happens between iterations. Default 0.
         num_chunks: virtual stages per pipeline rank (Megatron's
             --num-virtual-stages-per-pipeline-rank); `num_stages` must be a multiple.
+        tokens_per_iteration: tokens one pipeline replica trains per iteration
+            (micro-batches x micro-batch size x sequence); optional, only to report a
+            plan's predicted tokens/s and tokens per GPU-hour (costs must be seconds).
     Raises:
         ProblemError: malformed inputs (the message names the value and the fix).
         InfeasibleError: a stage's fixed extras alone exceed its capacity.
@@ -121,6 +124,7 @@ class BalanceProblem:
     extras_rebuild_bytes: Sequence[float] | None = None
     memory_overhead: Sequence[float] | None = None
     num_chunks: int = 1
+    tokens_per_iteration: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
@@ -152,6 +156,10 @@ class BalanceProblem:
         if isinstance(self.num_microbatches, bool) or not isinstance(self.num_microbatches, int) \
                 or self.num_microbatches < 1:
             raise ProblemError(f"num_microbatches must be a positive integer, got {self.num_microbatches!r}")
+        tpi = self.tokens_per_iteration
+        if tpi is not None and (isinstance(tpi, bool) or not isinstance(tpi, (int, float))
+                                or not (math.isfinite(tpi) and tpi > 0)):
+            raise ProblemError(f"tokens_per_iteration must be a finite number > 0, got {tpi!r}")
         self._check_current()
         self._check_extras_fit()
         if int(self.move_key.sum()) >= _MAX_KEY:

@@ -10,9 +10,12 @@ executes it. Two planners, both returning a `RepackPlan`:
   `shrink_problem(problem, K)`, memory caps scaled by 1 / (1 + memory_margin), ties
   broken by the fewest bytes moved from the current layout). Objective `min_stages`
   takes the smallest K whose partition fits memory and whose predicted iteration time
-  is within `max_slowdown` of the current one; `throughput_per_gpu` takes the K with
-  the most predicted tokens/s per GPU, i.e. the least (iteration time x K), if it
-  beats the current pipeline. Then a gate: the move must pay for itself.
+  is within `max_slowdown` of the current one; `throughput_per_gpu` takes, among the
+  K within the same `max_slowdown`, the one with the most predicted tokens/s per GPU,
+  i.e. the least (iteration time x K), if it beats the current pipeline. Both bound
+  the slowdown: nobody loses two thirds of their tokens/s to a per-GPU gain without
+  asking (raise max_slowdown to trade throughput for GPUs). Then a gate: the move
+  must pay for itself.
 * `first_fit_repack` (method "first_fit"): the DynMo paper's Algorithm 2 (first-fit
   packing of whole stages under the memory cap) as a baseline. The paper packs any
   worker into any other; without reordering layers only ADJACENT stages can merge, so
@@ -31,6 +34,15 @@ skipped (Megatron's interleaved schedule); each K is solved by `exact`'s interle
 solver, without the lower-bound skips (they assume plain 1F1B); moves within a rank
 cost no bytes. `first_fit_repack` is plain-pipeline only.
 
+Predicted iteration times come from an `IterationModel`. The default,
+`flow_shop_model`, is the balancers' formula (`metrics.predicted_iteration_s`: stage
+loads only, no communication, and it overstates an unbalanced pipeline). A caller that
+knows better passes its own: the simulator passes its whole iteration (p2p transfers on
+the critical path, the data-parallel all-reduce of each rank's gradients, which grows
+as the stages get fewer, the real 1F1B order), so a repack it applies never simulates
+slower than `max_slowdown` allows (`sim.planner`). With a custom model the lower-bound
+skips are off (they bound the default formula only).
+
 Floating point follows `problem`: "a <= b" means ``a <= b + REL_TOL * |b|`` for times,
 and memory checks are the solver's (``<= cap / (1 + margin) + mem_tol``).
 """
@@ -40,7 +52,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from dynmo_plugin.balancing import metrics
 from dynmo_plugin.balancing.exact import optimal_bottleneck, solve_exact
@@ -51,10 +63,13 @@ from dynmo_plugin.balancing.render import human_bytes
 from dynmo_plugin.balancing.segments import SegmentModel
 from dynmo_plugin.layout import Layout
 
-__all__ = ["OBJECTIVES", "RepackCriteria", "RepackCandidate", "RepackPlan", "plan_repack",
-           "first_fit_repack", "shrink_problem"]
+__all__ = ["OBJECTIVES", "IterationModel", "RepackCriteria", "RepackCandidate", "RepackPlan",
+           "flow_shop_model", "plan_repack", "first_fit_repack", "shrink_problem"]
 
 OBJECTIVES = ("min_stages", "throughput_per_gpu")
+
+IterationModel = Callable[[BalanceProblem, Layout], float]
+"""Predicted seconds of one iteration of `layout` (K stages) on `problem` (shrunk to K)."""
 
 
 # ---- criteria ---------------------------------------------------------------------------
@@ -64,10 +79,10 @@ class RepackCriteria:
 
     Attributes:
         min_stages: never repack below this many pipeline stages.
-        max_slowdown: objective min_stages: predicted iteration time after <= this x
-            the current one (1.0 = no slower). Not used by throughput_per_gpu.
+        max_slowdown: every objective: predicted iteration time after <= this x the
+            current one (1.0 = no slower, i.e. tokens/s never drops).
         objective: "min_stages" (fewest stages within max_slowdown) or
-            "throughput_per_gpu" (most predicted tokens/s per GPU).
+            "throughput_per_gpu" (most predicted tokens/s per GPU within max_slowdown).
         memory_margin: a stage fits if its predicted memory x (1 + margin) <= capacity.
         rebuild_s: estimated seconds to regroup and rebuild (the gate's fixed cost; it
             also covers moving the output layer, which is not a decoder layer).
@@ -208,6 +223,9 @@ class RepackPlan:
     When `apply` is False, `stages_after == stages_before`, `layout_after ==
     layout_before`, no moves; `saving_gpu_s`/`cost_s` and `reason` still describe the
     refused option. `released_stages` are always the highest ranks.
+    `tokens_per_iteration` (per pipeline replica; None = unknown) turns the predicted
+    iteration times into tokens/s and tokens per GPU-hour (`tokens_per_s`,
+    `tokens_per_gpu_hour`); tokens per GPU-hour do not depend on data parallelism.
     """
 
     method: str
@@ -226,6 +244,18 @@ class RepackPlan:
     saving_gpu_s: float
     cost_s: float
     solve_seconds: float
+    tokens_per_iteration: float | None = None
+
+    def tokens_per_s(self, after: bool) -> float | None:
+        """Predicted tokens/s of one pipeline replica before or after (None: unknown)."""
+        it = self.predicted_iter_s_after if after else self.predicted_iter_s_before
+        return None if self.tokens_per_iteration is None or not it > 0 else self.tokens_per_iteration / it
+
+    def tokens_per_gpu_hour(self, after: bool) -> float | None:
+        """Predicted tokens per GPU-hour before or after (None: unknown)."""
+        rate = self.tokens_per_s(after)
+        stages = self.stages_after if after else self.stages_before
+        return None if rate is None else rate * 3600.0 / stages
 
     def intermediate_layout(self) -> Layout:
         """`layout_after` over all `stages_before` stages, the released ones empty
@@ -248,7 +278,9 @@ class RepackPlan:
             "moves": [asdict(m) for m in self.moves], "bytes_moved": self.bytes_moved,
             "candidates": [c.to_dict() for c in self.candidates],
             "saving_gpu_s": self.saving_gpu_s, "cost_s": self.cost_s,
-            "solve_seconds": self.solve_seconds,
+            "solve_seconds": self.solve_seconds, "tokens_per_iteration": self.tokens_per_iteration,
+            **{f"{name}_{when}": getattr(self, name)(when == "after")
+               for name in ("tokens_per_s", "tokens_per_gpu_hour") for when in ("before", "after")},
         }
 
     @classmethod
@@ -270,7 +302,8 @@ class RepackPlan:
                 bytes_moved=d["bytes_moved"],
                 candidates=[RepackCandidate.from_dict(c, v) for c in d["candidates"]],
                 apply=d["apply"], reason=d["reason"], saving_gpu_s=d["saving_gpu_s"],
-                cost_s=d["cost_s"], solve_seconds=d["solve_seconds"])
+                cost_s=d["cost_s"], solve_seconds=d["solve_seconds"],
+                tokens_per_iteration=d.get("tokens_per_iteration"))
         except (KeyError, TypeError, AttributeError) as e:
             raise ProblemError(f"not a repack plan dict ({type(e).__name__}: {e})") from e
 
@@ -288,7 +321,9 @@ def _better(a: float, b: float) -> bool:
     return a < b - REL_TOL * abs(b)
 
 
-def _iteration_s(problem: BalanceProblem, layout: Layout) -> float:
+def flow_shop_model(problem: BalanceProblem, layout: Layout) -> float:
+    """The default `IterationModel`: the balancers' 1F1B formula over stage loads
+    (`metrics.predicted_iteration_s`; no communication)."""
     return metrics.predicted_iteration_s(metrics.stage_loads(problem, layout), problem.num_microbatches,
                                          problem.num_chunks)
 
@@ -353,7 +388,8 @@ def _closest_optimal(fit: BalanceProblem, current: Layout) -> Layout:
     return Layout.from_boundaries(bounds)
 
 
-def _candidate(problem: BalanceProblem, k: int, criteria: RepackCriteria) -> RepackCandidate:
+def _candidate(problem: BalanceProblem, k: int, criteria: RepackCriteria,
+               model: IterationModel) -> RepackCandidate:
     """Solve k stages. `fits` here means memory only; the objectives refine it."""
     scale = 1 + criteria.memory_margin
     if problem.num_chunks > 1 and (k < 2 or problem.num_microbatches % k):
@@ -370,16 +406,28 @@ def _candidate(problem: BalanceProblem, k: int, criteria: RepackCriteria) -> Rep
     except InfeasibleError:
         return RepackCandidate(k, None, None, False, None, "does not fit: no split keeps every "
                                f"stage's memory x {scale:g} within its cap")
-    iter_s = _iteration_s(sub, layout)
+    iter_s = model(sub, layout)
     return RepackCandidate(k, layout, iter_s, True, _per_gpu(iter_s, k), "fits memory")
+
+
+def _bounds_apply(problem: BalanceProblem, model: IterationModel) -> bool:
+    """Whether `_LowerBound` bounds `model`: the default formula on a plain pipeline."""
+    return problem.num_chunks == 1 and model is flow_shop_model
+
+
+def _within(cand: RepackCandidate, limit: float, slow: str) -> RepackCandidate:
+    """`cand`, refused when its predicted iteration exceeds `limit` (max_slowdown)."""
+    if cand.fits and not _at_most(cand.predicted_iter_s, limit):
+        return replace(cand, fits=False, reason=f"too slow: {cand.predicted_iter_s:.4g} s {slow}")
+    return cand
 
 
 def _skipped(k: int, why: str) -> RepackCandidate:
     return RepackCandidate(k, None, None, False, None, f"skipped: {why}")
 
 
-def _scan_min_stages(problem: BalanceProblem, criteria: RepackCriteria,
-                     iter_now: float) -> tuple[list[RepackCandidate], RepackCandidate | None]:
+def _scan_min_stages(problem: BalanceProblem, criteria: RepackCriteria, iter_now: float,
+                     model: IterationModel) -> tuple[list[RepackCandidate], RepackCandidate | None]:
     """Ascending K; the first that fits memory and max_slowdown is the smallest, and
     larger K are not evaluated. A K whose lower bound already breaks max_slowdown is
     not solved."""
@@ -388,13 +436,11 @@ def _scan_min_stages(problem: BalanceProblem, criteria: RepackCriteria,
     lower = _LowerBound.of(problem)
     out: list[RepackCandidate] = []
     for k in range(criteria.min_stages, problem.num_ranks):
-        if problem.num_chunks == 1 and not _at_most(lower(k), limit):
+        if _bounds_apply(problem, model) and not _at_most(lower(k), limit):
             out.append(_skipped(k, f"even its lower bound {lower(k):.4g} s {slow}"))
             continue
-        cand = _candidate(problem, k, criteria)
-        if cand.fits and not _at_most(cand.predicted_iter_s, limit):
-            cand = replace(cand, fits=False, reason=f"too slow: {cand.predicted_iter_s:.4g} s {slow}")
-        elif cand.fits:
+        cand = _within(_candidate(problem, k, criteria, model), limit, slow)
+        if cand.fits:
             cand.reason = (f"fits: {_ratio(cand.predicted_iter_s, iter_now)} of current, within "
                            f"max_slowdown {criteria.max_slowdown:g}")
         out.append(cand)
@@ -403,8 +449,8 @@ def _scan_min_stages(problem: BalanceProblem, criteria: RepackCriteria,
     return out, None
 
 
-def _scan_throughput(problem: BalanceProblem, criteria: RepackCriteria,
-                     iter_now: float) -> tuple[list[RepackCandidate], RepackCandidate | None]:
+def _scan_throughput(problem: BalanceProblem, criteria: RepackCriteria, iter_now: float,
+                     model: IterationModel) -> tuple[list[RepackCandidate], RepackCandidate | None]:
     """Ascending K; the least GPU-seconds per iteration (iteration s x K) wins if it
     beats the current pipeline's; near-ties keep the smaller K. A K whose lower bound
     cannot beat the best so far is not solved; once even K x (sum of loads) cannot,
@@ -412,7 +458,9 @@ def _scan_throughput(problem: BalanceProblem, criteria: RepackCriteria,
     p = problem.num_ranks
     best_value, best = iter_now * p, None
     lower = _LowerBound.of(problem)
-    plain = problem.num_chunks == 1  # the bounds assume plain 1F1B
+    plain = _bounds_apply(problem, model)
+    limit = criteria.max_slowdown * iter_now
+    slow = f"exceeds max_slowdown {criteria.max_slowdown:g} x current {iter_now:.4g} s"
     out: list[RepackCandidate] = []
     for k in range(criteria.min_stages, p):
         if plain and not _better(k * lower.total(k) * (1 - REL_TOL), best_value):
@@ -421,7 +469,7 @@ def _scan_throughput(problem: BalanceProblem, criteria: RepackCriteria,
             out.append(_skipped(k, f"even its lower bound {lower(k):.4g} s x {k} GPUs does not beat "
                                    f"{best_value:.4g} GPU-s/iter"))
             continue
-        cand = _candidate(problem, k, criteria)
+        cand = _within(_candidate(problem, k, criteria, model), limit, slow)
         if cand.fits:
             value = cand.predicted_iter_s * k
             if _better(value, best_value):
@@ -515,13 +563,14 @@ def _require_current(problem: BalanceProblem) -> Layout:
 
 def _assemble(problem: BalanceProblem, method: str, chosen: RepackCandidate | None,
               candidates: list[RepackCandidate], criteria: RepackCriteria,
-              gate: GateConfig | None, no_choice: str, started: float) -> RepackPlan:
+              gate: GateConfig | None, no_choice: str, started: float,
+              iter_now: float) -> RepackPlan:
     """The plan for `chosen` (None: nothing qualified, `no_choice` says why), gated."""
     current = problem.current
     p = problem.num_ranks
-    iter_now = _iteration_s(problem, current)
     keep = dict(method=method, stages_before=p, layout_before=current,
-                predicted_iter_s_before=iter_now, candidates=candidates)
+                predicted_iter_s_before=iter_now, candidates=candidates,
+                tokens_per_iteration=problem.tokens_per_iteration)
     if chosen is None:
         return RepackPlan(**keep, stages_after=p, layout_after=current, predicted_iter_s_after=iter_now,
                           released_stages=[], moves=[], bytes_moved=0.0, apply=False, reason=no_choice,
@@ -546,7 +595,8 @@ def _assemble(problem: BalanceProblem, method: str, chosen: RepackCandidate | No
 
 
 def plan_repack(problem: BalanceProblem, criteria: RepackCriteria,
-                gate: GateConfig | None = None) -> RepackPlan:
+                gate: GateConfig | None = None, *,
+                iteration_model: Optional[IterationModel] = None) -> RepackPlan:
     """Decide whether and how to repack the current P-stage pipeline onto K < P stages.
 
     Candidates K = min_stages .. P-1 are solved exactly (module docstring); each records
@@ -555,28 +605,30 @@ def plan_repack(problem: BalanceProblem, criteria: RepackCriteria,
     through the gate (see `_judge`: apply iff h x (P x before - K x after) >
     margin x P x (bytes / bandwidth + rebuild_s)). `gate.fixed_overhead_s` and
     `min_relative_gain` are rebalancing settings and are not used: `rebuild_s` is the
-    repack's fixed cost.
+    repack's fixed cost. `iteration_model` predicts every iteration time, the current
+    pipeline's included (default `flow_shop_model`; module docstring).
 
     Raises:
         ProblemError: `problem.current` is not set.
     """
     started = time.perf_counter()
     current = _require_current(problem)
+    model = flow_shop_model if iteration_model is None else iteration_model
     p = problem.num_ranks
+    iter_now = model(problem, current)
     if criteria.min_stages >= p:
         return _assemble(problem, "dynmo", None, [], criteria, gate,
                          f"nothing to consider: the pipeline has {p} stage(s) and min_stages is "
-                         f"{criteria.min_stages}", started)
-    iter_now = _iteration_s(problem, current)
+                         f"{criteria.min_stages}", started, iter_now)
     if criteria.objective == "min_stages":
-        candidates, chosen = _scan_min_stages(problem, criteria, iter_now)
+        candidates, chosen = _scan_min_stages(problem, criteria, iter_now, model)
         none = (f"no K in [{criteria.min_stages}, {p - 1}] fits memory within "
                 f"max_slowdown {criteria.max_slowdown:g}")
     else:
-        candidates, chosen = _scan_throughput(problem, criteria, iter_now)
+        candidates, chosen = _scan_throughput(problem, criteria, iter_now, model)
         none = (f"no K in [{criteria.min_stages}, {p - 1}] beats the current {p} stages' "
-                "throughput per GPU")
-    return _assemble(problem, "dynmo", chosen, candidates, criteria, gate, none, started)
+                f"throughput per GPU within max_slowdown {criteria.max_slowdown:g}")
+    return _assemble(problem, "dynmo", chosen, candidates, criteria, gate, none, started, iter_now)
 
 
 # ---- the paper's baseline ------------------------------------------------------------------
@@ -614,7 +666,8 @@ def _first_fit_groups(problem: BalanceProblem, criteria: RepackCriteria) -> tupl
     return groups, why
 
 
-def first_fit_repack(problem: BalanceProblem, criteria: RepackCriteria) -> RepackPlan:
+def first_fit_repack(problem: BalanceProblem, criteria: RepackCriteria, *,
+                     iteration_model: Optional[IterationModel] = None) -> RepackPlan:
     """Baseline: the DynMo paper's Algorithm 2 (first-fit packing under the memory cap),
     adjacent-merge variant: only neighbouring stages merge, so no layer is reordered;
     whole stages move as they are (no re-split). It considers memory (with the margin)
@@ -630,29 +683,41 @@ def first_fit_repack(problem: BalanceProblem, criteria: RepackCriteria) -> Repac
         raise ProblemError("first_fit_repack merges whole stages of a plain pipeline; for "
                            "interleaved (virtual) stages use plan_repack")
     p = problem.num_stages
+    model = flow_shop_model if iteration_model is None else iteration_model
+    iter_now = model(problem, current)
     if criteria.min_stages >= p:
         return _assemble(problem, "first_fit", None, [], criteria, None,
                          f"nothing to consider: the pipeline has {p} stage(s) and min_stages is "
-                         f"{criteria.min_stages}", started)
+                         f"{criteria.min_stages}", started, iter_now)
     groups, why = _first_fit_groups(problem, criteria)
     if len(groups) == p:
         return _assemble(problem, "first_fit", None, [], criteria, None,
-                         "first fit merges no stages: no two adjacent stages fit together", started)
+                         "first fit merges no stages: no two adjacent stages fit together",
+                         started, iter_now)
     if why:
-        return _assemble(problem, "first_fit", None, [], criteria, None, why, started)
+        return _assemble(problem, "first_fit", None, [], criteria, None, why, started, iter_now)
     k = len(groups)
     layout = Layout(tuple(sum(current.counts[s] for s in g) for g in groups))
-    iter_s = _iteration_s(shrink_problem(problem, k), layout)
-    iter_now = _iteration_s(problem, current)
+    iter_s = model(shrink_problem(problem, k), layout)
     cand = RepackCandidate(k, layout, iter_s, True, _per_gpu(iter_s, k),
                            f"merged stages {groups}; {_ratio(iter_s, iter_now)} of current "
                            "(time not considered)")
-    return _assemble(problem, "first_fit", cand, [cand], criteria, None, "", started)
+    return _assemble(problem, "first_fit", cand, [cand], criteria, None, "", started, iter_now)
 
 
 # ---- text ----------------------------------------------------------------------------------
 def _fmt(value: float | None, spec: str = ".4g") -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _tokens_line(plan: RepackPlan) -> str:
+    """Predicted tokens/s (one pipeline replica) and tokens per GPU-hour, before -> after."""
+    if plan.tokens_per_iteration is None:
+        return "tokens/s and tokens per GPU-hour: unknown (give the tokens per iteration)"
+    rate = [plan.tokens_per_s(a) for a in (False, True)]
+    hour = [plan.tokens_per_gpu_hour(a) for a in (False, True)]
+    return (f"predicted tokens/s per replica {_fmt(rate[0], ',.0f')} -> {_fmt(rate[1], ',.0f')}; "
+            f"tokens per GPU-hour {_fmt(hour[0], ',.0f')} -> {_fmt(hour[1], ',.0f')}")
 
 
 def _render(plan: RepackPlan) -> str:
@@ -665,7 +730,8 @@ def _render(plan: RepackPlan) -> str:
         head = f"repack ({plan.method}): keep {plan.stages_before} stages ({plan.layout_before})"
     now = plan.predicted_iter_s_before
     lines = [head, f"current: {plan.stages_before} stages, predicted iteration {now:.4g} s, "
-                   f"tokens/s/GPU (rel) {_fmt(_per_gpu(now, plan.stages_before))}"]
+                   f"tokens/s/GPU (rel) {_fmt(_per_gpu(now, plan.stages_before))}",
+             _tokens_line(plan)]
     if plan.candidates:
         lines.append(f"{'stages':>6}  {'iter s':>10}  {'vs now':>7}  {'tok/s/GPU':>10}  "
                      f"{'fits':<4}  layout / reason")

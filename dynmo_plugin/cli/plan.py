@@ -4,6 +4,11 @@
                --capacity 80GiB] [--extras extras.json] [--current-layout 'Ettt|tttL'] [--json]
     dynmo plan costs.json --current-layout 'Ett|tt|tt|ttL' --repack [--min-stages K]
                [--max-slowdown X] [--objective min_stages|throughput_per_gpu] [--json]
+    dynmo plan --from-run RUN_DIR [--json]
+
+--from-run prints the --pipeline-model-parallel-size and --pipeline-model-parallel-layout
+to start a Megatron-LM run with: the exact solver on the profile a run trained with
+`--dynmo --dynmo-start-balanced-at N` measured (`cli/_from_run.py`).
 
 costs.json: a JSON list of per-layer costs, or an object {"costs": [...], "memory":
 [...], "move_bytes": [...], "params": [...]} (all but costs optional). mem.json: a list
@@ -16,7 +21,9 @@ gives it.
 --repack decides whether to consolidate the pipeline onto fewer stages instead
 (`dynmo_plugin.balancing.repack`; the exact solver, so no --method): the current
 layout is --current-layout, else Megatron's uniform split over --stages; the gate
-runs when --gate-iterations is given.
+runs when --gate-iterations is given. With --tokens-per-iteration (micro-batches x
+micro-batch size x sequence, one pipeline replica) and costs in seconds, the plan
+prints the predicted tokens/s and tokens per GPU-hour before and after.
 """
 from __future__ import annotations
 
@@ -44,7 +51,7 @@ _INT_FLAGS = (("--stages", 1, _MAX_STAGES), ("--microbatches", 1, 10**9), ("--ma
               ("--gate-iterations", 0, 10**12), ("--min-stages", 1, _MAX_STAGES))
 # Repack-only flags: (flag, lowest allowed, whether the lowest is allowed).
 _REPACK_FLOATS = (("--max-slowdown", 0.0, False), ("--memory-margin", 0.0, True),
-                  ("--rebuild-s", 0.0, True))
+                  ("--rebuild-s", 0.0, True), ("--tokens-per-iteration", 0.0, False))
 _REPACK_FLAGS = ("--min-stages", "--objective", *(f for f, _, _ in _REPACK_FLOATS))
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -70,6 +77,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--bandwidth", default="1GB", help="gate: migration bandwidth per second (1GB)")
     p.add_argument("--margin", type=float, default=1.2, help="gate: required saving/cost ratio")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--from-run", metavar="RUN_DIR",
+                   help="recommend a Megatron-LM layout from a run's start profile (no costs file)")
     _add_repack_flags(p)
     p.set_defaults(func=run)
 
@@ -87,6 +96,9 @@ def _add_repack_flags(p: argparse.ArgumentParser) -> None:
                    help=f"repack: a stage fits if memory x (1 + margin) <= cap ({d.memory_margin:g})")
     p.add_argument("--rebuild-s", type=float,
                    help=f"repack: estimated regroup + rebuild seconds, the gate's fixed cost ({d.rebuild_s:g})")
+    p.add_argument("--tokens-per-iteration", type=float, metavar="N",
+                   help="repack: tokens one pipeline replica trains per iteration, to print "
+                        "predicted tokens/s and tokens per GPU-hour (costs in seconds)")
 
 
 def _load_json(path: str, what: str) -> Any:
@@ -292,7 +304,8 @@ def _problem(args: argparse.Namespace) -> BalanceProblem:
         current = Layout.uniform(len(layers["costs"]), stages)  # Megatron's static split
     return BalanceProblem(num_stages=stages, capacity=capacity, current=current,
                           allow_empty_stages=args.allow_empty_stages,
-                          num_microbatches=args.microbatches, **layers, **_extras(args))
+                          num_microbatches=args.microbatches, **layers, **_extras(args),
+                          tokens_per_iteration=args.tokens_per_iteration)
 
 
 def _gate(args: argparse.Namespace) -> GateConfig | None:
@@ -336,6 +349,15 @@ def _as_json(plan: Plan | RepackPlan) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_run is not None:
+        from dynmo_plugin.cli._from_run import recommend, render
+
+        extra = [f for f in ("costs_file", "costs", "method", "current_layout") if getattr(args, f)]
+        if extra or args.repack:
+            raise UserError("--from-run takes everything from the run; drop "
+                            + ", ".join(["--repack"] * args.repack + [f"--{f.replace('_', '-')}" for f in extra]))
+        print(render(recommend(args.from_run), args.json))
+        return 0
     with third_party_output_to_stderr():
         plan = _solve(args)
         text = _as_json(plan) if args.json else str(plan)

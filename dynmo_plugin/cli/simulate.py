@@ -16,7 +16,7 @@ from dataclasses import replace
 from dynmo_plugin.cli._output import show, third_party_output_to_stderr
 from dynmo_plugin.errors import UserError
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "campaign_config", "run"]
 
 _SCENARIOS = ("pruning", "freezing", "moe", "mod", "early_exit", "sparse_attention")
 # Per-op jitter beyond sigma 2 (a factor e^2 at one standard deviation) is no longer
@@ -26,7 +26,11 @@ _MAX_NOISE = 2.0
 # parallelism overflows the throughput): far beyond the paper's runs (24-48 layers,
 # 10,000 iterations), and --pp is bounded by --layers.
 _MAX_COUNT = {"--layers": 10_000, "--dp": 1_000_000, "--microbatches": 100_000,
-              "--iterations": 100_000_000}
+              "--iterations": 100_000_000, "--hidden": 1_000_000, "--heads": 100_000,
+              "--seq-length": 10_000_000, "--micro-batch": 100_000}
+# (flag, GPTShape field): argparse's dest is the flag without dashes
+_SHAPE_FLAGS = (("--hidden", "hidden"), ("--heads", "heads"), ("--seq-length", "seq"),
+                ("--micro-batch", "micro_batch"))
 
 
 def add_parser(subparsers) -> None:
@@ -42,6 +46,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--rebalance-every", type=int, default=None, metavar="N",
                    help="rebalance every N iterations (default: at each dynamism event)")
     p.add_argument("--repack", action="store_true", help="consolidate onto fewer stages when it pays")
+    p.add_argument("--start-balanced", action="store_true",
+                   help="DynMo starts on the exact split of the initial model (--dynmo-start-balanced-at)")
     p.add_argument("--repack-objective", default=None, metavar="NAME",
                    help="min_stages | throughput_per_gpu (default: the live default)")
     p.add_argument("--repack-max-slowdown", type=float, default=None, metavar="X",
@@ -58,6 +64,11 @@ def add_parser(subparsers) -> None:
     costs.add_argument("--costs-from", default=None, metavar="RUN_DIR",
                        help="price layers with a training run's measured profiles (report.json); "
                             "the model takes the run's shape")
+    for flag, what in (("--hidden", "hidden size (default 1024)"), ("--heads", "attention heads (default 32)"),
+                       ("--seq-length", "sequence length (default 2048)"),
+                       ("--micro-batch", "micro-batch size (default 2)")):
+        p.add_argument(flag, type=int, default=None, metavar="N",
+                       help=f"model {what}; a measured profile needs an entry at this shape")
     p.add_argument("--pruning-granularity", default=None, metavar="G",
                    help="unstructured | structured (pruning; default unstructured, or the run's)")
     p.add_argument("--deepspeed-baseline", action="store_true",
@@ -85,10 +96,12 @@ def _text(args: argparse.Namespace, result, cost_model: dict) -> str:
         f"{'idleness':22s}{s.idleness:14.1%}{d.idleness:14.1%}",
         f"speedup: {result.speedup:.3f}x over the same dynamism on Megatron's static split",
     ]
-    for name, label in (("no_dynamism", "the dense model (no dynamism)"),
+    for name, label in (("static_tuned", "the split tuned once at the start (static_tuned)"),
+                        ("no_dynamism", "the dense model (no dynamism)"),
                         ("static_best", "the better of Megatron's and DeepSpeed's static splits")):
         if name in result.baselines:
             lines.append(f"speedup: {result.speedup_over(name):.3f}x over {label}")
+    lines += _baseline_table(args, result)
     lines += [
         f"decisions (live plan -> gate path): {len(result.events)} rebalance points, "
         f"{len(applied)} applied ({sum(e.kind == 'repack' for e in applied)} repacks)",
@@ -100,6 +113,22 @@ def _text(args: argparse.Namespace, result, cost_model: dict) -> str:
         lines.append(f"GPUs used on average: {d.gpus_avg:.1f} of {args.dp * args.pp}; tokens/s per "
                      f"GPU {d.tokens_per_gpu_s:,.0f} vs static {s.tokens_per_gpu_s:,.0f}")
     return "\n".join(lines)
+
+
+_LABELS = {"static": "static (Megatron's split)", "static_tuned": "static_tuned (exact, at start)",
+           "static_deepspeed": "static_deepspeed", "packed_once": "packed_once (repack at start)",
+           "no_dynamism": "no_dynamism (dense)", "fluid": "fluid bound (1/pp each)"}
+
+
+def _baseline_table(args: argparse.Namespace, result) -> list[str]:
+    """Every strategy's tokens/s, GPUs and tokens per GPU-hour, DynMo last."""
+    rows = [(_LABELS[k], v) for k, v in result.baselines.items() if k in _LABELS]
+    rows.append(("DynMo" + (" (repacking)" if result.repack else ""), result.dynmo))
+    out = [f"{'':32s}{'tokens/s':>14s}{'GPUs':>8s}{'tok/GPU-hour':>16s}{'vs DynMo':>10s}"]
+    for label, r in rows:
+        out.append(f"{label:32s}{r.tokens_per_s:14,.0f}{r.gpus_avg:8.1f}"
+                   f"{r.tokens_per_gpu_s * 3600:16,.0f}{r.tokens_per_s / result.dynmo.tokens_per_s:9.3f}x")
+    return out
 
 
 def _check_names(args: argparse.Namespace) -> None:
@@ -115,9 +144,16 @@ def _check_names(args: argparse.Namespace) -> None:
     if args.pruning_granularity not in (None, "unstructured", "structured"):
         raise UserError(f"--pruning-granularity {show(args.pruning_granularity)}: choose "
                         "unstructured or structured")
+    if args.pruning_granularity is not None and args.scenario != "pruning":
+        raise UserError(f"--pruning-granularity applies only to --scenario pruning, not "
+                        f"{args.scenario}; drop it")
     if args.repack_objective not in (None, "min_stages", "throughput_per_gpu"):
         raise UserError(f"--repack-objective {show(args.repack_objective)}: choose min_stages or "
                         "throughput_per_gpu")
+
+
+def _flag_value(args: argparse.Namespace, flag: str):
+    return getattr(args, flag[2:].replace("-", "_"))
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -125,7 +161,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
     own checks would name internal fields, or fail inside numpy)."""
     for flag, value in (("--layers", args.layers), ("--dp", args.dp), ("--pp", args.pp),
                         ("--iterations", args.iterations), ("--microbatches", args.microbatches),
-                        ("--rebalance-every", args.rebalance_every), ("--event-gap", args.event_gap)):
+                        ("--rebalance-every", args.rebalance_every), ("--event-gap", args.event_gap),
+                        *((flag, _flag_value(args, flag)) for flag, _ in _SHAPE_FLAGS)):
         high = _MAX_COUNT.get(flag)
         if value is not None and not (1 <= value and (high is None or value <= high)):
             bound = f"between 1 and {high:,}" if high else ">= 1"
@@ -154,12 +191,17 @@ def _model(args: argparse.Namespace):
     from dynmo_plugin.sim.measured import hardware
 
     head = not args.no_output_layer
+    given = {attr: _flag_value(args, flag) for flag, attr in _SHAPE_FLAGS}
+    given = {k: v for k, v in given.items() if v is not None}
     if args.costs_from is not None:
+        if given:
+            raise UserError("--costs-from takes the model shape from the run; drop "
+                            + ", ".join(f for f, a in _SHAPE_FLAGS if a in given))
         run = from_run(args.costs_from)
         shape = run.shape(args.layers, head)
         hw, granularity = run.hardware(), args.pruning_granularity or run.granularity
     else:
-        shape = GPTShape(num_layers=args.layers, output_layer=head)
+        shape = GPTShape(num_layers=args.layers, output_layer=head, **given)
         hw, granularity = hardware(args.hardware, shape), args.pruning_granularity
     m = hw.measured
     info = ({"name": hw.name, "source": "FLOPs (Narayanan et al. 2021) at 45% of 312 TFLOP/s"}
@@ -173,9 +215,10 @@ _KNOBS = {"pruning": ("pruning_unstructured", "pruning_structured"), "freezing":
           "sparse_attention": ("attention_density",)}
 
 
-def _simulate(args: argparse.Namespace):
-    """Validate the flags and run the campaign: (CampaignResult, cost-model description)."""
-    from dynmo_plugin.sim.campaign import CampaignConfig, run_campaign
+def campaign_config(args: argparse.Namespace):
+    """Validate the flags: (CampaignConfig, cost-model description). scripts/value_sweep.py
+    builds its campaigns here, so they are exactly the CLI's."""
+    from dynmo_plugin.sim.campaign import CampaignConfig
     from dynmo_plugin.sim.planner import GateSettings, live_repack_criteria
     from dynmo_plugin.sim.scenarios import make_scenario
 
@@ -196,12 +239,22 @@ def _simulate(args: argparse.Namespace):
     criteria = replace(criteria, **{k: v for k, v in (("objective", args.repack_objective),
                                                       ("max_slowdown", args.repack_max_slowdown))
                                     if v is not None})
-    baselines = ("static", "no_dynamism") + (("static_deepspeed",) if args.deepspeed_baseline else ())
+    baselines = ("static", "static_tuned", "packed_once", "no_dynamism", "fluid") + (
+        ("static_deepspeed",) if args.deepspeed_baseline else ())
     cfg = CampaignConfig(scenario=scenario, dp=args.dp, pp=args.pp,
                          num_microbatches=args.microbatches, iterations=args.iterations,
                          balancer=args.balancer, rebalance_every=args.rebalance_every,
                          repack=args.repack, repack_criteria=criteria, gate=gate, baselines=baselines,
+                         start_balanced=args.start_balanced,
                          noise_sigma=args.noise, seed=args.seed, shape=shape, hw=hw)
+    return cfg, info
+
+
+def _simulate(args: argparse.Namespace):
+    """Validate the flags and run the campaign: (CampaignResult, cost-model description)."""
+    from dynmo_plugin.sim.campaign import run_campaign
+
+    cfg, info = campaign_config(args)
     return run_campaign(cfg), info
 
 

@@ -22,6 +22,11 @@ Baselines (`BASELINES`), each over the same iterations and tokens:
 * static_tuned: the same dynamism on the split `exact` gives the initial model, kept
   for the whole run (what a user setting Megatron's pipeline layout once by hand
   would get: it fixes the output layer's imbalance, not the dynamism's);
+* packed_once: the repack decision (`plan_repack` with the campaign's repack criteria,
+  default the live ones, priced by the simulated iteration) taken on the initial model
+  over Megatron's split, without a gate (nothing moves before training starts), then
+  kept: a pipeline made smaller once at the start; when no smaller K qualifies, the
+  static_tuned split on all pp stages;
 * no_dynamism: the dense model on Megatron's split (no early exit, dense attention);
 * fluid: not a baseline but a bound: the same dynamism with every stage holding exactly
   1/pp of the work (layers divisible at will, no overheads); no layer-granular
@@ -33,7 +38,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 
-from dynmo_plugin.balancing import RepackCriteria, solve
+from dynmo_plugin.balancing import RepackCriteria, plan_repack, solve
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.sim.cost import PipelineCosts
@@ -48,7 +53,7 @@ __all__ = ["BASELINES", "CampaignConfig", "RunSummary", "RebalanceRecord", "Camp
            "run_campaign", "run_variants", "VARIANT_FIELDS", "work_share"]
 
 log = logging.getLogger(__name__)
-BASELINES = ("static", "static_deepspeed", "static_tuned", "no_dynamism", "fluid")
+BASELINES = ("static", "static_deepspeed", "static_tuned", "packed_once", "no_dynamism", "fluid")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +67,9 @@ class CampaignConfig:
     `RepackConfig`'s); gate: the rebalance gate (`planner.GateSettings`); baselines:
     which of `BASELINES` to run besides "static"; noise_sigma, seed: per-op log-normal
     noise; profiling_*: assumed profiling overhead; decision_time: modelled seconds per
-    decision (the balancer's wall clock is never charged)."""
+    decision (the balancer's wall clock is never charged); start_balanced: DynMo starts
+    on the exact split of the initial model (the live `--dynmo-start-balanced-at`; its
+    one profiled iteration is charged), else on Megatron's uniform split."""
 
     scenario: Scenario
     dp: int
@@ -82,6 +89,7 @@ class CampaignConfig:
     profiling_iterations: int = 1
     profiling_slowdown: float = 0.10
     decision_time: DecisionTimeModel = field(default_factory=DecisionTimeModel)
+    start_balanced: bool = False
 
     def __post_init__(self) -> None:
         L = self.scenario.num_layers
@@ -246,8 +254,12 @@ def _rebalance(run: _Run, current: Layout, point: int, load: LayerLoad, iteratio
     problem = build_problem(costs=layer_costs(run.shape, cfg.hw, load), load=load, shape=run.shape,
                             hw=cfg.hw, current=current, num_microbatches=cfg.num_microbatches)  # type: ignore[arg-type]
     gate = cfg.gate.config(iterations_left, cfg.hw.p2p.bandwidth_Bps)
+
+    def simulated(_problem, layout: Layout) -> float:  # the repack planner's iteration model
+        return run.simulate(layout, point, load).iteration_s
+
     decision = decide(problem, cfg.balancer, gate, cfg.repack_criteria if cfg.repack else None,
-                      cfg.decision_time)
+                      cfg.decision_time, simulated)
     after = run.simulate(decision.layout, point, load)
     record = RebalanceRecord(iteration, decision.kind, decision.applied, decision.reason,
                              current.to_megatron(), decision.layout.to_megatron(),
@@ -328,15 +340,29 @@ def _fluid_run(run: _Run) -> RunSummary:
     return _fixed_summary(cfg, time_s, idle, cfg.dp * p)
 
 
-def _initial_split(run: _Run, method: str) -> Layout:
-    """`method`'s split of the initial model (through `solve`): DeepSpeed's
-    'parameters' or the exact split of the initial costs."""
+def _initial_problem(run: _Run):
+    """The balancing problem of the initial model on Megatron's uniform split."""
     cfg = run.cfg
     load = cfg.scenario.load(0)
     uniform = Layout.uniform(cfg.scenario.num_layers, cfg.pp)
-    problem = build_problem(costs=layer_costs(run.shape, cfg.hw, load), load=load, shape=run.shape,
-                            hw=cfg.hw, current=uniform, num_microbatches=cfg.num_microbatches)  # type: ignore[arg-type]
-    return solve(problem, method).layout
+    return build_problem(costs=layer_costs(run.shape, cfg.hw, load), load=load, shape=run.shape,
+                         hw=cfg.hw, current=uniform, num_microbatches=cfg.num_microbatches)  # type: ignore[arg-type]
+
+
+def _initial_split(run: _Run, method: str) -> Layout:
+    """`method`'s split of the initial model (through `solve`): DeepSpeed's
+    'parameters' or the exact split of the initial costs."""
+    return solve(_initial_problem(run), method).layout
+
+
+def _packed_once_layout(run: _Run) -> Layout:
+    """The repack decision on the initial model, without a gate (module docstring)."""
+    cfg = run.cfg
+    load = cfg.scenario.load(0)
+    criteria = cfg.repack_criteria or live_repack_criteria()
+    plan = plan_repack(_initial_problem(run), criteria,
+                       iteration_model=lambda _p, layout: run.simulate(layout, 0, load).iteration_s)
+    return plan.layout_after if plan.apply else _initial_split(run, "exact")
 
 
 def _baselines(run: _Run) -> dict[str, RunSummary]:
@@ -348,6 +374,8 @@ def _baselines(run: _Run) -> dict[str, RunSummary]:
         out["static_best"] = max(out["static"], out["static_deepspeed"], key=lambda r: r.tokens_per_s)
     if "static_tuned" in cfg.baselines:
         out["static_tuned"] = _fixed_layout_run(run, _initial_split(run, "exact"))
+    if "packed_once" in cfg.baselines:
+        out["packed_once"] = _fixed_layout_run(run, _packed_once_layout(run))
     if "no_dynamism" in cfg.baselines:
         out["no_dynamism"] = _fixed_layout_run(run, uniform, dense=True)
     if "fluid" in cfg.baselines:
@@ -360,8 +388,14 @@ def _dynmo_run(run: _Run) -> tuple[RunSummary, list[RebalanceRecord]]:
     _, _, rebalance = _boundaries(cfg)
     points = sorted(rebalance) + [cfg.iterations]
     layout = Layout.uniform(cfg.scenario.num_layers, cfg.pp)
-    time_s = idle = gpu_s = 0.0
     overhead = dict(_NO_OVERHEAD)
+    if cfg.start_balanced:
+        tuned = _initial_split(run, "exact")
+        first = run.simulate(layout, 0, cfg.scenario.load(0))
+        overhead["profiling"] += cfg.profiling_iterations * cfg.profiling_slowdown * first.iteration_s
+        overhead["migration"] += run.migration_s(layout, tuned)
+        layout = tuned
+    time_s = idle = gpu_s = 0.0
     events = []
     for a, b, point, load in _segments(cfg):
         if a in rebalance:
@@ -387,7 +421,8 @@ def run_campaign(cfg: CampaignConfig) -> CampaignResult:
 
 # what a variant may change: how DynMo decides, never what an iteration costs
 VARIANT_FIELDS = frozenset({"balancer", "repack", "repack_criteria", "gate", "decision_time",
-                            "rebalance_every", "profiling_iterations", "profiling_slowdown"})
+                            "rebalance_every", "profiling_iterations", "profiling_slowdown",
+                            "start_balanced"})
 
 
 def run_variants(cfg: CampaignConfig, variants: dict[str, dict]) -> dict[str, CampaignResult]:

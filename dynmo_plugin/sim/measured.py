@@ -3,7 +3,7 @@
 Why: on an H100 at the DynMo paper's shape (hidden 1024, sequence 2048, micro-batch 2)
 a decoder layer's forward+backward has a launch-bound floor of ~2 ms: processing 12.5%
 of the tokens, pruning 90% of the weights or sparsifying attention leaves it at
-0.9-1.1x, while the FLOP model says 0.1-0.5x (shared/notes/h100-measured.md). A
+0.9-1.1x, while the FLOP model says 0.1-0.5x (docs/simulator.md, 'Measured on an H100'). A
 what-if that prices dynamism by FLOPs predicts savings the hardware does not give.
 
 A `MeasuredCosts` holds, for ONE model shape (hidden, sequence, micro-batch):
@@ -34,7 +34,8 @@ import numpy as np
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.sim.gpt import GPTShape, Hardware, LayerCosts, LayerLoad, flop_layer_costs
 
-__all__ = ["KNOBS", "Curve", "MeasuredCosts", "PROFILES", "hardware", "load_profile_file", "with_measured"]
+__all__ = ["KNOBS", "Curve", "MeasuredCosts", "PROFILES", "hardware", "load_profile_file",
+           "profile_entries", "with_measured"]
 
 KNOBS = {
     "tokens": "share of the micro-batch's tokens the layer processes (MoD, early exit)",
@@ -163,15 +164,30 @@ def load_profile_file(path: str | Path) -> list[MeasuredCosts]:
     Raises:
         UserError: unreadable file, not JSON, or a malformed entry.
     """
+    what = (f"hardware profile {str(path)!r} is not a profile: give a JSON object with name, "
+            "source and shapes (a list of objects), as dynmo_plugin/sim/profiles/h100.json")
     try:
-        data = json.loads(Path(path).read_text())
-        name, source, shapes = data["name"], data["source"], data["shapes"]
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
         raise UserError(f"cannot read hardware profile {str(path)!r}: {e.strerror or e}") from e
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise UserError(f"hardware profile {str(path)!r} is not a profile (JSON with name, "
-                        f"source, shapes): {e}") from e
-    return [_from_entry(name, source, s) for s in shapes]
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{what} ({type(e).__name__} {e})") from e
+    return profile_entries(data, what)
+
+
+def profile_entries(data: Any, what: str = "the profile") -> list[MeasuredCosts]:
+    """Every shape of a profile dict ({name, source, shapes: [...]}), checked.
+
+    Raises:
+        UserError: `what` is not a profile, or an entry is malformed.
+    """
+    if not isinstance(data, dict) or not {"name", "source", "shapes"} <= data.keys():
+        found = type(data).__name__ if not isinstance(data, dict) else f"keys {sorted(data)}"
+        raise UserError(f"{what}; found {found}")
+    shapes = data["shapes"]
+    if not isinstance(shapes, list) or not all(isinstance(s, dict) for s in shapes):
+        raise UserError(f"{what}; its shapes are not a list of objects")
+    return [_from_entry(str(data["name"]), str(data["source"]), s) for s in shapes]
 
 
 def hardware(profile: str, shape: GPTShape, base: Hardware | None = None) -> Hardware:

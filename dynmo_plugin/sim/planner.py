@@ -13,6 +13,10 @@ The gate settings default to the live ones (`config.RebalanceConfig`,
 repack only after dynamism events (trigger "event") while the simulator does at every
 rebalance point; and the horizon defaults to the iterations until the run's next
 rebalance point (a plugin configured with the true event gap), not a fixed 100.
+The repack planner predicts iteration times with the simulator's own iteration model
+(`decide`'s `iteration_model`: p2p transfers on the critical path, the DP all-reduce,
+the 1F1B order), so an applied repack never simulates slower than `max_slowdown`
+allows; the live plugin uses the flow-shop formula (`repack.flow_shop_model`).
 Decision time is modelled (`decision.DecisionTimeModel`): the balancer's formula, plus
 `exact`'s for every stage count the repack planner solved. No balancer lives here.
 """
@@ -22,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from dynmo_plugin.balancing import BALANCERS, BalanceProblem, GateConfig, Plan, RepackCriteria, RepackPlan
+from dynmo_plugin.balancing.repack import IterationModel
 from dynmo_plugin.balancing.decide import decide as decide_live
 from dynmo_plugin.config import RebalanceConfig, RepackConfig
 from dynmo_plugin.errors import UserError
@@ -107,20 +112,23 @@ def build_problem(*, costs: LayerCosts, load: LayerLoad, shape: GPTShape, hw: Ha
         extras_memory=extras_mem, current=current, num_microbatches=num_microbatches,
         param_counts=(load.param_share * shape.layer_params).tolist(),
         rebuild_bytes=[shape.layer_params * hw.grad_bytes_per_param] * n,
-        extras_rebuild_bytes=extras_grad)
+        extras_rebuild_bytes=extras_grad,
+        tokens_per_iteration=float(num_microbatches * shape.tokens_per_microbatch))
 
 
 def decide(problem: BalanceProblem, balancer: str, gate: GateConfig,
-           repack: RepackCriteria | None, decision_time: DecisionTimeModel) -> SimDecision:
+           repack: RepackCriteria | None, decision_time: DecisionTimeModel,
+           iteration_model: IterationModel | None = None) -> SimDecision:
     """The live decision (`balancing.decide`, which `DynMo._decide` calls) on a simulated
-    problem, with modelled decision time.
+    problem, with modelled decision time; `iteration_model` prices the repack candidates
+    (the campaign passes its simulated iteration, module docstring).
 
     Raises:
         UserError: `balancer` has no decision-time model.
     """
     n, p = problem.num_layers, problem.num_stages
     seconds = decision_time.seconds(balancer, n, p)
-    choice = decide_live(problem, balancer, gate, repack)
+    choice = decide_live(problem, balancer, gate, repack, iteration_model=iteration_model)
     if choice.repack is not None:
         seconds += sum(decision_time.seconds("exact", n, c.stages)
                        for c in choice.repack.candidates if c.layout is not None)

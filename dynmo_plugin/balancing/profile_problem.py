@@ -1,0 +1,73 @@
+"""The balancing problem of a measured profile: what the live controller decides on.
+
+Pure (no torch, no megatron): the live controller (`controller.DynMo._decide`) and
+`dynmo plan --from-run` build the same problem from the same profile, so the plan a
+Megatron-LM user is told to pass is the layout the live run chose.
+"""
+from __future__ import annotations
+
+from dynmo_plugin.balancing.memory import MemoryCalibration, calibrate, modelled_stage_bytes
+from dynmo_plugin.balancing.problem import BalanceProblem, ProblemError
+from dynmo_plugin.layout import Layout
+from dynmo_plugin.profiling.records import PipelineProfile
+
+__all__ = ["memory_calibration", "problem_from_profile"]
+
+
+def memory_calibration(profile: PipelineProfile, num_stages: int,
+                       num_microbatches: int) -> tuple[list[float], MemoryCalibration]:
+    """The memory model's per-layer bytes — state + the 1F1B warm-up depth of activations
+    a stage may hold (at most p micro-batches) — and its calibration by each stage's
+    measured peak, against the layers that stage held when profiled
+    (`balancing.memory`).
+
+    Interleaved (`profile.num_chunks` = v > 1, `num_stages` virtual): a layer's
+    activations count at the most micro-batches any chunk of any rank held at once under
+    the interleaved schedule (the profile's per-chunk `in_flight`: a layer may move to any
+    chunk), and the calibration is per RANK, as memory is: the rank's measured peak
+    against the model's bytes summed over its chunks (`BalanceProblem.memory_overhead`
+    is per rank then)."""
+    v = profile.num_chunks
+    if v > 1 and len(profile.stages) != num_stages:
+        raise ProblemError(f"the profile has {len(profile.stages)} virtual stages but the "
+                           f"layout {num_stages}; profile again under the current layout")
+    in_flight = (min(num_stages, num_microbatches) if v == 1
+                 else max(s.in_flight for s in profile.stages))
+    layer_bytes = [x.state_bytes + in_flight * x.act_bytes for x in profile.layers]
+    modelled = modelled_stage_bytes(layer_bytes, [x.stage for x in profile.layers],
+                                    [s.extra_bytes for s in profile.stages])
+    ranks = profile.rank_records()
+    if v > 1:  # virtual stage s runs on rank s % pp
+        modelled = [sum(modelled[r::len(ranks)]) for r in range(len(ranks))]
+    calibration = calibrate([s.peak_bytes for s in ranks], modelled,
+                            [s.peak_source for s in ranks])
+    return layer_bytes, calibration
+
+
+def problem_from_profile(profile: PipelineProfile, current: Layout, config,
+                         num_microbatches: int) -> BalanceProblem:
+    """Per-layer cost = median fwd+bwd per micro-batch; memory as `memory_calibration`
+    models and calibrates it; a migration rebuilds each stage's gradient buffers
+    (`rebuild_bytes`). Interleaved: extras per virtual stage, memory overhead and the
+    cap per rank (`num_chunks` from the current layout). `config`: a `config.DynmoConfig`
+    (only `rebalance.memory_cap_gb` and `rebalance.allow_empty_stages` are read)."""
+    p = current.num_stages
+    layer_bytes, calibration = memory_calibration(profile, p, num_microbatches)
+    cap = config.rebalance.memory_cap_gb
+    return BalanceProblem(
+        costs=[x.cost_s for x in profile.layers],
+        num_stages=p,
+        memory=layer_bytes,
+        move_bytes=[x.state_bytes for x in profile.layers],
+        capacity=cap * 1e9 if cap > 0 else None,
+        memory_overhead=calibration.overhead,
+        extras_cost=[s.extra_s for s in profile.stages],
+        extras_memory=[s.extra_bytes for s in profile.stages],
+        current=current,
+        allow_empty_stages=config.rebalance.allow_empty_stages,
+        num_microbatches=num_microbatches,
+        param_counts=[x.param_bytes for x in profile.layers],
+        rebuild_bytes=[x.grad_bytes for x in profile.layers],
+        extras_rebuild_bytes=[s.extra_grad_bytes for s in profile.stages],
+        num_chunks=current.num_chunks,
+    )

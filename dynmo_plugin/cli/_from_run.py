@@ -1,0 +1,117 @@
+"""`dynmo plan --from-run RUN_DIR`: the layout a Megatron-LM user should start with.
+
+A run trained with `--dynmo --dynmo-start-balanced-at N` profiled a window early on and
+applied the exact solver's layout for it (trigger "start"). This rebuilds the same
+balancing problem from the recorded profile (`balancing.profile_problem`, which the
+live controller uses) and solves it exactly, so the printed
+`--pipeline-model-parallel-layout` is the layout the live run chose when its gate let
+it move. Without a "start" event, the run's first rebalance profile is used. When the
+run had repacking on, the pipeline size is chosen too: the repack decision
+(`plan_repack` with the run's criteria) without the gate, since a fresh Megatron-LM
+start migrates nothing; the live run's gate may have kept the larger pipeline (the
+output says what it did).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dynmo_plugin.balancing import RepackCriteria, plan_repack, solve
+from dynmo_plugin.balancing.problem import ProblemError
+from dynmo_plugin.balancing.profile_problem import problem_from_profile
+from dynmo_plugin.config import DynmoConfig, RebalanceConfig
+from dynmo_plugin.errors import UserError
+from dynmo_plugin.layout import Layout, LayoutError
+from dynmo_plugin.profiling.records import PipelineProfile
+from dynmo_plugin.report import read_report
+
+__all__ = ["recommend", "render"]
+
+
+def _report(run_dir: str) -> dict:
+    try:
+        return read_report(run_dir)
+    except OSError as e:
+        raise UserError(f"--from-run {run_dir!r}: cannot read its report ({e.strerror or e}); "
+                        "pass a training run's --output directory") from e
+    except ValueError as e:
+        raise UserError(f"--from-run {run_dir!r}: its report is not JSON ({e})") from e
+
+
+def _event(report: dict, run_dir: str) -> dict:
+    """The "start" rebalance event, else the first rebalance event with a profile."""
+    events = [e for e in report.get("events", []) if isinstance(e, dict) and e.get("kind") == "rebalance"
+              and (e.get("profile") or {}).get("layers")]
+    start = [e for e in events if e.get("trigger") == "start"]
+    if not (start or events):
+        raise UserError(f"--from-run {run_dir!r}: the run recorded no rebalance profile; train "
+                        "with --dynmo --dynmo-start-balanced-at N (N >= 1)")
+    return (start or events)[0]
+
+
+def _microbatches(report: dict, event: dict) -> int:
+    if (event.get("plan") or {}).get("num_microbatches"):
+        return int(event["plan"]["num_microbatches"])
+    model, dp = report["config"]["model"], int(report["world"]["dp"])
+    return int(model["global_batch_size"]) // (int(model["micro_batch_size"]) * dp)
+
+
+def recommend(run_dir: str) -> dict[str, Any]:
+    """The exact layout for the run's start profile, with what the live run did.
+
+    Raises:
+        UserError: no readable report, or no profile in it.
+    """
+    report = _report(run_dir)
+    event = _event(report, run_dir)
+    try:
+        chunks = int((event.get("plan") or {}).get("num_chunks", 1))
+        current = Layout.parse(event["layout_before"], num_chunks=chunks)
+        rb = report["config"]["dynmo"]["rebalance"]
+        config = DynmoConfig(rebalance=RebalanceConfig(memory_cap_gb=float(rb["memory_cap_gb"]),
+                                                       allow_empty_stages=bool(rb["allow_empty_stages"])))
+        problem = problem_from_profile(PipelineProfile.from_dict(event["profile"]), current, config,
+                                       _microbatches(report, event))
+        plan = solve(problem, "exact")
+        layout, predicted = plan.layout, plan.predicted_iter_s_after
+        rp = report["config"]["dynmo"].get("repack") or {}
+        if rp.get("enabled") and problem.num_ranks > int(rp["min_stages"]):
+            criteria = RepackCriteria(min_stages=int(rp["min_stages"]), max_slowdown=float(rp["max_slowdown"]),
+                                      objective=rp["objective"], memory_margin=float(rp["memory_margin"]),
+                                      rebuild_s=float(rp["rebuild_s"]))
+            repack = plan_repack(problem, criteria)
+            if repack.apply:
+                layout, predicted = repack.layout_after, repack.predicted_iter_s_after
+    except (KeyError, TypeError, ValueError, LayoutError, ProblemError) as e:
+        raise UserError(f"--from-run {run_dir!r}: its report lacks or mangles what the plan needs "
+                        f"({type(e).__name__}: {e})") from e
+    return {"run": str(Path(run_dir)), "trigger": event.get("trigger"), "window": event.get("window"),
+            "layout_profiled": str(current),
+            "pipeline_model_parallel_size": layout.num_ranks,
+            "num_virtual_stages_per_pipeline_rank": layout.num_chunks,
+            "pipeline_model_parallel_layout": layout.to_megatron(),
+            "predicted_iter_s": predicted,
+            "predicted_iter_s_profiled": plan.predicted_iter_s_before,
+            "live": {"iteration": event.get("iteration"), "applied": bool(event.get("applied")),
+                     "layout_after": event.get("layout_after"), "reason": event.get("reason")}}
+
+
+def render(rec: dict[str, Any], as_json: bool) -> str:
+    if as_json:
+        return json.dumps(rec, indent=2, allow_nan=False)
+    flags = (f"--pipeline-model-parallel-size {rec['pipeline_model_parallel_size']} "
+             f"--pipeline-model-parallel-layout '{rec['pipeline_model_parallel_layout']}'")
+    if rec["num_virtual_stages_per_pipeline_rank"] > 1:
+        flags += f" --num-virtual-stages-per-pipeline-rank {rec['num_virtual_stages_per_pipeline_rank']}"
+    live = rec["live"]
+    did = (f"applied {live['layout_after']} at iteration {live['iteration']}" if live["applied"]
+           else f"kept {rec['layout_profiled']} ({live['reason']})")
+    return "\n".join([
+        f"from run {rec['run']}: profile of iterations {rec['window']} (trigger {rec['trigger']}) "
+        f"under {rec['layout_profiled']}",
+        "recommended for Megatron-LM (exact solver on the measured profile):",
+        f"  {flags}",
+        f"predicted iteration {rec['predicted_iter_s']:.4g} s (the profiled layout "
+        f"{rec['predicted_iter_s_profiled']:.4g} s)",
+        f"the live run {did}"])
