@@ -697,6 +697,47 @@ def check_scenario(m: Machine, sc: Scenario, out: Path, costs: dict) -> Row:
     return Row(name, "pass", detail)
 
 
+# The simulator's name and curve knob for each scenario row (`dynmo_plugin.sim.profile_builder`).
+# MoE is left out: its row compares capacity factors of a wider FFN, not a dense layer of
+# the shape, and the busiest expert's load (the simulator's knob) is not measured here.
+_BUILDER = {"gradual_pruning": ("pruning", lambda f: 1 - 0.67),
+            "layer_freezing": ("freezing", None),
+            "mixture_of_depths": ("mod", lambda f: 0.125),
+            "early_exit": ("early_exit", lambda f: 1 - f["exited_fraction"]),
+            "sparse_attention": ("sparse_attention", lambda f: 1 / 16)}
+
+
+def _flag(model: list[str], name: str, default: int) -> int:
+    """A flag's value as argparse reads it: the last occurrence wins."""
+    at = [i for i, token in enumerate(model[:-1]) if token == name]
+    return int(model[at[-1] + 1]) if at else default
+
+
+def builder_rows(costs: dict) -> list[dict]:
+    """The cost rows `python -m dynmo_plugin.sim.profile_builder` reads (docs/simulator.md,
+    "Cost rows"): per scenario its ratio to a dense layer of the same shape at its knob,
+    and per shape one `dense` row timed by the scenario runs' dense reference layers."""
+    rows, dense = [], {}
+    for kind, figures in costs.items():
+        if kind not in _BUILDER:
+            continue
+        model = figures["model"]
+        shape = {"hidden": _flag(model, "--hidden-size", 0), "seq": _flag(model, "--seq-length", 0),
+                 "micro_batch": _flag(model, "--micro-batch-size", 0),
+                 "vocab": _flag(model, "--vocab-size", 50257)}
+        name, knob = _BUILDER[kind]
+        row = {"scenario": name, "shape": shape, "ratio": figures["ratio"], "source": kind}
+        if knob is not None:
+            row["knob_value"] = knob(figures)
+        if name == "pruning":
+            row["granularity"] = "structured"
+        rows.append(row)
+        dense.setdefault(tuple(shape.values()), {"scenario": "dense", "shape": shape,
+                                                 "ratio": 1.0, "layer_s": figures["reference_cost_s"],
+                                                 "source": f"{kind} reference layers"})
+    return list(dense.values()) + rows
+
+
 def write_scenario_costs(m: Machine, costs: dict, out: Path) -> Optional[Path]:
     if not costs:
         return None
@@ -704,7 +745,8 @@ def write_scenario_costs(m: Machine, costs: dict, out: Path) -> Optional[Path]:
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"format": "dynmo-scenario-costs/1", "device": (m.gpus or ["cpu"])[0],
                                 "torch": m.torch, "precision": "bf16" if _precision(m) else "fp32",
-                                "pipeline_model_parallel_size": 1, "scenarios": costs}, indent=1))
+                                "pipeline_model_parallel_size": 1, "scenarios": costs,
+                                "rows": builder_rows(costs)}, indent=1))
     return path
 
 

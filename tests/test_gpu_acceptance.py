@@ -66,14 +66,46 @@ def test_scenario_ratio_against_dense_layers_or_the_same_layers_before():
     assert ratio == pytest.approx(0.6)  # median of all 8 layers after (0.2 x4, 1.0 x4) over before
 
 
+def _costs() -> dict:
+    """What check_scenario records for three scenarios (two shapes; early exit repeats
+    --vocab-size as its model flags do)."""
+    by_name = {sc.kind: sc for sc in gpu_check.SCENARIOS}
+    def figures(kind, ratio, ref_s, **more):
+        sc = by_name[kind]
+        return {"ratio": ratio, "threshold": sc.threshold, "passed": True, "model": sc.model + sc.extra,
+                "affected_cost_s": ratio * ref_s, "reference_cost_s": ref_s, **more}
+    return {"mixture_of_depths": figures("mixture_of_depths", 0.2, 0.006),
+            "gradual_pruning": figures("gradual_pruning", 0.7, 0.0062),
+            "early_exit": figures("early_exit", 0.5, 0.005, exited_fraction=0.8),
+            "moe": figures("moe", 0.7, 0.01)}
+
+
 def test_scenario_costs_file_format(tmp_path):
     machine = gpu_check.Machine(gpus=["NVIDIA H100 80GB HBM3"], torch="2.13.0", bf16=True)
-    costs = {"mixture_of_depths": {"ratio": 0.2, "threshold": 0.3, "passed": True}}
+    costs = _costs()
     path = gpu_check.write_scenario_costs(machine, costs, tmp_path)
     data = json.loads(path.read_text())
     assert data["format"] == "dynmo-scenario-costs/1" and data["precision"] == "bf16"
     assert data["device"] == "NVIDIA H100 80GB HBM3" and data["scenarios"] == costs
     assert gpu_check.write_scenario_costs(machine, {}, tmp_path / "none") is None
+
+
+def test_scenario_costs_feed_the_simulators_profile_builder(tmp_path):
+    """The rows written beside the figures build a hardware profile as they are: one dense
+    base per shape (early exit's shape has its own vocabulary: the last --vocab-size),
+    the knob each scheme was measured at, MoE left out."""
+    from dynmo_plugin.sim.profile_builder import build_profile, load_rows
+    machine = gpu_check.Machine(gpus=["NVIDIA H200"], torch="2.13.0", bf16=True)
+    rows = load_rows(gpu_check.write_scenario_costs(machine, _costs(), tmp_path))
+    dense = [r for r in rows if r["scenario"] == "dense"]
+    assert sorted(r["shape"]["vocab"] for r in dense) == [16, 32000]
+    by = {r["scenario"]: r for r in rows if r["scenario"] != "dense"}
+    assert set(by) == {"mod", "pruning", "early_exit"}
+    assert by["mod"]["knob_value"] == 0.125 and by["early_exit"]["knob_value"] == pytest.approx(0.2)
+    assert by["pruning"]["granularity"] == "structured"
+    assert by["pruning"]["knob_value"] == pytest.approx(0.33)
+    profile = build_profile(rows, "h200", "test")
+    assert profile  # the builder accepted every row
 
 
 def test_megatron_lm_iteration_times_after_warmup():
