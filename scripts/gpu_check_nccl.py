@@ -66,8 +66,12 @@ SCENARIOS = {
                           "--dynmo-mod-capacity", "0.5"],
     "sparse_attention": ["--dynmo", "--dynmo-dynamism", "sparse_attention",
                          "--dynmo-sparse-attention-buckets", "2"],
-    "gradual_pruning": ["--dynmo", "--dynmo-config", str(ROOT / "configs" / "gradual_pruning.yaml")],
-    "packed_documents": ["--data-documents", "lognormal"],
+    "gradual_pruning": ["--dynmo", "--dynmo-dynamism", "gradual_pruning", "--dynmo-pruning-start", "1",
+                        "--dynmo-pruning-interval", "1", "--dynmo-pruning-rounds", "2",
+                        "--dynmo-pruning-initial-sparsity", "0.5", "--dynmo-pruning-final-sparsity", "0.9",
+                        "--dynmo-pruning-sparse-threshold", "0.6"],
+    "packed_documents": ["--data-documents", "lognormal", "--micro-batch-size", "1",
+                         "--global-batch-size", "2"],
 }
 CUDA_ROWS = {"nccl_shrink_support", "nccl_destroyed_group", "nccl_cpu_tensor",
              "sampled_addmm_bf16", "determinism_bitwise", "sync_free"}
