@@ -140,7 +140,8 @@ def row_nccl_shrink_support() -> str:
     import torch
     from dynmo_plugin.megatron.parallel import supports_shrinking
     dist = _world_one("nccl")
-    version = ".".join(map(str, torch.cuda.nccl.version()))
+    v = torch.cuda.nccl.version()
+    version = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     shrinks = supports_shrinking()
     backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda", 0))
     if shrinks != bool(getattr(backend, "supports_shrinking", False)):
