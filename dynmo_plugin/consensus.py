@@ -12,6 +12,12 @@ timeout (`rebalance.migration_timeout_s`), separate from training's groups: a pe
 that hangs makes these calls fail after that timeout instead of the process group's
 (30 min by default), and on NCCL jobs the small control messages stay off the GPU.
 
+Every payload must be on the CPU (plain data, or CPU tensors): the control plane is
+gloo, and a CUDA tensor in it either fails there or, pickled, drags a device copy and a
+host synchronisation through every rank. A non-CPU payload is refused with
+`NonCPUPayload` on EVERY rank of the collective (never on one rank only: its peers
+would wait in a collective it skipped).
+
 Every rank also writes the phase it enters to the rendezvous store (torchrun's
 TCPStore; a few hundred bytes per phase). When a collective fails, the ranks that
 are behind in that ledger are the dead or hung peers, and `PeerFailure` names them.
@@ -28,7 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["ControlPlane", "PeerFailure", "DecisionFailed", "agent_store"]
+__all__ = ["ControlPlane", "PeerFailure", "DecisionFailed", "NonCPUPayload", "agent_store"]
 
 logger = logging.getLogger(__name__)
 _LEDGER = "dynmo/phase/{}"
@@ -46,9 +52,31 @@ class DecisionFailed(RuntimeError):
     """The deciding rank raised; every rank receives the same message."""
 
 
+class NonCPUPayload(TypeError):
+    """A control-plane payload held a tensor that is not on the CPU (a caller's bug)."""
+
+
 @dataclass(frozen=True)
 class _Failed:
     message: str
+
+
+def _non_cpu(payload: Any, phase: str) -> Optional[str]:
+    """Why `payload` may not travel on the control plane (a tensor in it, at any depth of
+    lists, tuples, sets and dicts, is not on the CPU), or None."""
+    stack = [payload]
+    while stack:
+        item = stack.pop()
+        if torch.is_tensor(item) and item.device.type != "cpu":
+            return (f"control plane phase '{phase}': a {tuple(item.shape)} tensor on "
+                    f"{item.device} in the payload; the control plane is gloo on the CPU: "
+                    "move it there first (tensor.cpu())")
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+    return None
 
 
 class ControlPlane:
@@ -74,6 +102,9 @@ class ControlPlane:
         if self.rank == 0:
             try:
                 payload[0] = fn()
+                bad = _non_cpu(payload[0], phase)
+                if bad:
+                    raise NonCPUPayload(bad)
             except Exception as e:  # noqa: BLE001 - every rank must learn it, not only rank 0
                 payload[0] = _Failed(f"{type(e).__name__}: {e}")
         with self.phase(phase):
@@ -94,16 +125,48 @@ class ControlPlane:
         return False, "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
 
     def all_gather(self, obj: Any, phase: str) -> list[Any]:
+        """Every rank's `obj` (plain data or CPU tensors).
+
+        Raises:
+            NonCPUPayload: on every rank, if any rank's `obj` holds a non-CPU tensor.
+        """
+        bad = _non_cpu(obj, phase)
         with self.phase(phase):
             out: list = [None] * self.world_size
-            dist.all_gather_object(out, obj, group=self.group)
+            dist.all_gather_object(out, _Failed(bad) if bad else obj, group=self.group)
+        _raise_refused([(r, o) for r, o in enumerate(out) if isinstance(o, _Failed)])
         return out
 
     def max(self, values: list[float], phase: str) -> list[float]:
-        with self.phase(phase):
-            buf = torch.tensor(values, dtype=torch.float64)
+        """Element-wise maximum over ranks of `values` (Python numbers or CPU tensors).
+
+        Raises:
+            NonCPUPayload: on every rank, if any rank passed a non-CPU tensor.
+        """
+        bad = _non_cpu(values, phase)
+        with self.phase(phase):  # slot 0: how many ranks were refused
+            buf = torch.tensor([float(bool(bad))] + ([0.0] * len(values) if bad else values),
+                               dtype=torch.float64)
             dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
-        return buf.tolist()
+        if buf[0]:
+            _raise_refused([(self.rank, _Failed(bad))] if bad else [],
+                           f"control plane phase '{phase}': another rank sent a non-CPU tensor")
+        return buf[1:].tolist()
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Point-to-point on the control group (e.g. variable-sized data gathered to rank
+        0); the receiver must `recv` a CPU tensor of the same size and dtype.
+
+        Raises:
+            NonCPUPayload: `tensor` is not on the CPU (before anything is sent).
+        """
+        _raise_refused([(self.rank, _Failed(bad))] if (bad := _non_cpu(tensor, "send")) else [])
+        dist.send(tensor, dst=dst, group=self.group)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        """Receive into the CPU `tensor` from `src` (see `send`)."""
+        _raise_refused([(self.rank, _Failed(bad))] if (bad := _non_cpu(tensor, "recv")) else [])
+        dist.recv(tensor, src=src, group=self.group)
 
     # ---- the phase ledger -----------------------------------------------------------
     def enter(self, phase: str, collective: bool = False) -> None:
@@ -156,6 +219,13 @@ class ControlPlane:
             if int(seq) < self._seq:
                 out.append((r, phase))
         return out
+
+
+def _raise_refused(failed: list[tuple[int, "_Failed"]], fallback: str = "") -> None:
+    if failed:
+        raise NonCPUPayload("; ".join(f"rank {r}: {f.message}" for r, f in failed))
+    if fallback:
+        raise NonCPUPayload(fallback)
 
 
 def _default_store():

@@ -19,9 +19,12 @@ __all__ = ["FaultInjector", "InjectedFault", "FAULT_KINDS", "ProfileNoise"]
 
 # receiver_exception / corrupt_buffer: after buffers arrived; prepare_exception: after
 # the new DDP buffers were allocated (as an out-of-memory there would); restore_exception:
-# after the new optimizer exists; hang / exit: on entering `phase`.
+# after the new optimizer exists; hang / exit: on entering `phase`; allocation_exception:
+# on ONE rank (data-parallel rank 0 of `stage`) right after it allocated the buffers of
+# `phase` ("pack": the gathered optimizer state, "staging": the receive buffers), as an
+# out-of-memory there would: its peers must not be left waiting in a collective.
 FAULT_KINDS = ("receiver_exception", "corrupt_buffer", "prepare_exception", "restore_exception",
-               "hang", "exit")
+               "hang", "exit", "allocation_exception")
 
 
 class InjectedFault(RuntimeError):
@@ -65,6 +68,12 @@ class FaultInjector:
         if self._fires(stage, "corrupt_buffer"):
             first = next(iter(received.values()))[0]
             first.view(torch.uint8)[0] ^= 0xFF  # flip one byte on the wire
+
+    def on_allocated(self, phase: str, stage: int, dp_rank: int) -> None:
+        """Called after a migration phase allocated its buffers, before any collective."""
+        if self._fires(stage, "allocation_exception") and phase == self.phase and dp_rank == 0:
+            raise InjectedFault(f"injected out-of-memory allocating the {phase} buffers on "
+                                f"stage {stage}, data-parallel rank 0")
 
     def on_prepared(self, stage: int) -> None:
         if self._fires(stage, "prepare_exception"):

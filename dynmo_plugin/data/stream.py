@@ -197,7 +197,7 @@ class PackedDocuments:
             at += p.length
         loss_mask = np.zeros(L, dtype=np.float32)
         loss_mask[:at] = 1.0
-        cu = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32)
+        cu, padded = _boundaries(lengths, L)
         as_t = torch.from_numpy
         return {
             "tokens": as_t(tokens[:L])[None].to(device),
@@ -206,6 +206,7 @@ class PackedDocuments:
             "attention_mask": None,
             "loss_mask": as_t(loss_mask)[None].to(device),
             "cu_seqlens": as_t(cu).to(device),
+            "cu_seqlens_padded": as_t(padded).to(device),
             "max_seqlen": max(lengths, default=0),
             "lengths": lengths,
         }
@@ -262,3 +263,18 @@ class PackedDocuments:
         self.mix_total = list(state.get("mix_total", [0, 0, 0.0]))
         self.layer_models = {int(k): model_from_dict(m)
                              for k, m in state.get("layer_models", {}).items()}
+
+
+def _boundaries(lengths: list[int], row: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cu_seqlens, cu_seqlens_padded) of documents of `lengths` packed from position 0
+    of a row of `row` positions. The padded boundaries end at `row`: the trailing
+    padding belongs to the last document (as padding, not as tokens), so a THD kernel
+    (TE's fused attention) covers every position and none is left uninitialised to
+    carry NaN into the loss through a 0 x NaN product. A row with no document is one
+    empty document padded to the row."""
+    cu = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32)
+    if len(cu) == 1:
+        cu = np.zeros(2, dtype=np.int32)
+    padded = cu.copy()
+    padded[-1] = row
+    return cu, padded

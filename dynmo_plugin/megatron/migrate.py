@@ -51,7 +51,7 @@ from dynmo_plugin.megatron.optim_state import (carry_optimizer_state, gather_par
 from dynmo_plugin.migration.exchange import (TIMEOUT_MARK, exchange_buffers, exchange_headers)
 from dynmo_plugin.migration.pool import StagingPool
 from dynmo_plugin.migration.result import MigrationError, MigrationResult
-from dynmo_plugin.migration.wire import Header, checksum, pack, unpack
+from dynmo_plugin.migration.wire import Header, checksum, empty_buffers, pack, unpack
 
 __all__ = ["LayerMigrator", "retire_ddp"]
 
@@ -117,9 +117,10 @@ class LayerMigrator:
                   if old.rank_of(s) != new.rank_of(d)]
         error, headers, prepared = None, [], None
         with self._phase("pack"):
-            try:
+            try:  # the gather inside raises on every DP rank of a stage or on none
                 params = [p for chunk in t.chunks for p in chunk.parameters()]
-                self._states = gather_param_states(t.optimizer, params)
+                self._states = gather_param_states(t.optimizer, params,
+                                                   self._allocated_hook("pack"))
                 if t.ddp_config.use_distributed_optimizer:
                     self._extra_bytes += _nbytes(v for s in self._states.values() for v in s.values())
                 outgoing, sending = self._pack(remote, stage)
@@ -127,13 +128,17 @@ class LayerMigrator:
                 error, outgoing, sending = f"pack on stage {stage}: {e!r}", [], {}
         with self._phase("headers"):
             headers = exchange_headers(outgoing, self.control, self.pp_ranks())
-        received, error = self._transfer(headers, sending, stage, error)
-        self._extra_bytes += _nbytes(b for bufs in received.values() for b in bufs)
-        with self._phase("stage"):
-            staged, error = self._stage(new, headers, received, stage, error)
-        if error is None:
-            with self._phase("prepare"):
-                prepared, error = self._try(self._prepare, staged, new, stage)
+        receive_into, error = self._staging(headers, stage, error)
+        # allocate, agree, then communicate: nobody posts a send to a rank that failed
+        ok, error = self.control.agree(error, "agree-transfer")
+        if ok:
+            received, error = self._transfer(headers, sending, stage, receive_into)
+            self._extra_bytes += _nbytes(b for bufs in received.values() for b in bufs)
+            with self._phase("stage"):
+                staged, error = self._stage(new, headers, received, stage, error)
+            if error is None:
+                with self._phase("prepare"):
+                    prepared, error = self._try(self._prepare, staged, new, stage)
         ok, error = self.control.agree(error, "agree-prepare")
         if ok:
             with self._phase("optimizer"):
@@ -150,25 +155,44 @@ class LayerMigrator:
                 else self._extra_bytes)
         return self._result(old, new, ok, error, headers, start, peak, moves)
 
-    def _transfer(self, headers: list[Header], sending: dict, stage: int,
-                  error: Optional[str]) -> tuple[dict, Optional[str]]:
-        """Receive buffers from the pool (phase 'staging'), then the p2p exchange. What
-        is received are views of the pool: used up (copied into layers, gradients and
-        optimizer state) before `migrate` returns, as the next migration reuses them."""
-        t = self.trainer
+    def _staging(self, headers: list[Header], stage: int, error: Optional[str]
+                 ) -> tuple[dict, Optional[str]]:
+        """Receive buffers for every layer addressed to this stage (phase 'staging'),
+        from the pool or, where the pool cannot grow, fresh: all allocated BEFORE any
+        peer posts a send, so a failure here is agreed on instead of leaving senders
+        waiting. What is received are views of the pool: used up (copied into layers,
+        gradients and optimizer state) before `migrate` returns."""
+        incoming = [h for h in headers if h.dst == stage]
         with self._phase("staging"):
             try:
-                receive_into = self.pool.take([h for h in headers if h.dst == stage])
-            except Exception as e:  # noqa: BLE001 - an out-of-memory pool: fresh buffers then
-                logger.warning("staging pool on stage %d: %r; receiving into new buffers", stage, e)
-                self.pool.release()
-                receive_into = None
+                try:
+                    receive_into = self.pool.take(incoming)
+                except Exception as e:  # noqa: BLE001 - an out-of-memory pool: fresh buffers then
+                    logger.warning("staging pool on stage %d: %r; receiving into new buffers", stage, e)
+                    self.pool.release()
+                    receive_into = {h.layer: empty_buffers(h, self.trainer.dims.device) for h in incoming}
+                self._allocated_hook("staging")()
+                return receive_into, error
+            except Exception as e:  # noqa: BLE001 - reported to every rank by the agreement
+                return {}, error or f"staging on stage {stage}: {e!r}"
+
+    def _transfer(self, headers: list[Header], sending: dict, stage: int,
+                  receive_into: dict) -> tuple[dict, Optional[str]]:
+        """The p2p exchange (phase 'transfer') into the buffers `_staging` allocated."""
+        t = self.trainer
         with self._phase("transfer"):
             try:
-                return exchange_buffers(headers, sending, stage, t.dims.groups.pp, t.dims.device,
-                                        self.timeout_s, receive_into), error
+                return exchange_buffers(headers, sending, stage, t.dims.groups.pp,
+                                        self.timeout_s, receive_into), None
             except Exception as e:  # noqa: BLE001
-                return {}, error or f"transfer on stage {stage}: {e}"
+                return {}, f"transfer on stage {stage}: {e}"
+
+    def _allocated_hook(self, phase: str):
+        """Called where `phase` has allocated its buffers (a test's fault injection)."""
+        fault, dims = self.fault, self.trainer.dims
+        if fault is None:
+            return lambda: None
+        return lambda: fault.on_allocated(phase, dims.pp_rank, dims.dp_rank)
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:

@@ -8,6 +8,7 @@ of different shapes comparable bit for bit.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import zlib
 from typing import Iterator, Optional
@@ -21,7 +22,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from dynmo_plugin.config import ModelArgs, resolve_transformer_impl, transformer_engine_problem
 from dynmo_plugin.layout import Layout
 
-__all__ = ["transformer_config", "params_dtype", "layer_spec", "build_stage_model", "global_named_parameters",
+__all__ = ["transformer_config", "deterministic_kernels", "params_dtype", "layer_spec", "build_stage_model", "global_named_parameters",
            "init_by_global_name", "INIT_STD"]
 
 logger = logging.getLogger(__name__)
@@ -34,10 +35,22 @@ def params_dtype(args: ModelArgs) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
+def deterministic_kernels() -> bool:
+    """Whether this process asked for deterministic GPU kernels: the switch Transformer
+    Engine reads, NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (set it together with
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 for cuBLAS). Bit-exact GPU comparisons need it; it
+    costs speed (TE's deterministic attention backward, the embedding's indexed backward),
+    so it is off by default. Megatron refuses deterministic_mode with TE attention
+    unless that variable is 0, so the one variable drives both."""
+    return os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1").strip() == "0"
+
+
 def transformer_config(args: ModelArgs, layout: Layout) -> TransformerConfig:
     """A deterministic TransformerConfig with the given pipeline layout, in fp32 or (with
     --bf16/--fp16) in half precision: weights, activations and pipeline messages. With
-    virtual stages, Megatron sets virtual_pipeline_model_parallel_size from the layout."""
+    virtual stages, Megatron sets virtual_pipeline_model_parallel_size from the layout.
+    Megatron's `deterministic_mode` (deterministic kernels on GPU) follows
+    `deterministic_kernels()`."""
     dtype = params_dtype(args)
     return TransformerConfig(
         num_layers=args.num_layers,
@@ -51,6 +64,7 @@ def transformer_config(args: ModelArgs, layout: Layout) -> TransformerConfig:
         params_dtype=dtype,
         bf16=args.bf16,
         fp16=args.fp16,
+        deterministic_mode=deterministic_kernels(),
         hidden_dropout=0.0,          # dropout would consume RNG differently per split
         attention_dropout=0.0,
         use_cpu_initialization=True,

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-__all__ = ["megatron_optimizers", "state_owner", "param_state", "state_nbytes", "local_state_pieces",
+__all__ = ["GatherAbandoned", "megatron_optimizers", "state_owner", "param_state", "state_nbytes", "local_state_pieces",
            "carry_optimizer_state", "gather_param_states", "put_param_state"]
 
 # Keys that identify a Megatron param group (besides its position).
@@ -136,10 +136,55 @@ def _state_keys(opt: DistributedOptimizer) -> list[str]:
     return max(every, key=len)
 
 
-def _gather_sharded(opt: DistributedOptimizer, params: list) -> dict:
-    """Full state of each of `params` that `opt` manages, on every DP rank (collective)."""
+class GatherAbandoned(RuntimeError):
+    """Gathering the sharded optimizer state was abandoned on every DP rank of a stage
+    because one of them could not allocate its part; nothing was communicated."""
+
+
+def _gather_sharded(opt: DistributedOptimizer, params: list, on_allocated=None) -> dict:
+    """Full state of each of `params` that `opt` manages, on every DP rank (collective).
+
+    Allocate, agree, then communicate: the full fp32 state (12 B/param in bf16 Adam) is
+    allocated and filled first, then the DP ranks agree on a one-word flag, and only
+    then is it all-reduced. An out-of-memory on one DP rank thus raises on every DP
+    rank of the stage instead of leaving its peers in an NCCL all-reduce it never
+    joins (gloo hides that: a waiting peer times out; NCCL's watchdog kills the job).
+    `on_allocated()` runs after the allocation (a test's fault injection)."""
+    group = opt.data_parallel_group
     managed = [p for p in params if any(p in b.param_index_map for b in opt.buffers)]
     keys = _state_keys(opt)
+    device = _collective_device(group, managed)
+    ok = torch.ones(1, dtype=torch.int32, device=device)  # before the large allocation
+    error: Optional[BaseException] = None
+    try:
+        flat, steps, layout = _local_pieces(opt, managed, keys, device)
+        if on_allocated is not None:
+            on_allocated()
+    except Exception as e:  # noqa: BLE001 - every DP peer learns it through `ok`
+        error = e
+        ok.zero_()
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if not ok.item():
+        if error is not None:
+            raise GatherAbandoned(f"optimizer state gather: {error!r}") from error
+        raise GatherAbandoned("optimizer state gather: a data-parallel peer could not "
+                              "allocate its part; nothing was sent")
+    dist.all_reduce(flat.view(torch.int32), group=group)  # disjoint ranges
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)
+    full: dict = {p: {} for p in managed}
+    for p, key, offset in layout:
+        full[p][key] = flat[offset: offset + p.numel()].view(p.shape).to(p.device)
+    if "step" in keys:
+        steps = steps.cpu()
+        for i, p in enumerate(managed):
+            full[p]["step"] = torch.tensor(float(steps[i]), dtype=torch.float32)
+    return full
+
+
+def _local_pieces(opt: DistributedOptimizer, managed: list, keys: list[str],
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """(flat fp32 tensor with this DP rank's ranges written, zeros elsewhere; per-param
+    step; the (param, key, offset) layout of `flat`). Local: allocates, no collective."""
     moments = [k for k in keys if k != "step"]
     layout = []  # (param, key, offset) of each full fp32 tensor in `flat`
     size = 0
@@ -147,14 +192,11 @@ def _gather_sharded(opt: DistributedOptimizer, params: list) -> dict:
         for key in moments + (["main_param"] if p.dtype != torch.float32 else []):
             layout.append((p, key, size))
             size += p.numel()
-    flat = torch.zeros(size, dtype=torch.float32, device=_device(managed))
-    steps = torch.zeros(len(managed), dtype=torch.float64, device=flat.device)
+    flat = torch.zeros(size, dtype=torch.float32, device=device)
+    steps = torch.zeros(len(managed), dtype=torch.float64, device=device)
     for i, p in enumerate(managed):
         shard = _shard(opt, p)
-        if shard is None:
-            continue
-        main, rng = shard
-        state = opt.optimizer.state.get(main, {})
+        state = opt.optimizer.state.get(shard[0], {}) if shard is not None else {}
         if "step" in state:
             steps[i] = float(state["step"])
     for p, key, offset in layout:
@@ -167,33 +209,35 @@ def _gather_sharded(opt: DistributedOptimizer, params: list) -> dict:
             raise TypeError(f"distributed optimizer state {key} is {value.dtype}; only fp32 "
                             "state can be gathered (precision-aware optimizers are not supported)")
         flat[offset + rng.start: offset + rng.end] = value.detach().reshape(-1)
-    dist.all_reduce(flat.view(torch.int32), group=opt.data_parallel_group)  # disjoint ranges
-    dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=opt.data_parallel_group)
-    full: dict = {p: {} for p in managed}
-    for p, key, offset in layout:
-        full[p][key] = flat[offset: offset + p.numel()].view(p.shape)
-    if "step" in keys:
-        for i, p in enumerate(managed):
-            full[p]["step"] = torch.tensor(float(steps[i]), dtype=torch.float32)
-    return full
+    return flat, steps, layout
 
 
-def _device(params: list) -> torch.device:
-    return params[0].device if params else torch.device("cpu")
+def _collective_device(group, managed: list) -> torch.device:
+    """Where tensors for a collective on `group` must live: NCCL moves CUDA tensors only,
+    even when this stage's optimizer manages none of `managed` (a fully frozen stage,
+    whose empty tensors would otherwise default to the CPU and make NCCL raise 'No
+    backend type associated with device type cpu'); gloo takes the parameters' device."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return managed[0].device if managed else torch.device("cpu")
 
 
-def gather_param_states(optimizer, params) -> dict:
+def gather_param_states(optimizer, params, on_allocated=None) -> dict:
     """{param: its full optimizer state} for `params`, as `param_state` gives it: moments,
     step and, for bf16/fp16 parameters, the fp32 master copy under 'main_param'.
 
     Collective over the DP group when `optimizer` is (or chains) a DistributedOptimizer:
     every DP rank of the stage must call it with the same parameters in the same order.
     Without one it is local, and the values are references to the live state.
+
+    Raises:
+        GatherAbandoned: on every DP rank of the stage when one of them could not
+            allocate (nothing was communicated; see `_gather_sharded`).
     """
     params = list(params)
     states: dict = {}
     for opt in _distributed(optimizer):
-        states.update(_gather_sharded(opt, params))
+        states.update(_gather_sharded(opt, params, on_allocated))
     for p in params:
         if p not in states:
             states[p] = param_state(optimizer, p)

@@ -21,7 +21,7 @@ from dynmo_plugin.config import ConfigError, ModelArgs
 from dynmo_plugin.consensus import agent_store
 
 __all__ = ["ParallelDims", "init_parallel", "destroy_parallel", "shrink_world", "survives",
-           "resolve_backend"]
+           "resolve_backend", "supports_shrinking"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,27 +137,59 @@ def survives(dims: ParallelDims, new_pp: int) -> bool:
     return survivor
 
 
+def supports_shrinking(group=None) -> bool:
+    """Whether `group` (default: the world) can shrink in place with
+    `torch.distributed.shrink_group`: NCCL's communicator shrink (ncclCommShrink, NCCL
+    >= 2.27), which torch reports per backend as `supports_shrinking` and reaches through
+    the group's bound device (init_parallel binds it on NCCL). gloo cannot."""
+    if not hasattr(dist, "shrink_group") or not dist.is_initialized():
+        return False
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    device = getattr(pg, "bound_device_id", None)
+    if device is None:
+        return False
+    try:
+        return bool(pg._get_backend(device).supports_shrinking)
+    except (RuntimeError, AttributeError):
+        return False
+
+
 def shrink_world(dims: ParallelDims, new_pp: int, generation: int, seed: int,
                  timeout_s: float) -> ParallelDims:
     """Survivors only (the retiring ranks have destroyed their groups): a new default
     group over ranks 0..new_world-1 and Megatron's groups with `new_pp` stages.
 
-    `initialize_model_parallel` reads the WORLD size, so the world itself must shrink:
-    a fresh rendezvous on torchrun's store under a new prefix per repack
-    (`generation`), same backend. On NCCL the device is bound, so every Megatron
-    subgroup made afterwards comes from ncclCommSplit of the new world communicator.
+    `initialize_model_parallel` reads the WORLD size, so the world itself must shrink.
+    Where the backend supports it (NCCL, see `supports_shrinking`) the world
+    communicator shrinks in place, survivors only, excluding the retired ranks; torch
+    then destroys every other group (Megatron's, the control plane's: the caller
+    rebuilds the control plane). Elsewhere (gloo) the world is destroyed and a fresh
+    rendezvous on torchrun's store under a new prefix per repack (`generation`) makes
+    the new one. Either way every Megatron subgroup made afterwards on NCCL comes from
+    ncclCommSplit of the new world communicator (the device stays bound).
     """
     backend, world = dims.backend, dims.tp * new_pp * dims.dp
     parallel_state.destroy_model_parallel()
+    if supports_shrinking():
+        logger.info("shrinking the %s world %d -> %d ranks in place (shrink_group)", backend,
+                    dims.world_size, world)
+        dist.shrink_group(list(range(world, dims.world_size)))
+    else:
+        _rendezvous_world(backend, dims.rank, world, generation, timeout_s)
+    os.environ["WORLD_SIZE"] = str(world)
+    return _model_parallel(dims.tp, new_pp, seed)
+
+
+def _rendezvous_world(backend: str, rank: int, world: int, generation: int,
+                      timeout_s: float) -> None:
+    """Destroy the world and rendezvous a new one of `world` ranks on torchrun's store."""
     dist.destroy_process_group()
     store = agent_store(timeout_s)
     kwargs = {}
     if backend == "nccl":
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(backend, store=dist.PrefixStore(f"dynmo/repack{generation}/", store),
-                            rank=dims.rank, world_size=world, **kwargs)
-    os.environ["WORLD_SIZE"] = str(world)
-    return _model_parallel(dims.tp, new_pp, seed)
+                            rank=rank, world_size=world, **kwargs)
 
 
 def destroy_parallel() -> None:

@@ -33,12 +33,12 @@ import torch
 
 from dynmo_plugin.consensus import ControlPlane
 from dynmo_plugin.layout import Layout
-from dynmo_plugin.megatron.optim_state import carry_optimizer_state
+from dynmo_plugin.megatron.optim_state import carry_optimizer_state, megatron_optimizers
 from dynmo_plugin.megatron.parallel import destroy_parallel, shrink_world, survives
 from dynmo_plugin.megatron.stage_state import StageState, capture
 from dynmo_plugin.migration.exchange import exchange_buffers, exchange_headers
 from dynmo_plugin.migration.result import MigrationResult
-from dynmo_plugin.migration.wire import checksum, pack, unpack
+from dynmo_plugin.migration.wire import checksum, empty_buffers, pack, unpack
 from dynmo_plugin.releases import mark_retired
 
 __all__ = ["RankRetired", "RepackResult", "Repacker"]
@@ -118,7 +118,12 @@ class Repacker:
         result.layout_after = str(intermediate)
         start = time.perf_counter()
         head, error = self._hand_over_head(k - 1)
-        ok, error = s.control.agree(error, "agree-shrink")
+        # Capture BEFORE the world shrinks: with the distributed optimizer it gathers the
+        # sharded state over the old DP group, which the shrink destroys (NCCL then
+        # errors or hangs, past the point of no return). Whole stages retire, so every
+        # DP group is either all survivors (they capture) or all retirees (they do not).
+        state, captured = self._capture(head) if survives(dims, k) else (None, None)
+        ok, error = s.control.agree(error or captured, "agree-shrink")
         result.phase_s["handoff"] = time.perf_counter() - start
         if not ok:
             result.error = f"head handoff failed, kept {intermediate}: {error}"
@@ -127,17 +132,30 @@ class Repacker:
         result.generation = self.generation
         world = dims.tp * k * dims.dp
         result.ranks_released = list(range(world, dims.world_size))
-        if not survives(dims, k):
+        if state is None:
             self._retire(k)
         start = time.perf_counter()
         new_dims = shrink_world(dims, k, self.generation, self.seed, self.timeout_s)
         result.phase_s["regroup"] = time.perf_counter() - start
         start = time.perf_counter()
-        self._rebuild(new_dims, layout_after, head)
+        self._rebuild(new_dims, layout_after, state)
         result.phase_s["rebuild"] = time.perf_counter() - start
         result.applied, result.layout_after = True, str(layout_after)
         result.world_size_after = world
         return result
+
+    def _capture(self, head: Optional[StageState]) -> tuple[Optional[StageState], Optional[str]]:
+        """The surviving stage's whole state by global name, with the head if it came
+        here (collective over the DP group with the distributed optimizer; a failure
+        to allocate raises on every DP rank of the stage, see optim_state)."""
+        t = self.session.trainer
+        try:
+            state = StageState()
+            for chunk in t.chunks:  # global keys: every chunk's state in one
+                state.merge(capture(chunk, t.optimizer))
+            return (state.merge(head) if head is not None else state), None
+        except Exception as e:  # noqa: BLE001 - reported to every rank by the agreement
+            return None, f"capture on stage {t.dims.pp_rank}: {e!r}"
 
     # ---- 2. the head ----------------------------------------------------------------------
     def _hand_over_head(self, new_last: int) -> tuple[Optional[StageState], Optional[str]]:
@@ -148,18 +166,28 @@ class Repacker:
         old_last = dims.pp - 1
         if new_last == old_last:
             return None, None
+        error, outgoing, sending, receive_into = None, [], {}, {}
         try:
-            outgoing, sending = [], {}
             if dims.pp_rank == old_last:
                 head = capture(t.chunks[-1], t.optimizer).select(
                     lambda k: not k.startswith("decoder.layers."))
                 header, buffers = pack(HEAD, old_last, new_last, _flatten(head), dims.device,
                                        tuple(sorted(head.frozen)))
                 outgoing, sending = [header], {HEAD: buffers}
-            pp_ranks = self.session.migrator.pp_ranks()
-            headers = exchange_headers(outgoing, self.session.control, pp_ranks)
+        except Exception as e:  # noqa: BLE001 - reported to every rank by the agreement
+            error = f"head handoff on stage {dims.pp_rank}: {e!r}"
+        headers = exchange_headers(outgoing, self.session.control, self.session.migrator.pp_ranks())
+        try:  # allocate, agree, then communicate (see exchange_buffers)
+            receive_into = {h.layer: empty_buffers(h, dims.device) for h in headers
+                            if h.dst == dims.pp_rank}
+        except Exception as e:  # noqa: BLE001
+            error = error or f"head handoff on stage {dims.pp_rank}: {e!r}"
+        ok, error = self.session.control.agree(error, "agree-handoff")
+        if not ok:
+            return None, error
+        try:
             received = exchange_buffers(headers, sending, dims.pp_rank, dims.groups.pp,
-                                        dims.device, self.timeout_s)
+                                        self.timeout_s, receive_into)
             if dims.pp_rank != new_last:
                 return None, None
             (header,) = [h for h in headers if h.dst == new_last]
@@ -184,27 +212,43 @@ class Repacker:
         raise RankRetired(f"rank {rank} (stage {stage}) released")
 
     # ---- 4. rebuild --------------------------------------------------------------------------
-    def _rebuild(self, dims, layout: Layout, head: Optional[StageState]) -> None:
-        from dynmo_plugin.megatron.migrate import LayerMigrator, retire_ddp
+    def _rebuild(self, dims, layout: Layout, state: StageState) -> None:
+        """Build the stage for `layout` from `state` (captured before the shrink) and
+        switch the session to it. The old stage's gradients and sharded optimizer state
+        are released first: past the point of no return nothing reads them, and the new
+        stage is built while only the old parameters (which `state` references) and the
+        gathered full optimizer state are still alive."""
+        from dynmo_plugin.megatron.migrate import LayerMigrator
         from dynmo_plugin.megatron.trainer import StageTrainer
         s = self.session
         old = s.trainer
-        state = StageState()
-        for chunk in old.chunks:  # global keys: every chunk's state in one
-            state.merge(capture(chunk, old.optimizer))
-        if head is not None:
-            state.merge(head)
+        _release_training_state(old)
         args = dataclasses.replace(old.args, pipeline_model_parallel_size=layout.num_ranks,
                                    pipeline_model_parallel_layout=layout.to_megatron())
         trainer = StageTrainer(args, dims, layout, spec=old.spec, state=state,
                                configure=old.configure)
         carry_optimizer_state(old.optimizer, trainer.optimizer)
         trainer.scheduler.num_steps = old.scheduler.num_steps
-        for ddp in old.ddps:
-            retire_ddp(ddp)
         control = ControlPlane(s.control.timeout_s)
         migrator = LayerMigrator(trainer, control, s.migrator.timeout_s, s.migrator.fault)
         s.rebind(trainer, control, migrator)
+
+
+def _release_training_state(old) -> None:
+    """Drop the old stage's gradient buffers and per-parameter optimizer state (its
+    shards with the distributed optimizer; what `capture` took by reference stays
+    alive through the captured state). Per-group settings and the loss scaler, which
+    `carry_optimizer_state` reads, are kept."""
+    from dynmo_plugin.megatron.migrate import retire_ddp
+    for ddp in old.ddps:
+        retire_ddp(ddp)
+    for chunk in old.chunks:
+        for p in chunk.parameters():
+            p.grad = None
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad = None
+    for opt in megatron_optimizers(old.optimizer):
+        opt.optimizer.state.clear()
 
 
 def _flatten(state: StageState) -> dict[str, torch.Tensor]:

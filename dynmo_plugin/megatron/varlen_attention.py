@@ -109,6 +109,7 @@ def varlen_attention_spec(spec: ModuleSpec) -> ModuleSpec:
 
 def packed_seq_params(batch: dict) -> PackedSeqParams:
     """Megatron's THD parameters for a micro-batch built by data.stream.PackedDocuments."""
-    cu = batch["cu_seqlens"]
+    cu, padded = batch["cu_seqlens"], batch.get("cu_seqlens_padded")  # padded: ends at the row
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
                            max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"])

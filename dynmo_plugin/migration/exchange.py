@@ -9,13 +9,11 @@ destination stages.
 from __future__ import annotations
 
 import datetime
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
 from dynmo_plugin.migration.result import MigrationError
-from dynmo_plugin.migration.wire import Header, empty_buffers
+from dynmo_plugin.migration.wire import Header
 
 __all__ = ["exchange_headers", "exchange_buffers", "TransferError", "TIMEOUT_MARK"]
 
@@ -33,11 +31,15 @@ def exchange_headers(outgoing: list[Header], control, pp_ranks: list[int]) -> li
 
 
 def exchange_buffers(headers: list[Header], sending: dict[int, list[torch.Tensor]], my_stage: int,
-                     pp_group, device: torch.device, timeout_s: float,
-                     receive_into: Optional[dict[int, list[torch.Tensor]]] = None
+                     pp_group, timeout_s: float, receive_into: dict[int, list[torch.Tensor]]
                      ) -> dict[int, list[torch.Tensor]]:
     """Send this stage's packed layers and receive the ones addressed to it, into
-    `receive_into` ({layer: buffers}, e.g. from a StagingPool) or into new buffers.
+    `receive_into` ({layer: buffers}, from a StagingPool or `empty_buffers`).
+
+    Allocates nothing: the caller allocates the receive buffers and agrees with every
+    rank that all allocations succeeded BEFORE calling this. Allocating here, after the
+    peers posted their sends, would leave them waiting on a rank that failed (on NCCL
+    until the watchdog kills the job).
 
     Returns {layer: received buffers}.
 
@@ -52,8 +54,7 @@ def exchange_buffers(headers: list[Header], sending: dict[int, list[torch.Tensor
             ops += [dist.P2POp(dist.isend, b, peer, group=pp_group) for b in sending[h.layer]]
         elif h.dst == my_stage:
             peer = dist.get_global_rank(pp_group, h.src)
-            received[h.layer] = (receive_into[h.layer] if receive_into is not None
-                                 else empty_buffers(h, device))
+            received[h.layer] = receive_into[h.layer]
             ops += [dist.P2POp(dist.irecv, b, peer, group=pp_group) for b in received[h.layer]]
         else:
             continue

@@ -12,9 +12,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Segment", "Header", "pack", "unpack", "checksum", "dtype_of", "empty_buffers"]
+__all__ = ["Segment", "Header", "pack", "unpack", "checksum", "dtype_of", "empty_buffers",
+           "CHECKSUM_CHUNK_WORDS", "checksum_transient_bytes"]
 
 _PRIME = 65521
+# Words per step of the device checksum: its temporaries (the words and their weights,
+# both int64, multiplied in place) are 16 B/word, so 16 MiB at most whatever the size.
+CHECKSUM_CHUNK_WORDS = 1 << 20
+
+
+def checksum_transient_bytes(nbytes: int, chunk_words: int = CHECKSUM_CHUNK_WORDS) -> int:
+    """Device bytes the checksum of an `nbytes` buffer allocates beside it, at most:
+    two int64 temporaries of one chunk, plus the int64 accumulators and partial sums.
+    What the migration's transient-memory model adds for checksumming on CUDA (one
+    buffer at a time)."""
+    words = nbytes // 4 if nbytes % 4 == 0 else nbytes
+    return 2 * 8 * min(words, chunk_words) + 4 * 8
 
 
 @dataclass(frozen=True)
@@ -54,9 +67,26 @@ def checksum(buf: torch.Tensor) -> tuple[int, int]:
     raw = buf.detach().contiguous().view(torch.uint8)
     if raw.device.type == "cpu":
         return zlib.crc32(raw.numpy()), raw.numel()
-    words = (raw.view(torch.int32) if raw.numel() % 4 == 0 else raw).to(torch.int64)
-    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % _PRIME + 1
-    return int(words.sum()), int((words * weights).sum())
+    return word_checksum(raw)
+
+
+def word_checksum(raw: torch.Tensor, chunk_words: int = CHECKSUM_CHUNK_WORDS) -> tuple[int, int]:
+    """(sum of the words, sum of word x (position mod 65521 + 1)) over the 32-bit words
+    of the bytes `raw` (its bytes where the length is not a multiple of 4), in int64
+    with two's-complement wrap-around. Chunked, so the int64 temporaries stay within
+    `checksum_transient_bytes` (a whole-buffer version needed ~6-8x the buffer);
+    wrap-around addition is associative, so the value does not depend on the chunk."""
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    total = torch.zeros((), dtype=torch.int64, device=raw.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=raw.device)
+    for start in range(0, words.numel(), chunk_words):
+        part = words[start:start + chunk_words].to(torch.int64)
+        weights = torch.arange(start, start + part.numel(), device=raw.device,
+                               dtype=torch.int64).remainder_(_PRIME).add_(1)
+        total += part.sum()
+        weighted += weights.mul_(part).sum()
+        del part, weights
+    return int(total), int(weighted)
 
 
 def pack(layer: int, src: int, dst: int, tensors: dict[str, torch.Tensor],

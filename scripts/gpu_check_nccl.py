@@ -1,0 +1,452 @@
+#!/usr/bin/env python
+"""Issue 25's one-GPU checks of the NCCL/CUDA paths, one row each (standalone; wired
+into scripts/gpu_check.py as a subprocess through the JSON contract below).
+
+    python scripts/gpu_check_nccl.py [--cpu] [--json]
+
+Rows (item numbers of issue 25; "world 1" = a single-process NCCL world bound to the
+GPU with init_process_group(device_id=...)):
+  nccl_shrink_support      (10) NCCL version; whether the world can shrink in place
+                           (`supports_shrinking`); gloo must say no
+  nccl_destroyed_group     (1)  a collective on a destroyed NCCL subgroup errors or hangs
+                           (why a repack captures before the shrink)
+  nccl_cpu_tensor          (5)  NCCL refuses a CPU tensor; the optimizer-state gather's
+                           collective device is CUDA even with no managed parameter
+  rebuild_distopt_bf16     (1,3,5) LayerMigrator.rebuild() at PP=1, bf16, distributed
+                           optimizer: applied, training goes on, a gather over parameters
+                           the optimizer does not manage works (world 1; gloo on --cpu)
+  wire_checksum_peak       (4)  pack/unpack/checksum on CUDA: exact round trip, allocator
+                           peak of the checksum within `checksum_transient_bytes`
+                           (on --cpu: the chunked checksum equals the whole-buffer one)
+  control_plane_cuda_state (2)  two processes sharing the GPU over gloo: the control plane
+                           refuses a CUDA payload on both ranks ('meta' stands in on --cpu)
+  sampled_addmm_bf16       (6)  probe: sampled_addmm with bf16 CSR on CUDA (fp32 must work)
+  determinism_bitwise      (9)  two identical PP=1 bf16 runs: losses and weights bitwise
+                           equal, with NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and
+                           CUBLAS_WORKSPACE_CONFIG=:4096:8 (set here for every row)
+  sync_free[SCENARIO]      (7)  two PP=1 steps per scenario with every decoder layer's
+                           forward under torch.cuda.set_sync_debug_mode("error")
+
+--cpu hides CUDA: CUDA rows say "skipped: no CUDA", the rest runs on CPU.
+--json prints exactly one JSON document {"rows": [{"check", "result", "detail",
+"seconds"}]} on stdout; logs go to stderr. Exit status 1 if any row is FAIL.
+Each row runs in its own child process (`--row NAME`) with a timeout, so an NCCL hang
+or a poisoned CUDA context stays in that row. About 2-3 minutes on one H100/H200.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+NO_CUDA = "skipped: no CUDA"
+DETERMINISM_ENV = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+         "--lr", "3e-3", "--seed", "11", "--train-iters", "4"]
+SCENARIOS = {
+    "none": [],
+    "layer_freezing": ["--dynmo", "--dynmo-dynamism", "layer_freezing", "--dynmo-freezing-start", "1",
+                       "--dynmo-freezing-interval", "1", "--dynmo-freezing-threshold", "0.3"],
+    "early_exit": ["--dynmo", "--dynmo-dynamism", "early_exit", "--dynmo-early-exit-start", "1",
+                   "--dynmo-early-exit-interval", "1", "--dynmo-early-exit-min-layer", "2"],
+    "moe": ["--dynmo", "--dynmo-dynamism", "moe", "--dynmo-moe-num-experts", "4",
+            "--dynmo-moe-top-k", "2", "--dynmo-moe-every", "2", "--dynmo-moe-start", "1"],
+    "mixture_of_depths": ["--dynmo", "--dynmo-dynamism", "mixture_of_depths", "--dynmo-mod-every", "1",
+                          "--dynmo-mod-capacity", "0.5"],
+    "sparse_attention": ["--dynmo", "--dynmo-dynamism", "sparse_attention",
+                         "--dynmo-sparse-attention-buckets", "2"],
+    "gradual_pruning": ["--dynmo", "--dynmo-dynamism", "gradual_pruning", "--dynmo-pruning-start", "1",
+                        "--dynmo-pruning-interval", "1", "--dynmo-pruning-rounds", "2",
+                        "--dynmo-pruning-initial-sparsity", "0.5", "--dynmo-pruning-final-sparsity", "0.9",
+                        "--dynmo-pruning-sparse-threshold", "0.6"],
+    "packed_documents": ["--data-documents", "lognormal", "--micro-batch-size", "1",
+                         "--global-batch-size", "2"],
+}
+CUDA_ROWS = {"nccl_shrink_support", "nccl_destroyed_group", "nccl_cpu_tensor",
+             "sampled_addmm_bf16", "determinism_bitwise", "sync_free"}
+
+
+class CheckFailed(Exception):
+    """The row's verdict is FAIL; the message is its detail."""
+
+
+def _log(msg: str) -> None:
+    print(f"[gpu_check_nccl] {msg}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- helpers that run inside a row's child process ----------------------------------------
+def _world_one(backend: str):
+    """A one-rank world (env:// as torchrun sets it), NCCL bound to GPU 0."""
+    import torch
+    import torch.distributed as dist
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    else:
+        dist.init_process_group("gloo")
+    return dist
+
+
+def _session(flags: list[str]):
+    """A real TrainingSession (one rank, PP=1) configured by launcher `flags`."""
+    from dynmo_plugin.config import load_config
+    from dynmo_plugin.megatron.parallel import init_parallel
+    from dynmo_plugin.session import TrainingSession
+    from dynmo_plugin.train import build_parser
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    out = tempfile.mkdtemp(prefix="gpu_check_nccl_")
+    cfg = load_config(build_parser().parse_args(MODEL + flags + ["--output", out]), world_size=1)
+    return TrainingSession(cfg, init_parallel(cfg.model))
+
+
+def _raises(fn: Callable[[], object], wait_s: float = 30.0) -> str:
+    """'error: ...', 'hang' (still running after `wait_s`) or 'returned'."""
+    box: dict = {}
+
+    def call():
+        try:
+            fn()
+            box["r"] = "returned"
+        except Exception as e:  # noqa: BLE001 - the outcome is the measurement
+            box["r"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(wait_s)
+    return box.get("r", "hang")
+
+
+# ---- rows (each returns its detail, raises CheckFailed for FAIL) ---------------------------
+def row_nccl_shrink_support() -> str:
+    import torch
+    from dynmo_plugin.megatron.parallel import supports_shrinking
+    dist = _world_one("nccl")
+    v = torch.cuda.nccl.version()
+    version = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    shrinks = supports_shrinking()
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda", 0))
+    if shrinks != bool(getattr(backend, "supports_shrinking", False)):
+        raise CheckFailed(f"supports_shrinking()={shrinks} disagrees with the NCCL backend")
+    path = "shrink_group" if shrinks else "destroy + rendezvous"
+    return f"NCCL {version}; supports_shrinking={shrinks}: a repack takes the {path} path"
+
+
+def row_nccl_destroyed_group() -> str:
+    import torch
+    dist = _world_one("nccl")
+    group = dist.new_group([0])
+    t = torch.ones(4, device="cuda")
+    dist.all_reduce(t, group=group)
+    torch.cuda.synchronize()
+    dist.destroy_process_group(group)
+    outcome = _raises(lambda: (dist.all_reduce(t, group=group), torch.cuda.synchronize()), 20.0)
+    if outcome == "returned":
+        raise CheckFailed("an all-reduce on a destroyed NCCL group worked: issue 25 item 1's "
+                          "premise does not hold on this stack (the capture order is still right)")
+    return f"all-reduce on a destroyed NCCL subgroup: {outcome} (a repack captures before the shrink)"
+
+
+def row_nccl_cpu_tensor() -> str:
+    import torch
+    from dynmo_plugin.megatron.optim_state import _collective_device
+    dist = _world_one("nccl")
+    cpu = _raises(lambda: dist.all_reduce(torch.ones(2)), 20.0)
+    device = _collective_device(dist.group.WORLD, [])
+    if device.type != "cuda":
+        raise CheckFailed(f"the gather's collective device with no managed parameter is {device}")
+    flag = torch.ones(1, dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if int(flag) != 1:
+        raise CheckFailed("the agreement flag all-reduce on CUDA gave a wrong value")
+    return f"CPU tensor on the NCCL group: {cpu}; gather device with nothing managed: {device}"
+
+
+def row_rebuild_distopt_bf16() -> str:
+    import torch
+    from dynmo_plugin.megatron.optim_state import gather_param_states
+    session = _session(["--bf16", "--use-distributed-optimizer",
+                        "--untie-embeddings-and-output-weights"])
+    t = session.trainer
+    before = t.train_step(1)
+    result = session.migrator.rebuild()
+    if not result.applied:
+        raise CheckFailed(f"rebuild abandoned: {result.error}")
+    after = t.train_step(2)
+    if not (torch.isfinite(torch.tensor([before, after])).all()):
+        raise CheckFailed(f"losses not finite after the rebuild: {before}, {after}")
+    foreign = torch.nn.Parameter(torch.zeros(3, device=t.dims.device, dtype=torch.bfloat16))
+    states = gather_param_states(t.optimizer, [foreign])  # nothing managed (item 5)
+    if states != {foreign: {}}:
+        raise CheckFailed(f"gather over an unmanaged parameter gave {states}")
+    return (f"{t.dims.backend}: rebuild applied (peak {result.peak_extra_bytes / 2**20:.1f} MiB "
+            f"{result.peak_source}), losses {before:.4f} -> {after:.4f}; unmanaged gather ok")
+
+
+def row_wire_checksum_peak() -> str:
+    import torch
+    from dynmo_plugin.migration.wire import checksum, checksum_transient_bytes, pack, unpack, word_checksum
+    if not torch.cuda.is_available():
+        raw = torch.randint(0, 256, (4 * 300_001,), dtype=torch.uint8)
+        whole = word_checksum(raw, chunk_words=raw.numel())
+        if word_checksum(raw, chunk_words=4096) != whole:
+            raise CheckFailed("chunked checksum differs from the whole-buffer one")
+        return "CPU: chunked word checksum equals the whole-buffer formula (CUDA peak not measured)"
+    dev = torch.device("cuda", 0)
+    tensors = {"w": torch.randn(64 << 20, device=dev, dtype=torch.bfloat16),
+               "m": torch.randn(8 << 20, device=dev)}
+    header, buffers = pack(1, 0, 1, tensors, dev)
+    out = unpack(header, buffers)
+    if any(not torch.equal(out[k], v) for k, v in tensors.items()):
+        raise CheckFailed("pack/unpack round trip is not exact on CUDA")
+    buf = max(buffers, key=lambda b: b.numel() * b.element_size())
+    nbytes = buf.numel() * buf.element_size()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    value = checksum(buf)
+    peak = torch.cuda.max_memory_allocated() - base
+    bound = checksum_transient_bytes(nbytes) + (2 << 20)  # + allocator rounding/workspace
+    if value != checksum(buf.clone()):
+        raise CheckFailed("checksum is not reproducible")
+    if peak > bound:
+        raise CheckFailed(f"checksum of {nbytes / 2**20:.0f} MiB peaked at {peak / 2**20:.1f} MiB, "
+                          f"above the bound {bound / 2**20:.1f} MiB")
+    return (f"round trip exact; checksum of a {nbytes / 2**20:.0f} MiB buffer peaked at "
+            f"{peak / 2**20:.1f} MiB extra (bound {bound / 2**20:.1f} MiB; whole-buffer "
+            f"version ~{6 * nbytes / 2**20:.0f} MiB)")
+
+
+def _control_plane_rank(rank: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from dynmo_plugin.consensus import ControlPlane, NonCPUPayload
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    control = ControlPlane(timeout_s=60)
+    device = "cuda" if torch.cuda.is_available() else "meta"
+    state = torch.ones(4, device=device)  # CUDA-resident state (meta stands in on CPU)
+    verdict = {"device": device}
+    try:
+        control.all_gather({"state": state} if rank == 1 else {"state": None}, "cuda-payload")
+        verdict["refused"] = False
+    except NonCPUPayload as e:
+        verdict["refused"] = str(e)
+    gathered = control.all_gather({"state": state.cpu() if device == "cuda" else torch.ones(4)}, "cpu")
+    verdict["cpu_ok"] = all(torch.equal(g["state"], torch.ones(4)) for g in gathered)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(verdict))
+    dist.destroy_process_group()
+
+
+def row_control_plane_cuda_state() -> str:
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_control_plane_rank, args=(_free_port(), out), nprocs=2)
+        verdicts = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    if not all(v["refused"] and "rank 1" in v["refused"] for v in verdicts):
+        raise CheckFailed(f"a non-CPU payload was not refused on every rank: {verdicts}")
+    if not all(v["cpu_ok"] for v in verdicts):
+        raise CheckFailed("the same payload moved to the CPU did not travel")
+    return f"{verdicts[0]['device']} payload refused on both ranks; its CPU copy travels"
+
+
+def row_sampled_addmm_bf16() -> str:
+    import torch
+    dev = torch.device("cuda", 0)
+    a, b = torch.randn(64, 32, device=dev), torch.randn(32, 48, device=dev)
+    mask = (torch.rand(64, 48, device=dev) > 0.5).float().to_sparse_csr()
+    fp32 = torch.sparse.sampled_addmm(mask, a, b)
+    if fp32.values().numel() == 0:
+        raise CheckFailed("fp32 sampled_addmm gave no values")
+    bf16 = _raises(lambda: torch.sparse.sampled_addmm(mask.to(torch.bfloat16), a.bfloat16(), b.bfloat16()))
+    item = "confirmed" if bf16.startswith("error") else "refuted on this torch"
+    return f"fp32 works; bf16 CSR: {bf16} (issue 25 item 6 {item}; the fix is the pruning helper's)"
+
+
+def _fingerprint(trainer) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for chunk in trainer.chunks:
+        for name, p in chunk.named_parameters():
+            h.update(name.encode())
+            h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def row_determinism_run() -> str:
+    """Child of `determinism_bitwise`: a short bf16 run; its losses and weights' hash."""
+    session = _session(["--bf16"])
+    losses = [session.trainer.train_step(i) for i in range(1, 5)]
+    return json.dumps({"losses": losses, "weights": _fingerprint(session.trainer)})
+
+
+def row_sync_free(scenario: str) -> str:
+    """Two PP=1 steps of `scenario` with each decoder layer's forward in sync-debug 'error'."""
+    import torch
+    session = _session(SCENARIOS[scenario])
+
+    def strict(*_):
+        torch.cuda.set_sync_debug_mode("error")
+
+    def relaxed(*_):
+        torch.cuda.set_sync_debug_mode("default")
+    hooked = set()
+    for it in (1, 2):
+        for layer in session.trainer.layers:  # scenarios may replace layers between steps
+            if id(layer) not in hooked:
+                layer.register_forward_pre_hook(strict)
+                layer.register_forward_hook(relaxed)
+                hooked.add(id(layer))
+        try:
+            session.step(it)
+        finally:
+            relaxed()
+    return f"{scenario}: 2 steps, {len(hooked)} layer(s) ran their forward without a host sync"
+
+
+ROWS: dict[str, Callable[[], str]] = {
+    "nccl_shrink_support": row_nccl_shrink_support,
+    "nccl_destroyed_group": row_nccl_destroyed_group,
+    "nccl_cpu_tensor": row_nccl_cpu_tensor,
+    "rebuild_distopt_bf16": row_rebuild_distopt_bf16,
+    "wire_checksum_peak": row_wire_checksum_peak,
+    "control_plane_cuda_state": row_control_plane_cuda_state,
+    "sampled_addmm_bf16": row_sampled_addmm_bf16,
+}
+
+
+# ---- the parent: one child per row ---------------------------------------------------------
+def _child(args: list[str], env: dict, timeout_s: float) -> subprocess.Popen:
+    cmd = [sys.executable, str(Path(__file__).resolve()), *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _collect(name: str, proc: subprocess.Popen, start: float, timeout_s: float) -> dict:
+    try:
+        out, err = proc.communicate(timeout=max(1.0, timeout_s - (time.perf_counter() - start)))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        return _row(name, "FAIL", f"no end after {timeout_s:.0f} s (a hang?)", start)
+    sys.stderr.write(err[-4000:] if proc.returncode else "")
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (err.strip().splitlines() or ["no output"])[-1][:300]
+        return _row(name, "FAIL", f"exit {proc.returncode}: {tail}", start)
+    row = json.loads(lines[-1])
+    return {**row, "check": name, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _row(check: str, result: str, detail: str, start: float) -> dict:
+    return {"check": check, "result": result, "detail": detail,
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
+def run_rows(cuda: bool, env: dict) -> list[dict]:
+    rows = []
+    for name in ROWS:
+        start = time.perf_counter()
+        if name in CUDA_ROWS and not cuda:
+            rows.append(_row(name, NO_CUDA, "", start))
+            continue
+        _log(f"{name} ...")
+        rows.append(_collect(name, _child(["--row", name], env, 120), start, 120))
+        _log(f"{name}: {rows[-1]['result']} ({rows[-1]['seconds']} s) {rows[-1]['detail']}")
+    rows.append(_determinism(cuda, env))
+    rows.extend(_sync_rows(cuda, env))
+    return rows
+
+
+def _determinism(cuda: bool, env: dict) -> dict:
+    start = time.perf_counter()
+    if not cuda:
+        return _row("determinism_bitwise", NO_CUDA, "", start)
+    runs = [_collect("determinism_run", _child(["--row", "determinism_run"], env, 150), start, 150)
+            for _ in range(2)]
+    if any(r["result"] != "pass" for r in runs):
+        return _row("determinism_bitwise", "FAIL", "; ".join(r["detail"] for r in runs), start)
+    a, b = (json.loads(r["detail"]) for r in runs)
+    if a != b:
+        return _row("determinism_bitwise", "FAIL", f"runs differ: losses {a['losses']} vs "
+                    f"{b['losses']}, weights equal: {a['weights'] == b['weights']}", start)
+    return _row("determinism_bitwise", "pass", f"2 runs x 4 bf16 steps bitwise equal "
+                f"(losses and weights) with {DETERMINISM_ENV}", start)
+
+
+def _sync_rows(cuda: bool, env: dict) -> list[dict]:
+    """All scenarios at once (small models share the GPU), one row each."""
+    start = time.perf_counter()
+    names = [f"sync_free[{s}]" for s in SCENARIOS]
+    if not cuda:
+        return [_row(n, NO_CUDA, "", start) for n in names]
+    procs = [(n, _child(["--row", "sync_free", "--scenario", s], env, 150)) for n, s in zip(names, SCENARIOS)]
+    return [_collect(n, p, start, 150) for n, p in procs]
+
+
+def _run_one(name: str, scenario: str) -> int:
+    """Child mode: run one row, print it as one JSON line."""
+    try:
+        if name == "sync_free":
+            detail = row_sync_free(scenario)
+        elif name == "determinism_run":
+            detail = row_determinism_run()
+        else:
+            detail = ROWS[name]()
+        result = "pass"
+    except CheckFailed as e:
+        result, detail = "FAIL", str(e)
+    except Exception as e:  # noqa: BLE001 - a crash is this row's FAIL, with its line
+        result, detail = "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    print(json.dumps({"check": name, "result": result, "detail": detail}), flush=True)
+    os._exit(0)  # skip teardown of half-broken NCCL state (a destroyed group's hang)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="hide CUDA; run what runs on CPU")
+    parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    parser.add_argument("--row", help=argparse.SUPPRESS)
+    parser.add_argument("--scenario", default="none", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.row:
+        return _run_one(args.row, args.scenario)
+    env = {**os.environ, **DETERMINISM_ENV, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if args.cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    cuda = not args.cpu and _cuda_visible()
+    rows = run_rows(cuda, env)
+    if args.json:
+        print(json.dumps({"rows": rows}))
+    else:
+        width = max(len(r["check"]) for r in rows)
+        for r in rows:
+            print(f"{r['check']:<{width}}  {r['result']:<16} {r['seconds']:>6.1f} s  {r['detail']}")
+    return 1 if any(r["result"] == "FAIL" for r in rows) else 0
+
+
+def _cuda_visible() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""scripts/gpu_check_nccl.py --cpu --json: exactly one JSON document on stdout with the
+contract scripts/gpu_check.py reads; CUDA rows say "skipped: no CUDA", the rows that run
+on CPU (rebuild at PP=1 bf16 + distributed optimizer over gloo, the chunked checksum,
+the control plane refusing a 'meta' payload on both ranks) pass."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_ROWS = {"rebuild_distopt_bf16", "wire_checksum_peak", "control_plane_cuda_state"}
+
+
+@pytest.mark.multiproc
+def test_cpu_json_run_is_green_and_keeps_the_contract():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check_nccl.py"), "--cpu", "--json"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)["rows"]  # the whole stdout is one document
+    assert all(set(r) == {"check", "result", "detail", "seconds"} for r in rows)
+    assert all(isinstance(r["seconds"], float) for r in rows)
+    by_name = {r["check"]: r for r in rows}
+    assert {n for n, r in by_name.items() if r["result"] == "pass"} == CPU_ROWS
+    assert all(r["result"] == "skipped: no CUDA" for n, r in by_name.items() if n not in CPU_ROWS)
+    assert {"nccl_destroyed_group", "nccl_cpu_tensor", "nccl_shrink_support", "sampled_addmm_bf16",
+            "determinism_bitwise", "sync_free[none]", "sync_free[packed_documents]"} <= by_name.keys()
+    assert by_name["rebuild_distopt_bf16"]["detail"].startswith("gloo: rebuild applied")
+    assert "refused on both ranks" in by_name["control_plane_cuda_state"]["detail"]
