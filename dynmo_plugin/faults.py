@@ -19,9 +19,10 @@ __all__ = ["FaultInjector", "InjectedFault", "FAULT_KINDS", "ProfileNoise"]
 
 # receiver_exception / corrupt_buffer: after buffers arrived; prepare_exception: after
 # the new DDP buffers were allocated (as an out-of-memory there would); restore_exception:
-# after the new optimizer exists; hang / exit: on entering `phase`.
+# after the new optimizer exists; hang / exit: on entering `phase`; calibration_exception:
+# in a scenario's cost calibration on `stage` (dynamism.base.Scenario.inject_fault).
 FAULT_KINDS = ("receiver_exception", "corrupt_buffer", "prepare_exception", "restore_exception",
-               "hang", "exit")
+               "hang", "exit", "calibration_exception")
 
 
 class InjectedFault(RuntimeError):
@@ -69,6 +70,11 @@ class FaultInjector:
     def on_prepared(self, stage: int) -> None:
         if self._fires(stage, "prepare_exception"):
             raise InjectedFault(f"injected out-of-memory while building new buffers on stage {stage}")
+
+    def on_calibration(self, phase: str, stage: int) -> None:
+        """Called by a scenario's cost calibration on every rank that calibrates."""
+        if self.kind == "calibration_exception" and stage == self.stage:
+            raise InjectedFault(f"injected failure in {phase} on stage {stage}")
 
     def on_restored(self, stage: int) -> None:
         if self._fires(stage, "restore_exception"):
