@@ -33,6 +33,9 @@ the same. units(c) = s x b x t(c) / t_plain: a plain layer is s x b, the tokens 
 processes. Timed after training has run (not at start): before the first iteration
 the heap is cold and big blocks pay page faults that training does not (measured:
 a capacity-1 block 33 ms at start, 21-22 ms after 2 iterations and in the profile).
+The scratch layers run in the run's precision (megatron.scratch); if the calibration
+raises, the same form comes from matmul FLOPs (`WorkModel.from_flops`, source "flops")
+and the event says why (`detail.fallbacks`, see dynamism.base).
 
 Skipped tokens do not shrink a routed block's parameters, gradients or optimizer state
 ("shadow" memory): the profiler reports them unchanged beside the reduced time and
