@@ -208,9 +208,12 @@ class LSHCoreAttention(CausalCoreAttention):
                    "(no padding masks)")
         if mask.shape[-2:] != (s, s):
             raise ValueError(problem)
-        # checked where the mask lives (RuntimeError on CPU at once, a device-side assert on
-        # a GPU): reading the answer back would stall the host in every layer
-        torch._assert_async((mask == self._causal).all(), problem)
+        # checked where the mask lives (at once on CPU, a device-side assert on a GPU):
+        # reading the answer back would stall the host in every layer
+        try:
+            torch._assert_async((mask == self._causal).all(), problem)
+        except RuntimeError as e:
+            raise ValueError(problem) from e
         self._verified = (mask, mask._version)  # holding it: its memory cannot be reused
 
 
