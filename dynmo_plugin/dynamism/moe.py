@@ -249,7 +249,7 @@ class MixtureOfExperts(Scenario):
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
         clear_aux_losses_tracker()  # it sums forever otherwise; read per iteration below
         for layer in self._layers():
-            layer.take_counts()  # a layer that arrived by migration starts from zero anyway
+            layer.reset_counts()  # a layer that arrived by migration starts from zero anyway
 
     def is_event(self, iteration: int) -> bool:
         s = self.settings

@@ -66,6 +66,14 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory without waiting (a plain
+    copy from pageable memory synchronises the host in every layer)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _round(table: torch.Tensor, s: int, b: int, n: int, d: int, buckets: int,
            rotation: torch.Tensor, scale: float, want_lse: bool):
     """One hash round over `table` = [q | k | v] rows in (position, batch, head) order.
@@ -75,7 +83,7 @@ def _round(table: torch.Tensor, s: int, b: int, n: int, d: int, buckets: int,
     S = c * buckets
     with torch.no_grad():
         qk = table[:rows, :2 * d].view(rows, 2, d)
-        proj = qk.float() @ rotation.to(table.device)                  # [rows, 2, ceil(B/2)]
+        proj = qk.float() @ _to_device(rotation, table.device)         # [rows, 2, ceil(B/2)]
         bucket = torch.cat([proj, -proj], -1)[..., :buckets].argmax(-1)  # [rows, 2]
         bucket = bucket.view(s, b, n, 2).permute(1, 2, 3, 0)            # [b, n, 2, s]
         pos = torch.arange(s, device=table.device)

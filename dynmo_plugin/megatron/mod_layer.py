@@ -133,7 +133,9 @@ class MoDLayer(TransformerLayer):
     def reset_mod_stats(self) -> None:
         """Start a new iteration: [tokens, selected, predicted, predicted & selected,
         predictions right] summed over this iteration's micro-batches."""
-        self.mod_stats = torch.zeros(5, dtype=torch.float64)
+        first = next(self.parameters(), None)  # on the layer's device: no copy per forward
+        self.mod_stats = torch.zeros(5, dtype=torch.float64,
+                                     device=first.device if first is not None else "cpu")
 
     def forward(self, *args, **kwargs):
         if not self.routed:

@@ -55,6 +55,10 @@ class MoeTransformerLayer(TransformerLayer):
         self._counts = counts if self._counts is None else self._counts + counts
         self.micro_batches += 1
 
+    def reset_counts(self) -> None:
+        """Drop the counts without reading them (a read waits for the device)."""
+        self._counts, self.micro_batches = None, 0
+
     def take_counts(self) -> Optional[list[int]]:
         """Tokens per expert since the last call (summed over micro-batches, after
         dropping), or None for a dense layer; resets the counts."""
