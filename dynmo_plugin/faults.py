@@ -22,9 +22,11 @@ __all__ = ["FaultInjector", "InjectedFault", "FAULT_KINDS", "ProfileNoise"]
 # after the new optimizer exists; hang / exit: on entering `phase`; allocation_exception:
 # on ONE rank (data-parallel rank 0 of `stage`) right after it allocated the buffers of
 # `phase` ("pack": the gathered optimizer state, "staging": the receive buffers), as an
-# out-of-memory there would: its peers must not be left waiting in a collective.
+# out-of-memory there would: its peers must not be left waiting in a collective;
+# calibration_exception: in a scenario's cost calibration on `stage`
+# (dynamism.base.Scenario.inject_fault).
 FAULT_KINDS = ("receiver_exception", "corrupt_buffer", "prepare_exception", "restore_exception",
-               "hang", "exit", "allocation_exception")
+               "hang", "exit", "allocation_exception", "calibration_exception")
 
 
 class InjectedFault(RuntimeError):
@@ -78,6 +80,11 @@ class FaultInjector:
     def on_prepared(self, stage: int) -> None:
         if self._fires(stage, "prepare_exception"):
             raise InjectedFault(f"injected out-of-memory while building new buffers on stage {stage}")
+
+    def on_calibration(self, phase: str, stage: int) -> None:
+        """Called by a scenario's cost calibration on every rank that calibrates."""
+        if self.kind == "calibration_exception" and stage == self.stage:
+            raise InjectedFault(f"injected failure in {phase} on stage {stage}")
 
     def on_restored(self, stage: int) -> None:
         if self._fires(stage, "restore_exception"):

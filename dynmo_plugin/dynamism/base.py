@@ -16,6 +16,12 @@ about scenarios; the launcher glues them:
         if event: dynmo.notify_event(event.name)
     scenario.after_layout_change()                   # after a migration changed the layers
 
+Calibrations and decisions that fail (`control.decide` raises DecisionFailed on every
+rank alike) never end training: `decide_or_fallback` takes the scenario's fallback (the
+FLOP-based work model, or no change) and the next event the scenario reports carries
+the reason and the fallback in its detail ("fallbacks"); with no event due, a
+report-only event (rebalance False) is made for it.
+
 Rules: a scenario walks the rank's decoder layers as `runtime.trainer.layers` (every
 model chunk of an interleaved pipeline, in layer order; `trainer.model` is chunk 0 alone),
 read afresh after a layout change; it keeps per-layer state IN the layer (buffers,
@@ -25,10 +31,25 @@ leads to a collective or differs by rank is taken once with `runtime.control.dec
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
-__all__ = ["DynamismEvent", "Runtime", "Scenario"]
+__all__ = ["DynamismEvent", "Runtime", "Scenario", "current_loss_scale"]
+
+logger = logging.getLogger(__name__)
+
+
+def current_loss_scale(trainer) -> float:
+    """The optimizer's loss scale now, for a scenario's own auxiliary losses: read from
+    the device only with --fp16 (dynamic scaling); bf16 and fp32 train unscaled (1.0),
+    so their iterations pay no host synchronisation for it."""
+    cfg = trainer.config
+    if not cfg.fp16 or cfg.grad_scale_func is None:
+        return 1.0
+    import torch
+    return float(cfg.grad_scale_func(torch.ones(1, device=trainer.dims.device)))
 
 
 @dataclass(frozen=True)
@@ -79,6 +100,7 @@ class Scenario:
     def __init__(self, config) -> None:
         self.config = config
         self.runtime: Optional[Runtime] = None
+        self._fallbacks: list[dict] = []  # taken since the last event (same on every rank)
 
     def layer_spec(self, spec, model_args):
         """The Megatron layer spec to build with (default: unchanged); `model_args` (the
@@ -108,3 +130,43 @@ class Scenario:
 
     def after_layout_change(self) -> None:
         """This stage's layer objects changed (a migration): re-find what was cached."""
+
+    # ---- failures become events, not the end of training ---------------------------------
+    def decide_or_fallback(self, fn: Callable[[], Any], phase: str, fallback: Callable[[], Any],
+                           what: str) -> Any:
+        """`runtime.control.decide(fn, phase)`; if `fn` raised on the deciding rank, every
+        rank returns `fallback()` (which must give the same value on every rank) and the
+        next event records the reason and `what` the run does instead.
+
+        Raises:
+            PeerFailure: the broadcast itself failed (a peer is gone)."""
+        from dynmo_plugin.consensus import DecisionFailed
+        try:
+            return self.runtime.control.decide(fn, phase)
+        except DecisionFailed as e:
+            self.note_fallback(phase, str(e), what)
+            return fallback()
+
+    def note_fallback(self, phase: str, reason: str, what: str) -> None:
+        """Record a failure every rank knows of, for the next event."""
+        self._fallbacks.append({"phase": phase, "reason": reason, "fallback": what})
+        if self.runtime.control.rank == 0:
+            logger.warning("%s: %s failed (%s); training goes on with %s", self.name, phase,
+                           reason, what)
+
+    def with_fallbacks(self, iteration: int, event: Optional[DynamismEvent]) -> Optional[DynamismEvent]:
+        """`event` carrying the fallbacks taken since the last event (detail "fallbacks");
+        None with fallbacks pending: a report-only event for them."""
+        if not self._fallbacks:
+            return event
+        notes, self._fallbacks = self._fallbacks, []
+        if event is None:
+            return DynamismEvent(self.name, iteration, {"fallbacks": notes}, rebalance=False)
+        return dataclasses.replace(event, detail={**event.detail, "fallbacks": notes})
+
+    def inject_fault(self, phase: str) -> None:
+        """Test-only: let the run's FaultInjector (dynmo_plugin.faults, passed to the
+        migrator; None in production) fail this calibration on its stage."""
+        fault = getattr(self.runtime.migrator, "fault", None)
+        if fault is not None:
+            fault.on_calibration(phase, self.runtime.trainer.dims.pp_rank)

@@ -21,9 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-import torch
-
-from .base import DynamismEvent, Runtime, Scenario
+from .base import DynamismEvent, Runtime, Scenario, current_loss_scale
 
 __all__ = ["EarlyExit", "exit_fractions"]
 
@@ -77,8 +75,7 @@ class EarlyExit(Scenario):
         for mb in batches:
             labels.append(mb["labels"].T.contiguous())
             masks.append(mb["loss_mask"].T.contiguous())
-        one = torch.ones(1, device=t.dims.device)
-        loss_scale = float(t.config.grad_scale_func(one)) if t.config.grad_scale_func else 1.0
+        loss_scale = current_loss_scale(t)
         self._context = ExitContext(
             seq_length=t.args.seq_length, threshold=s.threshold, min_layer=s.min_layer,
             exits_on=iteration >= s.start, loss_weight=s.loss_weight,
@@ -98,12 +95,15 @@ class EarlyExit(Scenario):
         self._bind()  # layers received in a migration start without a context
 
     def after_step(self, iteration: int) -> Optional[DynamismEvent]:
+        return self.with_fallbacks(iteration, self._event(iteration))
+
+    def _event(self, iteration: int) -> Optional[DynamismEvent]:
         s = self.settings
         if iteration < s.start or (iteration - s.start) % s.interval:
             return None
         control = self.runtime.control
-        local = {layer.layer_number: (layer.tokens_seen, layer.tokens_active, layer.confidence_sum)
-                 for layer in self._layers()}
+        local = {layer.layer_number: (layer.tokens_seen, layer.tokens_active,
+                                      float(layer.confidence_sum)) for layer in self._layers()}
         gathered = control.all_gather(local, "early-exit-stats")
 
         def summarise():
@@ -111,7 +111,11 @@ class EarlyExit(Scenario):
             return {"exit_fraction": fraction, "confidence": confidence,
                     "threshold": s.threshold, "min_layer": s.min_layer}
 
-        detail = control.decide(summarise, "early-exit-event")
+        detail = self.decide_or_fallback(
+            summarise, "early-exit-event",
+            lambda: {"exit_fraction": {}, "confidence": {}, "threshold": s.threshold,
+                     "min_layer": s.min_layer},
+            "no exit statistics for this event (the controller times a window)")
         logger.info("early exit: iteration %d, exited before each layer %s", iteration,
                     {k: f"{v:.0%}" for k, v in detail["exit_fraction"].items()})
         return DynamismEvent(self.name, iteration, detail)

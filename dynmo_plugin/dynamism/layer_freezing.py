@@ -100,6 +100,9 @@ class LayerFreezing(Scenario):
         return iteration >= f.start and (iteration - f.start) % f.interval == 0
 
     def after_step(self, iteration: int) -> Optional[DynamismEvent]:
+        return self.with_fallbacks(iteration, self._event(iteration))
+
+    def _event(self, iteration: int) -> Optional[DynamismEvent]:
         t = self.runtime.trainer
         if not self.is_check(iteration) or self.frozen >= self._limit():
             return None
@@ -109,7 +112,9 @@ class LayerFreezing(Scenario):
             return None
         control = self.runtime.control
         gathered = control.all_gather(self._measure(), "freezing-plasticity")
-        decision = control.decide(lambda: self._decide(iteration, gathered), "freezing-decision")
+        decision = self.decide_or_fallback(
+            lambda: self._decide(iteration, gathered), "freezing-decision",
+            lambda: {"references": {}, "frozen": self.frozen}, "no freeze at this check")
         self._snapshot(decision["references"])
         new = decision["frozen"]
         if new <= self.frozen:
@@ -184,8 +189,8 @@ class LayerFreezing(Scenario):
         t = self.runtime.trainer
         flipped, flagged = [], []
         for layer in t.layers:
-            if layer.layer_number <= new and not bool(layer.in_frozen_prefix):
-                layer.in_frozen_prefix.fill_(True)
+            if layer.layer_number <= new and not layer.frozen:
+                layer.set_frozen(True)
                 flagged.append(layer)
                 flipped += [p for p in layer.parameters() if p.requires_grad]
         for p in (p for chunk in t.chunks for p in _embedding_params(chunk)):
@@ -223,7 +228,7 @@ def _restore(ddps, params, layers) -> None:
     for p in params:
         p.requires_grad_(True)
     for layer in layers:
-        layer.in_frozen_prefix.fill_(False)
+        layer.set_frozen(False)
     for ddp in ddps:
         _detach_hooks(ddp)
         _attach_hooks(ddp)

@@ -33,6 +33,9 @@ the same. units(c) = s x b x t(c) / t_plain: a plain layer is s x b, the tokens 
 processes. Timed after training has run (not at start): before the first iteration
 the heap is cold and big blocks pay page faults that training does not (measured:
 a capacity-1 block 33 ms at start, 21-22 ms after 2 iterations and in the profile).
+The scratch layers run in the run's precision (megatron.scratch); if the calibration
+raises, the same form comes from matmul FLOPs (`WorkModel.from_flops`, source "flops")
+and the event says why (`detail.fallbacks`, see dynamism.base).
 
 Skipped tokens do not shrink a routed block's parameters, gradients or optimizer state
 ("shadow" memory): the profiler reports them unchanged beside the reduced time and
@@ -46,10 +49,10 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 import numpy as np
-import torch
 
 from dynmo_plugin.config import ConfigError
-from dynmo_plugin.dynamism.base import DynamismEvent, Runtime, Scenario
+from dynmo_plugin.dynamism.base import DynamismEvent, Runtime, Scenario, current_loss_scale
+from dynmo_plugin.dynamism.flops import FLOP_FALLBACK, DecoderFlops
 
 __all__ = ["MixtureOfDepths", "WorkModel", "CapacitySchedule", "parse_capacities",
            "routed_layers", "predictor_summary", "CALIBRATION_CAPACITIES"]
@@ -147,6 +150,21 @@ class WorkModel:
     plain_s: float
     seq_length: int
     micro_batch_size: int
+    source: str = "timed"  # or "flops": the fallback when the calibration failed
+
+    @classmethod
+    def from_flops(cls, flops, predictor_width: int, seq_length: int,
+                   micro_batch_size: int) -> "WorkModel":
+        """The same form from matmul FLOPs (dynamism.flops): fixed = router and predictor
+        over all s tokens, linear = projections and MLP over C tokens, quadratic =
+        attention of C queries over C keys; a plain layer is the block over all s."""
+        s, h, p = seq_length, flops.hidden, predictor_width
+        tokens = s * micro_batch_size
+        fixed = tokens * (2 * h + 2 * (h * p + p))
+        return cls(flops.seconds(fixed), flops.seconds(tokens * flops.linear()),
+                   flops.seconds(tokens * flops.attention(s)),
+                   flops.seconds(tokens * (flops.linear() + flops.attention(s))),
+                   seq_length, micro_batch_size, source="flops")
 
     @classmethod
     def fit(cls, samples: list[tuple[float, float]], plain_s: float, seq_length: int,
@@ -255,12 +273,15 @@ class MixtureOfDepths(Scenario):
         self._bind(reset=False)  # layers received in a migration start without a context
 
     def after_step(self, iteration: int) -> Optional[DynamismEvent]:
+        return self.with_fallbacks(iteration, self._event(iteration))
+
+    def _event(self, iteration: int) -> Optional[DynamismEvent]:
         k = self.schedule.event_index(iteration)
         if k is None:
             return None
         if self.work_model is None:  # once, with the allocator warm from training
-            self.work_model = WorkModel(**self.runtime.control.decide(self._calibrate,
-                                                                      "mod-calibration"))
+            self.work_model = WorkModel(**self.decide_or_fallback(
+                self._calibrate, "mod-calibration", self._flop_model, FLOP_FALLBACK))
             if self.runtime.control.rank == 0:
                 logger.info("mixture of depths: work model %s", self.work_model)
         predictor = self._predictor_stats()
@@ -289,8 +310,7 @@ class MixtureOfDepths(Scenario):
     def _bind(self, reset: bool) -> None:
         from dynmo_plugin.megatron.mod_layer import ModContext
         t = self.runtime.trainer
-        one = torch.ones(1, device=t.dims.device)
-        loss_scale = float(t.config.grad_scale_func(one)) if t.config.grad_scale_func else 1.0
+        loss_scale = current_loss_scale(t)
         context = ModContext(self.settings.predictor_loss_weight, loss_scale / t.num_microbatches)
         for layer in self._layers():
             layer.mod_context = context
@@ -308,12 +328,14 @@ class MixtureOfDepths(Scenario):
         local = {layer.layer_number: layer.mod_stats.tolist() for layer in self._layers()
                  if layer.routed}
         gathered = self.runtime.control.all_gather(local, "mod-predictor-stats")
-        return self.runtime.control.decide(lambda: predictor_summary(gathered), "mod-predictor")
+        return self.decide_or_fallback(lambda: predictor_summary(gathered), "mod-predictor",
+                                       dict, "no predictor statistics for this event")
 
     def _calibrate(self) -> dict:
         """Rank 0: time scratch layers (plain, routed at CALIBRATION_CAPACITIES), fit."""
         from dynmo_plugin.megatron.mod_layer import time_scratch_layers
         from dynmo_plugin.profiling.clock import clock_for
+        self.inject_fault("mod-calibration")
         t = self.runtime.trainer
         samples = time_scratch_layers(t, clock_for(t.dims.device), CALIBRATION_CAPACITIES,
                                       _CALIBRATION_REPEATS)
@@ -324,6 +346,13 @@ class MixtureOfDepths(Scenario):
         logger.info("mixture of depths: calibration ms: plain %.2f, routed by capacity %s",
                     plain * 1e3, {c: round(v * 1e3, 2) for c, v in medians.items()})
         return model.to_dict()
+
+    def _flop_model(self) -> dict:
+        """The fallback work model (same on every rank: a function of the config)."""
+        t = self.runtime.trainer
+        return WorkModel.from_flops(DecoderFlops.from_config(t.config),
+                                    _predictor_width(t.config.hidden_size), t.args.seq_length,
+                                    t.args.micro_batch_size).to_dict()
 
 
 def _predictor_width(hidden_size: int) -> int:

@@ -48,9 +48,10 @@ from typing import Optional
 from dynmo_plugin.config import ConfigError
 
 from .base import DynamismEvent, Runtime, Scenario
+from .flops import FLOP_FALLBACK, DecoderFlops
 
 __all__ = ["MixtureOfExperts", "CostModel", "combine_counts", "ep_expert_tokens", "layer_work",
-           "cost_model_from_calibrations", "moe_layer_numbers"]
+           "cost_model_from_calibrations", "flop_cost_model", "moe_layer_numbers"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,14 +88,33 @@ class CostModel:
 
 
 def cost_model_from_calibrations(results: list[Optional[dict]]) -> CostModel:
-    """Medians over the ranks' `calibrate` results (None: a rank that did not calibrate)."""
-    usable = [r for r in results if r and r["per_token_s"] > 0]
+    """Medians over the ranks' `calibrate` results (None: a rank that did not calibrate;
+    {"error": why}: a rank whose calibration raised).
+
+    Raises:
+        ValueError: no rank has a usable result (the ranks' errors in the message)."""
+    usable = [r for r in results if r and "error" not in r and r["per_token_s"] > 0]
     if not usable:
-        raise ValueError("no rank measured a positive cost per expert token")
+        errors = "; ".join(f"rank {i}: {r['error']}" for i, r in enumerate(results)
+                           if r and "error" in r)
+        raise ValueError("no rank measured a positive cost per expert token"
+                         + (f" ({errors})" if errors else ""))
     fixed = statistics.median(r["fixed_s"] / r["per_token_s"] for r in usable)
     dense = [r["dense_s"] / r["per_token_s"] for r in usable if r.get("dense_s") is not None]
     return CostModel(fixed=round(fixed, 3), dense=round(statistics.median(dense), 3) if dense else None,
                      per_token_s=statistics.median(r["per_token_s"] for r in usable))
+
+
+def flop_cost_model(config, seq_length: int, micro_batch_size: int) -> CostModel:
+    """The fallback cost model from matmul FLOPs (dynamism.flops), in the same units: an
+    MoE layer's non-expert part and a dense layer per micro-batch, in expert tokens."""
+    from dynmo_plugin.megatron.moe_layer import flop_fixed_tokens
+    tokens = seq_length * micro_batch_size
+    expert = DecoderFlops.from_config(config, config.moe_ffn_hidden_size).mlp()
+    dense = DecoderFlops.from_config(config)
+    return CostModel(fixed=round(flop_fixed_tokens(config, seq_length) * tokens, 3),
+                     dense=round(tokens * (dense.linear() + dense.attention(seq_length)) / expert, 3),
+                     per_token_s=DecoderFlops.seconds(expert), source="flops")
 
 
 def ep_expert_tokens(counts: list[int], ep: int) -> int:
@@ -198,13 +218,16 @@ class MixtureOfExperts(Scenario):
         from dynmo_plugin.megatron.moe_layer import calibrate
         t, control = self.runtime.trainer, self.runtime.control
         try:
+            self.inject_fault("moe-calibration")
             mine = calibrate(t, self._moe_layers(t.config.num_layers), seed=t.args.seed)
         except Exception as e:  # noqa: BLE001 - the other ranks' numbers may still do
             logger.warning("MoE cost calibration failed on rank %d: %r", t.dims.rank, e)
-            mine = None
+            mine = {"error": f"{type(e).__name__}: {e}"}
         gathered = control.all_gather(mine, "moe-calibration")
-        model = control.decide(lambda: cost_model_from_calibrations(gathered).to_dict(),
-                               "moe-cost-model")
+        model = self.decide_or_fallback(
+            lambda: cost_model_from_calibrations(gathered).to_dict(), "moe-cost-model",
+            lambda: flop_cost_model(t.config, t.args.seq_length, t.args.micro_batch_size).to_dict(),
+            FLOP_FALLBACK)
         self.cost_model = CostModel.from_dict(model)
         if t.dims.rank == 0:
             logger.info("MoE cost model: an MoE layer's non-expert part = %.0f expert tokens, "
@@ -226,18 +249,25 @@ class MixtureOfExperts(Scenario):
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
         clear_aux_losses_tracker()  # it sums forever otherwise; read per iteration below
         for layer in self._layers():
-            layer.take_counts()  # a layer that arrived by migration starts from zero anyway
+            layer.reset_counts()  # a layer that arrived by migration starts from zero anyway
 
     def is_event(self, iteration: int) -> bool:
         s = self.settings
         return iteration >= s.start and (iteration - s.start) % s.interval == 0
 
     def after_step(self, iteration: int) -> Optional[DynamismEvent]:
+        return self.with_fallbacks(iteration, self._event(iteration))
+
+    def _event(self, iteration: int) -> Optional[DynamismEvent]:
         if not self.is_event(iteration):
             return None
         t, control = self.runtime.trainer, self.runtime.control
         gathered = control.all_gather(self._local_report(), "moe-counts")
-        detail, work = control.decide(lambda: self._summarise(gathered), "moe-event")
+        detail, work = self.decide_or_fallback(
+            lambda: self._summarise(gathered), "moe-event", lambda: ({}, None),
+            "no routing statistics for this event (the controller times a window)")
+        if work is None:
+            return DynamismEvent(self.name, iteration, detail)
         if t.dims.rank == 0 and logger.isEnabledFor(logging.DEBUG):
             logger.debug("moe: iteration %d kept %s", iteration, detail["kept"])
         return DynamismEvent(self.name, iteration, detail,

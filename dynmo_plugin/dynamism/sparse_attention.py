@@ -39,6 +39,7 @@ from typing import Optional
 from dynmo_plugin.config import ConfigError
 
 from .base import DynamismEvent, Runtime, Scenario
+from .flops import FLOP_FALLBACK, DecoderFlops
 
 __all__ = ["SparseAttention", "AttentionCostModel", "parse_buckets_per_layer", "scheduled_buckets",
            "bucket_table", "change_round", "fit_cost_model"]
@@ -115,6 +116,18 @@ class AttentionCostModel:
     block_ms: float
     row_ms: float
     block_overhead_ms: float
+    source: str = "timed"  # or "flops": the fallback when the calibration failed
+
+    @classmethod
+    def from_flops(cls, flops, seq_length: int, micro_batch_size: int,
+                   hashes: int) -> "AttentionCostModel":
+        """The fallback from matmul FLOPs (dynamism.flops): block_ms per query-key pair
+        of a block, dense attention over s keys per query; hashing, sorting and
+        gathers (row_ms, block_overhead_ms) are not matmuls and count 0."""
+        s, b = seq_length, micro_batch_size
+        ms = lambda f: round(1e3 * flops.seconds(f), 9)  # noqa: E731
+        return cls(s, hashes, ms(s * b * flops.linear()), ms(s * b * flops.attention(s)),
+                   ms(b * flops.attention(1)), 0.0, 0.0, source="flops")
 
     def attention_ms(self, buckets: int) -> float:
         if buckets <= 1:
@@ -234,6 +247,9 @@ class SparseAttention(Scenario):
             attention.begin_iteration(iteration, first)
 
     def after_step(self, iteration: int) -> Optional[DynamismEvent]:
+        return self.with_fallbacks(iteration, self._event(iteration))
+
+    def _event(self, iteration: int) -> Optional[DynamismEvent]:
         k = change_round(self.settings, iteration)
         if not k:
             return None
@@ -287,12 +303,18 @@ class SparseAttention(Scenario):
                 raise fitted
             return fitted
 
-        return self.runtime.control.decide(result, "sparse-attention-calibration")
+        t = self.runtime.trainer
+        return self.decide_or_fallback(
+            result, "sparse-attention-calibration",
+            lambda: AttentionCostModel.from_flops(DecoderFlops.from_config(t.config), t.args.seq_length,
+                                                  t.args.micro_batch_size, self.settings.hashes).to_dict(),
+            FLOP_FALLBACK)
 
     def _calibrate(self) -> dict:
         """Rank 0: time a throwaway layer built from this run's spec without attention and
         at every bucket count the run uses; fit the model to the differences."""
         from dynmo_plugin.megatron.lsh_attention import time_layer
+        self.inject_fault("sparse-attention-calibration")
         t, s = self.runtime.trainer, self.settings
         args, decoder = t.args, t.model.decoder
         seq = args.seq_length

@@ -132,7 +132,9 @@ class EarlyExitLayer(TransformerLayer):
         self._calls = 0
         self.tokens_seen = 0    # tokens of this iteration's micro-batches
         self.tokens_active = 0  # of which not exited before this layer
-        self.confidence_sum = 0.0  # exit-head confidence summed over the active tokens
+        # exit-head confidence summed over the active tokens: a float64 device tensor once
+        # a micro-batch ran (read by the scenario at its events, not per forward)
+        self.confidence_sum = 0.0
 
     def forward(self, *args, **kwargs):
         ctx = self.exit_context
@@ -149,26 +151,45 @@ class EarlyExitLayer(TransformerLayer):
         hidden = kwargs.pop("hidden_states")
         s, h = ctx.seq_length, self.config.hidden_size
         x, exited = hidden[:s], decode_exited(hidden[s:], s)
-        active = ~exited
-        counts = active.sum(0)
         self.tokens_seen += exited.numel()
-        self.tokens_active += int(counts.sum())
-        if int(counts.max()) == 0:  # every token of the micro-batch has exited
-            out, context, exited_after = x, kwargs.get("context"), exited
+        if not self._exits_possible():  # known on the host: every token is active
+            active = counts = None
+            self.tokens_active += exited.numel()
         else:
-            out, context, exited_after = self._run_active(x, exited, active, counts, mb, kwargs)
+            active = ~exited
+            counts = active.sum(0)
+            # the one host read a layer needs once tokens may have exited: the number of
+            # active tokens C sizes the gather (what makes the layer cheaper)
+            per_sample = counts.tolist()
+            self.tokens_active += sum(per_sample)
+            if max(per_sample) == 0:  # every token of the micro-batch has exited
+                carrier = encode_exited(exited, h, x.dtype)
+                return torch.cat([x, carrier], dim=0), kwargs.get("context")
+            if min(per_sample) == s:
+                active = counts = None  # nothing exited: the plain layer
+            else:
+                counts = (counts, max(per_sample))
+        out, context, exited_after = self._run_active(x, exited, active, counts, mb, kwargs)
         carrier = encode_exited(exited_after, h, out.dtype)
         return torch.cat([out, carrier], dim=0), context
 
+    def _exits_possible(self) -> bool:
+        """Whether a token may have exited before this layer: only after a layer >=
+        min_layer once exits are on (what `_decide` allows), so the host knows."""
+        ctx = self.exit_context
+        return ctx.exits_on and self.layer_number > ctx.min_layer
+
     def _run_active(self, x, exited, active, counts, mb: int, kwargs):
+        """`active` None: every token runs (the plain layer); else `counts` is (active
+        tokens per sample on the device, their maximum C on the host)."""
         ctx, s = self.exit_context, x.shape[0]
         b, h = x.shape[1], x.shape[2]
-        if bool(active.all()):  # nothing to gather: the plain layer
+        if active is None:  # nothing to gather: the plain layer
             y, context = super().forward(hidden_states=x, **kwargs)
             idx = valid = None
             y_active = y
         else:
-            c = int(counts.max())
+            counts, c = counts
             # active tokens first, each group in original order (stable sort)
             idx = torch.sort((~active).to(torch.int8), dim=0, stable=True).indices[:c]  # [C, b]
             valid = torch.arange(c, device=x.device)[:, None] < counts[None, :]       # [C, b]
@@ -193,7 +214,8 @@ class EarlyExitLayer(TransformerLayer):
         """Exited flags after this layer: before, or confidence above the threshold now."""
         ctx = self.exit_context
         confidence = torch.softmax(logits.float(), dim=-1).amax(-1)  # [C, b]
-        self.confidence_sum += float(confidence.sum() if valid is None else confidence[valid].sum())
+        total = confidence.sum() if valid is None else (confidence * valid).sum()
+        self.confidence_sum = self.confidence_sum + total.double()  # no host read
         may_exit = (ctx.exits_on and self.layer_number >= ctx.min_layer
                     and self.layer_number < self.config.num_layers)
         if not may_exit:

@@ -58,10 +58,28 @@ class FreezableMixin:
         self.register_buffer("plasticity_reference", torch.zeros((), dtype=torch.float64,
                                                                  device=device))
         self.register_buffer("in_frozen_prefix", torch.zeros((), dtype=torch.bool, device=device))
+        self._frozen = False  # the host's copy of in_frozen_prefix: forward reads no device tensor
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    def set_frozen(self, frozen: bool) -> None:
+        """Mark the layer as (not) in the frozen prefix: the buffer (which migrations and
+        checkpoints carry) and the host's copy."""
+        self._frozen = bool(frozen)
+        self.in_frozen_prefix.fill_(self._frozen)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A migration or checkpoint brings the flag: refresh the host's copy (one read
+        per load, not one per forward)."""
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if prefix + "in_frozen_prefix" in state_dict:
+            self._frozen = bool(state_dict[prefix + "in_frozen_prefix"])
 
     def forward(self, *args, **kwargs):
         hidden = kwargs.get("hidden_states")
-        if (bool(self.in_frozen_prefix) and torch.is_tensor(hidden) and hidden.requires_grad
+        if (self._frozen and torch.is_tensor(hidden) and hidden.requires_grad
                 and torch.is_grad_enabled()):
             kwargs["hidden_states"] = hidden.detach()
             output, context = super().forward(*args, **kwargs)

@@ -66,6 +66,14 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory without waiting (a plain
+    copy from pageable memory synchronises the host in every layer)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _round(table: torch.Tensor, s: int, b: int, n: int, d: int, buckets: int,
            rotation: torch.Tensor, scale: float, want_lse: bool):
     """One hash round over `table` = [q | k | v] rows in (position, batch, head) order.
@@ -75,7 +83,7 @@ def _round(table: torch.Tensor, s: int, b: int, n: int, d: int, buckets: int,
     S = c * buckets
     with torch.no_grad():
         qk = table[:rows, :2 * d].view(rows, 2, d)
-        proj = qk.float() @ rotation.to(table.device)                  # [rows, 2, ceil(B/2)]
+        proj = qk.float() @ _to_device(rotation, table.device)         # [rows, 2, ceil(B/2)]
         bucket = torch.cat([proj, -proj], -1)[..., :buckets].argmax(-1)  # [rows, 2]
         bucket = bucket.view(s, b, n, 2).permute(1, 2, 3, 0)            # [b, n, 2, s]
         pos = torch.arange(s, device=table.device)
@@ -147,8 +155,8 @@ class LSHCoreAttention(CausalCoreAttention):
         if hashes < 1:
             raise ValueError(f"hashes must be >= 1, got {hashes}")
         self.seed, self.hashes = seed, hashes
-        self.register_buffer("buckets", torch.tensor(int(initial_buckets.get(self.layer_number, 1)),
-                                                     dtype=torch.int64))
+        self._buckets = int(initial_buckets.get(self.layer_number, 1))  # the host's copy
+        self.register_buffer("buckets", torch.tensor(self._buckets, dtype=torch.int64))
         self._iteration: Optional[int] = None
         self._microbatch = 0
         self._causal: Optional[torch.Tensor] = None
@@ -162,7 +170,15 @@ class LSHCoreAttention(CausalCoreAttention):
     def set_buckets(self, buckets: int) -> None:
         if buckets < 1:
             raise ValueError(f"layer {self.layer_number}: buckets must be >= 1, got {buckets}")
-        self.buckets.fill_(buckets)
+        self._buckets = int(buckets)
+        self.buckets.fill_(self._buckets)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A migration or checkpoint brings the count: refresh the host's copy (one read
+        per load; forward reads no device tensor)."""
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if prefix + "buckets" in state_dict:
+            self._buckets = int(state_dict[prefix + "buckets"])
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -177,7 +193,7 @@ class LSHCoreAttention(CausalCoreAttention):
             value = value.repeat_interleave(n // value.shape[2], dim=2)
         if self._pass_values:
             return value.reshape(value.shape[0], value.shape[1], -1)
-        buckets = int(self.buckets)
+        buckets = self._buckets
         if buckets == 1:
             return dense_causal_attention(query, key, value, self.softmax_scale)
         if self._iteration is None:
@@ -193,12 +209,19 @@ class LSHCoreAttention(CausalCoreAttention):
         """The mask must be the plain causal one (True = masked) or None: padding masks
         would need per-key masking inside the blocks, which is not implemented."""
         if mask is None or (mask is self._verified[0] and mask._version == self._verified[1]):
-            return  # the trainer passes one mask tensor for all micro-batches of an iteration
+            return  # the same mask tensor as last time, unchanged
         if self._causal is None or self._causal.shape[-1] != s or self._causal.device != mask.device:
             self._causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=mask.device), 1)
-        if mask.shape[-2:] != (s, s) or not bool((mask == self._causal).all()):
-            raise ValueError(f"layer {self.layer_number}: LSH attention takes only a causal "
-                             "attention mask (no padding masks)")
+        problem = (f"layer {self.layer_number}: LSH attention takes only a causal attention mask "
+                   "(no padding masks)")
+        if mask.shape[-2:] != (s, s):
+            raise ValueError(problem)
+        # checked where the mask lives (at once on CPU, a device-side assert on a GPU):
+        # reading the answer back would stall the host in every layer
+        try:
+            torch._assert_async((mask == self._causal).all(), problem)
+        except RuntimeError as e:
+            raise ValueError(problem) from e
         self._verified = (mask, mask._version)  # holding it: its memory cannot be reused
 
 
@@ -282,23 +305,14 @@ def time_layer(spec: ModuleSpec, config, pg_collection, vp_stage, s: int, b: int
     0), run at each bucket count on a random [s, b, hidden] input with the causal mask.
     Key 0: the layer without attention (the core attention passes the values through),
     i.e. its linear part."""
-    from megatron.core.transformer.spec_utils import build_module
+    from dynmo_plugin.megatron.scratch import build_scratch_layer, scratch_input
     device = torch.device(device)
-    layer = build_module(spec, config=config, layer_number=1, pg_collection=pg_collection,
-                         vp_stage=vp_stage).to(device)
+    gen = torch.Generator().manual_seed(seed)
+    layer = build_scratch_layer(spec, config, 1, pg_collection, vp_stage, device, gen)  # run's dtype
     attention = layer.self_attention.core_attention
     if not isinstance(attention, LSHCoreAttention):
         raise ValueError(f"time_layer needs an LSH attention spec, got {type(attention).__name__}")
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    x = torch.randn(s, b, config.hidden_size, generator=gen).to(device).requires_grad_()
+    x = scratch_input((s, b, config.hidden_size), config, device, gen, requires_grad=True)
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), 1)[None, None]
     attention.begin_iteration(0)
 

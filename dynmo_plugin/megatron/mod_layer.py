@@ -107,15 +107,35 @@ class MoDLayer(TransformerLayer):
             self.router = torch.nn.Linear(h, 1, bias=False)
             self.predictor = Predictor(h, predictor_width)
             self.register_buffer("capacity", torch.tensor(float(capacity), dtype=torch.float64))
+            self._capacity = float(capacity)  # the host's copy: forward reads no device tensor
         self.reset_mod_stats()
 
     def set_capacity(self, capacity: float) -> None:
-        self.capacity.fill_(float(capacity))
+        self._capacity = float(capacity)
+        self.capacity.fill_(self._capacity)
+
+    def _apply(self, fn, recurse=True):
+        """Keep `capacity` float64 through half casts (Float16Module's bfloat16(), a
+        migrated layer's .to(params_dtype)): bf16 would turn 0.56 into 0.5625."""
+        out = super()._apply(fn, recurse)
+        if getattr(self, "routed", False) and self.capacity.dtype != torch.float64:
+            self.capacity = torch.tensor(self._capacity, dtype=torch.float64,
+                                         device=self.capacity.device)
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A migration or checkpoint brings the capacity: refresh the host's copy (one
+        read per load, not per forward)."""
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.routed and prefix + "capacity" in state_dict:
+            self._capacity = float(state_dict[prefix + "capacity"])
 
     def reset_mod_stats(self) -> None:
         """Start a new iteration: [tokens, selected, predicted, predicted & selected,
         predictions right] summed over this iteration's micro-batches."""
-        self.mod_stats = torch.zeros(5, dtype=torch.float64)
+        first = next(self.parameters(), None)  # on the layer's device: no copy per forward
+        self.mod_stats = torch.zeros(5, dtype=torch.float64,
+                                     device=first.device if first is not None else "cpu")
 
     def forward(self, *args, **kwargs):
         if not self.routed:
@@ -134,7 +154,7 @@ class MoDLayer(TransformerLayer):
             raise NotImplementedError("Mixture of Depths needs whole sequences (no sequence parallel)")
         x = kwargs.pop("hidden_states")
         s, b, h = x.shape
-        c = tokens_for(float(self.capacity), s)
+        c = tokens_for(self._capacity, s)
         logits = self.router(x).squeeze(-1)  # [s, b]
         # expert choice: the top C tokens of each sequence, kept in their original order
         idx = torch.topk(logits.detach(), c, dim=0, sorted=False).indices.sort(dim=0).values
@@ -206,31 +226,27 @@ def mod_spec(spec: ModuleSpec, capacities: dict[int, float], predictor_width: in
 
 def time_scratch_layers(trainer, clock, capacities, repeats: int) -> dict:
     """Seconds per micro-batch (forward + backward) of scratch layers built from
-    `trainer`'s spec and config, on random inputs of the run's shape: a plain layer
-    (key None) and a routed one at each capacity, `repeats` rounds after one warm-up
-    round. Touches no live layer and no RNG state."""
-    from megatron.core.transformer.spec_utils import build_module
+    `trainer`'s spec and config, in the run's precision, on random inputs of the run's
+    shape: a plain layer (key None) and a routed one at each capacity, `repeats` rounds
+    after one warm-up round. Touches no live layer and no RNG state."""
+    from dynmo_plugin.megatron.scratch import build_scratch_layer, scratch_input
     cfg, args = trainer.config, trainer.args
-    decoder = trainer.model.decoder
-    width = trainer.spec.params["predictor_width"]
+    decoder, width = trainer.model.decoder, trainer.spec.params["predictor_width"]
     device = trainer.dims.device
     s, b = args.seq_length, args.micro_batch_size
     gen = torch.Generator().manual_seed(0)
 
     def scratch(routed: bool):
         caps = {n: 1.0 for n in range(1, cfg.num_layers + 1)} if routed else {}
-        layer = build_module(mod_spec(trainer.spec, caps, width), config=cfg, layer_number=1,
-                             pg_collection=decoder.pg_collection, vp_stage=decoder.vp_stage)
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        layer = build_scratch_layer(mod_spec(trainer.spec, caps, width), cfg, 1,
+                                    decoder.pg_collection, decoder.vp_stage, device, gen)
         layer.mod_context = ModContext(predictor_loss_weight=1.0, grad_scale=1.0)
-        return layer.to(device)
+        return layer
 
     with torch.random.fork_rng(devices=[]):
         plain, routed = scratch(False), scratch(True)
         mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None].to(device)
-        x0 = torch.randn(s, b, cfg.hidden_size, generator=gen).to(device)
+        x0 = scratch_input((s, b, cfg.hidden_size), cfg, device, gen)
         out: dict = {c: [] for c in (None, *capacities)}
         for rep in range(repeats + 1):
             for c in out:

@@ -55,6 +55,10 @@ class MoeTransformerLayer(TransformerLayer):
         self._counts = counts if self._counts is None else self._counts + counts
         self.micro_batches += 1
 
+    def reset_counts(self) -> None:
+        """Drop the counts without reading them (a read waits for the device)."""
+        self._counts, self.micro_batches = None, 0
+
     def take_counts(self) -> Optional[list[int]]:
         """Tokens per expert since the last call (summed over micro-batches, after
         dropping), or None for a dense layer; resets the counts."""
@@ -98,18 +102,6 @@ def _time_fwd_bwd(layer, x, grad, mask, clock, repeats: int) -> tuple[list[float
     return seconds, tokens
 
 
-@torch.no_grad()
-def _init_(layer, gen: torch.Generator, std: float = 0.02) -> None:
-    for name, p in layer.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if "norm" in name and leaf in ("weight", "layer_norm_weight"):
-            p.fill_(1.0)
-        elif leaf.endswith("bias"):
-            p.zero_()
-        else:
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
-
-
 def flop_fixed_tokens(cfg, seq_length: int) -> float:
     """An MoE layer's non-expert work per token, in units of one expert token's work, by
     matmul FLOPs: QKV and output projections 8h^2, attention scores and values 4sh, router
@@ -136,26 +128,25 @@ def calibrate(trainer, moe_layers: tuple[int, ...], repeats: int = 3, rounds: in
     of the run is touched (Megatron's aux-loss logging tracker gets values, which the
     scenario clears every iteration)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-    from megatron.core.transformer.spec_utils import build_module
 
+    from dynmo_plugin.megatron.scratch import build_scratch_layer, scratch_input
     from dynmo_plugin.profiling.clock import clock_for
 
     t = trainer
     cfg = copy.copy(t.config)
-    decoder = t.model.decoder
     offset = t.layout.offset(t.dims.pp_rank)
     gen = torch.Generator().manual_seed(seed)
     s, b, h = t.args.seq_length, t.args.micro_batch_size, cfg.hidden_size
-    x = torch.randn(s, b, h, generator=gen).to(t.dims.device)
-    grad = torch.randn(s, b, h, generator=gen).to(t.dims.device)
+    x = scratch_input((s, b, h), cfg, t.dims.device, gen)      # the run's precision
+    grad = scratch_input((s, b, h), cfg, t.dims.device, gen)
     mask = torch.ones(s, s, dtype=torch.bool, device=t.dims.device).triu(1)[None, None]
     clock = clock_for(t.dims.device)
 
+    decoder = t.model.decoder
+
     def build(number: int):
-        layer = build_module(t.spec, config=cfg, layer_number=number - offset,
-                             pg_collection=decoder.pg_collection, vp_stage=decoder.vp_stage)
-        _init_(layer, gen)
-        return layer.to(t.dims.device).train()
+        return build_scratch_layer(t.spec, cfg, number - offset, decoder.pg_collection,
+                                   decoder.vp_stage, t.dims.device, gen)
 
     dense = [n for n in range(1, t.config.num_layers + 1) if n not in moe_layers]
     moe = build(moe_layers[0])

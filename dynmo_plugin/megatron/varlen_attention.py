@@ -17,6 +17,7 @@ Where CUDA and Transformer Engine exist, TE's layer spec handles THD natively an
 from __future__ import annotations
 
 import copy
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -71,11 +72,12 @@ class VarlenCoreAttention(CausalCoreAttention):
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
         if packed_seq_params.qkv_format != "thd":
             raise NotImplementedError(f"packed format {packed_seq_params.qkv_format!r}; only thd")
-        cu = packed_seq_params.cu_seqlens_q
-        if packed_seq_params.cu_seqlens_kv is not None and not torch.equal(
-                packed_seq_params.cu_seqlens_kv, cu):
+        cu, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+        if cu_kv is not None and cu_kv is not cu and not torch.equal(cu_kv, cu):
             raise NotImplementedError("self-attention only: cu_seqlens_q must equal cu_seqlens_kv")
-        out = varlen_attention(query, key, value, cu.tolist(), self.softmax_scale)
+        # the boundaries slice the tensors: the host's copy when the batch brought one
+        bounds = getattr(packed_seq_params, "cu_seqlens_host", None) or cu.tolist()
+        out = varlen_attention(query, key, value, bounds, self.softmax_scale)
         return out.reshape(out.shape[0], -1)
 
 
@@ -108,8 +110,15 @@ def varlen_attention_spec(spec: ModuleSpec) -> ModuleSpec:
 
 
 def packed_seq_params(batch: dict) -> PackedSeqParams:
-    """Megatron's THD parameters for a micro-batch built by data.stream.PackedDocuments."""
-    cu, padded = batch["cu_seqlens"], batch.get("cu_seqlens_padded")  # padded: ends at the row
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
-                           max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"])
+    """Megatron's THD parameters for a micro-batch built by data.stream.PackedDocuments
+    (`cu_seqlens_padded` ends at the row, so padded positions are attended by nobody),
+    with the document boundaries also as a host list (`cu_seqlens_host`, from the batch's
+    `lengths`): VarlenCoreAttention slices by them and would otherwise read the device
+    tensor back in every layer of every micro-batch."""
+    cu, padded = batch["cu_seqlens"], batch.get("cu_seqlens_padded")
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                             max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"])
+    if batch.get("lengths") is not None:
+        params.cu_seqlens_host = [0, *itertools.accumulate(batch["lengths"])]
+    return params
