@@ -66,6 +66,14 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
     with pytest.raises(ConfigError, match="support: --overlap-param-gather"):
         ml.load_plugin_config(_megatron_like(argv=["--dynmo"], use_distributed_optimizer=True,
                                              overlap_param_gather=True))
+    # repacking restarts from Megatron-LM's checkpoint: checkpoint mode, with --save
+    with pytest.raises(ConfigError, match="--dynmo-repack-mode live .* --dynmo-repack-mode checkpoint"):
+        ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-repack"], save="ckpt"))
+    with pytest.raises(ConfigError, match="give --save DIR"):
+        ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-repack", "--dynmo-repack-mode",
+                                                   "checkpoint"]))
+    assert ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-repack", "--dynmo-repack-mode",
+                                                      "checkpoint"], save="ckpt")).dynmo.repack.enabled
     # virtual pipeline stages and the distributed optimizer are followed (the migration
     # test runs them): a forced layout then has pp x v stages
     interleaved = dict(use_distributed_optimizer=True, virtual_pipeline_model_parallel_size=2)
@@ -384,6 +392,28 @@ def test_native_moe_rebalanced_from_router_counts_bit_exact_with_a_never_moved_r
     acc = EventAccumulator(str(tmp_path / "tb")).Reload()
     assert [e.step for e in acc.Scalars("dynmo/moe_events")] == [2, 3, 4, 5, 6]
     assert "dynmo/layer_2_work" in acc.Tags()["scalars"]
+
+
+@needs_source
+def test_checkpoint_repack_4_to_2_ranks_resumes_bit_exact(tmp_path):
+    """--dynmo-repack in checkpoint mode on 4 ranks (PP=4): a forced 2-stage layout before
+    iteration 4 makes Megatron-LM's own exit path save after iteration 4 and leave
+    train(), the report naming the restart; restarted on 2 ranks (PP=2) with --load, the
+    chosen layout Et|tttL is built and iterations 5 and 6 equal those of the PP=4 run that
+    never stopped, to the last bit (its first four equal the stopped run's)."""
+    ckpt = tmp_path / "ckpt"
+    pp4 = ["--pipeline-model-parallel-size", "4", "--dynmo"]
+    _, full = _run(tmp_path / "pp4", pp4, ranks=4)
+    stopped, first = _run(tmp_path / "stopped", [*pp4, "--dynmo-repack", "--dynmo-repack-mode", "checkpoint",
+                                                  "--dynmo-forced-layouts", "4:Et|tttL", "--save", str(ckpt),
+                                                  "--save-interval", "1000"], ranks=4)
+    assert [it["iteration"] for it in stopped["iterations"]] == [1, 2, 3, 4] and first == full[:4]
+    repack = next(e["repack"] for e in stopped["events"] if e.get("repack"))
+    assert (repack["mode"], repack["next_layout"], repack["world_size_after"]) == ("checkpoint", "Et|tttL", 2)
+    assert f"--pipeline-model-parallel-size 2 --load {ckpt}" in repack["restart"]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    resumed, second = _run(tmp_path / "resumed", ["--dynmo", "--load", str(ckpt), "--no-load-rng"])
+    assert resumed["initial_layout"] == "Et|tttL" and second == full[4:]
 
 
 def _check_forced_move(report: dict, after: str, num_layers: int) -> None:

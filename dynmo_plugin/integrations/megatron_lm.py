@@ -238,8 +238,6 @@ def _check_supported(args, cfg: RunConfig) -> None:
         (cfg.dynmo.repack.enabled and cfg.dynmo.repack.mode != "checkpoint",
          f"--dynmo-repack-mode {cfg.dynmo.repack.mode} (under Megatron-LM a repack saves a "
          "checkpoint and restarts smaller: --dynmo-repack-mode checkpoint)"),
-        (cfg.dynmo.repack.enabled and not getattr(args, "save", None),
-         "--dynmo-repack without --save (a checkpoint repack restarts from Megatron-LM's checkpoint)"),
     ]
     bad = [what for hit, what in unsupported if hit]
     if bad:
