@@ -358,6 +358,40 @@ def test_layer_freezing_through_spec_and_yaml_rebalances_bit_exact_with_static(t
         ml.load_plugin_config(_parsed(["--dynmo", "--dynmo-config", str(yaml_path)]))
     with pytest.raises(ConfigError, match="support: --dynmo-dynamism early_exit"):
         ml.load_plugin_config(_parsed(["--dynmo", "--dynmo-dynamism", "early_exit"]))
+    with pytest.raises(ConfigError, match="builds the gradual_pruning scenario's layers: add "
+                                          "--dynmo-dynamism gradual_pruning"):
+        ml.load_plugin_config(_parsed(["--dynmo", "--spec", ml.SPEC_MODULE, "gradual_pruning"]))
+
+
+PRUNING_YAML = """\
+rebalance:
+  min_gain: 0
+dynamism:
+  kind: gradual_pruning
+  pruning: {start: 2, interval: 2, rounds: 2, initial_sparsity: 0.0, final_sparsity: 0.9,
+            granularity: structured}
+"""
+
+
+@needs_source
+def test_structured_pruning_through_spec_moves_pruned_layers_bit_exact_with_static(tmp_path):
+    """Structured (FFN-neuron) gradual pruning from --spec + YAML inside Megatron-LM's
+    train(): rounds at 4 and 6 in both runs; in the moved run a forced layout carries the
+    pruned layer 2 to stage 1 before iteration 5 and the controller, profiling after the
+    round at 4, carries it back; iteration 6 prunes it again where it is. Six losses equal
+    to the static run's (balancer uniform) to the last bit."""
+    yaml_path = tmp_path / "pruning.yaml"
+    yaml_path.write_text(PRUNING_YAML)
+    flags = ["--spec", ml.SPEC_MODULE, "gradual_pruning", "--dynmo", "--dynmo-config", str(yaml_path)]
+    moved, moved_losses = _run(tmp_path / "moved", [*flags, "--dynmo-forced-layouts", "5:Et|tttL"])
+    static, static_losses = _run(tmp_path / "static", [*flags, "--dynmo-balancer", "uniform"])
+    for report in (moved, static):
+        rounds = [e for e in report["events"] if e["kind"] == "dynamism"]
+        assert [(e["iteration"], e["detail"]["unit"]) for e in rounds] == [(4, "ffn_neurons"), (6, "ffn_neurons")]
+    applied = [(e["trigger"], [(m["layer"], m["src"], m["dst"]) for m in e["moves"]])
+               for e in moved["events"] if e["kind"] == "rebalance" and e["applied"]]
+    assert applied == [("forced", [(2, 0, 1)]), ("event:gradual_pruning@4", [(2, 1, 0)])]
+    assert len(moved_losses) == 6 and moved_losses == static_losses
 
 
 NATIVE_MOE = ["--num-experts", "8", "--moe-router-topk", "4", "--moe-layer-freq", "[1,1,0,0]",

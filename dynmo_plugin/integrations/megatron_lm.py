@@ -73,7 +73,7 @@ _SIGNATURES = {
 # Scenarios that run inside Megatron-LM's train(): their layer spec, named to Megatron-LM's
 # `--spec` as SPEC_MODULE and the scenario's name (dynmo_plugin.integrations.megatron_lm_specs).
 SPEC_MODULE = "dynmo_plugin.integrations.megatron_lm_specs"
-SCENARIO_SPECS = ("layer_freezing",)
+SCENARIO_SPECS = ("layer_freezing", "gradual_pruning")
 
 
 class MegatronLMError(UserError):
@@ -247,7 +247,11 @@ def _check_supported(args, cfg: RunConfig) -> None:
     if getattr(args, "num_experts", None) and kind not in ("none", "moe"):
         raise ConfigError(f"--dynmo-dynamism {kind} with --num-experts: one scenario at a time; "
                           "Megatron-LM's MoE layers are followed as the 'moe' scenario")
-    if kind in SCENARIO_SPECS and list(getattr(args, "spec", None) or []) != [SPEC_MODULE, kind]:
+    spec = list(getattr(args, "spec", None) or [])
+    if spec[:1] == [SPEC_MODULE] and spec[1:] != [kind] and not (spec[1:] == ["moe"] and kind in ("none", "moe")):
+        raise ConfigError(f"--spec {' '.join(spec)} builds the {spec[-1]} scenario's layers: add "
+                          f"--dynmo-dynamism {spec[-1]} (or its YAML dynamism.kind), got {kind}")
+    if kind in SCENARIO_SPECS and spec != [SPEC_MODULE, kind]:
         raise ConfigError(f"--dynmo-dynamism {kind} under Megatron-LM builds its layers from its own "
                           f"spec: add --spec {SPEC_MODULE} {kind} (got --spec "
                           f"{' '.join(getattr(args, 'spec', None) or []) or 'none'})")
@@ -692,12 +696,12 @@ def _attach_scenario(cfg: RunConfig, stage: MegatronLMStage, control, migrator):
     scenario = build_scenario(cfg.dynmo.dynamism)
     if scenario is None:
         return None
-    # a scenario's layer_spec leaves its own spec as it is: anything else was not built by it
-    module = getattr(stage.spec, "module", None)
-    if stage.spec is None or scenario.layer_spec(stage.spec, None).module is not module:
-        raise MegatronLMError(f"--dynmo-dynamism {scenario.name}: the decoder's layers are "
-                              f"{getattr(module, '__name__', module)}, not the scenario's: build "
-                              f"them with --spec {SPEC_MODULE} {scenario.name}")
+    from dynmo_plugin.integrations import megatron_lm_specs
+    if stage.spec is None or stage.spec != getattr(megatron_lm_specs, scenario.name, None):
+        module = getattr(stage.spec, "module", None)
+        raise MegatronLMError(f"--dynmo-dynamism {scenario.name}: the decoder's layers ("
+                              f"{getattr(module, '__name__', module)}) were not built from the "
+                              f"scenario's spec: add --spec {SPEC_MODULE} {scenario.name}")
     scenario.attach(Runtime(stage, control, migrator))
     return scenario
 

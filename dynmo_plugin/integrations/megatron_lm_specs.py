@@ -25,7 +25,7 @@ The other scenarios are refused by name with --dynmo
 """
 from __future__ import annotations
 
-__all__ = ["layer_freezing", "moe", "moe_layers"]
+__all__ = ["layer_freezing", "gradual_pruning", "moe", "moe_layers"]
 
 
 def _args_and_config():
@@ -78,5 +78,18 @@ def _layer_freezing():
     return freezable_spec(_megatron_lm_layer_spec())
 
 
+def _gradual_pruning():
+    """The pruning scenario's spec (prunable linears; by whole FFN neurons with
+    `granularity: structured`), or None unless the plugin's config asks for the scenario
+    (its settings pick the spec; they are validated before any model is built)."""
+    from dynmo_plugin.dynamism import build_scenario
+    from dynmo_plugin.integrations.megatron_lm import _hooks
+    cfg = _hooks.cfg
+    if cfg is None or cfg.dynmo.dynamism.kind != "gradual_pruning":
+        return None
+    return build_scenario(cfg.dynmo.dynamism).layer_spec(_megatron_lm_layer_spec(), None)
+
+
 layer_freezing = _layer_freezing()
+gradual_pruning = _gradual_pruning()
 moe, moe_layers = _native_moe()
