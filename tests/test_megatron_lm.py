@@ -103,6 +103,18 @@ def test_event_scalars_for_the_writers():
     assert out["dynmo/imbalance"] == pytest.approx((0.006 - 0.004) / 0.005)  # loads 6 ms, 4 ms
     assert out["dynmo/migration_s"] == 0.5 and out["dynmo/rebalance_applied"] == 1.0
     assert out["dynmo/moved_layers"] == 1.0 and out["dynmo/imbalance_after"] == 0.1
+    # the scenarios' events and a checkpoint repack get theirs too
+    repack = ml.event_scalars({"iteration": 4, "kind": "rebalance", "applied": False, "moves": [],
+                               "repack": {"mode": "checkpoint", "stages_after": 2, "world_size_after": 2}})
+    assert repack["dynmo/repack_stages_after"] == 2.0 and repack["dynmo/repack_world_size_after"] == 2.0
+    events = [{"kind": "dynamism", "scenario": "layer_freezing", "iteration": 6,
+               "detail": {"frozen_layers": [1, 2]}},
+              {"kind": "dynamism", "scenario": "gradual_pruning", "iteration": 4, "detail": {"target": 0.5}},
+              {"kind": "dynamism", "scenario": "moe", "iteration": 2, "detail": {}, "work": {"1": 3.0}}]
+    assert [ml.event_scalars(e) for e in events] == [
+        {"dynmo/layer_freezing_events": 1.0, "dynmo/frozen_layers": 2.0},
+        {"dynmo/gradual_pruning_events": 1.0, "dynmo/pruning_target": 0.5},
+        {"dynmo/moe_events": 1.0, "dynmo/layer_1_work": 3.0}]
 
 
 def test_use_source_refuses_a_folder_that_is_not_megatron_lm(tmp_path):

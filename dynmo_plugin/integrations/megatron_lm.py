@@ -536,6 +536,10 @@ def event_scalars(record: dict) -> dict[str, float]:
         if record.get("imbalance_after") is not None:
             out["dynmo/imbalance_after"] = float(record["imbalance_after"])
         out["dynmo/moved_layers"] = float(len(record.get("moves", [])))
+        repack = record.get("repack") or {}
+        if repack:  # a repack: the pipeline ranks and world size the run continues with
+            out["dynmo/repack_stages_after"] = float(repack["stages_after"])
+            out["dynmo/repack_world_size_after"] = float(repack["world_size_after"])
     for phase, seconds in record.get("overhead_s", {}).items():
         out[f"dynmo/{phase}_s"] = float(seconds)
     if record.get("kind") == "dynamism":  # a scenario's event: its count and what it changed
@@ -543,6 +547,8 @@ def event_scalars(record: dict) -> dict[str, float]:
         detail = record.get("detail") or {}
         if "frozen_layers" in detail:
             out["dynmo/frozen_layers"] = float(len(detail["frozen_layers"]))
+        if "target" in detail:  # pruning: the round's target sparsity
+            out["dynmo/pruning_target"] = float(detail["target"])
         for layer, units in (record.get("work") or {}).items():
             out[f"dynmo/layer_{layer}_work"] = float(units)
     return out
