@@ -311,7 +311,8 @@ def test_a_per_rank_checkpoint_under_another_split_is_refused_in_one_line(tmp_pa
     """--ckpt-format torch numbers decoder layers within each stage: loaded under another
     split, stage 0 would silently take layer 1's weights for its layer 2. The checkpoint's
     header (tracker file and the per-rank file's `args`, the only part read before the
-    model exists) is written here in Megatron-LM's legacy layout."""
+    model exists) is written here in Megatron-LM's legacy layout. Over the same header: a
+    layer-freezing run is not resumed from a checkpoint that lacks the scenario's state."""
     import torch
     folder = tmp_path / "iter_0000004" / "mp_rank_00_000"
     folder.mkdir(parents=True)
@@ -322,6 +323,13 @@ def test_a_per_rank_checkpoint_under_another_split_is_refused_in_one_line(tmp_pa
     ok = _parsed(["--dynmo", "--load", str(tmp_path), "--pipeline-model-parallel-size", "2"])
     ml.restore_saved_layout(ok)  # the saved split: honoured
     assert ok.pipeline_model_parallel_layout == "Et|tttL"
+    # a scenario whose state the checkpoint lacks is not resumed (frozen layers would train)
+    scenario = ["--dynmo-dynamism", "layer_freezing", "--spec", ml.SPEC_MODULE, "layer_freezing"]
+    frozen = _parsed(["--dynmo", "--load", str(tmp_path), *scenario])
+    with pytest.raises(ml.MegatronLMError, match="--dynmo-dynamism layer_freezing: the scenario's state"):
+        ml.refuse_scenario_resume(frozen, ml.load_plugin_config(frozen))
+    fresh = _parsed(["--dynmo", "--load", str(tmp_path / "none"), *scenario])
+    ml.refuse_scenario_resume(fresh, ml.load_plugin_config(fresh))  # nothing saved there yet
     for flags in (["--pipeline-model-parallel-size", "1"],
                   ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ett|ttL"]):
         with pytest.raises(ml.MegatronLMError) as e:

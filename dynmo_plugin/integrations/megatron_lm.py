@@ -498,6 +498,23 @@ def restore_saved_layout(args) -> None:
             "--ckpt-format torch_dist (layers keyed by global number, any split)")
 
 
+def refuse_scenario_resume(args, cfg: RunConfig) -> None:
+    """Layer freezing and pruning keep state Megatron-LM's checkpoint does not hold (which
+    parameters stopped training, the scenario's progress): resumed from one, frozen layers
+    would silently train again. Until that is saved, such a resume is refused.
+
+    Raises:
+        MegatronLMError: --load holds a checkpoint and one of those scenarios is on.
+    """
+    kind = cfg.dynmo.dynamism.kind
+    if cfg.dynmo.enabled and kind in SCENARIO_SPECS and args.load and _saved_args(args.load):
+        raise MegatronLMError(f"--load {args.load} with --dynmo-dynamism {kind}: the scenario's "
+                              "state (frozen or pruned parameters, its progress) is not in "
+                              "Megatron-LM's checkpoint yet; resume without the scenario, or run "
+                              "it in the launcher (python -m dynmo_plugin.train), whose "
+                              "checkpoints hold it")
+
+
 def use_native_moe_spec(args) -> None:
     """With --dynmo and --num-experts, gpt_builder builds the decoder from the plugin's
     `moe` spec (megatron_lm_specs: Megatron-LM's own dense and MoE layer specs, picked by
@@ -830,6 +847,7 @@ def _wrap_initialize(original):
         out = original(*bound.args, **bound.kwargs)
         from megatron.training import get_args
         _hooks.cfg = load_plugin_config(get_args())
+        refuse_scenario_resume(get_args(), _hooks.cfg)
         return out
     return initialize_megatron
 
