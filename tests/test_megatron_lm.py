@@ -25,12 +25,12 @@ from dynmo_plugin.config import ConfigError
 from dynmo_plugin.integrations import megatron_lm as ml
 
 SOURCE = os.environ.get(ml.SOURCE_ENV)
-_MISSING = [m for m in ("six", "regex", "triton") if importlib.util.find_spec(m) is None]
+_MISSING = [m for m in ("six", "regex", "triton", "tensorboard") if importlib.util.find_spec(m) is None]
 needs_source = pytest.mark.skipif(
     not SOURCE or bool(_MISSING),
     reason=(f"{ml.SOURCE_ENV} is unset: point it at a Megatron-LM checkout at tag "
             f"{ml.SUPPORTED_TAG} (megatron.training is not on PyPI)") if not SOURCE else
-    f"Megatron-LM's imports need {', '.join(_MISSING)}: pip install six regex triton")
+    f"Megatron-LM's imports (and the writer checks) need {', '.join(_MISSING)}: pip install -e .[megatron_lm]")
 
 # A small GPT that Megatron-LM builds without Transformer Engine or Apex, on CPU.
 MODEL_FLAGS = [
