@@ -733,7 +733,9 @@ def _native_moe_scenario(cfg: RunConfig, stage: MegatronLMStage):
     """The launcher's `moe` scenario over Megatron-LM's own MoE model: the model's settings
     are Megatron-LM's flags (--num-experts, --moe-router-topk, --moe-layer-freq,
     --moe-expert-capacity-factor), when and how it reports are `dynamism.moe`'s (start,
-    interval, ep_model). Its events carry each layer's work from the router's counts."""
+    interval, ep_model; with --expert-model-parallel-size P > 1 the work model is P's:
+    the busiest expert group sets a layer's pace). Its events carry each layer's work
+    from the router's counts."""
     from dynmo_plugin.dynamism.moe import MixtureOfExperts
     from dynmo_plugin.integrations.megatron_lm_specs import moe_layer_numbers
     from dynmo_plugin.megatron.moe_layer import MoeTransformerLayer
@@ -743,9 +745,12 @@ def _native_moe_scenario(cfg: RunConfig, stage: MegatronLMStage):
     args, config = stage.args, stage.config
     numbers = moe_layer_numbers(config)
     pattern = ",".join("1" if n in numbers else "0" for n in range(1, config.num_layers + 1))
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
     moe = dataclasses.replace(cfg.dynmo.dynamism.moe, num_experts=args.num_experts,
                               top_k=args.moe_router_topk, pattern=pattern,
-                              capacity_factor=args.moe_expert_capacity_factor or 0.0)
+                              capacity_factor=args.moe_expert_capacity_factor or 0.0,
+                              # the busiest expert group's rank paces a layer under EP > 1
+                              ep_model=cfg.dynmo.dynamism.moe.ep_model if ep == 1 else ep)
     return MixtureOfExperts(dataclasses.replace(cfg.dynmo.dynamism, kind="moe", moe=moe))
 
 
