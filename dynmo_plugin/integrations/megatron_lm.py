@@ -243,18 +243,24 @@ def _check_supported(args, cfg: RunConfig) -> None:
     if bad:
         raise ConfigError(f"--dynmo under Megatron-LM does not support: {'; '.join(bad)}. Drop "
                           "them, or run without --dynmo")
-    kind = cfg.dynmo.dynamism.kind
+    _check_scenario_spec(args, cfg.dynmo.dynamism.kind)
+
+
+def _check_scenario_spec(args, kind: str) -> None:
+    """A scenario needs the layers of its own --spec, and the plugin's --spec its scenario;
+    Megatron-LM's MoE (--num-experts) is followed as the 'moe' scenario, alone."""
     if getattr(args, "num_experts", None) and kind not in ("none", "moe"):
         raise ConfigError(f"--dynmo-dynamism {kind} with --num-experts: one scenario at a time; "
                           "Megatron-LM's MoE layers are followed as the 'moe' scenario")
     spec = list(getattr(args, "spec", None) or [])
-    if spec[:1] == [SPEC_MODULE] and spec[1:] != [kind] and not (spec[1:] == ["moe"] and kind in ("none", "moe")):
+    native_moe = spec[1:] == ["moe"] and kind in ("none", "moe")
+    if spec[:1] == [SPEC_MODULE] and spec[1:] != [kind] and not native_moe:
         raise ConfigError(f"--spec {' '.join(spec)} builds the {spec[-1]} scenario's layers: add "
                           f"--dynmo-dynamism {spec[-1]} (or its YAML dynamism.kind), got {kind}")
     if kind in SCENARIO_SPECS and spec != [SPEC_MODULE, kind]:
         raise ConfigError(f"--dynmo-dynamism {kind} under Megatron-LM builds its layers from its own "
                           f"spec: add --spec {SPEC_MODULE} {kind} (got --spec "
-                          f"{' '.join(getattr(args, 'spec', None) or []) or 'none'})")
+                          f"{' '.join(spec) or 'none'})")
 
 
 # ---- the stage handle -------------------------------------------------------------------------
