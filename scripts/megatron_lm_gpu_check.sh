@@ -13,8 +13,17 @@
 #     --tensorboard-dir OUT/tb --dynmo --dynmo-profile-every N --dynmo-output OUT/dynmo
 # and checks that the plugin's profile events were written: one per N iterations in
 # OUT/dynmo/report.json, each timing every layer, and dynmo/layer_<n>_fwd_ms scalars in
-# Megatron-LM's TensorBoard events. --check-only runs that check alone on a finished
-# run's OUT_DIR. Exit 0: passed; 1: a check failed or the run failed; 2: usage/setup.
+# Megatron-LM's TensorBoard events. That run also saves Megatron-LM checkpoints
+# (--save, torch_dist) at ITERS/2 and ITERS; the second run resumes from the one at
+# ITERS/2 (--load; the tracker file pointed at it) and its losses must match the first
+# run's (exactly, or within 5e-3 relative: GPU kernels with atomics need not be bitwise
+# deterministic). The third runs Megatron-LM's own MoE (--num-experts 4, top-2, MoE on
+# layers 1 and 3, alltoall dispatcher; fp32) with --dynmo for 6 iterations: the plugin's `moe`
+# events every iteration from 2, with each MoE layer's tokens per expert. On one GPU the
+# pipeline is PP=1, so no layer moves here: migrations, saves after them and resumes
+# under other pipeline sizes are tests/test_megatron_lm.py's (CPU, PP=2).
+# --check-only runs the first check alone on a finished run's OUT_DIR.
+# Exit 0: passed; 1: a check failed or a run failed; 2: usage/setup.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TAG=core_v0.16.1
@@ -57,7 +66,7 @@ while [[ $# -gt 0 ]]; do
     --out) [[ $# -ge 2 ]] || die "--out needs a directory"; OUT="$2"; shift 2 ;;
     --no-install) INSTALL=0; shift ;;
     --check-only) [[ $# -eq 5 ]] || die "--check-only OUT_DIR ITERS PROFILE_EVERY LAYERS"; ARGS=("$2" "$3" "$4" "$5"); shift 5 ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown argument $1 (see --help)" ;;
     *) SRC="$1"; shift ;;
   esac
@@ -94,23 +103,67 @@ if [[ ${#MISSING[@]} -gt 0 ]]; then
   "$PY" -m pip install -q --disable-pip-version-check "${MISSING[@]}" || die "pip install ${MISSING[*]} failed"
 fi
 
-# ---- the run ---------------------------------------------------------------------------------
+# ---- the runs --------------------------------------------------------------------------------
 rm -rf "$OUT"; mkdir -p "$OUT"
-say "pretrain_gpt.py from $SRC, $ITERS iterations, profiled every $EVERY; log: $OUT/train.log"
-set +e
-DYNMO_MEGATRON_LM="$SRC" CUDA_DEVICE_MAX_CONNECTIONS=1 "$PY" -m torch.distributed.run \
-  --nproc-per-node 1 --master-addr 127.0.0.1 --master-port "${DYNMO_CHECK_PORT:-29561}" \
-  -m dynmo_plugin.integrations.pretrain_gpt \
-  --num-layers "$LAYERS" --hidden-size 512 --num-attention-heads 8 --seq-length 512 \
-  --max-position-embeddings 512 --micro-batch-size 4 --global-batch-size 16 \
-  --train-iters "$ITERS" --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 \
-  --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --bf16 \
-  --transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion \
-  --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion \
-  --eval-iters 0 --eval-interval 1000 --log-interval 1 --tensorboard-dir "$OUT/tb" \
-  --dynmo --dynmo-profile-every "$EVERY" --dynmo-output "$OUT/dynmo" >"$OUT/train.log" 2>&1
-RC=$?
-set -e
-if [[ $RC -ne 0 ]]; then tail -n 30 "$OUT/train.log" >&2; say "the run failed (exit $RC)"; exit 1; fi
+HALF=$((ITERS / 2))
+run() {  # run LOG FLAGS...: pretrain_gpt.py through the wrapper on one GPU; exit 1 if it fails
+  local log="$1"; shift
+  set +e
+  DYNMO_MEGATRON_LM="$SRC" CUDA_DEVICE_MAX_CONNECTIONS=1 "$PY" -m torch.distributed.run \
+    --nproc-per-node 1 --master-addr 127.0.0.1 --master-port "${DYNMO_CHECK_PORT:-29561}" \
+    -m dynmo_plugin.integrations.pretrain_gpt \
+    --hidden-size 512 --num-attention-heads 8 --seq-length 512 \
+    --max-position-embeddings 512 --micro-batch-size 4 --global-batch-size 16 \
+    --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 \
+    --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \
+    --transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion \
+    --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion \
+    --eval-iters 0 --eval-interval 1000 --log-interval 1 "$@" >"$log" 2>&1
+  local rc=$?
+  set -e
+  if [[ $rc -ne 0 ]]; then tail -n 30 "$log" >&2; say "the run failed (exit $rc): $log"; exit 1; fi
+}
+FAIL=0
+say "1/3 pretrain_gpt.py from $SRC, $ITERS iterations, profiled every $EVERY, saved at $HALF and $ITERS; log: $OUT/train.log"
+run "$OUT/train.log" --bf16 --num-layers "$LAYERS" --train-iters "$ITERS" --tensorboard-dir "$OUT/tb" \
+  --save "$OUT/ckpt" --save-interval "$HALF" \
+  --dynmo --dynmo-profile-every "$EVERY" --dynmo-output "$OUT/dynmo"
 grep -E "iteration +$ITERS/|dynmo:" "$OUT/train.log" | tail -n 4 >&2 || true
-check "$OUT" "$ITERS" "$EVERY" "$LAYERS"
+check "$OUT" "$ITERS" "$EVERY" "$LAYERS" || FAIL=1
+
+say "2/3 resumed from the checkpoint at iteration $HALF (--load); log: $OUT/resume.log"
+[[ -d "$OUT/ckpt/iter_$(printf %07d "$HALF")" ]] || { say "no checkpoint at iteration $HALF"; exit 1; }
+echo "$HALF" > "$OUT/ckpt/latest_checkpointed_iteration.txt"
+run "$OUT/resume.log" --bf16 --num-layers "$LAYERS" --train-iters "$ITERS" --load "$OUT/ckpt" \
+  --dynmo --dynmo-output "$OUT/resumed"
+"$PY" - "$OUT" "$HALF" <<'EOF' || FAIL=1
+import json, os, sys
+out, half = sys.argv[1], int(sys.argv[2])
+def losses(name):
+    report = json.load(open(os.path.join(out, name, "report.json")))
+    return {r["iteration"]: r["loss"] for r in report["iterations"]}
+full, resumed = losses("dynmo"), losses("resumed")
+its = sorted(resumed)
+worst = max((abs(resumed[i] - full[i]) / abs(full[i]) for i in its), default=float("inf"))
+ok = its == [i for i in sorted(full) if i > half] and worst <= 5e-3
+shown = "bit-exact" if worst == 0 else f"max relative difference {worst:.2e}"
+print(f"resumed iterations {its}: losses {shown} vs the uninterrupted run: {'PASS' if ok else 'FAIL'}")
+sys.exit(0 if ok else 1)
+EOF
+
+say "3/3 Megatron-LM's own MoE (--num-experts 4, layers 1 and 3), 6 iterations; log: $OUT/moe.log"
+run "$OUT/moe.log" --num-layers 4 --train-iters 6 --num-experts 4 --moe-router-topk 2 \
+  --moe-layer-freq "[1,0,1,0]" --moe-expert-capacity-factor 1.5 \
+  --moe-token-dispatcher-type alltoall --disable-bias-linear \
+  --dynmo --dynmo-output "$OUT/moe"
+"$PY" - "$OUT" <<'EOF' || FAIL=1
+import json, os, sys
+report = json.load(open(os.path.join(sys.argv[1], "moe", "report.json")))
+events = [e for e in report["events"] if e["kind"] == "dynamism" and e["scenario"] == "moe"]
+got = [(e["iteration"], sorted(e["detail"]["tokens_per_expert"])) for e in events]
+want = [(i, ["1", "3"]) for i in range(2, 7)]
+ok = got == want and all(len(c) == 4 for e in events for c in e["detail"]["tokens_per_expert"].values())
+print(f"moe events {got} (want {want}): {'PASS' if ok else 'FAIL'}")
+sys.exit(0 if ok else 1)
+EOF
+exit $FAIL

@@ -25,12 +25,12 @@ from dynmo_plugin.config import ConfigError
 from dynmo_plugin.integrations import megatron_lm as ml
 
 SOURCE = os.environ.get(ml.SOURCE_ENV)
-_MISSING = [m for m in ("six", "regex", "triton") if importlib.util.find_spec(m) is None]
+_MISSING = [m for m in ("six", "regex", "triton", "tensorboard") if importlib.util.find_spec(m) is None]
 needs_source = pytest.mark.skipif(
     not SOURCE or bool(_MISSING),
     reason=(f"{ml.SOURCE_ENV} is unset: point it at a Megatron-LM checkout at tag "
             f"{ml.SUPPORTED_TAG} (megatron.training is not on PyPI)") if not SOURCE else
-    f"Megatron-LM's imports need {', '.join(_MISSING)}: pip install six regex triton")
+    f"Megatron-LM's imports (and the writer checks) need {', '.join(_MISSING)}: pip install -e .[megatron_lm]")
 
 # A small GPT that Megatron-LM builds without Transformer Engine or Apex, on CPU.
 MODEL_FLAGS = [
@@ -66,6 +66,14 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
     with pytest.raises(ConfigError, match="support: --overlap-param-gather"):
         ml.load_plugin_config(_megatron_like(argv=["--dynmo"], use_distributed_optimizer=True,
                                              overlap_param_gather=True))
+    # repacking restarts from Megatron-LM's checkpoint: checkpoint mode, with --save
+    with pytest.raises(ConfigError, match="--dynmo-repack-mode live .* --dynmo-repack-mode checkpoint"):
+        ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-repack"], save="ckpt"))
+    with pytest.raises(ConfigError, match="give --save DIR"):
+        ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-repack", "--dynmo-repack-mode",
+                                                   "checkpoint"]))
+    assert ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-repack", "--dynmo-repack-mode",
+                                                      "checkpoint"], save="ckpt")).dynmo.repack.enabled
     # virtual pipeline stages and the distributed optimizer are followed (the migration
     # test runs them): a forced layout then has pp x v stages
     interleaved = dict(use_distributed_optimizer=True, virtual_pipeline_model_parallel_size=2)
@@ -95,6 +103,18 @@ def test_event_scalars_for_the_writers():
     assert out["dynmo/imbalance"] == pytest.approx((0.006 - 0.004) / 0.005)  # loads 6 ms, 4 ms
     assert out["dynmo/migration_s"] == 0.5 and out["dynmo/rebalance_applied"] == 1.0
     assert out["dynmo/moved_layers"] == 1.0 and out["dynmo/imbalance_after"] == 0.1
+    # the scenarios' events and a checkpoint repack get theirs too
+    repack = ml.event_scalars({"iteration": 4, "kind": "rebalance", "applied": False, "moves": [],
+                               "repack": {"mode": "checkpoint", "stages_after": 2, "world_size_after": 2}})
+    assert repack["dynmo/repack_stages_after"] == 2.0 and repack["dynmo/repack_world_size_after"] == 2.0
+    events = [{"kind": "dynamism", "scenario": "layer_freezing", "iteration": 6,
+               "detail": {"frozen_layers": [1, 2]}},
+              {"kind": "dynamism", "scenario": "gradual_pruning", "iteration": 4, "detail": {"target": 0.5}},
+              {"kind": "dynamism", "scenario": "moe", "iteration": 2, "detail": {}, "work": {"1": 3.0}}]
+    assert [ml.event_scalars(e) for e in events] == [
+        {"dynmo/layer_freezing_events": 1.0, "dynmo/frozen_layers": 2.0},
+        {"dynmo/gradual_pruning_events": 1.0, "dynmo/pruning_target": 0.5},
+        {"dynmo/moe_events": 1.0, "dynmo/layer_1_work": 3.0}]
 
 
 def test_use_source_refuses_a_folder_that_is_not_megatron_lm(tmp_path):
@@ -212,7 +232,8 @@ def _run(tmp: Path, extra: list[str], ranks: int = 2) -> tuple[dict, dict]:
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__,
            *MODEL_FLAGS, "--train-iters", "6", "--pipeline-model-parallel-size", "2",
            "--dynmo-output", str(out), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DYNMO_TEST_LOSSES": str(tmp)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DYNMO_TEST_LOSSES": str(tmp),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     report = json.loads((out / "report.json").read_text())
@@ -228,13 +249,15 @@ def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp
     (8 layers, 2 chunks per rank, Megatron's interleaved 1F1B over train()'s list of DDP
     chunks) and --use-distributed-optimizer on 4 ranks, PP=2 x DP=2 (its state sharded over
     the two DP ranks, gathered and re-sharded through optim_state as in the launcher)."""
-    tb = tmp_path / "tb"
+    tb, ckpt = tmp_path / "tb", tmp_path / "ckpt"
     forced = ["--dynmo", "--dynmo-profile-every", "2", "--dynmo-forced-layouts"]
-    moved, moved_losses = _run(tmp_path / "moved", [*forced, "4:Et|tttL", "--tensorboard-dir", str(tb)])
+    moved, moved_losses = _run(tmp_path / "moved", [*forced, "4:Et|tttL", "--tensorboard-dir", str(tb),
+                                                    "--save", str(ckpt), "--save-interval", "4"])
     static, static_losses = _run(tmp_path / "static", ["--dynmo"])
     _check_forced_move(moved, "Et|tttL", 4)
     assert static["layout"] == "Ett|ttL" and static["events"] == []
     assert len(moved_losses) == 6 and moved_losses == static_losses
+    _check_resume_after_the_move(tmp_path, ckpt, moved_losses)
     vp = ["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2",
           "--use-distributed-optimizer"]
     vp_moved, vp_moved_losses = _run(tmp_path / "vp_moved", [*vp, *forced, "4:Et|ttt|tt|ttL"], ranks=4)
@@ -248,6 +271,203 @@ def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp
     acc = EventAccumulator(str(tb)).Reload()
     assert [e.step for e in acc.Scalars("dynmo/layer_2_fwd_ms")] == [2, 4, 6]
     assert [e.value for e in acc.Scalars("dynmo/rebalance_applied")] == [1.0]
+
+
+def _check_resume_after_the_move(tmp: Path, ckpt: Path, losses: list) -> None:
+    """Megatron-LM's own save_checkpoint wrote iteration 4 (after the move) in torch_dist;
+    resumed with --load under the same pipeline size, the moved layout is restored; under
+    PP=1 (one rank) Megatron-LM's own split is built. Both continue with iterations 5 and
+    6 of the run that never stopped, to the last bit. (--no-load-rng: on CPU the harness
+    has no CUDA RNG tracker states to restore; no random numbers are drawn after start-up.)"""
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    resume = ["--dynmo", "--load", str(ckpt), "--no-load-rng"]
+    same, same_losses = _run(tmp / "resumed_pp2", resume)
+    assert (same["initial_layout"], same["layout"]) == ("Et|tttL", "Et|tttL")
+    assert same_losses == losses[4:]
+    other, other_losses = _run(tmp / "resumed_pp1", [*resume, "--pipeline-model-parallel-size", "1"],
+                               ranks=1)
+    assert other["initial_layout"] == "EttttL" and other_losses == losses[4:]
+    # the saved layout is restored only where it fits, and an explicit layout wins
+    for flags, want in ((["--pipeline-model-parallel-size", "2"], "Et|tttL"),
+                        (["--pipeline-model-parallel-size", "4"], None),
+                        (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
+                          "Ettt|tL"], "Ettt|tL")):
+        args = _parsed(["--dynmo", "--load", str(ckpt), *flags])
+        ml.restore_saved_layout(args)
+        assert args.pipeline_model_parallel_layout == want
+
+
+def _parsed(argv: list[str]) -> argparse.Namespace:
+    """Megatron-LM's parse_args (not yet validated) of MODEL_FLAGS + argv, with the plugin's flags."""
+    from unittest import mock
+    ml.use_source(SOURCE)
+    from megatron.training.arguments import parse_args
+    with mock.patch.object(sys, "argv", ["pretrain_gpt.py", *MODEL_FLAGS, "--train-iters", "6", *argv]):
+        return parse_args(ml._chain(None))
+
+
+@needs_source
+def test_a_per_rank_checkpoint_under_another_split_is_refused_in_one_line(tmp_path):
+    """--ckpt-format torch numbers decoder layers within each stage: loaded under another
+    split, stage 0 would silently take layer 1's weights for its layer 2. The checkpoint's
+    header (tracker file and the per-rank file's `args`, the only part read before the
+    model exists) is written here in Megatron-LM's legacy layout. Over the same header: a
+    layer-freezing run is not resumed from a checkpoint that lacks the scenario's state."""
+    import torch
+    folder = tmp_path / "iter_0000004" / "mp_rank_00_000"
+    folder.mkdir(parents=True)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
+    saved = _parsed(["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tttL",
+                     "--ckpt-format", "torch"])
+    torch.save({"args": saved, "iteration": 4, "checkpoint_version": 3.0}, folder / "model_optim_rng.pt")
+    ok = _parsed(["--dynmo", "--load", str(tmp_path), "--pipeline-model-parallel-size", "2"])
+    ml.restore_saved_layout(ok)  # the saved split: honoured
+    assert ok.pipeline_model_parallel_layout == "Et|tttL"
+    # a scenario whose state the checkpoint lacks is not resumed (frozen layers would train)
+    scenario = ["--dynmo-dynamism", "layer_freezing", "--spec", ml.SPEC_MODULE, "layer_freezing"]
+    frozen = _parsed(["--dynmo", "--load", str(tmp_path), *scenario])
+    with pytest.raises(ml.MegatronLMError, match="--dynmo-dynamism layer_freezing: the scenario's state"):
+        ml.refuse_scenario_resume(frozen, ml.load_plugin_config(frozen))
+    fresh = _parsed(["--dynmo", "--load", str(tmp_path / "none"), *scenario])
+    ml.refuse_scenario_resume(fresh, ml.load_plugin_config(fresh))  # nothing saved there yet
+    for flags in (["--pipeline-model-parallel-size", "1"],
+                  ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ett|ttL"]):
+        with pytest.raises(ml.MegatronLMError) as e:
+            ml.restore_saved_layout(_parsed(["--dynmo", "--load", str(tmp_path), *flags]))
+        assert "\n" not in str(e.value)
+        assert "--ckpt-format torch checkpoint (layers numbered within each stage) saved under layout " \
+            "Et|tttL at PP 2, TP 1 cannot be loaded" in str(e.value)
+
+
+FREEZING_YAML = """\
+rebalance:
+  min_gain: 0
+dynamism:
+  kind: layer_freezing
+  freezing: {start: 2, interval: 2, threshold: 10, max_layers: 2}
+"""
+
+
+@needs_source
+def test_layer_freezing_through_spec_and_yaml_rebalances_bit_exact_with_static(tmp_path):
+    """The launcher's layer-freezing scenario inside Megatron-LM's train(): its layers from
+    Megatron-LM's own --spec, its settings from the same --dynmo-config YAML. Snapshot at
+    2, reference plasticity at 4, and at 6 (threshold 10: any layer has converged) layers
+    1-2 freeze (max_layers 2): the whole of stage 0. The event makes the controller profile
+    and move layers onto the cheaper stage 0; the static run (balancer uniform) freezes at
+    the same iteration, and every loss of the two runs is the same to the last bit."""
+    yaml_path = tmp_path / "freezing.yaml"
+    yaml_path.write_text(FREEZING_YAML)
+    flags = ["--spec", ml.SPEC_MODULE, "layer_freezing", "--dynmo", "--dynmo-config", str(yaml_path),
+             "--train-iters", "9", "--tensorboard-dir", str(tmp_path / "tb")]
+    moved, moved_losses = _run(tmp_path / "moved", flags)
+    static, static_losses = _run(tmp_path / "static", [*flags[:-2], "--dynmo-balancer", "uniform"])
+    for report in (moved, static):
+        freezes = [e for e in report["events"] if e["kind"] == "dynamism"]
+        assert [(e["iteration"], e["detail"]["frozen_layers"]) for e in freezes] == [(6, [1, 2])]
+    rebalances = [e for e in moved["events"] if e["kind"] == "rebalance" and e["applied"]]
+    assert [e["trigger"] for e in rebalances] == ["event:layer_freezing@6"]
+    assert moved["layout"] != "Ett|ttL" and static["layout"] == "Ett|ttL"
+    assert len(moved_losses) == 9 and moved_losses == static_losses
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "tb")).Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("dynmo/frozen_layers")] == [(6, 2.0)]
+    # the scenario needs its spec, and the other scenarios are refused by name
+    with pytest.raises(ConfigError, match="add --spec dynmo_plugin.integrations.megatron_lm_specs "
+                                          "layer_freezing"):
+        ml.load_plugin_config(_parsed(["--dynmo", "--dynmo-config", str(yaml_path)]))
+    with pytest.raises(ConfigError, match="support: --dynmo-dynamism early_exit"):
+        ml.load_plugin_config(_parsed(["--dynmo", "--dynmo-dynamism", "early_exit"]))
+    with pytest.raises(ConfigError, match="builds the gradual_pruning scenario's layers: add "
+                                          "--dynmo-dynamism gradual_pruning"):
+        ml.load_plugin_config(_parsed(["--dynmo", "--spec", ml.SPEC_MODULE, "gradual_pruning"]))
+
+
+PRUNING_YAML = """\
+rebalance:
+  min_gain: 0
+dynamism:
+  kind: gradual_pruning
+  pruning: {start: 2, interval: 2, rounds: 2, initial_sparsity: 0.0, final_sparsity: 0.9,
+            granularity: structured}
+"""
+
+
+@needs_source
+def test_structured_pruning_through_spec_moves_pruned_layers_bit_exact_with_static(tmp_path):
+    """Structured (FFN-neuron) gradual pruning from --spec + YAML inside Megatron-LM's
+    train(): rounds at 4 and 6 in both runs; in the moved run a forced layout carries the
+    pruned layer 2 to stage 1 before iteration 5 and the controller, profiling after the
+    round at 4, carries it back; iteration 6 prunes it again where it is. Six losses equal
+    to the static run's (balancer uniform) to the last bit."""
+    yaml_path = tmp_path / "pruning.yaml"
+    yaml_path.write_text(PRUNING_YAML)
+    flags = ["--spec", ml.SPEC_MODULE, "gradual_pruning", "--dynmo", "--dynmo-config", str(yaml_path)]
+    moved, moved_losses = _run(tmp_path / "moved", [*flags, "--dynmo-forced-layouts", "5:Et|tttL"])
+    static, static_losses = _run(tmp_path / "static", [*flags, "--dynmo-balancer", "uniform"])
+    for report in (moved, static):
+        rounds = [e for e in report["events"] if e["kind"] == "dynamism"]
+        assert [(e["iteration"], e["detail"]["unit"]) for e in rounds] == [(4, "ffn_neurons"), (6, "ffn_neurons")]
+    applied = [(e["trigger"], [(m["layer"], m["src"], m["dst"]) for m in e["moves"]])
+               for e in moved["events"] if e["kind"] == "rebalance" and e["applied"]]
+    assert applied == [("forced", [(2, 0, 1)]), ("event:gradual_pruning@4", [(2, 1, 0)])]
+    assert len(moved_losses) == 6 and moved_losses == static_losses
+
+
+NATIVE_MOE = ["--num-experts", "8", "--moe-router-topk", "4", "--moe-layer-freq", "[1,1,0,0]",
+              "--moe-expert-capacity-factor", "2.0", "--moe-token-dispatcher-type", "allgather",
+              "--disable-bias-linear"]
+
+
+@needs_source
+def test_native_moe_rebalanced_from_router_counts_bit_exact_with_a_never_moved_run(tmp_path):
+    """Megatron-LM's own MoE flags (layers 1-2 MoE with 8 experts, top-4, capacity 2.0;
+    3-4 dense; the allgather dispatcher, which builds no CUDA stream): every iteration from
+    2 the `moe` scenario's event carries each layer's work from the tokens its router sent
+    to each expert, and the controller moves MoE layer 2 onto the dense stage. There it is
+    rebuilt as an MoE layer (its router still counts tokens), and the six losses equal those
+    of the same run whose layout never moves (balancer uniform), to the last bit. Bias-free
+    linears: Megatron's expert MLP adds its bias in place on a view, which autograd refuses."""
+    flags = [*NATIVE_MOE, "--dynmo", "--dynmo-min-gain", "0", "--tensorboard-dir", str(tmp_path / "tb")]
+    moved, moved_losses = _run(tmp_path / "moved", flags)
+    static, static_losses = _run(tmp_path / "static", [*flags[:-2], "--dynmo-balancer", "uniform"])
+    events = [e for e in moved["events"] if e["kind"] == "dynamism"]
+    assert [e["iteration"] for e in events] == [2, 3, 4, 5, 6]
+    for e in events:
+        assert e["scenario"] == "moe" and sorted(e["detail"]["tokens_per_expert"]) == ["1", "2"]
+        assert all(len(c) == 8 and sum(c) == 4 * 8 * 32 for c in e["detail"]["tokens_per_expert"].values())
+        assert e["work"]["1"] > e["work"]["3"]  # an MoE layer's tokens make it the costlier
+    applied = [e for e in moved["events"] if e["kind"] == "rebalance" and e["applied"]]
+    assert [(e["trigger"].split(":")[0], [(m["layer"], m["src"], m["dst"]) for m in e["moves"]])
+            for e in applied] == [("event", [(2, 0, 1)])]
+    assert moved["layout"] == "Et|tttL" and static["layout"] == "Ett|ttL"
+    assert len(moved_losses) == 6 and moved_losses == static_losses
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "tb")).Reload()
+    assert [e.step for e in acc.Scalars("dynmo/moe_events")] == [2, 3, 4, 5, 6]
+    assert "dynmo/layer_2_work" in acc.Tags()["scalars"]
+
+
+@needs_source
+def test_checkpoint_repack_4_to_2_ranks_resumes_bit_exact(tmp_path):
+    """--dynmo-repack in checkpoint mode on 4 ranks (PP=4): a forced 2-stage layout before
+    iteration 4 makes Megatron-LM's own exit path save after iteration 4 and leave
+    train(), the report naming the restart; restarted on 2 ranks (PP=2) with --load, the
+    chosen layout Et|tttL is built and iterations 5 and 6 equal those of the PP=4 run that
+    never stopped, to the last bit (its first four equal the stopped run's)."""
+    ckpt = tmp_path / "ckpt"
+    pp4 = ["--pipeline-model-parallel-size", "4", "--dynmo"]
+    _, full = _run(tmp_path / "pp4", pp4, ranks=4)
+    stopped, first = _run(tmp_path / "stopped", [*pp4, "--dynmo-repack", "--dynmo-repack-mode", "checkpoint",
+                                                  "--dynmo-forced-layouts", "4:Et|tttL", "--save", str(ckpt),
+                                                  "--save-interval", "1000"], ranks=4)
+    assert [it["iteration"] for it in stopped["iterations"]] == [1, 2, 3, 4] and first == full[:4]
+    repack = next(e["repack"] for e in stopped["events"] if e.get("repack"))
+    assert (repack["mode"], repack["next_layout"], repack["world_size_after"]) == ("checkpoint", "Et|tttL", 2)
+    assert f"--pipeline-model-parallel-size 2 --load {ckpt}" in repack["restart"]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    resumed, second = _run(tmp_path / "resumed", ["--dynmo", "--load", str(ckpt), "--no-load-rng"])
+    assert resumed["initial_layout"] == "Et|tttL" and second == full[4:]
 
 
 def _check_forced_move(report: dict, after: str, num_layers: int) -> None:
@@ -277,6 +497,9 @@ def _cpu_streams() -> None:
     torch.cuda.Stream = _Stream
     torch.cuda.current_stream = lambda *a, **k: _Stream()
     torch.cuda.stream = lambda s: contextlib.nullcontext()
+    # Megatron-LM's checkpoints save and restore the CUDA generator's state next to the CPU one's
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda *a, **k: None
 
 
 def _gloo_interleaved_p2p(config) -> None:

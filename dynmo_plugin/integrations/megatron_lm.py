@@ -70,6 +70,12 @@ _SIGNATURES = {
 }
 
 
+# Scenarios that run inside Megatron-LM's train(): their layer spec, named to Megatron-LM's
+# `--spec` as SPEC_MODULE and the scenario's name (dynmo_plugin.integrations.megatron_lm_specs).
+SPEC_MODULE = "dynmo_plugin.integrations.megatron_lm_specs"
+SCENARIO_SPECS = ("layer_freezing", "gradual_pruning")
+
+
 class MegatronLMError(UserError):
     """Megatron-LM is missing, of a version this integration does not know, or configured
     in a way the plugin cannot follow."""
@@ -224,15 +230,37 @@ def _check_supported(args, cfg: RunConfig) -> None:
          "FSDP (--use-megatron-fsdp / --use-torch-fsdp2)"),
         (bool(getattr(args, "mtp_num_layers", None)), "--mtp-num-layers"),
         (getattr(args, "optimizer", "adam") not in ("adam", "sgd"), f"--optimizer {args.optimizer}"),
-        (cfg.dynmo.dynamism.kind != "none",
-         f"--dynmo-dynamism {cfg.dynmo.dynamism.kind} (the scenarios build their own layers in "
-         "the launcher; under Megatron-LM report events with megatron_lm.notify_event)"),
-        (cfg.dynmo.repack.enabled, "--dynmo-repack (repacking runs in the launcher only)"),
+        (cfg.dynmo.dynamism.kind not in ("none", *SCENARIO_SPECS)
+         and not (cfg.dynmo.dynamism.kind == "moe" and getattr(args, "num_experts", None)),
+         f"--dynmo-dynamism {cfg.dynmo.dynamism.kind} (its layers exist in the launcher only; "
+         f"under Megatron-LM: {', '.join(SCENARIO_SPECS)} through --spec, or report your own "
+         "events with megatron_lm.notify_event)"),
+        (cfg.dynmo.repack.enabled and cfg.dynmo.repack.mode != "checkpoint",
+         f"--dynmo-repack-mode {cfg.dynmo.repack.mode} (under Megatron-LM a repack saves a "
+         "checkpoint and restarts smaller: --dynmo-repack-mode checkpoint)"),
     ]
     bad = [what for hit, what in unsupported if hit]
     if bad:
         raise ConfigError(f"--dynmo under Megatron-LM does not support: {'; '.join(bad)}. Drop "
                           "them, or run without --dynmo")
+    _check_scenario_spec(args, cfg.dynmo.dynamism.kind)
+
+
+def _check_scenario_spec(args, kind: str) -> None:
+    """A scenario needs the layers of its own --spec, and the plugin's --spec its scenario;
+    Megatron-LM's MoE (--num-experts) is followed as the 'moe' scenario, alone."""
+    if getattr(args, "num_experts", None) and kind not in ("none", "moe"):
+        raise ConfigError(f"--dynmo-dynamism {kind} with --num-experts: one scenario at a time; "
+                          "Megatron-LM's MoE layers are followed as the 'moe' scenario")
+    spec = list(getattr(args, "spec", None) or [])
+    native_moe = spec[1:] == ["moe"] and kind in ("none", "moe")
+    if spec[:1] == [SPEC_MODULE] and spec[1:] != [kind] and not native_moe:
+        raise ConfigError(f"--spec {' '.join(spec)} builds the {spec[-1]} scenario's layers: add "
+                          f"--dynmo-dynamism {spec[-1]} (or its YAML dynamism.kind), got {kind}")
+    if kind in SCENARIO_SPECS and spec != [SPEC_MODULE, kind]:
+        raise ConfigError(f"--dynmo-dynamism {kind} under Megatron-LM builds its layers from its own "
+                          f"spec: add --spec {SPEC_MODULE} {kind} (got --spec "
+                          f"{' '.join(spec) or 'none'})")
 
 
 # ---- the stage handle -------------------------------------------------------------------------
@@ -268,6 +296,12 @@ class MegatronLMStage:
         self.spec = _layer_spec(self.chunks)
         self.dims = _current_dims()
         self.layout = _current_layout(self.chunks, self.dims)
+
+    @property
+    def layers(self) -> list:
+        """This rank's decoder layers over all its model chunks, in layer order (what a
+        scenario walks; read afresh after a migration)."""
+        return [layer for chunk in self.chunks for layer in chunk.decoder.layers]
 
     @property
     def ddp(self):
@@ -387,6 +421,124 @@ def _current_layout(models: list, dims) -> Layout:
     return layout
 
 
+# ---- checkpoints ------------------------------------------------------------------------------
+# Formats whose model state dicts number decoder layers within each stage: loaded under
+# another split, a stage would take other layers' weights without an error.
+_PER_RANK_FORMATS = ("torch", "torch_dcp")
+
+
+def _saved_args(load_dir: str):
+    """(format, Megatron-LM args) of the newest checkpoint under `load_dir`; None
+    without one (a first run whose --load is also its --save)."""
+    tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker, encoding="utf-8") as fh:
+        text = fh.read().strip()
+    folder = os.path.join(load_dir, "release" if text == "release" else f"iter_{int(text):07d}")
+    if os.path.isfile(os.path.join(folder, "metadata.json")):  # dist_checkpointing
+        from megatron.core import dist_checkpointing
+        return "torch_dist", dist_checkpointing.load_common_state_dict(folder).get("args")
+    import glob
+
+    import torch
+    files = sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")))
+    if files:
+        return "torch", torch.load(files[0], map_location="cpu", weights_only=False).get("args")
+    return ("torch_dcp" if os.path.isfile(os.path.join(folder, ".metadata")) else "unknown"), None
+
+
+def _virtual_stages(args) -> int:
+    """Virtual stages per pipeline rank that these (not yet validated) args ask for."""
+    if args.num_virtual_stages_per_pipeline_rank:
+        return args.num_virtual_stages_per_pipeline_rank
+    if args.num_layers_per_virtual_pipeline_stage:
+        return args.num_layers // args.pipeline_model_parallel_size // \
+            args.num_layers_per_virtual_pipeline_stage
+    return 1
+
+
+def restore_saved_layout(args) -> None:
+    """With --dynmo and --load: the layout the checkpoint was saved under (a rebalanced
+    run resumes rebalanced), set in Megatron-LM's args before validate_args, as the
+    launcher restores it (docs/checkpoints.md): an explicit --pipeline-model-parallel-
+    layout wins; a saved layout without this run's pp x v stages (another pipeline
+    size) leaves Megatron-LM's own split. torch_dist checkpoints key layers by global
+    number, so any split loads them.
+
+    Raises:
+        MegatronLMError: a per-rank checkpoint (--ckpt-format torch / torch_dcp numbers
+            layers within each stage) that this run would load under another split.
+    """
+    if not getattr(args, "dynmo__enabled", False) or not args.load:
+        return
+    found = _saved_args(args.load)
+    if found is None:
+        return
+    fmt, saved = found
+    text = getattr(saved, "pipeline_model_parallel_layout", None)
+    saved_layout = None if text is None else str(text)
+    stages = args.pipeline_model_parallel_size * _virtual_stages(args)
+    # a checkpoint repack's chosen layout first, then the layout in force when it saved
+    fitting = [t for t in (getattr(saved, "dynmo_next_layout", None), saved_layout)
+               if t is not None and Layout.parse(t).num_stages == stages]
+    if (args.pipeline_model_parallel_layout is None and fitting
+            and getattr(saved, "num_layers", None) == args.num_layers):
+        args.pipeline_model_parallel_layout = chosen = fitting[0]
+        args.num_layers_per_virtual_pipeline_stage = args.num_virtual_stages_per_pipeline_rank = None
+        args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
+        logger.info("--load %s: resuming under the saved layout %s", args.load, chosen)
+    if fmt not in _PER_RANK_FORMATS:
+        return
+    saved_split = (saved_layout, getattr(saved, "pipeline_model_parallel_size", None),
+                   getattr(saved, "tensor_model_parallel_size", None))
+    run_split = (args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size,
+                 args.tensor_model_parallel_size)
+    if saved is None or saved_split != run_split:
+        shown = (lambda lay, pp, tp: f"layout {lay or 'uniform'} at PP {pp}, TP {tp}")
+        raise MegatronLMError(
+            f"--load {args.load}: a --ckpt-format {fmt} checkpoint (layers numbered within each "
+            f"stage) saved under {shown(*saved_split)} cannot be loaded under this run's "
+            f"{shown(*run_split)} without putting other layers' weights into its stages; resume "
+            "with the saved pipeline sizes and no --pipeline-model-parallel-layout, or save in "
+            "--ckpt-format torch_dist (layers keyed by global number, any split)")
+
+
+def refuse_scenario_resume(args, cfg: RunConfig) -> None:
+    """Layer freezing and pruning keep state Megatron-LM's checkpoint does not hold (which
+    parameters stopped training, the scenario's progress): resumed from one, frozen layers
+    would silently train again. Until that is saved, such a resume is refused.
+
+    Raises:
+        MegatronLMError: --load holds a checkpoint and one of those scenarios is on.
+    """
+    kind = cfg.dynmo.dynamism.kind
+    if cfg.dynmo.enabled and kind in SCENARIO_SPECS and args.load and _saved_args(args.load):
+        raise MegatronLMError(f"--load {args.load} with --dynmo-dynamism {kind}: the scenario's "
+                              "state (frozen or pruned parameters, its progress) is not in "
+                              "Megatron-LM's checkpoint yet; resume without the scenario, or run "
+                              "it in the launcher (python -m dynmo_plugin.train), whose "
+                              "checkpoints hold it")
+
+
+def use_native_moe_spec(args) -> None:
+    """With --dynmo and --num-experts, gpt_builder builds the decoder from the plugin's
+    `moe` spec (megatron_lm_specs: Megatron-LM's own dense and MoE layer specs, picked by
+    global layer number), so a migrated layer is rebuilt as what it was and every MoE
+    layer counts its router's tokens per expert. Set before validate_args.
+
+    Raises:
+        MegatronLMError: --spec names another spec (the two cannot both build the layers).
+    """
+    if not getattr(args, "dynmo__enabled", False) or not getattr(args, "num_experts", None):
+        return
+    ours = [SPEC_MODULE, "moe"]
+    if args.spec is not None and list(args.spec) != ours:
+        raise MegatronLMError(f"--dynmo with --num-experts builds Megatron-LM's MoE layers from "
+                              f"--spec {' '.join(ours)}; drop --spec {' '.join(args.spec)}")
+    args.spec = ours
+
+
 # ---- metrics for Megatron-LM's writers --------------------------------------------------------
 def event_scalars(record: dict) -> dict[str, float]:
     """Scalars of one plugin event (an event's to_dict()) for TensorBoard / W&B:
@@ -407,8 +559,21 @@ def event_scalars(record: dict) -> dict[str, float]:
         if record.get("imbalance_after") is not None:
             out["dynmo/imbalance_after"] = float(record["imbalance_after"])
         out["dynmo/moved_layers"] = float(len(record.get("moves", [])))
+        repack = record.get("repack") or {}
+        if repack:  # a repack: the pipeline ranks and world size the run continues with
+            out["dynmo/repack_stages_after"] = float(repack["stages_after"])
+            out["dynmo/repack_world_size_after"] = float(repack["world_size_after"])
     for phase, seconds in record.get("overhead_s", {}).items():
         out[f"dynmo/{phase}_s"] = float(seconds)
+    if record.get("kind") == "dynamism":  # a scenario's event: its count and what it changed
+        out[f"dynmo/{record['scenario']}_events"] = 1.0
+        detail = record.get("detail") or {}
+        if "frozen_layers" in detail:
+            out["dynmo/frozen_layers"] = float(len(detail["frozen_layers"]))
+        if "target" in detail:  # pruning: the round's target sparsity
+            out["dynmo/pruning_target"] = float(detail["target"])
+        for layer, units in (record.get("work") or {}).items():
+            out[f"dynmo/layer_{layer}_work"] = float(units)
     return out
 
 
@@ -442,7 +607,8 @@ class _Writers:
             self.wandb.log(scalars, it)
         from megatron.training.utils import print_rank_last
         layout = record.get("layout_after") or record.get("layout")
-        print_rank_last(f" dynmo: iteration {it} {record['kind']} [{record['trigger']}] layout "
+        cause = record.get("trigger") or record.get("scenario")
+        print_rank_last(f" dynmo: iteration {it} {record['kind']} [{cause}] layout "
                         f"{layout} imbalance {scalars.get('dynmo/imbalance', float('nan')):.3f}")
 
     def flush(self) -> None:
@@ -474,23 +640,63 @@ class _Run:
                                                       "tp": d.tp, "dp": d.dp,
                                                       "world_size": d.world_size}]},
             initial_layout=str(self.stage.layout), enabled=d.rank == 0, sink=self.writers.event)
-        self.controller = DynMo(cfg.dynmo, self.stage, self.control, self.migrator, self.report)
+        self.controller = DynMo(cfg.dynmo, self.stage, self.control, self.migrator, self.report,
+                                repacker=self._checkpoint_repack if cfg.dynmo.repack.enabled else None)
+        self.iteration, self.restart = args.iteration, None
         self.controller.add_layout_listener(self._layout_changed)
+        self.scenario = _attach_scenario(cfg, self.stage, self.control, self.migrator)
+        if self.scenario is not None:
+            self.controller.add_layout_listener(self.scenario.after_layout_change)
         self._start = 0.0
 
     def _layout_changed(self) -> None:
-        """Megatron-LM's args (saved with its checkpoints) follow the new layout."""
-        self.args.pipeline_model_parallel_layout = self.stage.config.pipeline_model_parallel_layout
+        """Megatron-LM's args (saved with its checkpoints) follow the new layout, as the
+        string its parser gives: the config's PipelineParallelLayerLayout object in the
+        args would make the checkpoint unreadable by Megatron-LM's weights-only loader."""
+        self.args.pipeline_model_parallel_layout = str(self.stage.layout)
+
+    def _checkpoint_repack(self, layout: Layout, iteration: int, info: dict):
+        """A repack onto `layout` (fewer pipeline ranks), in checkpoint mode: Megatron-LM's
+        own exit path saves a checkpoint after this iteration (`args.exit_interval`: its
+        checkpoint_and_decide_exit saves with --save and train() exits), whose args carry
+        `dynmo_next_layout` for the restart's --load (restore_saved_layout); every rank
+        decides alike (the controller's decision is collective)."""
+        from dynmo_plugin.megatron.repack import RepackResult
+        d, args = self.stage.dims, self.args
+        world = d.tp * d.dp * layout.num_ranks
+        args.exit_interval = self.iteration  # Megatron-LM counts it done after this step
+        args.dynmo_next_layout = str(layout)
+        vp = (f" --num-virtual-stages-per-pipeline-rank {layout.num_chunks}"
+              if layout.num_chunks > 1 else "")
+        self.restart = (f"torchrun --nproc-per-node <ranks per node, {world} ranks in all> ... "
+                        f"--pipeline-model-parallel-size {layout.num_ranks}{vp} --load {args.save}")
+        result = RepackResult(True, d.pp, layout.num_ranks, str(self.stage.layout),
+                              ranks_released=list(range(world, d.world_size)),
+                              world_size_before=d.world_size, world_size_after=world, generation=1)
+        record = {**result.to_dict(), **info, "mode": "checkpoint", "next_layout": str(layout),
+                  "checkpoint": os.path.join(args.save, f"iter_{self.iteration:07d}"),
+                  "restart": self.restart, "cluster": None}
+        del record["migration"]
+        return record, result
 
     def before_step(self, iteration: int, model: list, optimizer) -> None:
         if model is not self.stage.model_list or optimizer is not self.stage.optimizer:
             raise MegatronLMError("train() passed train_step a model list or optimizer other than "
                                   "the ones setup_model_and_optimizer returned: this Megatron-LM "
                                   f"differs from {SUPPORTED_TAG}")
-        self._start = time.perf_counter()
+        self._start, self.iteration = time.perf_counter(), iteration
         self.controller.before_step(iteration)
+        if self.scenario is not None:
+            self.scenario.before_step(iteration)
 
     def after_step(self, iteration: int, result) -> None:
+        """As the launcher's step: the scenario's event (reported, and the controller
+        told: it profiles and rebalances), then the controller's own step end."""
+        event = self.scenario.after_step(iteration) if self.scenario is not None else None
+        if event is not None:
+            self.report.add_event(event)
+            if event.rebalance:
+                self.controller.notify_event(event.name, event.work)
         self.controller.after_step(iteration)
         losses = result[0] if isinstance(result, tuple) and result else {}
         loss = losses.get("lm loss") if isinstance(losses, dict) else None
@@ -501,6 +707,57 @@ class _Run:
         self.report.layout = str(self.stage.layout)
         self.report.close()
         self.writers.flush()
+        if self.restart is not None:  # the line a torchrun / StatefulSet / Job restart follows
+            from megatron.training.utils import print_rank_0
+            print_rank_0(f" dynmo: checkpoint repack after iteration {self.iteration}; restart with: "
+                         f"{self.restart}")
+
+
+def _attach_scenario(cfg: RunConfig, stage: MegatronLMStage, control, migrator):
+    """The --dynmo-dynamism scenario over Megatron-LM's model, or None: its layers must be
+    the ones its --spec built (load_plugin_config checked the flag; this checks the model)."""
+    from dynmo_plugin.dynamism import build_scenario
+    from dynmo_plugin.dynamism.base import Runtime
+    if getattr(stage.args, "num_experts", None):
+        scenario = _native_moe_scenario(cfg, stage)
+        scenario.attach(Runtime(stage, control, migrator))
+        return scenario
+    scenario = build_scenario(cfg.dynmo.dynamism)
+    if scenario is None:
+        return None
+    from dynmo_plugin.integrations import megatron_lm_specs
+    if stage.spec is None or stage.spec != getattr(megatron_lm_specs, scenario.name, None):
+        module = getattr(stage.spec, "module", None)
+        raise MegatronLMError(f"--dynmo-dynamism {scenario.name}: the decoder's layers ("
+                              f"{getattr(module, '__name__', module)}) were not built from the "
+                              f"scenario's spec: add --spec {SPEC_MODULE} {scenario.name}")
+    scenario.attach(Runtime(stage, control, migrator))
+    return scenario
+
+
+def _native_moe_scenario(cfg: RunConfig, stage: MegatronLMStage):
+    """The launcher's `moe` scenario over Megatron-LM's own MoE model: the model's settings
+    are Megatron-LM's flags (--num-experts, --moe-router-topk, --moe-layer-freq,
+    --moe-expert-capacity-factor), when and how it reports are `dynamism.moe`'s (start,
+    interval, ep_model; with --expert-model-parallel-size P > 1 the work model is P's:
+    the busiest expert group sets a layer's pace). Its events carry each layer's work
+    from the router's counts."""
+    from dynmo_plugin.dynamism.moe import MixtureOfExperts
+    from dynmo_plugin.integrations.megatron_lm_specs import moe_layer_numbers
+    from dynmo_plugin.megatron.moe_layer import MoeTransformerLayer
+    if getattr(stage.spec, "module", None) is not MoeTransformerLayer:
+        raise MegatronLMError("--dynmo with --num-experts: the decoder was not built from "
+                              f"--spec {SPEC_MODULE} moe (the initialize_megatron hook sets it)")
+    args, config = stage.args, stage.config
+    numbers = moe_layer_numbers(config)
+    pattern = ",".join("1" if n in numbers else "0" for n in range(1, config.num_layers + 1))
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    moe = dataclasses.replace(cfg.dynmo.dynamism.moe, num_experts=args.num_experts,
+                              top_k=args.moe_router_topk, pattern=pattern,
+                              capacity_factor=args.moe_expert_capacity_factor or 0.0,
+                              # the busiest expert group's rank paces a layer under EP > 1
+                              ep_model=cfg.dynmo.dynamism.moe.ep_model if ep == 1 else ep)
+    return MixtureOfExperts(dataclasses.replace(cfg.dynmo.dynamism, kind="moe", moe=moe))
 
 
 def _run_settings(args) -> dict:
@@ -584,12 +841,24 @@ def notify_event(name: str, work: Optional[dict] = None) -> None:
 
 
 def _wrap_initialize(original):
-    def initialize_megatron(extra_args_provider=None, *a, **kw):
-        if not getattr(extra_args_provider, "dynmo_chained", False):
-            extra_args_provider = _chain(extra_args_provider)
-        out = original(extra_args_provider, *a, **kw)
+    signature = inspect.signature(original)
+
+    def initialize_megatron(*a, **kw):
+        bound = signature.bind(*a, **kw)
+        bound.apply_defaults()
+        given = bound.arguments
+        if not getattr(given["extra_args_provider"], "dynmo_chained", False):
+            given["extra_args_provider"] = _chain(given["extra_args_provider"])
+        if given["parsed_args"] is None:  # parsed here so the saved layout can join them
+            from megatron.training.arguments import parse_args  # before validate_args
+            given["parsed_args"] = parse_args(given["extra_args_provider"],
+                                              given["ignore_unknown_args"])
+        restore_saved_layout(given["parsed_args"])
+        use_native_moe_spec(given["parsed_args"])
+        out = original(*bound.args, **bound.kwargs)
         from megatron.training import get_args
         _hooks.cfg = load_plugin_config(get_args())
+        refuse_scenario_resume(get_args(), _hooks.cfg)
         return out
     return initialize_megatron
 
