@@ -20,9 +20,11 @@ counter moves on every in-place write, `load_state_dict` included).
 
 Structured (`granularity: structured`): `neuron_prunable_layer_spec` makes linear_fc1 /
 linear_fc2 `NeuronPrunable*` linears whose masks remove whole FFN neurons (rows of fc1
-and its bias, columns of fc2). Their forward gathers the kept rows / columns, so the
-dense GEMMs really shrink — what saves time on GPUs, where unstructured sparsity does
-not (../shared/notes/h100-measured.md). Attention heads are not pruned.
+and its bias, columns of fc2). Masked, their forward gathers the kept rows / columns;
+physical (the default, `_NeuronMasked`), the scenario rebuilds them with the kept
+neurons only, so weights, gradients and optimizer state shrink with the GEMMs — what
+saves time on GPUs, where unstructured sparsity does not
+(../shared/notes/h100-measured.md). Attention heads are not pruned.
 
 Tensor parallelism: each TP rank holds a slice of the weight and the mask of that
 slice. Magnitude pruning is elementwise, so per-shard masks under one GLOBAL threshold
@@ -45,7 +47,7 @@ from dynmo_plugin.dynamism.pruning import CHUNK_ROWS, CROSSOVER, CsrPattern, Spa
 
 __all__ = ["PrunableColumnParallelLinear", "PrunableRowParallelLinear", "prunable_layer_spec",
            "NeuronPrunableColumnParallelLinear", "NeuronPrunableRowParallelLinear",
-           "neuron_prunable_layer_spec", "prunable_linears", "PRUNED_LINEARS"]
+           "neuron_prunable_layer_spec", "prunable_linears", "PRUNED_LINEARS", "csr_supported"]
 
 # The decoder linears whose weights are pruned, as (parent attribute, linear attribute).
 PRUNED_LINEARS = (("self_attention", "linear_qkv"), ("self_attention", "linear_proj"),
@@ -109,10 +111,19 @@ class _MaskedLinear:
 
 
 def _csr_supported(weight: torch.Tensor) -> bool:
-    """Whether torch has the CSR matmul for this weight: on CPU (MKL) only in fp32/fp64
-    (bf16/fp16 raise "addmm_out_sparse_csr_impl_mkl not implemented"); above the
+    return csr_supported(weight.device.type, weight.dtype)
+
+
+def csr_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch has the CSR kernels `SparseLinearFunction` needs for a weight of this
+    device type and dtype: fp32/fp64 only, on any device. bf16/fp16 fail on CPU in the
+    forward (MKL: "addmm_out_sparse_csr_impl_mkl not implemented") and in the backward's
+    `sampled_addmm` on every device ("Expected self to be a floating-point or complex
+    tensor, but got BFloat16": the input check shared by the CPU and CUDA kernels in torch
+    2.13; cuSPARSE's SDDMM dispatch there is float/double/complex only). Above the
     threshold such a weight keeps the dense masked matmul."""
-    return weight.is_cuda or weight.dtype in (torch.float32, torch.float64)
+    del device_type  # the same answer on CPU and CUDA in torch 2.13
+    return dtype in (torch.float32, torch.float64)
 
 
 class PrunableColumnParallelLinear(_MaskedLinear, ColumnParallelLinear):
