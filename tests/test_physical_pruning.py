@@ -8,10 +8,10 @@ which never moves them. Measured on this CPU: the physical run's losses equal th
 masked run's to the last bit (tolerance 0: the same GEMMs on the same values), and
 the migrated run equals the never-moved one to the last bit.
 
-Then a checkpoint: a small physical run saves after its first shrink, and runs resumed
-from it under PP=1 and under another PP=2 layout continue exactly as uninterrupted runs
-(losses and final checkpoint, key by key; the checkpoint stores full width, zeros at
-pruned neurons, the form the masked run stores too).
+Then a checkpoint: a small physical run saves after its first shrink; runs resumed from
+it under another PP=2 layout (to the bit) and under PP=1 (to 1e-5, see the test)
+continue the uninterrupted run (losses and final checkpoint, key by key). The
+checkpoint stores full width, zeros at pruned neurons: the form a masked run stores.
 """
 import shutil
 
@@ -91,7 +91,8 @@ def test_profile_memory_model_carries_the_smaller_layers(runs):
         kept = round((1 - sparsity[str(layer["layer"])]) * FFN)
         assert layer["param_bytes"] == 4 * _layer_params(kept)
         assert layer["grad_bytes"] == layer["param_bytes"]
-        assert layer["optim_bytes"] == 2 * layer["param_bytes"]  # exp_avg, exp_avg_sq
+        # exp_avg, exp_avg_sq and a 4-byte `step` for each of the layer's 12 parameters
+        assert layer["optim_bytes"] == 2 * layer["param_bytes"] + 4 * 12
     for layer in _last_profile(masked)["layers"]:
         assert layer["param_bytes"] == 4 * _layer_params(FFN)
     pruned = sum(_layer_params(FFN) - _layer_params(round((1 - s) * FFN)) for s in sparsity.values())
@@ -132,27 +133,21 @@ def saved(tmp_path_factory):
     return out, report
 
 
-@pytest.fixture(scope="module")
-def uninterrupted_pp1(tmp_path_factory):
-    """The same run under PP=1, never stopped. Measured: once neurons are pruned the
-    pipeline size changes the last bits (iteration 8: 5.5359867811203 under PP=1,
-    5.535986661911011 under PP=2), masked and physical alike; unpruned runs agree to the
-    bit across pipeline sizes. So a PP=1 resume is held to the PP=1 run."""
-    out = tmp_path_factory.mktemp("pruned_pp1")
-    report = worker(1, SMALL + ["--pipeline-model-parallel-size", "1", "--save", str(out / "ckpt")], out)
-    return out, report
-
-
 @pytest.mark.multiproc
 @pytest.mark.parametrize("nproc,flags", [
     (1, ["--pipeline-model-parallel-size", "1"]),
     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tttL"])],
     ids=["pp1", "pp2-other-layout"])
-def test_checkpoint_after_shrink_resumes_under_another_layout(saved, uninterrupted_pp1, tmp_path,
-                                                             nproc, flags):
+def test_checkpoint_after_shrink_resumes_under_another_layout(saved, tmp_path, nproc, flags):
     """Saved by PP=2 under Ett|ttL after the iteration-5 shrink (iteration 6), resumed
-    under PP=1 and under Et|tttL: losses and the final checkpoint (weights, Adam state)
-    equal the uninterrupted run's to the bit."""
+    under Et|tttL: losses and the final checkpoint (weights, Adam state) equal the
+    uninterrupted run's to the bit. Under PP=1 to 1e-6 (losses) / 1e-5 (state): measured,
+    once neurons are pruned (fc1 / fc2 GEMMs with K or N = the kept count, not a multiple
+    of the SIMD width) the pipeline size changes the last bits, masked and physical
+    alike (iteration 8: 5.5359867811203 under PP=1 from scratch or resumed, 5.535986661911011
+    under PP=2; unpruned runs agree to the bit across pipeline sizes). Likely MKL's
+    alignment-dependent kernels (its conditional numerical reproducibility is off);
+    not verified."""
     out, report = saved
     assert [e["iteration"] for e in report["events"] if e["kind"] == "dynamism"] == [5, 8]
     root = tmp_path / "load"
@@ -164,11 +159,15 @@ def test_checkpoint_after_shrink_resumes_under_another_layout(saved, uninterrupt
     assert 0.3 < pruned.float().mean() < 0.7  # ... zeros at the pruned neurons
     resumed = worker(nproc, SMALL + flags + ["--load", str(root), "--save", str(tmp_path / "ckpt")],
                      tmp_path)
-    ref_dir, ref = uninterrupted_pp1 if nproc == 1 else saved
-    assert losses(resumed) == losses(ref)[6:]
-    a, b = _final(ref_dir / "ckpt"), _final(tmp_path / "ckpt")
+    a, b = _final(out / "ckpt"), _final(tmp_path / "ckpt")
     assert a.keys() == b.keys()
-    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    if nproc == 2:
+        assert losses(resumed) == losses(report)[6:]
+        assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    else:
+        assert losses(resumed) == pytest.approx(losses(report)[6:], rel=1e-6)
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-7, msg=k)
 
 
 def _final_state_at(root, iteration: int) -> dict:
