@@ -257,6 +257,7 @@ class LayerMigrator:
                 built = self._build_layer(layer.layer_number, new, stage, tensors)
                 for name, p in layer.named_parameters():
                     built.get_parameter(name).requires_grad_(p.requires_grad)
+                self._extra_bytes += _nbytes(built.parameters())
                 staged[layer.layer_number] = (built, tensors)
         return staged
 
