@@ -243,3 +243,20 @@ def _fwd_bwd(layer, x):
     layer.zero_grad()
     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+@pytest.mark.multiproc
+def test_structured_bf16_pipeline_prunes_and_shrinks(tmp_path):
+    """bf16 under PP=2: the neuron scores rank 0 gathers are fp32, and rank 0 used to
+    receive them into buffers of the weights' dtype (bf16: half the bytes), which
+    aborted rank 0 at the first round (measured at 453bafa: SIGABRT). Now the round
+    runs and the layers shrink."""
+    report = worker(2, SMALL + ["--pipeline-model-parallel-size", "2", "--bf16", "--test-dump-params"],
+                    tmp_path)
+    events = [e for e in report["events"] if e["kind"] == "dynamism"]
+    assert [e["iteration"] for e in events] == [5, 8]
+    params = _params(tmp_path)
+    for layer in range(4):
+        kept = round((1 - events[-1]["detail"]["sparsity"][str(layer + 1)]) * 128)
+        assert params[f"decoder.layers.{layer}.mlp.linear_fc1.weight"].shape == (kept, 32)
+        assert params[f"decoder.layers.{layer}.mlp.linear_fc1.weight"].dtype == torch.bfloat16
