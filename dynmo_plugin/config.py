@@ -317,6 +317,10 @@ class PruningConfig:
     granularity: str = field(default="unstructured", metadata=opt(
         "unstructured (CSR kernels on CPU) or structured (whole neurons/heads; what saves "
         "time on GPUs)", "--dynmo-pruning-granularity", one_of("unstructured", "structured")))
+    structured: str = field(default="physical", metadata=opt(
+        "structured pruning rebuilds the linears with the kept neurons only (physical: weights, "
+        "gradients and optimizer state shrink) or masks them (masked: full size kept)",
+        "--dynmo-pruning-structured", one_of("physical", "masked")))
     sparse_threshold: float = field(default=0.85, metadata=opt(
         "a linear switches to the CSR kernel above this sparsity (CPU crossover)",
         "--dynmo-pruning-sparse-threshold", fraction))

@@ -22,7 +22,15 @@ layers whose linears now run the CSR kernel; the controller profiles and rebalan
 `granularity: structured` runs the same algorithm over FFN neurons instead of weights:
 a neuron's score is the L2 norm of everything attached to it (its fc1 row and bias
 entry, its fc2 column), the target is the fraction of neurons removed, and the kept
-neurons are gathered into smaller dense GEMMs (`NeuronPrunable*` linears).
+neurons are gathered into smaller dense GEMMs (`NeuronPrunable*` linears). With
+`structured: physical` (the default) each round then rebuilds the pruned layers with
+the kept neurons only (`LayerMigrator.rebuild(reshape=...)`, the machinery a migration
+uses): weights, gradients, DDP buffers, fp32 masters and Adam moments shrink, and the
+kept rows / columns of every one of them are carried over exactly. A rebuild that
+fails leaves the layers masked (same values, full size) and is retried next round.
+
+Control-plane payloads (the candidates sent to rank 0) are CPU tensors: the control
+group is gloo, and weights on a GPU give candidates on the GPU.
 """
 from __future__ import annotations
 
@@ -55,6 +63,8 @@ class GradualPruning(Scenario):
         super().__init__(config)
         self.pruning = p = config.pruning
         self.structured = p.granularity == "structured"
+        self.physical = self.structured and p.structured == "physical"
+        self._reshrink = False  # layers loaded at full width that a physical run shrinks
         try:
             cubic_sparsity(p.start, p.start, p.rounds, p.interval, p.initial_sparsity,
                            p.final_sparsity)
@@ -80,10 +90,13 @@ class GradualPruning(Scenario):
 
     def load_state_dict(self, state: dict) -> None:
         self.applied = state.get("applied", 0.0)
+        self._reshrink = self.physical and self.applied > 0  # a checkpoint holds full widths
         self.after_layout_change()  # CSR kernels for the loaded sparsity
 
     def after_step(self, iteration: int) -> Optional[DynamismEvent]:
         p = self.pruning
+        if self._reshrink:
+            self._reshrink = not self._shrink()
         if not is_pruning_step(iteration, p.start, p.rounds, p.interval):
             return None
         target = cubic_sparsity(iteration, p.start, p.rounds, p.interval, p.initial_sparsity,
@@ -95,6 +108,8 @@ class GradualPruning(Scenario):
             scores = self._neuron_scores()
             tau = self._threshold(target, list(scores.values()))
             self._apply_structured(tau, scores)
+            if self.physical and not self._shrink():
+                self._reshrink = True
         else:
             tau = self._threshold(target, [m.weight for _, _, m in self._linears()])
             self._apply(tau)
@@ -133,9 +148,11 @@ class GradualPruning(Scenario):
         counts = control.all_gather(numel, "pruning-count")
         total = sum(counts)
         k = num_to_keep(total, target)
-        mine = local_candidates(weights, k) if numel else torch.empty(0)
+        # on the CPU: the control group is gloo, the weights may be on a GPU
+        mine = local_candidates(weights, k).cpu() if numel else torch.empty(0)
         received = [mine]
-        dtype = self.runtime.trainer.config.params_dtype  # what every stage's weights are
+        # what every stage sends: neuron scores in fp32, weights in their own dtype
+        dtype = torch.float32 if self.structured else self.runtime.trainer.config.params_dtype
         with control.phase("pruning-candidates"):
             if control.rank == 0:
                 for src in range(1, control.world_size):
@@ -174,13 +191,15 @@ class GradualPruning(Scenario):
 
     @torch.no_grad()
     def _neuron_scores(self) -> dict[int, torch.Tensor]:
-        """Per layer: each FFN neuron's L2 norm over its fc1 row, fc1 bias, fc2 column
-        (pruned neurons score 0: their weights are zero)."""
+        """Per layer: each FFN neuron's L2 norm over its fc1 row, fc1 bias, fc2 column, at
+        the layer's full width (pruned neurons score 0: their weights are zero or gone)."""
         scores = {}
         for number, fc1, fc2 in self._mlp_pairs():
             sq = fc1.weight.float().pow(2).sum(1) + fc2.weight.float().pow(2).sum(0)
             if fc1.bias is not None:
                 sq += fc1.bias.float().pow(2)
+            if fc1.physical:
+                sq = torch.zeros(fc1.full_width, device=sq.device).index_copy_(0, fc1._present, sq)
             scores[number] = sq.sqrt()
         return scores
 
@@ -188,18 +207,28 @@ class GradualPruning(Scenario):
     def _apply_structured(self, tau: float, scores: dict[int, torch.Tensor]) -> None:
         optimizer = self.runtime.trainer.optimizer
         for number, fc1, fc2 in self._mlp_pairs():
-            keep = fc1.weight_mask.any(1) & (scores[number] >= tau)
+            keep = fc1.kept_neurons() & (scores[number] >= tau)
             fc1.weight_mask &= keep[:, None]
             fc2.weight_mask &= keep[None, :]
-            params = [(fc1.weight, fc1.weight_mask), (fc2.weight, fc2.weight_mask)]
+            # masks over the neurons each weight holds (all of them unless physically pruned)
+            params = [(fc1.weight, fc1.local_mask()), (fc2.weight, fc2.local_mask())]
             if fc1.bias is not None:
-                params.append((fc1.bias, keep))
+                params.append((fc1.bias, fc1.local_mask().any(1)))
             for w, mask in params:
                 apply_mask_(w, mask)
                 mask_grad_(w, mask)
                 _mask_optimizer_state(optimizer, w, mask)
             fc1.refresh()
             fc2.refresh()
+
+    def _shrink(self) -> bool:
+        """Rebuild this stage's layers with their kept neurons only (collective: every
+        rank, as a migration); False when the rebuild was abandoned (layers stay masked)."""
+        result = self.runtime.migrator.rebuild(reshape=shrunk_tensors)
+        if not result.applied:
+            logger.error("structured pruning: shrinking the pruned layers was abandoned, they "
+                         "stay masked at full size: %s", result.error)
+        return result.applied
 
     def _summary(self) -> tuple[dict[int, float], list[int]]:
         """Per-layer sparsity and CSR layers over the whole pipeline (same on every rank)."""
@@ -237,3 +266,30 @@ def _mask_optimizer_state(optimizer, w: torch.nn.Parameter, mask: torch.Tensor) 
         if master is not None:
             apply_mask_(master, flat[piece])
         zero_adam_state_(state, flat[piece])
+
+
+# parameters of a layer with one entry per FFN neuron, and the axis the neurons are on
+_NEURON_AXES = {"mlp.linear_fc1.weight": 0, "mlp.linear_fc1.bias": 0, "mlp.linear_fc2.weight": 1}
+
+
+@torch.no_grad()
+def shrunk_tensors(layer, tensors: dict) -> Optional[dict]:
+    """`LayerMigrator.rebuild`'s reshape for structured pruning: the layer's packed
+    tensors (state/, grad/, optim/<param>/<key>) with only the kept neurons of fc1's
+    weight and bias and fc2's weight (the full-width masks stay); None when the layer
+    holds no pruned neuron."""
+    from dynmo_plugin.megatron.prunable import NeuronPrunableColumnParallelLinear
+    fc1, fc2 = layer.mlp.linear_fc1, layer.mlp.linear_fc2
+    if not isinstance(fc1, NeuronPrunableColumnParallelLinear):
+        return None
+    index = {"mlp.linear_fc1": fc1.shrink_index(), "mlp.linear_fc2": fc2.shrink_index()}
+    if index["mlp.linear_fc1"].numel() == fc1.weight.shape[0]:
+        return None
+    out = {}
+    for key, value in tensors.items():
+        name = key.split("/")[1]
+        axis = _NEURON_AXES.get(name)
+        if axis is not None and value.dim() > 0:
+            value = value.index_select(axis, index[name.rsplit(".", 1)[0]].to(value.device))
+        out[key] = value
+    return out

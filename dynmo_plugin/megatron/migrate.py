@@ -95,13 +95,15 @@ class LayerMigrator:
         self.pool = StagingPool(trainer.dims.device)
 
     # ---- entry point ------------------------------------------------------------------
-    def rebuild(self) -> MigrationResult:
+    def rebuild(self, reshape=None) -> MigrationResult:
         """Remake DDP and the optimizer over the current layers, keeping every gradient and
         optimizer state: what a changed trainable set (frozen layers) needs. Atomic like
-        a migration (it is one that moves nothing)."""
-        return self.migrate(self.trainer.layout)
+        a migration (it is one that moves nothing). `reshape(layer, tensors)` may return
+        changed packed tensors of a layer of this rank (structured pruning drops neurons):
+        that layer is then rebuilt from them as a received one would be."""
+        return self.migrate(self.trainer.layout, reshape)
 
-    def migrate(self, new: Layout) -> MigrationResult:
+    def migrate(self, new: Layout, reshape=None) -> MigrationResult:
         t = self.trainer
         old, stage = t.layout, t.dims.pp_rank
         start = time.perf_counter()
@@ -136,6 +138,9 @@ class LayerMigrator:
             self._extra_bytes += _nbytes(b for bufs in received.values() for b in bufs)
             with self._phase("stage"):
                 staged, error = self._stage(new, headers, received, stage, error)
+                if error is None and reshape is not None:
+                    reshaped, error = self._try(self._reshape, reshape, new, stage)
+                    staged.update(reshaped or {})
             if error is None:
                 with self._phase("prepare"):
                     prepared, error = self._try(self._prepare, staged, new, stage)
@@ -266,6 +271,19 @@ class LayerMigrator:
         except Exception as e:  # noqa: BLE001 - reported to every rank by the agreement
             return {}, f"stage {stage}: {e!r}"
         return staged, None
+
+    def _reshape(self, reshape, new: Layout, stage: int) -> dict:
+        """This rank's layers that `reshape` changed, built like received ones."""
+        staged = {}
+        for layer in [layer for chunk in self.trainer.chunks for layer in chunk.decoder.layers]:
+            tensors = reshape(layer, self._layer_tensors(layer))
+            if tensors is not None:
+                built = self._build_layer(layer.layer_number, new, stage, tensors)
+                for name, p in layer.named_parameters():
+                    built.get_parameter(name).requires_grad_(p.requires_grad)
+                self._extra_bytes += _nbytes(built.parameters())
+                staged[layer.layer_number] = (built, tensors)
+        return staged
 
     def _build_layer(self, number: int, new: Layout, stage: int, tensors: dict) -> torch.nn.Module:
         t = self.trainer

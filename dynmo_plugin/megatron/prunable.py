@@ -20,9 +20,11 @@ counter moves on every in-place write, `load_state_dict` included).
 
 Structured (`granularity: structured`): `neuron_prunable_layer_spec` makes linear_fc1 /
 linear_fc2 `NeuronPrunable*` linears whose masks remove whole FFN neurons (rows of fc1
-and its bias, columns of fc2). Their forward gathers the kept rows / columns, so the
-dense GEMMs really shrink — what saves time on GPUs, where unstructured sparsity does
-not (../shared/notes/h100-measured.md). Attention heads are not pruned.
+and its bias, columns of fc2). Masked, their forward gathers the kept rows / columns;
+physical (the default, `_NeuronMasked`), the scenario rebuilds them with the kept
+neurons only, so weights, gradients and optimizer state shrink with the GEMMs — what
+saves time on GPUs, where unstructured sparsity does not
+(../shared/notes/h100-measured.md). Attention heads are not pruned.
 
 Tensor parallelism: each TP rank holds a slice of the weight and the mask of that
 slice. Magnitude pruning is elementwise, so per-shard masks under one GLOBAL threshold
@@ -31,19 +33,21 @@ are exactly the global mask; each shard picks its own kernel from its own sparsi
 from __future__ import annotations
 
 import dataclasses
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from dynmo_plugin.config import ConfigError
 from dynmo_plugin.dynamism.pruning import CHUNK_ROWS, CROSSOVER, CsrPattern, SparseLinearFunction
 
 __all__ = ["PrunableColumnParallelLinear", "PrunableRowParallelLinear", "prunable_layer_spec",
            "NeuronPrunableColumnParallelLinear", "NeuronPrunableRowParallelLinear",
-           "neuron_prunable_layer_spec", "prunable_linears", "PRUNED_LINEARS"]
+           "neuron_prunable_layer_spec", "prunable_linears", "PRUNED_LINEARS", "csr_supported"]
 
 # The decoder linears whose weights are pruned, as (parent attribute, linear attribute).
 PRUNED_LINEARS = (("self_attention", "linear_qkv"), ("self_attention", "linear_proj"),
@@ -107,10 +111,19 @@ class _MaskedLinear:
 
 
 def _csr_supported(weight: torch.Tensor) -> bool:
-    """Whether torch has the CSR matmul for this weight: on CPU (MKL) only in fp32/fp64
-    (bf16/fp16 raise "addmm_out_sparse_csr_impl_mkl not implemented"); above the
+    return csr_supported(weight.device.type, weight.dtype)
+
+
+def csr_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch has the CSR kernels `SparseLinearFunction` needs for a weight of this
+    device type and dtype: fp32/fp64 only, on any device. bf16/fp16 fail on CPU in the
+    forward (MKL: "addmm_out_sparse_csr_impl_mkl not implemented") and in the backward's
+    `sampled_addmm` on every device ("Expected self to be a floating-point or complex
+    tensor, but got BFloat16": the input check shared by the CPU and CUDA kernels in torch
+    2.13; cuSPARSE's SDDMM dispatch there is float/double/complex only). Above the
     threshold such a weight keeps the dense masked matmul."""
-    return weight.is_cuda or weight.dtype in (torch.float32, torch.float64)
+    del device_type  # the same answer on CPU and CUDA in torch 2.13
+    return dtype in (torch.float32, torch.float64)
 
 
 class PrunableColumnParallelLinear(_MaskedLinear, ColumnParallelLinear):
@@ -131,30 +144,154 @@ class PrunableRowParallelLinear(_MaskedLinear, RowParallelLinear):
 
 class _NeuronMasked(_MaskedLinear):
     """Whole FFN neurons pruned: `axis` 0 = fc1 (a neuron is a row, plus its bias entry),
-    1 = fc2 (a neuron is a column). The kept ones are gathered into a smaller dense
-    weight; `index_select`'s backward scatters gradients back (zero for pruned ones)."""
+    1 = fc2 (a neuron is a column).
+
+    `weight_mask` always has the FULL width (every neuron the layer was built with), so
+    it says which neurons a layer keeps whatever its weight's present width. The weight
+    holds the neurons in `present` (full-width indices, None = all of them):
+
+    * masked: the weight keeps its full width and the kept neurons are gathered into a
+      smaller dense weight at every call (`index_select`'s backward scatters gradients
+      back, zero for pruned ones);
+    * physical (`shrink`): the weight, its bias and everything keyed by them (gradient,
+      DDP buffer, fp32 master, Adam moments) hold the kept neurons only, and the forward
+      is Megatron's plain matmul. A layer built from the spec (a migration's receiver,
+      a repack) takes the width of the state it loads (`_load_from_state_dict`), and a
+      checkpoint stores the full width with zeros at pruned neurons (`sharded_state_dict`),
+      what the masked form stores: any layout or pipeline size reads it back."""
 
     axis: int = 0
+    _present: torch.Tensor | None = None
+
+    @property
+    def neuron_params(self) -> tuple[str, ...]:
+        """The parameters with one entry per neuron along `axis`."""
+        return ("weight", "bias") if self.axis == 0 and self.bias is not None else ("weight",)
+
+    @property
+    def full_width(self) -> int:
+        return int(self.weight_mask.shape[self.axis])
+
+    @property
+    def physical(self) -> bool:
+        """Whether the weight holds fewer neurons than the layer was built with."""
+        return int(self.weight.shape[self.axis]) < self.full_width
+
+    def kept_neurons(self) -> torch.Tensor:
+        """Bool [full width]: the neurons the mask keeps."""
+        return self.weight_mask.any(dim=1 - self.axis)
+
+    def local_mask(self) -> torch.Tensor:
+        """The mask over the neurons the weight holds (the weight's shape)."""
+        if self._present is None:
+            return self.weight_mask
+        return self.weight_mask.index_select(self.axis, self._present)
+
+    def shrink_index(self) -> torch.Tensor:
+        """Positions, along `axis` of the present weight, of the neurons still kept."""
+        return self.local_mask().any(dim=1 - self.axis).nonzero().squeeze(1)
 
     def refresh(self) -> None:
         mask = self.weight_mask
-        key = (mask._version, mask.data_ptr(), mask.device)
+        key = (mask._version, mask.data_ptr(), mask.device, tuple(self.weight.shape))
         if key == self._cache_key:
             return
-        kept = mask.any(dim=1 - self.axis)
-        self._kept = kept.nonzero().squeeze(1)
-        self._sparsity = 1.0 - self._kept.numel() / kept.numel() if kept.numel() else 0.0
+        self._kept = self.shrink_index()
+        kept = int(self.kept_neurons().sum())
+        self._sparsity = 1.0 - kept / self.full_width if self.full_width else 0.0
+        self._gathers = self._kept.numel() < int(self.weight.shape[self.axis])
         self._pattern = None
         self._cache_key = key
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         self.refresh()
         dense = super(_MaskedLinear, self)._forward_impl  # Megatron's own matmul
-        if weight is not self.weight or self._sparsity == 0.0:
+        if weight is not self.weight or not self._gathers:
             return dense(input, weight, *args, **kwargs)
         if self.axis == 0 and kwargs.get("bias") is not None:
             kwargs["bias"] = kwargs["bias"].index_select(0, self._kept)
         return dense(input, weight.index_select(self.axis, self._kept), *args, **kwargs)
+
+    # ---- the width travels with the state ------------------------------------------------
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Take the neuron width of the incoming state (smaller after a physical shrink)
+        before loading it, so a layer built from the spec can receive a pruned layer."""
+        weight = state_dict.get(prefix + "weight")
+        mask = state_dict.get(prefix + "weight_mask")
+        if (torch.is_tensor(weight) and torch.is_tensor(mask) and weight.dim() == 2
+                and tuple(mask.shape) == tuple(self.weight_mask.shape)):
+            width, present = int(weight.shape[self.axis]), None
+            if width < self.full_width:
+                present = mask.to(self.weight_mask.device).any(dim=1 - self.axis).nonzero().squeeze(1)
+                if present.numel() != width:
+                    raise ValueError(f"{prefix}weight holds {width} neurons but its mask keeps "
+                                     f"{present.numel()}: a physically pruned state must be "
+                                     "shrunk to its mask")
+            if width != int(self.weight.shape[self.axis]):
+                self.resize_neurons(width, present)
+            else:  # same width (a live module): its parameters stay, DDP and optimizer hold them
+                self._present, self._cache_key = present, None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def resize_neurons(self, width: int, present: torch.Tensor | None) -> None:
+        """New (uninitialised) neuron parameters of `width` neurons; `present` their
+        full-width indices (None: all). Only for a module no DDP/optimizer holds yet."""
+        for name in self.neuron_params:
+            old = getattr(self, name)
+            shape = list(old.shape)
+            shape[self.axis if name == "weight" else 0] = width
+            new = torch.nn.Parameter(torch.empty(shape, dtype=old.dtype, device=old.device),
+                                     requires_grad=old.requires_grad)
+            for attr, value in vars(old).items():  # Megatron's TP / allreduce attributes
+                if not torch.is_tensor(value) and attr != "grad_added_to_main_grad":
+                    setattr(new, attr, value)
+            setattr(self, name, new)
+        self._present = present
+        self._cache_key = None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Megatron's sharded state; when physically pruned, the neuron parameters (and,
+        through Megatron's optimizer, their Adam moments and masters) as factories that
+        write the FULL width (zeros at pruned neurons) and read the present neurons back."""
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if not self.physical:
+            return sharded
+        state = self.state_dict(prefix="", keep_vars=True)
+        full = {name: _scatter(state[name], self._present, self._dim(name), self.full_width)
+                for name in self.neuron_params}
+        template = make_sharded_tensors_for_checkpoint(
+            {**state, **full}, prefix, {"weight": self.axis, "bias": 0}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        for name in self.neuron_params:
+            t = template[prefix + name]
+            sharded[prefix + name] = ShardedTensorFactory(
+                t.key, state[name], partial(_build_full, t, self._present, self._dim(name), self.full_width),
+                partial(_merge_present, self._present, self._dim(name)), t.replica_id)
+        mask = sharded[prefix + "weight_mask"]  # sharded like the full-width weight
+        sharded[prefix + "weight_mask"] = dataclasses.replace(
+            template[prefix + "weight"], key=mask.key, data=mask.data, dtype=mask.dtype)
+        return sharded
+
+    def _dim(self, name: str) -> int:
+        return self.axis if name == "weight" else 0
+
+
+def _scatter(t: torch.Tensor, present: torch.Tensor, dim: int, width: int) -> torch.Tensor:
+    """`t` (present neurons along `dim`) at full `width`, zeros at the others."""
+    shape = list(t.shape)
+    shape[dim] = width
+    return torch.zeros(shape, dtype=t.dtype, device=t.device).index_copy_(dim, present, t.detach())
+
+
+def _build_full(template, present, dim, width, key, data, replica_id, flattened_range):
+    if flattened_range is not None:
+        raise ValueError(f"{key}: a flattened physically pruned tensor cannot be checkpointed")
+    full = _scatter(data, present, dim, width)
+    return dataclasses.replace(template, key=key, data=full, dtype=full.dtype, replica_id=replica_id)
+
+
+def _merge_present(present, dim, loaded: torch.Tensor) -> torch.Tensor:
+    return loaded.index_select(dim, present.to(loaded.device))
 
 
 class NeuronPrunableColumnParallelLinear(_NeuronMasked, ColumnParallelLinear):
@@ -168,7 +305,7 @@ class NeuronPrunableColumnParallelLinear(_NeuronMasked, ColumnParallelLinear):
 
     def forward(self, *args, **kwargs):
         output, bias = super().forward(*args, **kwargs)
-        if bias is not None and self.sparsity > 0:  # skip_bias_add: the MLP adds it
+        if bias is not None and self._gathers:  # skip_bias_add: the MLP adds it
             bias = bias.index_select(0, self._kept)
         return output, bias
 
