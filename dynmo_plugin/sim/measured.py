@@ -166,13 +166,19 @@ def load_profile_file(path: str | Path) -> list[MeasuredCosts]:
     """
     what = (f"hardware profile {str(path)!r} is not a profile: give a JSON object with name, "
             "source and shapes (a list of objects), as dynmo_plugin/sim/profiles/h100.json")
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UserError(f"cannot read hardware profile {str(path)!r}: {e.strerror or e}") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{what} ({type(e).__name__} {e})") from e
+    data = read_json(path, "hardware profile", what)
     return profile_entries(data, what)
+
+
+def read_json(path: str | Path, kind: str, not_json: str) -> Any:
+    """The JSON document in `path`, or a UserError: "cannot read <kind> ..." when the file
+    cannot be read, `not_json` (with the decoder's reason) when it is not UTF-8 JSON."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"cannot read {kind} {str(path)!r}: {e.strerror or e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{not_json} ({type(e).__name__} {e})") from e
 
 
 def profile_entries(data: Any, what: str = "the profile") -> list[MeasuredCosts]:

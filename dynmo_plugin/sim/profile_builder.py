@@ -36,7 +36,7 @@ from typing import Any, Iterable
 
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.sim.gpt import GPTShape, Hardware, LayerLoad, flop_layer_costs
-from dynmo_plugin.sim.measured import profile_entries
+from dynmo_plugin.sim.measured import profile_entries, read_json
 
 __all__ = ["SCENARIO_KNOBS", "build_profile", "load_rows", "main"]
 
@@ -53,12 +53,7 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
     Raises:
         UserError: unreadable, not JSON, or not a list of objects.
     """
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UserError(f"cannot read cost rows {str(path)!r}: {e.strerror or e}") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"cost rows {str(path)!r} are not JSON ({e})") from e
+    data = read_json(path, "cost rows", f"cost rows {str(path)!r} are not JSON")
     rows = data.get("rows") if isinstance(data, dict) else data
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise UserError(f"cost rows {str(path)!r}: give a JSON list of row objects, or an object "
