@@ -183,3 +183,29 @@ def test_deterministic_mode_follows_the_te_switch(monkeypatch):
     assert not transformer_config(args, layout).deterministic_mode
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     assert transformer_config(args, layout).deterministic_mode
+
+
+# ---- item 4: the checksum's transient counts in the gate's migration peak ------------------
+def test_checksum_transient_in_the_memory_model_is_the_wires_bound():
+    from dynmo_plugin.balancing.profile_problem import CHECKSUM_TRANSIENT_BYTES
+    from dynmo_plugin.migration.wire import checksum_transient_bytes
+    assert CHECKSUM_TRANSIENT_BYTES == checksum_transient_bytes(1 << 30)
+    assert all(checksum_transient_bytes(n) <= CHECKSUM_TRANSIENT_BYTES for n in (4, 4096, 1 << 24))
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_migration_peak_adds_the_transient_once_per_rank_that_sends_or_receives(chunks):
+    """Three ranks; one layer moves from rank 0 to rank 1 (interleaved: between chunks of
+    ranks 0 and 1): those two ranks hold the checksum transient once each, rank 2 not."""
+    from dynmo_plugin.balancing.metrics import migration_peak_memory
+    from dynmo_plugin.balancing.problem import BalanceProblem
+    from dynmo_plugin.layout import Layout
+    before, after = (("Ett|tt|ttL", "Et|ttt|ttL") if chunks == 1
+                     else ("Et|t|t|t|t|tL", "E|tt|t|t|t|tL"))
+    before, after = (Layout.parse(x, num_stages=3, num_chunks=chunks) for x in (before, after))
+    n = before.num_layers
+    kw = dict(costs=[1.0] * n, num_stages=3 * chunks, memory=[10.0] * n, move_bytes=[10.0] * n,
+              current=before, allow_empty_stages=True, num_chunks=chunks)
+    plain = migration_peak_memory(BalanceProblem(**kw), before, after)
+    with_t = migration_peak_memory(BalanceProblem(**kw, transfer_transient_bytes=7.0), before, after)
+    assert [b - a for a, b in zip(plain, with_t)] == [7.0, 7.0, 0.0]

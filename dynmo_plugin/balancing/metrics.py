@@ -71,21 +71,28 @@ def migration_peak_memory(problem: BalanceProblem, before: Layout, after: Layout
     new — the stage's memory before, plus each incoming layer twice (the receive buffer
     and the built layer with its optimizer state), plus what is rebuilt for the stage's
     new contents (gradient buffers). Outgoing layers are freed only after the commit.
+    A rank that sends or receives also holds the checksum's transient once
+    (`problem.transfer_transient_bytes`).
     `moved` (`moved_layers(before, after)`) and `memory_before` (`stage_memory(problem,
     before)`) may be passed when the caller has them. A layer that changes chunk but not
     rank (interleaved) is not received: it moves without a copy.
     """
     incoming = [0.0] * problem.num_stages
     move_bytes, rank = problem.move_bytes_arr, problem.stage_rank
+    transferring: set[int] = set()  # ranks that send or receive (checksum transients)
     for layer, src, dst in moved_layers(before, after) if moved is None else moved:
         if rank[src] != rank[dst]:
             incoming[dst] += float(move_bytes[layer - 1])
+            transferring.update((int(rank[src]), int(rank[dst])))
     lo, hi = _segments(after)
     rebuilt = problem.extras_rebuild_arr + (problem.rebuild_prefix[hi] - problem.rebuild_prefix[lo])
     if memory_before is None:
         memory_before = stage_memory(problem, before)
     peak = [m + 2 * i + r for m, i, r in zip(memory_before, incoming, rebuilt.tolist())]
-    return peak if problem.num_chunks == 1 else problem.per_rank(peak).tolist()
+    if problem.num_chunks > 1:
+        peak = problem.per_rank(peak).tolist()
+    return [m + (problem.transfer_transient_bytes if r in transferring else 0.0)
+            for r, m in enumerate(peak)]
 
 
 def imbalance(loads: Sequence[float]) -> float:

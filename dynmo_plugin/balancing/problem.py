@@ -101,6 +101,11 @@ class BalanceProblem:
             migration's transient peak, which happens between iterations. Default 0.
         num_chunks: virtual stages per pipeline rank (Megatron's
             --num-virtual-stages-per-pipeline-rank); `num_stages` must be a multiple.
+        transfer_transient_bytes: device bytes a rank allocates beside a layer buffer it
+            sends or receives while checksumming it (`migration.wire.checksum_transient_bytes`:
+            bounded by the checksum's chunk, one buffer at a time), added once to the
+            migration peak of each rank that sends or receives. Default 0 (CPU: the
+            accounted peak has no allocator transients).
         tokens_per_iteration: tokens one pipeline replica trains per iteration
             (micro-batches x micro-batch size x sequence); optional, only to report a
             plan's predicted tokens/s and tokens per GPU-hour (costs must be seconds).
@@ -125,6 +130,7 @@ class BalanceProblem:
     memory_overhead: Sequence[float] | None = None
     num_chunks: int = 1
     tokens_per_iteration: float | None = None
+    transfer_transient_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
@@ -138,6 +144,9 @@ class BalanceProblem:
             raise ProblemError("costs is empty: give one cost per decoder layer")
         n, p = len(costs), self.num_stages
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        t = self.transfer_transient_bytes
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ProblemError(f"transfer_transient_bytes must be a finite number >= 0, got {t!r}")
         set_("costs", costs)
         set_("memory", _vector("memory", self.memory, n, "layers"))
         set_("move_bytes", _vector("move_bytes", self.move_bytes, n, "layers"))

@@ -11,7 +11,13 @@ from dynmo_plugin.balancing.problem import BalanceProblem, ProblemError
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.profiling.records import PipelineProfile
 
-__all__ = ["memory_calibration", "problem_from_profile"]
+__all__ = ["CHECKSUM_TRANSIENT_BYTES", "memory_calibration", "problem_from_profile"]
+
+# What the device checksum of one migration buffer allocates beside it at most
+# (migration.wire.checksum_transient_bytes of a buffer of one chunk or more: two int64
+# temporaries of 2**20 words and the accumulators). A pure constant here, since this wing
+# imports no torch; tests/test_nccl_safety.py holds the two equal.
+CHECKSUM_TRANSIENT_BYTES = 2 * 8 * (1 << 20) + 4 * 8
 
 
 def memory_calibration(profile: PipelineProfile, num_stages: int,
@@ -70,4 +76,6 @@ def problem_from_profile(profile: PipelineProfile, current: Layout, config,
         rebuild_bytes=[x.grad_bytes for x in profile.layers],
         extras_rebuild_bytes=[s.extra_grad_bytes for s in profile.stages],
         num_chunks=current.num_chunks,
+        transfer_transient_bytes=(CHECKSUM_TRANSIENT_BYTES
+                                  if any(s.clock == "cuda_event" for s in profile.stages) else 0.0),
     )
