@@ -7,7 +7,7 @@ live controller uses) and solves it exactly, so the printed
 `--pipeline-model-parallel-layout` is the layout the live run chose when its gate let
 it move. Without a "start" event, the run's first rebalance profile is used. When the
 run had repacking on, the pipeline size is chosen too: the repack decision
-(`plan_repack` with the run's criteria) without the gate, since a fresh Megatron-LM
+(`plan_repack` with the run's criteria and its iteration model) without the gate, since a fresh Megatron-LM
 start migrates nothing; the live run's gate may have kept the larger pipeline (the
 output says what it did).
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from dynmo_plugin.balancing import RepackCriteria, plan_repack, solve
@@ -25,6 +26,7 @@ from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout, LayoutError
 from dynmo_plugin.profiling.records import PipelineProfile
 from dynmo_plugin.report import read_report
+from dynmo_plugin.sim.problem_model import live_iteration_model
 
 __all__ = ["recommend", "render"]
 
@@ -57,6 +59,15 @@ def _microbatches(report: dict, event: dict) -> int:
     return int(model["global_batch_size"]) // (int(model["micro_batch_size"]) * dp)
 
 
+def _iteration_model(report: dict):
+    """The model the live run's repack decision used (`controller.repack_iteration_model`):
+    its DP size, model shape and the configured bandwidth (at the start nothing has been
+    migrated yet, so no measured one)."""
+    model, rb = report["config"]["model"], report["config"]["dynmo"]["rebalance"]
+    return live_iteration_model(SimpleNamespace(**model), dp=int(report["world"]["dp"]),
+                                bandwidth_Bps=float(rb["bandwidth_gbps"]) * 1e9)
+
+
 def recommend(run_dir: str) -> dict[str, Any]:
     """The exact layout for the run's start profile, with what the live run did.
 
@@ -80,7 +91,7 @@ def recommend(run_dir: str) -> dict[str, Any]:
             criteria = RepackCriteria(min_stages=int(rp["min_stages"]), max_slowdown=float(rp["max_slowdown"]),
                                       objective=rp["objective"], memory_margin=float(rp["memory_margin"]),
                                       rebuild_s=float(rp["rebuild_s"]))
-            repack = plan_repack(problem, criteria)
+            repack = plan_repack(problem, criteria, iteration_model=_iteration_model(report))
             if repack.apply:
                 layout, predicted = repack.layout_after, repack.predicted_iter_s_after
     except (KeyError, TypeError, ValueError, LayoutError, ProblemError) as e:

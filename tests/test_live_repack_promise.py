@@ -1,0 +1,98 @@
+"""Live repacks keep their promise as simulated ones do (issue 29).
+
+The live controller (`DynMo._decide`) prices repack candidates with the simulator's
+iteration (`controller.repack_iteration_model` -> `sim.problem_model`: the 1F1B order,
+p2p transfers, the DP all-reduce), not the flow-shop formula, which leaves out that
+fewer stages all-reduce more gradient bytes each. The problem is live-shaped: profile
+records as the controller gathers them, a stand-in only for the trainer's layout,
+micro-batches, DP size and Megatron args (the shape of the hidden state it sends).
+"""
+from __future__ import annotations
+
+import functools
+import types
+
+import pytest
+
+from dynmo_plugin.balancing import GateConfig
+from dynmo_plugin.balancing.decide import decide
+from dynmo_plugin.balancing.repack import RepackCriteria, flow_shop_model, shrink_problem
+from dynmo_plugin.config import DynmoConfig, RebalanceConfig, RepackConfig
+from dynmo_plugin.controller import DynMo, problem_from_profile, repack_iteration_model
+from dynmo_plugin.layout import Layout
+from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile
+from dynmo_plugin.sim.problem_model import FORWARD_SHARE, problem_costs
+from dynmo_plugin.sim.cost import Link
+
+MB = 100_000_000
+M, DP, BANDWIDTH = 8, 8, 1e9
+CURRENT = Layout.parse("Ett|tt|tt|ttL")
+CONFIG = DynmoConfig(enabled=True, rebalance=RebalanceConfig(balancer="exact"),
+                     repack=RepackConfig(enabled=True))
+
+
+def _profile() -> PipelineProfile:
+    """8 cheap layers of 100 MB of gradients each, 2 per stage, and a heavy output layer
+    on the last stage (as configs/demo.yaml's 8k vocabulary): the flow-shop formula sees
+    the head's stage as the bottleneck whatever the other stages hold, so packing six
+    layers onto stage 0 looks free, while stage 0's all-reduce triples."""
+    layers = [LayerProfile(layer=n, stage=(n - 1) // 2, fwd_s=0.01, bwd_s=0.02, param_bytes=MB,
+                           grad_bytes=MB, optim_bytes=2 * MB, act_bytes=10**6)
+              for n in range(1, 9)]
+    stages = [StageProfile(stage=s, extra_s=0.5 if s == 3 else 0.0, wait_s=0.0, peak_bytes=0)
+              for s in range(4)]
+    return PipelineProfile(layers, stages)
+
+
+def _trainer():
+    args = types.SimpleNamespace(seq_length=512, micro_batch_size=1, hidden_size=256,
+                                 bf16=False, fp16=False)
+    return types.SimpleNamespace(layout=CURRENT, num_microbatches=M,
+                                 dims=types.SimpleNamespace(dp=DP), args=args)
+
+
+def _live_decide():
+    me = types.SimpleNamespace(trainer=_trainer(), config=CONFIG, bandwidth=BANDWIDTH,
+                               _repacker=object())
+    me._repack_criteria = functools.partial(DynMo._repack_criteria, me)
+    return DynMo._decide(me, _profile(), "event:test")
+
+
+def test_a_repack_the_flow_shop_formula_approves_but_the_iteration_is_slower_is_refused():
+    problem = problem_from_profile(_profile(), CURRENT, CONFIG, M)
+    rb = CONFIG.rebalance
+    gate = GateConfig(iterations_until_next_event=rb.expected_event_gap,
+                      bandwidth_bytes_per_s=BANDWIDTH, margin=rb.margin,
+                      min_relative_gain=rb.min_gain)
+    criteria = RepackCriteria.from_config(CONFIG.repack)
+    old = decide(problem, "exact", gate, criteria)  # the old live estimate
+    assert old.action == "repack" and old.repack.stages_after == 2
+    after = old.repack.layout_after
+    assert flow_shop_model(shrink_problem(problem, 2), after) <= flow_shop_model(problem, CURRENT)
+
+    model = repack_iteration_model(_trainer(), BANDWIDTH)
+    slower = model(shrink_problem(problem, 2), after) / model(problem, CURRENT)
+    assert slower > criteria.max_slowdown * 1.05  # the all-reduce on 6 layers' gradients
+
+    live = _live_decide()
+    assert live.repack is not None and not live.repack.apply
+    assert live.plan is None or live.plan.layout.num_stages == 4
+    refused = {c.stages: c for c in live.repack.candidates}[2]
+    assert not refused.fits and "too slow" in refused.reason
+    assert refused.predicted_iter_s == pytest.approx(model(shrink_problem(problem, 2), after))
+
+
+def test_the_problem_model_charges_what_the_run_knows():
+    """Per stage: layers + extras, split 1 : 2; per rank: its layers' gradient bytes;
+    the hidden state a stage sends; the DP size."""
+    problem = problem_from_profile(_profile(), CURRENT, CONFIG, M)
+    costs = problem_costs(problem, CURRENT, act_bytes=512 * 256 * 4, p2p=Link(bandwidth_Bps=1e9),
+                          dp=DP, dp_link=Link(bandwidth_Bps=1e9))
+    total = costs.fwd_s[:, 0] + costs.bwd_s[:, 0]
+    assert total.tolist() == pytest.approx([0.06, 0.06, 0.06, 0.56])
+    assert costs.fwd_s[:, 0].tolist() == pytest.approx((total * FORWARD_SHARE).tolist())
+    assert costs.grad_bytes.tolist() == [2 * MB] * 4
+    assert (costs.act_bytes, costs.dp, costs.num_microbatches) == (512 * 256 * 4, DP, M)
+    packed = problem_costs(shrink_problem(problem, 2), Layout.parse("Ettttttt|tL"), act_bytes=0,
+                           p2p=Link(), dp=DP, dp_link=Link())
+    assert packed.grad_bytes.tolist() == [7 * MB, MB]
