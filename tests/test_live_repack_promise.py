@@ -13,9 +13,12 @@ import functools
 import types
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dynmo_plugin.balancing import GateConfig
 from dynmo_plugin.balancing.decide import decide
+from dynmo_plugin.balancing.problem import REL_TOL
 from dynmo_plugin.balancing.repack import RepackCriteria, flow_shop_model, shrink_problem
 from dynmo_plugin.config import DynmoConfig, RebalanceConfig, RepackConfig
 from dynmo_plugin.controller import DynMo, problem_from_profile, repack_iteration_model
@@ -96,3 +99,48 @@ def test_the_problem_model_charges_what_the_run_knows():
     packed = problem_costs(shrink_problem(problem, 2), Layout.parse("Ettttttt|tL"), act_bytes=0,
                            p2p=Link(), dp=DP, dp_link=Link())
     assert packed.grad_bytes.tolist() == [7 * MB, MB]
+
+
+@st.composite
+def live_problems(draw):
+    """Random profiles as the controller gathers them, on a random DP size and link."""
+    pp = draw(st.integers(2, 4))
+    n = draw(st.integers(pp, 10))
+    counts = Layout.uniform(n, pp).counts
+    stage_of = [s for s, c in enumerate(counts) for _ in range(c)]
+    costs = draw(st.lists(st.floats(0.001, 0.05), min_size=n, max_size=n))
+    grads = draw(st.lists(st.sampled_from([MB // 10, MB]), min_size=n, max_size=n))
+    layers = [LayerProfile(layer=i + 1, stage=stage_of[i], fwd_s=c / 3, bwd_s=2 * c / 3,
+                           param_bytes=g, grad_bytes=g, optim_bytes=2 * g, act_bytes=10**6)
+              for i, (c, g) in enumerate(zip(costs, grads))]
+    head = draw(st.floats(0.0, 0.5))
+    stages = [StageProfile(stage=s, extra_s=head if s == pp - 1 else 0.0, wait_s=0.0, peak_bytes=0)
+              for s in range(pp)]
+    slowdown = draw(st.sampled_from([1.0, 1.1, 1.5]))
+    objective = draw(st.sampled_from(["min_stages", "throughput_per_gpu"]))
+    return (PipelineProfile(layers, stages), Layout(counts), draw(st.sampled_from([2, 8])),
+            draw(st.sampled_from([1e8, 1e9])), slowdown, objective)
+
+
+@given(case=live_problems())
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+def test_a_live_repack_is_never_predicted_slower_than_allowed(case):
+    """Whatever the live decision applies is within max_slowdown by the simulator's own
+    iteration on the same problem (DP all-reduce and p2p included)."""
+    profile, current, dp, bandwidth, slowdown, objective = case
+    config = DynmoConfig(enabled=True, rebalance=RebalanceConfig(balancer="exact", min_gain=0.0),
+                         repack=RepackConfig(enabled=True, max_slowdown=slowdown,
+                                             objective=objective, rebuild_s=0.0))
+    trainer = _trainer()
+    trainer.layout, trainer.dims.dp = current, dp
+    me = types.SimpleNamespace(trainer=trainer, config=config, bandwidth=bandwidth, _repacker=object())
+    me._repack_criteria = functools.partial(DynMo._repack_criteria, me)
+    choice = DynMo._decide(me, profile, "event:test")
+    if choice.repack is None or not choice.repack.apply:
+        return
+    problem = problem_from_profile(profile, current, config, M)
+    after = choice.repack.layout_after
+    model = repack_iteration_model(trainer, bandwidth)
+    assert model(shrink_problem(problem, after.num_stages), after) <= \
+        slowdown * model(problem, current) * (1 + REL_TOL)
