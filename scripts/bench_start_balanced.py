@@ -16,7 +16,8 @@ Both runs use the same seed and data. Measured per run: the median iteration tim
 the iteration after the tuned run's start window closed plus `--warmup` to the end (the
 same iterations in both), wall time with the plugin's own seconds included. Printed per
 config: each run's median, the ratio uniform / tuned of the medians over rounds (> 1:
-the tuned start is faster), the spread (min-max of the per-round ratios), the layouts,
+the tuned start is faster), the spread (min-max of the per-round ratios), the layouts (the tuned start's
+may differ between rounds: each profiles under the load of its moment),
 whether the losses of the rounds agree, and the machine's load average before and after.
 With --json: one JSON document on stdout, logs on stderr.
 """
@@ -84,18 +85,19 @@ def bench(config: str, rounds: int, start_at: int, warmup: int, extra: list[str]
     window = 2 if config.endswith("demo.yaml") else 1  # profiling.window of the configs
     first = start_at + window + warmup
     medians: dict[str, list[float]] = {"uniform": [], "tuned": []}
-    layouts, losses, walls = {}, {"uniform": [], "tuned": []}, []
+    layouts: dict[str, list[str]] = {"uniform": [], "tuned": []}
+    losses, walls = {"uniform": [], "tuned": []}, []
     with tempfile.TemporaryDirectory(prefix="bench_start_") as tmp:
         for r in range(rounds):
             order = ("uniform", "tuned") if r % 2 == 0 else ("tuned", "uniform")
             for name in order:
                 report = _run(config, name == "tuned", start_at, extra, Path(tmp) / f"{name}{r}")
                 medians[name].append(_measure(report, first))
-                layouts[name] = _start_layout(report)
+                layouts[name].append(_start_layout(report))
                 losses[name].append([i["loss"] for i in report["iterations"]])
                 walls.append(report["wall_s"])
                 _log(f"{config} round {r + 1}/{rounds} {name}: median {medians[name][-1] * 1e3:.1f} ms "
-                     f"from iteration {first} ({report['wall_s']:.0f} s, layout {layouts[name]})")
+                     f"from iteration {first} ({report['wall_s']:.0f} s, layout {layouts[name][-1]})")
     ratios = [u / t for u, t in zip(medians["uniform"], medians["tuned"])]
     return {"config": config, "measured_from": first, "medians_s": medians,
             "ratio": statistics.median(medians["uniform"]) / statistics.median(medians["tuned"]),
@@ -112,7 +114,8 @@ def _table(results: list[dict], load: tuple, rounds: int) -> str:
         u, t = (statistics.median(x["medians_s"][n]) * 1e3 for n in ("uniform", "tuned"))
         lines.append(f"{x['config']:<20} {u:>11.1f} {t:>9.1f} {x['ratio']:>6.3f} "
                      f"{x['ratio_min']:>6.3f}-{x['ratio_max']:<6.3f}  "
-                     f"{x['layouts']['uniform']} -> {x['layouts']['tuned']}")
+                     f"{', '.join(sorted(set(x['layouts']['uniform'])))} -> "
+                     f"{', '.join(sorted(set(x['layouts']['tuned'])))}")
     return "\n".join(lines)
 
 
