@@ -14,7 +14,10 @@ always runs first):
            moves back only where the uniform split is predicted faster.
 Both runs use the same seed and data. Measured per run: the median iteration time from
 the iteration after the tuned run's start window closed plus `--warmup` to the end (the
-same iterations in both), wall time with the plugin's own seconds included. Printed per
+same iterations in both), wall time with the plugin's own seconds included; and,
+load-robust, the 1F1B iteration predicted from each run's last profile (both runs
+profile every 6 iterations: per-layer thread CPU time, one thread per rank) for the
+layout it ran ("CPU ratio": uniform / tuned, median and min-max over rounds). Printed per
 config: each run's median, the ratio uniform / tuned of the medians over rounds (> 1:
 the tuned start is faster), the spread (min-max of the per-round ratios), the layouts (the tuned start's
 may differ between rounds: each profiles under the load of its moment),
@@ -36,9 +39,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _torchrun import torchrun  # noqa: E402
 
+from dynmo_plugin.balancing import predicted_iteration_s, stage_loads  # noqa: E402
+from dynmo_plugin.balancing.profile_problem import problem_from_profile  # noqa: E402
+from dynmo_plugin.config import DynmoConfig  # noqa: E402
+from dynmo_plugin.layout import Layout  # noqa: E402
+from dynmo_plugin.profiling.records import PipelineProfile  # noqa: E402
+
 CONFIGS = ("configs/demo.yaml", "configs/moe.yaml")
 # per config: launcher flags that keep a run near a minute on a loaded 2-core machine and
 # keep the dynamism out of the start window (MoE routing events from iteration 6)
+PROFILE_EVERY = 6  # both runs profile (thread CPU time) every 6 iterations: the load-robust column
 SHRINK = {"configs/moe.yaml": ["--train-iters", "20", "--dynmo-moe-start", "6"]}
 
 
@@ -49,7 +59,8 @@ def _log(*args) -> None:
 def _run(config: str, tuned: bool, start_at: int, extra: list[str], out: Path) -> dict:
     flags = ["-m", "dynmo_plugin.train", "--dynmo", "--dynmo-config", config,
              "--pipeline-model-parallel-size", "2", "--dynmo-balancer", "uniform",
-             "--dynmo-rebalance-interval", "0", *SHRINK.get(config, []), *extra]
+             "--dynmo-rebalance-interval", "0", "--dynmo-profile-every", str(PROFILE_EVERY),
+             *SHRINK.get(config, []), *extra]
     if tuned:
         flags += ["--dynmo-start-balanced-at", str(start_at), "--dynmo-min-gain", "0"]
     started = time.perf_counter()
@@ -81,10 +92,26 @@ def _measure(report: dict, first: int) -> float:
     return statistics.median(times)
 
 
+def _cpu_model_s(report: dict, first: int) -> float | None:
+    """Load-robust: the 1F1B iteration predicted from the run's last profile at or after
+    `first` (per-layer thread CPU time, one thread per rank) for the layout it ran."""
+    found = [e for e in report["events"] if e["iteration"] >= first
+             and (e.get("profile") or {}).get("layers")]
+    if not found:
+        return None
+    event = found[-1]
+    profile = PipelineProfile.from_dict(event["profile"])
+    layout = Layout.parse(event.get("layout") or event["layout_before"])
+    m = max(x.num_microbatches for x in profile.stages) or 1
+    problem = problem_from_profile(profile, layout, DynmoConfig(), m)
+    return predicted_iteration_s(stage_loads(problem, layout), m)
+
+
 def bench(config: str, rounds: int, start_at: int, warmup: int, extra: list[str]) -> dict:
     window = 2 if config.endswith("demo.yaml") else 1  # profiling.window of the configs
     first = start_at + window + warmup
     medians: dict[str, list[float]] = {"uniform": [], "tuned": []}
+    cpu: dict[str, list[float | None]] = {"uniform": [], "tuned": []}
     layouts: dict[str, list[str]] = {"uniform": [], "tuned": []}
     losses, walls = {"uniform": [], "tuned": []}, []
     with tempfile.TemporaryDirectory(prefix="bench_start_") as tmp:
@@ -93,27 +120,36 @@ def bench(config: str, rounds: int, start_at: int, warmup: int, extra: list[str]
             for name in order:
                 report = _run(config, name == "tuned", start_at, extra, Path(tmp) / f"{name}{r}")
                 medians[name].append(_measure(report, first))
+                cpu[name].append(_cpu_model_s(report, first))
                 layouts[name].append(_start_layout(report))
                 losses[name].append([i["loss"] for i in report["iterations"]])
                 walls.append(report["wall_s"])
                 _log(f"{config} round {r + 1}/{rounds} {name}: median {medians[name][-1] * 1e3:.1f} ms "
                      f"from iteration {first} ({report['wall_s']:.0f} s, layout {layouts[name][-1]})")
     ratios = [u / t for u, t in zip(medians["uniform"], medians["tuned"])]
-    return {"config": config, "measured_from": first, "medians_s": medians,
+    cpu_ratios = [u / t for u, t in zip(cpu["uniform"], cpu["tuned"]) if u and t]
+    return {"config": config, "measured_from": first, "medians_s": medians, "cpu_model_s": cpu,
+            "cpu_ratio": statistics.median(cpu_ratios) if cpu_ratios else None,
+            "cpu_ratio_min": min(cpu_ratios, default=None), "cpu_ratio_max": max(cpu_ratios, default=None),
             "ratio": statistics.median(medians["uniform"]) / statistics.median(medians["tuned"]),
             "ratio_min": min(ratios), "ratio_max": max(ratios), "ratios": ratios,
             "layouts": layouts, "run_wall_s_max": max(walls),
             "losses_repeat": all(x == losses[n][0] for n in losses for x in losses[n])}
 
 
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _table(results: list[dict], load: tuple, rounds: int) -> str:
     lines = [f"load average before {load[0]:.1f}, after {load[1]:.1f} (2 cores); {rounds} rounds, "
              "interleaved", f"{'config':<20} {'uniform ms':>11} {'tuned ms':>9} {'ratio':>6} "
-             f"{'spread':>13}  layouts (uniform -> tuned)"]
+             f"{'spread':>13} {'CPU ratio':>9} {'CPU spread':>13}  layouts (uniform -> tuned)"]
     for x in results:
         u, t = (statistics.median(x["medians_s"][n]) * 1e3 for n in ("uniform", "tuned"))
         lines.append(f"{x['config']:<20} {u:>11.1f} {t:>9.1f} {x['ratio']:>6.3f} "
-                     f"{x['ratio_min']:>6.3f}-{x['ratio_max']:<6.3f}  "
+                     f"{x['ratio_min']:>6.3f}-{x['ratio_max']:<6.3f} {_num(x['cpu_ratio']):>9} "
+                     f"{_num(x['cpu_ratio_min']):>6}-{_num(x['cpu_ratio_max']):<6}  "
                      f"{', '.join(sorted(set(x['layouts']['uniform'])))} -> "
                      f"{', '.join(sorted(set(x['layouts']['tuned'])))}")
     return "\n".join(lines)
