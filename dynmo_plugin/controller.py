@@ -31,6 +31,7 @@ from typing import Optional
 
 from dynmo_plugin.balancing import BalanceProblem, GateConfig, InfeasibleError, ProblemError
 from dynmo_plugin.balancing.decide import decide
+from dynmo_plugin.balancing.repack import IterationModel
 from dynmo_plugin.balancing.profile_problem import memory_calibration, problem_from_profile
 from dynmo_plugin.config import DynmoConfig
 from dynmo_plugin.consensus import ControlPlane, DecisionFailed
@@ -39,7 +40,8 @@ from dynmo_plugin.layout import Layout, LayoutError
 from dynmo_plugin.profiling.records import PipelineProfile
 from dynmo_plugin.report import RunReport
 
-__all__ = ["DynMo", "memory_calibration", "problem_from_profile", "scale_profile"]
+__all__ = ["DynMo", "memory_calibration", "problem_from_profile", "repack_iteration_model",
+           "scale_profile"]
 
 logger = logging.getLogger(__name__)
 _MEASURE_ITERS = 5  # iterations averaged for measured time before/after a rebalance
@@ -228,7 +230,9 @@ class DynMo:
                           bandwidth_bytes_per_s=self.bandwidth, margin=rb.margin,
                           min_relative_gain=rb.min_gain, measured_dispersion=profile.dispersion())
         balancer = "exact" if trigger == "start" else rb.balancer  # the start: the optimum
-        choice = decide(problem, balancer, gate, self._repack_criteria(problem, trigger))
+        criteria = self._repack_criteria(problem, trigger)
+        model = None if criteria is None else repack_iteration_model(self.trainer, self.bandwidth)
+        choice = decide(problem, balancer, gate, criteria, iteration_model=model)
         memory = _memory_record(profile, problem.num_stages, problem.num_microbatches, cap,
                                 choice.plan)
         return Decision(profile.to_dict(), choice.plan, choice.apply,
@@ -352,6 +356,17 @@ class DynMo:
             self.report.add_event(event)
         logger.info("dynmo: iteration %d %s [%s]%s", event.iteration, event.kind, event.trigger,
                     _describe(event))
+
+
+def repack_iteration_model(trainer, bandwidth_Bps: float) -> IterationModel:
+    """How the live repack decision predicts iteration times: the simulator's iteration
+    (`sim.problem_model`: 1F1B order, p2p transfers on the critical path, the DP
+    all-reduce of each rank's gradients, which grows as the stages get fewer) on the
+    profiled problem, so a live repack keeps `max_slowdown` as a simulated one does;
+    from what the run knows: its DP size, its Megatron args (the hidden state a stage
+    sends) and the link bandwidth."""
+    from dynmo_plugin.sim.problem_model import live_iteration_model
+    return live_iteration_model(trainer.args, dp=trainer.dims.dp, bandwidth_Bps=bandwidth_Bps)
 
 
 def _cap_bytes(config: DynmoConfig) -> Optional[float]:

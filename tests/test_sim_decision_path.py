@@ -22,6 +22,7 @@ from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageP
 from dynmo_plugin.sim.decision import DecisionTimeModel
 from dynmo_plugin.sim.gpt import GPTShape, Hardware, layer_costs
 from dynmo_plugin.sim.planner import GateSettings, build_problem, decide, live_repack_criteria
+from dynmo_plugin.sim.problem_model import live_iteration_model
 from dynmo_plugin.sim.scenarios import make_scenario
 
 M = 16
@@ -55,10 +56,18 @@ def _live_profile(problem, shape, hw, costs) -> PipelineProfile:
     return PipelineProfile(layers, stages)
 
 
-def _live_decide(profile, current, config, bandwidth):
-    """The live controller's `_decide`, on a stand-in for its trainer (layout, micro-batches)."""
-    me = types.SimpleNamespace(trainer=types.SimpleNamespace(layout=current, num_microbatches=M),
-                               config=config, bandwidth=bandwidth, _repacker=object())
+def _args(shape):
+    """The Megatron args the repack's iteration model reads (the hidden state sent)."""
+    return types.SimpleNamespace(seq_length=shape.seq, micro_batch_size=shape.micro_batch,
+                                 hidden_size=shape.hidden, bf16=True)
+
+
+def _live_decide(profile, current, config, bandwidth, shape):
+    """The live controller's `_decide`, on a stand-in for its trainer (layout, micro-batches,
+    DP size 1, model args)."""
+    trainer = types.SimpleNamespace(layout=current, num_microbatches=M, args=_args(shape),
+                                    dims=types.SimpleNamespace(dp=1))
+    me = types.SimpleNamespace(trainer=trainer, config=config, bandwidth=bandwidth, _repacker=object())
     me._repack_criteria = functools.partial(DynMo._repack_criteria, me)
     return DynMo._decide(me, profile, "event:test")
 
@@ -85,9 +94,10 @@ def test_simulated_decision_equals_the_live_controllers(name, layers, pp, iterat
                   "rebuild_bytes", "extras_rebuild_bytes", "current", "num_microbatches"):
         assert getattr(live_problem, field) == pytest.approx(getattr(problem, field)), field
     gate = GateSettings(margin=margin, min_gain=min_gain).config(horizon, rb.bandwidth_gbps * 1e9)
+    model = live_iteration_model(_args(shape), dp=1, bandwidth_Bps=rb.bandwidth_gbps * 1e9)
     sim = decide(problem, "exact", gate, live_repack_criteria() if repack else None,
-                 DecisionTimeModel())
-    live = _live_decide(profile, problem.current, config, rb.bandwidth_gbps * 1e9)
+                 DecisionTimeModel(), model if repack else None)
+    live = _live_decide(profile, problem.current, config, rb.bandwidth_gbps * 1e9, shape)
     live_layout = (live.repack.layout_after if live.repack is not None and live.repack.apply
                    else live.plan.layout if live.apply else problem.current)
     assert (sim.layout, sim.applied, sim.reason) == (live_layout, live.apply, live.reason)

@@ -48,7 +48,8 @@ def decide(problem: BalanceProblem, balancer: str, gate: GateConfig,
     """Repack if `repack` criteria are given and a repack passes its gate, else the
     balancer's plan if it moves something and passes the gate, else keep the layout.
     `iteration_model`: how the repack planner predicts iteration times (default the
-    flow-shop formula; the simulator passes its own, `repack` module docstring)."""
+    flow-shop formula; the simulator and the live controller pass the simulated
+    iteration, `repack` module docstring)."""
     repack_plan = None
     try:
         if repack is not None and problem.num_ranks > repack.min_stages:

@@ -40,8 +40,9 @@ loads only, no communication, and it overstates an unbalanced pipeline). A calle
 knows better passes its own: the simulator passes its whole iteration (p2p transfers on
 the critical path, the data-parallel all-reduce of each rank's gradients, which grows
 as the stages get fewer, the real 1F1B order), so a repack it applies never simulates
-slower than `max_slowdown` allows (`sim.planner`). With a custom model the lower-bound
-skips are off (they bound the default formula only).
+slower than `max_slowdown` allows (`sim.planner`); the live controller passes the same
+simulated iteration built from its profiled problem (`sim.problem_model`). With a
+custom model the lower-bound skips are off (they bound the default formula only).
 
 Floating point follows `problem`: "a <= b" means ``a <= b + REL_TOL * |b|`` for times,
 and memory checks are the solver's (``<= cap / (1 + margin) + mem_tol``).

@@ -1,4 +1,5 @@
-"""`dynmo plan --from-run RUN_DIR`: the layout a Megatron-LM user should start with.
+"""`dynmo plan --from-run RUN_DIR` (or `--from-profile FILE`): the layout a Megatron-LM
+user should start with.
 
 A run trained with `--dynmo --dynmo-start-balanced-at N` profiled a window early on and
 applied the exact solver's layout for it (trigger "start"). This rebuilds the same
@@ -7,7 +8,7 @@ live controller uses) and solves it exactly, so the printed
 `--pipeline-model-parallel-layout` is the layout the live run chose when its gate let
 it move. Without a "start" event, the run's first rebalance profile is used. When the
 run had repacking on, the pipeline size is chosen too: the repack decision
-(`plan_repack` with the run's criteria) without the gate, since a fresh Megatron-LM
+(`plan_repack` with the run's criteria and its iteration model) without the gate, since a fresh Megatron-LM
 start migrates nothing; the live run's gate may have kept the larger pipeline (the
 output says what it did).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from dynmo_plugin.balancing import RepackCriteria, plan_repack, solve
@@ -25,8 +27,9 @@ from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout, LayoutError
 from dynmo_plugin.profiling.records import PipelineProfile
 from dynmo_plugin.report import read_report
+from dynmo_plugin.sim.problem_model import live_iteration_model
 
-__all__ = ["recommend", "render"]
+__all__ = ["recommend", "recommend_from_profile", "render", "render_profile"]
 
 
 def _report(run_dir: str) -> dict:
@@ -57,6 +60,15 @@ def _microbatches(report: dict, event: dict) -> int:
     return int(model["global_batch_size"]) // (int(model["micro_batch_size"]) * dp)
 
 
+def _iteration_model(report: dict):
+    """The model the live run's repack decision used (`controller.repack_iteration_model`):
+    its DP size, model shape and the configured bandwidth (at the start nothing has been
+    migrated yet, so no measured one)."""
+    model, rb = report["config"]["model"], report["config"]["dynmo"]["rebalance"]
+    return live_iteration_model(SimpleNamespace(**model), dp=int(report["world"]["dp"]),
+                                bandwidth_Bps=float(rb["bandwidth_gbps"]) * 1e9)
+
+
 def recommend(run_dir: str) -> dict[str, Any]:
     """The exact layout for the run's start profile, with what the live run did.
 
@@ -80,7 +92,7 @@ def recommend(run_dir: str) -> dict[str, Any]:
             criteria = RepackCriteria(min_stages=int(rp["min_stages"]), max_slowdown=float(rp["max_slowdown"]),
                                       objective=rp["objective"], memory_margin=float(rp["memory_margin"]),
                                       rebuild_s=float(rp["rebuild_s"]))
-            repack = plan_repack(problem, criteria)
+            repack = plan_repack(problem, criteria, iteration_model=_iteration_model(report))
             if repack.apply:
                 layout, predicted = repack.layout_after, repack.predicted_iter_s_after
     except (KeyError, TypeError, ValueError, LayoutError, ProblemError) as e:
@@ -97,13 +109,82 @@ def recommend(run_dir: str) -> dict[str, Any]:
                      "layout_after": event.get("layout_after"), "reason": event.get("reason")}}
 
 
-def render(rec: dict[str, Any], as_json: bool) -> str:
-    if as_json:
-        return json.dumps(rec, indent=2, allow_nan=False)
+def _profile_file(path: str) -> PipelineProfile:
+    """A profile as the live run records it: `PipelineProfile.to_dict()` ({layers,
+    stages[, num_chunks]}), or a report event holding one under "profile"."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UserError(f"--from-profile {path!r}: cannot read it ({e.strerror or e}); pass a "
+                        "profile JSON file") from e
+    except ValueError as e:
+        raise UserError(f"--from-profile {path!r}: not JSON ({e})") from e
+    if isinstance(data, dict) and isinstance(data.get("profile"), dict):
+        data = data["profile"]
+    try:
+        profile = PipelineProfile.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UserError(f"--from-profile {path!r}: not a profile ({{\"layers\": [...], \"stages\": "
+                        f"[...]}} as a run's report events record it): {type(e).__name__}: {e}") from e
+    if not profile.layers or not profile.stages:
+        raise UserError(f"--from-profile {path!r}: the profile has no layers or no stages")
+    return profile
+
+
+def recommend_from_profile(path: str) -> dict[str, Any]:
+    """The exact layout for a recorded profile, without its run: the layout it was
+    profiled under is read from the layers' stages, the micro-batches from the stages'
+    records (1 when not recorded); no memory cap, no repack (the run's settings are not
+    in a profile: use --from-run for those).
+
+    Raises:
+        UserError: an unreadable file or not a profile.
+    """
+    profile = _profile_file(path)
+    try:
+        counts = [0] * len(profile.stages)
+        for x in profile.layers:
+            counts[x.stage] += 1
+        current = Layout(tuple(counts), num_chunks=profile.num_chunks)
+        m = max(s.num_microbatches for s in profile.stages) or 1
+        problem = problem_from_profile(profile, current, DynmoConfig(), m)
+        plan = solve(problem, "exact")
+    except (IndexError, TypeError, ValueError, LayoutError, ProblemError) as e:
+        raise UserError(f"--from-profile {path!r}: the profile does not make a problem "
+                        f"({type(e).__name__}: {e})") from e
+    layout = plan.layout
+    return {"profile": str(Path(path)), "layout_profiled": str(current), "num_microbatches": m,
+            "pipeline_model_parallel_size": layout.num_ranks,
+            "num_virtual_stages_per_pipeline_rank": layout.num_chunks,
+            "pipeline_model_parallel_layout": layout.to_megatron(),
+            "predicted_iter_s": plan.predicted_iter_s_after,
+            "predicted_iter_s_profiled": plan.predicted_iter_s_before}
+
+
+def _flags(rec: dict[str, Any]) -> str:
     flags = (f"--pipeline-model-parallel-size {rec['pipeline_model_parallel_size']} "
              f"--pipeline-model-parallel-layout '{rec['pipeline_model_parallel_layout']}'")
     if rec["num_virtual_stages_per_pipeline_rank"] > 1:
         flags += f" --num-virtual-stages-per-pipeline-rank {rec['num_virtual_stages_per_pipeline_rank']}"
+    return flags
+
+
+def render_profile(rec: dict[str, Any], as_json: bool) -> str:
+    if as_json:
+        return json.dumps(rec, indent=2, allow_nan=False)
+    return "\n".join([
+        f"from profile {rec['profile']} under {rec['layout_profiled']} "
+        f"({rec['num_microbatches']} micro-batches)",
+        "recommended for Megatron-LM (exact solver on the measured profile):",
+        f"  {_flags(rec)}",
+        f"predicted iteration {rec['predicted_iter_s']:.4g} s (the profiled layout "
+        f"{rec['predicted_iter_s_profiled']:.4g} s)"])
+
+
+def render(rec: dict[str, Any], as_json: bool) -> str:
+    if as_json:
+        return json.dumps(rec, indent=2, allow_nan=False)
+    flags = _flags(rec)
     live = rec["live"]
     did = (f"applied {live['layout_after']} at iteration {live['iteration']}" if live["applied"]
            else f"kept {rec['layout_profiled']} ({live['reason']})")

@@ -5,10 +5,13 @@
     dynmo plan costs.json --current-layout 'Ett|tt|tt|ttL' --repack [--min-stages K]
                [--max-slowdown X] [--objective min_stages|throughput_per_gpu] [--json]
     dynmo plan --from-run RUN_DIR [--json]
+    dynmo plan --from-profile FILE [--json]
 
 --from-run prints the --pipeline-model-parallel-size and --pipeline-model-parallel-layout
 to start a Megatron-LM run with: the exact solver on the profile a run trained with
-`--dynmo --dynmo-start-balanced-at N` measured (`cli/_from_run.py`).
+`--dynmo --dynmo-start-balanced-at N` measured (`cli/_from_run.py`). --from-profile does the
+same from a profile file as a run records it (the layout it was profiled under is read
+from its layers' stages; no memory cap, no repack: those are the run's settings).
 
 costs.json: a JSON list of per-layer costs, or an object {"costs": [...], "memory":
 [...], "move_bytes": [...], "params": [...]} (all but costs optional). mem.json: a list
@@ -79,6 +82,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--from-run", metavar="RUN_DIR",
                    help="recommend a Megatron-LM layout from a run's start profile (no costs file)")
+    p.add_argument("--from-profile", metavar="FILE",
+                   help="the same from a profile JSON as a run records it (its report's "
+                        "events), without the run")
     _add_repack_flags(p)
     p.set_defaults(func=run)
 
@@ -348,15 +354,25 @@ def _as_json(plan: Plan | RepackPlan) -> str:
                         "too large); give costs in a larger unit") from e
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.from_run is not None:
-        from dynmo_plugin.cli._from_run import recommend, render
+def _from_recorded(args: argparse.Namespace) -> str:
+    """--from-run / --from-profile: everything comes from the recording."""
+    from dynmo_plugin.cli import _from_run
 
-        extra = [f for f in ("costs_file", "costs", "method", "current_layout") if getattr(args, f)]
-        if extra or args.repack:
-            raise UserError("--from-run takes everything from the run; drop "
-                            + ", ".join(["--repack"] * args.repack + [f"--{f.replace('_', '-')}" for f in extra]))
-        print(render(recommend(args.from_run), args.json))
+    flag = "--from-run" if args.from_run is not None else "--from-profile"
+    extra = [f for f in ("costs_file", "costs", "method", "current_layout") if getattr(args, f)]
+    if args.from_run is not None and args.from_profile is not None:
+        raise UserError("give --from-run or --from-profile, not both")
+    if extra or args.repack:
+        raise UserError(f"{flag} takes everything from the recording; drop "
+                        + ", ".join(["--repack"] * args.repack + [f"--{f.replace('_', '-')}" for f in extra]))
+    if args.from_run is not None:
+        return _from_run.render(_from_run.recommend(args.from_run), args.json)
+    return _from_run.render_profile(_from_run.recommend_from_profile(args.from_profile), args.json)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.from_run is not None or args.from_profile is not None:
+        print(_from_recorded(args))
         return 0
     with third_party_output_to_stderr():
         plan = _solve(args)

@@ -16,7 +16,8 @@ rebalance point (a plugin configured with the true event gap), not a fixed 100.
 The repack planner predicts iteration times with the simulator's own iteration model
 (`decide`'s `iteration_model`: p2p transfers on the critical path, the DP all-reduce,
 the 1F1B order), so an applied repack never simulates slower than `max_slowdown`
-allows; the live plugin uses the flow-shop formula (`repack.flow_shop_model`).
+allows; the live plugin runs the same iteration on its profiled problem
+(`sim.problem_model`, via `controller.repack_iteration_model`).
 Decision time is modelled (`decision.DecisionTimeModel`): the balancer's formula, plus
 `exact`'s for every stage count the repack planner solved. No balancer lives here.
 """

@@ -1,0 +1,76 @@
+"""`dynmo plan --from-profile FILE`: the Megatron-LM layout from a recorded profile alone.
+
+The profile is what the live controller records (`PipelineProfile.to_dict()`, as a
+report's events hold it); the recommendation must be the layout the live controller's
+start decision (`DynMo._decide`, trigger "start", exact solver, gate off) picks for it.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+from dynmo_plugin.config import DynmoConfig, RebalanceConfig
+from dynmo_plugin.controller import DynMo
+from dynmo_plugin.layout import Layout
+from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile
+
+ROOT = Path(__file__).resolve().parents[1]
+M = 8
+
+
+def _profile() -> PipelineProfile:
+    """configs/demo.yaml's shape: 8 layers on 2 stages (4|4), the last stage also runs a
+    heavy output layer (8k vocabulary)."""
+    layers = [LayerProfile(layer=n, stage=(n - 1) // 4, fwd_s=0.01, bwd_s=0.02, param_bytes=10**5,
+                           grad_bytes=10**5, optim_bytes=2 * 10**5, act_bytes=10**4)
+              for n in range(1, 9)]
+    stages = [StageProfile(stage=s, extra_s=[0.005, 0.06][s], wait_s=0.0, peak_bytes=0,
+                           num_microbatches=M) for s in range(2)]
+    return PipelineProfile(layers, stages)
+
+
+def _live_start_layout() -> Layout:
+    config = DynmoConfig(enabled=True, rebalance=RebalanceConfig(balancer="uniform", min_gain=0.0))
+    me = types.SimpleNamespace(trainer=types.SimpleNamespace(layout=Layout((4, 4)), num_microbatches=M),
+                               config=config, bandwidth=1e9, _repacker=None)
+    me._repack_criteria = functools.partial(DynMo._repack_criteria, me)
+    decision = DynMo._decide(me, _profile(), "start")
+    assert decision.apply, decision.reason
+    return decision.plan.layout
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dynmo_plugin.cli", "plan", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_from_profile_recommends_the_live_start_layout(tmp_path):
+    live = _live_start_layout()
+    assert live != Layout((4, 4))
+    bare = tmp_path / "profile.json"
+    bare.write_text(json.dumps(_profile().to_dict()))
+    event = tmp_path / "event.json"  # a report event, as `--from-run` reads them
+    event.write_text(json.dumps({"kind": "rebalance", "trigger": "start", "profile": _profile().to_dict()}))
+    for path in (bare, event):
+        r = _plan("--from-profile", str(path), "--json")
+        assert r.returncode == 0, r.stderr
+        rec = json.loads(r.stdout)
+        assert rec["pipeline_model_parallel_layout"] == live.to_megatron()
+        assert (rec["pipeline_model_parallel_size"], rec["layout_profiled"]) == (2, "Etttt|ttttL")
+        assert rec["num_microbatches"] == M
+    r = _plan("--from-profile", str(bare))
+    assert f"--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout '{live.to_megatron()}'" in r.stdout
+
+
+def test_from_profile_bad_input_is_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"layers": []}))
+    cases = [("--from-profile", str(tmp_path / "missing.json")), ("--from-profile", str(bad)),
+             ("--from-profile", str(bad), "--from-run", str(tmp_path))]
+    for args in cases:
+        r = _plan(*args)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
