@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from launch import ROOT, in_megatron_process, losses, worker
+from test_scenario_pruning import _fwd_bwd  # one layer's forward + backward, shared
 
 FLAGS = ["--dynmo", "--dynmo-config", str(ROOT / "configs" / "gradual_pruning.yaml"),
          "--vocab-size", "8192", "--dynmo-profile-every", "4", "--test-dump-params",
@@ -233,16 +234,6 @@ def _check_shrunk_layer(args):
     again = build()  # a migration's receiver: built full width from the spec
     again.load_state_dict(physical.state_dict(), strict=True)
     assert torch.equal(_fwd_bwd(again, x)[0], out_p)
-
-
-def _fwd_bwd(layer, x):
-    x = x.clone().requires_grad_(True)
-    s = x.shape[0]
-    mask = torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s).expand(x.shape[1], 1, s, s)
-    out, _ = layer(hidden_states=x, attention_mask=mask)
-    layer.zero_grad()
-    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-    return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
 
 
 @pytest.mark.multiproc
