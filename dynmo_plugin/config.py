@@ -315,7 +315,7 @@ class PruningConfig:
         "global sparsity of decoder linear weights after the last round",
         "--dynmo-pruning-final-sparsity", below_one))
     granularity: str = field(default="unstructured", metadata=opt(
-        "unstructured (CSR kernels on CPU) or structured (whole neurons/heads; what saves "
+        "unstructured (CSR kernels on CPU) or structured (whole FFN neurons; what saves "
         "time on GPUs)", "--dynmo-pruning-granularity", one_of("unstructured", "structured")))
     structured: str = field(default="physical", metadata=opt(
         "structured pruning rebuilds the linears with the kept neurons only (physical: weights, "
