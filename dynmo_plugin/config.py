@@ -324,6 +324,10 @@ class PruningConfig:
     sparse_threshold: float = field(default=0.85, metadata=opt(
         "a linear switches to the CSR kernel above this sparsity (CPU crossover)",
         "--dynmo-pruning-sparse-threshold", fraction))
+    heads: float = field(default=0.0, metadata=opt(
+        "structured only: fraction of each layer's attention heads removed after the last round "
+        "(on the sparsity's cubic schedule; 0 = heads untouched)", "--dynmo-pruning-heads",
+        below_one))
 
 
 @dataclass(kw_only=True)

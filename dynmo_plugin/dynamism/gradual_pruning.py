@@ -29,6 +29,14 @@ uses): weights, gradients, DDP buffers, fp32 masters and Adam moments shrink, an
 kept rows / columns of every one of them are carried over exactly. A rebuild that
 fails leaves the layers masked (same values, full size) and is retried next round.
 
+`pruning.heads` (opt-in, structured only) removes whole attention heads the same way
+(Minitron-style width pruning): on the same cubic schedule from 0 to `heads`, each layer
+drops floor(fraction * its heads) heads, the lowest by the L2 norm of their qkv rows
+(q, k, v and biases) and proj columns. Heads are ranked per layer, not globally, so every
+layer keeps at least one head (fraction < 1) and no rank needs another's scores. Standard
+multi-head attention only: grouped-query attention (a k/v pair shared by several heads)
+and gated attention output are refused.
+
 Control-plane payloads (the candidates sent to rank 0) are CPU tensors: the control
 group is gloo, and weights on a GPU give candidates on the GPU.
 """
@@ -71,10 +79,14 @@ class GradualPruning(Scenario):
         except ValueError as e:
             raise ConfigError(f"dynamism.pruning: {e}") from e
         self.applied = 0.0  # global sparsity target of the last round
+        self.heads_applied = 0.0  # fraction of heads removed by the last round
 
     # ---- Scenario interface ---------------------------------------------------------------
     def layer_spec(self, spec, model_args):
-        from dynmo_plugin.megatron.prunable import neuron_prunable_layer_spec, prunable_layer_spec
+        from dynmo_plugin.megatron.prunable import (head_prunable_layer_spec,
+                                                    neuron_prunable_layer_spec, prunable_layer_spec)
+        if self.structured and self.pruning.heads > 0:
+            return head_prunable_layer_spec(neuron_prunable_layer_spec(spec))
         if self.structured:
             return neuron_prunable_layer_spec(spec)
         return prunable_layer_spec(spec, self.pruning.sparse_threshold)
@@ -84,13 +96,18 @@ class GradualPruning(Scenario):
         if self.structured and runtime.trainer.config.gated_linear_unit:
             raise ConfigError("dynamism.pruning.granularity: structured pruning removes neurons of "
                               "non-gated MLPs only (a gated fc1 holds two rows per neuron)")
+        if self.pruning.heads > 0:
+            _check_head_pruning(self.structured, runtime.trainer.config)
 
     def state_dict(self) -> dict:
+        if self.heads_applied:
+            return {"applied": self.applied, "heads_applied": self.heads_applied}
         return {"applied": self.applied}
 
     def load_state_dict(self, state: dict) -> None:
         self.applied = state.get("applied", 0.0)
-        self._reshrink = self.physical and self.applied > 0  # a checkpoint holds full widths
+        self.heads_applied = state.get("heads_applied", 0.0)
+        self._reshrink = self.physical and (self.applied > 0 or self.heads_applied > 0)  # a checkpoint holds full widths
         self.after_layout_change()  # CSR kernels for the loaded sparsity
 
     def after_step(self, iteration: int) -> Optional[DynamismEvent]:
@@ -101,29 +118,37 @@ class GradualPruning(Scenario):
             return None
         target = cubic_sparsity(iteration, p.start, p.rounds, p.interval, p.initial_sparsity,
                                 p.final_sparsity)
-        if target <= self.applied:  # e.g. the t0 round with initial sparsity 0: nothing to do
+        heads = (cubic_sparsity(iteration, p.start, p.rounds, p.interval, 0.0, p.heads)
+                 if p.heads > 0 else 0.0)
+        if target <= self.applied and heads <= self.heads_applied:  # e.g. the t0 round
             return None
         start = time.perf_counter()
+        tau = None
+        if heads > self.heads_applied:
+            self._apply_heads(heads)
+            self.heads_applied = heads
         if self.structured:
-            scores = self._neuron_scores()
-            tau = self._threshold(target, list(scores.values()))
-            self._apply_structured(tau, scores)
+            if target > self.applied:
+                scores = self._neuron_scores()
+                tau = self._threshold(target, list(scores.values()))
+                self._apply_structured(tau, scores)
             if self.physical and not self._shrink():
                 self._reshrink = True
         else:
             tau = self._threshold(target, [m.weight for _, _, m in self._linears()])
             self._apply(tau)
-        self.applied = target
+        self.applied = max(target, self.applied)
         per_layer, sparse_layers = self._summary()
         seconds = time.perf_counter() - start
         if self.runtime.control.rank == 0:
-            logger.info("pruning round at iteration %d: target %.4f, tau %.3g, %.2f s, CSR layers %s",
-                        iteration, target, tau, seconds, sparse_layers)
+            logger.info("pruning round at iteration %d: target %.4f, heads %.4f, tau %s, %.2f s, "
+                        "CSR layers %s", iteration, target, heads, tau, seconds, sparse_layers)
         return DynamismEvent(self.name, iteration, detail={
             "granularity": self.pruning.granularity,
             "unit": "ffn_neurons" if self.structured else "weights",
             "sparsity": per_layer, "target": target, "threshold": tau,
-            "sparse_kernel_layers": sparse_layers})
+            "sparse_kernel_layers": sparse_layers,
+            **({"heads": self.heads_applied} if self.pruning.heads > 0 else {})})
 
     def after_layout_change(self) -> None:
         for _, _, module in self._linears():
@@ -198,9 +223,7 @@ class GradualPruning(Scenario):
             sq = fc1.weight.float().pow(2).sum(1) + fc2.weight.float().pow(2).sum(0)
             if fc1.bias is not None:
                 sq += fc1.bias.float().pow(2)
-            if fc1.physical:
-                sq = torch.zeros(fc1.full_width, device=sq.device).index_copy_(0, fc1._present, sq)
-            scores[number] = sq.sqrt()
+            scores[number] = _full_width(fc1, sq).sqrt()
         return scores
 
     @torch.no_grad()
@@ -208,18 +231,32 @@ class GradualPruning(Scenario):
         optimizer = self.runtime.trainer.optimizer
         for number, fc1, fc2 in self._mlp_pairs():
             keep = fc1.kept_neurons() & (scores[number] >= tau)
-            fc1.weight_mask &= keep[:, None]
-            fc2.weight_mask &= keep[None, :]
-            # masks over the neurons each weight holds (all of them unless physically pruned)
-            params = [(fc1.weight, fc1.local_mask()), (fc2.weight, fc2.local_mask())]
-            if fc1.bias is not None:
-                params.append((fc1.bias, fc1.local_mask().any(1)))
-            for w, mask in params:
-                apply_mask_(w, mask)
-                mask_grad_(w, mask)
-                _mask_optimizer_state(optimizer, w, mask)
-            fc1.refresh()
-            fc2.refresh()
+            _drop_neurons(optimizer, fc1, keep, fc2, keep)
+
+    @torch.no_grad()
+    def _apply_heads(self, fraction: float) -> None:
+        """Mask, in every layer, the floor(fraction * heads) heads with the lowest L2 norm
+        over their qkv rows and biases and proj columns (heads already pruned first)."""
+        from dynmo_plugin.megatron.prunable import HeadPrunableSelfAttention
+        optimizer = self.runtime.trainer.optimizer
+        for layer in self.runtime.trainer.layers:
+            attn = layer.self_attention
+            if not isinstance(attn, HeadPrunableSelfAttention):
+                continue
+            qkv, proj, heads = attn.linear_qkv, attn.linear_proj, attn.full_heads
+            sq = _full_width(qkv, qkv.weight.float().pow(2).sum(1))
+            if qkv.bias is not None:
+                sq += _full_width(qkv, qkv.bias.float().pow(2))
+            score = sq.view(heads, -1).sum(1) + _full_width(
+                proj, proj.weight.float().pow(2).sum(0)).view(heads, -1).sum(1)
+            kept = attn.kept_heads()
+            score[~kept] = -1.0  # pruned heads first: they stay pruned
+            keep = torch.ones(heads, dtype=torch.bool, device=kept.device)
+            keep[score.argsort(stable=True)[:int(fraction * heads)]] = False
+            keep &= kept
+            _drop_neurons(optimizer, qkv, keep.repeat_interleave(3 * attn.head_dim),
+                          proj, keep.repeat_interleave(attn.head_dim))
+            attn.sync_heads()
 
     def _shrink(self) -> bool:
         """Rebuild this stage's layers with their kept neurons only (collective: every
@@ -253,6 +290,47 @@ class GradualPruning(Scenario):
         return per_layer, sorted(n for n, v in merged.items() if v[2])
 
 
+def _check_head_pruning(structured: bool, config) -> None:
+    """Raises ConfigError unless head pruning can run on this model (one line each)."""
+    if not structured:
+        raise ConfigError("dynamism.pruning.heads: head pruning needs granularity: structured "
+                          "(--dynmo-pruning-granularity structured)")
+    groups = config.num_query_groups or config.num_attention_heads
+    if groups != config.num_attention_heads:
+        raise ConfigError(f"dynamism.pruning.heads: grouped-query attention ({groups} query groups "
+                          f"for {config.num_attention_heads} heads) is not supported; set "
+                          "pruning.heads: 0 or use standard multi-head attention")
+    if getattr(config, "attention_output_gate", False):
+        raise ConfigError("dynamism.pruning.heads: gated attention output is not supported; "
+                          "set pruning.heads: 0")
+
+
+def _full_width(module, per_neuron: torch.Tensor) -> torch.Tensor:
+    """Per-neuron values of `module`'s present neurons at its full width (0 at the gone)."""
+    if not module.physical:
+        return per_neuron
+    return torch.zeros(module.full_width, dtype=per_neuron.dtype,
+                       device=per_neuron.device).index_copy_(0, module._present, per_neuron)
+
+
+@torch.no_grad()
+def _drop_neurons(optimizer, col, keep_rows: torch.Tensor, row, keep_cols: torch.Tensor) -> None:
+    """Mask the neurons `keep_*` drop (full width) in a column linear (rows, its bias) and
+    the row linear after it (columns); zero them in weights, grads, masters and Adam."""
+    col.weight_mask &= keep_rows[:, None]
+    row.weight_mask &= keep_cols[None, :]
+    # masks over the neurons each weight holds (all of them unless physically pruned)
+    params = [(col.weight, col.local_mask()), (row.weight, row.local_mask())]
+    if col.bias is not None:
+        params.append((col.bias, col.local_mask().any(1)))
+    for w, mask in params:
+        apply_mask_(w, mask)
+        mask_grad_(w, mask)
+        _mask_optimizer_state(optimizer, w, mask)
+    col.refresh()
+    row.refresh()
+
+
 @torch.no_grad()
 def _mask_optimizer_state(optimizer, w: torch.nn.Parameter, mask: torch.Tensor) -> None:
     """Zero the pruned entries of `w`'s fp32 master copy and Adam moments, for each piece
@@ -268,27 +346,26 @@ def _mask_optimizer_state(optimizer, w: torch.nn.Parameter, mask: torch.Tensor) 
         zero_adam_state_(state, flat[piece])
 
 
-# parameters of a layer with one entry per FFN neuron, and the axis the neurons are on
-_NEURON_AXES = {"mlp.linear_fc1.weight": 0, "mlp.linear_fc1.bias": 0, "mlp.linear_fc2.weight": 1}
-
-
 @torch.no_grad()
 def shrunk_tensors(layer, tensors: dict) -> Optional[dict]:
     """`LayerMigrator.rebuild`'s reshape for structured pruning: the layer's packed
-    tensors (state/, grad/, optim/<param>/<key>) with only the kept neurons of fc1's
-    weight and bias and fc2's weight (the full-width masks stay); None when the layer
-    holds no pruned neuron."""
-    from dynmo_plugin.megatron.prunable import NeuronPrunableColumnParallelLinear
-    fc1, fc2 = layer.mlp.linear_fc1, layer.mlp.linear_fc2
-    if not isinstance(fc1, NeuronPrunableColumnParallelLinear):
-        return None
-    index = {"mlp.linear_fc1": fc1.shrink_index(), "mlp.linear_fc2": fc2.shrink_index()}
-    if index["mlp.linear_fc1"].numel() == fc1.weight.shape[0]:
+    tensors (state/, grad/, optim/<param>/<key>) with only the kept neurons of each
+    neuron-prunable linear (fc1 / fc2, and qkv / proj under head pruning: weight, and
+    bias along axis 0; the full-width masks stay); None when nothing is left to drop."""
+    from dynmo_plugin.megatron.prunable import _NeuronMasked, prunable_linears
+    axes, index = {}, {}
+    for name, module in prunable_linears(layer):
+        if isinstance(module, _NeuronMasked):
+            kept = module.shrink_index()
+            if kept.numel() < module.weight.shape[module.axis]:
+                index[name] = kept
+                axes.update({f"{name}.{p}": module._dim(p) for p in module.neuron_params})
+    if not index:
         return None
     out = {}
     for key, value in tensors.items():
         name = key.split("/")[1]
-        axis = _NEURON_AXES.get(name)
+        axis = axes.get(name)
         if axis is not None and value.dim() > 0:
             value = value.index_select(axis, index[name.rsplit(".", 1)[0]].to(value.device))
         out[key] = value

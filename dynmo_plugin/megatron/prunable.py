@@ -24,7 +24,11 @@ and its bias, columns of fc2). Masked, their forward gathers the kept rows / col
 physical (the default, `_NeuronMasked`), the scenario rebuilds them with the kept
 neurons only, so weights, gradients and optimizer state shrink with the GEMMs — what
 saves time on GPUs, where unstructured sparsity does not
-(../shared/notes/h100-measured.md). Attention heads are not pruned.
+(../shared/notes/h100-measured.md). With `pruning.heads`, `head_prunable_layer_spec` does
+the same to attention heads: linear_qkv / linear_proj become the same neuron-prunable
+linears (a head is 3 * head_dim rows of qkv, [q, k, v], and head_dim columns of proj),
+and `HeadPrunableSelfAttention` sets its head counts from the rows qkv keeps before each
+forward, so a masked, a shrunk and a received layer all run with their kept heads.
 
 Tensor parallelism: each TP rank holds a slice of the weight and the mask of that
 slice. Magnitude pruning is elementwise, so per-shard masks under one GLOBAL threshold
@@ -39,6 +43,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -47,7 +52,8 @@ from dynmo_plugin.dynamism.pruning import CHUNK_ROWS, CROSSOVER, CsrPattern, Spa
 
 __all__ = ["PrunableColumnParallelLinear", "PrunableRowParallelLinear", "prunable_layer_spec",
            "NeuronPrunableColumnParallelLinear", "NeuronPrunableRowParallelLinear",
-           "neuron_prunable_layer_spec", "prunable_linears", "PRUNED_LINEARS", "csr_supported"]
+           "neuron_prunable_layer_spec", "HeadPrunableSelfAttention", "head_prunable_layer_spec",
+           "prunable_linears", "PRUNED_LINEARS", "csr_supported"]
 
 # The decoder linears whose weights are pruned, as (parent attribute, linear attribute).
 PRUNED_LINEARS = (("self_attention", "linear_qkv"), ("self_attention", "linear_proj"),
@@ -366,6 +372,58 @@ def neuron_prunable_layer_spec(spec: ModuleSpec) -> ModuleSpec:
     mlp = _replace(sub.mlp, "mlp", linear_fc1=NeuronPrunableColumnParallelLinear,
                    linear_fc2=NeuronPrunableRowParallelLinear)
     return dataclasses.replace(spec, submodules=dataclasses.replace(sub, mlp=mlp))
+
+
+class HeadPrunableSelfAttention(SelfAttention):
+    """Standard multi-head self-attention (one query group per head) whose heads are
+    pruned as neurons of linear_qkv (axis 0: a head's q, k, v rows, contiguous) and
+    linear_proj (axis 1: its head_dim columns). The head counts Megatron's reshapes read
+    follow the rows qkv keeps, set before every forward."""
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.hidden_size_per_attention_head)
+
+    @property
+    def full_heads(self) -> int:
+        """Heads of this partition as built (the masks' full width)."""
+        return self.linear_proj.full_width // self.head_dim
+
+    def kept_heads(self) -> torch.Tensor:
+        """Bool [full_heads]: the heads the masks keep."""
+        return self.linear_proj.kept_neurons().view(self.full_heads, self.head_dim).any(1)
+
+    def sync_heads(self) -> int:
+        """Set this module's and core attention's head counts to the heads qkv outputs."""
+        qkv = self.linear_qkv
+        qkv.refresh()
+        heads = int(qkv._kept.numel()) // (3 * self.head_dim)
+        core = self.core_attention
+        self.num_attention_heads_per_partition = self.num_query_groups_per_partition = heads
+        core.num_attention_heads_per_partition = core.num_query_groups_per_partition = heads
+        core.hidden_size_per_partition = heads * self.head_dim
+        return heads
+
+    def forward(self, *args, **kwargs):
+        self.sync_heads()
+        return super().forward(*args, **kwargs)
+
+
+def head_prunable_layer_spec(spec: ModuleSpec) -> ModuleSpec:
+    """`spec` with whole attention heads prunable (see HeadPrunableSelfAttention).
+
+    Raises:
+        ConfigError: the attention is not Megatron's SelfAttention with local linears.
+    """
+    sub = spec.submodules
+    attn = sub.self_attention
+    if not (isinstance(attn, ModuleSpec) and attn.module is SelfAttention):
+        raise ConfigError(f"dynamism.pruning.heads: self_attention is {getattr(attn, 'module', attn)!r}; "
+                          "head pruning needs Megatron's SelfAttention (local layer spec)")
+    attn = _replace(attn, "self_attention", linear_qkv=NeuronPrunableColumnParallelLinear,
+                    linear_proj=NeuronPrunableRowParallelLinear)
+    attn = dataclasses.replace(attn, module=HeadPrunableSelfAttention)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(sub, self_attention=attn))
 
 
 def prunable_linears(layer: torch.nn.Module) -> list[tuple[str, _MaskedLinear]]:
