@@ -157,3 +157,33 @@ def test_migrated_head_pruned_layer_equals_never_moved(runs):
     assert losses(moved) == losses(still)  # tolerance 0
     assert mp.keys() == sp.keys()
     assert [k for k in mp if not torch.equal(mp[k], sp[k])] == []
+
+
+@pytest.mark.multiproc
+def test_checkpoint_after_head_shrink_is_full_width_and_resumes_under_another_layout(tmp_path):
+    """Saved by PP=2 (Ett|ttL) after the iteration-5 round shrank one head of each layer:
+    qkv / proj stored at full width, zeros at the pruned head. Resumed at iteration 6
+    under Et|tttL (layers loaded full width, shrunk again after their first step), the
+    losses and the final checkpoint (weights, Adam state) equal the uninterrupted run's
+    to the bit."""
+    import shutil
+
+    from dynmo_plugin.megatron.dist_ckpt import read_tensors
+    flags = SMALL + ["--dynmo-balancer", "uniform", "--save-interval", "3"]
+    first = worker(2, flags + ["--save", str(tmp_path / "a")], tmp_path / "a")
+    saved = read_tensors(str(tmp_path / "a" / "iter_0000006"))
+    qkv = saved["decoder.layers." + QKV + ".weight"]
+    assert qkv.shape == (4, 3 * HIDDEN, HIDDEN)  # full width in the checkpoint ...
+    pruned = (qkv.view(4, HEADS, 3 * HEAD_DIM, HIDDEN) == 0).all(dim=(2, 3))
+    assert pruned.sum(dim=1).tolist() == [1, 1, 1, 1]  # ... zeros at each layer's pruned head
+    proj = saved["decoder.layers." + PROJ + ".weight"].view(4, HIDDEN, HEADS, HEAD_DIM)
+    assert torch.equal((proj == 0).all(dim=(1, 3)), pruned)
+    root = tmp_path / "load"
+    shutil.copytree(tmp_path / "a" / "iter_0000006", root / "iter_0000006")
+    (root / "latest_checkpointed_iteration.txt").write_text("6")
+    resumed = worker(2, flags + ["--pipeline-model-parallel-layout", "Et|tttL", "--load", str(root),
+                                 "--save", str(tmp_path / "b")], tmp_path / "b")
+    assert losses(resumed) == losses(first)[6:]
+    a, b = (read_tensors(str(tmp_path / d / "iter_0000009")) for d in ("a", "b"))
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []

@@ -142,7 +142,8 @@ class GradualPruning(Scenario):
         seconds = time.perf_counter() - start
         if self.runtime.control.rank == 0:
             logger.info("pruning round at iteration %d: target %.4f, heads %.4f, tau %s, %.2f s, "
-                        "CSR layers %s", iteration, target, heads, tau, seconds, sparse_layers)
+                        "CSR layers %s", iteration, target, heads,
+                        "-" if tau is None else f"{tau:.3g}", seconds, sparse_layers)
         return DynamismEvent(self.name, iteration, detail={
             "granularity": self.pruning.granularity,
             "unit": "ffn_neurons" if self.structured else "weights",
