@@ -109,6 +109,19 @@ def _check_refuses_gqa(args):
         _check_head_pruning(False, cfg)
 
 
+@pytest.mark.parametrize("value", ["1.0", "-0.1"])
+def test_heads_out_of_range_is_one_line_naming_the_key(value):
+    import argparse
+
+    from dynmo_plugin.config import ConfigError, add_dynmo_args, add_model_args, load_config
+    parser = add_dynmo_args(add_model_args(argparse.ArgumentParser()))
+    args = parser.parse_args(["--dynmo-config", str(ROOT / "configs" / "gradual_pruning.yaml"),
+                              "--dynmo-pruning-heads", value])
+    with pytest.raises(ConfigError, match=r"dynamism\.pruning\.heads: expected a number in \[0, 1\)"):
+        load_config(args, world_size=2)
+    assert load_config(parser.parse_args([]), world_size=1).dynmo.dynamism.pruning.heads == 0.0
+
+
 # ---- a real PP=2 run -------------------------------------------------------------------------
 SMALL = ["--dynmo", "--dynmo-config", str(ROOT / "configs" / "gradual_pruning.yaml"),
          "--num-layers", "4", "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
