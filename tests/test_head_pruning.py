@@ -13,7 +13,7 @@ import torch
 
 from launch import ROOT, in_megatron_process, losses, worker
 from test_physical_pruning import _params
-from test_scenario_pruning import _fwd_bwd  # one layer's forward + backward, shared
+from test_scenario_pruning import _fwd_bwd, seeded_layer  # one layer: shared helpers
 
 HIDDEN, HEADS, HEAD_DIM = 32, 4, 8
 QKV, PROJ = "self_attention.linear_qkv", "self_attention.linear_proj"
@@ -30,7 +30,6 @@ def _check_head_shrunk_layer(args):
     bit; both equal, to 1e-6, an unpruned-spec layer whose pruned heads' qkv rows and
     proj columns are zero (a head with zero q, k, v contributes nothing); a fresh full
     width layer loading the shrunk state takes its two heads and gives the same output."""
-    from megatron.core.transformer.spec_utils import build_module
 
     from dynmo_plugin.dynamism.gradual_pruning import shrunk_tensors
     from dynmo_plugin.dynamism.pruning import apply_mask_
@@ -43,12 +42,7 @@ def _check_head_shrunk_layer(args):
     spec = head_prunable_layer_spec(plain_spec)
 
     def build(s=spec):
-        layer = build_module(s, config=cfg, layer_number=1)
-        gen = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-        return layer
+        return seeded_layer(s, cfg)
 
     keep = torch.tensor([True, False, True, False])
     rows, cols = keep.repeat_interleave(3 * HEAD_DIM), keep.repeat_interleave(HEAD_DIM)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from launch import ROOT, in_megatron_process, losses, worker
-from test_scenario_pruning import _fwd_bwd  # one layer's forward + backward, shared
+from test_scenario_pruning import _fwd_bwd, seeded_layer  # one layer: shared helpers
 
 FLAGS = ["--dynmo", "--dynmo-config", str(ROOT / "configs" / "gradual_pruning.yaml"),
          "--vocab-size", "8192", "--dynmo-profile-every", "4", "--test-dump-params",
@@ -189,7 +189,6 @@ def _check_shrunk_layer(args):
     """A layer rebuilt from `shrunk_tensors` (what a round does) gives the masked layer's
     output and input gradient bit for bit, and the masked layer's gradients at the kept
     neurons; a fresh full-width layer loading its state takes the pruned width."""
-    from megatron.core.transformer.spec_utils import build_module
 
     from dynmo_plugin.dynamism.gradual_pruning import shrunk_tensors
     from dynmo_plugin.dynamism.pruning import apply_mask_
@@ -201,12 +200,7 @@ def _check_shrunk_layer(args):
     spec = neuron_prunable_layer_spec(layer_spec())
 
     def build():
-        layer = build_module(spec, config=cfg, layer_number=1)
-        gen = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-        return layer
+        return seeded_layer(spec, cfg)
 
     masked = build()
     fc1, fc2 = masked.mlp.linear_fc1, masked.mlp.linear_fc2

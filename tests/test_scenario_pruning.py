@@ -163,17 +163,22 @@ def test_pruned_weights_stay_zero_and_global_sparsity_matches(dynmo):
 # ---- one process: the Megatron modules and the scenario's config checks --------------
 
 def _layer(args, threshold=0.85, structured=False):
-    from megatron.core.transformer.spec_utils import build_module
-
     from dynmo_plugin.layout import Layout
     from dynmo_plugin.megatron.model import layer_spec, transformer_config
     from dynmo_plugin.megatron.prunable import neuron_prunable_layer_spec, prunable_layer_spec
     cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))
     spec = neuron_prunable_layer_spec(layer_spec()) if structured else prunable_layer_spec(layer_spec(), threshold)
+    return seeded_layer(spec, cfg)
+
+
+def seeded_layer(spec, cfg):
+    """Layer 1 built from `spec`, every parameter drawn from one seeded generator: the
+    same values in every layer built here, whatever its prunable form."""
+    from megatron.core.transformer.spec_utils import build_module
     layer = build_module(spec, config=cfg, layer_number=1)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        for p in layer.parameters():  # the same values in every layer built here
+        for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     return layer
 
