@@ -34,6 +34,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from dynmo_plugin.errors import DecisionFailed
+
 __all__ = ["ControlPlane", "PeerFailure", "DecisionFailed", "NonCPUPayload", "agent_store"]
 
 logger = logging.getLogger(__name__)
@@ -46,10 +48,6 @@ class PeerFailure(RuntimeError):
     Training cannot continue in this world (torch.distributed has no way to cancel
     the pending operations); the message names the phase and the suspected ranks.
     """
-
-
-class DecisionFailed(RuntimeError):
-    """The deciding rank raised; every rank receives the same message."""
 
 
 class NonCPUPayload(TypeError):

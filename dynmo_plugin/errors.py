@@ -6,10 +6,15 @@ never a traceback; everything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
-__all__ = ["UserError", "USER_ERROR_EXIT"]
+__all__ = ["UserError", "USER_ERROR_EXIT", "DecisionFailed"]
 
 USER_ERROR_EXIT = 2
 
 
 class UserError(ValueError):
     """Bad input: the message names the problem and what to do about it."""
+
+
+class DecisionFailed(RuntimeError):
+    """A decision made on one rank and broadcast (`consensus.ControlPlane.decide`) raised
+    there; every rank receives the same message, so every rank can fall back alike."""

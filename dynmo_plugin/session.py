@@ -1,6 +1,6 @@
 """One rank's training run: the stage, the control plane, the controller, the scenario.
 
-`TrainingSession` glues them in the order dynmo_plugin.dynamism.base describes, and
+`TrainingSession` glues them in the order dynmo_plugin.scenarios.base describes, and
 owns what outlives any one of them: the report, checkpoints (`--save`/`--load`, any
 pipeline split) and repacks, after which it switches every part to the stage rebuilt
 in the smaller world (`rebind`).
@@ -28,7 +28,7 @@ class TrainingSession:
     def __init__(self, cfg: RunConfig, dims, layer_spec=None, fault=None, profile_noise=None):
         from dynmo_plugin.consensus import ControlPlane
         from dynmo_plugin.controller import DynMo
-        from dynmo_plugin.dynamism import Runtime, build_scenario
+        from dynmo_plugin.scenarios import Runtime, build_scenario
         from dynmo_plugin.megatron.migrate import LayerMigrator
         from dynmo_plugin.megatron.model import layer_spec as default_spec
         from dynmo_plugin.megatron.repack import Repacker
@@ -157,7 +157,7 @@ class TrainingSession:
 
     def rebind(self, trainer, control, migrator) -> None:
         """Switch everything to the stage rebuilt in the shrunk world (megatron.repack)."""
-        from dynmo_plugin.dynamism import Runtime
+        from dynmo_plugin.scenarios import Runtime
         trainer.data.load_state_dict(self.trainer.data.state_dict())  # same stream, same place
         self.trainer, self.control, self.migrator = trainer, control, migrator
         if self.data_fit is not None:

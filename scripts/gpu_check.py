@@ -700,11 +700,9 @@ def check_scenario(m: Machine, sc: Scenario, out: Path, costs: dict) -> Row:
 # The simulator's name and curve knob for each scenario row (`dynmo_plugin.sim.profile_builder`).
 # MoE is left out: its row compares capacity factors of a wider FFN, not a dense layer of
 # the shape, and the busiest expert's load (the simulator's knob) is not measured here.
-_BUILDER = {"gradual_pruning": ("pruning", lambda f: 1 - 0.67),
-            "layer_freezing": ("freezing", None),
-            "mixture_of_depths": ("mod", lambda f: 0.125),
-            "early_exit": ("early_exit", lambda f: 1 - f["exited_fraction"]),
-            "sparse_attention": ("sparse_attention", lambda f: 1 / 16)}
+_BUILDER = {"gradual_pruning": lambda f: 1 - 0.67, "layer_freezing": None,
+            "mixture_of_depths": lambda f: 0.125,
+            "early_exit": lambda f: 1 - f["exited_fraction"], "sparse_attention": lambda f: 1 / 16}
 
 
 def _flag(model: list[str], name: str, default: int) -> int:
@@ -725,11 +723,11 @@ def builder_rows(costs: dict) -> list[dict]:
         shape = {"hidden": _flag(model, "--hidden-size", 0), "seq": _flag(model, "--seq-length", 0),
                  "micro_batch": _flag(model, "--micro-batch-size", 0),
                  "vocab": _flag(model, "--vocab-size", 50257)}
-        name, knob = _BUILDER[kind]
+        name, knob = kind, _BUILDER[kind]
         row = {"scenario": name, "shape": shape, "ratio": figures["ratio"], "source": kind}
         if knob is not None:
             row["knob_value"] = knob(figures)
-        if name == "pruning":
+        if name == "gradual_pruning":
             row["granularity"] = "structured"
         rows.append(row)
         dense.setdefault(tuple(shape.values()), {"scenario": "dense", "shape": shape,

@@ -29,17 +29,17 @@ from dynmo_plugin.sim import paper
 from dynmo_plugin.sim.campaign import CampaignConfig, run_variants, work_share
 from dynmo_plugin.sim.gpt import GPTShape, Hardware, LayerLoad, flop_layer_costs, layer_costs
 from dynmo_plugin.sim.measured import hardware
-from dynmo_plugin.sim.scenarios import make_scenario
+from dynmo_plugin.scenarios import make_trajectory
 
 # (label, scenario, parameters): pruning at the paper's three final sparsities
 ROWS = [
-    ("pruning 52%", "pruning", {"final_sparsity": 0.52}),
-    ("pruning 79%", "pruning", {"final_sparsity": 0.79}),
-    ("pruning 90%", "pruning", {"final_sparsity": 0.90}),
-    ("freezing", "freezing", {}),
+    ("pruning 52%", "gradual_pruning", {"final_sparsity": 0.52}),
+    ("pruning 79%", "gradual_pruning", {"final_sparsity": 0.79}),
+    ("pruning 90%", "gradual_pruning", {"final_sparsity": 0.90}),
+    ("freezing", "layer_freezing", {}),
     ("sparse_attention", "sparse_attention", {}),
     ("early_exit", "early_exit", {}),
-    ("mod", "mod", {}),
+    ("mod", "mixture_of_depths", {}),
     ("moe", "moe", {}),
 ]
 VARIANTS = {"exact": {"balancer": "exact"}, "by_parameter": {"balancer": "parameters"},
@@ -49,7 +49,7 @@ OVER = ("static", "static_best", "no_dynamism")
 
 def _config(name: str, params: dict, layers: int, hw_name: str, head: bool = True,
             dp: int | None = None, pp: int | None = None) -> CampaignConfig:
-    scenario = make_scenario(name, num_layers=layers, **params)
+    scenario = make_trajectory(name, num_layers=layers, **params)
     shape = GPTShape(num_layers=layers, output_layer=head)
     return CampaignConfig(scenario=scenario, dp=dp or scenario.world.dp, pp=pp or scenario.world.pp,
                           shape=shape, hw=hardware(hw_name, shape),
@@ -134,7 +134,7 @@ def figure3(layers: list[int], models: list[str]) -> list[dict]:
     rows = []
     for label, name, params in ROWS:
         values, paper_base, ours_base = paper.FIGURE3[name]
-        pp = make_scenario(name, num_layers=max(layers), **params).world.pp
+        pp = make_trajectory(name, num_layers=max(layers), **params).world.pp
         for n in layers:
             row = {"row": label, "scenario": name, "layers": n, "paper": values.get(n),
                    "paper_baseline": paper_base, "our_baseline": ours_base, "ours": {}, "cause": {}}
@@ -214,12 +214,12 @@ def figure4(layers: list[int], models: list[str]) -> list[dict]:
     out = []
     for model in models:
         for n in layers:
-            cfg = _config("pruning", {"final_sparsity": 0.90}, n, model, dp=1, pp=fig["gpus"])
+            cfg = _config("gradual_pruning", {"final_sparsity": 0.90}, n, model, dp=1, pp=fig["gpus"])
             res = run_variants(cfg, {"rebalance": VARIANTS["exact"], "repack": VARIANTS["repack"]})
             base = res["rebalance"].baselines["static_best"]
             plain, packed = res["rebalance"].dynmo, res["repack"].dynmo
             # control: the same model without pruning, repacked the same way
-            dense_cfg = _config("pruning", {"final_sparsity": 0.0}, n, model, dp=1, pp=fig["gpus"])
+            dense_cfg = _config("gradual_pruning", {"final_sparsity": 0.0}, n, model, dp=1, pp=fig["gpus"])
             dense = run_variants(dense_cfg, {"repack": VARIANTS["repack"]})["repack"].dynmo
             s_plain = plain.tokens_per_gpu_s / base.tokens_per_gpu_s
             s_pack = packed.tokens_per_gpu_s / base.tokens_per_gpu_s

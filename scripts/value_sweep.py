@@ -38,9 +38,10 @@ from dynmo_plugin.cli import build_parser  # noqa: E402
 from dynmo_plugin.cli.simulate import campaign_config  # noqa: E402
 from dynmo_plugin.sim.campaign import run_variants  # noqa: E402
 
-SCENARIOS = ("pruning", "freezing", "early_exit", "sparse_attention", "mod", "moe")
-SHORT = {"pruning": "prune", "freezing": "freeze", "early_exit": "exit", "sparse_attention": "sparse",
-         "mod": "mod", "moe": "moe"}
+SCENARIOS = ("gradual_pruning", "layer_freezing", "early_exit", "sparse_attention",
+             "mixture_of_depths", "moe")
+SHORT = {"gradual_pruning": "prune", "layer_freezing": "freeze", "early_exit": "exit",
+         "sparse_attention": "sparse", "mixture_of_depths": "mod", "moe": "moe"}
 HARDWARE = {"a100-flops": "FLOP", "h100": "H100"}
 DP, ITERATIONS = 8, 10000
 
@@ -48,7 +49,7 @@ DP, ITERATIONS = 8, 10000
 def grid(quick: bool) -> list[tuple[str, str, int, int, int]]:
     """(hardware, scenario, layers, pp, iterations) of every campaign, in table order."""
     if quick:
-        return [("a100-flops", s, lpp * 8, 8, 3000) for s in ("pruning", "freezing") for lpp in (2, 4)]
+        return [("a100-flops", s, lpp * 8, 8, 3000) for s in ("gradual_pruning", "layer_freezing") for lpp in (2, 4)]
     return [(hw, s, lpp * pp, pp, ITERATIONS) for hw in HARDWARE for s in SCENARIOS
             for pp in (8, 24) for lpp in (1, 2, 4, 8)]
 

@@ -1,4 +1,4 @@
-"""Unit tests for `dynmo_plugin.dynamism.pruning` (single process, CPU, no timings).
+"""Unit tests for `dynmo_plugin.scenarios.gradual_pruning.kernels` (single process, CPU, no timings).
 
 The global-threshold oracle is a brute-force sort of every magnitude of every stage,
 independent of the stage split; the sparse linear is checked against autograd through
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynmo_plugin.dynamism import pruning as P
+from dynmo_plugin.scenarios.gradual_pruning import kernels as P
 
 # torch warns once that CSR support is beta; that is expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
@@ -291,10 +291,10 @@ def test_grad_hook_follows_in_place_mask_update():
 # ------------------------------------------------------------------------- purity
 
 def test_pruning_imports_no_distributed_or_megatron():
-    """The pure modules of dynmo_plugin.dynamism (kernels, interface, registry) import no
+    """The pure modules of dynmo_plugin.scenarios (kernels, interface, registry) import no
     distributed or Megatron code. Scenario modules (the registry's values) are the glue
     that may: they are imported only when chosen."""
-    from dynmo_plugin.dynamism import _SCENARIOS
+    from dynmo_plugin.scenarios import _SCENARIOS
     scenarios = {target.split(":")[0].rsplit(".", 1)[-1] for target in _SCENARIOS.values()}
     pkg = Path(P.__file__).parent
     for path in pkg.glob("*.py"):

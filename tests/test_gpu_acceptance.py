@@ -100,10 +100,11 @@ def test_scenario_costs_feed_the_simulators_profile_builder(tmp_path):
     dense = [r for r in rows if r["scenario"] == "dense"]
     assert sorted(r["shape"]["vocab"] for r in dense) == [16, 32000]
     by = {r["scenario"]: r for r in rows if r["scenario"] != "dense"}
-    assert set(by) == {"mod", "pruning", "early_exit"}
-    assert by["mod"]["knob_value"] == 0.125 and by["early_exit"]["knob_value"] == pytest.approx(0.2)
-    assert by["pruning"]["granularity"] == "structured"
-    assert by["pruning"]["knob_value"] == pytest.approx(0.33)
+    assert set(by) == {"mixture_of_depths", "gradual_pruning", "early_exit"}
+    assert by["mixture_of_depths"]["knob_value"] == 0.125
+    assert by["early_exit"]["knob_value"] == pytest.approx(0.2)
+    assert by["gradual_pruning"]["granularity"] == "structured"
+    assert by["gradual_pruning"]["knob_value"] == pytest.approx(0.33)
     profile = build_profile(rows, "h200", "test")
     assert profile  # the builder accepted every row
 

@@ -31,12 +31,12 @@ def _check_head_shrunk_layer(args):
     proj columns are zero (a head with zero q, k, v contributes nothing); a fresh full
     width layer loading the shrunk state takes its two heads and gives the same output."""
 
-    from dynmo_plugin.dynamism.gradual_pruning import shrunk_tensors
-    from dynmo_plugin.dynamism.pruning import apply_mask_
+    from dynmo_plugin.scenarios.gradual_pruning.live import shrunk_tensors
+    from dynmo_plugin.scenarios.gradual_pruning.kernels import apply_mask_
     from dynmo_plugin.layout import Layout
     from dynmo_plugin.megatron.extra_state import carried_state, loadable_state
     from dynmo_plugin.megatron.model import layer_spec, transformer_config
-    from dynmo_plugin.megatron.prunable import head_prunable_layer_spec, neuron_prunable_layer_spec
+    from dynmo_plugin.scenarios.gradual_pruning.layer import head_prunable_layer_spec, neuron_prunable_layer_spec
     cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))
     plain_spec = neuron_prunable_layer_spec(layer_spec())
     spec = head_prunable_layer_spec(plain_spec)
@@ -92,7 +92,7 @@ def _check_refuses_gqa(args):
     import dataclasses
 
     from dynmo_plugin.config import ConfigError
-    from dynmo_plugin.dynamism.gradual_pruning import _check_head_pruning
+    from dynmo_plugin.scenarios.gradual_pruning.live import _check_head_pruning
     from dynmo_plugin.layout import Layout
     from dynmo_plugin.megatron.model import transformer_config
     cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))

@@ -70,7 +70,7 @@ def _check_pieces(args):
     master); the distributed one's (DP = 1: one shard of the whole buffer range) is a
     1-D shard main param. Pruning's masking zeroes moments (and the shard) off the mask
     in both."""
-    from dynmo_plugin.dynamism.gradual_pruning import _mask_optimizer_state
+    from dynmo_plugin.scenarios.gradual_pruning.live import _mask_optimizer_state
     from dynmo_plugin.megatron.optim_state import local_state_pieces
     for distributed in (False, True):
         torch.manual_seed(0)

@@ -190,12 +190,12 @@ def _check_shrunk_layer(args):
     output and input gradient bit for bit, and the masked layer's gradients at the kept
     neurons; a fresh full-width layer loading its state takes the pruned width."""
 
-    from dynmo_plugin.dynamism.gradual_pruning import shrunk_tensors
-    from dynmo_plugin.dynamism.pruning import apply_mask_
+    from dynmo_plugin.scenarios.gradual_pruning.live import shrunk_tensors
+    from dynmo_plugin.scenarios.gradual_pruning.kernels import apply_mask_
     from dynmo_plugin.layout import Layout
     from dynmo_plugin.megatron.extra_state import carried_state, loadable_state
     from dynmo_plugin.megatron.model import layer_spec, transformer_config
-    from dynmo_plugin.megatron.prunable import neuron_prunable_layer_spec
+    from dynmo_plugin.scenarios.gradual_pruning.layer import neuron_prunable_layer_spec
     cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))
     spec = neuron_prunable_layer_spec(layer_spec())
 

@@ -8,7 +8,7 @@ CUDA weight, so a bf16 model on a GPU past the sparse threshold raised in its ba
 import pytest
 import torch
 
-from dynmo_plugin.megatron.prunable import csr_supported
+from dynmo_plugin.scenarios.gradual_pruning.layer import csr_supported
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

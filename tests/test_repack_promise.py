@@ -21,7 +21,7 @@ from dynmo_plugin.sim.campaign import CampaignConfig, run_campaign
 from dynmo_plugin.sim.cost import Link
 from dynmo_plugin.sim.gpt import GPTShape, Hardware, LayerLoad, layer_costs
 from dynmo_plugin.sim.planner import build_problem
-from dynmo_plugin.sim.scenarios import make_scenario
+from dynmo_plugin.scenarios import make_trajectory
 
 SCENARIOS = ("pruning", "freezing", "moe", "mod", "early_exit", "sparse_attention")
 
@@ -35,10 +35,10 @@ def _broken(result, limit: float) -> list[str]:
 
 
 def test_the_issues_example_repack_is_no_longer_slower():
-    """`dynmo simulate --scenario pruning --layers 16 --dp 8 --pp 8 --repack`: iteration
+    """`dynmo simulate --scenario gradual_pruning --layers 16 --dp 8 --pp 8 --repack`: iteration
     7000 repacked 4 -> 3 stages and simulated 0.3688 -> 0.3836 s (p2p and the larger
     all-reduce on 3 stages were left out of the estimate)."""
-    cfg = CampaignConfig(scenario=make_scenario("pruning", num_layers=16), dp=8, pp=8,
+    cfg = CampaignConfig(scenario=make_trajectory("pruning", num_layers=16), dp=8, pp=8,
                          repack=True, baselines=("static",))
     result = run_campaign(cfg)
     assert [e.iteration for e in result.events if e.applied and e.kind == "repack"] == [3000]
@@ -55,7 +55,7 @@ def campaigns(draw) -> CampaignConfig:
                               max_slowdown=draw(st.sampled_from([1.0, 1.05, 1.25])),
                               rebuild_s=draw(st.sampled_from([0.0, 10.0])))
     return CampaignConfig(
-        scenario=make_scenario(draw(st.sampled_from(SCENARIOS)), num_layers=layers,
+        scenario=make_trajectory(draw(st.sampled_from(SCENARIOS)), num_layers=layers,
                                seed=draw(st.integers(0, 3))),
         dp=draw(st.sampled_from([1, 4, 8])), pp=pp, iterations=draw(st.sampled_from([2000, 10000])),
         repack=True, repack_criteria=criteria, baselines=("static",), hw=hw,
@@ -75,7 +75,7 @@ def test_throughput_per_gpu_is_bounded_by_max_slowdown():
     """Freezing 64 layers on pp 8 (issue 29: 0.34x tokens/s on 12.7 of 64 GPUs): the
     per-GPU objective now keeps tokens/s within max_slowdown at every repack."""
     criteria = RepackCriteria(objective="throughput_per_gpu")
-    cfg = CampaignConfig(scenario=make_scenario("freezing", num_layers=64), dp=8, pp=8,
+    cfg = CampaignConfig(scenario=make_trajectory("freezing", num_layers=64), dp=8, pp=8,
                          repack=True, repack_criteria=criteria, baselines=("static",))
     result = run_campaign(cfg)
     assert any(e.applied and e.kind == "repack" for e in result.events)

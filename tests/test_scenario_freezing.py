@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from dynmo_plugin.dynamism.layer_freezing import combine_shards, freeze_limit, frozen_prefix, plasticity
+from dynmo_plugin.scenarios.layer_freezing.live import combine_shards, freeze_limit, frozen_prefix, plasticity
 from launch import load_params, losses, worker
 
 MODEL = ["--num-layers", "12", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -50,10 +50,10 @@ def _check_layers(args):
     from megatron.core.transformer.spec_utils import build_module
 
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.early_exit_layer import ExitContext, early_exit_spec, encode_exited
-    from dynmo_plugin.megatron.freezable import freezable_spec
-    from dynmo_plugin.megatron.lsh_attention import lsh_attention_spec
-    from dynmo_plugin.megatron.mod_layer import ModContext, mod_spec
+    from dynmo_plugin.scenarios.early_exit.layer import ExitContext, early_exit_spec, encode_exited
+    from dynmo_plugin.scenarios.layer_freezing.layer import freezable_spec
+    from dynmo_plugin.scenarios.sparse_attention.layer import lsh_attention_spec
+    from dynmo_plugin.scenarios.mixture_of_depths.layer import ModContext, mod_spec
     from dynmo_plugin.megatron.model import layer_spec, transformer_config
 
     cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))

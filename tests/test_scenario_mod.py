@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dynmo_plugin.config import ConfigError, ModConfig
-from dynmo_plugin.dynamism.mixture_of_depths import (CapacitySchedule, WorkModel,
+from dynmo_plugin.scenarios.mixture_of_depths.live import (CapacitySchedule, WorkModel,
                                                      parse_capacities, predictor_summary,
                                                      routed_layers)
 from launch import in_megatron_process, losses, train
@@ -87,7 +87,7 @@ def _check_routing(args):
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.mod_layer import ModContext, mod_spec
+    from dynmo_plugin.scenarios.mixture_of_depths.layer import ModContext, mod_spec
     from dynmo_plugin.megatron.model import layer_spec, transformer_config
 
     cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))

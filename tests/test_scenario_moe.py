@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from dynmo_plugin.config import ConfigError
-from dynmo_plugin.dynamism.moe import (CostModel, combine_counts, cost_model_from_calibrations,
+from dynmo_plugin.scenarios.moe.live import (CostModel, combine_counts, cost_model_from_calibrations,
                                        ep_expert_tokens, layer_work, moe_layer_numbers)
 from launch import losses, train
 
@@ -86,7 +86,7 @@ def test_configure_model_passes_megatrons_checks(top_k, capacity, every):
     import dataclasses
 
     from dynmo_plugin.config import DynamismConfig, ModelArgs
-    from dynmo_plugin.dynamism.moe import MixtureOfExperts
+    from dynmo_plugin.scenarios.moe.live import MixtureOfExperts
     from dynmo_plugin.layout import Layout
     from dynmo_plugin.megatron.model import transformer_config
 
@@ -210,7 +210,7 @@ def test_flop_fixed_tokens_is_the_calibration_fallback_split():
     time by matmul FLOPs: (8h^2 + 4sh + 2hE) / 4hf expert tokens per token (6hf gated)."""
     from types import SimpleNamespace
 
-    from dynmo_plugin.megatron.moe_layer import flop_fixed_tokens
+    from dynmo_plugin.scenarios.moe.layer import flop_fixed_tokens
     cfg = SimpleNamespace(hidden_size=32, moe_ffn_hidden_size=128, ffn_hidden_size=64,
                           num_moe_experts=4, gated_linear_unit=False)
     assert flop_fixed_tokens(cfg, 16) == (8 * 32 * 32 + 4 * 16 * 32 + 2 * 32 * 4) / (4 * 32 * 128)

@@ -165,7 +165,7 @@ def test_pruned_weights_stay_zero_and_global_sparsity_matches(dynmo):
 def _layer(args, threshold=0.85, structured=False):
     from dynmo_plugin.layout import Layout
     from dynmo_plugin.megatron.model import layer_spec, transformer_config
-    from dynmo_plugin.megatron.prunable import neuron_prunable_layer_spec, prunable_layer_spec
+    from dynmo_plugin.scenarios.gradual_pruning.layer import neuron_prunable_layer_spec, prunable_layer_spec
     cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))
     spec = neuron_prunable_layer_spec(layer_spec()) if structured else prunable_layer_spec(layer_spec(), threshold)
     return seeded_layer(spec, cfg)
@@ -205,7 +205,7 @@ def _check_structured_layer(args):
     """Gathering the kept neurons gives the dense layer's output (pruned neurons'
     weights zeroed there), gradients zero for pruned rows / columns / bias entries, and
     fc1's output really narrows; the masks travel in the state_dict."""
-    from dynmo_plugin.dynamism.pruning import apply_mask_
+    from dynmo_plugin.scenarios.gradual_pruning.kernels import apply_mask_
     layer, reference = _layer(args, structured=True), _layer(args, threshold=1.0)
     fc1, fc2 = layer.mlp.linear_fc1, layer.mlp.linear_fc2
     keep = torch.rand(fc1.weight.shape[0], generator=torch.Generator().manual_seed(1)) >= 0.75
@@ -233,8 +233,8 @@ def _check_structured_layer(args):
 
 
 def _check_masks_and_kernels(args):
-    from dynmo_plugin.dynamism.pruning import apply_mask_
-    from dynmo_plugin.megatron.prunable import prunable_linears
+    from dynmo_plugin.scenarios.gradual_pruning.kernels import apply_mask_
+    from dynmo_plugin.scenarios.gradual_pruning.layer import prunable_linears
     dense, sparse = _layer(args, threshold=1.0), _layer(args, threshold=0.5)  # never / always CSR
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -266,7 +266,7 @@ def _check_masks_and_kernels(args):
 
 def test_bad_schedules_are_config_errors():
     from dynmo_plugin.config import ConfigError, DynamismConfig, PruningConfig
-    from dynmo_plugin.dynamism import build_scenario
+    from dynmo_plugin.scenarios import build_scenario
     with pytest.raises(ConfigError, match="s_init"):
         build_scenario(DynamismConfig(kind="gradual_pruning",
                                       pruning=PruningConfig(initial_sparsity=0.5, final_sparsity=0.4)))

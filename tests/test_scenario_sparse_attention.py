@@ -15,10 +15,10 @@ import torch
 from launch import losses, train
 
 from dynmo_plugin.config import ConfigError
-from dynmo_plugin.dynamism.sparse_attention import (bucket_table, calibration_buckets, change_round,
+from dynmo_plugin.scenarios.sparse_attention.live import (bucket_table, calibration_buckets, change_round,
                                                     fit_cost_model, parse_buckets_per_layer,
                                                     scheduled_buckets)
-from dynmo_plugin.megatron.lsh_attention import (dense_causal_attention, hash_rotation,
+from dynmo_plugin.scenarios.sparse_attention.layer import (dense_causal_attention, hash_rotation,
                                                  lsh_attention)
 
 
@@ -118,7 +118,7 @@ def _module(layer, initial, seed=1):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from dynmo_plugin.megatron.lsh_attention import LSHCoreAttention
+    from dynmo_plugin.scenarios.sparse_attention.layer import LSHCoreAttention
     cfg = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=2,
                             attention_dropout=0.0, hidden_dropout=0.0)
     return LSHCoreAttention(cfg, layer, AttnMaskType.causal, "self", seed=seed, initial_buckets=initial)

@@ -11,10 +11,10 @@ import math
 
 import pytest
 
-from dynmo_plugin.dynamism.flops import FLOP_FALLBACK, DecoderFlops
-from dynmo_plugin.dynamism.mixture_of_depths import WorkModel
-from dynmo_plugin.dynamism.moe import CostModel, cost_model_from_calibrations, layer_work
-from dynmo_plugin.dynamism.sparse_attention import AttentionCostModel
+from dynmo_plugin.scenarios.flops import FLOP_FALLBACK, DecoderFlops
+from dynmo_plugin.scenarios.mixture_of_depths.live import WorkModel
+from dynmo_plugin.scenarios.moe.live import CostModel, cost_model_from_calibrations, layer_work
+from dynmo_plugin.scenarios.sparse_attention.live import AttentionCostModel
 from launch import losses, train, worker
 
 ITERS = 4

@@ -12,7 +12,7 @@ import pytest
 
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.sim.campaign import CampaignConfig, _initial_split, _packed_once_layout, _Run, run_campaign
-from dynmo_plugin.sim.scenarios import make_scenario
+from dynmo_plugin.scenarios import make_trajectory
 
 
 def _simulate(*args):
@@ -50,7 +50,7 @@ def test_packed_once_is_the_repack_decision_on_the_initial_model():
     """Freezing starts dense: the pipeline packed at the start keeps the initial
     iteration within max_slowdown (1.0) of Megatron's split, on fewer stages; the
     tuned split has all pp stages."""
-    cfg = CampaignConfig(scenario=make_scenario("freezing", num_layers=32), dp=2, pp=8,
+    cfg = CampaignConfig(scenario=make_trajectory("freezing", num_layers=32), dp=2, pp=8,
                          iterations=4000, baselines=("static",))
     run = _Run(cfg)
     packed, tuned = _packed_once_layout(run), _initial_split(run, "exact")
@@ -67,7 +67,7 @@ def test_start_balanced_dynmo_starts_on_the_tuned_split():
     profiled iteration and the migration at the start, then each rebalance point's)."""
     from dynmo_plugin.sim.planner import GateSettings
 
-    cfg = CampaignConfig(scenario=make_scenario("freezing", num_layers=32), dp=2, pp=8,
+    cfg = CampaignConfig(scenario=make_trajectory("freezing", num_layers=32), dp=2, pp=8,
                          iterations=4000, baselines=("static", "static_tuned"), start_balanced=True,
                          gate=GateSettings(min_gain=0.99))
     r = run_campaign(cfg)

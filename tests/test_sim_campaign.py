@@ -9,14 +9,14 @@ from dynmo_plugin.sim.campaign import CampaignConfig, run_campaign, run_variants
 from dynmo_plugin.sim.decision import DecisionCost, DecisionTimeModel
 from dynmo_plugin.sim.gpt import GPTShape
 from dynmo_plugin.sim.planner import GateSettings
-from dynmo_plugin.sim.scenarios import make_scenario
+from dynmo_plugin.scenarios import make_trajectory
 
 
 def _cfg(name="moe", layers=16, **kw):
     kw.setdefault("dp", 2)
     kw.setdefault("pp", 4)
     kw.setdefault("iterations", 3000)
-    return CampaignConfig(scenario=make_scenario(name, num_layers=layers), **kw)
+    return CampaignConfig(scenario=make_trajectory(name, num_layers=layers), **kw)
 
 
 def test_uniform_balancer_only_pays_profiling_overhead():

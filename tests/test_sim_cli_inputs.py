@@ -45,7 +45,7 @@ def test_a_hardware_file_that_is_not_a_profile_is_one_line(tmp_path, content, wh
 @pytest.mark.parametrize("scenario", ["freezing", "moe", "mod", "early_exit", "sparse_attention"])
 def test_pruning_granularity_outside_pruning_is_refused(scenario):
     r = _simulate("--scenario", scenario, *SMALL, "--pruning-granularity", "structured")
-    _one_line_exit_2(r, "--pruning-granularity applies only to --scenario pruning", scenario)
+    _one_line_exit_2(r, "--pruning-granularity applies only to --scenario gradual_pruning", scenario)
 
 
 def test_pruning_granularity_with_pruning_still_runs():

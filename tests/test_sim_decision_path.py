@@ -23,7 +23,7 @@ from dynmo_plugin.sim.decision import DecisionTimeModel
 from dynmo_plugin.sim.gpt import GPTShape, Hardware, layer_costs
 from dynmo_plugin.sim.planner import GateSettings, build_problem, decide, live_repack_criteria
 from dynmo_plugin.sim.problem_model import live_iteration_model
-from dynmo_plugin.sim.scenarios import make_scenario
+from dynmo_plugin.scenarios import make_trajectory
 
 M = 16
 
@@ -31,7 +31,7 @@ M = 16
 def _sim_problem(name, layers, pp, iteration, head=True):
     shape = GPTShape(num_layers=layers, output_layer=head)
     hw = Hardware()
-    load = make_scenario(name, num_layers=layers).load(iteration)
+    load = make_trajectory(name, num_layers=layers).load(iteration)
     current = Layout.uniform(layers, pp)
     costs = layer_costs(shape, hw, load)
     problem = build_problem(costs=costs, load=load, shape=shape, hw=hw, current=current,

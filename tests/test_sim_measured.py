@@ -13,7 +13,7 @@ from dynmo_plugin.errors import UserError
 from dynmo_plugin.sim.from_run import from_run
 from dynmo_plugin.sim.gpt import GPTShape, Hardware, LayerLoad, flop_layer_costs, layer_costs
 from dynmo_plugin.sim.measured import KNOBS, Curve, hardware, load_profile_file
-from dynmo_plugin.sim.scenarios import make_scenario
+from dynmo_plugin.scenarios import make_trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = GPTShape(num_layers=4)  # hidden 1024, seq 2048, micro-batch 2
@@ -42,7 +42,7 @@ def test_h100_prices_layers_from_the_measured_curves():
     np.testing.assert_allclose(c.fwd_s[:2], 0.27 * m.layer_s)
     np.testing.assert_allclose(c.bwd_s[:2], 0.0)
     # unstructured pruning saves nothing on the H100; the FLOP model says 90%
-    pruned = make_scenario("pruning", num_layers=4, final_sparsity=0.9).load(9000)
+    pruned = make_trajectory("pruning", num_layers=4, final_sparsity=0.9).load(9000)
     np.testing.assert_allclose(layer_costs(PAPER, hw, pruned).total_s, m.layer_s)
     flops = flop_layer_costs(PAPER, Hardware(), pruned).total_s
     assert flops.max() < 0.6 * flop_layer_costs(PAPER, Hardware(), LayerLoad.dense(4)).total_s[0]
@@ -51,7 +51,7 @@ def test_h100_prices_layers_from_the_measured_curves():
 def test_a_knob_without_a_curve_falls_back_to_the_flop_ratio():
     shape = GPTShape(num_layers=4, hidden=4096, micro_batch=1)
     hw = hardware("h100", shape)
-    load = make_scenario("moe", num_layers=4).load(0)
+    load = make_trajectory("moe", num_layers=4).load(0)
     assert "flops ratio" in hw.measured.priced_by("expert_load")
     flop = flop_layer_costs(shape, Hardware(), load).total_s
     ratio = flop / flop_layer_costs(shape, Hardware(), LayerLoad.dense(4)).total_s
@@ -111,9 +111,9 @@ def test_from_run_builds_the_dense_layer_head_and_pruning_curve(tmp_path):
     assert m.head_layers == pytest.approx(2.0) and m.embed_layers == pytest.approx(0.25)
     assert m.curves["pruning_unstructured"].points == ((0.1, 0.5), (0.5, 0.75), (1.0, 1.0))
     assert "layer_s" not in m.notes  # the first profile came before any event
-    assert run.scenario == "pruning" and run.granularity == "unstructured"
+    assert run.scenario == "gradual_pruning" and run.granularity == "unstructured"
     shape = run.shape(num_layers=12)
-    load = make_scenario("pruning", num_layers=12, final_sparsity=0.9).load(9000)
+    load = make_trajectory("pruning", num_layers=12, final_sparsity=0.9).load(9000)
     c = layer_costs(shape, run.hardware(), load)
     assert np.all(c.total_s < 0.04) and np.all(c.total_s >= 0.02)
 

@@ -24,7 +24,8 @@ def sweep() -> dict:
 def test_quick_sweep_rows_and_summary(sweep):
     rows = sweep["rows"]
     assert [(r["scenario"], r["layers"], r["pp"]) for r in rows] == [
-        ("pruning", 16, 8), ("pruning", 32, 8), ("freezing", 16, 8), ("freezing", 32, 8)]
+        ("gradual_pruning", 16, 8), ("gradual_pruning", 32, 8), ("layer_freezing", 16, 8),
+        ("layer_freezing", 32, 8)]
     assert sweep["summary"]["campaigns"] == 4
     assert sweep["summary"]["repacks_slower_than_allowed"] == 0
     for r in rows:

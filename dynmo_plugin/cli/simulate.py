@@ -15,10 +15,10 @@ from dataclasses import replace
 
 from dynmo_plugin.cli._output import show, third_party_output_to_stderr
 from dynmo_plugin.errors import UserError
+from dynmo_plugin.scenarios import SCENARIOS, canonical_name
 
 __all__ = ["add_parser", "campaign_config", "run"]
 
-_SCENARIOS = ("pruning", "freezing", "moe", "mod", "early_exit", "sparse_attention")
 # Per-op jitter beyond sigma 2 (a factor e^2 at one standard deviation) is no longer
 # noise, and sigmas in the hundreds overflow the simulated costs to infinity.
 _MAX_NOISE = 2.0
@@ -36,7 +36,8 @@ _SHAPE_FLAGS = (("--hidden", "hidden"), ("--heads", "heads"), ("--seq-length", "
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("simulate", help="simulate static vs DynMo training on a cluster",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--scenario", required=True, metavar="NAME", help=f"one of {', '.join(_SCENARIOS)}")
+    p.add_argument("--scenario", required=True, metavar="NAME", help=f"one of {', '.join(SCENARIOS)} (or its section key: "
+                        f"{', '.join(e.section for e in SCENARIOS.values())})")
     p.add_argument("--layers", type=int, required=True, help="GPT decoder layers (paper: 24/32/40/48)")
     p.add_argument("--dp", type=int, required=True, help="data-parallel size")
     p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size")
@@ -136,17 +137,20 @@ def _check_names(args: argparse.Namespace) -> None:
     message lists the valid names like every other error."""
     from dynmo_plugin.sim.planner import available_balancers
 
-    if args.scenario not in _SCENARIOS:
-        raise UserError(f"unknown scenario {show(args.scenario)}; choose one of {', '.join(_SCENARIOS)}")
+    given = args.scenario
+    try:
+        args.scenario = canonical_name(given)
+    except UserError:
+        raise UserError(f"unknown scenario {show(args.scenario)}; choose one of {', '.join(SCENARIOS)}") from None
     choices = available_balancers()
     if args.balancer not in choices:
         raise UserError(f"unknown balancer {show(args.balancer)}; choose one of {', '.join(choices)}")
     if args.pruning_granularity not in (None, "unstructured", "structured"):
         raise UserError(f"--pruning-granularity {show(args.pruning_granularity)}: choose "
                         "unstructured or structured")
-    if args.pruning_granularity is not None and args.scenario != "pruning":
-        raise UserError(f"--pruning-granularity applies only to --scenario pruning, not "
-                        f"{args.scenario}; drop it")
+    if args.pruning_granularity is not None and args.scenario != "gradual_pruning":
+        raise UserError(f"--pruning-granularity applies only to --scenario gradual_pruning, not "
+                        f"{given}; drop it")
     if args.repack_objective not in (None, "min_stages", "throughput_per_gpu"):
         raise UserError(f"--repack-objective {show(args.repack_objective)}: choose min_stages or "
                         "throughput_per_gpu")
@@ -210,8 +214,8 @@ def _model(args: argparse.Namespace):
     return shape, hw, granularity or "unstructured", info
 
 
-_KNOBS = {"pruning": ("pruning_unstructured", "pruning_structured"), "freezing": (),
-          "moe": ("expert_load",), "mod": ("tokens",), "early_exit": ("tokens",),
+_KNOBS = {"gradual_pruning": ("pruning_unstructured", "pruning_structured"), "layer_freezing": (),
+          "moe": ("expert_load",), "mixture_of_depths": ("tokens",), "early_exit": ("tokens",),
           "sparse_attention": ("attention_density",)}
 
 
@@ -220,7 +224,7 @@ def campaign_config(args: argparse.Namespace):
     builds its campaigns here, so they are exactly the CLI's."""
     from dynmo_plugin.sim.campaign import CampaignConfig
     from dynmo_plugin.sim.planner import GateSettings, live_repack_criteria
-    from dynmo_plugin.sim.scenarios import make_scenario
+    from dynmo_plugin.scenarios import make_trajectory
 
     _check_names(args)
     _check_numbers(args)
@@ -229,8 +233,8 @@ def campaign_config(args: argparse.Namespace):
 
         load_partition_balanced()  # import DeepSpeed while stdout goes to stderr
     shape, hw, granularity, info = _model(args)
-    params = {"granularity": granularity} if args.scenario == "pruning" else {}
-    scenario = make_scenario(args.scenario, num_layers=args.layers, seed=args.seed, **params)
+    params = {"granularity": granularity} if args.scenario == "gradual_pruning" else {}
+    scenario = make_trajectory(args.scenario, num_layers=args.layers, seed=args.seed, **params)
     live = GateSettings()
     gate = GateSettings(margin=live.margin if args.gate_margin is None else args.gate_margin,
                         min_gain=live.min_gain if args.min_gain is None else args.min_gain,

@@ -716,8 +716,8 @@ class _Run:
 def _attach_scenario(cfg: RunConfig, stage: MegatronLMStage, control, migrator):
     """The --dynmo-dynamism scenario over Megatron-LM's model, or None: its layers must be
     the ones its --spec built (load_plugin_config checked the flag; this checks the model)."""
-    from dynmo_plugin.dynamism import build_scenario
-    from dynmo_plugin.dynamism.base import Runtime
+    from dynmo_plugin.scenarios import build_scenario
+    from dynmo_plugin.scenarios.base import Runtime
     if getattr(stage.args, "num_experts", None):
         scenario = _native_moe_scenario(cfg, stage)
         scenario.attach(Runtime(stage, control, migrator))
@@ -742,9 +742,9 @@ def _native_moe_scenario(cfg: RunConfig, stage: MegatronLMStage):
     interval, ep_model; with --expert-model-parallel-size P > 1 the work model is P's:
     the busiest expert group sets a layer's pace). Its events carry each layer's work
     from the router's counts."""
-    from dynmo_plugin.dynamism.moe import MixtureOfExperts
+    from dynmo_plugin.scenarios.moe.live import MixtureOfExperts
     from dynmo_plugin.integrations.megatron_lm_specs import moe_layer_numbers
-    from dynmo_plugin.megatron.moe_layer import MoeTransformerLayer
+    from dynmo_plugin.scenarios.moe.layer import MoeTransformerLayer
     if getattr(stage.spec, "module", None) is not MoeTransformerLayer:
         raise MegatronLMError("--dynmo with --num-experts: the decoder was not built from "
                               f"--spec {SPEC_MODULE} moe (the initialize_megatron hook sets it)")

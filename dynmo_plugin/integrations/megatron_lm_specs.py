@@ -16,7 +16,7 @@ integration sets `--spec` to it (megatron_lm.restore_saved_layout's neighbour,
 `_native_moe_spec`). It is Megatron-LM's own dense and MoE layer specs — those
 gpt_builder's `get_gpt_decoder_block_spec` would give each layer under --moe-layer-freq —
 joined into ONE spec whose layer picks its submodules by global number
-(dynmo_plugin.megatron.moe_layer.MoeTransformerLayer): a layer that a migration rebuilds
+(dynmo_plugin.scenarios.moe.layer.MoeTransformerLayer): a layer that a migration rebuilds
 elsewhere is what it was, and every MoE layer counts its router's tokens per expert.
 Its parameters and sharded checkpoint keys are those of Megatron-LM's native layers.
 
@@ -62,7 +62,7 @@ def _native_moe():
     specs (what gpt_builder builds), joined by global number into one spec."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
 
-    from dynmo_plugin.megatron.moe_layer import moe_layer_spec
+    from dynmo_plugin.scenarios.moe.layer import moe_layer_spec
     args, config = _args_and_config()
     if not args.num_experts:
         return None, ()
@@ -74,7 +74,7 @@ def _native_moe():
 
 
 def _layer_freezing():
-    from dynmo_plugin.megatron.freezable import freezable_spec
+    from dynmo_plugin.scenarios.layer_freezing.layer import freezable_spec
     return freezable_spec(_megatron_lm_layer_spec())
 
 
@@ -82,7 +82,7 @@ def _gradual_pruning():
     """The pruning scenario's spec (prunable linears; by whole FFN neurons with
     `granularity: structured`), or None unless the plugin's config asks for the scenario
     (its settings pick the spec; they are validated before any model is built)."""
-    from dynmo_plugin.dynamism import build_scenario
+    from dynmo_plugin.scenarios import build_scenario
     from dynmo_plugin.integrations.megatron_lm import _hooks
     cfg = _hooks.cfg
     if cfg is None or cfg.dynmo.dynamism.kind != "gradual_pruning":

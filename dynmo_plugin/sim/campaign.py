@@ -47,7 +47,7 @@ from dynmo_plugin.sim.gpt import GPTShape, Hardware, LayerLoad, layer_costs
 from dynmo_plugin.sim.iteration import IterationResult, simulate_iteration
 from dynmo_plugin.sim.pipeline import simulate_layout
 from dynmo_plugin.sim.planner import GateSettings, build_problem, decide, live_repack_criteria
-from dynmo_plugin.sim.scenarios import Scenario
+from dynmo_plugin.sim.trajectory import Scenario
 
 __all__ = ["BASELINES", "CampaignConfig", "RunSummary", "RebalanceRecord", "CampaignResult",
            "run_campaign", "run_variants", "VARIANT_FIELDS", "work_share"]

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dynmo_plugin.config import SCENARIO_SECTIONS
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.report import SUMMARY_NAME, read_report
 from dynmo_plugin.sim.gpt import GPTShape, Hardware
@@ -121,15 +120,15 @@ def from_run(run_dir: str | Path) -> RunCosts:
         embed = 0.0
         notes["head_layers"] = "one stage: its extras (embedding + output layer + loss) count as the head"
     curves = {}
-    scenario = SCENARIO_SECTIONS.get(kind)
-    granularity = (dyn.get("pruning") or {}).get("granularity") if scenario == "pruning" else None
+    scenario = None if kind == "none" else kind
+    granularity = (dyn.get("pruning") or {}).get("granularity") if scenario == "gradual_pruning" else None
     dynamism_before = [e for e in report.get("events", [])
                        if e.get("kind") == "dynamism" and e["iteration"] < first_it]
     if dynamism_before:
         notes["layer_s"] = (f"the first profile (iteration {first_it}) came after a dynamism event: "
                             "its layers stand in for dense ones (profile before the first event "
                             "with --dynmo-profile-every N)")
-    if scenario == "pruning":
+    if scenario == "gradual_pruning":
         curve = _pruning_curve(report, profiles, layer_s)
         if curve is not None:
             curves[f"pruning_{granularity}"] = curve

@@ -14,14 +14,15 @@ a GPU check writes: scripts/gpu_check.py --out). A row (docs/simulator.md, "Cost
 `ratio` is the layer's cost relative to a dense layer of the same shape. By scenario:
 "dense" needs `layer_s` (seconds of one dense layer's forward+backward per micro-batch;
 `fwd_share` optional, default 1/3) and sets the shape's base; "head": the output layer
-+ loss in dense layers; "embedding": the embedding in dense layers; "freezing": a
-frozen-prefix layer (forward only); "mod" and "early_exit": `knob_value` = share of
-tokens processed; "sparse_attention": share of the dense attention core computed;
-"pruning": share of weights kept, `granularity` unstructured (default) or structured;
-"moe": busiest expert's tokens over the balanced share. Rows of one shape and knob
-make a curve (several rows at one knob value are averaged). A shape without a
++ loss in dense layers; "embedding": the embedding in dense layers. A scenario row names
+the scenario (`dynmo_plugin.scenarios.SCENARIOS`, or its section key): "layer_freezing":
+a frozen-prefix layer (forward only); "mixture_of_depths" and "early_exit": `knob_value`
+= share of tokens processed; "sparse_attention": share of the dense attention core
+computed; "gradual_pruning": share of weights kept, `granularity` unstructured (default)
+or structured; "moe": busiest expert's tokens over the balanced share. Rows of one shape
+and knob make a curve (several rows at one knob value are averaged). A shape without a
 "dense" row is an error; without "head" it takes the FLOP model's ratio, without
-"freezing" 1/3 (both said in the profile's notes). Unknown keys are ignored, so a
+"layer_freezing" 1/3 (both said in the profile's notes). Unknown keys are ignored, so a
 row may carry more (timings, spreads). Pure: the standard library and numpy.
 """
 from __future__ import annotations
@@ -35,15 +36,20 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from dynmo_plugin.errors import UserError
+from dynmo_plugin.scenarios import canonical_name
 from dynmo_plugin.sim.gpt import GPTShape, Hardware, LayerLoad, flop_layer_costs
 from dynmo_plugin.sim.measured import profile_entries, read_json
 
 __all__ = ["SCENARIO_KNOBS", "build_profile", "load_rows", "main"]
 
 # scenario -> the curve knob it measures (`measured.KNOBS`); pruning by granularity
-SCENARIO_KNOBS = {"mod": "tokens", "early_exit": "tokens", "sparse_attention": "attention_density",
-                  "moe": "expert_load", "pruning": "pruning_{granularity}"}
-_FIXED = ("dense", "head", "embedding", "freezing")
+SCENARIO_KNOBS = {"mixture_of_depths": "tokens", "early_exit": "tokens",
+                  "sparse_attention": "attention_density", "moe": "expert_load",
+                  "gradual_pruning": "pruning_{granularity}"}
+_ROWS = ("dense", "head", "embedding")
+# the fixed costs of a profile: the rows above and a frozen layer's forward-only share
+_FIXED = (*_ROWS, "freezing")
+_FIXED_SCENARIOS = {"layer_freezing": "freezing"}
 _VOCAB = 50257
 
 
@@ -86,13 +92,19 @@ def _shape_key(row: dict, where: str) -> tuple[int, int, int, int]:
 
 def _knob(row: dict, where: str) -> str:
     scenario = row.get("scenario")
-    if scenario in _FIXED:
+    if scenario in _ROWS:
         return scenario
+    try:
+        scenario = canonical_name(scenario) if isinstance(scenario, str) else ""
+    except UserError:
+        scenario = ""
+    if scenario in _FIXED_SCENARIOS:
+        return _FIXED_SCENARIOS[scenario]
     if scenario not in SCENARIO_KNOBS:
-        raise UserError(f"{where}: unknown scenario {scenario!r}; one of "
-                        f"{', '.join(_FIXED + tuple(SCENARIO_KNOBS))}")
+        raise UserError(f"{where}: unknown scenario {row.get('scenario')!r}; one of "
+                        f"{', '.join(_ROWS + tuple(_FIXED_SCENARIOS) + tuple(SCENARIO_KNOBS))}")
     granularity = row.get("granularity", "unstructured")
-    if scenario == "pruning" and granularity not in ("unstructured", "structured"):
+    if scenario == "gradual_pruning" and granularity not in ("unstructured", "structured"):
         raise UserError(f"{where}: pruning granularity must be unstructured or structured, "
                         f"got {granularity!r}")
     return SCENARIO_KNOBS[scenario].format(granularity=granularity)

@@ -1,7 +1,7 @@
 """Dynamic hash-bucketed (LSH) sparse attention: attention cost per layer changes in training.
 
 Every decoder layer's core attention is `LSHCoreAttention`
-(dynmo_plugin.megatron.lsh_attention): with B buckets, queries and keys are hashed
+(dynmo_plugin.scenarios.sparse_attention.layer): with B buckets, queries and keys are hashed
 each iteration with a random rotation (Reformer's angular LSH), sorted by bucket and
 cut into B balanced blocks; a query attends only the keys of its matching block that
 precede it (plus itself). B = 1 is dense causal attention through torch's fused SDPA.
@@ -38,8 +38,8 @@ from typing import Optional
 
 from dynmo_plugin.config import ConfigError
 
-from .base import DynamismEvent, Runtime, Scenario
-from .flops import FLOP_FALLBACK, DecoderFlops
+from dynmo_plugin.scenarios.base import DynamismEvent, Runtime, Scenario
+from dynmo_plugin.scenarios.flops import FLOP_FALLBACK, DecoderFlops
 
 __all__ = ["SparseAttention", "AttentionCostModel", "parse_buckets_per_layer", "scheduled_buckets",
            "bucket_table", "change_round", "fit_cost_model"]
@@ -211,7 +211,7 @@ class SparseAttention(Scenario):
 
     # ---- Scenario interface ---------------------------------------------------------------
     def layer_spec(self, spec, model_args):
-        from dynmo_plugin.megatron.lsh_attention import lsh_attention_spec
+        from dynmo_plugin.scenarios.sparse_attention.layer import lsh_attention_spec
         self.num_layers = model_args.num_layers
         initial = bucket_table(self.settings, self.num_layers, 0)  # validates the overrides
         too_many = {n: b for n, b in self._all_tables().items() if b > model_args.seq_length}
@@ -283,7 +283,7 @@ class SparseAttention(Scenario):
         return dict(enumerate(values))
 
     def _attentions(self):
-        from dynmo_plugin.megatron.lsh_attention import core_attentions
+        from dynmo_plugin.scenarios.sparse_attention.layer import core_attentions
         return [a for chunk in self.runtime.trainer.chunks for a in core_attentions(chunk)]
 
     def _fit_once(self) -> dict:
@@ -313,7 +313,7 @@ class SparseAttention(Scenario):
     def _calibrate(self) -> dict:
         """Rank 0: time a throwaway layer built from this run's spec without attention and
         at every bucket count the run uses; fit the model to the differences."""
-        from dynmo_plugin.megatron.lsh_attention import time_layer
+        from dynmo_plugin.scenarios.sparse_attention.layer import time_layer
         self.inject_fault("sparse-attention-calibration")
         t, s = self.runtime.trainer, self.settings
         args, decoder = t.args, t.model.decoder

@@ -5,7 +5,7 @@ block spec with one layer spec per layer. A migration, however, builds a single 
 from ONE spec (dynmo_plugin.megatron.migrate: `build_module(spec, layer_number=...)`),
 wherever the layer lands. So `MoeTransformerLayer` carries both submodule sets and
 picks by its global layer number: MoE iff it is in `moe_layers` (the scenario resolves
-the pattern once: dynmo_plugin.dynamism.moe.moe_layer_numbers).
+the pattern once: dynmo_plugin.scenarios.moe.live.moe_layer_numbers).
 
 An MoE layer counts the tokens each of its experts processed, per micro-batch, from
 the router's output (`routing_map.sum(0)`: after capacity dropping); the scenario reads

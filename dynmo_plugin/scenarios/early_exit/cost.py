@@ -16,7 +16,7 @@ import numpy as np
 
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.sim.gpt import LayerLoad
-from dynmo_plugin.sim.scenarios.base import Scenario, World, step_points
+from dynmo_plugin.sim.trajectory import Scenario, World, step_points
 
 __all__ = ["EarlyExit"]
 

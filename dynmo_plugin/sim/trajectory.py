@@ -45,7 +45,7 @@ class Scenario(ABC):
     num_layers: int
     seed: int = 0
 
-    name = "scenario"
+    name = "scenario"  # the scenario's one name (dynmo_plugin.scenarios.SCENARIOS)
     world = World(dp=1, pp=1)
     default_iterations = 10000
     # The DynMo paper's Figure 3 baseline for this scenario (a CampaignResult baseline):
@@ -53,6 +53,12 @@ class Scenario(ABC):
     # better of Megatron's and DeepSpeed's static splits) or "no_dynamism" (the dense
     # model: no early exit, dense attention).
     paper_baseline = "static"
+
+    @property
+    def rng_key(self) -> str:
+        """What seeds its random draws besides `seed` (`rng_for`): its name, unless a
+        scenario keeps the key of an older name so its results reproduce."""
+        return self.name
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:

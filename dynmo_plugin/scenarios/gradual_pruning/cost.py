@@ -21,7 +21,7 @@ import numpy as np
 
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.sim.gpt import LayerLoad
-from dynmo_plugin.sim.scenarios.base import Scenario, World, rng_for, step_points
+from dynmo_plugin.sim.trajectory import Scenario, World, rng_for, step_points
 
 __all__ = ["Pruning"]
 
@@ -40,7 +40,8 @@ class Pruning(Scenario):
     spread: float = 0.25
     granularity: str = "unstructured"
 
-    name = "pruning"
+    name = "gradual_pruning"
+    rng_key = "pruning"  # its random stream's v1 key: results reproduce across the rename
     world = World(dp=30, pp=24)
     paper_baseline = "static_best"
 
@@ -67,7 +68,7 @@ class Pruning(Scenario):
     @cached_property
     def prunability(self) -> np.ndarray:
         depth = np.linspace(-0.5, 0.5, self.num_layers)
-        noise = rng_for(self.seed, self.name, 0).normal(0.0, self.spread, self.num_layers)
+        noise = rng_for(self.seed, self.rng_key, 0).normal(0.0, self.spread, self.num_layers)
         w = np.clip(1.0 + 0.6 * depth + noise, 0.2, None)
         return w / w.mean()
 

@@ -23,7 +23,7 @@ The rotation is drawn from a generator seeded by (seed, global layer number,
 iteration, global micro-batch index, hash round) and shared by all heads, so hashing
 is identical on every rank, for every pipeline split and TP split, and a layer that
 moved to another stage hashes exactly as it would have on its old one. The scenario
-(dynmo_plugin.dynamism.sparse_attention) calls `begin_iteration` on every layer's
+(dynmo_plugin.scenarios.sparse_attention.live) calls `begin_iteration` on every layer's
 module before each step; micro-batches are counted in forward-call order (1F1B runs a
 stage's forwards in micro-batch order).
 """

@@ -7,7 +7,7 @@ A token whose confidence exceeds the threshold has exited: layers after L do not
 process it any more (its hidden state is copied through unchanged, so the final norm
 and output layer still see it). Each head is trained jointly with the model by
 cross-entropy against the labels (`exit loss`), which reaches backward through
-`_AttachLoss` on the layer's output; the reported LM loss is unchanged.
+`AttachLoss` on the layer's output; the reported LM loss is unchanged.
 
 Which tokens have exited travels WITH the activation, so it crosses pipeline stages
 whatever the layout: the embedding's output gets `carrier_rows(s, h)` zero rows
@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from dynmo_plugin.scenarios.aux_loss import AttachLoss
 
 __all__ = ["ExitContext", "ExitHead", "EarlyExitLayer", "early_exit_spec", "attach_carrier",
            "carrier_rows",
@@ -100,22 +102,6 @@ class ExitHead(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear(self.norm(hidden))
 
-
-class _AttachLoss(torch.autograd.Function):
-    """Identity on `output`; backward also sends d(loss) = `scale` into `loss`, so an
-    auxiliary loss computed inside a pipeline stage joins the backward pass (as
-    Megatron's MoEAuxLossAutoScaler, with the scale passed in instead of global)."""
-
-    @staticmethod
-    def forward(ctx, output, loss, scale: float):
-        ctx.save_for_backward(loss)
-        ctx.scale = scale
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (loss,) = ctx.saved_tensors
-        return grad_output, torch.full_like(loss, ctx.scale), None
 
 
 class EarlyExitLayer(TransformerLayer):
@@ -206,7 +192,7 @@ class EarlyExitLayer(TransformerLayer):
         ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
         exit_loss = (ce * loss_mask.flatten()).sum() / loss_mask.sum().clamp(min=1)
         scale = ctx.grad_scale * ctx.loss_weight / self.config.num_layers
-        y = _AttachLoss.apply(y, exit_loss, scale)
+        y = AttachLoss.apply(y, exit_loss, scale)
         return y, context, self._decide(logits, exited, idx, valid)
 
     @torch.no_grad()

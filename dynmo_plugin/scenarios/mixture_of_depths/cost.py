@@ -15,8 +15,8 @@ import numpy as np
 
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.sim.gpt import LayerLoad
-from dynmo_plugin.sim.scenarios.base import Scenario, World, rng_for, step_points
-from dynmo_plugin.sim.scenarios.moe import gamma_imbalance
+from dynmo_plugin.sim.trajectory import Scenario, World, rng_for, step_points
+from dynmo_plugin.scenarios.moe.cost import gamma_imbalance
 
 __all__ = ["MoD"]
 
@@ -32,7 +32,8 @@ class MoD(Scenario):
     cv: float = 0.6
     drift_every: int = 1000
 
-    name = "mod"
+    name = "mixture_of_depths"
+    rng_key = "mod"  # its random stream's v1 key: results reproduce across the rename
     world = World(dp=8, pp=16)
     paper_baseline = "static_best"
 
@@ -47,7 +48,7 @@ class MoD(Scenario):
 
     def tokens(self, iteration: int) -> np.ndarray:
         point = self._last_point(iteration, self.change_points(iteration + 1))
-        rng = rng_for(self.seed, self.name, point)
+        rng = rng_for(self.seed, self.rng_key, point)
         excess = gamma_imbalance(rng, self.mean_imbalance, self.cv, self.num_layers)
         routed = (np.arange(self.num_layers) % self.every) == self.every - 1
         share = np.minimum(1.0, self.capacity * (1.0 + excess))

@@ -2,7 +2,7 @@
 in transformer-based language models", 2024) as a live dynamism scenario.
 
 Every `every`-th decoder layer (global numbers every, 2*every, ...; the paper routes
-every other block) becomes a routed block (dynmo_plugin.megatron.mod_layer): a router
+every other block) becomes a routed block (dynmo_plugin.scenarios.mixture_of_depths.layer): a router
 picks the top C = round(capacity x s) tokens of each sequence (expert choice), only
 those go through the block, the others ride the residual stream. A small auxiliary
 predictor per routed block learns to predict top-C membership causally (what the
@@ -51,8 +51,8 @@ from typing import Optional
 import numpy as np
 
 from dynmo_plugin.config import ConfigError
-from dynmo_plugin.dynamism.base import DynamismEvent, Runtime, Scenario, current_loss_scale
-from dynmo_plugin.dynamism.flops import FLOP_FALLBACK, DecoderFlops
+from dynmo_plugin.scenarios.base import DynamismEvent, Runtime, Scenario, current_loss_scale
+from dynmo_plugin.scenarios.flops import FLOP_FALLBACK, DecoderFlops
 
 __all__ = ["MixtureOfDepths", "WorkModel", "CapacitySchedule", "parse_capacities",
            "routed_layers", "predictor_summary", "CALIBRATION_CAPACITIES"]
@@ -244,7 +244,7 @@ class MixtureOfDepths(Scenario):
     def layer_spec(self, spec, model_args):
         """Raises:
             ConfigError: see CapacitySchedule.from_config."""
-        from dynmo_plugin.megatron.mod_layer import mod_spec
+        from dynmo_plugin.scenarios.mixture_of_depths.layer import mod_spec
         self._num_layers = model_args.num_layers
         self.schedule = CapacitySchedule.from_config(self.settings, model_args.num_layers)
         return mod_spec(spec, self.schedule.capacities(0), _predictor_width(model_args.hidden_size))
@@ -289,7 +289,7 @@ class MixtureOfDepths(Scenario):
         if not self.schedule.constant:
             self.changes = k
             self._apply_capacities()
-        from dynmo_plugin.megatron.mod_layer import tokens_for
+        from dynmo_plugin.scenarios.mixture_of_depths.layer import tokens_for
         capacities = self.schedule.capacities(self.changes)
         seq = self.runtime.trainer.args.seq_length
         detail = {"change": self.changes, "rounds": self.schedule.rounds,
@@ -308,7 +308,7 @@ class MixtureOfDepths(Scenario):
         return self.runtime.trainer.layers
 
     def _bind(self, reset: bool) -> None:
-        from dynmo_plugin.megatron.mod_layer import ModContext
+        from dynmo_plugin.scenarios.mixture_of_depths.layer import ModContext
         t = self.runtime.trainer
         loss_scale = current_loss_scale(t)
         context = ModContext(self.settings.predictor_loss_weight, loss_scale / t.num_microbatches)
@@ -333,7 +333,7 @@ class MixtureOfDepths(Scenario):
 
     def _calibrate(self) -> dict:
         """Rank 0: time scratch layers (plain, routed at CALIBRATION_CAPACITIES), fit."""
-        from dynmo_plugin.megatron.mod_layer import time_scratch_layers
+        from dynmo_plugin.scenarios.mixture_of_depths.layer import time_scratch_layers
         from dynmo_plugin.profiling.clock import clock_for
         self.inject_fault("mod-calibration")
         t = self.runtime.trainer

@@ -1,6 +1,6 @@
 """Early exit (CALM, Schuster et al., NeurIPS'22; DynMo's early-exit scenario).
 
-Every decoder layer gets a small exit head (dynmo_plugin.megatron.early_exit_layer);
+Every decoder layer gets a small exit head (dynmo_plugin.scenarios.early_exit.layer);
 from iteration `start` on, a token whose exit-head confidence (max softmax
 probability) after layer L exceeds `threshold` is not processed by layers > L. As the
 model learns, confidence rises, more tokens exit early and the tail layers get
@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from .base import DynamismEvent, Runtime, Scenario, current_loss_scale
+from dynmo_plugin.scenarios.base import DynamismEvent, Runtime, Scenario, current_loss_scale
 
 __all__ = ["EarlyExit", "exit_fractions"]
 
@@ -55,7 +55,7 @@ class EarlyExit(Scenario):
         self._context = None
 
     def layer_spec(self, spec, model_args):
-        from dynmo_plugin.megatron.early_exit_layer import early_exit_spec
+        from dynmo_plugin.scenarios.early_exit.layer import early_exit_spec
         return early_exit_spec(spec, vocab_size=model_args.vocab_size)
 
     def attach(self, runtime: Runtime) -> None:
@@ -68,7 +68,7 @@ class EarlyExit(Scenario):
         return self.runtime.trainer.layers
 
     def before_step(self, iteration: int) -> None:
-        from dynmo_plugin.megatron.early_exit_layer import ExitContext
+        from dynmo_plugin.scenarios.early_exit.layer import ExitContext
         t, s = self.runtime.trainer, self.settings
         batches = t.data.micro_batches(iteration, t.dims.dp_rank, t.dims.dp, t.dims.device)
         labels, masks = [], []
@@ -83,7 +83,7 @@ class EarlyExit(Scenario):
         self._bind()
 
     def _bind(self) -> None:
-        from dynmo_plugin.megatron.early_exit_layer import attach_carrier
+        from dynmo_plugin.scenarios.early_exit.layer import attach_carrier
         t = self.runtime.trainer
         for chunk in t.chunks:  # idempotent; a rebuilt trainer (repack) gets new chunks
             attach_carrier(chunk, t.args.seq_length)

@@ -12,7 +12,7 @@ rebalances every iteration).
 
 What the scenario does:
 * `configure_model` sets Megatron's MoE fields on the TransformerConfig and
-  `layer_spec` gives every layer `MoeTransformerLayer` (dynmo_plugin.megatron.moe_layer),
+  `layer_spec` gives every layer `MoeTransformerLayer` (dynmo_plugin.scenarios.moe.layer),
   which is MoE or dense by its global number, so a migrated layer is rebuilt as what it
   was. Its router is hooked to count tokens per expert after dropping.
 * `attach` (once) times a throw-away MoE layer at two token loads and a dense layer
@@ -47,8 +47,8 @@ from typing import Optional
 
 from dynmo_plugin.config import ConfigError
 
-from .base import DynamismEvent, Runtime, Scenario
-from .flops import FLOP_FALLBACK, DecoderFlops
+from dynmo_plugin.scenarios.base import DynamismEvent, Runtime, Scenario
+from dynmo_plugin.scenarios.flops import FLOP_FALLBACK, DecoderFlops
 
 __all__ = ["MixtureOfExperts", "CostModel", "combine_counts", "ep_expert_tokens", "layer_work",
            "cost_model_from_calibrations", "flop_cost_model", "moe_layer_numbers"]
@@ -108,7 +108,7 @@ def cost_model_from_calibrations(results: list[Optional[dict]]) -> CostModel:
 def flop_cost_model(config, seq_length: int, micro_batch_size: int) -> CostModel:
     """The fallback cost model from matmul FLOPs (dynamism.flops), in the same units: an
     MoE layer's non-expert part and a dense layer per micro-batch, in expert tokens."""
-    from dynmo_plugin.megatron.moe_layer import flop_fixed_tokens
+    from dynmo_plugin.scenarios.moe.layer import flop_fixed_tokens
     tokens = seq_length * micro_batch_size
     expert = DecoderFlops.from_config(config, config.moe_ffn_hidden_size).mlp()
     dense = DecoderFlops.from_config(config)
@@ -177,7 +177,7 @@ class MixtureOfExperts(Scenario):
 
     # ---- model ----------------------------------------------------------------------------
     def layer_spec(self, spec, model_args):
-        from dynmo_plugin.megatron.moe_layer import moe_layer_spec
+        from dynmo_plugin.scenarios.moe.layer import moe_layer_spec
         return moe_layer_spec(spec, _moe_spec(spec, self.settings.num_experts),
                               self._moe_layers(model_args.num_layers))
 
@@ -215,7 +215,7 @@ class MixtureOfExperts(Scenario):
             self._calibrate()
 
     def _calibrate(self) -> None:
-        from dynmo_plugin.megatron.moe_layer import calibrate
+        from dynmo_plugin.scenarios.moe.layer import calibrate
         t, control = self.runtime.trainer, self.runtime.control
         try:
             self.inject_fault("moe-calibration")

@@ -15,7 +15,7 @@ import numpy as np
 
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.sim.gpt import LayerLoad
-from dynmo_plugin.sim.scenarios.base import Scenario, World, rng_for, step_points
+from dynmo_plugin.sim.trajectory import Scenario, World, rng_for, step_points
 
 __all__ = ["MoE", "gamma_imbalance"]
 
@@ -52,7 +52,7 @@ class MoE(Scenario):
 
     def load(self, iteration: int) -> LayerLoad:
         point = self._last_point(iteration, self.change_points(iteration + 1))
-        rng = rng_for(self.seed, self.name, point)
+        rng = rng_for(self.seed, self.rng_key, point)
         load = LayerLoad.dense(self.num_layers)
         imbalance = gamma_imbalance(rng, self.mean_imbalance, self.cv, self.num_layers)
         return LayerLoad(attn_linear=load.attn_linear, mlp=1.0 + imbalance,

@@ -48,7 +48,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from dynmo_plugin.config import ConfigError
-from dynmo_plugin.dynamism.pruning import CHUNK_ROWS, CROSSOVER, CsrPattern, SparseLinearFunction
+from dynmo_plugin.scenarios.gradual_pruning.kernels import CHUNK_ROWS, CROSSOVER, CsrPattern, SparseLinearFunction
 
 __all__ = ["PrunableColumnParallelLinear", "PrunableRowParallelLinear", "prunable_layer_spec",
            "NeuronPrunableColumnParallelLinear", "NeuronPrunableRowParallelLinear",

@@ -1,6 +1,6 @@
 """A TransformerLayer that carries its own freezing state, so a migration moves it.
 
-Layer freezing (dynmo_plugin.dynamism.layer_freezing) needs three things per layer that
+Layer freezing (dynmo_plugin.scenarios.layer_freezing.live) needs three things per layer that
 must survive a move to another pipeline stage, so they are persistent buffers (the
 migrator packs `state_dict()` and loads it into a layer built from the same spec):
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.sim.gpt import LayerLoad
-from dynmo_plugin.sim.scenarios.base import Scenario, World, rng_for, step_points
+from dynmo_plugin.sim.trajectory import Scenario, World, rng_for, step_points
 
 __all__ = ["SparseAttention"]
 
@@ -46,7 +46,7 @@ class SparseAttention(Scenario):
         point = self._last_point(iteration, self.change_points(iteration + 1))
         if point < self.start:
             return np.ones(self.num_layers)
-        rng = rng_for(self.seed, self.name, point)
+        rng = rng_for(self.seed, self.rng_key, point)
         lo, hi = np.log(self.min_density), np.log(self.max_density)
         return np.exp(rng.uniform(lo, hi, self.num_layers))
 

@@ -14,7 +14,7 @@ S_t follows the cubic schedule (`pruning.cubic_sparsity`). A round:
 4. each rank: mask &= |w| >= tau; weights, DDP main_grad and the fp32 master copy
    (if any) zeroed off the mask; Adam's exp_avg / exp_avg_sq zeroed there too, so a
    pruned weight cannot come back. Masks are buffers of the layers' linears
-   (`dynmo_plugin.megatron.prunable`), so migrations carry them.
+   (`dynmo_plugin.scenarios.gradual_pruning.layer`), so migrations carry them.
 
 The round returns a `DynamismEvent` with per-layer sparsity, the target, tau and the
 layers whose linears now run the CSR kernel; the controller profiles and rebalances.
@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 
 from dynmo_plugin.config import ConfigError
-from dynmo_plugin.dynamism.base import DynamismEvent, Scenario
-from dynmo_plugin.dynamism.pruning import (apply_mask_, cubic_sparsity, global_threshold,
+from dynmo_plugin.scenarios.base import DynamismEvent, Scenario
+from dynmo_plugin.scenarios.gradual_pruning.kernels import (apply_mask_, cubic_sparsity, global_threshold,
                                            is_pruning_step, local_candidates, magnitude_mask,
                                            mask_grad_, num_to_keep, zero_adam_state_)
 
@@ -83,7 +83,7 @@ class GradualPruning(Scenario):
 
     # ---- Scenario interface ---------------------------------------------------------------
     def layer_spec(self, spec, model_args):
-        from dynmo_plugin.megatron.prunable import (head_prunable_layer_spec,
+        from dynmo_plugin.scenarios.gradual_pruning.layer import (head_prunable_layer_spec,
                                                     neuron_prunable_layer_spec, prunable_layer_spec)
         if self.structured and self.pruning.heads > 0:
             return head_prunable_layer_spec(neuron_prunable_layer_spec(spec))
@@ -157,7 +157,7 @@ class GradualPruning(Scenario):
 
     # ---- the round --------------------------------------------------------------------------
     def _linears(self):
-        from dynmo_plugin.megatron.prunable import prunable_linears
+        from dynmo_plugin.scenarios.gradual_pruning.layer import prunable_linears
         for layer in self.runtime.trainer.layers:
             for name, module in prunable_linears(layer):
                 yield layer.layer_number, name, module
@@ -209,7 +209,7 @@ class GradualPruning(Scenario):
 
     def _mlp_pairs(self):
         """(layer number, fc1, fc2) of this stage's structured-pruned MLPs."""
-        from dynmo_plugin.megatron.prunable import NeuronPrunableColumnParallelLinear
+        from dynmo_plugin.scenarios.gradual_pruning.layer import NeuronPrunableColumnParallelLinear
         for layer in self.runtime.trainer.layers:
             fc1, fc2 = layer.mlp.linear_fc1, layer.mlp.linear_fc2
             if isinstance(fc1, NeuronPrunableColumnParallelLinear):
@@ -238,7 +238,7 @@ class GradualPruning(Scenario):
     def _apply_heads(self, fraction: float) -> None:
         """Mask, in every layer, the floor(fraction * heads) heads with the lowest L2 norm
         over their qkv rows and biases and proj columns (heads already pruned first)."""
-        from dynmo_plugin.megatron.prunable import HeadPrunableSelfAttention
+        from dynmo_plugin.scenarios.gradual_pruning.layer import HeadPrunableSelfAttention
         optimizer = self.runtime.trainer.optimizer
         for layer in self.runtime.trainer.layers:
             attn = layer.self_attention
@@ -353,7 +353,7 @@ def shrunk_tensors(layer, tensors: dict) -> Optional[dict]:
     tensors (state/, grad/, optim/<param>/<key>) with only the kept neurons of each
     neuron-prunable linear (fc1 / fc2, and qkv / proj under head pruning: weight, and
     bias along axis 0; the full-width masks stay); None when nothing is left to drop."""
-    from dynmo_plugin.megatron.prunable import _NeuronMasked, prunable_linears
+    from dynmo_plugin.scenarios.gradual_pruning.layer import _NeuronMasked, prunable_linears
     axes, index = {}, {}
     for name, module in prunable_linears(layer):
         if isinstance(module, _NeuronMasked):

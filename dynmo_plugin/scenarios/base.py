@@ -140,7 +140,7 @@ class Scenario:
 
         Raises:
             PeerFailure: the broadcast itself failed (a peer is gone)."""
-        from dynmo_plugin.consensus import DecisionFailed
+        from dynmo_plugin.errors import DecisionFailed
         try:
             return self.runtime.control.decide(fn, phase)
         except DecisionFailed as e:

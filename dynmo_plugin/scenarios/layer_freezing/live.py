@@ -20,7 +20,7 @@ forward, so a stage holding it gets cheaper and the pipeline goes out of balance
 event makes the controller profile (frozen layers report ~0 backward) and rebalance.
 
 The snapshot, the reference and the prefix flag are buffers of the layer
-(dynmo_plugin.megatron.freezable), so a migrated layer carries them, and the decision
+(dynmo_plugin.scenarios.layer_freezing.layer), so a migrated layer carries them, and the decision
 depends on weights alone: a run whose layers move freezes at the same iterations, with
 the same losses, as a static one.
 """
@@ -31,7 +31,7 @@ import math
 import time
 from typing import Optional
 
-from .base import DynamismEvent, Scenario
+from dynmo_plugin.scenarios.base import DynamismEvent, Scenario
 
 __all__ = ["LayerFreezing", "combine_shards", "freeze_limit", "frozen_prefix", "plasticity"]
 
@@ -85,7 +85,7 @@ class LayerFreezing(Scenario):
 
     # ---- Scenario hooks ---------------------------------------------------------------------
     def layer_spec(self, spec, model_args):
-        from dynmo_plugin.megatron.freezable import freezable_spec
+        from dynmo_plugin.scenarios.layer_freezing.layer import freezable_spec
         return freezable_spec(spec)
 
     def state_dict(self) -> dict:

@@ -18,7 +18,7 @@ Top-C over a sequence looks at future tokens, so it cannot be used when sampling
 autoregressively. As in the paper, each routed layer also trains a small auxiliary
 predictor (Linear -> SiLU -> Linear on the block input, stop-gradient on that input)
 by binary cross-entropy to predict whether a token is in the top C; at sampling time
-it would replace the top-C. Its loss joins backward through `_AttachLoss` (weighted
+it would replace the top-C. Its loss joins backward through `AttachLoss` (weighted
 by the scenario's `predictor_loss_weight`); since its input is detached it cannot
 change the backbone. Its accuracy is counted per iteration for the scenario's events.
 
@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from dynmo_plugin.scenarios.aux_loss import AttachLoss
 
 __all__ = ["ModContext", "Predictor", "MoDLayer", "mod_spec", "tokens_for", "gather_mask",
            "gather_rotary", "time_scratch_layers"]
@@ -76,21 +78,6 @@ class Predictor(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.silu(self.fc1(x))).squeeze(-1)
 
-
-class _AttachLoss(torch.autograd.Function):
-    """Identity on `output`; backward also sends d(loss) = `scale` into `loss`, so an
-    auxiliary loss computed inside a pipeline stage joins the backward pass."""
-
-    @staticmethod
-    def forward(ctx, output, loss, scale: float):
-        ctx.save_for_backward(loss)
-        ctx.scale = scale
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (loss,) = ctx.saved_tensors
-        return grad_output, torch.full_like(loss, ctx.scale), None
 
 
 class MoDLayer(TransformerLayer):
@@ -188,7 +175,7 @@ class MoDLayer(TransformerLayer):
         scale = ctx.grad_scale * ctx.predictor_loss_weight
         if scale == 0.0:
             return out
-        return _AttachLoss.apply(out, loss, scale)
+        return AttachLoss.apply(out, loss, scale)
 
 
 def gather_mask(mask: Optional[torch.Tensor], idx: torch.Tensor, s: int) -> torch.Tensor:
