@@ -17,10 +17,12 @@ import pytest
 
 from dynmo_plugin.balancing import GateConfig, RepackCriteria
 from dynmo_plugin.balancing.decide import decide
+from dynmo_plugin.balancing.repack import OBJECTIVES
 from dynmo_plugin.balancing.profile_problem import problem_from_profile
 from dynmo_plugin.balancing.solve import BALANCERS
+from dynmo_plugin.cluster.release import STRATEGIES
 from dynmo_plugin.cli._from_run import recommend
-from dynmo_plugin.config import (BALANCER_NAMES, ConfigError, DynmoConfig,
+from dynmo_plugin.config import (BALANCER_NAMES, CLUSTER_STRATEGIES, ConfigError, DynmoConfig,
                                  RepackConfig, RunConfig, add_dynmo_args, add_model_args,
                                  load_config)
 from dynmo_plugin.controller import DynMo
@@ -61,7 +63,8 @@ def _module_imports(path: Path) -> set[str]:
 
 def test_schema_modules_read_no_file_and_import_only_pure_parts():
     pure = {"__future__", "dataclasses", "typing", "dynmo_plugin.errors", "dynmo_plugin.config.fields",
-            "dynmo_plugin.config.scenarios", "dynmo_plugin.balancing.solve"}
+            "dynmo_plugin.config.scenarios", "dynmo_plugin.balancing.solve",
+            "dynmo_plugin.balancing.repack", "dynmo_plugin.cluster.release"}
     for name in ("fields", "scenarios", "schema"):
         assert _module_imports(CONFIG / f"{name}.py") <= pure, name
 
@@ -90,6 +93,18 @@ def test_balancer_names_are_the_solvers_registry():
         assert _cfg("--dynmo-balancer", name).dynmo.rebalance.balancer == name
     with pytest.raises(ConfigError, match=f"expected one of {', '.join(BALANCERS)}, got 'fastest'$"):
         _cfg("--dynmo-balancer", "fastest")
+
+
+def test_cluster_strategies_and_repack_defaults_are_their_owners():
+    assert CLUSTER_STRATEGIES is STRATEGIES
+    assert RepackCriteria.from_config(RepackConfig()) == RepackCriteria()
+
+
+def test_repack_objectives_are_the_planners():
+    for name in OBJECTIVES:
+        assert _cfg("--dynmo-repack-objective", name).dynmo.repack.objective == name
+    with pytest.raises(ConfigError, match=f"expected one of {', '.join(OBJECTIVES)}, got 'fastest'$"):
+        _cfg("--dynmo-repack-objective", "fastest")
 
 
 def test_load_config_asks_the_machine_it_is_given_and_only_last():

@@ -4,8 +4,9 @@ a keyword-only dataclass.
 A field's metadata (`fields.opt`) gives the flag that sets it, the help text and a
 check of the value alone; checks across fields live in `config.checks`, flag
 generation in `config.flags`, YAML reading and resolution in `config.load`. Pure:
-imports neither torch nor megatron and reads no file; the balancer names are the
-solver's own (`balancing.solve.BALANCERS`).
+imports neither torch nor megatron and reads no file; the balancer and repack objective
+names, the repack defaults and the cluster strategies are their owners' own
+(`balancing.solve.BALANCERS`, `balancing.repack`, `cluster.release.STRATEGIES`).
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from dynmo_plugin.balancing.repack import OBJECTIVES, RepackCriteria
 from dynmo_plugin.balancing.solve import BALANCERS
+from dynmo_plugin.cluster.release import STRATEGIES
 from dynmo_plugin.config.fields import ascending_lengths, non_negative, one_of, opt, positive
 from dynmo_plugin.config.scenarios import (SCENARIO_SECTIONS, EarlyExitConfig, FreezingConfig,
                                            ModConfig, MoeConfig, PruningConfig,
@@ -24,6 +27,7 @@ __all__ = ["DataConfig", "ModelArgs", "ProfilingConfig", "RebalanceConfig", "Dyn
            "BALANCER_NAMES"]
 
 BALANCER_NAMES = BALANCERS  # --dynmo-balancer's choices: the solver's registry, not a copy
+_PLANNER = RepackCriteria()  # the repack planner's defaults, which RepackConfig's are
 
 
 # ---- the launcher's data (dynmo_plugin.data) -----------------------------------------------
@@ -198,34 +202,34 @@ class DynamismConfig:
 
 @dataclass(kw_only=True)
 class RepackConfig:
-    """Consolidating the pipeline onto fewer stages once the work has shrunk."""
+    """Consolidating the pipeline onto fewer stages once the work has shrunk. The planner's
+    criteria take the planner's defaults (`balancing.repack.RepackCriteria`)."""
 
     enabled: bool = field(default=False, metadata=opt(
         "consider repacking onto fewer pipeline stages", "--dynmo-repack"))
-    min_stages: int = field(default=1, metadata=opt(
+    min_stages: int = field(default=_PLANNER.min_stages, metadata=opt(
         "never repack below this many pipeline stages", "--dynmo-repack-min-stages", positive))
-    max_slowdown: float = field(default=1.0, metadata=opt(
+    max_slowdown: float = field(default=_PLANNER.max_slowdown, metadata=opt(
         "every objective: the predicted iteration time may grow at most this factor over "
         "the current one", "--dynmo-repack-max-slowdown", positive))
-    objective: str = field(default="min_stages", metadata=opt(
+    objective: str = field(default=_PLANNER.objective, metadata=opt(
         "min_stages (fewest stages within max_slowdown) or throughput_per_gpu",
-        "--dynmo-repack-objective", one_of("min_stages", "throughput_per_gpu")))
+        "--dynmo-repack-objective", one_of(*OBJECTIVES)))
     trigger: str = field(default="event", metadata=opt(
         "event: consider repacking after dynamism events; rebalance: after every rebalance "
         "decision (interval ones too)", "--dynmo-repack-trigger", one_of("event", "rebalance")))
     mode: str = field(default="live", metadata=opt(
         "live (shrink the running job) or checkpoint (save, exit, restart with fewer ranks)",
         "--dynmo-repack-mode", one_of("live", "checkpoint")))
-    memory_margin: float = field(default=0.1, metadata=opt(
+    memory_margin: float = field(default=_PLANNER.memory_margin, metadata=opt(
         "a stage fits if its predicted memory x (1 + margin) is within the cap",
         "--dynmo-repack-memory-margin", non_negative))
-    rebuild_s: float = field(default=10.0, metadata=opt(
+    rebuild_s: float = field(default=_PLANNER.rebuild_s, metadata=opt(
         "estimated seconds to regroup and rebuild (the gate's cost, besides moving layers)",
         "--dynmo-repack-rebuild-s", non_negative))
 
 
-CLUSTER_STRATEGIES = ("none", "statefulset-scale", "job-parallelism", "delete-pods",
-                      "patch-pod-resources")
+CLUSTER_STRATEGIES = STRATEGIES  # what dynmo_plugin.cluster can do, not a copy
 
 
 @dataclass(kw_only=True)
