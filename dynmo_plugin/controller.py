@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dynmo_plugin.balancing import BalanceProblem, GateConfig, InfeasibleError, ProblemError
-from dynmo_plugin.balancing.decide import decide
+from dynmo_plugin.balancing.decide import decide, repack_considered
 from dynmo_plugin.balancing.repack import IterationModel
 from dynmo_plugin.balancing.profile_problem import memory_calibration, problem_from_profile
 from dynmo_plugin.config import DynmoConfig
@@ -240,15 +240,16 @@ class DynMo:
                         repack=choice.repack, memory=memory)
 
     def _repack_criteria(self, problem: BalanceProblem, trigger: str):
-        """The criteria when a repack may be considered now, else None (min_stages
-        counts pipeline ranks; interleaved, each keeps its chunks)."""
+        """The criteria when a repack may be considered now, else None (min_stages:
+        `balancing.decide.repack_considered`, the guard `decide` applies too)."""
         rp = self.config.repack
         # the start chooses the pipeline size too (the smallest within max_slowdown)
         wanted = rp.trigger == "rebalance" or trigger.startswith("event:") or trigger == "start"
-        if self._repacker is None or not rp.enabled or not wanted or problem.num_ranks <= rp.min_stages:
+        if self._repacker is None or not rp.enabled or not wanted:
             return None
         from dynmo_plugin.balancing.repack import RepackCriteria
-        return RepackCriteria.from_config(rp)
+        criteria = RepackCriteria.from_config(rp)
+        return criteria if repack_considered(problem, criteria) else None
 
     def _rebalance(self, iteration: int, trigger: str, window: Optional[list[int]],
                    gathered: PipelineProfile, start: float, source: str = "timed") -> None:

@@ -11,8 +11,7 @@ import os
 import sys
 import warnings
 
-from dynmo_plugin.config import (RunConfig, add_dynmo_args, add_model_args, check_paths,
-                                 load_config, transformer_engine_problem)
+from dynmo_plugin.config import RunConfig, add_dynmo_args, add_model_args, check_paths, load_config
 from dynmo_plugin.errors import USER_ERROR_EXIT, UserError
 
 __all__ = ["main", "build_parser", "run", "exit_on_peer_failure", "validate", "LAUNCH_ENV"]
@@ -82,8 +81,9 @@ def validate(args: argparse.Namespace, world_size: int | None, in_launcher: bool
     Raises:
         UserError: the first problem, one line naming the key and the fix.
     """
-    cfg = load_config(args, world_size=world_size,
-                      te_problem=(lambda: None) if in_launcher else transformer_engine_problem)
+    from dynmo_plugin.megatron import machine  # imports torch, TE and Megatron only when asked
+    cfg = load_config(args, world_size=world_size, cuda_devices=machine.cuda_device_count,
+                      te_problem=(lambda: None) if in_launcher else machine.transformer_engine_problem)
     check_paths(cfg.model)
     load = cfg.model.load
     if load:

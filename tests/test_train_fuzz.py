@@ -23,7 +23,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynmo_plugin.config import DynmoConfig, ModelArgs, _flag, _leaf_fields
+from dynmo_plugin.config import DynmoConfig, ModelArgs, flag_of as _flag, leaf_fields as _leaf_fields
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.train import build_parser, validate
 

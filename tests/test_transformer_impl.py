@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from dynmo_plugin.config import (LOCAL_ONLY_SCENARIOS, SCENARIO_SECTIONS, ConfigError,
-                                 load_config, resolve_transformer_impl,
-                                 transformer_engine_problem)
+                                 load_config, resolve_transformer_impl)
+from dynmo_plugin.megatron.machine import transformer_engine_problem
 from dynmo_plugin.megatron.extra_state import ExtraStateError, carried_state, loadable_state
 from dynmo_plugin.migration.wire import pack, unpack
 from dynmo_plugin.train import build_parser, main

@@ -22,7 +22,7 @@ from dynmo_plugin.balancing.problem import BalanceProblem, InfeasibleError, Prob
 from dynmo_plugin.balancing.repack import IterationModel, RepackCriteria, RepackPlan, plan_repack
 from dynmo_plugin.balancing.solve import solve
 
-__all__ = ["Choice", "decide"]
+__all__ = ["Choice", "decide", "repack_considered"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,13 @@ class Choice:
         return "repack" if self.repack is not None and self.repack.apply else "rebalance"
 
 
+def repack_considered(problem: BalanceProblem, repack: Optional[RepackCriteria]) -> bool:
+    """Whether a repack is worth planning: criteria given and more pipeline ranks than
+    min_stages (ranks, not virtual stages: interleaved, each keeps its chunks). The one
+    min_stages guard of every entry point (`decide`, `dynmo plan --from-run`)."""
+    return repack is not None and problem.num_ranks > repack.min_stages
+
+
 def decide(problem: BalanceProblem, balancer: str, gate: GateConfig,
            repack: Optional[RepackCriteria] = None, *,
            iteration_model: Optional[IterationModel] = None) -> Choice:
@@ -52,7 +59,7 @@ def decide(problem: BalanceProblem, balancer: str, gate: GateConfig,
     iteration, `repack` module docstring)."""
     repack_plan = None
     try:
-        if repack is not None and problem.num_ranks > repack.min_stages:
+        if repack_considered(problem, repack):
             repack_plan = plan_repack(problem, repack, gate, iteration_model=iteration_model)
             if repack_plan.apply:
                 return Choice(True, repack_plan.reason, repack=repack_plan)

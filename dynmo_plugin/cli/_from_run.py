@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from dynmo_plugin.balancing import RepackCriteria, plan_repack, solve
+from dynmo_plugin.balancing.decide import repack_considered
 from dynmo_plugin.balancing.problem import ProblemError
 from dynmo_plugin.balancing.profile_problem import problem_from_profile
 from dynmo_plugin.config import DynmoConfig, RebalanceConfig
@@ -88,10 +89,11 @@ def recommend(run_dir: str) -> dict[str, Any]:
         plan = solve(problem, "exact")
         layout, predicted = plan.layout, plan.predicted_iter_s_after
         rp = report["config"]["dynmo"].get("repack") or {}
-        if rp.get("enabled") and problem.num_ranks > int(rp["min_stages"]):
-            criteria = RepackCriteria(min_stages=int(rp["min_stages"]), max_slowdown=float(rp["max_slowdown"]),
-                                      objective=rp["objective"], memory_margin=float(rp["memory_margin"]),
-                                      rebuild_s=float(rp["rebuild_s"]))
+        criteria = None if not rp.get("enabled") else RepackCriteria(
+            min_stages=int(rp["min_stages"]), max_slowdown=float(rp["max_slowdown"]),
+            objective=rp["objective"], memory_margin=float(rp["memory_margin"]),
+            rebuild_s=float(rp["rebuild_s"]))
+        if repack_considered(problem, criteria):
             repack = plan_repack(problem, criteria, iteration_model=_iteration_model(report))
             if repack.apply:
                 layout, predicted = repack.layout_after, repack.predicted_iter_s_after

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-__all__ = ["ByteTokenizer", "tokenizer_path", "load_tokenizer", "TokenizerError"]
+__all__ = ["ByteTokenizer", "tokenizer_path", "load_tokenizer", "dataset_vocab_size", "TokenizerError"]
 
 _FORMAT = "dynmo-byte-tokenizer/1"
 
@@ -67,3 +67,18 @@ def load_tokenizer(prefix: str) -> ByteTokenizer:
         raise TokenizerError(f"{path}: not a tokenizer written by scripts/prepare_data.py "
                              f"(expected format {_FORMAT})")
     return ByteTokenizer()
+
+
+def dataset_vocab_size(prefix: str) -> int:
+    """The padded vocabulary of dataset `prefix`, read once before training so the model's
+    embedding fits the data (the configuration's --data-path check asks this).
+
+    Raises:
+        TokenizerError: PREFIX.bin or PREFIX.idx is missing, or the tokenizer beside them
+            is missing or not one this module wrote.
+    """
+    missing = [x for x in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(x)]
+    if missing:
+        raise TokenizerError(f"{', '.join(missing)} not found; give the prefix of a .bin/.idx "
+                             "pair made by scripts/prepare_data.py")
+    return load_tokenizer(prefix).padded_vocab_size()

@@ -1,0 +1,308 @@
+"""Checks across fields, run once by `config.load.load_config` after every value passed its
+own field check: the model's shape against the world, precision, forced layouts, the
+scenario's keys, repacking, packed data, and which transformer implementation to build.
+
+What the machine offers (CUDA GPUs, whether Transformer Engine imports) is probed in
+`dynmo_plugin.megatron.machine` and comes in as arguments; the dataset's vocabulary is
+read by `dynmo_plugin.data.tokenizer`. Each problem is one `ConfigError` line naming
+where the value came from and the fix.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Optional
+
+from dynmo_plugin.config.fields import ConfigError
+from dynmo_plugin.config.scenarios import LOCAL_ONLY_SCENARIOS, PACKED_REFUSED, SCENARIO_SECTIONS
+from dynmo_plugin.config.schema import ModelArgs, RunConfig
+from dynmo_plugin.data.tokenizer import TokenizerError, dataset_vocab_size
+from dynmo_plugin.layout import Layout, LayoutError
+
+__all__ = ["check_run", "check_shape", "check_paths", "check_transformer_impl",
+           "resolve_transformer_impl"]
+
+logger = logging.getLogger(__name__)
+
+
+def check_run(cfg: RunConfig, given: dict[str, str], where: str, world_size: Optional[int]) -> None:
+    """Every cross-field check of a resolved `cfg` but the machine's (`check_transformer_impl`,
+    which `load_config` runs last), in the order its errors are reported.
+    `given`: dotted key -> where it was set (file or flag); `where`: the config file, else
+    "command line"; `world_size`: checked against TP x PP when known.
+
+    Raises:
+        ConfigError: the first problem.
+    """
+    check_shape(cfg.model, where, world_size)
+    _check_precision(cfg, given)
+    _check_forced_layouts(cfg, where)
+    _check_dynamism(cfg, given)
+    _check_repack(cfg, given)
+    _check_interleaved_repack(cfg, where, world_size)
+    _check_data(cfg, given)
+
+
+def check_shape(m: ModelArgs, where: str, world_size: int | None = None) -> None:
+    """Cross-field checks: layout vs layers, batch divisibility, world shape."""
+    pp, tp = m.pipeline_model_parallel_size, m.tensor_model_parallel_size
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"{where}: --hidden-size ({m.hidden_size}) must be divisible by "
+                          f"--num-attention-heads ({m.num_attention_heads})")
+    v = m.num_virtual_stages_per_pipeline_rank
+    if m.pipeline_model_parallel_layout is not None:
+        try:
+            Layout.parse(m.pipeline_model_parallel_layout, pp, m.num_layers, v)
+        except LayoutError as e:
+            raise ConfigError(f"{where}: --pipeline-model-parallel-layout: {e}") from e
+    elif m.num_layers < pp * v:
+        raise ConfigError(f"{where}: --num-layers ({m.num_layers}) is smaller than "
+                          f"--pipeline-model-parallel-size ({pp}) x "
+                          f"--num-virtual-stages-per-pipeline-rank ({v}); give a layout with "
+                          "empty stages")
+    if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings:
+        raise ConfigError(f"{where}: model.seq_length ({m.seq_length}) exceeds "
+                          f"model.max_position_embeddings ({m.max_position_embeddings}): "
+                          "positions past the table have no embedding; raise "
+                          "--max-position-embeddings or lower --seq-length")
+    _check_schedule(m, where)
+    if world_size is None:
+        return
+    _check_interleaved(m, where, world_size)
+    if world_size % (tp * pp):
+        raise ConfigError(f"{where}: world size {world_size} is not a multiple of TP({tp}) x PP({pp})")
+    dp = world_size // (tp * pp)
+    if m.global_batch_size % (m.micro_batch_size * dp):
+        raise ConfigError(f"{where}: --global-batch-size ({m.global_batch_size}) must be a multiple "
+                          f"of --micro-batch-size ({m.micro_batch_size}) x DP ({dp})")
+
+
+def _check_interleaved(m: ModelArgs, where: str, world_size: int) -> None:
+    """Megatron's interleaved 1F1B runs micro-batches in groups of pp (its default
+    microbatch_group_size_per_vp_stage) and refuses a partial last group."""
+    pp, v = m.pipeline_model_parallel_size, m.num_virtual_stages_per_pipeline_rank
+    if v == 1:
+        return
+    if pp < 2:
+        raise ConfigError(f"{where}: --num-virtual-stages-per-pipeline-rank {v} needs "
+                          "--pipeline-model-parallel-size >= 2 (Megatron interleaves only "
+                          "across pipeline ranks)")
+    micro = m.global_batch_size // (m.micro_batch_size * (world_size // (m.tensor_model_parallel_size * pp)))
+    if micro % pp:
+        raise ConfigError(f"{where}: the interleaved schedule (--num-virtual-stages-per-"
+                          f"pipeline-rank {v}) needs the number of micro-batches ({micro} = "
+                          f"--global-batch-size / (--micro-batch-size x DP)) to be a multiple "
+                          f"of --pipeline-model-parallel-size ({pp}); change the batch sizes")
+
+
+def _check_schedule(m: ModelArgs, where: str) -> None:
+    decay = m.lr_decay_iters or m.train_iters
+    if m.lr_warmup_iters >= decay:
+        raise ConfigError(f"{where}: --lr-warmup-iters ({m.lr_warmup_iters}) must be smaller than "
+                          f"the decay length ({decay}: --lr-decay-iters, else --train-iters)")
+    if m.min_lr > m.lr:
+        raise ConfigError(f"{where}: --min-lr ({m.min_lr}) must not exceed --lr ({m.lr})")
+
+
+def check_paths(model: ModelArgs) -> None:
+    """The launcher's own paths, before anything is built: --output and --save must be
+    directories or not exist yet, --load must not be a file. (Whether --load holds a
+    checkpoint is read_meta's question: dynmo_plugin.train asks it just as early.)
+
+    Raises:
+        ConfigError: a path that training would fail on later, named with the fix.
+    """
+    for flag, key, path in (("--output", "model.output", model.output),
+                            ("--save", "model.save", model.save)):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"flag {flag}: {key}: {path} is a file, not a directory; give a "
+                              "directory (it is created if missing)")
+    if model.load and os.path.exists(model.load) and not os.path.isdir(model.load):
+        raise ConfigError(f"flag --load: model.load: {model.load} is a file, not a directory; "
+                          "give the directory --save wrote (it holds "
+                          "latest_checkpointed_iteration.txt)")
+
+
+def resolve_transformer_impl(requested: Optional[str], cuda_devices: int, scenario: str,
+                             te_problem: Callable[[], Optional[str]],
+                             where: str = "--transformer-impl") -> tuple[str, Optional[str]]:
+    """(implementation, a note to log or None) for --transformer-impl on this machine.
+
+    Default: transformer_engine where CUDA GPUs are visible, TE imports (`te_problem()`
+    is None, called only when it matters) and the scenario's layers support it; local
+    otherwise, with a note when TE was usable but the scenario needs local layers.
+
+    Raises:
+        ConfigError: transformer_engine asked for without CUDA GPUs, without an
+            importable TE, or with a local-only scenario (LOCAL_ONLY_SCENARIOS).
+    """
+    local_only = LOCAL_ONLY_SCENARIOS.get(scenario)
+    if requested == "local" or (requested is None and cuda_devices == 0):
+        return "local", None
+    if requested is None:
+        problem = te_problem()
+        if problem is not None:
+            return "local", f"Transformer Engine does not import ({problem}); using local layers"
+        if local_only:
+            return "local", (f"scenario {scenario}: {local_only}; using local layers "
+                             "(--transformer-impl local)")
+        return "transformer_engine", None
+    if cuda_devices == 0:
+        raise ConfigError(f"{where}: transformer_engine needs CUDA GPUs and none is visible "
+                          "here; use --transformer-impl local (the default without GPUs)")
+    if local_only:
+        raise ConfigError(f"{where}: transformer_engine cannot build the {scenario} scenario's "
+                          f"layers ({local_only}); use --transformer-impl local")
+    problem = te_problem()
+    if problem is not None:
+        raise ConfigError(f"{where}: transformer_engine does not import here ({problem}); "
+                          "install it (pip install -c constraints.txt 'transformer-engine[pytorch]' "
+                          "or the NGC image, docs/docker.md) or use --transformer-impl local")
+    return "transformer_engine", None
+
+
+def check_transformer_impl(cfg: RunConfig, given: dict[str, str], cuda_devices: int,
+                           te_problem: Callable[[], Optional[str]]) -> None:
+    """Fix model.transformer_impl once, so the report records what was built. The
+    machine's answers (`megatron.machine`) come in as arguments: config/ probes nothing."""
+    source = given.get("model.transformer_impl", "flag --transformer-impl")
+    where = source if source.startswith("flag ") else f"{source}: model.transformer_impl"
+    impl, note = resolve_transformer_impl(cfg.model.transformer_impl, cuda_devices,
+                                          cfg.dynmo.dynamism.kind, te_problem, where)
+    if note:
+        logger.info("%s", note)
+    cfg.model.transformer_impl = impl
+
+
+def _check_precision(cfg: RunConfig, given: dict[str, str]) -> None:
+    """One training precision; loss scaling only where it means something (fp16)."""
+    m = cfg.model
+    if m.bf16 and m.fp16:
+        raise ConfigError(f"{given.get('model.fp16', 'command line')}: --bf16 and --fp16 both set; "
+                          "choose one precision")
+    if m.loss_scale is not None and not m.fp16:
+        raise ConfigError(f"{given.get('model.loss_scale', 'command line')}: --loss-scale "
+                          f"{m.loss_scale} needs --fp16 (bf16 and fp32 train unscaled)")
+
+
+def _check_data(cfg: RunConfig, given: dict[str, str]) -> None:
+    """Packed documents: one packed row per micro-batch, scenarios that keep Megatron's
+    attention, and the vocabulary of the dataset's tokenizer."""
+    m, d = cfg.model, cfg.model.data
+    where = lambda key: given.get(f"model.{key}", key)  # noqa: E731
+    if d.path and d.documents != "none":
+        raise ConfigError(f"{where('data.documents')}: --data-documents {d.documents} and "
+                          "--data-path both choose the documents; give one")
+    if not d.packed:
+        if d.batching == "adaptive":
+            raise ConfigError(f"{where('data.batching')}: --data-batching adaptive batches "
+                              "documents by length; give --data-path or --data-documents lognormal")
+        return
+    if m.micro_batch_size != 1:
+        raise ConfigError(f"{where('micro_batch_size')}: packed documents put one row of "
+                          f"--seq-length positions in each micro-batch; use --micro-batch-size 1 "
+                          f"(got {m.micro_batch_size}) and set --global-batch-size to DP x micro-batches")
+    why = PACKED_REFUSED.get(cfg.dynmo.dynamism.kind)
+    if why:
+        raise ConfigError(f"{where('data.path') if d.path else where('data.documents')}: packed "
+                          f"documents cannot train with dynamism {cfg.dynmo.dynamism.kind!r}: "
+                          f"{why}; train it on the synthetic token stream (drop "
+                          "--data-path/--data-documents)")
+    if d.batching == "adaptive":
+        packing = [f for f, on in (("--data-packer wlb", d.packer == "wlb"),
+                                   ("--data-outlier-thresholds", bool(d.thresholds())),
+                                   ("--data-redistribute", d.redistribute)) if on]
+        if packing:
+            raise ConfigError(f"{where('data.batching')}: --data-batching adaptive does not "
+                              f"pack documents; {', '.join(packing)} apply to packed batching only")
+        if d.mem_tokens and d.mem_tokens < m.seq_length:
+            raise ConfigError(f"{where('data.mem_tokens')}: --data-mem-tokens ({d.mem_tokens}) "
+                              f"must hold one row of --seq-length ({m.seq_length})")
+    too_long = [t for t in d.thresholds() if t > m.seq_length]
+    if too_long:
+        raise ConfigError(f"{where('data.outlier_thresholds')}: thresholds {too_long} exceed "
+                          f"--seq-length ({m.seq_length}); no document piece is that long")
+    if d.path:
+        try:
+            vocab = dataset_vocab_size(d.path)
+        except TokenizerError as e:
+            raise ConfigError(f"{where('data.path')}: {e}") from e
+        if "model.vocab_size" in given and m.vocab_size < vocab:
+            raise ConfigError(f"{where('vocab_size')}: --vocab-size ({m.vocab_size}) is smaller "
+                              f"than the dataset tokenizer's ({vocab}); drop --vocab-size")
+        m.vocab_size = max(m.vocab_size, vocab) if "model.vocab_size" in given else vocab
+
+
+def _check_repack(cfg: RunConfig, given: dict[str, str]) -> None:
+    rp, cl, pp = cfg.dynmo.repack, cfg.dynmo.cluster, cfg.model.pipeline_model_parallel_size
+    if rp.enabled and rp.min_stages > pp:
+        raise ConfigError(f"{given.get('repack.min_stages', 'repack.min_stages')}: min_stages "
+                          f"({rp.min_stages}) exceeds --pipeline-model-parallel-size ({pp})")
+    if rp.enabled and rp.mode == "checkpoint" and not cfg.model.save:
+        raise ConfigError(f"{given.get('repack.mode', 'repack.mode')}: mode checkpoint saves the "
+                          "state for the restart: give --save DIR")
+    if cl.fallback != "none" and cl.fallback == cl.strategy:
+        raise ConfigError(f"{given.get('cluster.fallback', 'cluster.fallback')}: the fallback "
+                          f"({cl.fallback}) is the strategy itself; choose another or none")
+
+
+def _check_dynamism(cfg: RunConfig, given: dict[str, str]) -> None:
+    """A scenario's keys only make sense with that scenario chosen."""
+    kind = cfg.dynmo.dynamism.kind
+    for key, where in given.items():
+        parts = key.split(".")
+        if parts[0] != "dynamism" or len(parts) < 3:
+            continue
+        if SCENARIO_SECTIONS.get(kind) != parts[1]:
+            raise ConfigError(f"{where}: {key}: set, but dynamism.kind is {kind!r}; choose the "
+                              f"scenario with --dynmo-dynamism or dynamism.kind, or drop the key")
+    p = cfg.dynmo.dynamism.pruning
+    if kind == "gradual_pruning" and p.initial_sparsity > p.final_sparsity:
+        raise ConfigError(f"{given.get('dynamism.pruning.initial_sparsity', 'dynamism.pruning')}: "
+                          f"initial_sparsity ({p.initial_sparsity}) exceeds final_sparsity "
+                          f"({p.final_sparsity})")
+
+
+def _check_interleaved_repack(cfg: RunConfig, where: str, world_size: Optional[int]) -> None:
+    """Interleaved repacks keep v chunks per rank on fewer ranks, so Megatron's
+    interleaved schedule must still run there: k >= 2 ranks and the micro-batches a
+    multiple of k (checked when the world size is known) for forced layouts; the repack
+    planner skips such k itself."""
+    m, rp = cfg.model, cfg.dynmo.repack
+    v, pp = m.num_virtual_stages_per_pipeline_rank, m.pipeline_model_parallel_size
+    if v == 1 or not rp.enabled:
+        return
+    micro = None if world_size is None else m.global_batch_size // (
+        m.micro_batch_size * (world_size // (m.tensor_model_parallel_size * pp)))
+    fewer = {it: text for it, text in cfg.dynmo.rebalance.forced_layouts.items()
+             if Layout.parse(text, None, m.num_layers, v).num_ranks < pp}
+    for it, text in fewer.items():
+        k = Layout.parse(text, None, m.num_layers, v).num_ranks
+        if k < 2 or (micro is not None and micro % k):
+            raise ConfigError(
+                f"{where}: rebalance.forced_layouts.{it}: layout {text!r} repacks onto {k} "
+                f"pipeline rank(s) keeping {v} virtual stages each; Megatron's interleaved "
+                f"schedule needs >= 2 ranks and the micro-batches ({micro}) a multiple of the "
+                "ranks; give a layout with more ranks, or run without "
+                "--num-virtual-stages-per-pipeline-rank")
+
+
+def _check_forced_layouts(cfg: RunConfig, where: str) -> None:
+    m = cfg.model
+    pp = m.pipeline_model_parallel_size * m.num_virtual_stages_per_pipeline_rank
+    sizes = ("--pipeline-model-parallel-size" if m.num_virtual_stages_per_pipeline_rank == 1 else
+             f"--pipeline-model-parallel-size {m.pipeline_model_parallel_size} x "
+             f"--num-virtual-stages-per-pipeline-rank {m.num_virtual_stages_per_pipeline_rank}")
+    for it, text in cfg.dynmo.rebalance.forced_layouts.items():
+        try:
+            layout = Layout.parse(text, None, m.num_layers, m.num_virtual_stages_per_pipeline_rank)
+        except LayoutError as e:
+            raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: {e}") from e
+        if layout.num_stages > pp or (layout.num_stages < pp and not cfg.dynmo.repack.enabled):
+            raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: layout {text!r} has "
+                              f"{layout.num_stages} stages but the pipeline has {pp} ({sizes}); "
+                              "fewer stages force a repack, "
+                              "which needs repack.enabled (--dynmo-repack)")
+        if it > m.train_iters:
+            raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: iteration is past "
+                              f"--train-iters ({m.train_iters})")

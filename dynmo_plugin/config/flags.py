@@ -1,0 +1,59 @@
+"""Command-line flags generated from the schema's dataclasses.
+
+Every leaf field is one flag: the model's under Megatron-LM's own spelling and dest
+(`--num-layers` -> `args.num_layers`, so Megatron-LM's parsed `args` work as they are),
+the plugin's under the field's `flag` with dest `dynmo__<section>__<key>`. Every flag
+defaults to None, so `config.load` can tell a flag given from one left out.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from dynmo_plugin.config.schema import DynmoConfig, ModelArgs
+
+__all__ = ["add_model_args", "add_dynmo_args", "flag_of", "leaf_fields"]
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    """The flag that sets field `f`: its metadata's, else --<field-name>."""
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def leaf_fields(cls, prefix=""):
+    """(dotted key, field, argparse dest) for every leaf setting of a config dataclass."""
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory):
+            yield from leaf_fields(f.default_factory, f"{prefix}{f.name}.")
+        elif cls is ModelArgs:  # Megatron-LM's own dest names: its `args` works as is
+            yield f"{prefix}{f.name}", f, f.name
+        else:
+            yield f"{prefix}{f.name}", f, "dynmo__" + f"{prefix}{f.name}".replace(".", "__")
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls, title: str) -> None:
+    group = parser.add_argument_group(title)
+    for key, f, dest in leaf_fields(cls):
+        kw: dict[str, Any] = {"dest": dest, "default": None, "help": f.metadata.get("help")}
+        base = f.type.replace("Optional[", "").rstrip("]")
+        if base == "bool":
+            kw["action"] = "store_true"
+        else:
+            kw["metavar"] = key.rsplit(".", 1)[-1].upper()
+            kw["type"] = {"int": int, "float": float}.get(base, str)
+        group.add_argument(flag_of(f), **kw)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM-spelled model/run flags (the launcher only)."""
+    _add_fields(parser, ModelArgs, "model (Megatron-LM flags)")
+    return parser
+
+
+def add_dynmo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The plugin's flags; usable as Megatron-LM's `extra_args_provider`."""
+    parser.add_argument("--dynmo-config", default=None, metavar="PATH",
+                        help="YAML file with the plugin's settings (flags win over it)")
+    _add_fields(parser, DynmoConfig, "dynmo_plugin")
+    return parser

@@ -1,0 +1,214 @@
+"""Resolving a `RunConfig`: dataclass defaults, then the YAML file, then the flags given.
+
+The YAML file (`--dynmo-config PATH`) holds the plugin's sections at its top level and
+the launcher's `model:` section; a flag wins over the file. Every value is type-checked
+and field-checked as it is set, then `config.checks` runs once across fields. Every
+problem is a `ConfigError` line naming where the value came from, the key in dotted
+form and what was expected, e.g.
+``configs/x.yaml: rebalance.interval: expected a positive integer, got -3``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from typing import Any, Callable, Optional
+
+import yaml
+
+from dynmo_plugin.config.checks import check_run, check_transformer_impl
+from dynmo_plugin.config.fields import ConfigError
+from dynmo_plugin.config.flags import flag_of, leaf_fields
+from dynmo_plugin.config.schema import DynmoConfig, ModelArgs, RunConfig
+
+__all__ = ["load_config"]
+
+
+def _expect_type(f: dataclasses.Field, value: Any) -> tuple[Any, Optional[str]]:
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if f.metadata.get("kind") == "layouts":
+        return _layouts(value)
+    if value is None and t.startswith("Optional"):
+        return None, None
+    base = t.replace("Optional[", "").rstrip("]")
+    if base == "bool":
+        return value, None if isinstance(value, bool) else "true or false"
+    if base == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return value, None if ok else "an integer"
+    if base == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok and not math.isfinite(value):  # inf/nan: `nan > 0` fails a check, `inf > 0` passes
+            return value, "a finite number"
+        return (float(value) if ok else value), None if ok else "a number"
+    if base == "str":
+        return value, None if isinstance(value, str) else "a string"
+    raise TypeError(f"unsupported config field type {t}")
+
+
+def _layouts(value: Any) -> tuple[Any, Optional[str]]:
+    """Forced layouts: a YAML mapping {iteration: layout} or the flag form '5:Ett|ttL;9:...'."""
+    if isinstance(value, str):
+        pairs = [p.split(":", 1) for p in value.split(";") if p.strip()]
+        if any(len(p) != 2 for p in pairs):
+            return value, "ITER:LAYOUT pairs separated by ';'"
+        value = {k.strip(): v.strip() for k, v in pairs}
+    if not isinstance(value, dict):
+        return value, "a mapping of iteration to layout string"
+    out = {}
+    for k, v in value.items():
+        try:
+            it = int(k)
+        except (TypeError, ValueError):
+            return value, f"integer iterations as keys (got {k!r})"
+        if it <= 0 or not isinstance(v, str):
+            return value, "positive iterations mapped to layout strings"
+        out[it] = v
+    return out, None
+
+
+def _apply(obj: Any, key: str, f: dataclasses.Field, value: Any, where: str, name: str) -> None:
+    """Set `key` (dotted, relative to `obj`) after its type and check; errors name the
+    setting as `name`, its full dotted key (model.num_layers, rebalance.interval)."""
+    value, problem = _expect_type(f, value)
+    if problem is None and value is not None and f.metadata.get("check"):
+        problem = f.metadata["check"](value)
+    if problem:
+        raise ConfigError(f"{where}: {name}: expected {problem}, got {value!r}")
+    target = obj
+    for part in key.split(".")[:-1]:
+        target = getattr(target, part)
+    setattr(target, f.name, value)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error
+    (PyYAML keeps the last silently: two `model:` sections would drop the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # an unhashable key: PyYAML's own error names it
+            if key in seen:
+                mark = key_node.start_mark
+                raise ConfigError(f"{self.name}:{mark.line + 1}:{mark.column + 1}: key {key!r} "
+                                  f"given twice (first on line {seen[key]}); keep one")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: str) -> dict:
+    """The YAML file as a dict; every way it can be unusable is one ConfigError line."""
+    if os.path.isdir(path):
+        raise ConfigError(f"{path}: cannot read the config file: it is a directory; give the "
+                          "YAML file (e.g. configs/demo.yaml)")
+    if not os.path.exists(path):
+        raise ConfigError(f"{path}: cannot read the config file: no such file")
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read().decode("utf-8-sig")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start]:#04x}); "
+                          "save the config file as UTF-8") from e
+    loader = None
+    try:
+        loader = _UniqueKeyLoader(text)  # checks the characters: may raise already
+        loader.name = path
+        data = loader.get_single_data()
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        what = " ".join(x for x in (e.context, e.problem) if x)
+        raise ConfigError(f"{path}{at}: not valid YAML: {what}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from e
+    finally:
+        if loader is not None:
+            loader.dispose()
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    return data
+
+
+def _flatten(data: dict, known: dict, path: str, prefix: str = "") -> dict:
+    """{dotted key: value} for a nested YAML mapping; unknown keys, dotted spellings and
+    sections given as plain values are errors naming the key in dotted form."""
+    flat = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        section = any(n.startswith(key + ".") for n in known)
+        if isinstance(k, str) and "." in k:
+            parts = key.split(".")
+            nested = "".join(f"{p}: {{" for p in parts[:-1]) + f"{parts[-1]}: ...{'}' * (len(parts) - 1)}"
+            raise ConfigError(f"{path}: {key}: dotted key names are not read; nest the key "
+                              f"instead: {nested}")
+        if key in known:
+            flat[key] = v
+        elif section and v is None:
+            continue  # `rebalance:` with every key commented out: an empty section
+        elif section and isinstance(v, dict):
+            flat.update(_flatten(v, known, path, key + "."))
+        elif section:
+            children = sorted({n[len(key) + 1:].split(".")[0] for n in known if n.startswith(key + ".")})
+            raise ConfigError(f"{path}: {key}: expected a section (a mapping of "
+                              f"{', '.join(children)}), got {v!r}")
+        else:
+            siblings = sorted({n[len(prefix):].split(".")[0] for n in known if n.startswith(prefix)})
+            raise ConfigError(f"{path}: {key}: unknown key; expected one of {', '.join(siblings)}")
+    return flat
+
+
+def load_config(args: argparse.Namespace, world_size: int | None = None,
+                te_problem: Optional[Callable[[], Optional[str]]] = None,
+                cuda_devices: Optional[Callable[[], int]] = None) -> RunConfig:
+    """Resolve defaults <- YAML <- flags into a validated `RunConfig`.
+
+    `cuda_devices` and `te_problem` ask the machine (how many CUDA GPUs are visible; why
+    Transformer Engine does not import, None if it does) to choose model.transformer_impl;
+    they are called last, only when the answer matters. The launcher passes both
+    (`dynmo_plugin.megatron.machine`'s; torchrun's pre-spawn check a `te_problem` that
+    imports nothing); a caller that leaves one out gets that module's.
+
+    Raises:
+        ConfigError: on any unknown key, wrong type, out-of-range or inconsistent value.
+    """
+    cfg = RunConfig(config_path=getattr(args, "dynmo_config", None))
+    known = {f"model.{k}": (f, d) for k, f, d in leaf_fields(ModelArgs)}
+    known.update({k: (f, d) for k, f, d in leaf_fields(DynmoConfig)})
+    given: dict[str, str] = {}  # key -> where it was set
+    if cfg.config_path:
+        path = cfg.config_path
+        for key, value in _flatten(_read_yaml(path), known, path).items():
+            f, _ = known[key]
+            _apply(cfg.model if key.startswith("model.") else cfg.dynmo,
+                   key.removeprefix("model."), f, value, path, key)
+            given[key] = path
+    for key, (f, dest) in known.items():
+        value = getattr(args, dest, None)
+        if value is None or (value is False and f.type == "bool"):
+            continue
+        if key == "model.pipeline_model_parallel_layout" and not isinstance(value, str):
+            value = str(value)  # Megatron-LM's args hold a parsed PipelineParallelLayerLayout
+        _apply(cfg.model if key.startswith("model.") else cfg.dynmo,
+               key.removeprefix("model."), f, value, f"flag {flag_of(f)}", key)
+        given[key] = f"flag {flag_of(f)}"
+    check_run(cfg, given, cfg.config_path or "command line", world_size)
+    if cuda_devices is None or te_problem is None:
+        cuda_devices, te_problem = _machine(cuda_devices, te_problem)
+    check_transformer_impl(cfg, given, cuda_devices(), te_problem)
+    return cfg
+
+
+def _machine(cuda_devices, te_problem):
+    """`megatron.machine`'s questions for those a caller did not pass. Imported here, only
+    then: config/ itself imports neither torch nor megatron (tests and Megatron-LM's
+    extra-args path call `load_config(args)` without them)."""
+    from dynmo_plugin.megatron import machine
+    return cuda_devices or machine.cuda_device_count, te_problem or machine.transformer_engine_problem
