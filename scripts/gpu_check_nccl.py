@@ -109,14 +109,14 @@ def _world_one(backend: str):
 
 def _session(flags: list[str]):
     """A real TrainingSession (one rank, PP=1) configured by launcher `flags`."""
-    from dynmo_plugin.config import load_config
+    from dynmo_plugin.megatron.machine import load_run_config
     from dynmo_plugin.megatron.parallel import init_parallel
     from dynmo_plugin.session import TrainingSession
     from dynmo_plugin.train import build_parser
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     out = tempfile.mkdtemp(prefix="gpu_check_nccl_")
-    cfg = load_config(build_parser().parse_args(MODEL + flags + ["--output", out]), world_size=1)
+    cfg = load_run_config(build_parser().parse_args(MODEL + flags + ["--output", out]), world_size=1)
     return TrainingSession(cfg, init_parallel(cfg.model))
 
 

@@ -6,12 +6,13 @@ import argparse
 
 import pytest
 
-from dynmo_plugin.config import ConfigError, RunConfig, add_dynmo_args, add_model_args, load_config
+from dynmo_plugin.config import ConfigError, RunConfig, add_dynmo_args, add_model_args
+from dynmo_plugin.megatron.machine import load_run_config
 
 
 def _parse(argv, world_size=None):
     parser = add_dynmo_args(add_model_args(argparse.ArgumentParser()))
-    return load_config(parser.parse_args(argv), world_size=world_size)
+    return load_run_config(parser.parse_args(argv), world_size=world_size)
 
 
 def _yaml(tmp_path, text):
@@ -113,6 +114,6 @@ def test_megatron_lm_args_namespace_is_read_directly():
     args.num_layers, args.pipeline_model_parallel_size = 4, 2
     args.pipeline_model_parallel_layout = ParsedLayout()
     args.micro_batch_size, args.global_batch_size, args.save = 1, 8, "/ckpt"
-    cfg = load_config(args, world_size=2)
+    cfg = load_run_config(args, world_size=2)
     assert cfg.dynmo.enabled and cfg.dynmo.rebalance.interval == 50
     assert cfg.model.num_layers == 4 and cfg.model.pipeline_model_parallel_layout == "Ett|ttL"

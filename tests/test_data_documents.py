@@ -15,7 +15,8 @@ import pytest
 
 from launch import losses, train
 
-from dynmo_plugin.config import ConfigError, add_dynmo_args, add_model_args, load_config
+from dynmo_plugin.config import ConfigError, add_dynmo_args, add_model_args
+from dynmo_plugin.megatron.machine import load_run_config
 from dynmo_plugin.data import SyntheticTokens
 from dynmo_plugin.data.documents import DocumentStream, LognormalDocuments
 from dynmo_plugin.megatron.indexed_data import IndexedDocuments
@@ -96,7 +97,7 @@ def test_lognormal_lengths_and_stream_pieces():
 
 def _cfg(*flags, world_size=2):
     p = add_dynmo_args(add_model_args(argparse.ArgumentParser()))
-    return load_config(p.parse_args(list(flags)), world_size=world_size)
+    return load_run_config(p.parse_args(list(flags)), world_size=world_size)
 
 
 def test_config_checks(tmp_path):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynmo_plugin.config import ConfigError, load_config
+from dynmo_plugin.config import ConfigError
+from dynmo_plugin.megatron.machine import load_run_config
 from dynmo_plugin.megatron.parallel import resolve_backend
 from dynmo_plugin.train import build_parser, main
 
@@ -31,10 +32,10 @@ def test_backend_that_cannot_work_is_a_config_error(requested, gpus, local_ranks
 
 def test_flag_takes_megatrons_two_choices():
     parse = build_parser().parse_args
-    assert load_config(parse([])).model.distributed_backend is None
-    assert load_config(parse(["--distributed-backend", "gloo"])).model.distributed_backend == "gloo"
+    assert load_run_config(parse([])).model.distributed_backend is None
+    assert load_run_config(parse(["--distributed-backend", "gloo"])).model.distributed_backend == "gloo"
     with pytest.raises(ConfigError, match="distributed_backend: expected one of nccl, gloo, got 'mpi'"):
-        load_config(parse(["--distributed-backend", "mpi"]))
+        load_run_config(parse(["--distributed-backend", "mpi"]))
 
 
 def _one_error_line(capsys) -> str:

@@ -107,13 +107,14 @@ def _check_refuses_gqa(args):
 def test_heads_out_of_range_is_one_line_naming_the_key(value):
     import argparse
 
-    from dynmo_plugin.config import ConfigError, add_dynmo_args, add_model_args, load_config
+    from dynmo_plugin.config import ConfigError, add_dynmo_args, add_model_args
+    from dynmo_plugin.megatron.machine import load_run_config
     parser = add_dynmo_args(add_model_args(argparse.ArgumentParser()))
     args = parser.parse_args(["--dynmo-config", str(ROOT / "configs" / "gradual_pruning.yaml"),
                               "--dynmo-pruning-heads", value])
     with pytest.raises(ConfigError, match=r"dynamism\.pruning\.heads: expected a number in \[0, 1\)"):
-        load_config(args, world_size=2)
-    assert load_config(parser.parse_args([]), world_size=1).dynmo.dynamism.pruning.heads == 0.0
+        load_run_config(args, world_size=2)
+    assert load_run_config(parser.parse_args([]), world_size=1).dynmo.dynamism.pruning.heads == 0.0
 
 
 # ---- a real PP=2 run -------------------------------------------------------------------------

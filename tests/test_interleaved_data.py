@@ -40,9 +40,10 @@ FORCED = "3:Et||tttttt|tL;5:Ettt|t|tt|ttL"
 
 
 def _config(*flags):
-    from dynmo_plugin.config import add_dynmo_args, add_model_args, load_config
+    from dynmo_plugin.config import add_dynmo_args, add_model_args
+    from dynmo_plugin.megatron.machine import load_run_config
     parser = add_dynmo_args(add_model_args(argparse.ArgumentParser()))
-    return load_config(parser.parse_args(list(flags)), world_size=2)
+    return load_run_config(parser.parse_args(list(flags)), world_size=2)
 
 
 def test_packed_documents_and_adaptive_batching_accepted():

@@ -265,11 +265,12 @@ def test_padded_keeps_each_chunk_on_its_rank():
 def _config(argv, world_size=2):
     import argparse
 
-    from dynmo_plugin.config import add_dynmo_args, add_model_args, load_config
+    from dynmo_plugin.config import add_dynmo_args, add_model_args
+    from dynmo_plugin.megatron.machine import load_run_config
     parser = argparse.ArgumentParser()
     add_model_args(parser)
     add_dynmo_args(parser)
-    return load_config(parser.parse_args(argv), world_size=world_size)
+    return load_run_config(parser.parse_args(argv), world_size=world_size)
 
 
 BASE = ["--num-layers", "8", "--pipeline-model-parallel-size", "2",

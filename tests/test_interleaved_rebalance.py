@@ -86,11 +86,12 @@ def test_the_controller_decides_over_virtual_stages_with_a_cap_per_rank():
 def test_profiled_rebalancing_is_accepted_with_virtual_stages():
     import argparse
 
-    from dynmo_plugin.config import add_dynmo_args, add_model_args, load_config
+    from dynmo_plugin.config import add_dynmo_args, add_model_args
+    from dynmo_plugin.megatron.machine import load_run_config
     parser = argparse.ArgumentParser()
     add_model_args(parser)
     add_dynmo_args(parser)
-    cfg = load_config(parser.parse_args(
+    cfg = load_run_config(parser.parse_args(
         ["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
          "--num-virtual-stages-per-pipeline-rank", "2", "--micro-batch-size", "2", "--dynmo",
          "--dynmo-rebalance-interval", "3", "--dynmo-profile-every", "5"]), world_size=2)

@@ -54,11 +54,12 @@ MOE = ["--dynmo-dynamism", "moe", "--dynmo-moe-num-experts", "4", "--dynmo-moe-t
 def _config(argv):
     import argparse
 
-    from dynmo_plugin.config import add_dynmo_args, add_model_args, load_config
+    from dynmo_plugin.config import add_dynmo_args, add_model_args
+    from dynmo_plugin.megatron.machine import load_run_config
     parser = argparse.ArgumentParser()
     add_model_args(parser)
     add_dynmo_args(parser)
-    return load_config(parser.parse_args(MODEL + argv), world_size=2)
+    return load_run_config(parser.parse_args(MODEL + argv), world_size=2)
 
 
 @pytest.mark.parametrize("kind", ["layer_freezing", "gradual_pruning", "moe",

@@ -151,13 +151,13 @@ def busy_spec(layer_number: int, repeats: int):
 
 
 def main() -> int:
-    from dynmo_plugin.config import load_config
     from dynmo_plugin.train import build_parser, exit_on_peer_failure, run
+    from dynmo_plugin.megatron.machine import load_run_config
     parser = build_parser()
     parser.add_argument("--test-busy-layer", type=int, default=0)
     parser.add_argument("--test-busy-repeats", type=int, default=0)
     args = parser.parse_args()
-    cfg = load_config(args, world_size=int(os.environ["WORLD_SIZE"]))
+    cfg = load_run_config(args, world_size=int(os.environ["WORLD_SIZE"]))
     spec = busy_spec(args.test_busy_layer, args.test_busy_repeats)
     return exit_on_peer_failure(lambda: run(cfg, layer_spec=spec))
 

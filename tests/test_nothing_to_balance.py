@@ -7,14 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dynmo_plugin.config import load_config
+from dynmo_plugin.megatron.machine import load_run_config
 from dynmo_plugin.train import build_parser, nothing_to_balance
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cfg(argv):
-    return load_config(build_parser().parse_args(argv), world_size=None)
+    return load_run_config(build_parser().parse_args(argv), world_size=None)
 
 
 def test_warned_only_when_nothing_can_move():

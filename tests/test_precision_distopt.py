@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynmo_plugin.config import ConfigError, add_dynmo_args, add_model_args, load_config
+from dynmo_plugin.config import ConfigError, add_dynmo_args, add_model_args
+from dynmo_plugin.megatron.machine import load_run_config
 from launch import SMALL_MODEL, in_megatron_process, losses, train
 
 MODEL = SMALL_MODEL + ["--train-iters", "6", "--dynmo",
@@ -36,7 +37,7 @@ BF16_DISTOPT = ["--bf16", "--use-distributed-optimizer", "--untie-embeddings-and
 
 
 def _parse(argv):
-    return load_config(add_dynmo_args(add_model_args(argparse.ArgumentParser())).parse_args(argv))
+    return load_run_config(add_dynmo_args(add_model_args(argparse.ArgumentParser())).parse_args(argv))
 
 
 def test_precision_flags_are_validated():

@@ -175,11 +175,11 @@ def test_resumed_after_a_freeze_trains_on_exactly(runs, tmp_path):
 
 def test_shipped_config_is_valid():
     """configs/layer_freezing.yaml loads (the run itself: docs/scenarios/layer_freezing.md)."""
-    from dynmo_plugin.config import load_config
+    from dynmo_plugin.megatron.machine import load_run_config
     from dynmo_plugin.train import build_parser
     from launch import ROOT
     args = build_parser().parse_args(["--dynmo", "--dynmo-config", str(ROOT / "configs/layer_freezing.yaml")])
-    cfg = load_config(args, world_size=2)
+    cfg = load_run_config(args, world_size=2)
     f = cfg.dynmo.dynamism.freezing
     assert cfg.dynmo.dynamism.kind == "layer_freezing"
     assert f.start + 2 * f.interval <= cfg.model.train_iters  # a reference, then a verdict

@@ -15,7 +15,8 @@ import statistics
 import pytest
 import torch
 
-from dynmo_plugin.config import ConfigError, ModConfig
+from dynmo_plugin.config import ConfigError
+from dynmo_plugin.scenarios.mixture_of_depths.config import ModConfig
 from dynmo_plugin.scenarios.mixture_of_depths.live import (CapacitySchedule, WorkModel,
                                                      parse_capacities, predictor_summary,
                                                      routed_layers)

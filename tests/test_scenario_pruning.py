@@ -265,7 +265,8 @@ def _check_masks_and_kernels(args):
 
 
 def test_bad_schedules_are_config_errors():
-    from dynmo_plugin.config import ConfigError, DynamismConfig, PruningConfig
+    from dynmo_plugin.config import ConfigError, DynamismConfig
+    from dynmo_plugin.scenarios.gradual_pruning.config import PruningConfig
     from dynmo_plugin.scenarios import build_scenario
     with pytest.raises(ConfigError, match="s_init"):
         build_scenario(DynamismConfig(kind="gradual_pruning",

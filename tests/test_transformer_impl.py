@@ -13,8 +13,8 @@ import io
 import pytest
 import torch
 
-from dynmo_plugin.config import (LOCAL_ONLY_SCENARIOS, SCENARIO_SECTIONS, ConfigError,
-                                 load_config, resolve_transformer_impl)
+from dynmo_plugin.config import ConfigError, resolve_transformer_impl
+from dynmo_plugin.megatron.machine import load_run_config
 from dynmo_plugin.megatron.machine import transformer_engine_problem
 from dynmo_plugin.megatron.extra_state import ExtraStateError, carried_state, loadable_state
 from dynmo_plugin.migration.wire import pack, unpack
@@ -69,20 +69,22 @@ def test_transformer_engine_that_cannot_work_is_refused(gpus, scenario, te, mess
 
 
 def test_local_only_scenarios_are_real_scenarios():
-    assert set(LOCAL_ONLY_SCENARIOS) <= set(SCENARIO_SECTIONS)
+    from dynmo_plugin.scenarios import SCENARIOS
+    local_only = {name for name, e in SCENARIOS.items() if e.local_only}
+    assert local_only == {"gradual_pruning", "early_exit", "mixture_of_depths", "sparse_attention"}
     # moe picks TE's MoE spec itself; freezing wraps the layer class: both keep TE layers
-    assert {"moe", "layer_freezing"}.isdisjoint(LOCAL_ONLY_SCENARIOS)
+    assert {"moe", "layer_freezing"}.isdisjoint(local_only)
 
 
 # ---- the flag through the real config and launcher (this machine: no GPU, no TE) ---------
 @no_cuda
 def test_flag_default_and_choices_on_cpu():
     parse = build_parser().parse_args
-    assert load_config(parse([])).model.transformer_impl == "local"
-    assert load_config(parse(["--transformer-impl", "local"])).model.transformer_impl == "local"
+    assert load_run_config(parse([])).model.transformer_impl == "local"
+    assert load_run_config(parse(["--transformer-impl", "local"])).model.transformer_impl == "local"
     with pytest.raises(ConfigError, match="transformer_impl: expected one of local, "
                                           "transformer_engine, got 'te'"):
-        load_config(parse(["--transformer-impl", "te"]))
+        load_run_config(parse(["--transformer-impl", "te"]))
 
 
 @no_cuda
@@ -96,7 +98,7 @@ def test_launcher_refuses_transformer_engine_without_cuda_in_one_line(capsys, tm
     yaml_file.write_text("model:\n  transformer_impl: transformer_engine\n")
     with pytest.raises(ConfigError, match=f"^{yaml_file}: model.transformer_impl: "
                                           "transformer_engine needs CUDA GPUs"):
-        load_config(build_parser().parse_args(["--dynmo-config", str(yaml_file)]))
+        load_run_config(build_parser().parse_args(["--dynmo-config", str(yaml_file)]))
 
 
 @pytest.mark.skipif(transformer_engine_problem() is None, reason="TE imports here")

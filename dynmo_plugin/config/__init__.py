@@ -12,29 +12,42 @@ names where the value came from, the key and what was expected, e.g.
 Megatron-LM's `extra_args_provider`; the launcher also adds `add_model_args(parser)`
 (Megatron-LM's own spellings). The YAML `model:` section is read by the launcher only.
 
-The package, bottom up: `fields` (a field's metadata and value checks), `scenarios`
-(the dynamism scenarios' settings), `schema` (the dataclasses; pure), `flags` (argparse
-from the dataclasses), `checks` (across fields), `load` (YAML + flags -> `RunConfig`).
-Probing the machine lives in `dynmo_plugin.megatron.machine`, reading the dataset's
-tokenizer in `dynmo_plugin.data.tokenizer`: config/ imports neither torch nor megatron.
-"""
-from dynmo_plugin.config.checks import check_paths, resolve_transformer_impl
-from dynmo_plugin.config.fields import ConfigError
-from dynmo_plugin.config.flags import add_dynmo_args, add_model_args, flag_of, leaf_fields
-from dynmo_plugin.config.load import load_config
-from dynmo_plugin.config.scenarios import (LOCAL_ONLY_SCENARIOS, SCENARIO_SECTIONS,
-                                           EarlyExitConfig, FreezingConfig, ModConfig, MoeConfig,
-                                           PruningConfig, SparseAttentionConfig)
-from dynmo_plugin.config.schema import (BALANCER_NAMES, CLUSTER_STRATEGIES, ClusterConfig,
-                                        DataConfig, DynamismConfig, DynmoConfig, ModelArgs,
-                                        ProfilingConfig, RebalanceConfig, RepackConfig, RunConfig)
+The package, bottom up: `fields` (a field's metadata and value checks), `schema` (the
+dataclasses; pure; each scenario's section is its own dataclass in
+`dynmo_plugin/scenarios/<name>/config.py`, found through the scenario registry), `flags`
+(argparse from the dataclasses), `checks` (across fields), `load` (YAML + flags ->
+`RunConfig`). Probing the machine lives in `dynmo_plugin.megatron.machine`, reading the
+dataset's tokenizer in `dynmo_plugin.data.tokenizer`.
 
-__all__ = [
-    "ConfigError", "ModelArgs", "DataConfig", "ProfilingConfig", "RebalanceConfig", "PruningConfig",
-    "FreezingConfig", "EarlyExitConfig", "MoeConfig", "ModConfig", "SparseAttentionConfig",
-    "DynamismConfig", "SCENARIO_SECTIONS", "RepackConfig",
-    "ClusterConfig", "CLUSTER_STRATEGIES", "DynmoConfig",
-    "RunConfig", "add_model_args", "add_dynmo_args", "load_config",
-    "LOCAL_ONLY_SCENARIOS", "resolve_transformer_impl", "check_paths", "BALANCER_NAMES",
-    "flag_of", "leaf_fields",
-]
+The names below are loaded on first use (PEP 562): the scenarios' config dataclasses
+import `config.fields`, and the schema imports them through the registry, so this
+package must not import its modules when it is first entered.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "fields": ("ConfigError",),
+    "checks": ("check_paths", "resolve_transformer_impl"),
+    "flags": ("add_dynmo_args", "add_model_args", "flag_of", "leaf_fields"),
+    "load": ("load_config",),
+    "schema": ("BALANCER_NAMES", "CLUSTER_STRATEGIES", "ClusterConfig", "DataConfig",
+               "DynamismConfig", "DynmoConfig", "ModelArgs", "ProfilingConfig",
+               "RebalanceConfig", "RepackConfig", "RunConfig"),
+}
+_WHERE = {name: module for module, names in _HOMES.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -14,10 +14,10 @@ import os
 from typing import Callable, Optional
 
 from dynmo_plugin.config.fields import ConfigError
-from dynmo_plugin.config.scenarios import LOCAL_ONLY_SCENARIOS, PACKED_REFUSED, SCENARIO_SECTIONS
 from dynmo_plugin.config.schema import ModelArgs, RunConfig
 from dynmo_plugin.data.tokenizer import TokenizerError, dataset_vocab_size
 from dynmo_plugin.layout import Layout, LayoutError
+from dynmo_plugin.scenarios import SCENARIOS
 
 __all__ = ["check_run", "check_shape", "check_paths", "check_transformer_impl",
            "resolve_transformer_impl"]
@@ -134,9 +134,9 @@ def resolve_transformer_impl(requested: Optional[str], cuda_devices: int, scenar
 
     Raises:
         ConfigError: transformer_engine asked for without CUDA GPUs, without an
-            importable TE, or with a local-only scenario (LOCAL_ONLY_SCENARIOS).
+            importable TE, or with a local-only scenario (its registry entry's `local_only`).
     """
-    local_only = LOCAL_ONLY_SCENARIOS.get(scenario)
+    local_only = SCENARIOS[scenario].local_only if scenario in SCENARIOS else None
     if requested == "local" or (requested is None and cuda_devices == 0):
         return "local", None
     if requested is None:
@@ -202,7 +202,8 @@ def _check_data(cfg: RunConfig, given: dict[str, str]) -> None:
         raise ConfigError(f"{where('micro_batch_size')}: packed documents put one row of "
                           f"--seq-length positions in each micro-batch; use --micro-batch-size 1 "
                           f"(got {m.micro_batch_size}) and set --global-batch-size to DP x micro-batches")
-    why = PACKED_REFUSED.get(cfg.dynmo.dynamism.kind)
+    kind = cfg.dynmo.dynamism.kind
+    why = SCENARIOS[kind].packed_refused if kind in SCENARIOS else None
     if why:
         raise ConfigError(f"{where('data.path') if d.path else where('data.documents')}: packed "
                           f"documents cannot train with dynamism {cfg.dynmo.dynamism.kind!r}: "
@@ -253,7 +254,7 @@ def _check_dynamism(cfg: RunConfig, given: dict[str, str]) -> None:
         parts = key.split(".")
         if parts[0] != "dynamism" or len(parts) < 3:
             continue
-        if SCENARIO_SECTIONS.get(kind) != parts[1]:
+        if kind not in SCENARIOS or SCENARIOS[kind].section != parts[1]:
             raise ConfigError(f"{where}: {key}: set, but dynamism.kind is {kind!r}; choose the "
                               f"scenario with --dynmo-dynamism or dynamism.kind, or drop the key")
     p = cfg.dynmo.dynamism.pruning

@@ -165,16 +165,16 @@ def _flatten(data: dict, known: dict, path: str, prefix: str = "") -> dict:
     return flat
 
 
-def load_config(args: argparse.Namespace, world_size: int | None = None,
-                te_problem: Optional[Callable[[], Optional[str]]] = None,
-                cuda_devices: Optional[Callable[[], int]] = None) -> RunConfig:
+def load_config(args: argparse.Namespace, world_size: int | None = None, *,
+                te_problem: Callable[[], Optional[str]],
+                cuda_devices: Callable[[], int]) -> RunConfig:
     """Resolve defaults <- YAML <- flags into a validated `RunConfig`.
 
     `cuda_devices` and `te_problem` ask the machine (how many CUDA GPUs are visible; why
     Transformer Engine does not import, None if it does) to choose model.transformer_impl;
-    they are called last, only when the answer matters. The launcher passes both
-    (`dynmo_plugin.megatron.machine`'s; torchrun's pre-spawn check a `te_problem` that
-    imports nothing); a caller that leaves one out gets that module's.
+    they are called last, only when the answer matters. Both are the caller's to give:
+    config/ never asks the machine itself (`dynmo_plugin.megatron.machine.load_run_config`
+    passes this machine's; torchrun's pre-spawn check a `te_problem` that imports nothing).
 
     Raises:
         ConfigError: on any unknown key, wrong type, out-of-range or inconsistent value.
@@ -200,15 +200,6 @@ def load_config(args: argparse.Namespace, world_size: int | None = None,
                key.removeprefix("model."), f, value, f"flag {flag_of(f)}", key)
         given[key] = f"flag {flag_of(f)}"
     check_run(cfg, given, cfg.config_path or "command line", world_size)
-    if cuda_devices is None or te_problem is None:
-        cuda_devices, te_problem = _machine(cuda_devices, te_problem)
     check_transformer_impl(cfg, given, cuda_devices(), te_problem)
     return cfg
 
-
-def _machine(cuda_devices, te_problem):
-    """`megatron.machine`'s questions for those a caller did not pass. Imported here, only
-    then: config/ itself imports neither torch nor megatron (tests and Megatron-LM's
-    extra-args path call `load_config(args)` without them)."""
-    from dynmo_plugin.megatron import machine
-    return cuda_devices or machine.cuda_device_count, te_problem or machine.transformer_engine_problem

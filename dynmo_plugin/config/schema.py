@@ -18,9 +18,7 @@ from dynmo_plugin.balancing.repack import OBJECTIVES, RepackCriteria
 from dynmo_plugin.balancing.solve import BALANCERS
 from dynmo_plugin.cluster.release import STRATEGIES
 from dynmo_plugin.config.fields import ascending_lengths, non_negative, one_of, opt, positive
-from dynmo_plugin.config.scenarios import (SCENARIO_SECTIONS, EarlyExitConfig, FreezingConfig,
-                                           ModConfig, MoeConfig, PruningConfig,
-                                           SparseAttentionConfig)
+from dynmo_plugin.scenarios import SCENARIOS
 
 __all__ = ["DataConfig", "ModelArgs", "ProfilingConfig", "RebalanceConfig", "DynamismConfig",
            "RepackConfig", "CLUSTER_STRATEGIES", "ClusterConfig", "DynmoConfig", "RunConfig",
@@ -185,19 +183,20 @@ class RebalanceConfig:
         "--dynmo-migration-timeout", positive))
 
 
-@dataclass(kw_only=True)
-class DynamismConfig:
-    """Which workload change runs during training (active with or without --dynmo: a
-    static baseline trains the same scenario on a split that never changes)."""
-
-    kind: str = field(default="none", metadata=opt(
-        "dynamism scenario", "--dynmo-dynamism", one_of("none", *SCENARIO_SECTIONS)))
-    pruning: PruningConfig = field(default_factory=PruningConfig)
-    freezing: FreezingConfig = field(default_factory=FreezingConfig)
-    early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
-    moe: MoeConfig = field(default_factory=MoeConfig)
-    mod: ModConfig = field(default_factory=ModConfig)
-    sparse_attention: SparseAttentionConfig = field(default_factory=SparseAttentionConfig)
+# Which workload change runs during training (active with or without --dynmo: a static
+# baseline trains the same scenario on a split that never changes): `kind`, and one
+# section per scenario of the registry (`dynamism.pruning`, `dynamism.mod`, ...). Types
+# are written as strings, as `from __future__ import annotations` makes every other
+# field's, which is what the flag generation reads.
+DynamismConfig = dataclasses.make_dataclass(
+    "DynamismConfig",
+    [("kind", "str", field(default="none", metadata=opt(
+        "dynamism scenario", "--dynmo-dynamism", one_of("none", *SCENARIOS))))]
+    + [(e.section, e.config.__name__, field(default_factory=e.config)) for e in SCENARIOS.values()],
+    kw_only=True)
+DynamismConfig.__module__ = __name__
+DynamismConfig.__doc__ = ("Which workload change runs during training: `kind` (a scenario of "
+                          "dynmo_plugin.scenarios.SCENARIOS, or none) and each scenario's section.")
 
 
 @dataclass(kw_only=True)

@@ -40,7 +40,8 @@ import sys
 import time
 from typing import Callable, Optional
 
-from dynmo_plugin.config import ConfigError, RunConfig, add_dynmo_args, load_config
+from dynmo_plugin.config import ConfigError, RunConfig, add_dynmo_args
+from dynmo_plugin.megatron.machine import load_run_config
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.report import RunReport
@@ -209,7 +210,7 @@ def load_plugin_config(args: argparse.Namespace) -> RunConfig:
     ns.num_virtual_stages_per_pipeline_rank = getattr(args, "virtual_pipeline_model_parallel_size",
                                                       None) or 1
     try:
-        cfg = load_config(ns)
+        cfg = load_run_config(ns)
     except ConfigError:
         asked = any(v not in (None, False) for k, v in vars(args).items() if k.startswith("dynmo")
                     and k != "dynmo_output")

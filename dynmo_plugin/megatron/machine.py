@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["cuda_device_count", "transformer_engine_problem"]
+__all__ = ["cuda_device_count", "transformer_engine_problem", "load_run_config"]
 
 
 def cuda_device_count() -> int:
@@ -29,3 +29,11 @@ def transformer_engine_problem() -> Optional[str]:
     except Exception as e:  # noqa: BLE001 - any import failure means "not usable here"
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
     return None
+
+
+def load_run_config(args, world_size: Optional[int] = None):
+    """`config.load_config` answered by this machine: what every process that builds a
+    model calls (workers, the Megatron-LM integration, the GPU checks)."""
+    from dynmo_plugin.config.load import load_config
+    return load_config(args, world_size, cuda_devices=cuda_device_count,
+                       te_problem=transformer_engine_problem)

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from dynmo_plugin.config import load_config
+from dynmo_plugin.megatron.machine import load_run_config
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.train import build_parser
 
@@ -48,7 +48,7 @@ def main():
     from dynmo_plugin.profiling.clock import CpuThreadClock
 
     args = build_parser().parse_args()
-    cfg = load_config(args, world_size=1)
+    cfg = load_run_config(args, world_size=1)
     dims = init_parallel(cfg.model)
     trainer = StageTrainer(cfg.model, dims, Layout.uniform(cfg.model.num_layers, 1))
     model = trainer.model

@@ -6,12 +6,12 @@ optimizer — to <output>/state_rank<R>.pt."""
 import os
 import sys
 
-from dynmo_plugin.config import load_config
+from dynmo_plugin.megatron.machine import load_run_config
 from dynmo_plugin.train import build_parser, exit_on_peer_failure, run
 
 
 def main():
-    cfg = load_config(build_parser().parse_args(), world_size=int(os.environ["WORLD_SIZE"]))
+    cfg = load_run_config(build_parser().parse_args(), world_size=int(os.environ["WORLD_SIZE"]))
 
     def dump_state(trainer):
         import torch

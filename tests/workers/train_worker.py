@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from dynmo_plugin.config import load_config
+from dynmo_plugin.megatron.machine import load_run_config
 from dynmo_plugin.train import build_parser, exit_on_peer_failure, run
 
 
@@ -46,7 +46,7 @@ def main():
     parser.add_argument("--test-profile-noise", type=float, default=0.0)
     parser.add_argument("--test-freeze-layers", default="")
     args = parser.parse_args()
-    cfg = load_config(args, world_size=int(os.environ["WORLD_SIZE"]))
+    cfg = load_run_config(args, world_size=int(os.environ["WORLD_SIZE"]))
     spec = heavy_spec(args.test_heavy_layer, args.test_heavy_factor) if args.test_heavy_layer else None
     fault = noise = None
     if args.test_fault:
