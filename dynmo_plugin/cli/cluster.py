@@ -24,11 +24,11 @@ import re
 from typing import Any
 
 from dynmo_plugin.cli._output import show, third_party_output_to_stderr
+from dynmo_plugin.cluster.release import STRATEGIES
 from dynmo_plugin.errors import UserError
 
 __all__ = ["add_parser", "run"]
 
-_STRATEGIES = ("none", "statefulset-scale", "job-parallelism", "delete-pods", "patch-pod-resources")
 _NEEDS_CURRENT = ("delete-pods", "patch-pod-resources")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -41,13 +41,13 @@ def add_parser(subparsers: Any) -> None:
     actions = p.add_subparsers(dest="cluster_command", required=True)
     r = actions.add_parser("release", help="shrink a StatefulSet/Job or delete pods above --keep",
                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    r.add_argument("--strategy", required=True, choices=_STRATEGIES)
+    r.add_argument("--strategy", required=True, choices=STRATEGIES)
     r.add_argument("--namespace", required=True, help="namespace of the workload")
     r.add_argument("--name", required=True, help="StatefulSet/Job name (pod prefix for the pod strategies)")
     r.add_argument("--keep", required=True, type=int, help="replicas to keep (>= 1; the lowest ordinals)")
     r.add_argument("--current", type=int, default=0, help="replicas now (default: the server's count)")
     r.add_argument("--kubeconfig", default="", help="kubeconfig file (default: in-cluster, else $KUBECONFIG)")
-    r.add_argument("--fallback", default="none", choices=_STRATEGIES, help="strategy to run if the server rejects the first (none: no fallback)")
+    r.add_argument("--fallback", default="none", choices=STRATEGIES, help="strategy to run if the server rejects the first (none: no fallback)")
     r.add_argument("--retries", type=int, default=5, help="attempts per API call on 409/429/5xx/unreachable")
     r.add_argument("--backoff-s", type=float, default=0.5, help="first retry delay, doubling (0.5)")
     r.add_argument("--timeout-s", type=float, default=10.0, help="seconds per API request (10)")
