@@ -20,7 +20,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
                 "dynmo_plugin.stage", "dynmo_plugin.faults")),
     ("records", ("dynmo_plugin.profiling*", "dynmo_plugin.migration*", "dynmo_plugin.scenarios",
                  "dynmo_plugin.scenarios.base", "dynmo_plugin.scenarios.flops",
-                 "dynmo_plugin.scenarios.aux_loss", "dynmo_plugin.scenarios.*.config",
+                 "dynmo_plugin.scenarios.gathered_tokens", "dynmo_plugin.scenarios.*.config",
                  "dynmo_plugin.scenarios.*.kernels", "dynmo_plugin.config.fields")),
     ("pure wings", ("dynmo_plugin.balancing*", "dynmo_plugin.sim*", "dynmo_plugin.reporting*",
                     "dynmo_plugin.config*", "dynmo_plugin.scenarios.*.cost", "dynmo_plugin.data*",

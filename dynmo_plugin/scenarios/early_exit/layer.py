@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from dynmo_plugin.scenarios.aux_loss import AttachLoss
+from dynmo_plugin.scenarios.gathered_tokens import AttachLoss, gather_mask
 
 __all__ = ["ExitContext", "ExitHead", "EarlyExitLayer", "early_exit_spec", "attach_carrier",
            "carrier_rows",
@@ -216,14 +216,8 @@ def _gather_mask(mask: Optional[torch.Tensor], idx: torch.Tensor, valid: torch.T
                  s: int) -> torch.Tensor:
     """[*, 1, s, s] bool (True = masked) -> [b, 1, C, C] at the gathered positions;
     padded slots are masked as keys and see only themselves as queries."""
-    if mask is None:
-        raise ValueError("EarlyExitLayer needs an explicit attention mask (Megatron builds a "
-                         "CUDA one when it is None)")
-    c, b = idx.shape
-    full = mask.expand(b, 1, s, s)
-    rows = full.gather(2, idx.T[:, None, :, None].expand(b, 1, c, s))
-    out = rows.gather(3, idx.T[:, None, None, :].expand(b, 1, c, c))
-    out = out | ~valid.T[:, None, None, :]
+    c = idx.shape[0]
+    out = gather_mask(mask, idx, s, "EarlyExitLayer") | ~valid.T[:, None, None, :]
     eye = torch.eye(c, dtype=torch.bool, device=idx.device)
     return torch.where(~valid.T[:, None, :, None], ~eye, out)
 

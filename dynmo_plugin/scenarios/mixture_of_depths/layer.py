@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from dynmo_plugin.scenarios.aux_loss import AttachLoss
+from dynmo_plugin.scenarios.gathered_tokens import AttachLoss, gather_mask
 
-__all__ = ["ModContext", "Predictor", "MoDLayer", "mod_spec", "tokens_for", "gather_mask",
+__all__ = ["ModContext", "Predictor", "MoDLayer", "mod_spec", "tokens_for",
            "gather_rotary", "time_scratch_layers"]
 
 # kwargs of TransformerLayer.forward this layer cannot route (they index tokens in ways
@@ -152,7 +152,7 @@ class MoDLayer(TransformerLayer):
         else:
             where = idx[..., None].expand(c, b, h)
             x_sel = x.gather(0, where)
-            kwargs["attention_mask"] = gather_mask(kwargs.get("attention_mask"), idx, s)
+            kwargs["attention_mask"] = gather_mask(kwargs.get("attention_mask"), idx, s, "MoDLayer")
             if kwargs.get("rotary_pos_emb") is not None:
                 kwargs["rotary_pos_emb"] = gather_rotary(kwargs["rotary_pos_emb"], idx)
             y_sel, context = super().forward(hidden_states=x_sel, **kwargs)
@@ -178,15 +178,6 @@ class MoDLayer(TransformerLayer):
         return AttachLoss.apply(out, loss, scale)
 
 
-def gather_mask(mask: Optional[torch.Tensor], idx: torch.Tensor, s: int) -> torch.Tensor:
-    """[1 or b, 1, s, s] bool (True = masked) -> [b, 1, C, C] at the positions `idx` [C, b]."""
-    if mask is None:
-        raise ValueError("MoDLayer needs an explicit attention mask (Megatron builds a CUDA "
-                         "one when it is None)")
-    c, b = idx.shape
-    full = mask.expand(b, 1, s, s)
-    rows = full.gather(2, idx.T[:, None, :, None].expand(b, 1, c, s))
-    return rows.gather(3, idx.T[:, None, None, :].expand(b, 1, c, c))
 
 
 def gather_rotary(emb, idx: torch.Tensor):
