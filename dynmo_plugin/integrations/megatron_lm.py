@@ -265,8 +265,9 @@ def _check_scenario_spec(args, kind: str) -> None:
 
 # ---- the stage handle -------------------------------------------------------------------------
 class MegatronLMStage:
-    """What the controller and the migrator drive (the launcher's StageTrainer gives the
-    same), built over the objects Megatron-LM's train() holds: `model_list` (train()'s list
+    """The `dynmo_plugin.stage.StageHandle` under Megatron-LM (the launcher's is
+    StageTrainer): what the controller, migrator, profiler and scenarios drive, built over
+    the objects Megatron-LM's train() holds: `model_list` (train()'s list
     of DDP model chunks, updated in place; more than one with virtual pipeline stages),
     `optimizer` (a ChainedOptimizer over all chunks, kept as the same object), `scheduler`
     and the model's TransformerConfig. With --use-distributed-optimizer
@@ -294,7 +295,8 @@ class MegatronLMStage:
         self.num_chunks = len(chunks)
         self.config = get_model_config(chunks[0])
         self.spec = _layer_spec(self.chunks)
-        self.dims = _current_dims()
+        from dynmo_plugin.megatron.parallel import current_dims
+        self.dims = current_dims()
         self.layout = _current_layout(self.chunks, self.dims)
 
     @property
@@ -385,23 +387,6 @@ def _layer_spec(models: list):
         raise MegatronLMError("--dynmo needs one TransformerLayer spec for every decoder layer "
                               "(this model mixes layer kinds); run without --dynmo")
     return specs[0] if specs else None
-
-
-def _current_dims():
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from dynmo_plugin.megatron.parallel import ParallelDims
-    cuda = torch.cuda.is_available()
-    return ParallelDims(
-        rank=dist.get_rank(), world_size=dist.get_world_size(),
-        tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
-        dp=ps.get_data_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-        dp_rank=ps.get_data_parallel_rank(),
-        device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
-        groups=ProcessGroupCollection.use_mpu_process_groups())
 
 
 def _current_layout(models: list, dims) -> Layout:
