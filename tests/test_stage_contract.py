@@ -178,3 +178,26 @@ def _check_live_launcher_stage(args):
 
 def test_a_live_launcher_stage_is_a_stage_handle():
     in_megatron_process(_check_live_launcher_stage)
+
+
+def _built_in(name: str) -> set[str]:
+    """The modules of dynmo_plugin whose code calls `name(...)` (constructs it)."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    found = set()
+    for path in (root / "dynmo_plugin").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            func = getattr(node, "func", None)
+            if isinstance(node, ast.Call) and name in (getattr(func, "id", None),
+                                                       getattr(func, "attr", None)):
+                found.add(path.relative_to(root).as_posix())
+    return found
+
+
+def test_one_place_builds_the_controller_and_one_the_parallel_dims():
+    """The launcher's session and the Megatron-LM run both get their controller from
+    assembly.assemble and their ParallelDims from megatron.parallel.current_dims."""
+    assert _built_in("DynMo") == {"dynmo_plugin/assembly.py"}
+    assert _built_in("ParallelDims") == {"dynmo_plugin/megatron/parallel.py"}
+    assert _built_in("assemble") == {"dynmo_plugin/session.py",
+                                     "dynmo_plugin/integrations/megatron_lm.py"}

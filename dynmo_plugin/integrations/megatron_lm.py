@@ -606,32 +606,21 @@ class _Run:
     """The controller and what it needs, built after setup_model_and_optimizer."""
 
     def __init__(self, cfg: RunConfig, args, chunks: list, optimizer, scheduler):
-        from dynmo_plugin.consensus import ControlPlane
-        from dynmo_plugin.controller import DynMo
-        from dynmo_plugin.megatron.migrate import LayerMigrator
+        from dynmo_plugin.assembly import assemble
 
         self.args = args
         self.stage = MegatronLMStage(chunks, optimizer, scheduler, args)
-        timeout = cfg.dynmo.rebalance.migration_timeout_s
-        self.control = ControlPlane(timeout)
-        self.migrator = LayerMigrator(self.stage, self.control, timeout)
-        d = self.stage.dims
         self.writers = _Writers()
-        self.report = _Report(
-            path=os.path.join(args.dynmo_output, "report.json"),
-            config={"dynmo": dataclasses.asdict(cfg.dynmo), "megatron_lm": _run_settings(args)},
-            world={"pp": d.pp, "tp": d.tp, "dp": d.dp, "world_size": d.world_size,
-                   "backend": d.backend, "history": [{"iteration": args.iteration, "pp": d.pp,
-                                                      "tp": d.tp, "dp": d.dp,
-                                                      "world_size": d.world_size}]},
-            initial_layout=str(self.stage.layout), enabled=d.rank == 0, sink=self.writers.event)
-        self.controller = DynMo(cfg.dynmo, self.stage, self.control, self.migrator, self.report,
-                                repacker=self._checkpoint_repack if cfg.dynmo.repack.enabled else None)
         self.iteration, self.restart = args.iteration, None
-        self.controller.add_layout_listener(self._layout_changed)
-        self.scenario = _attach_scenario(cfg, self.stage, self.control, self.migrator)
-        if self.scenario is not None:
-            self.controller.add_layout_listener(self.scenario.after_layout_change)
+        new_report = functools.partial(
+            _Report, path=os.path.join(args.dynmo_output, "report.json"),
+            config={"dynmo": dataclasses.asdict(cfg.dynmo), "megatron_lm": _run_settings(args)},
+            sink=self.writers.event)
+        parts = assemble(cfg.dynmo, self.stage, new_report, iteration=args.iteration,
+                         scenario=_scenario(cfg, self.stage), repacker=self._checkpoint_repack,
+                         layout_listeners=[self._layout_changed])
+        self.control, self.migrator, self.report = parts.control, parts.migrator, parts.report
+        self.controller, self.scenario = parts.dynmo, parts.scenario
         self._start = 0.0
 
     def _layout_changed(self) -> None:
@@ -698,15 +687,13 @@ class _Run:
                          f"{self.restart}")
 
 
-def _attach_scenario(cfg: RunConfig, stage: MegatronLMStage, control, migrator):
-    """The --dynmo-dynamism scenario over Megatron-LM's model, or None: its layers must be
-    the ones its --spec built (load_plugin_config checked the flag; this checks the model)."""
+def _scenario(cfg: RunConfig, stage: MegatronLMStage):
+    """The --dynmo-dynamism scenario over Megatron-LM's model (not attached yet), or None:
+    its layers must be the ones its --spec built (load_plugin_config checked the flag; this
+    checks the model)."""
     from dynmo_plugin.dynamism import build_scenario
-    from dynmo_plugin.dynamism.base import Runtime
     if getattr(stage.args, "num_experts", None):
-        scenario = _native_moe_scenario(cfg, stage)
-        scenario.attach(Runtime(stage, control, migrator))
-        return scenario
+        return _native_moe_scenario(cfg, stage)
     scenario = build_scenario(cfg.dynmo.dynamism)
     if scenario is None:
         return None
@@ -716,7 +703,6 @@ def _attach_scenario(cfg: RunConfig, stage: MegatronLMStage, control, migrator):
         raise MegatronLMError(f"--dynmo-dynamism {scenario.name}: the decoder's layers ("
                               f"{getattr(module, '__name__', module)}) were not built from the "
                               f"scenario's spec: add --spec {SPEC_MODULE} {scenario.name}")
-    scenario.attach(Runtime(stage, control, migrator))
     return scenario
 
 
