@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from functools import partial
 from typing import Optional
 
 from dynmo_plugin.config import ConfigError, RunConfig
@@ -26,14 +27,11 @@ class StopTraining(Exception):
 
 class TrainingSession:
     def __init__(self, cfg: RunConfig, dims, layer_spec=None, fault=None, profile_noise=None):
-        from dynmo_plugin.consensus import ControlPlane
-        from dynmo_plugin.controller import DynMo
-        from dynmo_plugin.scenarios import Runtime, build_scenario
-        from dynmo_plugin.megatron.migrate import LayerMigrator
+        from dynmo_plugin.assembly import assemble
+        from dynmo_plugin.scenarios import build_scenario
         from dynmo_plugin.megatron.model import layer_spec as default_spec
         from dynmo_plugin.megatron.repack import Repacker
         from dynmo_plugin.megatron.trainer import StageTrainer
-        from dynmo_plugin.releases import Releases
         from dynmo_plugin.report import RunReport
 
         args, self.cfg = cfg.model, cfg
@@ -45,28 +43,16 @@ class TrainingSession:
             spec = self.scenario.layer_spec(spec, args)
         configure = self.scenario.configure_model if self.scenario is not None else None
         self.trainer = StageTrainer(args, dims, layout, spec=spec, configure=configure)
-        timeout = cfg.dynmo.rebalance.migration_timeout_s
-        self.control = ControlPlane(timeout)
-        if meta is not None:
-            from dynmo_plugin.megatron.checkpoint import load_checkpoint
-            start = time.perf_counter()
-            load_checkpoint(args.load, meta, self.trainer, self.control)
-            meta["load_s"] = time.perf_counter() - start
-        self.migrator = LayerMigrator(self.trainer, self.control, timeout, fault)
-        shape = {"pp": dims.pp, "tp": dims.tp, "dp": dims.dp, "world_size": dims.world_size}
         self.start_iteration = meta["iteration"] if meta else 0
-        self.report = RunReport(path=os.path.join(args.output, "report.json"), config=cfg.to_dict(),
-                                world={**shape, "backend": dims.backend,
-                                       "history": [{"iteration": self.start_iteration, **shape}]},
-                                initial_layout=str(layout), enabled=dims.rank == 0)
-        self.releases = Releases(cfg.dynmo.cluster, timeout) if dims.rank == 0 else None
-        self.repacker = Repacker(self, args.seed, timeout)
-        repack_on = cfg.dynmo.enabled and cfg.dynmo.repack.enabled
-        self.dynmo = DynMo(cfg.dynmo, self.trainer, self.control, self.migrator, self.report,
-                           profile_noise=profile_noise, repacker=self._repack if repack_on else None)
-        if self.scenario is not None:
-            self.scenario.attach(Runtime(self.trainer, self.control, self.migrator))
-            self.dynmo.add_layout_listener(self.scenario.after_layout_change)
+        self.repacker = Repacker(self, args.seed, cfg.dynmo.rebalance.migration_timeout_s)
+        report = partial(RunReport, path=os.path.join(args.output, "report.json"),
+                         config=cfg.to_dict())
+        parts = assemble(cfg.dynmo, self.trainer, report, iteration=self.start_iteration,
+                         scenario=self.scenario, repacker=self._repack, releases=True,
+                         on_control=None if meta is None else partial(self._load, meta),
+                         fault=fault, profile_noise=profile_noise)
+        self.control, self.migrator, self.report = parts.control, parts.migrator, parts.report
+        self.dynmo, self.releases = parts.dynmo, parts.releases
         if meta is not None:
             self._resume(meta)
         from dynmo_plugin.data.calibration import CostCalibration, mix_adjuster
@@ -92,6 +78,13 @@ class TrainingSession:
             raise ConfigError(f"--load {root}: saved with TP={meta['tp']}, this run has TP={dims.tp}; "
                               "only the pipeline split may change on restart")
         return meta
+
+    def _load(self, meta: dict, control) -> None:
+        """The checkpoint's weights and optimizer state into the stage, over `control`."""
+        from dynmo_plugin.megatron.checkpoint import load_checkpoint
+        start = time.perf_counter()
+        load_checkpoint(self.cfg.model.load, meta, self.trainer, control)
+        meta["load_s"] = time.perf_counter() - start
 
     def _resume(self, meta: dict) -> None:
         scheduler = self.trainer.scheduler

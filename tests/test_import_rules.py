@@ -29,7 +29,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
                  "dynmo_plugin.events")),
     ("scenario parts", ("dynmo_plugin.scenarios.*.live", "dynmo_plugin.scenarios.*.layer",
                         "dynmo_plugin.scenarios.*")),
-    ("run", ("dynmo_plugin.controller", "dynmo_plugin.session", "dynmo_plugin.assemble",
+    ("run", ("dynmo_plugin.controller", "dynmo_plugin.session", "dynmo_plugin.assembly",
              "dynmo_plugin.train", "dynmo_plugin.torchrun_check", "dynmo_plugin.integrations*",
              "dynmo_plugin.cli*")),
 ]

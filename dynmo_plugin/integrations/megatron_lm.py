@@ -266,8 +266,9 @@ def _check_scenario_spec(args, kind: str) -> None:
 
 # ---- the stage handle -------------------------------------------------------------------------
 class MegatronLMStage:
-    """What the controller and the migrator drive (the launcher's StageTrainer gives the
-    same), built over the objects Megatron-LM's train() holds: `model_list` (train()'s list
+    """The `dynmo_plugin.stage.StageHandle` under Megatron-LM (the launcher's is
+    StageTrainer): what the controller, migrator, profiler and scenarios drive, built over
+    the objects Megatron-LM's train() holds: `model_list` (train()'s list
     of DDP model chunks, updated in place; more than one with virtual pipeline stages),
     `optimizer` (a ChainedOptimizer over all chunks, kept as the same object), `scheduler`
     and the model's TransformerConfig. With --use-distributed-optimizer
@@ -295,7 +296,8 @@ class MegatronLMStage:
         self.num_chunks = len(chunks)
         self.config = get_model_config(chunks[0])
         self.spec = _layer_spec(self.chunks)
-        self.dims = _current_dims()
+        from dynmo_plugin.megatron.parallel import current_dims
+        self.dims = current_dims()
         self.layout = _current_layout(self.chunks, self.dims)
 
     @property
@@ -386,23 +388,6 @@ def _layer_spec(models: list):
         raise MegatronLMError("--dynmo needs one TransformerLayer spec for every decoder layer "
                               "(this model mixes layer kinds); run without --dynmo")
     return specs[0] if specs else None
-
-
-def _current_dims():
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from dynmo_plugin.megatron.parallel import ParallelDims
-    cuda = torch.cuda.is_available()
-    return ParallelDims(
-        rank=dist.get_rank(), world_size=dist.get_world_size(),
-        tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
-        dp=ps.get_data_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-        dp_rank=ps.get_data_parallel_rank(),
-        device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
-        groups=ProcessGroupCollection.use_mpu_process_groups())
 
 
 def _current_layout(models: list, dims) -> Layout:
@@ -622,32 +607,21 @@ class _Run:
     """The controller and what it needs, built after setup_model_and_optimizer."""
 
     def __init__(self, cfg: RunConfig, args, chunks: list, optimizer, scheduler):
-        from dynmo_plugin.consensus import ControlPlane
-        from dynmo_plugin.controller import DynMo
-        from dynmo_plugin.megatron.migrate import LayerMigrator
+        from dynmo_plugin.assembly import assemble
 
         self.args = args
         self.stage = MegatronLMStage(chunks, optimizer, scheduler, args)
-        timeout = cfg.dynmo.rebalance.migration_timeout_s
-        self.control = ControlPlane(timeout)
-        self.migrator = LayerMigrator(self.stage, self.control, timeout)
-        d = self.stage.dims
         self.writers = _Writers()
-        self.report = _Report(
-            path=os.path.join(args.dynmo_output, "report.json"),
-            config={"dynmo": dataclasses.asdict(cfg.dynmo), "megatron_lm": _run_settings(args)},
-            world={"pp": d.pp, "tp": d.tp, "dp": d.dp, "world_size": d.world_size,
-                   "backend": d.backend, "history": [{"iteration": args.iteration, "pp": d.pp,
-                                                      "tp": d.tp, "dp": d.dp,
-                                                      "world_size": d.world_size}]},
-            initial_layout=str(self.stage.layout), enabled=d.rank == 0, sink=self.writers.event)
-        self.controller = DynMo(cfg.dynmo, self.stage, self.control, self.migrator, self.report,
-                                repacker=self._checkpoint_repack if cfg.dynmo.repack.enabled else None)
         self.iteration, self.restart = args.iteration, None
-        self.controller.add_layout_listener(self._layout_changed)
-        self.scenario = _attach_scenario(cfg, self.stage, self.control, self.migrator)
-        if self.scenario is not None:
-            self.controller.add_layout_listener(self.scenario.after_layout_change)
+        new_report = functools.partial(
+            _Report, path=os.path.join(args.dynmo_output, "report.json"),
+            config={"dynmo": dataclasses.asdict(cfg.dynmo), "megatron_lm": _run_settings(args)},
+            sink=self.writers.event)
+        parts = assemble(cfg.dynmo, self.stage, new_report, iteration=args.iteration,
+                         scenario=_scenario(cfg, self.stage), repacker=self._checkpoint_repack,
+                         layout_listeners=[self._layout_changed])
+        self.control, self.migrator, self.report = parts.control, parts.migrator, parts.report
+        self.controller, self.scenario = parts.dynmo, parts.scenario
         self._start = 0.0
 
     def _layout_changed(self) -> None:
@@ -714,15 +688,13 @@ class _Run:
                          f"{self.restart}")
 
 
-def _attach_scenario(cfg: RunConfig, stage: MegatronLMStage, control, migrator):
-    """The --dynmo-dynamism scenario over Megatron-LM's model, or None: its layers must be
-    the ones its --spec built (load_plugin_config checked the flag; this checks the model)."""
+def _scenario(cfg: RunConfig, stage: MegatronLMStage):
+    """The --dynmo-dynamism scenario over Megatron-LM's model (not attached yet), or None:
+    its layers must be the ones its --spec built (load_plugin_config checked the flag; this
+    checks the model)."""
     from dynmo_plugin.scenarios import build_scenario
-    from dynmo_plugin.scenarios.base import Runtime
     if getattr(stage.args, "num_experts", None):
-        scenario = _native_moe_scenario(cfg, stage)
-        scenario.attach(Runtime(stage, control, migrator))
-        return scenario
+        return _native_moe_scenario(cfg, stage)
     scenario = build_scenario(cfg.dynmo.dynamism)
     if scenario is None:
         return None
@@ -732,7 +704,6 @@ def _attach_scenario(cfg: RunConfig, stage: MegatronLMStage, control, migrator):
         raise MegatronLMError(f"--dynmo-dynamism {scenario.name}: the decoder's layers ("
                               f"{getattr(module, '__name__', module)}) were not built from the "
                               f"scenario's spec: add --spec {SPEC_MODULE} {scenario.name}")
-    scenario.attach(Runtime(stage, control, migrator))
     return scenario
 
 

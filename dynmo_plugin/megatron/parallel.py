@@ -20,8 +20,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from dynmo_plugin.config import ConfigError, ModelArgs
 from dynmo_plugin.consensus import agent_store
 
-__all__ = ["ParallelDims", "init_parallel", "destroy_parallel", "shrink_world", "survives",
-           "resolve_backend", "supports_shrinking"]
+__all__ = ["ParallelDims", "init_parallel", "current_dims", "destroy_parallel", "shrink_world",
+           "survives", "resolve_backend", "supports_shrinking"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +111,19 @@ def _model_parallel(tp: int, pp: int, seed: int) -> ParallelDims:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    world = dist.get_world_size()
+    return current_dims()
+
+
+def current_dims() -> ParallelDims:
+    """This rank's `ParallelDims`, read from Megatron's groups as they are initialised
+    (by `init_parallel` and `shrink_world` in the launcher, by Megatron-LM's own
+    initialize_megatron under it): the one place a ParallelDims is made."""
     cuda = torch.cuda.is_available()
     return ParallelDims(
-        rank=dist.get_rank(), world_size=world, tp=tp, pp=pp, dp=world // (tp * pp),
+        rank=dist.get_rank(), world_size=dist.get_world_size(),
+        tp=parallel_state.get_tensor_model_parallel_world_size(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        dp=parallel_state.get_data_parallel_world_size(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(),
         device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),

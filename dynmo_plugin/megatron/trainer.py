@@ -87,7 +87,11 @@ def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 
 class StageTrainer:
-    """Trains this rank's pipeline stage; every rank of the run holds one."""
+    """Trains this rank's pipeline stage; every rank of the run holds one.
+
+    The launcher's `dynmo_plugin.stage.StageHandle` (what the controller, migrator,
+    profiler, checkpoints, repacks and scenarios use), plus what the launcher alone
+    needs: the data stream (`data`) and the step (`train_step`)."""
 
     def __init__(self, args: ModelArgs, dims: ParallelDims, layout: Layout, spec=None,
                  state=None, configure=None):
