@@ -42,7 +42,8 @@ from typing import Callable, Optional
 
 from dynmo_plugin.config import ConfigError, RunConfig, add_dynmo_args
 from dynmo_plugin.megatron.machine import load_run_config
-from dynmo_plugin.errors import UserError
+from dynmo_plugin.integrations.megatron_lm_hooks import MegatronLMError
+from dynmo_plugin.integrations.megatron_lm_hooks import hooks as _hooks
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.report import RunReport
 
@@ -75,11 +76,6 @@ _SIGNATURES = {
 # `--spec` as SPEC_MODULE and the scenario's name (dynmo_plugin.integrations.megatron_lm_specs).
 SPEC_MODULE = "dynmo_plugin.integrations.megatron_lm_specs"
 SCENARIO_SPECS = ("layer_freezing", "gradual_pruning")
-
-
-class MegatronLMError(UserError):
-    """Megatron-LM is missing, of a version this integration does not know, or configured
-    in a way the plugin cannot follow."""
 
 
 # ---- the source and its version ----------------------------------------------------------
@@ -739,19 +735,7 @@ def _run_settings(args) -> dict:
     return {k: getattr(args, k, None) for k in keys} | {"megatron_core": SUPPORTED_CORE}
 
 
-# ---- the hooks --------------------------------------------------------------------------------
-class _Hooks:
-    """The wrapped functions' originals and the run they drive (one per process: Megatron-LM
-    itself keeps its args, timers and writers as process globals)."""
-
-    def __init__(self):
-        self.originals: dict[str, Callable] = {}
-        self.compile_helpers: Optional[Callable] = None
-        self.cfg: Optional[RunConfig] = None
-        self.run: Optional[_Run] = None
-
-
-_hooks = _Hooks()
+# ---- the hooks (their state: megatron_lm_hooks) -------------------------------------------------
 
 
 def is_enabled() -> bool:

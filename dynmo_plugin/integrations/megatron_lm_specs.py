@@ -35,7 +35,7 @@ def _args_and_config():
     try:
         args = get_args()
     except AssertionError as e:
-        from dynmo_plugin.integrations.megatron_lm import MegatronLMError
+        from dynmo_plugin.integrations.megatron_lm_hooks import MegatronLMError
         raise MegatronLMError(f"{__name__} builds its specs from Megatron-LM's parsed args: import "
                               "it through --spec, after initialize_megatron") from e
     return args, core_transformer_config_from_args(args)
@@ -83,8 +83,8 @@ def _gradual_pruning():
     `granularity: structured`), or None unless the plugin's config asks for the scenario
     (its settings pick the spec; they are validated before any model is built)."""
     from dynmo_plugin.scenarios import build_scenario
-    from dynmo_plugin.integrations.megatron_lm import _hooks
-    cfg = _hooks.cfg
+    from dynmo_plugin.integrations.megatron_lm_hooks import hooks
+    cfg = hooks.cfg
     if cfg is None or cfg.dynmo.dynamism.kind != "gradual_pruning":
         return None
     return build_scenario(cfg.dynmo.dynamism).layer_spec(_megatron_lm_layer_spec(), None)
