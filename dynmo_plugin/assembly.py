@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the heavy parts are imported when assembled, not with this 
     from dynmo_plugin.consensus import ControlPlane
     from dynmo_plugin.controller import DynMo
     from dynmo_plugin.scenarios import Scenario
-    from dynmo_plugin.megatron.migrate import LayerMigrator
+    from dynmo_plugin.megatron.migration.migrate import LayerMigrator
     from dynmo_plugin.releases import Releases
 
 __all__ = ["RunParts", "assemble", "world_record"]
@@ -65,7 +65,7 @@ def assemble(config: DynmoConfig, stage: StageHandle, new_report: Callable[..., 
     from dynmo_plugin.consensus import ControlPlane
     from dynmo_plugin.controller import DynMo
     from dynmo_plugin.scenarios import Runtime
-    from dynmo_plugin.megatron.migrate import LayerMigrator
+    from dynmo_plugin.megatron.migration.migrate import LayerMigrator
     from dynmo_plugin.releases import Releases
 
     timeout, dims = config.rebalance.migration_timeout_s, stage.dims

@@ -72,10 +72,10 @@ class DynMo:
     def __init__(self, config: DynmoConfig, trainer, control: ControlPlane, migrator,
                  report: Optional[RunReport] = None, profile_noise=None, repacker=None):
         """`control`: the control plane every rank shares; `migrator`: applies layouts
-        (dynmo_plugin.megatron.migrate.LayerMigrator); `repacker(layout, iteration,
+        (dynmo_plugin.megatron.migration.migrate.LayerMigrator); `repacker(layout, iteration,
         info)`: repacks onto a layout of fewer stages, returns (the event's `repack`
         record, megatron.repack.RepackResult) and rebinds this controller to the shrunk
-        world (dynmo_plugin.megatron.repack.Repacker.run); `profile_noise`: test-only
+        world (dynmo_plugin.megatron.migration.repack.Repacker.run); `profile_noise`: test-only
         (dynmo_plugin.faults.ProfileNoise)."""
         self.config, self.trainer, self.report = config, trainer, report
         self.control, self._migrator, self._repacker = control, migrator, repacker
@@ -148,7 +148,7 @@ class DynMo:
 
     # ---- triggers -----------------------------------------------------------------------
     def _maybe_open_window(self, iteration: int) -> None:
-        from dynmo_plugin.megatron.profiler import ProfileWindow
+        from dynmo_plugin.megatron.profiling.profiler import ProfileWindow
         interval, every = self.config.rebalance.interval, self.config.profiling.every
         if self._pending_events and self._can_estimate():
             return  # decided from work estimates at this iteration's end, untimed

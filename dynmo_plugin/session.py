@@ -29,9 +29,9 @@ class TrainingSession:
     def __init__(self, cfg: RunConfig, dims, layer_spec=None, fault=None, profile_noise=None):
         from dynmo_plugin.assembly import assemble
         from dynmo_plugin.scenarios import build_scenario
-        from dynmo_plugin.megatron.model import layer_spec as default_spec
-        from dynmo_plugin.megatron.repack import Repacker
-        from dynmo_plugin.megatron.trainer import StageTrainer
+        from dynmo_plugin.megatron.training.model import layer_spec as default_spec
+        from dynmo_plugin.megatron.migration.repack import Repacker
+        from dynmo_plugin.megatron.training.trainer import StageTrainer
         from dynmo_plugin.report import RunReport
 
         args, self.cfg = cfg.model, cfg
@@ -55,7 +55,7 @@ class TrainingSession:
         self.dynmo, self.releases = parts.dynmo, parts.releases
         if meta is not None:
             self._resume(meta)
-        from dynmo_plugin.data.calibration import CostCalibration, mix_adjuster
+        from dynmo_plugin.megatron.profiling.calibration import CostCalibration, mix_adjuster
         self.data_fit = CostCalibration.for_run(args.data, self.trainer.data, self.start_iteration)
         if args.data.packed:  # the layer balancer's costs for the run's document-length mix
             self.dynmo.cost_adjuster = mix_adjuster(lambda: self.trainer.data)
@@ -66,7 +66,7 @@ class TrainingSession:
     def _checkpoint(self, dims) -> Optional[dict]:
         """The meta of the checkpoint to resume from, or None. --load equal to --save
         (a job that restarts itself) starts from scratch while nothing is saved there."""
-        from dynmo_plugin.megatron.checkpoint import read_meta
+        from dynmo_plugin.megatron.checkpoint.directory import read_meta
         args = self.cfg.model
         root = args.load
         meta = read_meta(root, resume_if_absent=root == args.save) if root else None
@@ -81,7 +81,7 @@ class TrainingSession:
 
     def _load(self, meta: dict, control) -> None:
         """The checkpoint's weights and optimizer state into the stage, over `control`."""
-        from dynmo_plugin.megatron.checkpoint import load_checkpoint
+        from dynmo_plugin.megatron.checkpoint.directory import load_checkpoint
         start = time.perf_counter()
         load_checkpoint(self.cfg.model.load, meta, self.trainer, control)
         meta["load_s"] = time.perf_counter() - start
@@ -103,7 +103,7 @@ class TrainingSession:
                         self.trainer.layout, meta["load_s"])
 
     def save(self, iteration: int, next_layout: Optional[Layout] = None) -> str:
-        from dynmo_plugin.megatron.checkpoint import save_checkpoint
+        from dynmo_plugin.megatron.checkpoint.directory import save_checkpoint
         d = self.trainer.dims
         meta = {"scenario": self.scenario.state_dict() if self.scenario is not None else {},
                 "data": self.trainer.data.state_dict(),
@@ -125,7 +125,7 @@ class TrainingSession:
     def _checkpoint_repack(self, layout: Layout, iteration: int, info: dict):
         """Save with the new layout recorded, then every rank ends after this iteration;
         the job restarts with PP = layout.num_ranks and `--load`."""
-        from dynmo_plugin.megatron.repack import RepackResult
+        from dynmo_plugin.megatron.migration.repack import RepackResult
         d, start = self.trainer.dims, time.perf_counter()
         world = d.tp * d.dp * layout.num_ranks
         iteration = self._completed  # decided before a step (forced) or after it
@@ -161,7 +161,7 @@ class TrainingSession:
 
     def release_stage(self) -> None:
         """A retiring rank drops its stage's buffers before leaving."""
-        from dynmo_plugin.megatron.migrate import retire_ddp
+        from dynmo_plugin.megatron.migration.migrate import retire_ddp
         for ddp in self.trainer.ddps:
             retire_ddp(ddp)
 
@@ -248,7 +248,7 @@ def _initial_layout(args, dims, meta: Optional[dict]) -> Layout:
     if args.pipeline_model_parallel_layout:
         return Layout.parse(args.pipeline_model_parallel_layout, dims.pp, args.num_layers, v)
     if meta is not None:
-        from dynmo_plugin.megatron.checkpoint import resume_layout
+        from dynmo_plugin.megatron.checkpoint.directory import resume_layout
         layout = resume_layout(meta, dims.pp, v, args.num_layers)
         if layout is not None:
             return layout

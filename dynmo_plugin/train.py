@@ -45,8 +45,8 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
     Raises:
         PeerFailure: a peer died or hung during a plugin collective (see consensus).
     """
-    from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
-    from dynmo_plugin.megatron.repack import RankRetired
+    from dynmo_plugin.megatron.training.parallel import destroy_parallel, init_parallel
+    from dynmo_plugin.megatron.migration.repack import RankRetired
     from dynmo_plugin.session import StopTraining, TrainingSession
 
     dims = init_parallel(cfg.model)
@@ -81,13 +81,13 @@ def validate(args: argparse.Namespace, world_size: int | None, in_launcher: bool
     Raises:
         UserError: the first problem, one line naming the key and the fix.
     """
-    from dynmo_plugin.megatron import machine  # imports torch, TE and Megatron only when asked
+    from dynmo_plugin.megatron.training import machine  # imports torch, TE and Megatron only when asked
     cfg = load_config(args, world_size=world_size, cuda_devices=machine.cuda_device_count,
                       te_problem=(lambda: None) if in_launcher else machine.transformer_engine_problem)
     check_paths(cfg.model)
     load = cfg.model.load
     if load:
-        from dynmo_plugin.megatron import checkpoint
+        from dynmo_plugin.megatron.checkpoint.directory import directory as checkpoint
         if not in_launcher or not os.path.exists(os.path.join(load, checkpoint._LATEST)):
             checkpoint.read_meta(load, resume_if_absent=load == cfg.model.save)
     return cfg

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _torchrun import ROOT, free_port, print_result, read_result, torchrun  # noqa: E402
 
 from dynmo_plugin.config import DataConfig  # noqa: E402
-from dynmo_plugin.data.build import build_packed_documents  # noqa: E402
+from dynmo_plugin.megatron.data.build import build_packed_documents  # noqa: E402
 
 PACKERS = {"sequential": dict(packer="sequential"), "wlb": dict(packer="wlb"),
            "wlb+outlier": dict(packer="wlb", outlier="yes"),
@@ -89,10 +89,10 @@ def measure_worker(a) -> None:
     from dynmo_plugin.data.cost_model import (fit_adaptiveload, fit_knapformer, fit_tokens,
                                               held_out_error, samples_from_probe)
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
-    from dynmo_plugin.megatron.probe import StageProbe
-    from dynmo_plugin.megatron.trainer import StageTrainer
-    from dynmo_plugin.megatron.varlen_attention import packed_seq_params
+    from dynmo_plugin.megatron.training.parallel import destroy_parallel, init_parallel
+    from dynmo_plugin.megatron.profiling.probe import StageProbe
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
+    from dynmo_plugin.megatron.attention.varlen import packed_seq_params
     from dynmo_plugin.profiling.clock import CpuThreadClock
 
     sources = json.loads(a.sources)

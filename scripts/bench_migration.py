@@ -67,9 +67,9 @@ def worker(hidden: int, layers: int, repeats: int) -> None:
     from dynmo_plugin.config import ModelArgs
     from dynmo_plugin.consensus import ControlPlane
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.migrate import LayerMigrator
-    from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
-    from dynmo_plugin.megatron.trainer import StageTrainer
+    from dynmo_plugin.megatron.migration.migrate import LayerMigrator
+    from dynmo_plugin.megatron.training.parallel import destroy_parallel, init_parallel
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
 
     args = ModelArgs(num_layers=layers, hidden_size=hidden, num_attention_heads=8, seq_length=64,
                      micro_batch_size=1, global_batch_size=2, pipeline_model_parallel_size=2)
@@ -125,9 +125,9 @@ def precision_worker(hidden: int, layers: int, repeats: int, mode: str) -> None:
     from dynmo_plugin.config import ModelArgs
     from dynmo_plugin.consensus import ControlPlane
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.migrate import LayerMigrator
-    from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
-    from dynmo_plugin.megatron.trainer import StageTrainer
+    from dynmo_plugin.megatron.migration.migrate import LayerMigrator
+    from dynmo_plugin.megatron.training.parallel import destroy_parallel, init_parallel
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
 
     args = ModelArgs(num_layers=layers, hidden_size=hidden, num_attention_heads=8, seq_length=128,
                      micro_batch_size=2, global_batch_size=8, pipeline_model_parallel_size=2)

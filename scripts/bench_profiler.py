@@ -74,9 +74,9 @@ def _cpu_worker(steps: int, rounds: int) -> None:
 
     from dynmo_plugin.config import ModelArgs
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron import probe
-    from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
-    from dynmo_plugin.megatron.trainer import StageTrainer
+    from dynmo_plugin.megatron.profiling import probe
+    from dynmo_plugin.megatron.training.parallel import destroy_parallel, init_parallel
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
     from dynmo_plugin.profiling.clock import CpuThreadClock
 
     args = ModelArgs(num_layers=8, hidden_size=128, num_attention_heads=4, seq_length=64,

@@ -52,9 +52,9 @@ def _layers(a):
     from dynmo_plugin.scenarios.gradual_pruning.live import shrunk_tensors
     from dynmo_plugin.scenarios.gradual_pruning.kernels import apply_mask_
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.extra_state import carried_state, loadable_state
-    from dynmo_plugin.megatron.model import layer_spec, transformer_config
-    from dynmo_plugin.megatron.parallel import init_parallel
+    from dynmo_plugin.megatron.migration.extra_state import carried_state, loadable_state
+    from dynmo_plugin.megatron.training.model import layer_spec, transformer_config
+    from dynmo_plugin.megatron.training.parallel import init_parallel
     from dynmo_plugin.scenarios.gradual_pruning.layer import neuron_prunable_layer_spec
     args = ModelArgs(num_layers=1, hidden_size=a.hidden, num_attention_heads=a.heads,
                      seq_length=a.seq, bf16=a.dtype == "bf16",

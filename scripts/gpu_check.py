@@ -230,7 +230,7 @@ def render(rows: list[Row]) -> str:
 def probe_machine(cpu_mode: bool) -> Machine:
     import torch
 
-    from dynmo_plugin.megatron.machine import transformer_engine_problem
+    from dynmo_plugin.megatron.training.machine import transformer_engine_problem
     from dynmo_plugin.train import build_parser
     count = 0 if cpu_mode else torch.cuda.device_count()
     flags = {s for a in build_parser()._actions for s in a.option_strings}

@@ -109,8 +109,8 @@ def _world_one(backend: str):
 
 def _session(flags: list[str]):
     """A real TrainingSession (one rank, PP=1) configured by launcher `flags`."""
-    from dynmo_plugin.megatron.machine import load_run_config
-    from dynmo_plugin.megatron.parallel import init_parallel
+    from dynmo_plugin.megatron.training.machine import load_run_config
+    from dynmo_plugin.megatron.training.parallel import init_parallel
     from dynmo_plugin.session import TrainingSession
     from dynmo_plugin.train import build_parser
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -139,7 +139,7 @@ def _raises(fn: Callable[[], object], wait_s: float = 30.0) -> str:
 # ---- rows (each returns its detail, raises CheckFailed for FAIL) ---------------------------
 def row_nccl_shrink_support() -> str:
     import torch
-    from dynmo_plugin.megatron.parallel import supports_shrinking
+    from dynmo_plugin.megatron.training.parallel import supports_shrinking
     dist = _world_one("nccl")
     v = torch.cuda.nccl.version()
     version = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
@@ -168,7 +168,7 @@ def row_nccl_destroyed_group() -> str:
 
 def row_nccl_cpu_tensor() -> str:
     import torch
-    from dynmo_plugin.megatron.optim_state import _collective_device
+    from dynmo_plugin.megatron.migration.optim_state import _collective_device
     dist = _world_one("nccl")
     cpu = _raises(lambda: dist.all_reduce(torch.ones(2)), 20.0)
     device = _collective_device(dist.group.WORLD, [])
@@ -183,7 +183,7 @@ def row_nccl_cpu_tensor() -> str:
 
 def row_rebuild_distopt_bf16() -> str:
     import torch
-    from dynmo_plugin.megatron.optim_state import gather_param_states
+    from dynmo_plugin.megatron.migration.optim_state import gather_param_states
     session = _session(["--bf16", "--use-distributed-optimizer",
                         "--untie-embeddings-and-output-weights"])
     t = session.trainer

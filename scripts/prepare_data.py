@@ -24,7 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
-from dynmo_plugin.megatron.indexed_data import write_indexed
+from dynmo_plugin.megatron.data.indexed import write_indexed
 from dynmo_plugin.data.tokenizer import ByteTokenizer
 
 _BLANKS = re.compile(r"\n[ \t]*\n([ \t]*\n)+")

@@ -81,7 +81,7 @@ def assert_same_training(a_dir: Path, a: dict, b_dir: Path, b: dict, ranks) -> d
 def _megatron_process(rank: int, port: int, check, args) -> None:
     import torch.distributed as dist
 
-    from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
+    from dynmo_plugin.megatron.training.parallel import destroy_parallel, init_parallel
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     dims = init_parallel(args)
     try:

@@ -38,7 +38,7 @@ def _only(src, iteration: int, dst):
 
 def _final_state(root) -> dict:
     """Every tensor of the run's last checkpoint, by global key."""
-    from dynmo_plugin.megatron.dist_ckpt import read_tensors
+    from dynmo_plugin.megatron.checkpoint.dist_ckpt import read_tensors
     return read_tensors(str(root / "iter_0000006"))
 
 
@@ -166,7 +166,7 @@ def test_corrupt_checkpoint_exits_2_with_one_line(saved, tmp_path):
 # ---- no processes: reading the directory, and which layout a resumed run takes ----------
 
 def _meta_dir(tmp_path, **meta):
-    from dynmo_plugin.megatron.checkpoint import FORMAT
+    from dynmo_plugin.megatron.checkpoint.directory import FORMAT
     d = tmp_path / "iter_0000003"
     d.mkdir(parents=True)
     for name in ("metadata.json", "common.pt", ".metadata"):
@@ -177,7 +177,7 @@ def _meta_dir(tmp_path, **meta):
 
 
 def test_read_meta_names_what_is_missing_or_broken(tmp_path):
-    from dynmo_plugin.megatron.checkpoint import CheckpointError, read_meta
+    from dynmo_plugin.megatron.checkpoint.directory import CheckpointError, read_meta
     from dynmo_plugin.errors import UserError
     assert issubclass(CheckpointError, UserError)  # the launcher's exit 2
     with pytest.raises(CheckpointError, match=r"the directory does not exist; give a directory"):
@@ -231,9 +231,9 @@ def _check_distopt_step(args):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.dist_ckpt import check_sharding, load_sharded, save_sharded, sharded_state
-    from dynmo_plugin.megatron.parallel import ParallelDims
-    from dynmo_plugin.megatron.trainer import StageTrainer
+    from dynmo_plugin.megatron.checkpoint.dist_ckpt import check_sharding, load_sharded, save_sharded, sharded_state
+    from dynmo_plugin.megatron.training.parallel import ParallelDims
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
     dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
                         device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
     saved, resumed = (StageTrainer(args, dims, Layout.uniform(args.num_layers, 1)) for _ in range(2))

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from dynmo_plugin.config import ConfigError, RunConfig, add_dynmo_args, add_model_args
-from dynmo_plugin.megatron.machine import load_run_config
+from dynmo_plugin.megatron.training.machine import load_run_config
 
 
 def _parse(argv, world_size=None):

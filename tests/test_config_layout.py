@@ -47,7 +47,7 @@ def test_config_imports_no_torch_or_megatron(module):
                          text=True, check=True, cwd=ROOT).stdout
     loaded = json.loads(out.strip().splitlines()[-1])
     assert not [m for m in loaded if m.split(".")[0] in HEAVY], module
-    assert "dynmo_plugin.megatron.machine" not in loaded  # probed only when load_config asks
+    assert "dynmo_plugin.megatron.training.machine" not in loaded  # probed only when load_config asks
 
 
 def _module_imports(path: Path) -> set[str]:

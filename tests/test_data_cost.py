@@ -62,7 +62,7 @@ def test_adaptive_batch_size():
 def test_calibration_fit_record_from_gathered_samples():
     """Rank 0's fit over every rank's {layer: samples}: the asked-for form, held-out errors
     of all three, per-layer KnapFormer; too few samples keep the prior (no exception)."""
-    from dynmo_plugin.data.calibration import fit_record
+    from dynmo_plugin.megatron.profiling.calibration import fit_record
     from dynmo_plugin.data.cost_model import model_from_dict, model_to_dict
     rng, d, k, gamma = np.random.default_rng(3), 64, 2e-10, 1.5
     def samples(n):
@@ -80,7 +80,7 @@ def test_calibration_fit_record_from_gathered_samples():
 def test_layer_costs_follow_the_length_mix_by_each_layers_model():
     """A profile timed over short documents, re-costed to a mix of long ones: the layer
     whose attention weighs more (gamma) grows more; without models nothing changes."""
-    from dynmo_plugin.data.calibration import mix_adjusted_profile
+    from dynmo_plugin.megatron.profiling.calibration import mix_adjusted_profile
     from dynmo_plugin.data.cost_model import KnapFormerCost
     from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile
     layers = [LayerProfile(layer=n, stage=0, fwd_s=1.0, bwd_s=2.0, param_bytes=0, grad_bytes=0,

@@ -16,10 +16,10 @@ import pytest
 from launch import losses, train
 
 from dynmo_plugin.config import ConfigError, add_dynmo_args, add_model_args
-from dynmo_plugin.megatron.machine import load_run_config
+from dynmo_plugin.megatron.training.machine import load_run_config
 from dynmo_plugin.data import SyntheticTokens
 from dynmo_plugin.data.documents import DocumentStream, LognormalDocuments
-from dynmo_plugin.megatron.indexed_data import IndexedDocuments
+from dynmo_plugin.megatron.data.indexed import IndexedDocuments
 from dynmo_plugin.data.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 
-from dynmo_plugin.megatron.varlen_attention import VarlenCoreAttention, varlen_attention
+from dynmo_plugin.megatron.attention.varlen import VarlenCoreAttention, varlen_attention
 
 
 def _module(heads=4, head_dim=8):

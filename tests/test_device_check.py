@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dynmo_plugin.config import ConfigError
-from dynmo_plugin.megatron.machine import load_run_config
-from dynmo_plugin.megatron.parallel import resolve_backend
+from dynmo_plugin.megatron.training.machine import load_run_config
+from dynmo_plugin.megatron.training.parallel import resolve_backend
 from dynmo_plugin.train import build_parser, main
 
 

@@ -34,8 +34,8 @@ def _check_head_shrunk_layer(args):
     from dynmo_plugin.scenarios.gradual_pruning.live import shrunk_tensors
     from dynmo_plugin.scenarios.gradual_pruning.kernels import apply_mask_
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.extra_state import carried_state, loadable_state
-    from dynmo_plugin.megatron.model import layer_spec, transformer_config
+    from dynmo_plugin.megatron.migration.extra_state import carried_state, loadable_state
+    from dynmo_plugin.megatron.training.model import layer_spec, transformer_config
     from dynmo_plugin.scenarios.gradual_pruning.layer import head_prunable_layer_spec, neuron_prunable_layer_spec
     cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))
     plain_spec = neuron_prunable_layer_spec(layer_spec())
@@ -94,7 +94,7 @@ def _check_refuses_gqa(args):
     from dynmo_plugin.config import ConfigError
     from dynmo_plugin.scenarios.gradual_pruning.live import _check_head_pruning
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.model import transformer_config
+    from dynmo_plugin.megatron.training.model import transformer_config
     cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))
     _check_head_pruning(True, cfg)  # standard multi-head attention: fine
     with pytest.raises(ConfigError, match="grouped-query attention"):
@@ -108,7 +108,7 @@ def test_heads_out_of_range_is_one_line_naming_the_key(value):
     import argparse
 
     from dynmo_plugin.config import ConfigError, add_dynmo_args, add_model_args
-    from dynmo_plugin.megatron.machine import load_run_config
+    from dynmo_plugin.megatron.training.machine import load_run_config
     parser = add_dynmo_args(add_model_args(argparse.ArgumentParser()))
     args = parser.parse_args(["--dynmo-config", str(ROOT / "configs" / "gradual_pruning.yaml"),
                               "--dynmo-pruning-heads", value])
@@ -176,7 +176,7 @@ def test_checkpoint_after_head_shrink_is_full_width_and_resumes_under_another_la
     to the bit."""
     import shutil
 
-    from dynmo_plugin.megatron.dist_ckpt import read_tensors
+    from dynmo_plugin.megatron.checkpoint.dist_ckpt import read_tensors
     flags = SMALL + ["--dynmo-balancer", "uniform", "--save-interval", "3"]
     first = worker(2, flags + ["--save", str(tmp_path / "a")], tmp_path / "a")
     saved = read_tensors(str(tmp_path / "a" / "iter_0000006"))

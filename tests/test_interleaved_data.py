@@ -14,7 +14,7 @@ Megatron exchanges shapes before tensors (`variable_seq_lengths`). Under interle
 p2p call sends a chunk's activation and another chunk's gradient to the same peer when
 pp = 2, and Megatron's own shape exchange paired the two shape messages the wrong way
 round (gloo: "Received data size doesn't match expected size");
-`dynmo_plugin.megatron.p2p.PairedShapeP2P` sends the shapes as the tensors are sent.
+`dynmo_plugin.megatron.training.p2p.PairedShapeP2P` sends the shapes as the tensors are sent.
 With Megatron's P2PCommunicator back in `StageTrainer.train_step` the adaptive test fails
 with that gloo error. Its cost model is the prior (`power`, no timing fit), so both runs
 batch the same documents into the same shapes."""
@@ -41,7 +41,7 @@ FORCED = "3:Et||tttttt|tL;5:Ettt|t|tt|ttL"
 
 def _config(*flags):
     from dynmo_plugin.config import add_dynmo_args, add_model_args
-    from dynmo_plugin.megatron.machine import load_run_config
+    from dynmo_plugin.megatron.training.machine import load_run_config
     parser = add_dynmo_args(add_model_args(argparse.ArgumentParser()))
     return load_run_config(parser.parse_args(list(flags)), world_size=2)
 
@@ -57,7 +57,7 @@ def _shapes(iteration: int) -> set:
     test's premise: they differ within an iteration)."""
     import torch
 
-    from dynmo_plugin.data.build import build_packed_documents
+    from dynmo_plugin.megatron.data.build import build_packed_documents
     m = _config(*[f for f in ADAPTIVE if f != "--test-dump-params"]).model
     data = build_packed_documents(m.data, m.seed, m.vocab_size, m.seq_length, 1, 4)
     return {tuple(b["tokens"].shape) for b in data.micro_batches(iteration, 0, 1, torch.device("cpu"))}
@@ -69,7 +69,7 @@ def test_adaptive_batches_change_shape_within_an_iteration():
 
 def test_mix_adjusted_profile_keeps_num_chunks():
     """The data cost adjuster rescales layer times; the profile stays a v = 2 profile."""
-    from dynmo_plugin.data.calibration import mix_adjusted_profile
+    from dynmo_plugin.megatron.profiling.calibration import mix_adjusted_profile
     from dynmo_plugin.data.cost_model import KnapFormerCost
     from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile
     layer = LayerProfile(layer=1, stage=0, fwd_s=1.0, bwd_s=2.0, param_bytes=0, grad_bytes=0,

@@ -266,7 +266,7 @@ def _config(argv, world_size=2):
     import argparse
 
     from dynmo_plugin.config import add_dynmo_args, add_model_args
-    from dynmo_plugin.megatron.machine import load_run_config
+    from dynmo_plugin.megatron.training.machine import load_run_config
     parser = argparse.ArgumentParser()
     add_model_args(parser)
     add_dynmo_args(parser)

@@ -87,7 +87,7 @@ def test_profiled_rebalancing_is_accepted_with_virtual_stages():
     import argparse
 
     from dynmo_plugin.config import add_dynmo_args, add_model_args
-    from dynmo_plugin.megatron.machine import load_run_config
+    from dynmo_plugin.megatron.training.machine import load_run_config
     parser = argparse.ArgumentParser()
     add_model_args(parser)
     add_dynmo_args(parser)

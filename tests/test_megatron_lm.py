@@ -507,7 +507,7 @@ def _gloo_interleaved_p2p(config) -> None:
     not overlap_p2p_comm, and both choices break on gloo here (the batched exchange pairs
     the activation and gradient sent to the one peer by posting order, swapping them; the
     overlapped one gave NaN losses that changed from run to run). Megatron's unbatched,
-    non-overlapped path (what the launcher uses, dynmo_plugin/megatron/model.py) is exact."""
+    non-overlapped path (what the launcher uses, dynmo_plugin/megatron/training/model.py) is exact."""
     config.batch_p2p_comm = config.overlap_p2p_comm = False
 
 
@@ -545,7 +545,7 @@ def _harness() -> None:
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
                                              args.pipeline_model_parallel_size,
                                              args.virtual_pipeline_model_parallel_size)
-    from dynmo_plugin.megatron import cpu_compat
+    from dynmo_plugin.megatron.training import cpu_compat
     cpu_compat.apply()
     _cpu_streams()
     torch.set_num_threads(1)

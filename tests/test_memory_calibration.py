@@ -152,7 +152,7 @@ def busy_spec(layer_number: int, repeats: int):
 
 def main() -> int:
     from dynmo_plugin.train import build_parser, exit_on_peer_failure, run
-    from dynmo_plugin.megatron.machine import load_run_config
+    from dynmo_plugin.megatron.training.machine import load_run_config
     parser = build_parser()
     parser.add_argument("--test-busy-layer", type=int, default=0)
     parser.add_argument("--test-busy-repeats", type=int, default=0)

@@ -50,7 +50,7 @@ def _control_plane_rank(rank: int, port: int, out: str) -> None:
     attempt("decide", lambda: control.decide(lambda: (1, meta), "d"))
     attempt("send", lambda: control.send(meta, 1 - rank))
     attempt("cpu", lambda: control.all_gather(torch.tensor([rank]), "cpu"))
-    from dynmo_plugin.megatron.parallel import supports_shrinking
+    from dynmo_plugin.megatron.training.parallel import supports_shrinking
     seen["shrinks"] = supports_shrinking()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(seen, fh)
@@ -150,7 +150,7 @@ def test_packed_micro_batches_carry_padded_boundaries_ending_at_the_row():
     from dynmo_plugin.data.documents import DocumentStream, LognormalDocuments
     from dynmo_plugin.data.packing import SequentialPacker
     from dynmo_plugin.data.stream import PackedDocuments
-    from dynmo_plugin.megatron.varlen_attention import packed_seq_params
+    from dynmo_plugin.megatron.attention.varlen import packed_seq_params
     row = 128
     docs = DocumentStream(LognormalDocuments(seed=5, vocab_size=64, median=30, sigma=1.0,
                                              max_length=row, count=200), seed=5, max_length=row)
@@ -176,7 +176,7 @@ def test_deterministic_mode_follows_the_te_switch(monkeypatch):
     CUBLAS_WORKSPACE_CONFIG) turns on Megatron's deterministic_mode; unset it is off."""
     from dynmo_plugin.config import ModelArgs
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.model import transformer_config
+    from dynmo_plugin.megatron.training.model import transformer_config
     args = ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
     layout = Layout.parse("EttL")
     monkeypatch.delenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", raising=False)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dynmo_plugin.megatron.machine import load_run_config
+from dynmo_plugin.megatron.training.machine import load_run_config
 from dynmo_plugin.train import build_parser, nothing_to_balance
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ def _optimizer(model, distributed: bool = False):
 
 def _check_carry(args):
     from megatron.core.optimizer.grad_scaler import DynamicGradScaler
-    from dynmo_plugin.megatron.optim_state import carry_optimizer_state, megatron_optimizers
+    from dynmo_plugin.megatron.migration.optim_state import carry_optimizer_state, megatron_optimizers
     old, new = _optimizer(torch.nn.Linear(8, 8)), _optimizer(torch.nn.Linear(8, 8))
     (old_inner,), (new_inner,) = megatron_optimizers(old), megatron_optimizers(new)
     assert len(old_inner.optimizer.param_groups) == len(new_inner.optimizer.param_groups) > 0
@@ -44,7 +44,7 @@ def _check_carry(args):
 
 
 def _check_frozen(args):
-    from dynmo_plugin.megatron.optim_state import param_state, state_owner
+    from dynmo_plugin.megatron.migration.optim_state import param_state, state_owner
     model = torch.nn.Linear(8, 8)
     model.bias.requires_grad_(False)
     opt = _optimizer(model)
@@ -71,7 +71,7 @@ def _check_pieces(args):
     1-D shard main param. Pruning's masking zeroes moments (and the shard) off the mask
     in both."""
     from dynmo_plugin.scenarios.gradual_pruning.live import _mask_optimizer_state
-    from dynmo_plugin.megatron.optim_state import local_state_pieces
+    from dynmo_plugin.megatron.migration.optim_state import local_state_pieces
     for distributed in (False, True):
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 8)

@@ -123,7 +123,7 @@ SMALL = ["--dynmo", "--dynmo-config", str(ROOT / "configs" / "gradual_pruning.ya
 
 
 def _final(root) -> dict:
-    from dynmo_plugin.megatron.dist_ckpt import read_tensors
+    from dynmo_plugin.megatron.checkpoint.dist_ckpt import read_tensors
     return read_tensors(str(root / "iter_0000009"))
 
 
@@ -176,7 +176,7 @@ def test_checkpoint_after_shrink_resumes_under_another_layout(saved, tmp_path, n
 
 
 def _final_state_at(root, iteration: int) -> dict:
-    from dynmo_plugin.megatron.dist_ckpt import read_tensors
+    from dynmo_plugin.megatron.checkpoint.dist_ckpt import read_tensors
     return read_tensors(str(root / f"iter_{iteration:07d}"))
 
 
@@ -193,8 +193,8 @@ def _check_shrunk_layer(args):
     from dynmo_plugin.scenarios.gradual_pruning.live import shrunk_tensors
     from dynmo_plugin.scenarios.gradual_pruning.kernels import apply_mask_
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.extra_state import carried_state, loadable_state
-    from dynmo_plugin.megatron.model import layer_spec, transformer_config
+    from dynmo_plugin.megatron.migration.extra_state import carried_state, loadable_state
+    from dynmo_plugin.megatron.training.model import layer_spec, transformer_config
     from dynmo_plugin.scenarios.gradual_pruning.layer import neuron_prunable_layer_spec
     cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))
     spec = neuron_prunable_layer_spec(layer_spec())

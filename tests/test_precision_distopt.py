@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dynmo_plugin.config import ConfigError, add_dynmo_args, add_model_args
-from dynmo_plugin.megatron.machine import load_run_config
+from dynmo_plugin.megatron.training.machine import load_run_config
 from launch import SMALL_MODEL, in_megatron_process, losses, train
 
 MODEL = SMALL_MODEL + ["--train-iters", "6", "--dynmo",
@@ -58,7 +58,7 @@ def _check_type_spelling(args):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
-    from dynmo_plugin.megatron.optim_state import megatron_optimizers
+    from dynmo_plugin.megatron.migration.optim_state import megatron_optimizers
     assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.BFloat16Tensor"
     assert torch.zeros(1).type(torch.float16).dtype == torch.float16
     cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True,

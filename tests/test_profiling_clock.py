@@ -15,7 +15,7 @@ import torch
 from launch import in_megatron_process
 
 from dynmo_plugin.config import ModelArgs
-from dynmo_plugin.megatron.timers import TimerTap
+from dynmo_plugin.megatron.profiling.timers import TimerTap
 from dynmo_plugin.profiling.clock import CpuThreadClock, CudaEventClock, WallClock, comm_clock_for
 
 
@@ -57,9 +57,9 @@ def _check_every_span_starts_after_a_sync(args):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.parallel import ParallelDims
-    from dynmo_plugin.megatron.probe import StageProbe
-    from dynmo_plugin.megatron.trainer import StageTrainer
+    from dynmo_plugin.megatron.training.parallel import ParallelDims
+    from dynmo_plugin.megatron.profiling.probe import StageProbe
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
     dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
                         device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
     trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1))
@@ -124,9 +124,9 @@ def _check_window_summary(args):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.parallel import ParallelDims
-    from dynmo_plugin.megatron.profiler import ProfileWindow
-    from dynmo_plugin.megatron.trainer import StageTrainer
+    from dynmo_plugin.megatron.training.parallel import ParallelDims
+    from dynmo_plugin.megatron.profiling.profiler import ProfileWindow
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
     dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
                         device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
     trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1))
@@ -176,7 +176,7 @@ def test_window_peak_survives_a_rebuild_that_resets_the_allocator_peak():
     """Freezing rebuild()s between a step and the iteration's end (migrate.py resets the
     peak for its own measurement): the window keeps each step's peak and leaves the
     migration's transient out. The optimizer (and its global step hook) is real."""
-    from dynmo_plugin.megatron.profiler import _DevicePeak
+    from dynmo_plugin.megatron.profiling.profiler import _DevicePeak
     weight = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([weight], lr=0.1)
     cuda = AllocatorStandIn(allocated=10)

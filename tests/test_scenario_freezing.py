@@ -175,7 +175,7 @@ def test_resumed_after_a_freeze_trains_on_exactly(runs, tmp_path):
 
 def test_shipped_config_is_valid():
     """configs/layer_freezing.yaml loads (the run itself: docs/scenarios/layer_freezing.md)."""
-    from dynmo_plugin.megatron.machine import load_run_config
+    from dynmo_plugin.megatron.training.machine import load_run_config
     from dynmo_plugin.train import build_parser
     from launch import ROOT
     args = build_parser().parse_args(["--dynmo", "--dynmo-config", str(ROOT / "configs/layer_freezing.yaml")])

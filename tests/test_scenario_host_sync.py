@@ -54,7 +54,7 @@ def _check_layers(args):
     from dynmo_plugin.scenarios.layer_freezing.layer import freezable_spec
     from dynmo_plugin.scenarios.sparse_attention.layer import lsh_attention_spec
     from dynmo_plugin.scenarios.mixture_of_depths.layer import ModContext, mod_spec
-    from dynmo_plugin.megatron.model import layer_spec, transformer_config
+    from dynmo_plugin.megatron.training.model import layer_spec, transformer_config
 
     cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))
     base = layer_spec()
@@ -112,7 +112,7 @@ def test_varlen_attention_slices_by_the_host_boundaries():
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from dynmo_plugin.megatron.varlen_attention import VarlenCoreAttention, packed_seq_params
+    from dynmo_plugin.megatron.attention.varlen import VarlenCoreAttention, packed_seq_params
     cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
                             attention_dropout=0.0, hidden_dropout=0.0)
     module = VarlenCoreAttention(cfg, 1, AttnMaskType.causal, "self")

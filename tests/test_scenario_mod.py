@@ -89,7 +89,7 @@ def _check_routing(args):
 
     from dynmo_plugin.layout import Layout
     from dynmo_plugin.scenarios.mixture_of_depths.layer import ModContext, mod_spec
-    from dynmo_plugin.megatron.model import layer_spec, transformer_config
+    from dynmo_plugin.megatron.training.model import layer_spec, transformer_config
 
     cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))
     spec = mod_spec(layer_spec(), {2: 0.5}, 8)

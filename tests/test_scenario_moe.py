@@ -88,7 +88,7 @@ def test_configure_model_passes_megatrons_checks(top_k, capacity, every):
     from dynmo_plugin.config import DynamismConfig, ModelArgs
     from dynmo_plugin.scenarios.moe.live import MixtureOfExperts
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.model import transformer_config
+    from dynmo_plugin.megatron.training.model import transformer_config
 
     settings = DynamismConfig(kind="moe")
     settings.moe.top_k, settings.moe.capacity_factor, settings.moe.every = top_k, capacity, every

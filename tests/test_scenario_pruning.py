@@ -164,7 +164,7 @@ def test_pruned_weights_stay_zero_and_global_sparsity_matches(dynmo):
 
 def _layer(args, threshold=0.85, structured=False):
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.model import layer_spec, transformer_config
+    from dynmo_plugin.megatron.training.model import layer_spec, transformer_config
     from dynmo_plugin.scenarios.gradual_pruning.layer import neuron_prunable_layer_spec, prunable_layer_spec
     cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))
     spec = neuron_prunable_layer_spec(layer_spec()) if structured else prunable_layer_spec(layer_spec(), threshold)

@@ -72,7 +72,7 @@ def contract_problems(cls: type, protocol: type = StageHandle) -> list[str]:
 
 def _stage_classes() -> dict[str, type]:
     from dynmo_plugin.integrations.megatron_lm import MegatronLMStage
-    from dynmo_plugin.megatron.trainer import StageTrainer
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
     return {"StageTrainer": StageTrainer, "MegatronLMStage": MegatronLMStage}
 
 
@@ -135,7 +135,7 @@ def test_the_check_finds_a_missing_member_and_a_changed_signature():
 
 def test_parallel_dims_and_model_args_carry_what_the_contract_reads():
     from dynmo_plugin.config import ModelArgs
-    from dynmo_plugin.megatron.parallel import ParallelDims
+    from dynmo_plugin.megatron.training.parallel import ParallelDims
 
     for cls, protocol in ((ParallelDims, StageDims), (ModelArgs, ModelFlags)):
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -163,8 +163,8 @@ def _check_live_launcher_stage(args):
     contract says, and `current_dims` (the one builder of ParallelDims) reads the world
     init_parallel made."""
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.parallel import current_dims
-    from dynmo_plugin.megatron.trainer import StageTrainer
+    from dynmo_plugin.megatron.training.parallel import current_dims
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
 
     dims = current_dims()
     assert (dims.rank, dims.world_size, dims.tp, dims.pp, dims.dp, dims.pp_rank, dims.dp_rank) \
@@ -198,6 +198,6 @@ def test_one_place_builds_the_controller_and_one_the_parallel_dims():
     """The launcher's session and the Megatron-LM run both get their controller from
     assembly.assemble and their ParallelDims from megatron.parallel.current_dims."""
     assert _built_in("DynMo") == {"dynmo_plugin/assembly.py"}
-    assert _built_in("ParallelDims") == {"dynmo_plugin/megatron/parallel.py"}
+    assert _built_in("ParallelDims") == {"dynmo_plugin/megatron/training/parallel.py"}
     assert _built_in("assemble") == {"dynmo_plugin/session.py",
                                      "dynmo_plugin/integrations/megatron_lm.py"}

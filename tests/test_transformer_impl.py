@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from dynmo_plugin.config import ConfigError, resolve_transformer_impl
-from dynmo_plugin.megatron.machine import load_run_config
-from dynmo_plugin.megatron.machine import transformer_engine_problem
-from dynmo_plugin.megatron.extra_state import ExtraStateError, carried_state, loadable_state
+from dynmo_plugin.megatron.training.machine import load_run_config
+from dynmo_plugin.megatron.training.machine import transformer_engine_problem
+from dynmo_plugin.megatron.migration.extra_state import ExtraStateError, carried_state, loadable_state
 from dynmo_plugin.migration.wire import pack, unpack
 from dynmo_plugin.train import build_parser, main
 
@@ -109,7 +109,7 @@ def test_transformer_engine_problem_names_the_import_failure():
 def test_layer_spec_builds_what_was_resolved():
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    from dynmo_plugin.megatron.model import layer_spec
+    from dynmo_plugin.megatron.training.model import layer_spec
     qkv = layer_spec("local").submodules.self_attention.submodules.linear_qkv
     assert qkv is ColumnParallelLinear
     with pytest.raises(ValueError, match="transformer_impl 'te': expected local or transformer_engine"):

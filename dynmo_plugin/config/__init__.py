@@ -16,7 +16,7 @@ The package, bottom up: `fields` (a field's metadata and value checks), `schema`
 dataclasses; pure; each scenario's section is its own dataclass in
 `dynmo_plugin/scenarios/<name>/config.py`, found through the scenario registry), `flags`
 (argparse from the dataclasses), `checks` (across fields), `load` (YAML + flags ->
-`RunConfig`). Probing the machine lives in `dynmo_plugin.megatron.machine`, reading the
+`RunConfig`). Probing the machine lives in `dynmo_plugin.megatron.training.machine`, reading the
 dataset's tokenizer in `dynmo_plugin.data.tokenizer`.
 
 The names below are loaded on first use (PEP 562): the scenarios' config dataclasses

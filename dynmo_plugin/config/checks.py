@@ -3,7 +3,7 @@ own field check: the model's shape against the world, precision, forced layouts,
 scenario's keys, repacking, packed data, and which transformer implementation to build.
 
 What the machine offers (CUDA GPUs, whether Transformer Engine imports) is probed in
-`dynmo_plugin.megatron.machine` and comes in as arguments; the dataset's vocabulary is
+`dynmo_plugin.megatron.training.machine` and comes in as arguments; the dataset's vocabulary is
 read by `dynmo_plugin.data.tokenizer`. Each problem is one `ConfigError` line naming
 where the value came from and the fix.
 """

@@ -173,7 +173,7 @@ def load_config(args: argparse.Namespace, world_size: int | None = None, *,
     `cuda_devices` and `te_problem` ask the machine (how many CUDA GPUs are visible; why
     Transformer Engine does not import, None if it does) to choose model.transformer_impl;
     they are called last, only when the answer matters. Both are the caller's to give:
-    config/ never asks the machine itself (`dynmo_plugin.megatron.machine.load_run_config`
+    config/ never asks the machine itself (`dynmo_plugin.megatron.training.machine.load_run_config`
     passes this machine's; torchrun's pre-spawn check a `te_problem` that imports nothing).
 
     Raises:

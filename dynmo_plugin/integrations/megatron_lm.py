@@ -41,7 +41,7 @@ import time
 from typing import Callable, Optional
 
 from dynmo_plugin.config import ConfigError, RunConfig, add_dynmo_args
-from dynmo_plugin.megatron.machine import load_run_config
+from dynmo_plugin.megatron.training.machine import load_run_config
 from dynmo_plugin.integrations.megatron_lm_hooks import MegatronLMError
 from dynmo_plugin.integrations.megatron_lm_hooks import hooks as _hooks
 from dynmo_plugin.layout import Layout
@@ -292,7 +292,7 @@ class MegatronLMStage:
         self.num_chunks = len(chunks)
         self.config = get_model_config(chunks[0])
         self.spec = _layer_spec(self.chunks)
-        from dynmo_plugin.megatron.parallel import current_dims
+        from dynmo_plugin.megatron.training.parallel import current_dims
         self.dims = current_dims()
         self.layout = _current_layout(self.chunks, self.dims)
 
@@ -632,7 +632,7 @@ class _Run:
         checkpoint_and_decide_exit saves with --save and train() exits), whose args carry
         `dynmo_next_layout` for the restart's --load (restore_saved_layout); every rank
         decides alike (the controller's decision is collective)."""
-        from dynmo_plugin.megatron.repack import RepackResult
+        from dynmo_plugin.megatron.migration.repack import RepackResult
         d, args = self.stage.dims, self.args
         world = d.tp * d.dp * layout.num_ranks
         args.exit_interval = self.iteration  # Megatron-LM counts it done after this step

@@ -1,6 +1,6 @@
 """Per-layer time and memory from live training (device-neutral parts).
 
-The Megatron hooks that feed these records live in `dynmo_plugin.megatron.probe`.
+The Megatron hooks that feed these records live in `dynmo_plugin.megatron.profiling.probe`.
 """
 from dynmo_plugin.profiling.clock import Clock, CpuThreadClock, CudaEventClock, WallClock, clock_for
 from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile

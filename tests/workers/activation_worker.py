@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from dynmo_plugin.megatron.machine import load_run_config
+from dynmo_plugin.megatron.training.machine import load_run_config
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.train import build_parser
 
@@ -42,9 +42,9 @@ def saved_bytes_in_graph(output: torch.Tensor, stop: torch.Tensor, param_ptrs: s
 
 
 def main():
-    from dynmo_plugin.megatron.parallel import destroy_parallel, init_parallel
-    from dynmo_plugin.megatron.probe import StageProbe
-    from dynmo_plugin.megatron.trainer import StageTrainer
+    from dynmo_plugin.megatron.training.parallel import destroy_parallel, init_parallel
+    from dynmo_plugin.megatron.profiling.probe import StageProbe
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
     from dynmo_plugin.profiling.clock import CpuThreadClock
 
     args = build_parser().parse_args()

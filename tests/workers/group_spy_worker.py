@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from dynmo_plugin.megatron import optim_state
+from dynmo_plugin.megatron.migration import optim_state
 from workers import train_worker
 
 _records: list = []

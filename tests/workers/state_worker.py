@@ -6,7 +6,7 @@ optimizer — to <output>/state_rank<R>.pt."""
 import os
 import sys
 
-from dynmo_plugin.megatron.machine import load_run_config
+from dynmo_plugin.megatron.training.machine import load_run_config
 from dynmo_plugin.train import build_parser, exit_on_peer_failure, run
 
 
@@ -15,7 +15,7 @@ def main():
 
     def dump_state(trainer):
         import torch
-        from dynmo_plugin.megatron.stage_state import StageState, capture
+        from dynmo_plugin.megatron.migration.stage_state import StageState, capture
         state = StageState()  # interleaved: every model chunk of the rank
         for chunk in trainer.chunks:
             state.merge(capture(chunk, trainer.optimizer))  # collective over DP

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from dynmo_plugin.megatron.machine import load_run_config
+from dynmo_plugin.megatron.training.machine import load_run_config
 from dynmo_plugin.train import build_parser, exit_on_peer_failure, run
 
 
@@ -62,13 +62,13 @@ def main():
 
     def dump_params(trainer):
         import torch
-        from dynmo_plugin.megatron.model import global_named_parameters
+        from dynmo_plugin.megatron.training.model import global_named_parameters
         params = {n: p.detach().clone() for chunk in trainer.chunks  # interleaved: several
                   for n, p in global_named_parameters(chunk)}
         torch.save(params, os.path.join(cfg.model.output, f"params_rank{rank}.pt"))
 
     def freeze(trainer):
-        from dynmo_plugin.megatron.migrate import retire_ddp
+        from dynmo_plugin.megatron.migration.migrate import retire_ddp
         for layer in trainer.model.decoder.layers:
             if layer.layer_number in frozen:
                 layer.requires_grad_(False)

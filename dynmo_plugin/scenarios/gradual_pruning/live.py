@@ -339,7 +339,7 @@ def _mask_optimizer_state(optimizer, w: torch.nn.Parameter, mask: torch.Tensor) 
     the flattened `w` with the distributed optimizer (so the mask is flattened the same
     way the gradient buffer flattens `w`). Without it Adam's history and the masters
     drift at pruned positions (see zero_adam_state_)."""
-    from dynmo_plugin.megatron.optim_state import local_state_pieces
+    from dynmo_plugin.megatron.migration.optim_state import local_state_pieces
     flat = mask.reshape(-1)
     for state, master, piece in local_state_pieces(optimizer, w):
         if master is not None:

@@ -224,7 +224,7 @@ def _embedding_params(model) -> list:
 def _restore(ddps, params, layers) -> None:
     """Undo a freeze whose rebuild was abandoned: the old DDPs (one per model chunk) are
     live again and must hook the parameters that train again."""
-    from dynmo_plugin.megatron.migrate import _attach_hooks, _detach_hooks
+    from dynmo_plugin.megatron.migration.migrate import _attach_hooks, _detach_hooks
     for p in params:
         p.requires_grad_(True)
     for layer in layers:

@@ -207,7 +207,7 @@ def time_scratch_layers(trainer, clock, capacities, repeats: int) -> dict:
     `trainer`'s spec and config, in the run's precision, on random inputs of the run's
     shape: a plain layer (key None) and a routed one at each capacity, `repeats` rounds
     after one warm-up round. Touches no live layer and no RNG state."""
-    from dynmo_plugin.megatron.scratch import build_scratch_layer, scratch_input
+    from dynmo_plugin.megatron.training.scratch import build_scratch_layer, scratch_input
     cfg, args = trainer.config, trainer.args
     decoder, width = trainer.model.decoder, trainer.spec.params["predictor_width"]
     device = trainer.dims.device

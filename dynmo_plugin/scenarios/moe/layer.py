@@ -2,7 +2,7 @@
 
 Megatron builds an MoE pattern (`moe_layer_freq`: every N-th layer, or a 0/1 list) as a
 block spec with one layer spec per layer. A migration, however, builds a single layer
-from ONE spec (dynmo_plugin.megatron.migrate: `build_module(spec, layer_number=...)`),
+from ONE spec (dynmo_plugin.megatron.migration.migrate: `build_module(spec, layer_number=...)`),
 wherever the layer lands. So `MoeTransformerLayer` carries both submodule sets and
 picks by its global layer number: MoE iff it is in `moe_layers` (the scenario resolves
 the pattern once: dynmo_plugin.scenarios.moe.live.moe_layer_numbers).
@@ -129,7 +129,7 @@ def calibrate(trainer, moe_layers: tuple[int, ...], repeats: int = 3, rounds: in
     scenario clears every iteration)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from dynmo_plugin.megatron.scratch import build_scratch_layer, scratch_input
+    from dynmo_plugin.megatron.training.scratch import build_scratch_layer, scratch_input
     from dynmo_plugin.profiling.clock import clock_for
 
     t = trainer

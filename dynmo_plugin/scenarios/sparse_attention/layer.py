@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from dynmo_plugin.megatron.core_attention import CausalCoreAttention
+from dynmo_plugin.megatron.attention.core import CausalCoreAttention
 
 __all__ = ["LSHCoreAttention", "lsh_attention", "dense_causal_attention", "hash_rotation",
            "lsh_attention_spec", "core_attentions", "time_attention", "time_layer"]
@@ -305,7 +305,7 @@ def time_layer(spec: ModuleSpec, config, pg_collection, vp_stage, s: int, b: int
     0), run at each bucket count on a random [s, b, hidden] input with the causal mask.
     Key 0: the layer without attention (the core attention passes the values through),
     i.e. its linear part."""
-    from dynmo_plugin.megatron.scratch import build_scratch_layer, scratch_input
+    from dynmo_plugin.megatron.training.scratch import build_scratch_layer, scratch_input
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     layer = build_scratch_layer(spec, config, 1, pg_collection, vp_stage, device, gen)  # run's dtype

@@ -20,7 +20,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from dynmo_plugin.config import ModelArgs, resolve_transformer_impl
-from dynmo_plugin.megatron.machine import transformer_engine_problem
+from dynmo_plugin.megatron.training.machine import transformer_engine_problem
 from dynmo_plugin.layout import Layout
 
 __all__ = ["transformer_config", "deterministic_kernels", "params_dtype", "layer_spec", "build_stage_model", "global_named_parameters",

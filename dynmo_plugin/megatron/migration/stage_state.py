@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from dynmo_plugin.megatron.optim_state import gather_param_states, put_param_state
+from dynmo_plugin.megatron.migration.optim_state import gather_param_states, put_param_state
 
 __all__ = ["StageState", "capture", "restore_model", "restore_optimizer", "global_key"]
 

@@ -25,7 +25,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from dynmo_plugin.megatron.core_attention import CausalCoreAttention
+from dynmo_plugin.megatron.attention.core import CausalCoreAttention
 
 __all__ = ["VarlenCoreAttention", "varlen_attention", "varlen_attention_spec",
            "packed_seq_params"]

@@ -13,7 +13,7 @@ __all__ = ["build_packed_documents", "document_source"]
 def document_source(data, seed: int, vocab_size: int, max_length: int):
     """The documents: Megatron's indexed dataset at `data.path`, or lognormal lengths."""
     if data.path:
-        from dynmo_plugin.megatron.indexed_data import IndexedDocuments
+        from dynmo_plugin.megatron.data.indexed import IndexedDocuments
         return IndexedDocuments(data.path)
     return LognormalDocuments(seed=seed, vocab_size=vocab_size, median=data.lognormal_median,
                               sigma=data.lognormal_sigma, max_length=max_length)

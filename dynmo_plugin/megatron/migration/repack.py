@@ -33,9 +33,9 @@ import torch
 
 from dynmo_plugin.consensus import ControlPlane
 from dynmo_plugin.layout import Layout
-from dynmo_plugin.megatron.optim_state import carry_optimizer_state, megatron_optimizers
-from dynmo_plugin.megatron.parallel import destroy_parallel, shrink_world, survives
-from dynmo_plugin.megatron.stage_state import StageState, capture
+from dynmo_plugin.megatron.migration.optim_state import carry_optimizer_state, megatron_optimizers
+from dynmo_plugin.megatron.training.parallel import destroy_parallel, shrink_world, survives
+from dynmo_plugin.megatron.migration.stage_state import StageState, capture
 from dynmo_plugin.migration.exchange import exchange_buffers, exchange_headers
 from dynmo_plugin.migration.result import MigrationResult
 from dynmo_plugin.migration.wire import checksum, empty_buffers, pack, unpack
@@ -218,8 +218,8 @@ class Repacker:
         are released first: past the point of no return nothing reads them, and the new
         stage is built while only the old parameters (which `state` references) and the
         gathered full optimizer state are still alive."""
-        from dynmo_plugin.megatron.migrate import LayerMigrator
-        from dynmo_plugin.megatron.trainer import StageTrainer
+        from dynmo_plugin.megatron.migration.migrate import LayerMigrator
+        from dynmo_plugin.megatron.training.trainer import StageTrainer
         s = self.session
         old = s.trainer
         _release_training_state(old)
@@ -239,7 +239,7 @@ def _release_training_state(old) -> None:
     shards with the distributed optimizer; what `capture` took by reference stays
     alive through the captured state). Per-group settings and the loss scaler, which
     `carry_optimizer_state` reads, are kept."""
-    from dynmo_plugin.megatron.migrate import retire_ddp
+    from dynmo_plugin.megatron.migration.migrate import retire_ddp
     for ddp in old.ddps:
         retire_ddp(ddp)
     for chunk in old.chunks:

@@ -43,7 +43,7 @@ def _iter_dir(root: str, iteration: int) -> str:
 
 def _frozen_names(trainer) -> list[str]:
     """Global names of the rank's frozen parameters, over every model chunk."""
-    from dynmo_plugin.megatron.model import global_named_parameters
+    from dynmo_plugin.megatron.training.model import global_named_parameters
     return sorted(name for chunk in trainer.chunks
                   for name, p in global_named_parameters(chunk) if not p.requires_grad)
 
@@ -96,7 +96,7 @@ def save_checkpoint(root: str, iteration: int, trainer, control, meta: dict) -> 
     Raises:
         CheckpointError: on every rank, if any rank failed to write its part.
     """
-    from dynmo_plugin.megatron.dist_ckpt import (agreed_steps, check_sharding, local_steps,
+    from dynmo_plugin.megatron.checkpoint.dist_ckpt import (agreed_steps, check_sharding, local_steps,
                                                  save_sharded, sharded_state)
     d = trainer.dims
     final, tmp = _iter_dir(root, iteration), _iter_dir(root, iteration) + ".tmp"
@@ -155,7 +155,7 @@ def read_meta(root: str, resume_if_absent: bool = False) -> Optional[dict]:
         CheckpointError: no such directory, no checkpoint in it, or an incomplete,
             unreadable or foreign one (the message names the file).
     """
-    from dynmo_plugin.megatron.dist_ckpt import REQUIRED_FILES
+    from dynmo_plugin.megatron.checkpoint.dist_ckpt import REQUIRED_FILES
     latest = os.path.join(root, _LATEST)
     if not os.path.exists(latest):
         if resume_if_absent:
@@ -187,8 +187,8 @@ def read_meta(root: str, resume_if_absent: bool = False) -> Optional[dict]:
 def _freeze(trainer, frozen: set) -> None:
     """Collective: freeze the parameters named `frozen` (global names) in every model
     chunk and rebuild each chunk's DDP and the one optimizer without them."""
-    from dynmo_plugin.megatron.migrate import retire_ddp
-    from dynmo_plugin.megatron.model import global_named_parameters
+    from dynmo_plugin.megatron.migration.migrate import retire_ddp
+    from dynmo_plugin.megatron.training.model import global_named_parameters
     for chunk in trainer.chunks:
         for name, p in global_named_parameters(chunk):
             p.requires_grad_(name not in frozen)
@@ -209,7 +209,7 @@ def load_checkpoint(root: str, meta: dict, trainer, control) -> None:
         CheckpointError: on every rank, when the sharded data cannot be read or does not
             fit this model (one line: the first line of Megatron's message).
     """
-    from dynmo_plugin.megatron.dist_ckpt import check_sharding, load_sharded, sharded_state
+    from dynmo_plugin.megatron.checkpoint.dist_ckpt import check_sharding, load_sharded, sharded_state
     frozen = set(meta.get("frozen", []))
     if frozen:
         _freeze(trainer, frozen)

@@ -37,14 +37,14 @@ from megatron.core.transformer.module import Float16Module
 
 from dynmo_plugin.config import ConfigError, ModelArgs
 from dynmo_plugin.data import SyntheticTokens
-from dynmo_plugin.data.build import build_packed_documents
+from dynmo_plugin.megatron.data.build import build_packed_documents
 from dynmo_plugin.layout import Layout
-from dynmo_plugin.megatron.model import (build_stage_model, layer_spec, params_dtype,
+from dynmo_plugin.megatron.training.model import (build_stage_model, layer_spec, params_dtype,
                                          transformer_config)
-from dynmo_plugin.megatron.p2p import PairedShapeP2P
-from dynmo_plugin.megatron.parallel import ParallelDims
-from dynmo_plugin.megatron.stage_state import restore_model, restore_optimizer
-from dynmo_plugin.megatron.varlen_attention import packed_seq_params, varlen_attention_spec
+from dynmo_plugin.megatron.training.p2p import PairedShapeP2P
+from dynmo_plugin.megatron.training.parallel import ParallelDims
+from dynmo_plugin.megatron.migration.stage_state import restore_model, restore_optimizer
+from dynmo_plugin.megatron.attention.varlen import packed_seq_params, varlen_attention_spec
 
 __all__ = ["StageTrainer"]
 
@@ -222,7 +222,7 @@ class StageTrainer:
         batches = list(self.data.micro_batches(iteration, self.dims.dp_rank, self.dims.dp,
                                                self.dims.device))
         if self.num_chunks > 1:  # each chunk reads every micro-batch once, in order;
-            # PairedShapeP2P: Megatron's shape exchange mispairs at pp = 2 (megatron/p2p.py)
+            # PairedShapeP2P: Megatron's shape exchange mispairs at pp = 2 (megatron/training/p2p.py)
             data, schedule = [iter(batches) for _ in self.ddps], partial(
                 get_forward_backward_func(self.dims.pp, self.num_chunks),
                 p2p_communicator=PairedShapeP2P(self.dims.groups.pp, self.config),

@@ -9,7 +9,7 @@ Memory per stage (`StageProfile.peak_bytes`): on CUDA the allocator's peak over 
 window's training steps (`torch.cuda.max_memory_allocated`): everything, transient buffers
 included. It is read right after each optimizer step and the statistics are reset at each
 iteration's end (`_DevicePeak`), so a freezing `rebuild()` between a step and the
-iteration's end (megatron/migrate.py resets the peak for its own measurement) neither
+iteration's end (megatron/migration/migrate.py resets the peak for its own measurement) neither
 erases the step's peak nor adds the migration's transient buffers to the window. On CPU there is no allocator peak, so the bytes are
 accounted from what the stage really holds: every parameter, gradient-buffer and
 optimizer-state storage once (`static_bytes`: a padded DDP buffer counts whole), plus
@@ -32,9 +32,9 @@ import logging
 
 import torch
 
-from dynmo_plugin.megatron.optim_state import state_nbytes
-from dynmo_plugin.megatron.probe import SavedBytes, StageProbe
-from dynmo_plugin.megatron.timers import COMPUTE_TIMERS, TimerTap
+from dynmo_plugin.megatron.migration.optim_state import state_nbytes
+from dynmo_plugin.megatron.profiling.probe import SavedBytes, StageProbe
+from dynmo_plugin.megatron.profiling.timers import COMPUTE_TIMERS, TimerTap
 from dynmo_plugin.profiling.clock import clock_for
 from dynmo_plugin.profiling.gather import gather_profile
 from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile, cost_spread, median

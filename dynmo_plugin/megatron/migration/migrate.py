@@ -45,8 +45,8 @@ from megatron.core.transformer.spec_utils import build_module
 
 from dynmo_plugin.consensus import ControlPlane, PeerFailure
 from dynmo_plugin.layout import Layout
-from dynmo_plugin.megatron.extra_state import carried_state, loadable_state
-from dynmo_plugin.megatron.optim_state import (carry_optimizer_state, gather_param_states,
+from dynmo_plugin.megatron.migration.extra_state import carried_state, loadable_state
+from dynmo_plugin.megatron.migration.optim_state import (carry_optimizer_state, gather_param_states,
                                                put_param_state)
 from dynmo_plugin.migration.exchange import (TIMEOUT_MARK, exchange_buffers, exchange_headers)
 from dynmo_plugin.migration.pool import StagingPool

@@ -53,7 +53,7 @@ class CostCalibration:
     def before_step(self, trainer, iteration: int) -> None:
         if self.done or iteration != self.first:
             return
-        from dynmo_plugin.megatron.probe import StageProbe
+        from dynmo_plugin.megatron.profiling.probe import StageProbe
         from dynmo_plugin.profiling.clock import clock_for
         clock = clock_for(trainer.dims.device)  # every chunk's layers (interleaved: v chunks)
         self.probes = [StageProbe(chunk, clock, count_activations=False) for chunk in trainer.chunks]

@@ -93,7 +93,7 @@ def _init_adam_state(optimizer) -> None:
     optimizer lacks; loading replaces all of it."""
     import torch
 
-    from dynmo_plugin.megatron.optim_state import megatron_optimizers
+    from dynmo_plugin.megatron.migration.optim_state import megatron_optimizers
     for opt in megatron_optimizers(optimizer):
         inner = opt.optimizer
         for group in inner.param_groups:
@@ -134,7 +134,7 @@ def sharded_state(trainer, loading: bool, steps: Optional[list] = None) -> dict:
 def local_steps(optimizer) -> list:
     """Adam's step per chained optimizer on this rank (None: it holds no Adam state, e.g.
     every parameter of the stage is frozen). Gather it over the ranks: `agreed_steps`."""
-    from dynmo_plugin.megatron.optim_state import megatron_optimizers
+    from dynmo_plugin.megatron.migration.optim_state import megatron_optimizers
     steps = [next((s["step"] for s in opt.optimizer.state.values() if "step" in s), None)
              for opt in megatron_optimizers(optimizer)]
     return [None if s is None else torch.as_tensor(s).detach().cpu() for s in steps]
@@ -167,7 +167,7 @@ def _steps_where_none(optimizer, steps: list):
     and the other stages failed to load: KeyError 'step'), the distributed one asserts.
     So such an optimizer holds the agreed step, under a key that is no parameter, while
     Megatron builds its state dict."""
-    from dynmo_plugin.megatron.optim_state import megatron_optimizers
+    from dynmo_plugin.megatron.migration.optim_state import megatron_optimizers
     empty = [(opt.optimizer, step) for opt, step in zip(megatron_optimizers(optimizer), steps)
              if step is not None and not opt.optimizer.state]
     for inner, step in empty:
@@ -290,7 +290,7 @@ def _load_optimizer(optimizer, state: dict) -> None:
     (KeyError 'step'). So the parameter state is loaded with `step` set aside."""
     from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
 
-    from dynmo_plugin.megatron.optim_state import megatron_optimizers
+    from dynmo_plugin.megatron.migration.optim_state import megatron_optimizers
     chain = list(megatron_optimizers(optimizer))
     if HAVE_APEX_OR_TE or not any(isinstance(o, DistributedOptimizer) for o in chain):
         optimizer.load_state_dict(state)

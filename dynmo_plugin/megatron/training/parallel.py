@@ -98,7 +98,7 @@ def init_parallel(args: ModelArgs) -> ParallelDims:
         else:
             dist.init_process_group(backend)
     if not cuda:
-        from dynmo_plugin.megatron import cpu_compat
+        from dynmo_plugin.megatron.training import cpu_compat
         cpu_compat.apply()
         torch.set_num_threads(1)  # CPU-time profiling needs one thread per rank
     torch.manual_seed(args.seed)
