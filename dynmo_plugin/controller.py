@@ -1,10 +1,14 @@
 """The `DynMo` controller: the two calls a training loop adds.
 
-    dynmo = DynMo(config, trainer, report)
+    parts = assemble(cfg, stage, ...)        # dynmo_plugin.assembly: DynMo(config, stage,
+    dynmo = parts.dynmo                       #   control, migrator, report, repacker=...)
     for iteration in range(1, train_iters + 1):
         dynmo.before_step(iteration)          # may migrate layers or open a window
-        loss = trainer.train_step(iteration)
+        loss = stage.train_step(iteration)
         dynmo.after_step(iteration)           # feeds the window; closing it may rebalance
+
+`stage` is a `dynmo_plugin.stage.StageHandle` (the launcher's StageTrainer or the
+Megatron-LM stage).
 
 Per trigger: profile window -> gathered profile -> decision on rank 0, broadcast ->
 migration -> report event. Triggers: dynamism events (`notify_event`), a black-box
