@@ -423,6 +423,33 @@ def _within(cand: RepackCandidate, limit: float, slow: str) -> RepackCandidate:
     return cand
 
 
+_REBUILD = "rebuild does not fit: "
+
+
+def _rebuild_fits(problem: BalanceProblem, cand: RepackCandidate) -> RepackCandidate:
+    """`cand`, refused when the live rebuild onto its layout overflows a survivor
+    (`_rebuild_overflow`); the scans then go on to another K. Only the split `exact`
+    chose for K is checked: a slower split of the same K whose rebuild would fit is not
+    searched (the solver bounds one memory quantity per stage, the steady state)."""
+    if cand.fits:
+        why = _rebuild_overflow(problem, cand.layout)
+        if why:
+            return replace(cand, fits=False, reason=_REBUILD + why)
+    return cand
+
+
+def _rebuild_refusal(candidates: list[RepackCandidate], most_gpu_s: float | None) -> str:
+    """One line naming the rebuild's peak when it alone refused a K that otherwise
+    qualified (fits memory, within max_slowdown and, for throughput_per_gpu, under
+    `most_gpu_s` GPU-seconds per iteration); '' when none."""
+    for c in candidates:
+        if c.reason.startswith(_REBUILD) and (
+                most_gpu_s is None or _better(c.predicted_iter_s * c.stages, most_gpu_s)):
+            return (f"refused for rebuild memory: K = {c.stages} ({c.layout}) qualifies, but "
+                    f"{c.reason[len(_REBUILD):]}")
+    return ""
+
+
 def _skipped(k: int, why: str) -> RepackCandidate:
     return RepackCandidate(k, None, None, False, None, f"skipped: {why}")
 
@@ -440,7 +467,7 @@ def _scan_min_stages(problem: BalanceProblem, criteria: RepackCriteria, iter_now
         if _bounds_apply(problem, model) and not _at_most(lower(k), limit):
             out.append(_skipped(k, f"even its lower bound {lower(k):.4g} s {slow}"))
             continue
-        cand = _within(_candidate(problem, k, criteria, model), limit, slow)
+        cand = _rebuild_fits(problem, _within(_candidate(problem, k, criteria, model), limit, slow))
         if cand.fits:
             cand.reason = (f"fits: {_ratio(cand.predicted_iter_s, iter_now)} of current, within "
                            f"max_slowdown {criteria.max_slowdown:g}")
@@ -470,7 +497,7 @@ def _scan_throughput(problem: BalanceProblem, criteria: RepackCriteria, iter_now
             out.append(_skipped(k, f"even its lower bound {lower(k):.4g} s x {k} GPUs does not beat "
                                    f"{best_value:.4g} GPU-s/iter"))
             continue
-        cand = _within(_candidate(problem, k, criteria, model), limit, slow)
+        cand = _rebuild_fits(problem, _within(_candidate(problem, k, criteria, model), limit, slow))
         if cand.fits:
             value = cand.predicted_iter_s * k
             if _better(value, best_value):
@@ -506,6 +533,22 @@ def _peak_problem(problem: BalanceProblem, intermediate: Layout) -> str:
     return ""
 
 
+def _rebuild_overflow(problem: BalanceProblem, layout: Layout) -> str:
+    """Why the live repack's rebuild onto `layout` (K ranks) overflows a survivor ('' when
+    it fits): each survivor builds its new stage while its old one and the captured state
+    are alive (`metrics.repack_rebuild_memory`). Checked against the caps without the
+    memory margin, like the migration's peak (both are transients between iterations),
+    less the calibrated overhead (`rank_capacity_arr`)."""
+    if problem.capacity is None:
+        return ""
+    peaks = metrics.repack_rebuild_memory(problem, shrink_problem(problem, layout.num_ranks), layout)
+    for r, (peak, cap) in enumerate(zip(peaks, problem.rank_capacity_arr)):
+        if peak > cap + problem.mem_tol:
+            return (f"the rebuild needs {human_bytes(peak)} on rank {r} while its old stage and "
+                    f"the new one coexist, above its cap {human_bytes(float(cap))}")
+    return ""
+
+
 def _judge(problem: BalanceProblem, layout: Layout, iter_after: float, iter_now: float,
            bytes_moved: float, criteria: RepackCriteria, gate: GateConfig | None) -> _Verdict:
     """The gate. Cost: every one of the P stages stalls for
@@ -521,7 +564,8 @@ def _judge(problem: BalanceProblem, layout: Layout, iter_after: float, iter_now:
     drain on fewer stages) is credited the same way. Apply iff
     saving > margin x P x cost_s (all P GPUs stall for cost_s). With no gate, apply (the
     criteria already hold). Either way the migration's transient peak must fit every
-    stage's cap.
+    stage's cap, and so must the rebuild's (`_rebuild_overflow`; `plan_repack` already
+    skipped a K whose rebuild overflows, `first_fit_repack` is refused here).
 
     Why not (P - K) x h x after - K x h x max(0, after - before), the form first
     proposed: it counts released GPUs at the new pace and ignores speed-ups, so it
@@ -529,7 +573,7 @@ def _judge(problem: BalanceProblem, layout: Layout, iter_after: float, iter_now:
     understates it by P x h x (before - after) when it is faster. The GPU-seconds the
     same h iterations occupy is what the cluster pays for."""
     p, k = problem.num_ranks, layout.num_ranks
-    peak = _peak_problem(problem, layout.padded(p))
+    peak = _peak_problem(problem, layout.padded(p)) or _rebuild_overflow(problem, layout)
     if gate is None:
         cost = criteria.rebuild_s
         if peak:
@@ -623,12 +667,14 @@ def plan_repack(problem: BalanceProblem, criteria: RepackCriteria,
                          f"{criteria.min_stages}", started, iter_now)
     if criteria.objective == "min_stages":
         candidates, chosen = _scan_min_stages(problem, criteria, iter_now, model)
-        none = (f"no K in [{criteria.min_stages}, {p - 1}] fits memory within "
-                f"max_slowdown {criteria.max_slowdown:g}")
+        none = (_rebuild_refusal(candidates, None)
+                or f"no K in [{criteria.min_stages}, {p - 1}] fits memory within "
+                   f"max_slowdown {criteria.max_slowdown:g}")
     else:
         candidates, chosen = _scan_throughput(problem, criteria, iter_now, model)
-        none = (f"no K in [{criteria.min_stages}, {p - 1}] beats the current {p} stages' "
-                f"throughput per GPU within max_slowdown {criteria.max_slowdown:g}")
+        none = (_rebuild_refusal(candidates, iter_now * p)
+                or f"no K in [{criteria.min_stages}, {p - 1}] beats the current {p} stages' "
+                   f"throughput per GPU within max_slowdown {criteria.max_slowdown:g}")
     return _assemble(problem, "dynmo", chosen, candidates, criteria, gate, none, started, iter_now)
 
 
