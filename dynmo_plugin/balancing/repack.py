@@ -14,8 +14,9 @@ executes it. Two planners, both returning a `RepackPlan`:
   K within the same `max_slowdown`, the one with the most predicted tokens/s per GPU,
   i.e. the least (iteration time x K), if it beats the current pipeline. Both bound
   the slowdown: nobody loses two thirds of their tokens/s to a per-GPU gain without
-  asking (raise max_slowdown to trade throughput for GPUs). Then a gate: the move
-  must pay for itself.
+  asking (raise max_slowdown to trade throughput for GPUs). A K whose split would
+  overflow a survivor during the live rebuild is not admissible either (next
+  paragraph). Then a gate: the move must pay for itself.
 * `first_fit_repack` (method "first_fit"): the DynMo paper's Algorithm 2 (first-fit
   packing of whole stages under the memory cap) as a baseline. The paper packs any
   worker into any other; without reordering layers only ADJACENT stages can merge, so
@@ -26,6 +27,13 @@ Survivors are always the LOWEST pipeline ranks 0..K-1 (a StatefulSet removes its
 highest ordinals first; under torchrun the rendezvous lives with rank 0). The live
 migration first moves to `RepackPlan.intermediate_layout()` (K stages' layers, then
 empty released stages) over the old P-stage pipeline, then rebuilds on K ranks.
+Both are transients the caps must hold (without the memory margin, as the
+migration's peak): the migration's (`metrics.migration_peak_memory`, checked by the
+gate) and the rebuild's (`metrics.repack_rebuild_memory`: each survivor builds its new
+stage while its old stage's state, captured before the shrink, is still alive, about
+twice its state; the new last rank also holds the received head beside the built one).
+`plan_repack` checks the rebuild per K, on the split the exact solver chose, and goes
+on to another K; a slower split of the same K that would fit is not searched.
 
 Interleaved problems (`num_chunks` = v > 1): P and K count pipeline RANKS, each keeping
 its v chunks (K x v virtual stages after); extras shrink over virtual stages, memory
@@ -192,8 +200,8 @@ def _with_margin(problem: BalanceProblem, margin: float) -> BalanceProblem:
 class RepackCandidate:
     """One stage count considered.
 
-    `fits`: admissible under the criteria (memory with the margin; for objective
-    min_stages also within max_slowdown). `layout`/`predicted_iter_s` are None when no
+    `fits`: admissible under the criteria (memory with the margin; within max_slowdown;
+    the live rebuild's peak within the caps, else `reason` starts "rebuild does not fit"). `layout`/`predicted_iter_s` are None when no
     split was computed (memory infeasible, or skipped by a lower bound; `reason` says).
     `tokens_per_gpu_s_rel`: relative tokens/s per GPU, 1 / (iteration s x stages).
     """
@@ -719,7 +727,8 @@ def first_fit_repack(problem: BalanceProblem, criteria: RepackCriteria, *,
     adjacent-merge variant: only neighbouring stages merge, so no layer is reordered;
     whole stages move as they are (no re-split). It considers memory (with the margin)
     and min_stages only: neither max_slowdown nor the objective, and no gate (the
-    transient migration peak is still checked). Applies iff it releases a stage.
+    transient peaks of the migration and of the rebuild are still checked, `_judge`).
+    Applies iff it releases a stage.
 
     Raises:
         ProblemError: `problem.current` is not set, or the problem is interleaved.
