@@ -219,6 +219,21 @@ def test_a_rebuild_that_overflows_makes_the_planner_take_more_stages():
     assert metrics.repack_rebuild_memory(pb, shrink_problem(pb, 3), plan.layout_after) == [8, 6, 2]
 
 
+def test_a_rebuild_that_overflows_makes_the_planner_take_a_slower_split_of_the_same_k():
+    """As above with max_slowdown 1.2: the fastest 2-stage split 6|2 overflows the rebuild
+    (12 > 11 bytes), 5|3 fits it (10 and 6 bytes) and takes 12 + 7 x 7 = 61 s <= 1.2 x 54:
+    2 stages still, not 3, and the table says why the split is not the fastest."""
+    pb = shrunk_problem(memory=[1.5] * 8, move_bytes=[1] * 8, capacity=11)
+    plan = plan_repack(pb, RepackCriteria(min_stages=2, memory_margin=0, max_slowdown=1.2))
+    assert plan.apply and plan.stages_after == 2 and plan.layout_after.counts == (5, 3)
+    assert plan.predicted_iter_s_after == 61
+    (k2,) = plan.candidates
+    assert k2.fits and k2.reason.endswith(
+        "split chosen for the rebuild, the fastest one would not fit it: Etttttt|ttL: the rebuild "
+        "needs 12 B on rank 0 while its old stage and the new one coexist, above its cap 11 B")
+    assert metrics.repack_rebuild_memory(pb, shrink_problem(pb, 2), plan.layout_after) == [10, 6]
+
+
 def test_a_rebuild_that_overflows_refuses_the_repack_with_one_reason():
     """2 stages onto 1: 4 layers of 1.5 bytes (1 of it state) fit 7 bytes, the migration
     too (3 own + 2 x 2 incoming = 7), the rebuild (2 x 4) does not: no repack, and the
@@ -465,45 +480,33 @@ class Case:
 @dataclass
 class Best:
     """Per K: the best split's time and bottleneck, and the fewest (bytes, layers) moved
-    among the splits with that bottleneck; None when nothing fits. `rebuild_ok`: whether
-    the splits the planner may choose (optimal, fewest moved) pass the rebuild's peak;
-    None when they disagree (the oracle cannot tell which one the solver returns)."""
+    among the splits with that bottleneck; None when nothing fits. A split fits when
+    every stage's memory (with the margin) and the live rebuild fit their caps."""
 
     time: float | None
     bottleneck: float | None
     moved: tuple[int, int] | None
-    rebuild_ok: bool | None = None
 
 
 def brute(case: Case, k: int) -> Best:
-    ok = [b for b in splits(case.n, k, case.allow_empty) if case.fits(b)]
+    ok = [b for b in splits(case.n, k, case.allow_empty) if case.fits(b) and case.rebuild_fits(b)]
     if not ok:
         return Best(None, None, None)
     best = min(case.bottleneck(b) for b in ok)
     optimal = [b for b in ok if case.bottleneck(b) <= best * (1 + REL_TOL)]
-    fewest = min(case.moved(b) for b in optimal)
-    verdicts = {case.rebuild_fits(b) for b in optimal if case.moved(b) == fewest}
-    return Best(min(case.time(b) for b in ok), best, fewest,
-                verdicts.pop() if len(verdicts) == 1 else None)
+    return Best(min(case.time(b) for b in ok), best, min(case.moved(b) for b in optimal))
 
 
 def expected_k(case: Case) -> int | None:
-    """The stage count the criteria ask for, by brute force over every K: a K qualifies
-    when some split fits memory within max_slowdown and the split the planner takes for
-    it (optimal, fewest moved) passes the rebuild's peak. Discards the example when that
-    split is ambiguous and the answer depends on it."""
+    """The stage count the criteria ask for, by brute force over every K."""
     now = iteration(case.costs, case.extras_cost, case.current, case.microbatches)
     best = {k: brute(case, k) for k in range(case.min_stages, case.p)}
-    within = {k: b for k, b in best.items()
-              if b.time is not None and b.time <= case.max_slowdown * now * (1 + REL_TOL)}
-    ok = {}
-    for k in sorted(within):
-        assume(within[k].rebuild_ok is not None)
-        if within[k].rebuild_ok:
-            ok[k] = within[k].time
-            if case.objective == "min_stages":
-                return k
-    if case.objective == "min_stages" or not ok:  # max_slowdown bounds every objective
+    ok = {k: b.time for k, b in best.items() if b.time is not None}
+    if case.objective == "min_stages":
+        within = [k for k, t in ok.items() if t <= case.max_slowdown * now * (1 + REL_TOL)]
+        return min(within, default=None)
+    ok = {k: t for k, t in ok.items() if t <= case.max_slowdown * now * (1 + REL_TOL)}
+    if not ok:  # max_slowdown bounds every objective
         return None
     k = min(ok, key=lambda k: (ok[k] * k, k))
     return k if ok[k] * k < now * case.p * (1 - REL_TOL) else None

@@ -13,7 +13,7 @@ from dynmo_plugin.balancing.problem import BalanceProblem
 from dynmo_plugin.layout import Layout
 
 __all__ = ["stage_loads", "stage_memory", "rank_memory", "moved_layers", "migration_peak_memory",
-           "repack_rebuild_memory", "imbalance",
+           "repack_rebuild_extras", "repack_rebuild_memory", "imbalance",
            "predicted_iteration_s", "memory_violations", "empty_stages", "feasibility_problems"]
 
 
@@ -96,12 +96,16 @@ def migration_peak_memory(problem: BalanceProblem, before: Layout, after: Layout
             for r, m in enumerate(peak)]
 
 
-def _rank_state(problem: BalanceProblem, layout: Layout) -> np.ndarray:
-    """Per rank of `layout` on `problem`: extras bytes + its layers' state (`move_bytes`:
-    params + grads + optimizer state, no activations)."""
-    lo, hi = _segments(layout)
-    pre = np.concatenate(([0.0], np.cumsum(problem.move_bytes_arr)))
-    return problem.per_rank(problem.extras_memory_arr + (pre[hi] - pre[lo]))
+def repack_rebuild_extras(problem: BalanceProblem, shrunk: BalanceProblem) -> np.ndarray:
+    """Per surviving rank (0..K-1 of `shrunk`'s K), the part of `repack_rebuild_memory`
+    that does not depend on the split: its old stages' extras (`problem`'s, per rank)
+    + its new stages' (`shrunk`'s) + on rank K-1 the received head (`problem`'s last
+    extras), when K < P."""
+    k = shrunk.num_ranks
+    fixed = problem.per_rank(problem.extras_memory_arr)[:k] + shrunk.per_rank(shrunk.extras_memory_arr)
+    if k < problem.num_ranks:  # the head was handed over (K = P moves no head)
+        fixed[k - 1] += float(problem.extras_memory_arr[-1])
+    return fixed
 
 
 def repack_rebuild_memory(problem: BalanceProblem, shrunk: BalanceProblem,
@@ -133,14 +137,13 @@ def repack_rebuild_memory(problem: BalanceProblem, shrunk: BalanceProblem,
     and, with the distributed optimizer, the gathered full optimizer state beyond the
     shard the profile counts (the problem has no data-parallel size). Retiring ranks
     hold nothing after they leave and are not listed. Interleaved: per rank, its
-    chunks summed (a rank keeps its chunks, `Layout.padded`).
+    chunks summed (a rank keeps its chunks, `Layout.padded`). So rank r holds
+    `repack_rebuild_extras(...)[r]` + 2 x its layers' state.
     """
-    k = layout.num_ranks
-    old = _rank_state(problem, layout.padded(problem.num_ranks))[:k]
-    peak = old + _rank_state(shrunk, layout)
-    if k < problem.num_ranks:  # the head was handed over (K = P moves no head)
-        peak[k - 1] += float(problem.extras_memory_arr[-1])
-    return peak.tolist()
+    lo, hi = _segments(layout)
+    pre = np.concatenate(([0.0], np.cumsum(problem.move_bytes_arr)))
+    layers = shrunk.per_rank(pre[hi] - pre[lo])  # rank r's layers: the same before and after
+    return (repack_rebuild_extras(problem, shrunk) + 2 * layers).tolist()
 
 
 def imbalance(loads: Sequence[float]) -> float:

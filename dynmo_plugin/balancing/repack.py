@@ -32,8 +32,11 @@ migration's peak): the migration's (`metrics.migration_peak_memory`, checked by 
 gate) and the rebuild's (`metrics.repack_rebuild_memory`: each survivor builds its new
 stage while its old stage's state, captured before the shrink, is still alive, about
 twice its state; the new last rank also holds the received head beside the built one).
-`plan_repack` checks the rebuild per K, on the split the exact solver chose, and goes
-on to another K; a slower split of the same K that would fit is not searched.
+`plan_repack` checks the rebuild per K on the split the exact solver chose; when it
+overflows, a plain pipeline takes the fastest split of that K that fits both the steady
+caps and the rebuild (`_rebuild_split`, the same min-max and tie-break), if within
+max_slowdown; else the K is refused and the scan goes on to another K. Interleaved:
+checked, no other split searched.
 
 Interleaved problems (`num_chunks` = v > 1): P and K count pipeline RANKS, each keeping
 its v chunks (K x v virtual stages after); extras shrink over virtual stages, memory
@@ -62,6 +65,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
 
 from dynmo_plugin.balancing import metrics
 from dynmo_plugin.balancing.exact import optimal_bottleneck, solve_exact
@@ -432,18 +437,84 @@ def _within(cand: RepackCandidate, limit: float, slow: str) -> RepackCandidate:
 
 
 _REBUILD = "rebuild does not fit: "
+_SPLIT = "split chosen for the rebuild, the fastest one would not fit it: "
 
 
-def _rebuild_fits(problem: BalanceProblem, cand: RepackCandidate) -> RepackCandidate:
-    """`cand`, refused when the live rebuild onto its layout overflows a survivor
-    (`_rebuild_overflow`); the scans then go on to another K. Only the split `exact`
-    chose for K is checked: a slower split of the same K whose rebuild would fit is not
-    searched (the solver bounds one memory quantity per stage, the steady state)."""
-    if cand.fits:
-        why = _rebuild_overflow(problem, cand.layout)
-        if why:
-            return replace(cand, fits=False, reason=_REBUILD + why)
-    return cand
+def _segment_table(problem: BalanceProblem, fit: BalanceProblem, s: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stage s of `fit` holding layers [i, j): (load, admissible) as (n+1) x (n+1) arrays.
+    Admissible: at least min_layers, the steady memory within `fit`'s cap (the solver's
+    test) and the live rebuild within the survivor's cap (`_rebuild_overflow`'s)."""
+    i, j = np.ogrid[:fit.num_layers + 1, :fit.num_layers + 1]
+    mem, cost = fit.memory_prefix, fit.cost_prefix
+    state = np.concatenate(([0.0], np.cumsum(problem.move_bytes_arr)))
+    fixed = metrics.repack_rebuild_extras(problem, fit)[s]
+    cap = float(problem.rank_capacity_arr[s]) + problem.mem_tol
+    ok = ((j - i >= fit.min_layers_per_stage)
+          & (mem[None, :] <= mem[:, None] + ((fit.capacity_arr[s] - fit.extras_memory_arr[s]) + fit.mem_tol))
+          & (fixed + 2 * (state[None, :] - state[:, None]) <= cap))
+    return fit.extras_cost_arr[s] + (cost[None, :] - cost[:, None]), ok
+
+
+def _rebuild_split(problem: BalanceProblem, fit: BalanceProblem) -> Layout | None:
+    """Plain pipelines: the min-max split of `fit` (K stages, steady caps with the margin)
+    among those whose live rebuild fits too, tie-broken as `_closest_optimal` (fewest
+    bytes, then layers, moved from `problem.current`); None when no split fits both.
+    Two dynamic programmes over (stage, end), O(K n^2) vectorised: the solver bounds one
+    memory quantity per stage, so this runs only when its split overflows the rebuild."""
+    k, n = fit.num_stages, fit.num_layers
+    best = np.full(n + 1, np.inf)
+    best[0] = -np.inf  # before stage 0: position 0 only
+    for s in range(k):
+        load, ok = _segment_table(problem, fit, s)
+        best = np.where(ok, np.maximum(best[:, None], load), np.inf).min(axis=0)
+    if not np.isfinite(best[n]):
+        return None
+    limit = best[n] + fit.load_tol
+    current = np.repeat(np.arange(problem.num_stages), problem.current.counts)
+    never = np.int64(2**62)
+    moved = np.full(n + 1, never)
+    moved[0] = 0
+    back = []
+    for s in range(k):
+        load, ok = _segment_table(problem, fit, s)
+        keys = np.concatenate(([0], np.cumsum(np.where(current != s, fit.move_key, 0))))
+        total = np.where(ok & (load <= limit) & (moved[:, None] < never),
+                         moved[:, None] + (keys[None, :] - keys[:, None]), never)
+        back.append(total.argmin(axis=0))
+        moved = total.min(axis=0)
+    bounds = [n]
+    for s in range(k - 1, 0, -1):
+        bounds.append(int(back[s][bounds[-1]]))
+    layout = Layout.from_boundaries((0, *reversed(bounds)))
+    return None if _rebuild_overflow(problem, layout) else layout  # rounding guard
+
+
+def _admit(problem: BalanceProblem, k: int, criteria: RepackCriteria, model: IterationModel,
+           limit: float, slow: str) -> RepackCandidate:
+    """Solve k (`_candidate`), bound its time (`_within`), then check the live rebuild
+    (`_rebuild_overflow`). When the solver's split overflows it, a plain pipeline takes
+    the best split that fits the rebuild too (`_rebuild_split`) if that one is within
+    max_slowdown; otherwise k is refused ("rebuild does not fit: ...") and the scans go
+    on to another K. Interleaved: checked, no other split searched."""
+    cand = _within(_candidate(problem, k, criteria, model), limit, slow)
+    why = _rebuild_overflow(problem, cand.layout) if cand.fits else ""
+    if not why:
+        return cand
+    refused = replace(cand, fits=False, reason=_REBUILD + why)
+    if problem.num_chunks > 1:
+        return refused
+    sub = shrink_problem(problem, k)
+    alt = _rebuild_split(problem, _with_margin(sub, criteria.memory_margin))
+    if alt is None:
+        return refused
+    iter_s = model(sub, alt)
+    other = _within(RepackCandidate(k, alt, iter_s, True, _per_gpu(iter_s, k), ""), limit, slow)
+    return replace(other, reason=f"{_SPLIT}{cand.layout}: {why}") if other.fits else refused
+
+
+def _fits_reason(cand: RepackCandidate, text: str) -> str:
+    """The scans' 'fits: ...' text, keeping why a split other than the solver's was taken."""
+    return f"{text}; {cand.reason}" if cand.reason.startswith(_SPLIT) else text
 
 
 def _rebuild_refusal(candidates: list[RepackCandidate], most_gpu_s: float | None) -> str:
@@ -475,10 +546,10 @@ def _scan_min_stages(problem: BalanceProblem, criteria: RepackCriteria, iter_now
         if _bounds_apply(problem, model) and not _at_most(lower(k), limit):
             out.append(_skipped(k, f"even its lower bound {lower(k):.4g} s {slow}"))
             continue
-        cand = _rebuild_fits(problem, _within(_candidate(problem, k, criteria, model), limit, slow))
+        cand = _admit(problem, k, criteria, model, limit, slow)
         if cand.fits:
-            cand.reason = (f"fits: {_ratio(cand.predicted_iter_s, iter_now)} of current, within "
-                           f"max_slowdown {criteria.max_slowdown:g}")
+            cand.reason = _fits_reason(cand, f"fits: {_ratio(cand.predicted_iter_s, iter_now)} of "
+                                             f"current, within max_slowdown {criteria.max_slowdown:g}")
         out.append(cand)
         if cand.fits:
             return out, cand
@@ -505,12 +576,12 @@ def _scan_throughput(problem: BalanceProblem, criteria: RepackCriteria, iter_now
             out.append(_skipped(k, f"even its lower bound {lower(k):.4g} s x {k} GPUs does not beat "
                                    f"{best_value:.4g} GPU-s/iter"))
             continue
-        cand = _rebuild_fits(problem, _within(_candidate(problem, k, criteria, model), limit, slow))
+        cand = _admit(problem, k, criteria, model, limit, slow)
         if cand.fits:
             value = cand.predicted_iter_s * k
             if _better(value, best_value):
                 best_value, best = value, cand
-            cand.reason = f"fits: {value:.4g} GPU-s/iter (current {iter_now * p:.4g})"
+            cand.reason = _fits_reason(cand, f"fits: {value:.4g} GPU-s/iter (current {iter_now * p:.4g})")
         out.append(cand)
     return out, best
 
