@@ -4,7 +4,8 @@ against brute force, and `dynmo plan --repack`.
 The brute-force oracle is independent of the production code: it keeps the drawn
 inputs raw (`Case`), enumerates every contiguous split of the layers over every stage
 count with itertools, and does its own arithmetic (extras of the shrunk pipeline,
-loads, memory with the margin, 1F1B time, moves, the migration's transient peak).
+loads, memory with the margin, 1F1B time, moves, the migration's transient peak, the
+live rebuild's peak).
 """
 from __future__ import annotations
 
@@ -76,6 +77,18 @@ def test_interleaved_repack_keeps_the_chunks_per_rank():
     assert plan_repack(problem, RepackCriteria(min_stages=2, max_slowdown=1.3)).stages_after == 2
     with pytest.raises(ProblemError, match="use plan_repack"):
         first_fit_repack(problem, RepackCriteria())
+
+
+def test_interleaved_repack_is_refused_when_its_rebuild_overflows():
+    """The plan above (each rank 4 layers of 10 bytes, all state) under a 60-byte cap: 40
+    bytes fit in training, the rebuild holds 80 (interleaved: checked, no other split)."""
+    problem = shrunk_problem(num_stages=8, num_chunks=2, current=Layout((1,) * 8, 2),
+                             memory=[10.0] * 8, capacity=60)
+    plan = plan_repack(problem, RepackCriteria(objective="throughput_per_gpu", max_slowdown=1.3,
+                                               memory_margin=0))
+    assert not plan.apply and plan.reason == (
+        "refused for rebuild memory: K = 2 (Ettt|ttt|t|tL) qualifies, but the rebuild needs 80 B "
+        "on rank 0 while its old stage and the new one coexist, above its cap 60 B")
 
 
 def test_max_slowdown_is_respected():
