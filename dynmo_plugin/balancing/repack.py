@@ -478,8 +478,9 @@ def _rebuild_split(problem: BalanceProblem, fit: BalanceProblem) -> Layout | Non
     for s in range(k):
         load, ok = _segment_table(problem, fit, s)
         keys = np.concatenate(([0], np.cumsum(np.where(current != s, fit.move_key, 0))))
-        total = np.where(ok & (load <= limit) & (moved[:, None] < never),
-                         moved[:, None] + (keys[None, :] - keys[:, None]), never)
+        reached = moved < never
+        total = np.where(ok & (load <= limit) & reached[:, None],  # no overflow past `never`
+                         np.where(reached, moved, 0)[:, None] + (keys[None, :] - keys[:, None]), never)
         back.append(total.argmin(axis=0))
         moved = total.min(axis=0)
     bounds = [n]
