@@ -526,17 +526,19 @@ def expected_k(case: Case) -> int | None:
 
 
 @st.composite
-def cases(draw) -> Case:
+def cases(draw, tight: bool = False) -> Case:
+    """`tight`: always capped, all memory state, small caps: the rebuild often binds."""
     p = draw(st.integers(2, 4))
     allow_empty = draw(st.booleans())
     n = draw(st.integers(1 if allow_empty else p, 8))
     ints = lambda hi, size: st.lists(st.integers(0, hi), min_size=size, max_size=size)  # noqa: E731
     per_stage_caps = st.lists(st.integers(2, 30), min_size=p, max_size=p).map(tuple)
-    capacity = draw(st.one_of(st.none(), st.integers(4, 30).map(lambda c: (c,) * p), per_stage_caps))
+    capacity = draw(st.one_of(st.none(), st.integers(4, 30).map(lambda c: (c,) * p), per_stage_caps)
+                    if not tight else st.integers(4, 16).map(lambda c: (c,) * p) | per_stage_caps)
     memory = tuple(draw(ints(5, n)))
     # half the time all of a layer's memory is state (what a costs file without move_bytes
     # means): the rebuild's peak, which counts state twice, is then often the binding cap
-    state_only = draw(st.booleans())
+    state_only = tight or draw(st.booleans())
     return Case(
         costs=tuple(draw(ints(9, n))), memory=memory,
         move_bytes=memory if state_only else tuple(draw(ints(2, n))),
@@ -561,6 +563,16 @@ def build(case: Case) -> BalanceProblem:
 @given(case=cases())
 @SETTINGS
 def test_plan_repack_matches_brute_force(case):
+    check_against_brute_force(case)
+
+
+@given(case=cases(tight=True))
+@SETTINGS
+def test_plan_repack_matches_brute_force_when_the_rebuild_binds(case):
+    check_against_brute_force(case)
+
+
+def check_against_brute_force(case: Case) -> None:
     plan = plan_repack(build(case), case.criteria())
     k = expected_k(case)
     chosen = [c for c in plan.candidates if c.fits]
@@ -586,7 +598,7 @@ def test_plan_repack_matches_brute_force(case):
         assert all(m.dst < k for m in plan.moves)
 
 
-@given(case=cases())
+@given(case=st.one_of(cases(), cases(tight=True)))
 @SETTINGS
 def test_every_applied_repack_fits_its_rebuild_and_migration_peaks(case):
     """Whatever plans a repack, its transients fit every cap (the oracle's own arithmetic):
