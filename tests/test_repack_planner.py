@@ -4,7 +4,8 @@ against brute force, and `dynmo plan --repack`.
 The brute-force oracle is independent of the production code: it keeps the drawn
 inputs raw (`Case`), enumerates every contiguous split of the layers over every stage
 count with itertools, and does its own arithmetic (extras of the shrunk pipeline,
-loads, memory with the margin, 1F1B time, moves, the migration's transient peak).
+loads, memory with the margin, 1F1B time, moves, the migration's transient peak, the
+live rebuild's peak).
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from dynmo_plugin.balancing import (BalanceProblem, GateConfig, InfeasibleError, ProblemError,
-                                    RepackCriteria, RepackPlan, first_fit_repack, plan_repack,
-                                    shrink_problem)
+                                    RepackCriteria, RepackPlan, first_fit_repack, metrics,
+                                    plan_repack, shrink_problem)
 from dynmo_plugin.cli import main
 from dynmo_plugin.config import RepackConfig
 from dynmo_plugin.layout import Layout
@@ -76,6 +77,18 @@ def test_interleaved_repack_keeps_the_chunks_per_rank():
     assert plan_repack(problem, RepackCriteria(min_stages=2, max_slowdown=1.3)).stages_after == 2
     with pytest.raises(ProblemError, match="use plan_repack"):
         first_fit_repack(problem, RepackCriteria())
+
+
+def test_interleaved_repack_is_refused_when_its_rebuild_overflows():
+    """The plan above (each rank 4 layers of 10 bytes, all state) under a 60-byte cap: 40
+    bytes fit in training, the rebuild holds 80 (interleaved: checked, no other split)."""
+    problem = shrunk_problem(num_stages=8, num_chunks=2, current=Layout((1,) * 8, 2),
+                             memory=[10.0] * 8, capacity=60)
+    plan = plan_repack(problem, RepackCriteria(objective="throughput_per_gpu", max_slowdown=1.3,
+                                               memory_margin=0))
+    assert not plan.apply and plan.reason == (
+        "refused for rebuild memory: K = 2 (Ettt|ttt|t|tL) qualifies, but the rebuild needs 80 B "
+        "on rank 0 while its old stage and the new one coexist, above its cap 60 B")
 
 
 def test_max_slowdown_is_respected():
@@ -166,11 +179,89 @@ def test_gate_refuses_when_the_move_does_not_pay(horizon, bandwidth):
 
 def test_gate_refuses_a_migration_whose_transient_peak_overflows():
     """5 bytes per stage: 2 stages are too slow (best 5|3 layers: 61 s), 3 stages fit as
-    4|3|1, but stage 0 would hold 2 own + 2 x 2 incoming = 6 bytes while migrating."""
-    plan = plan_repack(shrunk_problem(memory=[1] * 8, capacity=5),
+    4|3|1, but stage 0 would hold 2 own + 2 x 2 x 0.6 incoming + 4 x 0.4 rebuilt gradients
+    = 6 bytes while migrating. (Each layer's state is 0.6 of its byte, so the rebuild
+    after the shrink, 2 x 4 x 0.6 = 4.8 bytes on rank 0, fits: the migration refuses.)"""
+    plan = plan_repack(shrunk_problem(memory=[1] * 8, move_bytes=[0.6] * 8, rebuild_bytes=[0.4] * 8,
+                                      capacity=5),
                        RepackCriteria(min_stages=2, memory_margin=0))
     assert not plan.apply and "migration needs 6 B on stage 0" in plan.reason
     assert plan.candidates[-1].fits and plan.candidates[-1].layout.counts == (4, 3, 1)
+
+
+def test_rebuild_memory_counts_the_old_and_the_new_stage_and_the_head_twice():
+    """Survivor r at the rebuild: its intermediate stage's extras + its layers' state, the
+    new stage's (shrunk) extras + the same layers' state, and on the new last rank the
+    head it received. Extras: embedding 10 on stage 0, head 20 on stage 3, 1 and 3 in
+    the middle (shrunk to K = 2: 10 | 20)."""
+    pb = BalanceProblem(costs=[1] * 6, num_stages=4, memory=[50] * 6, move_bytes=[1, 2, 3, 4, 5, 6],
+                        extras_memory=[10, 1, 3, 20], current=Layout((2, 2, 1, 1)))
+    two = Layout((3, 3))
+    assert metrics.repack_rebuild_memory(pb, shrink_problem(pb, 2), two) == [
+        (10 + 6) + (10 + 6), (1 + 15) + (20 + 15) + 20]
+    one = Layout((6,))  # K = 1: the new stage holds embedding and head
+    assert metrics.repack_rebuild_memory(pb, shrink_problem(pb, 1), one) == [(10 + 21) + (30 + 21) + 20]
+
+
+def test_rebuild_memory_interleaved_is_per_rank():
+    """pp = 4, v = 2 onto 2 ranks x 2 chunks: rank 0 keeps chunks with layers 1-2 and 5-6,
+    rank 1 with 3-4 and 7-8 (move bytes = layer number); embedding 10 on the first
+    virtual stage, head 20 on the last."""
+    pb = BalanceProblem(costs=[1] * 8, num_stages=8, num_chunks=2, move_bytes=list(range(1, 9)),
+                        extras_memory=[10, 0, 0, 0, 0, 0, 0, 20], current=Layout((1,) * 8, 2))
+    layout = Layout((2, 2, 2, 2), 2)
+    assert metrics.repack_rebuild_memory(pb, shrink_problem(pb, 2), layout) == [
+        (10 + 14) + (10 + 14), 22 + (20 + 22) + 20]
+
+
+def test_a_rebuild_that_overflows_makes_the_planner_take_more_stages():
+    """1.5 bytes per layer in training, 1 of it state; 11 bytes per stage. K = 2 splits 6|2:
+    9 bytes on stage 0 fit, and so does the migration (3 own + 2 x 4 incoming = 11), but the
+    rebuild holds stage 0's six layers twice: 12 bytes. K = 3 (4|3|1) fits all three."""
+    pb = shrunk_problem(memory=[1.5] * 8, move_bytes=[1] * 8, capacity=11)
+    two = Layout((6, 2))
+    assert metrics.memory_violations(shrink_problem(pb, 2), two) == []
+    assert max(metrics.migration_peak_memory(pb, pb.current, two.padded(4))) == 11
+    plan = plan_repack(pb, RepackCriteria(min_stages=2, memory_margin=0))
+    assert plan.apply and plan.stages_after == 3 and plan.layout_after.counts == (4, 3, 1)
+    k2 = plan.candidates[0]
+    assert k2.stages == 2 and not k2.fits and k2.layout == two
+    assert k2.reason == ("rebuild does not fit: the rebuild needs 12 B on rank 0 while its old "
+                         "stage and the new one coexist, above its cap 11 B")
+    assert any(line.split()[:1] == ["2"] and "rebuild needs 12 B" in line for line in str(plan).splitlines())
+    assert metrics.repack_rebuild_memory(pb, shrink_problem(pb, 3), plan.layout_after) == [8, 6, 2]
+
+
+def test_a_rebuild_that_overflows_makes_the_planner_take_a_slower_split_of_the_same_k():
+    """As above with max_slowdown 1.2: the fastest 2-stage split 6|2 overflows the rebuild
+    (12 > 11 bytes), 5|3 fits it (10 and 6 bytes) and takes 12 + 7 x 7 = 61 s <= 1.2 x 54:
+    2 stages still, not 3, and the table says why the split is not the fastest."""
+    pb = shrunk_problem(memory=[1.5] * 8, move_bytes=[1] * 8, capacity=11)
+    plan = plan_repack(pb, RepackCriteria(min_stages=2, memory_margin=0, max_slowdown=1.2))
+    assert plan.apply and plan.stages_after == 2 and plan.layout_after.counts == (5, 3)
+    assert plan.predicted_iter_s_after == 61
+    (k2,) = plan.candidates
+    assert k2.fits and k2.reason.endswith(
+        "split chosen for the rebuild, the fastest one would not fit it: Etttttt|ttL: the rebuild "
+        "needs 12 B on rank 0 while its old stage and the new one coexist, above its cap 11 B")
+    assert metrics.repack_rebuild_memory(pb, shrink_problem(pb, 2), plan.layout_after) == [10, 6]
+
+
+def test_a_rebuild_that_overflows_refuses_the_repack_with_one_reason():
+    """2 stages onto 1: 4 layers of 1.5 bytes (1 of it state) fit 7 bytes, the migration
+    too (3 own + 2 x 2 incoming = 7), the rebuild (2 x 4) does not: no repack, and the
+    decision line says why."""
+    pb = BalanceProblem(costs=[1] * 4, num_stages=2, memory=[1.5] * 4, move_bytes=[1] * 4,
+                        capacity=7, current=Layout((2, 2)))
+    plan = plan_repack(pb, RepackCriteria(memory_margin=0))
+    assert not plan.apply and plan.stages_after == 2 and plan.moves == []
+    assert plan.reason == ("refused for rebuild memory: K = 1 (EttttL) qualifies, but the rebuild "
+                           "needs 8 B on rank 0 while its old stage and the new one coexist, above "
+                           "its cap 7 B")
+    assert str(plan).splitlines()[-1].startswith(f"decision: keep - {plan.reason}  [")
+    ff = first_fit_repack(pb, RepackCriteria(memory_margin=0))  # the baseline is refused too
+    assert not ff.apply and ff.reason == ("2 -> 1 stages: refused: the rebuild needs 8 B on rank 0 "
+                                          "while its old stage and the new one coexist, above its cap 7 B")
 
 
 def test_first_fit_merges_only_adjacent_whole_stages():
@@ -380,11 +471,30 @@ class Case:
                 before[b] += 2 * self.move_bytes[i]
         return all(x <= c * (1 + REL_TOL) for x, c in zip(before, self.capacity))
 
+    def rebuild_fits(self, bounds: Bounds) -> bool:
+        """The live rebuild onto `bounds` (k < p stages): survivor r holds its old stage's
+        state (its current extras and its layers' move bytes, no activations) and the new
+        stage's (the shrunk extras and the same layers again), and the new last stage also
+        the head it received (the old last stage's extras); within its cap, no margin."""
+        if self.capacity is None:
+            return True
+        k = len(bounds) - 1
+        new_extras = shrunk_extras(self.extras_memory, k)
+        for r in range(k):
+            state = sum(self.move_bytes[bounds[r]:bounds[r + 1]])
+            held = self.extras_memory[r] + state + new_extras[r] + state
+            if r == k - 1:
+                held += self.extras_memory[-1]
+            if held > self.capacity[r] * (1 + REL_TOL):
+                return False
+        return True
+
 
 @dataclass
 class Best:
     """Per K: the best split's time and bottleneck, and the fewest (bytes, layers) moved
-    among the splits with that bottleneck; None when nothing fits."""
+    among the splits with that bottleneck; None when nothing fits. A split fits when
+    every stage's memory (with the margin) and the live rebuild fit their caps."""
 
     time: float | None
     bottleneck: float | None
@@ -392,7 +502,7 @@ class Best:
 
 
 def brute(case: Case, k: int) -> Best:
-    ok = [b for b in splits(case.n, k, case.allow_empty) if case.fits(b)]
+    ok = [b for b in splits(case.n, k, case.allow_empty) if case.fits(b) and case.rebuild_fits(b)]
     if not ok:
         return Best(None, None, None)
     best = min(case.bottleneck(b) for b in ok)
@@ -416,16 +526,22 @@ def expected_k(case: Case) -> int | None:
 
 
 @st.composite
-def cases(draw) -> Case:
+def cases(draw, tight: bool = False) -> Case:
+    """`tight`: always capped, all memory state, small caps: the rebuild often binds."""
     p = draw(st.integers(2, 4))
     allow_empty = draw(st.booleans())
     n = draw(st.integers(1 if allow_empty else p, 8))
     ints = lambda hi, size: st.lists(st.integers(0, hi), min_size=size, max_size=size)  # noqa: E731
     per_stage_caps = st.lists(st.integers(2, 30), min_size=p, max_size=p).map(tuple)
-    capacity = draw(st.one_of(st.none(), st.integers(4, 30).map(lambda c: (c,) * p), per_stage_caps))
+    capacity = draw(st.one_of(st.none(), st.integers(4, 30).map(lambda c: (c,) * p), per_stage_caps)
+                    if not tight else st.integers(4, 16).map(lambda c: (c,) * p) | per_stage_caps)
+    memory = tuple(draw(ints(5, n)))
+    # half the time all of a layer's memory is state (what a costs file without move_bytes
+    # means): the rebuild's peak, which counts state twice, is then often the binding cap
+    state_only = tight or draw(st.booleans())
     return Case(
-        costs=tuple(draw(ints(9, n))), memory=tuple(draw(ints(5, n))),
-        move_bytes=tuple(draw(ints(2, n))),
+        costs=tuple(draw(ints(9, n))), memory=memory,
+        move_bytes=memory if state_only else tuple(draw(ints(2, n))),
         extras_cost=tuple(draw(st.one_of(st.just([0] * p), ints(6, p)))),
         extras_memory=tuple(draw(st.one_of(st.just([0] * p), ints(3, p)))),
         capacity=capacity, current=draw(st.sampled_from(list(splits(n, p, allow_empty)))),
@@ -447,6 +563,16 @@ def build(case: Case) -> BalanceProblem:
 @given(case=cases())
 @SETTINGS
 def test_plan_repack_matches_brute_force(case):
+    check_against_brute_force(case)
+
+
+@given(case=cases(tight=True))
+@SETTINGS
+def test_plan_repack_matches_brute_force_when_the_rebuild_binds(case):
+    check_against_brute_force(case)
+
+
+def check_against_brute_force(case: Case) -> None:
     plan = plan_repack(build(case), case.criteria())
     k = expected_k(case)
     chosen = [c for c in plan.candidates if c.fits]
@@ -472,6 +598,22 @@ def test_plan_repack_matches_brute_force(case):
         assert all(m.dst < k for m in plan.moves)
 
 
+@given(case=st.one_of(cases(), cases(tight=True)))
+@SETTINGS
+def test_every_applied_repack_fits_its_rebuild_and_migration_peaks(case):
+    """Whatever plans a repack, its transients fit every cap (the oracle's own arithmetic):
+    the migration to the intermediate layout and the rebuild after the shrink; a plan
+    refused for rebuild memory names a K whose split the rebuild indeed overflows."""
+    pb = build(case)
+    for plan in (plan_repack(pb, case.criteria()), first_fit_repack(pb, case.criteria())):
+        if plan.apply:
+            bounds = (0, *itertools.accumulate(plan.layout_after.counts))
+            assert case.rebuild_fits(bounds) and case.peak_fits(bounds), plan
+        elif plan.reason.startswith("refused for rebuild memory"):
+            (named,) = [c for c in plan.candidates if c.reason.startswith("rebuild does not fit")][:1]
+            assert not case.rebuild_fits((0, *itertools.accumulate(named.layout.counts)))
+
+
 @given(case=cases())
 @SETTINGS
 def test_first_fit_never_reorders_and_respects_the_cap(case):
@@ -489,9 +631,11 @@ def test_first_fit_never_reorders_and_respects_the_cap(case):
     assert all(new[i] <= new[i + 1] for i in range(case.n - 1))  # layer order kept
     assert all(new[i] <= old[i] for i in range(case.n))  # layers only move to lower stages
     assert all(m.dst < m.src for m in plan.moves)
-    # ours, with time unconstrained, never needs more stages than first fit
+    # ours, with time unconstrained, never needs more stages than first fit to fit memory
+    # (a K ours refuses only for the rebuild's peak fits memory: both plans face that check)
     free = RepackCriteria(min_stages=case.min_stages, max_slowdown=1e9, memory_margin=case.margin)
-    ours = [c for c in plan_repack(pb, free).candidates if c.fits]
+    ours = [c for c in plan_repack(pb, free).candidates
+            if c.fits or c.reason.startswith("rebuild does not fit")]
     assert ours and ours[0].stages <= k
 
 
@@ -539,10 +683,18 @@ def test_cli_repack_options(tmp_path):
     code, out, _ = _cli("plan", "--costs", costs, "--stages", "4", "--microbatches", "8", "--repack",
                         "--objective", "throughput_per_gpu", "--max-slowdown", "2", "--json")
     assert code == 0 and json.loads(out)["stages_after"] == 1  # uniform current split assumed
-    code, out, _ = _cli("plan", costs, "--current-layout", "Ett|tt|tt|ttL", "--repack",
-                        "--capacity", "3", "--memory-margin", "0", "--max-slowdown", "4",
-                        "--rebuild-s", "0", "--microbatches", "8")
-    assert code == 0 and "keep 4 stages" in out and "migration needs" in out
+    capped = ("--current-layout", "Ett|tt|tt|ttL", "--repack", "--capacity", "3", "--memory-margin",
+              "0", "--max-slowdown", "4", "--rebuild-s", "0", "--microbatches", "8")
+    # 3 x 3 stages fit 3 bytes; each layer's whole byte is state (move_bytes = memory), so
+    # survivor 0 would hold its 3 layers twice while rebuilding: 6 bytes
+    code, out, _ = _cli("plan", costs, *capped)
+    assert code == 0 and "keep 4 stages" in out
+    assert out.splitlines()[-1].startswith("decision: keep - refused for rebuild memory: K = 3 "
+                                           "(Ettt|ttt|ttL) qualifies, but the rebuild needs 6 B on rank 0")
+    # with 0.4 of each byte state the rebuild fits (2.4 bytes), the migration does not
+    light = _costs_file(tmp_path, {"costs": SHRUNK, "memory": [1] * 8, "move_bytes": [0.4] * 8})
+    code, out, _ = _cli("plan", light, *capped)
+    assert code == 0 and "keep 4 stages" in out and "migration needs 4 B on stage 1" in out
     code, out, _ = _cli("plan", costs, "--stages", "2", "--method", "exact")  # the positional file
     assert code == 0 and out.startswith("plan (exact)")
 

@@ -12,7 +12,8 @@ import numpy as np
 from dynmo_plugin.balancing.problem import BalanceProblem
 from dynmo_plugin.layout import Layout
 
-__all__ = ["stage_loads", "stage_memory", "rank_memory", "moved_layers", "migration_peak_memory", "imbalance",
+__all__ = ["stage_loads", "stage_memory", "rank_memory", "moved_layers", "migration_peak_memory",
+           "repack_rebuild_extras", "repack_rebuild_memory", "imbalance",
            "predicted_iteration_s", "memory_violations", "empty_stages", "feasibility_problems"]
 
 
@@ -93,6 +94,56 @@ def migration_peak_memory(problem: BalanceProblem, before: Layout, after: Layout
         peak = problem.per_rank(peak).tolist()
     return [m + (problem.transfer_transient_bytes if r in transferring else 0.0)
             for r, m in enumerate(peak)]
+
+
+def repack_rebuild_extras(problem: BalanceProblem, shrunk: BalanceProblem) -> np.ndarray:
+    """Per surviving rank (0..K-1 of `shrunk`'s K), the part of `repack_rebuild_memory`
+    that does not depend on the split: its old stages' extras (`problem`'s, per rank)
+    + its new stages' (`shrunk`'s) + on rank K-1 the received head (`problem`'s last
+    extras), when K < P."""
+    k = shrunk.num_ranks
+    fixed = problem.per_rank(problem.extras_memory_arr)[:k] + shrunk.per_rank(shrunk.extras_memory_arr)
+    if k < problem.num_ranks:  # the head was handed over (K = P moves no head)
+        fixed[k - 1] += float(problem.extras_memory_arr[-1])
+    return fixed
+
+
+def repack_rebuild_memory(problem: BalanceProblem, shrunk: BalanceProblem,
+                          layout: Layout) -> list[float]:
+    """Per surviving rank (0..K-1), the bytes held at the peak of a live repack's
+    rebuild onto `layout` (K ranks; `shrunk` = `repack.shrink_problem(problem, K)`,
+    `problem` the P-rank problem before).
+
+    After the shrink each survivor builds its stage for `layout` while the state it
+    captured before the shrink is still alive (megatron/repack.py `_rebuild`): the old
+    stage of the intermediate layout (`layout.padded(P)`: the same layers) keeps its
+    parameters and optimizer state, which the captured state references (the gathered
+    copy with the distributed optimizer), and the new stage allocates its parameters,
+    gradient buffer and optimizer state. So a rank holds
+
+        old: its intermediate stage's extras (`problem`) + its layers' state
+        new: its new stage's extras (`shrunk`: the embedding on rank 0, the head on
+             rank K-1) + the same layers' state
+        + on rank K-1 the head received from the old last stage (`problem`'s last
+          extras): the head is held twice, the received copy and the built one.
+
+    A layer's state is its `move_bytes` (params + grads + optimizer state: what a
+    migration moves); the extras' is `extras_memory` (the same, for the embedding and
+    head). The old gradients are counted: with the distributed optimizer the old
+    gradient buffer stays referenced until the session rebinds; without it the
+    rebuild drops it first, so this overstates that case by the layers' gradient bytes
+    (`rebuild_bytes`), conservatively (the problem does not say which optimizer runs).
+    Not counted: activations (the rebuild runs between iterations, when none are held)
+    and, with the distributed optimizer, the gathered full optimizer state beyond the
+    shard the profile counts (the problem has no data-parallel size). Retiring ranks
+    hold nothing after they leave and are not listed. Interleaved: per rank, its
+    chunks summed (a rank keeps its chunks, `Layout.padded`). So rank r holds
+    `repack_rebuild_extras(...)[r]` + 2 x its layers' state.
+    """
+    lo, hi = _segments(layout)
+    pre = np.concatenate(([0.0], np.cumsum(problem.move_bytes_arr)))
+    layers = shrunk.per_rank(pre[hi] - pre[lo])  # rank r's layers: the same before and after
+    return (repack_rebuild_extras(problem, shrunk) + 2 * layers).tolist()
 
 
 def imbalance(loads: Sequence[float]) -> float:

@@ -14,8 +14,9 @@ executes it. Two planners, both returning a `RepackPlan`:
   K within the same `max_slowdown`, the one with the most predicted tokens/s per GPU,
   i.e. the least (iteration time x K), if it beats the current pipeline. Both bound
   the slowdown: nobody loses two thirds of their tokens/s to a per-GPU gain without
-  asking (raise max_slowdown to trade throughput for GPUs). Then a gate: the move
-  must pay for itself.
+  asking (raise max_slowdown to trade throughput for GPUs). A K whose split would
+  overflow a survivor during the live rebuild is not admissible either (next
+  paragraph). Then a gate: the move must pay for itself.
 * `first_fit_repack` (method "first_fit"): the DynMo paper's Algorithm 2 (first-fit
   packing of whole stages under the memory cap) as a baseline. The paper packs any
   worker into any other; without reordering layers only ADJACENT stages can merge, so
@@ -26,6 +27,16 @@ Survivors are always the LOWEST pipeline ranks 0..K-1 (a StatefulSet removes its
 highest ordinals first; under torchrun the rendezvous lives with rank 0). The live
 migration first moves to `RepackPlan.intermediate_layout()` (K stages' layers, then
 empty released stages) over the old P-stage pipeline, then rebuilds on K ranks.
+Both are transients the caps must hold (without the memory margin, as the
+migration's peak): the migration's (`metrics.migration_peak_memory`, checked by the
+gate) and the rebuild's (`metrics.repack_rebuild_memory`: each survivor builds its new
+stage while its old stage's state, captured before the shrink, is still alive, about
+twice its state; the new last rank also holds the received head beside the built one).
+`plan_repack` checks the rebuild per K on the split the exact solver chose; when it
+overflows, a plain pipeline takes the fastest split of that K that fits both the steady
+caps and the rebuild (`_rebuild_split`, the same min-max and tie-break), if within
+max_slowdown; else the K is refused and the scan goes on to another K. Interleaved:
+checked, no other split searched.
 
 Interleaved problems (`num_chunks` = v > 1): P and K count pipeline RANKS, each keeping
 its v chunks (K x v virtual stages after); extras shrink over virtual stages, memory
@@ -54,6 +65,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
 
 from dynmo_plugin.balancing import metrics
 from dynmo_plugin.balancing.exact import optimal_bottleneck, solve_exact
@@ -192,8 +205,8 @@ def _with_margin(problem: BalanceProblem, margin: float) -> BalanceProblem:
 class RepackCandidate:
     """One stage count considered.
 
-    `fits`: admissible under the criteria (memory with the margin; for objective
-    min_stages also within max_slowdown). `layout`/`predicted_iter_s` are None when no
+    `fits`: admissible under the criteria (memory with the margin; within max_slowdown;
+    the live rebuild's peak within the caps, else `reason` starts "rebuild does not fit"). `layout`/`predicted_iter_s` are None when no
     split was computed (memory infeasible, or skipped by a lower bound; `reason` says).
     `tokens_per_gpu_s_rel`: relative tokens/s per GPU, 1 / (iteration s x stages).
     """
@@ -423,6 +436,100 @@ def _within(cand: RepackCandidate, limit: float, slow: str) -> RepackCandidate:
     return cand
 
 
+_REBUILD = "rebuild does not fit: "
+_SPLIT = "split chosen for the rebuild, the fastest one would not fit it: "
+
+
+def _segment_table(problem: BalanceProblem, fit: BalanceProblem, s: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stage s of `fit` holding layers [i, j): (load, admissible) as (n+1) x (n+1) arrays.
+    Admissible: at least min_layers, the steady memory within `fit`'s cap (the solver's
+    test) and the live rebuild within the survivor's cap (`_rebuild_overflow`'s)."""
+    i, j = np.ogrid[:fit.num_layers + 1, :fit.num_layers + 1]
+    mem, cost = fit.memory_prefix, fit.cost_prefix
+    state = np.concatenate(([0.0], np.cumsum(problem.move_bytes_arr)))
+    fixed = metrics.repack_rebuild_extras(problem, fit)[s]
+    cap = float(problem.rank_capacity_arr[s]) + problem.mem_tol
+    ok = ((j - i >= fit.min_layers_per_stage)
+          & (mem[None, :] <= mem[:, None] + ((fit.capacity_arr[s] - fit.extras_memory_arr[s]) + fit.mem_tol))
+          & (fixed + 2 * (state[None, :] - state[:, None]) <= cap))
+    return fit.extras_cost_arr[s] + (cost[None, :] - cost[:, None]), ok
+
+
+def _rebuild_split(problem: BalanceProblem, fit: BalanceProblem) -> Layout | None:
+    """Plain pipelines: the min-max split of `fit` (K stages, steady caps with the margin)
+    among those whose live rebuild fits too, tie-broken as `_closest_optimal` (fewest
+    bytes, then layers, moved from `problem.current`); None when no split fits both.
+    Two dynamic programmes over (stage, end), O(K n^2) vectorised: the solver bounds one
+    memory quantity per stage, so this runs only when its split overflows the rebuild."""
+    k, n = fit.num_stages, fit.num_layers
+    best = np.full(n + 1, np.inf)
+    best[0] = -np.inf  # before stage 0: position 0 only
+    for s in range(k):
+        load, ok = _segment_table(problem, fit, s)
+        best = np.where(ok, np.maximum(best[:, None], load), np.inf).min(axis=0)
+    if not np.isfinite(best[n]):
+        return None
+    limit = best[n] + fit.load_tol
+    current = np.repeat(np.arange(problem.num_stages), problem.current.counts)
+    never = np.int64(2**62)
+    moved = np.full(n + 1, never)
+    moved[0] = 0
+    back = []
+    for s in range(k):
+        load, ok = _segment_table(problem, fit, s)
+        keys = np.concatenate(([0], np.cumsum(np.where(current != s, fit.move_key, 0))))
+        reached = moved < never
+        total = np.where(ok & (load <= limit) & reached[:, None],  # no overflow past `never`
+                         np.where(reached, moved, 0)[:, None] + (keys[None, :] - keys[:, None]), never)
+        back.append(total.argmin(axis=0))
+        moved = total.min(axis=0)
+    bounds = [n]
+    for s in range(k - 1, 0, -1):
+        bounds.append(int(back[s][bounds[-1]]))
+    layout = Layout.from_boundaries((0, *reversed(bounds)))
+    return None if _rebuild_overflow(problem, layout) else layout  # rounding guard
+
+
+def _admit(problem: BalanceProblem, k: int, criteria: RepackCriteria, model: IterationModel,
+           limit: float, slow: str) -> RepackCandidate:
+    """Solve k (`_candidate`), bound its time (`_within`), then check the live rebuild
+    (`_rebuild_overflow`). When the solver's split overflows it, a plain pipeline takes
+    the best split that fits the rebuild too (`_rebuild_split`) if that one is within
+    max_slowdown; otherwise k is refused ("rebuild does not fit: ...") and the scans go
+    on to another K. Interleaved: checked, no other split searched."""
+    cand = _within(_candidate(problem, k, criteria, model), limit, slow)
+    why = _rebuild_overflow(problem, cand.layout) if cand.fits else ""
+    if not why:
+        return cand
+    refused = replace(cand, fits=False, reason=_REBUILD + why)
+    if problem.num_chunks > 1:
+        return refused
+    sub = shrink_problem(problem, k)
+    alt = _rebuild_split(problem, _with_margin(sub, criteria.memory_margin))
+    if alt is None:
+        return refused
+    iter_s = model(sub, alt)
+    other = _within(RepackCandidate(k, alt, iter_s, True, _per_gpu(iter_s, k), ""), limit, slow)
+    return replace(other, reason=f"{_SPLIT}{cand.layout}: {why}") if other.fits else refused
+
+
+def _fits_reason(cand: RepackCandidate, text: str) -> str:
+    """The scans' 'fits: ...' text, keeping why a split other than the solver's was taken."""
+    return f"{text}; {cand.reason}" if cand.reason.startswith(_SPLIT) else text
+
+
+def _rebuild_refusal(candidates: list[RepackCandidate], most_gpu_s: float | None) -> str:
+    """One line naming the rebuild's peak when it alone refused a K that otherwise
+    qualified (fits memory, within max_slowdown and, for throughput_per_gpu, under
+    `most_gpu_s` GPU-seconds per iteration); '' when none."""
+    for c in candidates:
+        if c.reason.startswith(_REBUILD) and (
+                most_gpu_s is None or _better(c.predicted_iter_s * c.stages, most_gpu_s)):
+            return (f"refused for rebuild memory: K = {c.stages} ({c.layout}) qualifies, but "
+                    f"{c.reason[len(_REBUILD):]}")
+    return ""
+
+
 def _skipped(k: int, why: str) -> RepackCandidate:
     return RepackCandidate(k, None, None, False, None, f"skipped: {why}")
 
@@ -440,10 +547,10 @@ def _scan_min_stages(problem: BalanceProblem, criteria: RepackCriteria, iter_now
         if _bounds_apply(problem, model) and not _at_most(lower(k), limit):
             out.append(_skipped(k, f"even its lower bound {lower(k):.4g} s {slow}"))
             continue
-        cand = _within(_candidate(problem, k, criteria, model), limit, slow)
+        cand = _admit(problem, k, criteria, model, limit, slow)
         if cand.fits:
-            cand.reason = (f"fits: {_ratio(cand.predicted_iter_s, iter_now)} of current, within "
-                           f"max_slowdown {criteria.max_slowdown:g}")
+            cand.reason = _fits_reason(cand, f"fits: {_ratio(cand.predicted_iter_s, iter_now)} of "
+                                             f"current, within max_slowdown {criteria.max_slowdown:g}")
         out.append(cand)
         if cand.fits:
             return out, cand
@@ -470,12 +577,12 @@ def _scan_throughput(problem: BalanceProblem, criteria: RepackCriteria, iter_now
             out.append(_skipped(k, f"even its lower bound {lower(k):.4g} s x {k} GPUs does not beat "
                                    f"{best_value:.4g} GPU-s/iter"))
             continue
-        cand = _within(_candidate(problem, k, criteria, model), limit, slow)
+        cand = _admit(problem, k, criteria, model, limit, slow)
         if cand.fits:
             value = cand.predicted_iter_s * k
             if _better(value, best_value):
                 best_value, best = value, cand
-            cand.reason = f"fits: {value:.4g} GPU-s/iter (current {iter_now * p:.4g})"
+            cand.reason = _fits_reason(cand, f"fits: {value:.4g} GPU-s/iter (current {iter_now * p:.4g})")
         out.append(cand)
     return out, best
 
@@ -506,6 +613,22 @@ def _peak_problem(problem: BalanceProblem, intermediate: Layout) -> str:
     return ""
 
 
+def _rebuild_overflow(problem: BalanceProblem, layout: Layout) -> str:
+    """Why the live repack's rebuild onto `layout` (K ranks) overflows a survivor ('' when
+    it fits): each survivor builds its new stage while its old one and the captured state
+    are alive (`metrics.repack_rebuild_memory`). Checked against the caps without the
+    memory margin, like the migration's peak (both are transients between iterations),
+    less the calibrated overhead (`rank_capacity_arr`)."""
+    if problem.capacity is None:
+        return ""
+    peaks = metrics.repack_rebuild_memory(problem, shrink_problem(problem, layout.num_ranks), layout)
+    for r, (peak, cap) in enumerate(zip(peaks, problem.rank_capacity_arr)):
+        if peak > cap + problem.mem_tol:
+            return (f"the rebuild needs {human_bytes(peak)} on rank {r} while its old stage and "
+                    f"the new one coexist, above its cap {human_bytes(float(cap))}")
+    return ""
+
+
 def _judge(problem: BalanceProblem, layout: Layout, iter_after: float, iter_now: float,
            bytes_moved: float, criteria: RepackCriteria, gate: GateConfig | None) -> _Verdict:
     """The gate. Cost: every one of the P stages stalls for
@@ -521,7 +644,8 @@ def _judge(problem: BalanceProblem, layout: Layout, iter_after: float, iter_now:
     drain on fewer stages) is credited the same way. Apply iff
     saving > margin x P x cost_s (all P GPUs stall for cost_s). With no gate, apply (the
     criteria already hold). Either way the migration's transient peak must fit every
-    stage's cap.
+    stage's cap, and so must the rebuild's (`_rebuild_overflow`; `plan_repack` already
+    skipped a K whose rebuild overflows, `first_fit_repack` is refused here).
 
     Why not (P - K) x h x after - K x h x max(0, after - before), the form first
     proposed: it counts released GPUs at the new pace and ignores speed-ups, so it
@@ -529,7 +653,7 @@ def _judge(problem: BalanceProblem, layout: Layout, iter_after: float, iter_now:
     understates it by P x h x (before - after) when it is faster. The GPU-seconds the
     same h iterations occupy is what the cluster pays for."""
     p, k = problem.num_ranks, layout.num_ranks
-    peak = _peak_problem(problem, layout.padded(p))
+    peak = _peak_problem(problem, layout.padded(p)) or _rebuild_overflow(problem, layout)
     if gate is None:
         cost = criteria.rebuild_s
         if peak:
@@ -623,12 +747,14 @@ def plan_repack(problem: BalanceProblem, criteria: RepackCriteria,
                          f"{criteria.min_stages}", started, iter_now)
     if criteria.objective == "min_stages":
         candidates, chosen = _scan_min_stages(problem, criteria, iter_now, model)
-        none = (f"no K in [{criteria.min_stages}, {p - 1}] fits memory within "
-                f"max_slowdown {criteria.max_slowdown:g}")
+        none = (_rebuild_refusal(candidates, None)
+                or f"no K in [{criteria.min_stages}, {p - 1}] fits memory within "
+                   f"max_slowdown {criteria.max_slowdown:g}")
     else:
         candidates, chosen = _scan_throughput(problem, criteria, iter_now, model)
-        none = (f"no K in [{criteria.min_stages}, {p - 1}] beats the current {p} stages' "
-                f"throughput per GPU within max_slowdown {criteria.max_slowdown:g}")
+        none = (_rebuild_refusal(candidates, iter_now * p)
+                or f"no K in [{criteria.min_stages}, {p - 1}] beats the current {p} stages' "
+                   f"throughput per GPU within max_slowdown {criteria.max_slowdown:g}")
     return _assemble(problem, "dynmo", chosen, candidates, criteria, gate, none, started, iter_now)
 
 
@@ -673,7 +799,8 @@ def first_fit_repack(problem: BalanceProblem, criteria: RepackCriteria, *,
     adjacent-merge variant: only neighbouring stages merge, so no layer is reordered;
     whole stages move as they are (no re-split). It considers memory (with the margin)
     and min_stages only: neither max_slowdown nor the objective, and no gate (the
-    transient migration peak is still checked). Applies iff it releases a stage.
+    transient peaks of the migration and of the rebuild are still checked, `_judge`).
+    Applies iff it releases a stage.
 
     Raises:
         ProblemError: `problem.current` is not set, or the problem is interleaved.
