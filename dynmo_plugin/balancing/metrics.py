@@ -115,7 +115,7 @@ def repack_rebuild_memory(problem: BalanceProblem, shrunk: BalanceProblem,
     `problem` the P-rank problem before).
 
     After the shrink each survivor builds its stage for `layout` while the state it
-    captured before the shrink is still alive (megatron/repack.py `_rebuild`): the old
+    captured before the shrink is still alive (megatron/migration/repack.py `_rebuild`): the old
     stage of the intermediate layout (`layout.padded(P)`: the same layers) keeps its
     parameters and optimizer state, which the captured state references (the gathered
     copy with the distributed optimizer), and the new stage allocates its parameters,
