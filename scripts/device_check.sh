@@ -82,7 +82,7 @@ export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 [[ -f "$DEV/megatron-lm/pretrain_gpt.py" ]] && export DYNMO_MEGATRON_LM="$DEV/megatron-lm"
 say "gpu_check.sh --budget-s $GPU_BUDGET (after $((SECONDS - START)) s of install)"
 set +e
-"$ROOT/scripts/gpu_check.sh" --python "$PY" -- --budget-s "$GPU_BUDGET" --out "$OUT/gpu_check" \
+bash "$ROOT/scripts/gpu_check.sh" --python "$PY" -- --budget-s "$GPU_BUDGET" --out "$OUT/gpu_check" \
   2> "$OUT/gpu_check.log" | tee "$OUT/gpu_check.txt"
 GPU_RC=${PIPESTATUS[0]}
 GPU_S=$((SECONDS - START))
@@ -94,7 +94,7 @@ elif [[ $LEFT -lt 30 ]]; then
   echo "megatron_lm_gpu_check.sh: skipped: budget ($LEFT s left of $TOTAL)" | tee "$OUT/megatron_lm.txt"
 else
   say "megatron_lm_gpu_check.sh with $LEFT s left"
-  DYNMO_CHECK_PORT=$((29500 + RANDOM % 1000)) timeout -k 5 "$LEFT" "$ROOT/scripts/megatron_lm_gpu_check.sh" \
+  DYNMO_CHECK_PORT=$((29500 + RANDOM % 1000)) timeout -k 5 "$LEFT" bash "$ROOT/scripts/megatron_lm_gpu_check.sh" \
     "$DYNMO_MEGATRON_LM" --python "$PY" --no-install --out "$DEV/mlm" > "$OUT/megatron_lm.txt" 2>&1
   MLM_RC=$?
   mkdir -p "$OUT/megatron_lm"

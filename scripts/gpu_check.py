@@ -3,9 +3,10 @@
 installs what is missing first), or directly with the packages in place.
 
     python scripts/gpu_check.py [--cpu] [--json] [--out DIR] [--only NAME,...] [--rounds N]
+                                [--budget-s S] [--plan]
 
 Checks, each a row `check | result | detail` (result: pass, FAIL or "skipped: why") with
-the seconds it took (a run shared by several rows counts for the first):
+the seconds it took (a run shared by several rows counts for the first), in plan order:
   machine                CUDA GPUs visible (names, torch and CUDA versions)
   packages               megatron-core imports; Transformer Engine imports or why not
   precision_flag         whether the launcher takes --bf16 (else everything runs fp32)
@@ -38,7 +39,15 @@ the seconds it took (a run shared by several rows counts for the first):
                          (SCENARIOS below); also written to OUT/scenario_costs.json
                          (docs/gpu.md: the format the simulator reads)
   nccl/...               the rows of scripts/gpu_check_nccl.py --json, where it exists
---only NAME,...: run only the rows whose name starts with one of these prefixes.
+--only NAME,...: run only the rows whose name (or row group's name) starts with one of
+these prefixes.
+--plan: print the launch plan (row groups, their launches, estimated seconds from the
+constants in scripts/gpu_check_plan.py) and exit; a run prints it to stderr first.
+--budget-s S (default 480, issue 24's 8 minutes): a row group starts only while its
+estimate fits in what is left, else its rows say "skipped: budget"; every launch's
+timeout is capped at what is left. The one-rank runs go through one launcher worker
+(scripts/gpu_check_worker.py: one process, one start-up); gpu_check_nccl.py's children
+start at once beside this script's probe, before any timed row (docs/gpu.md, "Budget").
 --cpu (what `gpu_check.sh --dry-run` passes): hide any GPU, run what runs on CPU (the
 heavy-layer profile on a small model, thread CPU time; gpu_check_nccl.py --cpu), mark
 the GPU checks "skipped: no CUDA"; exits 0 when nothing failed. Without --cpu and without CUDA the
@@ -216,7 +225,7 @@ class Worker:
     def __init__(self, log: Path, first_start_s: float = 60.0):
         self.log_path, self.first_start_s = log, first_start_s
         self.proc: Optional[subprocess.Popen] = None
-        self.runs = 0
+        self.runs, self.last = 0, None  # runs asked for; the last reply
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -240,7 +249,7 @@ class Worker:
             reply = self._reply(limit)
         except BrokenPipeError:
             reply = None
-        self.runs += 1
+        self.runs, self.last = self.runs + 1, reply
         log = self.log_path.read_bytes()[offset:].decode(errors="replace")
         (out / "stderr.log").write_text(log)
         if reply is None:
