@@ -165,8 +165,7 @@ def launch(nproc: int, flags: list[str], out: Path, timeout_s: int = 180) -> dic
     _log(f"torchrun x{nproc}: {' '.join(flags)}")
     limit, by_budget = BUDGET.limit(timeout_s)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True,
-                              timeout=limit)
+        proc = run_killable(cmd, worker_env(), limit)
     except subprocess.TimeoutExpired as e:
         raise timed_out(limit, by_budget, ' '.join(flags[:6])) from e
     (out / "stderr.log").write_text(proc.stderr)
@@ -174,6 +173,20 @@ def launch(nproc: int, flags: list[str], out: Path, timeout_s: int = 180) -> dic
         raise CheckFailed(f"exit {proc.returncode}: {_error_line(proc.stderr)} (log: {out}/stderr.log)")
     from dynmo_plugin.report import read_report
     return read_report(out)
+
+
+def run_killable(cmd: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    """subprocess.run in a session of its own: at the timeout the whole session is killed
+    (torchrun's workers too, which would otherwise hold the GPU after their agent died)."""
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def worker_env() -> dict:
@@ -628,7 +641,7 @@ def mlm_launch(shape: str, dynmo: bool, out: Path) -> tuple[list[float], Optiona
     _log(f"pretrain_gpt.py {shape}{' --dynmo' if dynmo else ''}")
     limit, by_budget = BUDGET.limit(MLM_TIMEOUT_S)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
+        proc = run_killable(cmd, env, limit)
     except subprocess.TimeoutExpired as e:
         raise timed_out(limit, by_budget, f"pretrain_gpt.py {shape}") from e
     (out / "train.log").write_text(proc.stdout + proc.stderr)

@@ -366,8 +366,10 @@ ROWS: dict[str, Callable[[], str]] = {
 # can hang or poison its process. A collective on a destroyed group can (it runs alone),
 # the control plane starts processes of its own (alone too), and the determinism and
 # sync rows need fresh processes (two identical runs; one session per scenario).
-SHARED = ("nccl_shrink_support", "nccl_cpu_tensor", "sampled_addmm_bf16", "wire_checksum_peak",
-          "rebuild_distopt_bf16")
+# In this order: the rows that matter most first, the bf16 CSR probe (an op that may fail
+# on CUDA) last.
+SHARED = ("wire_checksum_peak", "rebuild_distopt_bf16", "nccl_shrink_support", "nccl_cpu_tensor",
+          "sampled_addmm_bf16")
 ALONE = ("nccl_destroyed_group", "control_plane_cuda_state")
 ROW_TIMEOUT_S, SHARED_TIMEOUT_S = 120.0, 240.0
 _START = time.perf_counter()

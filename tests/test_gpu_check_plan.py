@@ -168,3 +168,22 @@ def test_runs_in_one_worker_equal_separate_launches(tmp_path, monkeypatch):
     fresh = torchrun_worker(1, second, tmp_path / "fresh")
     assert [i["loss"] for i in ours["iterations"]] == [i["loss"] for i in fresh["iterations"]]
     assert "end of run" in (tmp_path / "second" / "stderr.log").read_text()
+
+
+def test_a_launch_past_its_timeout_is_killed_with_its_children(tmp_path):
+    """A fault: a parent whose child would outlive it (as torchrun's workers would)."""
+    pid_file = tmp_path / "child.pid"
+    code = (f"import subprocess, sys, time\np = subprocess.Popen([sys.executable, '-c', 'import time; "
+            f"time.sleep(600)'])\nopen({str(pid_file)!r}, 'w').write(str(p.pid))\ntime.sleep(600)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        gpu_check.run_killable([sys.executable, "-c", code], {}, 3)
+    import os
+    import time
+    child = int(pid_file.read_text())
+    for _ in range(50):  # SIGKILL is asynchronous: the child goes within moments
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"child {child} of the timed-out launch is still alive")
