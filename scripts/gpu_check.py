@@ -3,9 +3,10 @@
 installs what is missing first), or directly with the packages in place.
 
     python scripts/gpu_check.py [--cpu] [--json] [--out DIR] [--only NAME,...] [--rounds N]
+                                [--budget-s S] [--plan]
 
 Checks, each a row `check | result | detail` (result: pass, FAIL or "skipped: why") with
-the seconds it took (a run shared by several rows counts for the first):
+the seconds it took (a run shared by several rows counts for the first), in plan order:
   machine                CUDA GPUs visible (names, torch and CUDA versions)
   packages               megatron-core imports; Transformer Engine imports or why not
   precision_flag         whether the launcher takes --bf16 (else everything runs fp32)
@@ -38,7 +39,15 @@ the seconds it took (a run shared by several rows counts for the first):
                          (SCENARIOS below); also written to OUT/scenario_costs.json
                          (docs/gpu.md: the format the simulator reads)
   nccl/...               the rows of scripts/gpu_check_nccl.py --json, where it exists
---only NAME,...: run only the rows whose name starts with one of these prefixes.
+--only NAME,...: run only the rows whose name (or row group's name) starts with one of
+these prefixes.
+--plan: print the launch plan (row groups, their launches, estimated seconds from the
+constants in scripts/gpu_check_plan.py) and exit; a run prints it to stderr first.
+--budget-s S (default 480, issue 24's 8 minutes): a row group starts only while its
+estimate fits in what is left, else its rows say "skipped: budget"; every launch's
+timeout is capped at what is left. The one-rank runs go through one launcher worker
+(scripts/gpu_check_worker.py: one process, one start-up); gpu_check_nccl.py's children
+start at once beside this script's probe, before any timed row (docs/gpu.md, "Budget").
 --cpu (what `gpu_check.sh --dry-run` passes): hide any GPU, run what runs on CPU (the
 heavy-layer profile on a small model, thread CPU time; gpu_check_nccl.py --cpu), mark
 the GPU checks "skipped: no CUDA"; exits 0 when nothing failed. Without --cpu and without CUDA the
@@ -62,6 +71,8 @@ from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from gpu_check_plan import BUDGET_S, IT_S, NCCL_LONGEST_ROW_S, Group, Launch, Plan, render_plan  # noqa: E402
 NO_CUDA = "skipped: no CUDA"
 # Bit-exact rows need deterministic kernels (issue 25 item 9): set here for direct runs
 # too, inherited by every launch. gpu_check.sh sets them as well.
@@ -140,26 +151,157 @@ def _error_line(text: str) -> str:
     return (errors or lines or ["(no output)"])[-1][:300]
 
 
-def launch(nproc: int, flags: list[str], out: Path, timeout_s: int = 900) -> dict:
+def launch(nproc: int, flags: list[str], out: Path, timeout_s: int = 180) -> dict:
     """The test worker (tests/workers/train_worker.py: the real launcher plus test
-    switches) under torchrun; returns the report. Raises CheckFailed with its error line."""
+    switches): one rank in the started launcher worker where there is one (`WORKER`),
+    else under torchrun; returns the report. Raises CheckFailed with its error line, and
+    BudgetExceeded where the budget, not `timeout_s`, stopped it."""
+    if nproc == 1 and WORKER is not None:
+        return WORKER.run(flags, out, timeout_s)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
            "-m", "workers.train_worker", *flags, "--output", str(out)]
-    path = os.pathsep.join(p for p in (str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
     _log(f"torchrun x{nproc}: {' '.join(flags)}")
+    limit, by_budget = BUDGET.limit(timeout_s)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout_s)
+        proc = run_killable(cmd, worker_env(), limit)
     except subprocess.TimeoutExpired as e:
-        raise CheckFailed(f"no end after {timeout_s} s (a hang?): {' '.join(flags[:6])} ...") from e
+        raise timed_out(limit, by_budget, ' '.join(flags[:6])) from e
     (out / "stderr.log").write_text(proc.stderr)
     if proc.returncode != 0:
         raise CheckFailed(f"exit {proc.returncode}: {_error_line(proc.stderr)} (log: {out}/stderr.log)")
     from dynmo_plugin.report import read_report
     return read_report(out)
+
+
+def run_killable(cmd: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    """subprocess.run in a session of its own: at the timeout the whole session is killed
+    (torchrun's workers too, which would otherwise hold the GPU after their agent died)."""
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def worker_env() -> dict:
+    """What a launcher process gets: one thread, the test workers importable."""
+    path = os.pathsep.join(p for p in (str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
+
+
+class BudgetExceeded(CheckFailed):
+    """The run was stopped, or not started, because the --budget-s time was spent."""
+
+
+def timed_out(limit: float, by_budget: bool, what: str) -> CheckFailed:
+    if by_budget:
+        return BudgetExceeded(f"stopped after {limit:.0f} s: the budget (--budget-s) was spent")
+    return CheckFailed(f"no end after {limit:.0f} s (a hang?): {what} ...")
+
+
+class Budget:
+    """The whole check's time limit (--budget-s): every launch's timeout is capped at
+    what is left of it, so one hung row cannot eat the rest."""
+
+    def __init__(self, seconds: Optional[float] = None):
+        self.seconds = seconds
+        self.start = time.perf_counter()
+
+    def left(self) -> float:
+        if self.seconds is None:
+            return math.inf
+        return self.seconds - (time.perf_counter() - self.start)
+
+    def limit(self, timeout_s: float) -> tuple[float, bool]:
+        """(the timeout to use, whether the budget rather than `timeout_s` set it)."""
+        left = max(1.0, self.left())
+        return (left, True) if left < timeout_s else (timeout_s, False)
+
+
+BUDGET = Budget()
+
+
+class Worker:
+    """scripts/gpu_check_worker.py: one process that runs the one-rank launcher runs one
+    after another, so the 25-40 s start-up of a launch is paid once. A run that fails or
+    hangs ends the process (its CUDA context may be poisoned); the next run starts a
+    fresh one."""
+
+    SCRIPT = ROOT / "scripts" / "gpu_check_worker.py"
+
+    def __init__(self, log: Path, first_start_s: float = 60.0):
+        self.log_path, self.first_start_s = log, first_start_s
+        self.proc: Optional[subprocess.Popen] = None
+        self.runs, self.last = 0, None  # runs asked for; the last reply
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, str(self.SCRIPT)], cwd=ROOT, env=worker_env(),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     start_new_session=True)
+        self.fresh = True
+
+    def run(self, flags: list[str], out: Path, timeout_s: float) -> dict:
+        out.mkdir(parents=True, exist_ok=True)
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        _log(f"worker run: {' '.join(flags)}")
+        offset = self.log_path.stat().st_size
+        limit, by_budget = BUDGET.limit(timeout_s + (self.first_start_s if self.fresh else 0))
+        self.fresh = False
+        try:
+            self.proc.stdin.write((json.dumps({"flags": flags, "output": str(out)}) + "\n").encode())
+            self.proc.stdin.flush()
+            reply = self._reply(limit)
+        except BrokenPipeError:
+            reply = None
+        self.runs, self.last = self.runs + 1, reply
+        log = self.log_path.read_bytes()[offset:].decode(errors="replace")
+        (out / "stderr.log").write_text(log)
+        if reply is None:
+            code = self.stop(kill=True)
+            if code is None:
+                raise timed_out(limit, by_budget, " ".join(flags[:6]))
+            raise CheckFailed(f"worker exit {code}: {_error_line(log)} (log: {out}/stderr.log)")
+        if not reply["ok"]:
+            self.stop()  # a failed run may leave CUDA or NCCL broken: the next run starts afresh
+            raise CheckFailed(f"{reply['error']}: {_error_line(log)} (log: {out}/stderr.log)")
+        from dynmo_plugin.report import read_report
+        return read_report(out)
+
+    def _reply(self, limit: float) -> Optional[dict]:
+        """The worker's reply line, or None when it died or `limit` passed."""
+        import select
+        ready, _, _ = select.select([self.proc.stdout], [], [], limit)
+        line = self.proc.stdout.readline() if ready else b""
+        return json.loads(line) if line.strip() else None
+
+    def stop(self, kill: bool = False) -> Optional[int]:
+        """End the process: at EOF on its stdin, or killed (with its children) when
+        `kill` or when it does not leave; its exit status if it had ended by itself."""
+        if self.proc is None:
+            return None
+        proc, self.proc = self.proc, None
+        code = proc.poll()
+        if code is None:
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=1 if kill else 30)
+            except (OSError, subprocess.TimeoutExpired):
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        self.log.close()
+        return code
+
+
+WORKER: Optional[Worker] = None
 
 
 def losses(report: dict) -> list[float]:
@@ -479,6 +621,7 @@ MLM_FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
              "--no-bias-dropout-fusion", "--no-rope-fusion", "--eval-iters", "0",
              "--eval-interval", "1000", "--log-interval", "1"]
 MLM_ITERS = 20
+MLM_TIMEOUT_S = 240
 
 
 def mlm_launch(shape: str, dynmo: bool, out: Path) -> tuple[list[float], Optional[dict]]:
@@ -496,7 +639,11 @@ def mlm_launch(shape: str, dynmo: bool, out: Path) -> tuple[list[float], Optiona
     env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     _log(f"pretrain_gpt.py {shape}{' --dynmo' if dynmo else ''}")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    limit, by_budget = BUDGET.limit(MLM_TIMEOUT_S)
+    try:
+        proc = run_killable(cmd, env, limit)
+    except subprocess.TimeoutExpired as e:
+        raise timed_out(limit, by_budget, f"pretrain_gpt.py {shape}") from e
     (out / "train.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise CheckFailed(f"pretrain_gpt.py exit {proc.returncode}: {_error_line(proc.stderr)} "
@@ -752,27 +899,51 @@ def write_scenario_costs(m: Machine, costs: dict, out: Path) -> Optional[Path]:
 NCCL_SCRIPT = ROOT / "scripts" / "gpu_check_nccl.py"
 
 
-def nccl_rows(cpu_mode: bool, timeout_s: int = 600) -> list[Row]:
-    """The rows of gpu_check_nccl.py --json (one JSON document {"rows": [...]}), each
-    named nccl/<check>; none where the script does not exist."""
+def start_nccl(cpu_mode: bool, timeout_s: float = 300) -> Optional[tuple]:
+    """Start gpu_check_nccl.py --json (its children's timeouts capped at what is left of
+    the budget); None where the script does not exist. `collect_nccl` reads its rows."""
     if not NCCL_SCRIPT.exists():
-        return []
-    cmd = [sys.executable, str(NCCL_SCRIPT), *(["--cpu"] if cpu_mode else []), "--json"]
-    start = time.perf_counter()
+        return None
+    _log(f"start {NCCL_SCRIPT.name}")
+    limit, by_budget = BUDGET.limit(timeout_s)
+    cmd = [sys.executable, str(NCCL_SCRIPT), *(["--cpu"] if cpu_mode else []), "--json",
+           "--deadline-s", f"{max(1.0, limit - 10):.0f}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    return proc, time.perf_counter(), limit, by_budget
+
+
+def collect_nccl(proc: subprocess.Popen, start: float, limit: float, by_budget: bool) -> list[Row]:
+    """The script's rows, each named nccl/<check>; one row 'nccl' when it gave none."""
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-        rows = json.loads(proc.stdout)["rows"]
-    except (subprocess.TimeoutExpired, ValueError, KeyError, TypeError) as e:
-        return [Row("nccl", "FAIL", f"{NCCL_SCRIPT.name} gave no JSON rows: {type(e).__name__}: {e}"[:300],
-                    time.perf_counter() - start)]
+        stdout, stderr = proc.communicate(timeout=max(1.0, limit - (time.perf_counter() - start)))
+        rows = json.loads(stdout)["rows"]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        failed = timed_out(limit, by_budget, NCCL_SCRIPT.name)
+        result = SKIPPED_BUDGET if isinstance(failed, BudgetExceeded) else "FAIL"
+        return [Row("nccl", result, str(failed), time.perf_counter() - start)]
+    except (ValueError, KeyError, TypeError) as e:
+        return [Row("nccl", "FAIL", f"{NCCL_SCRIPT.name} gave no JSON rows: {type(e).__name__}: {e}; "
+                    f"{_error_line(stderr)}"[:300], time.perf_counter() - start)]
     return [Row(f"nccl/{r['check']}", r["result"], r.get("detail", ""), float(r.get("seconds", 0.0)))
             for r in rows]
+
+
+def nccl_rows(cpu_mode: bool, timeout_s: float = 300) -> list[Row]:
+    """The rows of gpu_check_nccl.py --json (one JSON document {"rows": [...]}), each
+    named nccl/<check>; none where the script does not exist."""
+    started = start_nccl(cpu_mode, timeout_s)
+    return [] if started is None else collect_nccl(*started)
 
 
 def _guard(name: str, fn: Callable[[], Row]) -> Row:
     start = time.perf_counter()
     try:
         row = fn()
+    except BudgetExceeded as e:
+        row = Row(name, SKIPPED_BUDGET, str(e))
     except CheckFailed as e:
         row = Row(name, "FAIL", str(e))
     except Exception as e:  # noqa: BLE001 - a broken check is a failed check, with its reason
@@ -812,18 +983,152 @@ def plan_checks(m: Machine, sizes: Sizes, out: Path, rounds: int = 2,
     return checks
 
 
-def run_checks(m: Machine, sizes: Sizes, out: Path, only: tuple[str, ...] = (), rounds: int = 2) -> list[Row]:
+# ---- the launch plan (scripts/gpu_check_plan.py: its constants and table) ---------------------
+SKIPPED_BUDGET = "skipped: budget"
+
+
+def _w(what: str, iters: int, model: str) -> Launch:
+    return Launch(what, "worker", iters, IT_S[model])
+
+
+def _mlm(what: str, model: str) -> Launch:
+    return Launch(f"pretrain_gpt.py {what}, {MLM_ITERS} it.", "torchrun", MLM_ITERS, IT_S[model])
+
+
+_SCENARIO_MODEL = {"moe": "s8_moe", "sparse_attention": "sparse_s8192"}
+
+
+def build_plan(m: Machine, rounds: int = 2, mlm: Optional[bool] = None, budget_s: float = BUDGET_S) -> Plan:
+    """The row groups in the order they run, each with the launches it makes on machine
+    `m` (with `mlm`: whether $DYNMO_MEGATRON_LM is set). The rows most wanted come first,
+    so a run that the budget cuts loses the end."""
+    gpus = len(m.gpus)
+    mlm = bool(os.environ.get(MLM_ENV)) if mlm is None else mlm
+    why = None if gpus else NO_CUDA
+    mlm_why = why or (None if mlm else f"skipped: {MLM_ENV} not set")
+    two_why = why or (None if gpus >= 2 else "skipped: needs 2 GPUs")
+    te_why = why or (None if m.te_problem is None else "skipped: TE not usable")
+    on = lambda reason, *launches: {"launches": () if reason else launches, "note": reason or ""}  # noqa: E731
+    groups = [start_group(gpus)]
+    if not gpus:
+        groups.append(Group("profile_heavy_layer", ("profile_heavy_layer",),
+                            (_w("4L h512 s64 + 3x layer, CPU", 3, "small"),)))
+    for shape, (_, what) in SHAPES.items():
+        groups.append(Group(f"shape[{shape}]", tuple(f"{r}[{shape}]" for r in ("identical_layers", "heavy_layer",
+                                                                               "profiling_overhead")),
+                            **on(why, _w(f"{what} + 3x layer", 12, f"{shape}_heavy"))))
+    for sc in SCENARIOS:
+        runs = 2 if sc.reference == "moe_capacity" else 1
+        groups.append(Group(f"scenario_cost[{sc.kind}]", (f"scenario_cost[{sc.kind}]",), **on(why, *(
+            _w(f"{sc.kind} 8L PP=1", sc.iters, _SCENARIO_MODEL.get(sc.kind, "s8")) for _ in range(runs)))))
+    rounds_launches = [x for r in range(rounds) for x in (
+        _w(f"round {r}: launcher 12L h1024, {MLM_ITERS} it.", MLM_ITERS, "host"), _mlm(f"round {r}: host", "mlm_host"),
+        _mlm(f"round {r}: host --dynmo", "mlm_host"))]
+    groups += [Group("mlm[host]+throughput", ("identical_layers[mlm-host]", "throughput_vs_megatron_lm"),
+                     **on(mlm_why, *rounds_launches)),
+               Group("mlm[gpu]", ("identical_layers[mlm-gpu]",), **on(mlm_why, _mlm("6L h4096 --dynmo", "mlm_gpu"))),
+               Group("bf16_vs_fp32_speed", ("bf16_vs_fp32_speed",), **on(why, _w("4L h2048 fp32", 8, "speed_fp32"),
+                                                                         _w("4L h2048 bf16", 8, "speed_bf16"))),
+               Group("transformer_engine", ("transformer_engine",), **on(te_why, _w("8L h1024 TE", 8, "small")))]
+    exact = [Launch(f"PP=2 8L h1024 {p}", "torchrun", 6, IT_S["small"]) for p in ("static", "moved")]
+    precisions = ("fp32", "bf16") if m.bf16 else ("fp32",)
+    groups += [Group(f"migration_bitexact[{p}]", (f"migration_bitexact[{p}]",), **on(two_why, *exact))
+               for p in precisions]
+    groups.append(Group("repack_2_to_1", ("repack_2_to_1",), **on(
+        two_why, Launch("PP=2 save", "torchrun", 2, IT_S["small"]), _w("PP=1 resumed", 4, "small"),
+        Launch("PP=2 -> 1 repack", "torchrun", 6, IT_S["small"]))))
+    where = f"{gpus} GPU(s)" if gpus else "no GPU"
+    return Plan(groups, budget_s, f"{where}, {MLM_ENV} {'set' if mlm else 'not set'}, "
+                f"TE {'usable' if m.te_problem is None else 'absent'}, {rounds} throughput rounds")
+
+
+PROBE_ROWS = ("machine", "packages", "precision_flag")
+
+
+def start_group(gpus: int) -> Group:
+    """What runs at once at the start, before any timed row: this script's probe, the
+    launcher worker's imports and CUDA start, and gpu_check_nccl.py's children (its
+    docstring says which rows share one). The first timed run waits for all of them."""
+    import gpu_check_nccl as nccl
+    rows = PROBE_ROWS + tuple(f"nccl/{n}" for n in nccl.row_names())
+    children = ["shared rows", *nccl.ALONE, "determinism run 1", "determinism run 2",
+                *(f"sync_free[{s}]" for s in nccl.SCENARIOS)] if gpus else ["shared rows (CPU)",
+                                                                             "control_plane_cuda_state"]
+    return Group("start", rows, (Launch("gpu_check.py imports, machine probe", "parent"),
+                                 Launch("launcher worker: torch, Megatron-Core, CUDA", "process"),
+                                 *(Launch(f"nccl child: {c}", "process", extra_s=NCCL_LONGEST_ROW_S)
+                                   for c in children)), parallel=True)
+
+
+def target_plan(rounds: int = 2) -> Plan:
+    """The plan on the machines the check is for: one GPU, Megatron-LM given, no TE (the
+    lent H100/H200 machines)."""
+    return build_plan(Machine(gpus=["one GPU"], bf16=True, te_problem="assumed absent"), rounds, mlm=True)
+
+
+MLM_SCRIPT_LAUNCHES = (("20 it. 4L h512, profiled, saved", 20), ("resumed at 10", 10), ("MoE 4 experts", 6))
+
+
+def device_plan(plan: Plan, total_s: float) -> Plan:
+    """scripts/device_check.sh's plan: installing the carried wheels, this check's groups
+    (its --budget-s), then megatron_lm_gpu_check.sh's three pretrain_gpt.py launches."""
+    install = Group("install (device_check.sh)", ("install",), (Launch("pip --no-index --target", "parent"),))
+    mlm = Group("megatron_lm_gpu_check.sh", ("megatron_lm_gpu_check",), tuple(
+        Launch(f"pretrain_gpt.py {what}", "torchrun", iters, IT_S["small"]) for what, iters in MLM_SCRIPT_LAUNCHES))
+    return Plan([install, *plan.chosen(), mlm], total_s, plan.assumes + f"; device_check.sh, gpu_check.sh "
+                f"--budget-s {plan.budget_s:.0f}", plan.only)
+
+
+def _selected_rows(group: Group, only: tuple[str, ...]) -> list[str]:
+    if not only or group.name.startswith(only):
+        return list(group.rows)
+    return [r for r in group.rows if r.startswith(only)]
+
+
+def run_group(group: Group, checks: dict, m: Machine, only: tuple[str, ...], worker: bool) -> list[Row]:
+    """The group's rows; all 'skipped: budget' when its estimate no longer fits."""
+    names = _selected_rows(group, only)
+    left = BUDGET.left()
+    if group.launches and left < group.estimate_s():
+        _log(f"group {group.name}: estimated {group.estimate_s():.0f} s, {max(0.0, left):.0f} s left: skipped")
+        return [Row(n, SKIPPED_BUDGET, f"estimated {group.estimate_s():.0f} s, {max(0.0, left):.0f} s left of "
+                                       f"--budget-s {BUDGET.seconds:.0f}") for n in names]
+    if group.name != "start":
+        return [_run_row(name, checks[name]) for name in names]
+    nccl = [n for n in names if n.startswith("nccl/")]
+    started = start_nccl(m.cpu_mode) if nccl else None  # all at once: see start_group
+    if worker:
+        WORKER.start()
+    rows = [_run_row(name, checks[name]) for name in names if name in PROBE_ROWS]
+    if started is not None:
+        rows += [r for r in collect_nccl(*started) if r.check == "nccl" or r.check in nccl]
+    return rows
+
+
+def _run_row(name: str, fn: Callable[[], Row]) -> Row:
+    _log(f"check {name}")
+    row = _guard(name, fn)
+    _log(f"  -> {row.result} ({row.seconds:.1f} s): {row.detail}")
+    return row
+
+
+def run_checks(m: Machine, sizes: Sizes, out: Path, only: tuple[str, ...] = (), rounds: int = 2,
+               budget_s: Optional[float] = None) -> list[Row]:
+    """Every selected row group in plan order, within `budget_s` (None: no limit)."""
+    global BUDGET, WORKER
+    BUDGET, WORKER = Budget(budget_s), Worker(out / "worker.log")
     costs: dict = {}
-    rows = []
-    for name, fn in plan_checks(m, sizes, out, rounds, costs):
-        if only and not name.startswith(only):
-            continue
-        _log(f"check {name}")
-        rows.append(_guard(name, fn))
-        _log(f"  -> {rows[-1].result} ({rows[-1].seconds:.1f} s): {rows[-1].detail}")
-    if not only or any(o.startswith("nccl") for o in only):
-        _log(f"check {NCCL_SCRIPT.name}")
-        rows += nccl_rows(m.cpu_mode)
+    checks = dict(plan_checks(m, sizes, out, rounds, costs))
+    plan = build_plan(m, rounds, budget_s=budget_s or math.inf)
+    plan.only = only
+    rows, chosen = [], plan.chosen()
+    worker = any(x.kind == "worker" for g in chosen for x in g.launches)
+    try:
+        for group in chosen:
+            rows += run_group(group, checks, m, only, worker)
+    finally:
+        WORKER.stop()
+        WORKER = None
     path = write_scenario_costs(m, costs, out)
     if path is not None:
         _log(f"per-scenario costs: {path}")
@@ -836,27 +1141,48 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="hide GPUs; run the checks that run on CPU, skip the GPU ones")
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
     parser.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
-    parser.add_argument("--only", default="", help="comma-separated row-name prefixes to run")
+    parser.add_argument("--only", default="", help="comma-separated row-name (or row-group) prefixes to run")
     parser.add_argument("--rounds", type=int, default=2,
                         help="interleaved rounds of throughput_vs_megatron_lm (default 2)")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S,
+                        help=f"time for the whole check (default {BUDGET_S:.0f}): a row group whose "
+                             "estimate no longer fits says 'skipped: budget'; every launch's timeout "
+                             "is capped at what is left")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the launch plan (row groups, launches, estimated seconds) and exit")
+    parser.add_argument("--device-check", type=float, default=None, metavar="TOTAL_S",
+                        help="with --plan: the plan of scripts/device_check.sh (the install, this "
+                             "check, megatron_lm_gpu_check.sh) against TOTAL_S")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.budget_s <= 0:
+        parser.error(f"--budget-s must be > 0, got {args.budget_s:g}")
+    only = tuple(x.strip() for x in args.only.split(",") if x.strip())
     for key, value in DETERMINISM_ENV.items():
         os.environ.setdefault(key, value)
     if args.cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch initialises CUDA, here and in children
     machine = probe_machine(args.cpu)
+    plan = build_plan(machine, args.rounds, budget_s=args.budget_s) if machine.gpus else target_plan(args.rounds)
+    plan.budget_s, plan.only = args.budget_s, only
+    if args.plan:
+        if args.device_check:
+            plan = device_plan(plan, args.device_check)
+        print(json.dumps(plan.to_dict()) if args.json else render_plan(plan))
+        return 0
+    _log("\n" + render_plan(plan))  # on CPU: the plan of the machines this check is for
     sizes = CPU_SIZES if not machine.gpus else GPU_SIZES
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         out = Path(args.out) if args.out else Path(tmp)
-        only = tuple(x.strip() for x in args.only.split(",") if x.strip())
-        rows = run_checks(machine, sizes, out, only, args.rounds)
-    status = exit_status(rows)
+        rows = run_checks(machine, sizes, out, only, args.rounds, args.budget_s)
+        status = exit_status(rows)
+        result = json.dumps({"ok": status == 0, "machine": asdict(machine),
+                             "env": {k: os.environ.get(k) for k in DETERMINISM_ENV},
+                             "plan": plan.to_dict(), "rows": [asdict(r) for r in rows]})
+        (out / "gpu_check.json").write_text(result)
     if args.json:
-        print(json.dumps({"ok": status == 0, "machine": asdict(machine),
-                          "env": {k: os.environ.get(k) for k in DETERMINISM_ENV},
-                          "rows": [asdict(r) for r in rows]}))
+        print(result)
     else:
         print(render(rows))
         print(f"\nverdict: {'every check passed or was skipped' if status == 0 else 'FAILED'}")

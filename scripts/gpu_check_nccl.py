@@ -31,13 +31,18 @@ GPU with init_process_group(device_id=...)):
 --cpu hides CUDA: CUDA rows say "skipped: no CUDA", the rest runs on CPU.
 --json prints exactly one JSON document {"rows": [{"check", "result", "detail",
 "seconds"}]} on stdout; logs go to stderr. Exit status 1 if any row is FAIL.
-Each row runs in its own child process (`--row NAME`) with a timeout, so an NCCL hang
-or a poisoned CUDA context stays in that row. About 2-3 minutes on one H100/H200.
+The rows run in child processes (`--row NAME[,NAME...]`), all started at once, each with
+a timeout (capped by --deadline-s): the rows that cannot hang or poison a process share
+one (SHARED: one CUDA context, one one-rank NCCL world); a collective on a destroyed group,
+the control plane's own processes, the two determinism runs and each sync_free scenario
+get their own, so an NCCL hang or a poisoned CUDA context stays in its row. Estimated at
+about a minute on one H100/H200 (docs/gpu.md, "Budget"); not yet run on one.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import subprocess
@@ -97,6 +102,8 @@ def _world_one(backend: str):
     """A one-rank world (env:// as torchrun sets it), NCCL bound to GPU 0."""
     import torch
     import torch.distributed as dist
+    if dist.is_initialized():  # an earlier row of the same child made it
+        return dist
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     if backend == "nccl":
@@ -354,27 +361,56 @@ ROWS: dict[str, Callable[[], str]] = {
 }
 
 
-# ---- the parent: one child per row ---------------------------------------------------------
-def _child(args: list[str], env: dict, timeout_s: float) -> subprocess.Popen:
+# ---- the parent: children in parallel, rows that can share one process in one --------------
+# One child runs these one after another (one CUDA context, one one-rank NCCL world): none
+# can hang or poison its process. A collective on a destroyed group can (it runs alone),
+# the control plane starts processes of its own (alone too), and the determinism and
+# sync rows need fresh processes (two identical runs; one session per scenario).
+# In this order: the rows that matter most first, the bf16 CSR probe (an op that may fail
+# on CUDA) last.
+SHARED = ("wire_checksum_peak", "rebuild_distopt_bf16", "nccl_shrink_support", "nccl_cpu_tensor",
+          "sampled_addmm_bf16")
+ALONE = ("nccl_destroyed_group", "control_plane_cuda_state")
+ROW_TIMEOUT_S, SHARED_TIMEOUT_S = 120.0, 240.0
+_START = time.perf_counter()
+
+
+def row_names() -> list[str]:
+    """Every row this script reports, in its order (gpu_check.py plans them)."""
+    return [*ROWS, "determinism_bitwise", *(f"sync_free[{s}]" for s in SCENARIOS)]
+
+
+def _child(args: list[str], env: dict) -> subprocess.Popen:
     cmd = [sys.executable, str(Path(__file__).resolve()), *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, start_new_session=True)
 
 
-def _collect(name: str, proc: subprocess.Popen, start: float, timeout_s: float) -> dict:
+def _collect(names: list[str], proc: subprocess.Popen, start: float, timeout_s: float) -> list[dict]:
+    """One row per name from the child's JSON lines; a name without its line is a FAIL
+    that says why (the child hung in it, or in an earlier row of the same child, or died)."""
+    hung = False
     try:
         out, err = proc.communicate(timeout=max(1.0, timeout_s - (time.perf_counter() - start)))
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, 9)
         out, err = proc.communicate()
-        return _row(name, "FAIL", f"no end after {timeout_s:.0f} s (a hang?)", start)
-    sys.stderr.write(err[-4000:] if proc.returncode else "")
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (err.strip().splitlines() or ["no output"])[-1][:300]
-        return _row(name, "FAIL", f"exit {proc.returncode}: {tail}", start)
-    row = json.loads(lines[-1])
-    return {**row, "check": name, "seconds": round(time.perf_counter() - start, 1)}
+        hung = True
+    sys.stderr.write(err[-4000:] if proc.returncode or hung else "")
+    got = {r["check"]: r for r in (json.loads(x) for x in out.splitlines() if x.startswith("{"))}
+    tail = (err.strip().splitlines() or ["no output"])[-1][:300]
+    rows, first_missing = [], None
+    for name in names:
+        if name in got:
+            rows.append({"seconds": round(time.perf_counter() - start, 1), **got[name], "check": name})
+            continue
+        if first_missing is None:
+            first_missing = name
+            why = f"no end after {timeout_s:.0f} s (a hang?)" if hung else f"exit {proc.returncode}: {tail}"
+        else:
+            why = f"not run: its shared process ended in {first_missing}"
+        rows.append(_row(name, "FAIL", why, start))
+    return rows
 
 
 def _row(check: str, result: str, detail: str, start: float) -> dict:
@@ -382,62 +418,69 @@ def _row(check: str, result: str, detail: str, start: float) -> dict:
             "seconds": round(time.perf_counter() - start, 1)}
 
 
-def run_rows(cuda: bool, env: dict) -> list[dict]:
-    rows = []
-    for name in ROWS:
-        start = time.perf_counter()
-        if name in CUDA_ROWS and not cuda:
-            rows.append(_row(name, NO_CUDA, "", start))
-            continue
-        _log(f"{name} ...")
-        rows.append(_collect(name, _child(["--row", name], env, 120), start, 120))
-        _log(f"{name}: {rows[-1]['result']} ({rows[-1]['seconds']} s) {rows[-1]['detail']}")
-    rows.append(_determinism(cuda, env))
-    rows.extend(_sync_rows(cuda, env))
-    return rows
-
-
-def _determinism(cuda: bool, env: dict) -> dict:
+def run_rows(cuda: bool, env: dict, deadline_s: float = math.inf) -> list[dict]:
+    """Every row; all children start at once (small models share the GPU) and each has a
+    timeout, capped at `deadline_s` from now."""
     start = time.perf_counter()
+    limit = lambda t: min(t, deadline_s)  # noqa: E731 - one line, used below only
+    skipped = [_row(n, NO_CUDA, "", start) for n in ROWS if n in CUDA_ROWS and not cuda]
     if not cuda:
-        return _row("determinism_bitwise", NO_CUDA, "", start)
-    runs = [_collect("determinism_run", _child(["--row", "determinism_run"], env, 150), start, 150)
-            for _ in range(2)]
+        skipped += [_row(f"sync_free[{s}]", NO_CUDA, "", start) for s in SCENARIOS]
+    shared = [n for n in SHARED if cuda or n not in CUDA_ROWS]
+    alone = [n for n in ALONE if cuda or n not in CUDA_ROWS]
+    jobs = [([",".join(shared)], shared, limit(SHARED_TIMEOUT_S))] if shared else []
+    jobs += [([n], [n], limit(ROW_TIMEOUT_S)) for n in alone]
+    if cuda:
+        jobs += [(["determinism_run", "--scenario", str(i)], [f"determinism_run_{i}"], limit(150.0))
+                 for i in range(2)]
+        jobs += [(["sync_free", "--scenario", s], [f"sync_free[{s}]"], limit(150.0)) for s in SCENARIOS]
+    procs = [(names, _child(["--row", *args], env), timeout) for args, names, timeout in jobs]
+    _log(f"{len(procs)} child processes: {', '.join(n for names, _, _ in procs for n in names)}")
+    rows = skipped + [r for names, p, t in procs for r in _collect(names, p, start, t)]
+    rows = _determinism(cuda, rows, start) + [r for r in rows if not r["check"].startswith("determinism_run")]
+    order = {n: i for i, n in enumerate(row_names())}
+    return sorted(rows, key=lambda r: order.get(r["check"], len(order)))
+
+
+def _determinism(cuda: bool, rows: list[dict], start: float) -> list[dict]:
+    """The row from the two runs' rows (their details hold losses and a weights hash)."""
+    if not cuda:
+        return [{**_row("determinism_bitwise", NO_CUDA, "", start), "seconds": 0.0}]
+    runs = [r for r in rows if r["check"].startswith("determinism_run")]
     if any(r["result"] != "pass" for r in runs):
-        return _row("determinism_bitwise", "FAIL", "; ".join(r["detail"] for r in runs), start)
+        return [_row("determinism_bitwise", "FAIL", "; ".join(r["detail"] for r in runs), start)]
     a, b = (json.loads(r["detail"]) for r in runs)
     if a != b:
-        return _row("determinism_bitwise", "FAIL", f"runs differ: losses {a['losses']} vs "
-                    f"{b['losses']}, weights equal: {a['weights'] == b['weights']}", start)
-    return _row("determinism_bitwise", "pass", f"2 runs x 4 bf16 steps bitwise equal "
-                f"(losses and weights) with {DETERMINISM_ENV}", start)
+        return [_row("determinism_bitwise", "FAIL", f"runs differ: losses {a['losses']} vs "
+                     f"{b['losses']}, weights equal: {a['weights'] == b['weights']}", start)]
+    return [_row("determinism_bitwise", "pass", f"2 runs x 4 bf16 steps bitwise equal "
+                 f"(losses and weights) with {DETERMINISM_ENV}", start)]
 
 
-def _sync_rows(cuda: bool, env: dict) -> list[dict]:
-    """All scenarios at once (small models share the GPU), one row each."""
-    start = time.perf_counter()
-    names = [f"sync_free[{s}]" for s in SCENARIOS]
-    if not cuda:
-        return [_row(n, NO_CUDA, "", start) for n in names]
-    procs = [(n, _child(["--row", "sync_free", "--scenario", s], env, 150)) for n, s in zip(names, SCENARIOS)]
-    return [_collect(n, p, start, 150) for n, p in procs]
-
-
-def _run_one(name: str, scenario: str) -> int:
-    """Child mode: run one row, print it as one JSON line."""
-    try:
-        if name == "sync_free":
-            detail = row_sync_free(scenario)
-        elif name == "determinism_run":
-            detail = row_determinism_run()
-        else:
-            detail = ROWS[name]()
-        result = "pass"
-    except CheckFailed as e:
-        result, detail = "FAIL", str(e)
-    except Exception as e:  # noqa: BLE001 - a crash is this row's FAIL, with its line
-        result, detail = "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-    print(json.dumps({"check": name, "result": result, "detail": detail}), flush=True)
+def _run_one(names: str, scenario: str) -> int:
+    """Child mode: run the rows (comma-separated) one after another, each printed as one
+    JSON line as soon as it ends."""
+    last = _START
+    for name in names.split(","):
+        try:
+            if name == "sync_free":
+                detail, check = row_sync_free(scenario), f"sync_free[{scenario}]"
+            elif name == "determinism_run":
+                detail, check = row_determinism_run(), f"determinism_run_{scenario}"
+            else:
+                detail, check = ROWS[name](), name
+            result = "pass"
+        except CheckFailed as e:
+            result, detail, check = "FAIL", str(e), name
+        except Exception as e:  # noqa: BLE001 - a crash is this row's FAIL, with its line
+            result, check = "FAIL", name
+            detail = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        check = {"sync_free": f"sync_free[{scenario}]",
+                 "determinism_run": f"determinism_run_{scenario}"}.get(name, check)
+        now = time.perf_counter()
+        print(json.dumps({"check": check, "result": result, "detail": detail,
+                          "seconds": round(now - last, 1)}), flush=True)
+        last = now
     os._exit(0)  # skip teardown of half-broken NCCL state (a destroyed group's hang)
 
 
@@ -445,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="hide CUDA; run what runs on CPU")
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    parser.add_argument("--deadline-s", type=float, default=math.inf,
+                        help="cap every child's timeout at this many seconds from the start")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--scenario", default="none", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -454,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     cuda = not args.cpu and _cuda_visible()
-    rows = run_rows(cuda, env)
+    rows = run_rows(cuda, env, args.deadline_s)
     if args.json:
         print(json.dumps({"rows": rows}))
     else:

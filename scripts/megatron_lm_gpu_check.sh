@@ -3,6 +3,7 @@
 #
 #   scripts/megatron_lm_gpu_check.sh [MEGATRON_LM_DIR] [--python PY] [--iters N]
 #                                    [--profile-every N] [--out DIR] [--no-install]
+#                                    [--run-timeout S]
 #   scripts/megatron_lm_gpu_check.sh --check-only OUT_DIR ITERS PROFILE_EVERY LAYERS
 #
 # MEGATRON_LM_DIR: a Megatron-LM checkout at tag core_v0.16.1 (default $DYNMO_MEGATRON_LM;
@@ -22,13 +23,15 @@
 # events every iteration from 2, with each MoE layer's tokens per expert. On one GPU the
 # pipeline is PP=1, so no layer moves here: migrations, saves after them and resumes
 # under other pipeline sizes are tests/test_megatron_lm.py's (CPU, PP=2).
-# --check-only runs the first check alone on a finished run's OUT_DIR.
+# --check-only runs the first check alone on a finished run's OUT_DIR. --run-timeout S:
+# a pretrain_gpt.py run still going after S seconds (default 300) is a failed run.
 # Exit 0: passed; 1: a check failed or a run failed; 2: usage/setup.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TAG=core_v0.16.1
 SRC="${DYNMO_MEGATRON_LM:-}"
 PY=""; ITERS=20; EVERY=5; LAYERS=4; OUT="$ROOT/runs/megatron_lm_gpu_check"; INSTALL=1
+RUN_TIMEOUT=300  # seconds per pretrain_gpt.py run: a hang ends as a failed run (exit 124)
 
 die() { echo "megatron_lm_gpu_check.sh: error: $*" >&2; exit 2; }
 say() { echo "[megatron_lm_gpu_check.sh] $*" >&2; }
@@ -65,8 +68,9 @@ while [[ $# -gt 0 ]]; do
     --profile-every) [[ $# -ge 2 ]] || die "--profile-every needs a number"; EVERY="$2"; shift 2 ;;
     --out) [[ $# -ge 2 ]] || die "--out needs a directory"; OUT="$2"; shift 2 ;;
     --no-install) INSTALL=0; shift ;;
+    --run-timeout) [[ $# -ge 2 && "$2" =~ ^[0-9]+$ ]] || die "--run-timeout needs seconds"; RUN_TIMEOUT="$2"; shift 2 ;;
     --check-only) [[ $# -eq 5 ]] || die "--check-only OUT_DIR ITERS PROFILE_EVERY LAYERS"; ARGS=("$2" "$3" "$4" "$5"); shift 5 ;;
-    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown argument $1 (see --help)" ;;
     *) SRC="$1"; shift ;;
   esac
@@ -94,13 +98,17 @@ SRC="$(cd "$SRC" && pwd)"
   die "$PY sees no CUDA GPU: Megatron-LM's pretrain() asserts CUDA (the CPU tests are tests/test_megatron_lm.py)"
 "$PY" -c 'import dynmo_plugin' 2>/dev/null || die "$PY cannot import dynmo_plugin: pip install -e $ROOT"
 MISSING=()
-for m in six regex triton pydantic tensorboard; do
+for m in six regex triton pydantic; do
   "$PY" -c "import $m" 2>/dev/null || MISSING+=("$m")
 done
 if [[ ${#MISSING[@]} -gt 0 ]]; then
   [[ $INSTALL -eq 1 ]] || die "missing ${MISSING[*]} (drop --no-install, or install them)"
   say "installing ${MISSING[*]}"
   "$PY" -m pip install -q --disable-pip-version-check "${MISSING[@]}" || die "pip install ${MISSING[*]} failed"
+fi
+# tensorboard only feeds the writer check, which says "skipped" without it
+if ! "$PY" -c "import tensorboard" 2>/dev/null && [[ $INSTALL -eq 1 ]]; then
+  "$PY" -m pip install -q --disable-pip-version-check tensorboard || say "no tensorboard: writer check skipped"
 fi
 
 # ---- the runs --------------------------------------------------------------------------------
@@ -109,7 +117,7 @@ HALF=$((ITERS / 2))
 run() {  # run LOG FLAGS...: pretrain_gpt.py through the wrapper on one GPU; exit 1 if it fails
   local log="$1"; shift
   set +e
-  DYNMO_MEGATRON_LM="$SRC" CUDA_DEVICE_MAX_CONNECTIONS=1 "$PY" -m torch.distributed.run \
+  DYNMO_MEGATRON_LM="$SRC" CUDA_DEVICE_MAX_CONNECTIONS=1 timeout -k 5 "$RUN_TIMEOUT" "$PY" -m torch.distributed.run \
     --nproc-per-node 1 --master-addr 127.0.0.1 --master-port "${DYNMO_CHECK_PORT:-29561}" \
     -m dynmo_plugin.integrations.pretrain_gpt \
     --hidden-size 512 --num-attention-heads 8 --seq-length 512 \

@@ -60,3 +60,33 @@ def test_launcher_refuses_more_ranks_than_gpus_before_touching_cuda(tmp_path, ca
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert main(["--output", str(tmp_path)]) == 2
     assert "2 ranks on this node but 1 CUDA GPU(s) visible" in _one_error_line(capsys)
+
+
+# ---- scripts/device_check.sh: gpu_check.sh + megatron_lm_gpu_check.sh as one device call ----
+def _device_check(*argv):
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "device_check.sh"
+    return subprocess.run(["bash", str(script), *argv, "--python", sys.executable], capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bogus"], "device_check.sh: error: unknown argument --bogus (see --help)"),
+    (["--total-s", "nine"], "device_check.sh: error: --total-s needs a whole number of seconds"),
+    (["--total-s", "100"], "device_check.sh: error: --total-s 100 leaves no time for gpu_check.sh (needs > 140)"),
+])
+def test_device_check_usage_errors_exit_2_with_one_line(argv, message):
+    proc = _device_check(*argv)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [message]
+
+
+def test_device_check_plan_is_within_nine_minutes():
+    proc = _device_check("--plan")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert "device_check.sh, gpu_check.sh --budget-s 400" in lines[0]
+    assert lines[3].startswith("install (device_check.sh)") and lines[-2].startswith("megatron_lm_gpu_check.sh")
+    total = int(lines[-1].split()[1])
+    assert lines[-1] == f"total: {total} s estimated of a 540 s budget" and total <= 540

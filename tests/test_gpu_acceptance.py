@@ -120,7 +120,7 @@ def test_megatron_lm_iteration_times_after_warmup():
 def test_nccl_rows_are_appended_from_the_helper_script(tmp_path, monkeypatch):
     script = tmp_path / "gpu_check_nccl.py"  # test data: what the real script prints
     script.write_text("import json, sys\n"
-                      "assert sys.argv[1:] == ['--cpu', '--json'], sys.argv\n"
+                      "assert sys.argv[1:3] == ['--cpu', '--json'] and sys.argv[3] == '--deadline-s', sys.argv\n"
                       "print(json.dumps({'rows': [{'check': 'destroyed_group', 'result': 'skipped: no CUDA',"
                       " 'detail': '', 'seconds': 0.1}]}))\n")
     monkeypatch.setattr(gpu_check, "NCCL_SCRIPT", script)

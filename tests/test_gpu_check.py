@@ -84,6 +84,9 @@ def test_dry_run_on_cpu_runs_what_it_can_and_skips_the_gpu_checks():
     result = json.loads(proc.stdout)  # exactly one JSON document on stdout
     rows = {r["check"]: r for r in result["rows"] if not r["check"].startswith("nccl")}  # its own test
     assert "dry run:" in proc.stderr and result["machine"]["cpu_mode"]
+    # the plan of the machines the check is for, printed before the rows (docs/gpu.md "Budget")
+    assert "launch plan (1 GPU(s), DYNMO_MEGATRON_LM set" in proc.stderr
+    assert result["plan"]["total_s"] <= result["plan"]["budget_s"] == 480
     expected = {"machine", "packages", "precision_flag", "profile_heavy_layer"} | GPU_CHECKS
     if not result["machine"]["bf16"]:
         expected.discard("migration_bitexact[bf16]")

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_check_nccl as nccl  # noqa: E402
 CPU_ROWS = {"rebuild_distopt_bf16", "wire_checksum_peak", "control_plane_cuda_state"}
 
 
@@ -26,9 +28,26 @@ def test_cpu_json_run_is_green_and_keeps_the_contract():
     assert all(set(r) == {"check", "result", "detail", "seconds"} for r in rows)
     assert all(isinstance(r["seconds"], float) for r in rows)
     by_name = {r["check"]: r for r in rows}
+    assert [r["check"] for r in rows] == nccl.row_names()  # what gpu_check.py plans
     assert {n for n, r in by_name.items() if r["result"] == "pass"} == CPU_ROWS
     assert all(r["result"] == "skipped: no CUDA" for n, r in by_name.items() if n not in CPU_ROWS)
     assert {"nccl_destroyed_group", "nccl_cpu_tensor", "nccl_shrink_support", "sampled_addmm_bf16",
             "determinism_bitwise", "sync_free[none]", "sync_free[packed_documents]"} <= by_name.keys()
     assert by_name["rebuild_distopt_bf16"]["detail"].startswith("gloo: rebuild applied")
     assert "refused on both ranks" in by_name["control_plane_cuda_state"]["detail"]
+
+
+_HANGS_AFTER_ONE = ("import json, time\n"  # a fault: a shared child that hangs in its second row
+                    "print(json.dumps({'check': 'a', 'result': 'pass', 'detail': 'ok', 'seconds': 0.1}), flush=True)\n"
+                    "time.sleep(600)\n")
+
+
+def test_a_hung_shared_child_fails_its_row_and_names_it_for_the_rows_after():
+    proc = subprocess.Popen([sys.executable, "-c", _HANGS_AFTER_ONE], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    import time
+    rows = nccl._collect(["a", "b", "c"], proc, time.perf_counter(), 3.0)
+    assert [(r["check"], r["result"]) for r in rows] == [("a", "pass"), ("b", "FAIL"), ("c", "FAIL")]
+    assert rows[1]["detail"] == "no end after 3 s (a hang?)"
+    assert rows[2]["detail"] == "not run: its shared process ended in b"
+    assert proc.poll() is not None  # killed, with its session

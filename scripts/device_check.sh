@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The one-GPU acceptance as ONE prepared call on a lent GPU machine (no registry there;
+# 15 minutes of device time in all, at most 10 per command): scripts/gpu_check.sh, then
+# scripts/megatron_lm_gpu_check.sh, both within --total-s (default 540 s = 9 minutes).
+#
+#   scripts/device_check.sh --prepare [MEGATRON_LM_DIR]   # here, with a registry
+#   scripts/device_check.sh [--total-s S] [--python PY]   # on the GPU machine
+#   scripts/device_check.sh --plan                        # estimated seconds, no run
+#
+# --prepare fills runs/device/ (git-ignored; carry it with the call): wheels/ holds the
+# Python 3.12 manylinux wheels the GPU machines lack (megatron-core 0.16.1, pydantic and
+# what it needs, pyyaml, six, regex), megatron-lm/ Megatron-LM's training package at
+# core_v0.16.1 from MEGATRON_LM_DIR (default $DYNMO_MEGATRON_LM). That is the recipe that
+# worked on the H200 (../shared/notes/h200-measured.md): install the wheels with
+# --no-index --no-deps --target, the repository from source.
+# On the GPU machine: installs runs/device/wheels into runs/device/site, runs
+# gpu_check.sh with --budget-s (what --total-s leaves after the install and the reserve
+# of megatron_lm_gpu_check.sh), then megatron_lm_gpu_check.sh under `timeout` for what
+# is left. Results go under $OUT (the device tool brings back what is there), else
+# runs/device/out: gpu_check.txt (the table), gpu_check/ (its runs, gpu_check.json),
+# megatron_lm.txt and megatron_lm/ (logs and reports; checkpoints stay in runs/device),
+# device_check.txt (each part's exit status and seconds).
+# Exit status: 0 when both passed, 1 when either failed, 2 on a usage or setup problem.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DEV="$ROOT/runs/device"
+TOTAL=540
+MLM_RESERVE=130   # megatron_lm_gpu_check.sh: 3 torchrun launches at 40 s + their work
+INSTALL_S=10      # what the plan counts for the install below
+PY=python3
+MODE=run
+MLM_SRC="${DYNMO_MEGATRON_LM:-}"
+
+die() { echo "device_check.sh: error: $*" >&2; exit 2; }
+say() { echo "[device_check.sh] $*" >&2; }
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --prepare) MODE=prepare; shift; [[ $# -gt 0 && "$1" != -* ]] && { MLM_SRC="$1"; shift; } ;;
+    --plan) MODE=plan; shift ;;
+    --total-s) [[ $# -ge 2 && "$2" =~ ^[0-9]+$ ]] || die "--total-s needs a whole number of seconds"; TOTAL="$2"; shift 2 ;;
+    --python) [[ $# -ge 2 ]] || die "--python needs an interpreter"; PY="$2"; shift 2 ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown argument $1 (see --help)" ;;
+  esac
+done
+GPU_BUDGET=$((TOTAL - INSTALL_S - MLM_RESERVE))
+[[ $GPU_BUDGET -gt 0 ]] || die "--total-s $TOTAL leaves no time for gpu_check.sh (needs > $((INSTALL_S + MLM_RESERVE)))"
+
+if [[ $MODE == prepare ]]; then
+  [[ -n "$MLM_SRC" && -f "$MLM_SRC/pretrain_gpt.py" ]] ||
+    die "give a Megatron-LM checkout at core_v0.16.1 (MEGATRON_LM_DIR or \$DYNMO_MEGATRON_LM)"
+  rm -rf "$DEV/wheels" "$DEV/megatron-lm"; mkdir -p "$DEV/wheels"
+  fetch() { "$PY" -m pip download -q --disable-pip-version-check --only-binary=:all: \
+      --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d "$DEV/wheels" "$@"; }
+  fetch --no-deps megatron-core==0.16.1 pyyaml six regex || die "pip download failed"
+  fetch pydantic || die "pip download pydantic failed"  # with its exact pydantic-core
+  (cd "$MLM_SRC" && tar --exclude .git -cf - pretrain_gpt.py gpt_builders.py model_provider.py \
+      megatron/training megatron/legacy megatron/rl megatron/post_training megatron/core/package_info.py) |
+    (mkdir -p "$DEV/megatron-lm" && cd "$DEV/megatron-lm" && tar -xf -) || die "copying $MLM_SRC failed"
+  say "ready: $(du -sh "$DEV" | cut -f1) in $DEV (carry runs/device with the device call)"
+  exit 0
+fi
+
+if [[ $MODE == plan ]]; then
+  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$ROOT/scripts/gpu_check.py" --cpu --plan \
+    --budget-s "$GPU_BUDGET" --device-check "$TOTAL"
+  exit $?
+fi
+
+# ---- on the GPU machine -----------------------------------------------------------------
+OUT="${OUT:-$DEV/out}"
+mkdir -p "$OUT"
+START=$SECONDS
+SITE="$DEV/site"
+if compgen -G "$DEV/wheels/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --upgrade --target "$SITE" \
+    "$DEV"/wheels/*.whl || die "installing $DEV/wheels failed"
+fi
+export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+[[ -f "$DEV/megatron-lm/pretrain_gpt.py" ]] && export DYNMO_MEGATRON_LM="$DEV/megatron-lm"
+say "gpu_check.sh --budget-s $GPU_BUDGET (after $((SECONDS - START)) s of install)"
+set +e
+bash "$ROOT/scripts/gpu_check.sh" --python "$PY" -- --budget-s "$GPU_BUDGET" --out "$OUT/gpu_check" \
+  2> "$OUT/gpu_check.log" | tee "$OUT/gpu_check.txt"
+GPU_RC=${PIPESTATUS[0]}
+GPU_S=$((SECONDS - START))
+LEFT=$((TOTAL - GPU_S))
+MLM_RC=2
+if [[ -z "${DYNMO_MEGATRON_LM:-}" ]]; then
+  echo "megatron_lm_gpu_check.sh: not run: no Megatron-LM (run --prepare first)" | tee "$OUT/megatron_lm.txt"
+elif [[ $LEFT -lt 30 ]]; then
+  echo "megatron_lm_gpu_check.sh: skipped: budget ($LEFT s left of $TOTAL)" | tee "$OUT/megatron_lm.txt"
+else
+  say "megatron_lm_gpu_check.sh with $LEFT s left"
+  DYNMO_CHECK_PORT=$((29500 + RANDOM % 1000)) timeout -k 5 "$LEFT" bash "$ROOT/scripts/megatron_lm_gpu_check.sh" \
+    "$DYNMO_MEGATRON_LM" --python "$PY" --no-install --out "$DEV/mlm" > "$OUT/megatron_lm.txt" 2>&1
+  MLM_RC=$?
+  mkdir -p "$OUT/megatron_lm"
+  (cd "$DEV/mlm" && find . -name '*.log' -o -name 'report.json' | tar -cf - -T - 2>/dev/null) |
+    (cd "$OUT/megatron_lm" && tar -xf -)
+  cat "$OUT/megatron_lm.txt"
+fi
+set -e
+{
+  echo "gpu_check.sh: exit $GPU_RC, $GPU_S s (budget $GPU_BUDGET s)"
+  echo "megatron_lm_gpu_check.sh: exit $MLM_RC$([[ $MLM_RC -eq 124 ]] && echo ' (stopped by the total budget)'), $((SECONDS - START - GPU_S)) s"
+  echo "total: $((SECONDS - START)) s of $TOTAL s"
+} | tee "$OUT/device_check.txt"
+[[ $GPU_RC -eq 0 && $MLM_RC -eq 0 ]] && exit 0
+[[ $GPU_RC -eq 2 ]] && exit 2
+exit 1

@@ -1,0 +1,140 @@
+"""The GPU check's launch plan as data (scripts/gpu_check.py builds it, docs/gpu.md
+"Budget" prints it): every row group declares its launches, and each launch an estimate
+from the constants below. An estimate, not a measurement: the constants come from the
+first GPU runs (../shared/notes/h200-measured.md, h100-measured.md) where they were
+measured, and say so where they were not; every row of a real run prints its seconds,
+which is how the next GPU run corrects them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BUDGET_S = 480.0  # issue 24: the whole GPU check in at most 8 minutes on one H100/H200
+
+# Start-up of one launch, seconds, by kind.
+START_S = {
+    # h200-measured.md: "each torchrun launch 25-40 s" (interpreter, torch, Megatron-Core,
+    # CUDA context, NCCL, model); the top of the range, so the plan errs long
+    "torchrun": 40.0,
+    # a plain Python child doing the same imports and CUDA start without torchrun's agent:
+    # the bottom of that range (not measured on its own)
+    "process": 25.0,
+    # one more run in the started launcher worker (scripts/gpu_check_worker.py): its process
+    # group, model, optimizer and first-iteration warm-up; imports and CUDA context are
+    # already there. Not measured yet: the worker's runs print their seconds
+    "worker": 6.0,
+    # gpu_check.py itself: imports torch and megatron-core to probe the machine
+    "parent": 10.0,
+}
+
+# GPU work of one training iteration, seconds, by model (bf16 unless named).
+IT_S = {
+    # h200: the launcher at 12L h1024 s1024 mb4 gbs16, median 173-187 ms/iteration
+    "host": 0.19,
+    # the same with the 3x test layer: 14 layers' work instead of 12
+    "host_heavy": 0.19 * 14 / 12,
+    # h200: pretrain_gpt.py at the same model, 200-249 ms/iteration
+    "mlm_host": 0.25,
+    # h100: a h4096 s2048 mb1 layer's fwd+bwd 4.8 ms; 6 layers + 2 repeats of the 3x layer
+    # + the output layer (~3 layers) = ~53 ms per micro-batch, x4, + Adam over 1.35e9 params
+    "gpu_heavy": 0.30,
+    "mlm_gpu": 0.25,
+    # h200: 8L h2048 s2048 mb2 layer fwd+bwd 6.28 ms: 8 layers x 2 micro-batches + output
+    # layer and optimizer
+    "s8": 0.15,
+    # estimated: layers 1-4 hold 8 experts of FFN 8192, top-2: about twice the dense iteration
+    "s8_moe": 0.30,
+    # estimated: h1024 at sequence 8192, mb1 x 2: causal attention over 8192 tokens
+    # (~4x a s2048 layer's attention FLOPs per token), unfused local softmax
+    "sparse_s8192": 0.30,
+    # h200: fp32 23,709 tokens/s and bf16 110,358 tokens/s at 16,384 tokens per iteration
+    "speed_fp32": 0.69,
+    "speed_bf16": 0.15,
+    # small models (TE check, CPU dry run): start-up dominates
+    "small": 0.10,
+}
+
+# The NCCL rows' children run at once: the plan counts one start-up and the longest
+# child's own work (a collective on a destroyed group waits 20 s; the others train a
+# 4-layer h64 model for 2-4 steps). Estimated, not measured.
+NCCL_LONGEST_ROW_S = 30.0
+
+
+@dataclass(frozen=True)
+class Launch:
+    what: str
+    kind: str               # a key of START_S
+    iters: int = 0
+    it_s: float = 0.0       # work per iteration, a value of IT_S
+    extra_s: float = 0.0    # work not in iterations
+
+    def estimate_s(self) -> float:
+        return START_S[self.kind] + self.iters * self.it_s + self.extra_s
+
+
+@dataclass(frozen=True)
+class Group:
+    """Rows fed by the same launches (one run may feed several rows)."""
+
+    name: str
+    rows: tuple[str, ...]
+    launches: tuple[Launch, ...] = ()
+    parallel: bool = False  # the launches run at the same time: the longest counts
+    note: str = ""          # why it has no launch here (e.g. "skipped: needs 2 GPUs")
+
+    def estimate_s(self) -> float:
+        costs = [x.estimate_s() for x in self.launches]
+        return (max(costs, default=0.0) if self.parallel else sum(costs))
+
+    def selected(self, only: tuple[str, ...]) -> bool:
+        """Whether --only (row or group name prefixes) picks any of its rows."""
+        return not only or self.name.startswith(only) or any(r.startswith(only) for r in self.rows)
+
+
+@dataclass
+class Plan:
+    groups: list[Group]
+    budget_s: float = BUDGET_S
+    assumes: str = ""
+    only: tuple[str, ...] = field(default=())
+
+    def chosen(self) -> list[Group]:
+        """The groups --only picks, and a group without rows (the launcher worker's
+        start) where a picked group uses what it starts."""
+        picked = [g for g in self.groups if g.rows and g.selected(self.only)]
+        kinds = {x.kind for g in picked for x in g.launches}
+        return [g for g in self.groups if g in picked or (not g.rows and "worker" in kinds)]
+
+    def total_s(self) -> float:
+        return sum(g.estimate_s() for g in self.chosen())
+
+    def rows(self) -> list[str]:
+        return [r for g in self.groups for r in g.rows]
+
+    def to_dict(self) -> dict:
+        return {"assumes": self.assumes, "budget_s": self.budget_s, "total_s": round(self.total_s(), 1),
+                "constants": {"start_s": START_S, "iteration_s": IT_S},
+                "groups": [{"group": g.name, "rows": list(g.rows), "launches": len(g.launches),
+                            "estimate_s": round(g.estimate_s(), 1), "note": g.note,
+                            "what": [x.what for x in g.launches]} for g in self.chosen()]}
+
+
+def render_plan(plan: Plan) -> str:
+    """The plan as a table: group, rows, launches (by kind), estimated seconds."""
+    groups = plan.chosen()
+    width = max([len(g.name) for g in groups] + [len("row group")])
+    lines = [f"launch plan ({plan.assumes}); estimates from documented constants, not timings",
+             f"{'row group':<{width}} | {'launches':<32} | est. s | rows",
+             f"{'-' * width}-+-{'-' * 32}-+--------+-----"]
+    for g in groups:
+        kinds: dict[str, int] = {}
+        for x in g.launches:
+            kinds[x.kind] = kinds.get(x.kind, 0) + 1
+        launches = ", ".join(f"{n} {k}" for k, n in kinds.items()) + (" (parallel)" if g.parallel else "")
+        rows = ", ".join(g.rows) if len(g.rows) <= 3 else f"{g.rows[0]} ... ({len(g.rows)} rows)"
+        lines.append(f"{g.name:<{width}} | {launches or g.note or '-':<32} | {g.estimate_s():>6.0f} | "
+                     f"{rows}")
+    total = plan.total_s()
+    lines.append(f"total: {total:.0f} s estimated of a {plan.budget_s:.0f} s budget"
+                 + ("" if total <= plan.budget_s else " -- OVER BUDGET: rows at the end will say 'skipped: budget'"))
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""One process for many one-rank launcher runs: the start-up a GPU check pays once.
+
+Started by scripts/gpu_check.py (class Worker there), never by hand. Each torchrun launch
+costs 25-40 s of start-up on the lent GPU machines (../shared/notes/h200-measured.md:
+interpreter, torch, Megatron-Core, the CUDA context); the one-GPU rows need a dozen PP=1
+runs. Here they run one after another in one process: every run is the test worker
+(tests/workers/train_worker.py: the real launcher plus its test switches) with its own
+process group (a fresh env:// rendezvous on a free port, destroyed at the run's end by
+`dynmo_plugin.train.run`), its own model and optimizer; the process, the imports and the
+CUDA context are shared.
+
+Protocol: one JSON request per line on stdin, {"flags": [...], "output": DIR}; one JSON
+reply per request on the original stdout, {"ok": bool, "error": str, "seconds": float,
+"cuda_allocated": int, "live_parameters": int} (bytes still allocated and parameters
+still alive after the run: a run that leaks its model into the next shows here). Every
+other output (Megatron's prints included) goes to stderr. EOF on stdin ends the process.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "tests"):
+    sys.path.insert(0, str(path))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one(flags: list[str], output: str) -> dict:
+    """One launcher run in this process, as `torchrun --nproc-per-node 1 -m
+    workers.train_worker FLAGS --output OUTPUT` would do it."""
+    import torch
+    from workers import train_worker
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    sys.argv = ["train_worker", *flags, "--output", output]
+    start, error = time.perf_counter(), ""
+    try:
+        status = train_worker.main()
+        error = "" if status == 0 else f"exit {status}"
+    except SystemExit as e:  # argparse or a user error: the launcher's status
+        error = f"exit {e.code}"
+    except Exception as e:  # noqa: BLE001 - the run's failure is its reply; the process goes on
+        traceback.print_exc()
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        _teardown()
+    gc.collect()  # the run's model and optimizer, before the next run allocates its own
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.empty_cache()
+    live = sum(1 for x in gc.get_objects() if isinstance(x, torch.nn.Parameter))
+    return {"ok": not error, "error": error, "seconds": round(time.perf_counter() - start, 3),
+            "cuda_allocated": torch.cuda.memory_allocated() if cuda else 0, "live_parameters": live}
+
+
+def _teardown() -> None:
+    """What `train.run`'s own teardown did not reach (an error before it started)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main() -> int:
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # prints of the runs go to stderr: stdout carries the replies only
+    import torch  # noqa: F401 - the imports every run needs, while the parent gets ready
+    from workers import train_worker  # noqa: F401
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        print(f"[gpu_check_worker] run: {' '.join(request['flags'])}", file=sys.stderr, flush=True)
+        result = run_one(request["flags"], request["output"])
+        print(f"[gpu_check_worker] end of run: {result}", file=sys.stderr, flush=True)
+        reply.write(json.dumps(result) + "\n")
+        reply.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
