@@ -51,6 +51,22 @@ def train(nproc: int, flags: list[str], output: Path, **kw) -> dict:
     return json.loads((output / "report.json").read_text())
 
 
+def run_key(nproc: int, flags: list[str], module: str) -> tuple:
+    """What identifies a run for sharing: the rank count, the module and the flags as a
+    set of (option, values) - so two modules that list the same flags in another order
+    share one run. A repeated option keeps the literal order (the last one wins there)."""
+    pairs: list[tuple] = []
+    for token in flags:
+        if token.startswith("--") or not pairs:
+            pairs.append((token,))
+        else:
+            pairs[-1] += (token,)
+    options = [p[0] for p in pairs]
+    if len(set(options)) != len(options):
+        return nproc, module, tuple(flags)
+    return nproc, module, tuple(sorted(pairs))
+
+
 def losses(report: dict) -> list[float]:
     return [it["loss"] for it in report["iterations"]]
 
