@@ -33,15 +33,21 @@ def torchrun(nproc: int, flags: list[str], output: Path, timeout: int = 300,
             str(free_port()), "-m", module, *flags, "--output", str(output)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    if os.environ.get("DYNMO_TEST_FORK_TORCHRUN", "1") == "1" and hasattr(os, "fork"):
-        proc = _forked_torchrun(args, env, timeout)
-    else:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=ROOT,
-                              env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_torchrun(args, env, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-6000:]}")
     return proc
+
+
+def run_torchrun(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """torchrun ARGS from ROOT with `env`, output captured: forked from this process
+    (`_forked_torchrun`), or a fresh `python -m torch.distributed.run` with
+    DYNMO_TEST_FORK_TORCHRUN=0."""
+    if os.environ.get("DYNMO_TEST_FORK_TORCHRUN", "1") == "1" and hasattr(os, "fork"):
+        return _forked_torchrun(args, env, timeout)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _forked_torchrun(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:

@@ -225,16 +225,16 @@ def test_flags_parse_inside_megatron_lm_parse_args_chained_with_the_callers(mtt,
 
 # ---- with the source, under torchrun: Megatron-LM's train() with the plugin ------------------------
 def _run(tmp: Path, extra: list[str], ranks: int = 2) -> tuple[dict, dict]:
-    from launch import ROOT, free_port
-    import subprocess
+    """torchrun of this file (the Megatron-LM harness below) as launch.torchrun does it:
+    torch's launcher in a fork of pytest (DYNMO_TEST_FORK_TORCHRUN=0: a fresh one)."""
+    from launch import ROOT, free_port, run_torchrun
     out = tmp / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__,
-           *MODEL_FLAGS, "--train-iters", "6", "--pipeline-model-parallel-size", "2",
-           "--dynmo-output", str(out), *extra]
+    args = ["--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+            __file__, *MODEL_FLAGS, "--train-iters", "6", "--pipeline-model-parallel-size", "2",
+            "--dynmo-output", str(out), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DYNMO_TEST_LOSSES": str(tmp),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(args, env, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     report = json.loads((out / "report.json").read_text())
     return report, json.loads((tmp / "losses.json").read_text())
