@@ -100,6 +100,10 @@ def _agent(args: list[str], env: dict, out_fd: int, err_fd: int) -> None:
         import logging
         faulthandler.disable()  # pytest's, on its own stderr
         logging.root.handlers.clear()  # pytest's capture: the agent logs to stderr as torchrun does
+        for logger in logging.Logger.manager.loggerDict.values():  # torch's handler, made at import
+            for handler in getattr(logger, "handlers", []):
+                if type(handler) is logging.StreamHandler:
+                    handler.setStream(sys.stderr)
         from torch.distributed.run import main
         main(args)
         code = 0
