@@ -1,3 +1,4 @@
+import copy
 import sys
 from pathlib import Path
 
@@ -5,7 +6,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from launch import PP4_STATIC, worker  # noqa: E402  (needs the path above)
+from launch import PP4_STATIC, run_key, train, worker  # noqa: E402  (needs the path above)
 
 
 @pytest.fixture(scope="session")
@@ -14,3 +15,22 @@ def pp4_static(tmp_path_factory):
     and shared by every module that compares a moved or repacked run against it."""
     out = tmp_path_factory.mktemp("pp4_static")
     return out, worker(4, PP4_STATIC, out)
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """`shared_run(nproc, flags, module=...)` -> (directory, report): a run that several
+    modules compare against, launched once per test session per configuration
+    (launch.run_key); each caller gets its own copy of the report, the directory is
+    shared (read it, never write into it)."""
+    done: dict = {}
+
+    def run(nproc: int, flags: list[str], module: str = "workers.train_worker"):
+        key = run_key(nproc, flags, module)
+        if key not in done:
+            out = tmp_path_factory.mktemp("shared")
+            done[key] = out, train(nproc, flags, out, module=module)
+        out, report = done[key]
+        return out, copy.deepcopy(report)
+
+    return run

@@ -225,16 +225,16 @@ def test_flags_parse_inside_megatron_lm_parse_args_chained_with_the_callers(mtt,
 
 # ---- with the source, under torchrun: Megatron-LM's train() with the plugin ------------------------
 def _run(tmp: Path, extra: list[str], ranks: int = 2) -> tuple[dict, dict]:
-    from launch import ROOT, free_port
-    import subprocess
+    """torchrun of this file (the Megatron-LM harness below) as launch.torchrun does it:
+    torch's launcher in a fork of pytest (DYNMO_TEST_FORK_TORCHRUN=0: a fresh one)."""
+    from launch import ROOT, free_port, run_torchrun
     out = tmp / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__,
-           *MODEL_FLAGS, "--train-iters", "6", "--pipeline-model-parallel-size", "2",
-           "--dynmo-output", str(out), *extra]
+    args = ["--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+            __file__, *MODEL_FLAGS, "--train-iters", "6", "--pipeline-model-parallel-size", "2",
+            "--dynmo-output", str(out), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DYNMO_TEST_LOSSES": str(tmp),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(args, env, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     report = json.loads((out / "report.json").read_text())
     return report, json.loads((tmp / "losses.json").read_text())
@@ -355,11 +355,20 @@ def test_layer_freezing_through_spec_and_yaml_rebalances_bit_exact_with_static(t
     2, reference plasticity at 4, and at 6 (threshold 10: any layer has converged) layers
     1-2 freeze (max_layers 2): the whole of stage 0. The event makes the controller profile
     and move layers onto the cheaper stage 0; the static run (balancer uniform) freezes at
-    the same iteration, and every loss of the two runs is the same to the last bit."""
+    the same iteration, and every loss of the two runs is the same to the last bit.
+
+    The move is decided from one timed iteration, and it pays only by what stage 1's head
+    (output layer + loss) costs more than stage 0's embedding: freezing drops the layers'
+    backward, about their forward's cost at this size, so frozen stage 0 (E + 2 forwards)
+    faces layer 4 + head. With a 128-token vocabulary the head weighed ~1 ms, and stage 0
+    measured 0.68-0.78 of layer 4 + head (at load 14 its ranks' layers timed 1.5x those of
+    the other rank), close enough for one window to read 'already balanced' (a CI run did).
+    A 16384-token head (~6.4 ms: stage 0 at ~0.26 of layer 4 + head) keeps the decision
+    clear of any such skew."""
     yaml_path = tmp_path / "freezing.yaml"
     yaml_path.write_text(FREEZING_YAML)
     flags = ["--spec", ml.SPEC_MODULE, "layer_freezing", "--dynmo", "--dynmo-config", str(yaml_path),
-             "--train-iters", "9", "--tensorboard-dir", str(tmp_path / "tb")]
+             "--vocab-size", "16384", "--train-iters", "9", "--tensorboard-dir", str(tmp_path / "tb")]
     moved, moved_losses = _run(tmp_path / "moved", flags)
     static, static_losses = _run(tmp_path / "static", [*flags[:-2], "--dynmo-balancer", "uniform"])
     for report in (moved, static):

@@ -29,11 +29,12 @@ FC = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(shared_run):
+    """{(mode, balancer): (report, parameters)}; the masked run is test_scenario_pruning's
+    structured DynMo run (the same flags: launched once per session)."""
     out = {}
     for mode, balancer in (("masked", "exact"), ("physical", "exact"), ("physical", "uniform")):
-        d = tmp_path_factory.mktemp(f"{mode}_{balancer}")
-        report = worker(2, FLAGS + ["--dynmo-balancer", balancer, "--dynmo-pruning-structured", mode], d)
+        d, report = shared_run(2, FLAGS + ["--dynmo-balancer", balancer, "--dynmo-pruning-structured", mode])
         out[mode, balancer] = report, _params(d)
     return out
 

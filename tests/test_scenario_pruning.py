@@ -105,11 +105,11 @@ STRUCTURED = ["--dynmo-pruning-granularity", "structured", "--dynmo-pruning-fina
 
 
 @pytest.fixture(scope="module")
-def structured_runs(tmp_path_factory):
+def structured_runs(shared_run):
+    """(static, dynmo) as (report, directory); the dynmo run is test_physical_pruning's
+    masked run too (launched once per session)."""
     flags = FLAGS[:-2] + STRUCTURED
-    out_s, out_d = tmp_path_factory.mktemp("structured_static"), tmp_path_factory.mktemp("structured_dynmo")
-    return ((worker(2, flags + ["--dynmo-balancer", "uniform"], out_s), out_s),
-            (worker(2, flags + ["--dynmo-balancer", "exact"], out_d), out_d))
+    return tuple(shared_run(2, flags + ["--dynmo-balancer", b])[::-1] for b in ("uniform", "exact"))
 
 
 def test_structured_pruning_shrinks_layers_and_keeps_dynmo_equal_to_static(structured_runs):

@@ -10,6 +10,9 @@ MODEL = ["--num-layers", "6", "--hidden-size", "32", "--num-attention-heads", "4
          "--train-iters", "4", "--lr", "3e-3", "--seed", "7"]
 
 
+UNEVEN = ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tttttL"]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return losses(train(1, MODEL, tmp_path_factory.mktemp("pp1")))
@@ -18,12 +21,12 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("nproc,extra", [
     (2, ["--pipeline-model-parallel-size", "2"]),
     (4, ["--pipeline-model-parallel-size", "4"]),
-    (2, ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tttttL"]),
+    (2, UNEVEN),
     (4, ["--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-layout", "Ettt||ttt|L"]),
     (4, ["--pipeline-model-parallel-size", "2"]),  # PP=2 x DP=2
 ], ids=["pp2", "pp4", "pp2-uneven", "pp4-empty-stages", "pp2xdp2"])
-def test_pipeline_losses_equal_single_process(reference, tmp_path, nproc, extra):
-    report = train(nproc, MODEL + extra, tmp_path)
+def test_pipeline_losses_equal_single_process(reference, shared_run, nproc, extra):
+    _, report = shared_run(nproc, MODEL + extra, module="dynmo_plugin.train")
     got = losses(report)
     assert len(got) == len(reference) == 4
     for a, b in zip(got, reference):
@@ -31,10 +34,10 @@ def test_pipeline_losses_equal_single_process(reference, tmp_path, nproc, extra)
     assert report["world"]["pp"] * report["world"]["dp"] == nproc
 
 
-def test_report_shape(tmp_path):
-    report = train(2, MODEL + ["--pipeline-model-parallel-size", "2",
-                               "--pipeline-model-parallel-layout", "Ett|ttttL"], tmp_path)
-    assert report["layout"] == report["initial_layout"] == "Ett|ttttL"
+def test_report_shape(shared_run):
+    """Read from the pp2-uneven run above (one launch for both)."""
+    _, report = shared_run(2, MODEL + UNEVEN, module="dynmo_plugin.train")
+    assert report["layout"] == report["initial_layout"] == "Et|tttttL"
     assert report["world"] == {"pp": 2, "tp": 1, "dp": 1, "world_size": 2, "backend": "gloo",
                                "history": [{"iteration": 0, "pp": 2, "tp": 1, "dp": 1,
                                             "world_size": 2}]}
