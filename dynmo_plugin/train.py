@@ -87,7 +87,7 @@ def validate(args: argparse.Namespace, world_size: int | None, in_launcher: bool
     check_paths(cfg.model)
     load = cfg.model.load
     if load:
-        from dynmo_plugin.megatron.checkpoint.directory import directory as checkpoint
+        from dynmo_plugin.megatron.checkpoint import directory as checkpoint
         if not in_launcher or not os.path.exists(os.path.join(load, checkpoint._LATEST)):
             checkpoint.read_meta(load, resume_if_absent=load == cfg.model.save)
     return cfg
