@@ -5,7 +5,7 @@ model, DDP, optimizer and steps them itself) and the Megatron-LM integration's
 `integrations.megatron_lm.MegatronLMStage` (a handle over what Megatron-LM's own
 `train()` holds). The controller, the migrator, the profiler, checkpoints, repacks and
 the dynamism scenarios take either one and use only the members of `StageHandle`, so
-both implement exactly that (tests/test_stage_contract.py checks member by member).
+both implement exactly that (tests/megatron/test_stage_contract.py checks member by member).
 
 What is NOT in the contract: the data stream (`data`) and the training step
 (`train_step`). The launcher owns both; under Megatron-LM its `train()` does, so code

@@ -12,7 +12,7 @@ hooks, with timing hooks only, and with timing + activation accounting.
 Part 3 (wall clock, PP=2): stage 0 holds a layer three times heavier than the rest, so
 stage 1 should spend more of each iteration blocked in receives than stage 0 does. The
 profile's per-stage `wait_s` is wall-clock time, so this relation is a measurement, not
-a unit test (tests/test_profiler.py only checks that the receiving stage records a wait):
+a unit test (tests/megatron/test_profiler.py only checks that the receiving stage records a wait):
 it prints stage 1's wait over stage 0's for each round.
 Usage: python scripts/bench_profiler.py [--rounds 3] [--iters 40] [--every 5] [--part N]
 """

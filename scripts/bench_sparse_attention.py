@@ -2,7 +2,7 @@
 """Sparse (LSH) attention, timed: do more buckets measure cheaper in a real run's profiles,
 and does the timed work model predict the measured ratio?
 
-The timing claims that tests/test_scenario_sparse_attention.py used to assert (a unit test
+The timing claims that tests/scenarios/test_scenario_sparse_attention.py used to assert (a unit test
 now counts the kernel's FLOPs instead; timings on a shared machine vary by +-20%): a
 4-layer GPT, 1024-token samples, 2 pipeline stages under torchrun; layer 1 pinned at 4
 buckets, layer 2 dense, layers 3-4 going 1 -> 8 -> 64 buckets. From the profile windows

@@ -22,7 +22,7 @@ the seconds it took (a run shared by several rows counts for the first), in plan
                          bit for bit, per precision P
   repack_2_to_1          PP=2 -> 1 live repack; equal to a PP=1 run resumed from the
                          PP=2 checkpoint at the repack point (the tied output weight
-                         becomes the embedding: see tests/test_repack.py)
+                         becomes the embedding: see tests/megatron/test_repack.py)
   identical_layers[S]    PP=1 bf16 at shape S (host: 12L h1024 s1024 mb4, host-bound;
                          gpu: 6L h4096 s2048 mb1, GPU-bound), one test layer 3x heavy:
                          max/min fwd+bwd of the identical others <= 1.10
@@ -78,7 +78,7 @@ NO_CUDA = "skipped: no CUDA"
 # too, inherited by every launch. gpu_check.sh sets them as well.
 DETERMINISM_ENV = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 HEAVY_LAYER, HEAVY_FACTOR, HEAVY_TOLERANCE = 3, 3, 0.25
-# As tests/test_migration.py (8 layers, PP=2, start Etttt|ttttL): iteration 3 moves layers
+# As tests/megatron/test_migration.py (8 layers, PP=2, start Etttt|ttttL): iteration 3 moves layers
 # 5-6 to stage 0, iteration 5 moves layers 2-6 to stage 1 (both directions).
 FORCED = "3:Etttttt|ttL;5:Et|tttttttL"
 

@@ -19,7 +19,7 @@ Why an additive overhead and not the ratio peak / modelled: what the model misse
 mostly per stage, not per layer — the head's logits, one operator's workspace at a time,
 communication buffers — so it does not grow with the layers a stage receives. A ratio
 would charge a stage receiving layers for more copies of its head's logits (in
-tests/test_memory_calibration.py the last stage measures 1.46x its model; scaled by
+tests/megatron/test_memory_calibration.py the last stage measures 1.46x its model; scaled by
 that, no layer could move onto it under the test's cap, yet with one more layer it
 held 32.5 of the 34.5 MB allowed). The ratio is still recorded (`factor`) to compare
 stages and machines. Calibration never lowers the model: a stage

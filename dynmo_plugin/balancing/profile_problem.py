@@ -16,7 +16,7 @@ __all__ = ["CHECKSUM_TRANSIENT_BYTES", "memory_calibration", "problem_from_profi
 # What the device checksum of one migration buffer allocates beside it at most
 # (migration.wire.checksum_transient_bytes of a buffer of one chunk or more: two int64
 # temporaries of 2**20 words and the accumulators). A pure constant here, since this wing
-# imports no torch; tests/test_nccl_safety.py holds the two equal.
+# imports no torch; tests/megatron/test_nccl_safety.py holds the two equal.
 CHECKSUM_TRANSIENT_BYTES = 2 * 8 * (1 << 20) + 4 * 8
 
 

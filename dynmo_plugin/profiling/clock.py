@@ -105,7 +105,7 @@ class CudaEventClock:
     `begin()` drains the device first (module docstring).
 
     `cuda` is the `torch.cuda` module; tests on CPU pass a stand-in that records the
-    order of calls (tests/test_profiling_clock.py)."""
+    order of calls (tests/megatron/test_profiling_clock.py)."""
 
     name = "cuda_event"
 

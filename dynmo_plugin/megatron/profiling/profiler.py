@@ -104,7 +104,7 @@ class _ExtraActivations:
 class _DevicePeak:
     """The allocator's peak over a window's training steps, immune to peak resets by
     others between them (module docstring). `cuda` is `torch.cuda`; tests pass a
-    stand-in allocator (tests/test_profiling_clock.py)."""
+    stand-in allocator (tests/megatron/test_profiling_clock.py)."""
 
     def __init__(self, cuda=None):
         from torch.optim.optimizer import register_optimizer_step_post_hook

@@ -10,7 +10,7 @@ from pathlib import Path
 from dynmo_plugin.megatron.training.machine import load_run_config
 from dynmo_plugin.train import build_parser, nothing_to_balance
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(argv):

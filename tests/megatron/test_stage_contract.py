@@ -183,7 +183,7 @@ def test_a_live_launcher_stage_is_a_stage_handle():
 def _built_in(name: str) -> set[str]:
     """The modules of dynmo_plugin whose code calls `name(...)` (constructs it)."""
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     found = set()
     for path in (root / "dynmo_plugin").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

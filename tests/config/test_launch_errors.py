@@ -18,7 +18,7 @@ import pytest
 from dynmo_plugin.torchrun_check import training_argv, world_size
 from dynmo_plugin.train import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENTRY = "dynmo-validate = dynmo_plugin.torchrun_check:handler"
 
 

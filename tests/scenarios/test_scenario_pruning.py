@@ -99,7 +99,7 @@ def test_dynmo_losses_equal_static_and_layers_moved(static, dynmo):
         assert a["detail"] == b["detail"]
 
 
-# the masked form (full-size weights; physical shrinking: tests/test_physical_pruning.py)
+# the masked form (full-size weights; physical shrinking: tests/scenarios/test_physical_pruning.py)
 STRUCTURED = ["--dynmo-pruning-granularity", "structured", "--dynmo-pruning-final-sparsity", "0.8",
               "--dynmo-pruning-structured", "masked"]
 

@@ -18,7 +18,7 @@ from dynmo_plugin.controller import DynMo
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 M = 8
 
 

@@ -6,7 +6,7 @@ a Megatron-LM checkout at tag core_v0.16.1 from $DYNMO_MEGATRON_LM and skip with
 parse_args, setup_model_and_optimizer (model from pretrain_gpt.py's model_provider),
 mock-data iterators, forward_step and train() loop — only pretrain()'s CUDA-only
 start-up (initialize_megatron's CUDA assert, torch.distributed/MPU set-up, CUDA streams)
-is replaced by the harness below, run as `python tests/test_megatron_lm.py` under
+is replaced by the harness below, run as `python tests/integrations/test_megatron_lm.py` under
 torchrun. The pure parts (flag validation, event scalars) run everywhere.
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ from dynmo_plugin.controller import DynMo
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "dynmo_plugin" / "config"
 HEAVY = ("torch", "megatron", "transformer_engine")
 

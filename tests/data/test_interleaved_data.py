@@ -5,7 +5,7 @@ forced migrations across chunks and ranks.
 Under interleaving Megatron calls the forward step once per (micro-batch, chunk): every
 chunk must read the same packed micro-batch, in order (StageTrainer.train_step gives each
 chunk its own iterator over one list). One torchrun pair: the interleaved run with moves
-against the never-moved 1F1B run (as tests/test_interleaved_migration.py does); both fit
+against the never-moved 1F1B run (as tests/megatron/test_interleaved_migration.py does); both fit
 the data cost model from the profiler (data.calibration), which must time the layers of
 every chunk.
 

@@ -15,7 +15,7 @@ from dynmo_plugin.sim.gpt import GPTShape, Hardware, LayerLoad, flop_layer_costs
 from dynmo_plugin.sim.measured import KNOBS, Curve, hardware, load_profile_file
 from dynmo_plugin.scenarios import make_trajectory
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAPER = GPTShape(num_layers=4)  # hidden 1024, seq 2048, micro-batch 2
 
 

@@ -3,7 +3,7 @@
 Each command runs as a real subprocess, so a third-party library printing to stdout
 (DeepSpeed's "Setting accelerator to CPU" warning on its first import) would break
 `json.loads` of the whole stdout. `scripts/bench_e2e.py --json` trains twice and is
-checked in tests/test_bench_e2e.py; `scripts/validate_sim.py --json` trains too (run
+checked in tests/run/test_bench_e2e.py; `scripts/validate_sim.py --json` trains too (run
 by hand). The last test is the acceptance test of `scripts/reproduce_paper.py --json`:
 its tables hold every paper figure beside ours.
 """
@@ -18,7 +18,7 @@ import pytest
 
 from dynmo_plugin.sim import paper
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--layers", "8", "--dp", "1", "--pp", "2", "--iterations", "3000"]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check_nccl as nccl  # noqa: E402
 CPU_ROWS = {"rebuild_distopt_bf16", "wire_checksum_peak", "control_plane_cuda_state"}

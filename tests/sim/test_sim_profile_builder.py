@@ -16,7 +16,7 @@ from dynmo_plugin.sim.gpt import GPTShape, LayerLoad
 from dynmo_plugin.sim.measured import hardware, profile_entries
 from dynmo_plugin.sim.profile_builder import build_profile
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 H2048 = {"hidden": 2048, "seq": 2048, "micro_batch": 1}
 H1024 = {"hidden": 1024, "seq": 2048, "micro_batch": 2}
 ROWS = [

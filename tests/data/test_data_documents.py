@@ -22,7 +22,7 @@ from dynmo_plugin.data.documents import DocumentStream, LognormalDocuments
 from dynmo_plugin.megatron.data.indexed import IndexedDocuments
 from dynmo_plugin.data.tokenizer import ByteTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STDLIB_JSON = sorted(Path(sysconfig.get_paths()["stdlib"], "json").glob("*.py"))
 
 

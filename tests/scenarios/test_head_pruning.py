@@ -4,7 +4,7 @@
 every layer on the sparsity's cubic schedule, the lowest by the L2 norm of their qkv rows
 and proj columns, and the shrink rebuilds linear_qkv / linear_proj (weights, gradients,
 DDP buffers, masters, Adam moments) with the kept heads only, as the FFN neuron path does
-(tests/test_physical_pruning.py).
+(tests/scenarios/test_physical_pruning.py).
 """
 import math
 

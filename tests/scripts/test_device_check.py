@@ -67,7 +67,7 @@ def _device_check(*argv):
     import subprocess
     import sys
     from pathlib import Path
-    script = Path(__file__).resolve().parents[1] / "scripts" / "device_check.sh"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "device_check.sh"
     return subprocess.run(["bash", str(script), *argv, "--python", sys.executable], capture_output=True,
                           text=True, timeout=300)
 

@@ -18,7 +18,7 @@ from dynmo_plugin.cluster.target import resolve_target, workload_name
 from dynmo_plugin.config import CLUSTER_STRATEGIES, ClusterConfig
 from dynmo_plugin.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REQ = ReleaseRequest(keep=2, current=4, released_ranks=(4, 5, 6, 7), reason="repack 4->2")
 
 

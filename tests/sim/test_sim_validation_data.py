@@ -15,7 +15,7 @@ import pytest
 
 from dynmo_plugin.sim import Link, PipelineCosts, simulate_iteration
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "validate_sim.py"
+_PATH = Path(__file__).resolve().parents[2] / "scripts" / "validate_sim.py"
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from dynmo_plugin.cluster import ReleaseRequest, release
 from dynmo_plugin.cluster.record import ANNOTATION
 from dynmo_plugin.config import ClusterConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 kube_cluster, kube_namespace = kc.kube_cluster, kc.kube_namespace  # the fixtures (ruff-proof import)
 REQ = ReleaseRequest(keep=2, current=4, released_ranks=(4, 5, 6, 7),
                      reason="repack 4->2 stages at iteration 40: predicted 0.21 s -> 0.20 s per iteration")

@@ -31,7 +31,7 @@ FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 FIELDS = {f"model.{k}": f for k, f, _ in _leaf_fields(ModelArgs)}
 FIELDS.update({k: f for k, f, _ in _leaf_fields(DynmoConfig)})
-# reading real files is out of scope here: tests/test_config_input.py covers these paths
+# reading real files is out of scope here: tests/config/test_config_input.py covers these paths
 SKIP = {"model.data.path", "model.load", "model.save", "model.output"}
 KEYS = sorted(k for k in FIELDS if k not in SKIP)
 NAMES = ({k.rsplit(".", i)[0] for k in FIELDS for i in range(k.count(".") + 1)}
