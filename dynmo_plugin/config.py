@@ -481,6 +481,10 @@ class RepackConfig:
     rebuild_s: float = field(default=10.0, metadata=opt(
         "estimated seconds to regroup and rebuild (the gate's cost, besides moving layers)",
         "--dynmo-repack-rebuild-s", non_negative))
+    freed: str = field(default="release", metadata=opt(
+        "the ranks a repack frees: release (leave the job), grow (stay as data-parallel "
+        "replicas of the new stages) or auto (the objective picks)", "--dynmo-repack-freed",
+        one_of("release", "grow", "auto")))
 
 
 CLUSTER_STRATEGIES = ("none", "statefulset-scale", "job-parallelism", "delete-pods",

@@ -84,6 +84,7 @@ class DynMo:
         self._open: Optional[_OpenWindow] = None
         self._pending_events: list[str] = []
         self._recent = deque(maxlen=_MEASURE_ITERS)  # step seconds outside windows
+        self._freed: Optional[dict] = None  # rank 0: the last decision's freed-ranks choice
         self._awaiting_after: list[tuple[RebalanceEvent, list[float]]] = []
         self._step_started = 0.0
         self._work_now: dict[int, float] = {}          # latest work reported by the scenario
@@ -218,6 +219,7 @@ class DynMo:
     def _decide(self, profile: PipelineProfile, trigger: str) -> Decision:
         """Rank 0 only: the one decision path (balancing.decide), which the simulator
         shares. An impossible plan is a decision not to move, never an exception."""
+        self._freed = None
         t, rb = self.trainer, self.config.rebalance
         cap = _cap_bytes(self.config)
         try:
@@ -233,6 +235,7 @@ class DynMo:
         criteria = self._repack_criteria(problem, trigger)
         model = None if criteria is None else repack_iteration_model(self.trainer, self.bandwidth)
         choice = decide(problem, balancer, gate, criteria, iteration_model=model)
+        self._freed = self._freed_choice(problem, choice.repack)
         memory = _memory_record(profile, problem.num_stages, problem.num_microbatches, cap,
                                 choice.plan)
         return Decision(profile.to_dict(), choice.plan, choice.apply,
@@ -256,9 +259,10 @@ class DynMo:
         profiling_s = time.perf_counter() - start
         start = time.perf_counter()
         try:
-            decision = self.control.decide(lambda: self._decide(gathered, trigger), "decision")
+            decision, freed = self.control.decide(
+                lambda: (self._decide(gathered, trigger), self._freed), "decision")
         except DecisionFailed as e:
-            decision = Decision(gathered.to_dict(), None, False, f"balancer failed: {e}")
+            decision, freed = Decision(gathered.to_dict(), None, False, f"balancer failed: {e}"), None
         decision_s = time.perf_counter() - start
         self.last_profile = PipelineProfile.from_dict(decision.profile)
         if source == "timed":
@@ -273,7 +277,7 @@ class DynMo:
             r = decision.repack
             info = {"method": r.method, "predicted_iter_s_before": r.predicted_iter_s_before,
                     "predicted_iter_s_after": r.predicted_iter_s_after, "reason": r.reason,
-                    "plan": r.to_dict()}
+                    "plan": r.to_dict(), "freed": freed}
             self._run_repack(event, r.layout_after, iteration, info)  # retiring ranks leave here
         elif decision.apply:
             self._attach_migration(event, self._migrate(decision.plan.layout))
@@ -309,7 +313,8 @@ class DynMo:
             event = RebalanceEvent(iteration, "forced", str(before), str(before), False,
                                    {"profiling": 0.0, "decision": 0.0, "migration": 0.0},
                                    reason="forced repack", measured_iter_s_before=self._measured_before())
-            self._run_repack(event, layout, iteration, {"method": "forced", "reason": "forced repack"})
+            self._run_repack(event, layout, iteration, {"method": "forced", "reason": "forced repack",
+                                                        "freed": self._forced_freed(layout)})
             self._record(event)
             return
         event = RebalanceEvent(iteration, "forced", str(before), str(before), False,
@@ -317,6 +322,44 @@ class DynMo:
                                reason="forced layout", measured_iter_s_before=self._measured_before())
         self._attach_migration(event, self._migrate(layout))
         self._record(event)
+
+    def _freed_choice(self, problem: BalanceProblem, plan) -> Optional[dict]:
+        """Rank 0: what the ranks a planned repack frees do (`balancing.grow`), timed by
+        the repack's own iteration model: release as planned, grow as the same layout
+        at the larger DP with the micro-batches split over its replicas. None: release
+        (repack.freed: release, or no repack)."""
+        mode = self.config.repack.freed
+        if plan is None or not plan.apply or mode == "release":
+            return None
+        from dynmo_plugin.balancing.grow import grow_refusal, grown_dp
+        from dynmo_plugin.balancing.repack import shrink_problem
+        t, k = self.trainer, plan.stages_after
+        iter_grow = None
+        if grow_refusal(t.dims.pp, k, t.dims.dp, t.num_microbatches) is None:
+            new_dp = grown_dp(t.dims.pp, k, t.dims.dp)
+            grown = dataclasses.replace(shrink_problem(problem, k),
+                                        num_microbatches=t.num_microbatches * t.dims.dp // new_dp)
+            from dynmo_plugin.sim.problem_model import live_iteration_model
+            model = live_iteration_model(t.args, dp=new_dp, bandwidth_Bps=self.bandwidth)
+            iter_grow = model(grown, plan.layout_after)
+        return self._log_freed(k, plan.predicted_iter_s_after, iter_grow)
+
+    def _forced_freed(self, layout: Layout) -> Optional[dict]:
+        """A forced repack: the configured choice without predictions (auto releases)."""
+        if self.config.repack.freed == "release":
+            return None
+        return self._log_freed(layout.num_ranks, 0.0, None)
+
+    def _log_freed(self, k: int, iter_release: float, iter_grow: Optional[float]) -> dict:
+        from dynmo_plugin.balancing.grow import choose_freed
+        t, rp = self.trainer, self.config.repack
+        choice = choose_freed(rp.freed, rp.objective, stages_before=t.dims.pp, stages_after=k,
+                              tp=t.dims.tp, dp=t.dims.dp, num_microbatches=t.num_microbatches,
+                              iter_s_release=iter_release, iter_s_grow=iter_grow,
+                              tokens_per_iteration=float(t.args.global_batch_size * t.args.seq_length))
+        if t.dims.rank == 0:
+            logger.info("dynmo: %s", choice.line())
+        return choice.to_dict()
 
     def _attach_migration(self, event: RebalanceEvent, result) -> None:
         event.migration, event.applied = result, result.applied

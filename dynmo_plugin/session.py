@@ -179,7 +179,7 @@ class TrainingSession:
         self.report.world["history"].append({"iteration": iteration, "pp": d.pp, "tp": d.tp,
                                              "dp": d.dp, "world_size": d.world_size,
                                              "released_ranks": result.ranks_released})
-        if self.releases is not None:
+        if self.releases is not None and result.ranks_released:  # a grow keeps every rank
             self.releases.start(record, result)
 
     def finish(self) -> None:
