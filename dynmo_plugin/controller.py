@@ -331,17 +331,11 @@ class DynMo:
         mode = self.config.repack.freed
         if plan is None or not plan.apply or mode == "release":
             return None
-        from dynmo_plugin.balancing.grow import grow_refusal, grown_dp
-        from dynmo_plugin.balancing.repack import shrink_problem
+        from dynmo_plugin.balancing.grow import grow_iteration_s
+        from dynmo_plugin.sim.problem_model import live_iteration_model
         t, k = self.trainer, plan.stages_after
-        iter_grow = None
-        if grow_refusal(t.dims.pp, k, t.dims.dp, t.num_microbatches) is None:
-            new_dp = grown_dp(t.dims.pp, k, t.dims.dp)
-            grown = dataclasses.replace(shrink_problem(problem, k),
-                                        num_microbatches=t.num_microbatches * t.dims.dp // new_dp)
-            from dynmo_plugin.sim.problem_model import live_iteration_model
-            model = live_iteration_model(t.args, dp=new_dp, bandwidth_Bps=self.bandwidth)
-            iter_grow = model(grown, plan.layout_after)
+        iter_grow = grow_iteration_s(problem, plan.layout_after, t.dims.dp, lambda dp: live_iteration_model(
+            t.args, dp=dp, bandwidth_Bps=self.bandwidth))
         return self._log_freed(k, plan.predicted_iter_s_after, iter_grow)
 
     def _forced_freed(self, layout: Layout) -> Optional[dict]:

@@ -21,10 +21,15 @@ batches). Pure: no torch, no megatron.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Optional
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Optional
 
-__all__ = ["FREED_MODES", "FreedChoice", "choose_freed", "grow_refusal", "grown_dp"]
+from dynmo_plugin.balancing.problem import BalanceProblem
+from dynmo_plugin.balancing.repack import IterationModel, shrink_problem
+from dynmo_plugin.layout import Layout
+
+__all__ = ["FREED_MODES", "FreedChoice", "choose_freed", "grow_iteration_s", "grow_refusal",
+           "grown_dp"]
 
 FREED_MODES = ("release", "grow", "auto")
 MEASURE = {"min_stages": "tokens_per_s", "throughput_per_gpu": "tokens_per_gpu_hour"}
@@ -53,6 +58,22 @@ def grow_refusal(stages_before: int, stages_after: int, dp: int,
                 f"micro-batches do not split over {new} replicas; make the global batch size a "
                 f"multiple of micro-batch size x {new}, or use repack.freed: release")
     return None
+
+
+def grow_iteration_s(problem: BalanceProblem, layout: Layout, dp: int,
+                     model_at: Callable[[int], IterationModel]) -> Optional[float]:
+    """Predicted iteration time of `layout` (K stages) when the freed ranks grow DP:
+    the problem shrunk to K stages (as the repack planner times it) with the global
+    batch's micro-batches split over the grown replicas, timed by `model_at(dp')` (the
+    iteration model at that DP: the all-reduce grows with it). None: cannot grow.
+    `problem.num_microbatches` is per replica at the current `dp`."""
+    k = layout.num_ranks
+    if grow_refusal(problem.num_ranks, k, dp, problem.num_microbatches) is not None:
+        return None
+    new_dp = grown_dp(problem.num_ranks, k, dp)
+    grown = replace(shrink_problem(problem, k),
+                    num_microbatches=problem.num_microbatches * dp // new_dp)
+    return model_at(new_dp)(grown, layout)
 
 
 @dataclass(frozen=True)
