@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 
-from launch import SMALL_MODEL, load_params, losses, torchrun, worker
+from launch import ROOT, SMALL_MODEL, load_params, losses, torchrun, train, worker
 
 from dynmo_plugin.balancing.grow import choose_freed, grow_iteration_s, grow_refusal, grown_dp
 from dynmo_plugin.balancing.problem import BalanceProblem
@@ -106,7 +106,9 @@ def _repack(report: dict) -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("optimizer", [[], ["--use-distributed-optimizer"]], ids=["adam", "distopt"])
+@pytest.mark.parametrize("optimizer", [[], ["--use-distributed-optimizer", "--lr-decay-style", "cosine", "--min-lr", "1e-4",
+                                       "--lr-decay-iters", "6"]],
+                         ids=["adam", "distopt_cosine"])
 def test_live_grow_equals_a_run_resumed_at_the_larger_dp(pp4_static, tmp_path, optimizer):
     """PP4 DP1 -> PP2 DP2 at iteration 3 on the same 4 ranks (distopt: the optimizer
     state re-sharded over the 2 replicas) == PP2 DP2 resumed from the iteration-2
@@ -183,3 +185,27 @@ def test_released_path_is_unchanged(pp4_static, tmp_path, freed):
     assert losses(report) == losses(pp4_static[1])
     a, b = load_params(tmp_path, range(2)), load_params(pp4_static[0], range(4))
     assert [n for n in a if not torch.equal(a[n], b[n])] == []
+
+
+@pytest.mark.multiproc
+def test_demo_config_auto_grows_by_the_planner_and_trains_like_the_never_grown_run(tmp_path):
+    """configs/repack_demo.yaml under `min_stages` with `freed: auto`: after the freezing
+    event the planner repacks 4 -> 2 and, the simulated grown iteration promising more
+    tokens/s, keeps ranks 2-3 as DP replicas. Measured here: losses equal to the last
+    bit until a few iterations after the grow, then within 1.2e-7 (the regrouped DP sum)."""
+    config = str(ROOT / "configs" / "repack_demo.yaml")
+    flags = ["--pipeline-model-parallel-size", "4", "--dynmo-config", config, "--train-iters", "30"]
+    grown, static = tmp_path / "grown", tmp_path / "static"
+    report = train(4, flags + ["--dynmo", "--dynmo-repack-freed", "auto",
+                               "--dynmo-repack-objective", "min_stages"], grown)
+    (event,) = [e for e in report["events"] if e.get("repack")]
+    freed = event["repack"]["freed"]
+    assert freed["choice"] == "grow" and freed["reason"].startswith("auto, objective min_stages")
+    assert freed["tokens_per_s_grow"] > freed["tokens_per_s_release"] > 0
+    assert freed["tokens_per_gpu_hour_release"] > freed["tokens_per_gpu_hour_grow"] > 0
+    grew_at = event["iteration"]
+    assert [(h["iteration"], h["pp"], h["dp"]) for h in report["world"]["history"]] == [
+        (0, 4, 1), (grew_at, 2, 2)]
+    never = train(4, flags, static)
+    assert losses(report)[:grew_at] == losses(never)[:grew_at]
+    assert max(abs(a - b) for a, b in zip(losses(report), losses(never))) <= TOLERANCE
