@@ -350,7 +350,8 @@ class DynMo:
         choice = choose_freed(rp.freed, rp.objective, stages_before=t.dims.pp, stages_after=k,
                               tp=t.dims.tp, dp=t.dims.dp, num_microbatches=t.num_microbatches,
                               iter_s_release=iter_release, iter_s_grow=iter_grow,
-                              tokens_per_iteration=float(t.args.global_batch_size * t.args.seq_length))
+                              tokens_per_iteration=float(t.args.global_batch_size * t.args.seq_length),
+                              unsupported=_GROW_PACKED if t.args.data.packed else None)
         if t.dims.rank == 0:
             logger.info("dynmo: %s", choice.line())
         return choice.to_dict()
@@ -393,6 +394,10 @@ class DynMo:
             self.report.add_event(event)
         logger.info("dynmo: iteration %d %s [%s]%s", event.iteration, event.kind, event.trigger,
                     _describe(event))
+
+
+_GROW_PACKED = ("cannot grow data parallelism with packed documents (--data): their stream "
+                "is split per replica at start; use repack.freed: release")
 
 
 def repack_iteration_model(trainer, bandwidth_Bps: float) -> IterationModel:

@@ -14,6 +14,8 @@ way; the 1/2 scalings are powers of two, exact), and the grown run equals the ne
 grown one to the last bit.
 """
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -42,6 +44,14 @@ def test_grown_dp_keeps_every_rank_or_refuses_in_one_line():
     assert "\n" not in line and "3 micro-batches do not split over 2 replicas" in line
     assert "multiple of micro-batch size x 2" in line and "repack.freed: release" in line
     assert "4 ranks per tensor-parallel group do not split into 3 stages" in grow_refusal(4, 3, 1, 4)
+
+
+def test_the_decision_is_pure():
+    """balancing/grow.py imports neither torch nor megatron (a pure wing)."""
+    probe = ("import sys, dynmo_plugin.balancing.grow; print(sorted(m for m in sys.modules "
+             "if m.split('.')[0] in ('torch', 'megatron')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def _problem(num_microbatches: int) -> BalanceProblem:
@@ -89,6 +99,9 @@ def test_freed_modes_release_grow_refuse():
     unknown = choose_freed("auto", "min_stages", num_microbatches=4,
                            **{**kw, "iter_s_release": 0.0, "iter_s_grow": None})
     assert unknown.choice == "release" and "without predictions" in unknown.reason
+    for mode, choice in (("grow", "refuse"), ("auto", "release")):
+        packed = choose_freed(mode, "min_stages", num_microbatches=4, unsupported="no grow here", **kw)
+        assert (packed.choice, packed.reason, packed.dp_grow) == (choice, "no grow here", None)
     with pytest.raises(ValueError, match="freed must be one of"):
         choose_freed("keep", "min_stages", num_microbatches=4, **kw)
 
@@ -112,20 +125,26 @@ def _repack(report: dict) -> dict:
 def test_live_grow_equals_a_run_resumed_at_the_larger_dp(pp4_static, tmp_path, optimizer):
     """PP4 DP1 -> PP2 DP2 at iteration 3 on the same 4 ranks (distopt: the optimizer
     state re-sharded over the 2 replicas) == PP2 DP2 resumed from the iteration-2
-    checkpoint of PP4 DP1, to the last bit; the never-grown run within TOLERANCE."""
+    checkpoint of PP4 DP1 (written by the same grow in checkpoint mode), to the last
+    bit; the never-grown run within TOLERANCE."""
     grown, saved, resumed, ckpt = (tmp_path / n for n in ("grown", "saved", "resumed", "ckpt"))
     for d in (grown, saved, resumed):
         d.mkdir()
     flags = MODEL + optimizer
     proc = torchrun(4, flags + GROW, grown, module="workers.train_worker")
     assert "leaving the job" not in proc.stderr  # that warning would show (test_repack)
-    worker(4, flags + ["--pipeline-model-parallel-size", "4", "--train-iters", "2",
-                       "--save", str(ckpt), "--save-interval", "2"], saved)
+    # the same grow by checkpoint: saves after iteration 2, every rank stops, none released
+    stopped = worker(4, flags + GROW + ["--dynmo-repack-mode", "checkpoint", "--save", str(ckpt)],
+                     saved)
+    assert [it["iteration"] for it in stopped["iterations"]] == [1, 2]
+    assert _repack(stopped)["repack"]["ranks_released"] == []
+    meta = json.loads((ckpt / "iter_0000002" / "meta.json").read_text())
+    assert meta["next"] == {"layout": "Etttt|ttttL", "pp": 2, "world_size": 4}
     reference = worker(4, flags + ["--pipeline-model-parallel-size", "2", "--load", str(ckpt)],
                        resumed)
     report = json.loads((grown / "report.json").read_text())
     assert reference["world"]["dp"] == 2 and report["layout"] == "Etttt|ttttL"
-    assert losses(report)[2:] == losses(reference)
+    assert losses(report) == losses(stopped) + losses(reference)
     _params_equal(grown, resumed)
     event = _repack(report)
     repack = event["repack"]

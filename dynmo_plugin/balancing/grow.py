@@ -122,14 +122,16 @@ class FreedChoice:
 
 def choose_freed(mode: str, objective: str, *, stages_before: int, stages_after: int, tp: int,
                  dp: int, num_microbatches: int, iter_s_release: float,
-                 iter_s_grow: Optional[float], tokens_per_iteration: float) -> FreedChoice:
+                 iter_s_grow: Optional[float], tokens_per_iteration: float,
+                 unsupported: Optional[str] = None) -> FreedChoice:
     """Release or grow after a P -> K repack (module docstring). `mode` "release" and
     "grow" are the user's word (grow still needs an even split: else the choice is
     "refuse" and `reason` is the one line to show); "auto" compares the objective's
-    measure and grows only when it is strictly better."""
+    measure and grows only when it is strictly better. `unsupported`: why this run
+    cannot grow at all (refused like an uneven split)."""
     if mode not in FREED_MODES:
         raise ValueError(f"freed must be one of {', '.join(FREED_MODES)}, got {mode!r}")
-    refusal = grow_refusal(stages_before, stages_after, dp, num_microbatches)
+    refusal = unsupported or grow_refusal(stages_before, stages_after, dp, num_microbatches)
     new_dp = None if refusal else grown_dp(stages_before, stages_after, dp)
     base = dict(mode=mode, objective=objective, dp_before=dp, dp_grow=new_dp,
                 ranks_release=tp * stages_after * dp, ranks_grow=tp * stages_before * dp,

@@ -153,7 +153,7 @@ class Repacker:
         state = _spread(dims, new_dims, state, self.timeout_s)
         result.phase_s["spread"] = time.perf_counter() - start
         start = time.perf_counter()
-        self._rebuild(new_dims, layout_after, state, reset_lr=True)
+        self._rebuild(new_dims, layout_after, state)
         result.phase_s["rebuild"] = time.perf_counter() - start
         result.applied, result.layout_after, result.dp_after = True, str(layout_after), new_dp
         return result
@@ -264,14 +264,14 @@ class Repacker:
         raise RankRetired(f"rank {rank} (stage {stage}) released")
 
     # ---- 4. rebuild --------------------------------------------------------------------------
-    def _rebuild(self, dims, layout: Layout, state: StageState, reset_lr: bool = False) -> None:
+    def _rebuild(self, dims, layout: Layout, state: StageState) -> None:
         """Build the stage for `layout` from `state` (captured before the shrink) and
         switch the session to it. The old stage's gradients and sharded optimizer state
         are released first: past the point of no return nothing reads them, and the new
         stage is built while only the old parameters (which `state` references) and the
-        gathered full optimizer state are still alive. `reset_lr` (a grow): the learning
-        rate from the scheduler, as a resumed run sets it (a freed rank's old optimizer,
-        of an empty stage, has no param groups to carry it from)."""
+        gathered full optimizer state are still alive. A grow's freed ranks carry the
+        per-group settings from their emptied stage's optimizer: its groups stepped with
+        the same scheduler (tests/test_grow_dp.py runs a cosine schedule)."""
         from dynmo_plugin.megatron.migrate import LayerMigrator
         from dynmo_plugin.megatron.trainer import StageTrainer
         s = self.session
@@ -283,8 +283,6 @@ class Repacker:
                                configure=old.configure)
         carry_optimizer_state(old.optimizer, trainer.optimizer)
         trainer.scheduler.num_steps = old.scheduler.num_steps
-        if reset_lr:
-            trainer.scheduler.step(increment=0)
         control = ControlPlane(s.control.timeout_s)
         migrator = LayerMigrator(trainer, control, s.migrator.timeout_s, s.migrator.fault)
         s.rebind(trainer, control, migrator)
