@@ -84,7 +84,6 @@ class DynMo:
         self._open: Optional[_OpenWindow] = None
         self._pending_events: list[str] = []
         self._recent = deque(maxlen=_MEASURE_ITERS)  # step seconds outside windows
-        self._freed: Optional[dict] = None  # rank 0: the last decision's freed-ranks choice
         self._awaiting_after: list[tuple[RebalanceEvent, list[float]]] = []
         self._step_started = 0.0
         self._work_now: dict[int, float] = {}          # latest work reported by the scenario
@@ -219,7 +218,6 @@ class DynMo:
     def _decide(self, profile: PipelineProfile, trigger: str) -> Decision:
         """Rank 0 only: the one decision path (balancing.decide), which the simulator
         shares. An impossible plan is a decision not to move, never an exception."""
-        self._freed = None
         t, rb = self.trainer, self.config.rebalance
         cap = _cap_bytes(self.config)
         try:
@@ -235,7 +233,6 @@ class DynMo:
         criteria = self._repack_criteria(problem, trigger)
         model = None if criteria is None else repack_iteration_model(self.trainer, self.bandwidth)
         choice = decide(problem, balancer, gate, criteria, iteration_model=model)
-        self._freed = self._freed_choice(problem, choice.repack)
         memory = _memory_record(profile, problem.num_stages, problem.num_microbatches, cap,
                                 choice.plan)
         return Decision(profile.to_dict(), choice.plan, choice.apply,
@@ -260,7 +257,7 @@ class DynMo:
         start = time.perf_counter()
         try:
             decision, freed = self.control.decide(
-                lambda: (self._decide(gathered, trigger), self._freed), "decision")
+                lambda: self._decide_with_freed(gathered, trigger), "decision")
         except DecisionFailed as e:
             decision, freed = Decision(gathered.to_dict(), None, False, f"balancer failed: {e}"), None
         decision_s = time.perf_counter() - start
@@ -323,14 +320,19 @@ class DynMo:
         self._attach_migration(event, self._migrate(layout))
         self._record(event)
 
+    def _decide_with_freed(self, profile: PipelineProfile, trigger: str) -> tuple[Decision, Optional[dict]]:
+        """Rank 0: the decision and, for a repack, what its freed ranks do (None: release)."""
+        decision = self._decide(profile, trigger)
+        plan, t = decision.repack, self.trainer
+        if plan is None or not plan.apply or not decision.apply or self.config.repack.freed == "release":
+            return decision, None
+        problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches)  # as _decide
+        return decision, self._freed_choice(problem, plan)
+
     def _freed_choice(self, problem: BalanceProblem, plan) -> Optional[dict]:
         """Rank 0: what the ranks a planned repack frees do (`balancing.grow`), timed by
         the repack's own iteration model: release as planned, grow as the same layout
-        at the larger DP with the micro-batches split over its replicas. None: release
-        (repack.freed: release, or no repack)."""
-        mode = self.config.repack.freed
-        if plan is None or not plan.apply or mode == "release":
-            return None
+        at the larger DP with the micro-batches split over its replicas."""
         from dynmo_plugin.balancing.grow import grow_iteration_s
         from dynmo_plugin.sim.problem_model import live_iteration_model
         t, k = self.trainer, plan.stages_after

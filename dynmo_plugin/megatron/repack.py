@@ -20,6 +20,10 @@ Collective over every rank, in four parts (the report times each):
                  per-group settings and loss scaler over.
 A failure in 3-4 leaves no way back (the old world is gone): it ends the run with a
 traceback, like any broken world would.
+
+A grow (`repack.freed`, balancing/grow.py) runs 1-2 the same; then nobody retires: the
+world regroups at its own size with PP = K and DP x P/K, every rank receives its new
+stage's state from a survivor that holds it (`_spread`), and 4 builds it on every rank.
 """
 from __future__ import annotations
 
