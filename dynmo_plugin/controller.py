@@ -261,9 +261,10 @@ class DynMo:
         profiling_s = time.perf_counter() - start
         start = time.perf_counter()
         try:
-            decision = self.control.decide(lambda: self._decide(gathered, trigger), "decision")
+            decision, freed = self.control.decide(
+                lambda: self._decide_with_freed(gathered, trigger), "decision")
         except DecisionFailed as e:
-            decision = Decision(gathered.to_dict(), None, False, f"balancer failed: {e}")
+            decision, freed = Decision(gathered.to_dict(), None, False, f"balancer failed: {e}"), None
         decision_s = time.perf_counter() - start
         self.last_profile = PipelineProfile.from_dict(decision.profile)
         if source == "timed":
@@ -278,7 +279,7 @@ class DynMo:
             r = decision.repack
             info = {"method": r.method, "predicted_iter_s_before": r.predicted_iter_s_before,
                     "predicted_iter_s_after": r.predicted_iter_s_after, "reason": r.reason,
-                    "plan": r.to_dict()}
+                    "plan": r.to_dict(), "freed": freed}
             self._run_repack(event, r.layout_after, iteration, info)  # retiring ranks leave here
         elif decision.apply:
             self._attach_migration(event, self._migrate(decision.plan.layout))
@@ -314,7 +315,8 @@ class DynMo:
             event = RebalanceEvent(iteration, "forced", str(before), str(before), False,
                                    {"profiling": 0.0, "decision": 0.0, "migration": 0.0},
                                    reason="forced repack", measured_iter_s_before=self._measured_before())
-            self._run_repack(event, layout, iteration, {"method": "forced", "reason": "forced repack"})
+            self._run_repack(event, layout, iteration, {"method": "forced", "reason": "forced repack",
+                                                        "freed": self._forced_freed(layout)})
             self._record(event)
             return
         event = RebalanceEvent(iteration, "forced", str(before), str(before), False,
@@ -322,6 +324,44 @@ class DynMo:
                                reason="forced layout", measured_iter_s_before=self._measured_before())
         self._attach_migration(event, self._migrate(layout))
         self._record(event)
+
+    def _decide_with_freed(self, profile: PipelineProfile, trigger: str) -> tuple[Decision, Optional[dict]]:
+        """Rank 0: the decision and, for a repack, what its freed ranks do (None: release)."""
+        decision = self._decide(profile, trigger)
+        plan, t = decision.repack, self.trainer
+        if plan is None or not plan.apply or not decision.apply or self.config.repack.freed == "release":
+            return decision, None
+        problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches)  # as _decide
+        return decision, self._freed_choice(problem, plan)
+
+    def _freed_choice(self, problem: BalanceProblem, plan) -> Optional[dict]:
+        """Rank 0: what the ranks a planned repack frees do (`balancing.grow`), timed by
+        the repack's own iteration model: release as planned, grow as the same layout
+        at the larger DP with the micro-batches split over its replicas."""
+        from dynmo_plugin.balancing.grow import grow_iteration_s
+        from dynmo_plugin.sim.problem_model import live_iteration_model
+        t, k = self.trainer, plan.stages_after
+        iter_grow = grow_iteration_s(problem, plan.layout_after, t.dims.dp, lambda dp: live_iteration_model(
+            t.args, dp=dp, bandwidth_Bps=self.bandwidth))
+        return self._log_freed(k, plan.predicted_iter_s_after, iter_grow)
+
+    def _forced_freed(self, layout: Layout) -> Optional[dict]:
+        """A forced repack: the configured choice without predictions (auto releases)."""
+        if self.config.repack.freed == "release":
+            return None
+        return self._log_freed(layout.num_ranks, 0.0, None)
+
+    def _log_freed(self, k: int, iter_release: float, iter_grow: Optional[float]) -> dict:
+        from dynmo_plugin.balancing.grow import choose_freed
+        t, rp = self.trainer, self.config.repack
+        choice = choose_freed(rp.freed, rp.objective, stages_before=t.dims.pp, stages_after=k,
+                              tp=t.dims.tp, dp=t.dims.dp, num_microbatches=t.num_microbatches,
+                              iter_s_release=iter_release, iter_s_grow=iter_grow,
+                              tokens_per_iteration=float(t.args.global_batch_size * t.args.seq_length),
+                              unsupported=_GROW_PACKED if t.args.data.packed else None)
+        if t.dims.rank == 0:
+            logger.info("dynmo: %s", choice.line())
+        return choice.to_dict()
 
     def _attach_migration(self, event: RebalanceEvent, result) -> None:
         event.migration, event.applied = result, result.applied
@@ -361,6 +401,10 @@ class DynMo:
             self.report.add_event(event)
         logger.info("dynmo: iteration %d %s [%s]%s", event.iteration, event.kind, event.trigger,
                     _describe(event))
+
+
+_GROW_PACKED = ("cannot grow data parallelism with packed documents (--data): their stream "
+                "is split per replica at start; use repack.freed: release")
 
 
 def repack_iteration_model(trainer, bandwidth_Bps: float) -> IterationModel:

@@ -102,14 +102,17 @@ class TrainingSession:
                         "loaded in %.2f s", self.cfg.model.load, meta["iteration"], meta["layout"],
                         self.trainer.layout, meta["load_s"])
 
-    def save(self, iteration: int, next_layout: Optional[Layout] = None) -> str:
+    def save(self, iteration: int, next_layout: Optional[Layout] = None,
+             next_world: Optional[int] = None) -> str:
+        """Checkpoint now; `next_layout`/`next_world` (default tp x dp x its ranks): what a
+        checkpoint repack restarts with (a grow keeps every rank)."""
         from dynmo_plugin.megatron.checkpoint.directory import save_checkpoint
         d = self.trainer.dims
         meta = {"scenario": self.scenario.state_dict() if self.scenario is not None else {},
                 "data": self.trainer.data.state_dict(),
                 "next": None if next_layout is None else {
                     "layout": str(next_layout), "pp": next_layout.num_ranks,
-                    "world_size": d.tp * d.dp * next_layout.num_ranks}}
+                    "world_size": next_world or d.tp * d.dp * next_layout.num_ranks}}
         start = time.perf_counter()
         path = save_checkpoint(self.cfg.model.save, iteration, self.trainer, self.control, meta)
         if d.rank == 0:
@@ -124,16 +127,25 @@ class TrainingSession:
 
     def _checkpoint_repack(self, layout: Layout, iteration: int, info: dict):
         """Save with the new layout recorded, then every rank ends after this iteration;
-        the job restarts with PP = layout.num_ranks and `--load`."""
+        the job restarts with PP = layout.num_ranks and `--load` (a grow: on all its ranks,
+        DP x P/K; a refused grow saves nothing and goes on)."""
         from dynmo_plugin.megatron.migration.repack import RepackResult
         d, start = self.trainer.dims, time.perf_counter()
-        world = d.tp * d.dp * layout.num_ranks
+        freed = info.get("freed") or {}
+        grow = freed.get("choice") == "grow"
+        world = d.world_size if grow else d.tp * d.dp * layout.num_ranks
         iteration = self._completed  # decided before a step (forced) or after it
-        result = RepackResult(True, d.pp, layout.num_ranks, str(self.trainer.layout),
-                              ranks_released=list(range(world, d.world_size)),
+        result = RepackResult(freed.get("choice") != "refuse", d.pp, layout.num_ranks,
+                              str(self.trainer.layout), ranks_released=list(range(world, d.world_size)),
                               world_size_before=d.world_size, world_size_after=world,
-                              generation=self.repacker.generation + 1)
-        path = self.save(iteration, next_layout=layout)
+                              generation=self.repacker.generation + 1, dp_before=d.dp,
+                              dp_after=freed["dp_grow"] if grow else d.dp)
+        if not result.applied:
+            result.error, result.world_size_after = freed["reason"], d.world_size
+            record = {**result.to_dict(), **info, "mode": "checkpoint", "cluster": None}
+            del record["migration"]
+            return record, result
+        path = self.save(iteration, next_layout=layout, next_world=world)
         result.phase_s["save"] = time.perf_counter() - start
         vp = (f" --num-virtual-stages-per-pipeline-rank {layout.num_chunks}"
               if layout.num_chunks > 1 else "")
@@ -172,7 +184,7 @@ class TrainingSession:
         self.report.world["history"].append({"iteration": iteration, "pp": d.pp, "tp": d.tp,
                                              "dp": d.dp, "world_size": d.world_size,
                                              "released_ranks": result.ranks_released})
-        if self.releases is not None:
+        if self.releases is not None and result.ranks_released:  # a grow keeps every rank
             self.releases.start(record, result)
 
     def finish(self) -> None:
@@ -184,7 +196,7 @@ class TrainingSession:
             if self.trainer.dims.rank in result.ranks_released:
                 mark_retired(result.generation, self.trainer.dims.rank,
                              self.cfg.dynmo.rebalance.migration_timeout_s)
-            elif self.releases is not None:
+            elif self.releases is not None and result.ranks_released:
                 self.releases.start(record, result)
         if self.releases is not None:
             self.releases.join()

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from dynmo_plugin.balancing.grow import FREED_MODES
 from dynmo_plugin.balancing.repack import OBJECTIVES, RepackCriteria
 from dynmo_plugin.balancing.solve import BALANCERS
 from dynmo_plugin.cluster.release import STRATEGIES
@@ -226,6 +227,10 @@ class RepackConfig:
     rebuild_s: float = field(default=_PLANNER.rebuild_s, metadata=opt(
         "estimated seconds to regroup and rebuild (the gate's cost, besides moving layers)",
         "--dynmo-repack-rebuild-s", non_negative))
+    freed: str = field(default="release", metadata=opt(
+        "the ranks a repack frees: release (leave the job), grow (stay as data-parallel "
+        "replicas of the new stages) or auto (the objective picks)", "--dynmo-repack-freed",
+        one_of(*FREED_MODES)))
 
 
 CLUSTER_STRATEGIES = STRATEGIES  # what dynmo_plugin.cluster can do, not a copy

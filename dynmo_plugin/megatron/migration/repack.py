@@ -20,10 +20,15 @@ Collective over every rank, in four parts (the report times each):
                  per-group settings and loss scaler over.
 A failure in 3-4 leaves no way back (the old world is gone): it ends the run with a
 traceback, like any broken world would.
+
+A grow (`repack.freed`, balancing/grow.py) runs 1-2 the same; then nobody retires: the
+world regroups at its own size with PP = K and DP x P/K, every rank receives its new
+stage's state from a survivor that holds it (`_spread`), and 4 builds it on every rank.
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import time
 from dataclasses import dataclass, field
@@ -66,6 +71,8 @@ class RepackResult:
     world_size_before: int = 0
     world_size_after: int = 0
     generation: int = 0          # repacks so far, this one included (store key prefix)
+    dp_before: int = 0
+    dp_after: int = 0            # larger than dp_before when the freed ranks grew DP
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -86,13 +93,26 @@ class Repacker:
 
     def run(self, layout: Layout, iteration: int, info: dict) -> tuple[dict, RepackResult]:
         """Repack onto `layout` (fewer stages); returns the event's `repack` record (the
-        result plus `info`: how it was decided) and the result.
+        result plus `info`: how it was decided) and the result. `info["freed"]` (a
+        `balancing.grow.FreedChoice` dict, absent: release) says what the freed ranks
+        do: release (they leave), grow (they stay as DP replicas) or refuse (nothing
+        moves; its reason is the event's error).
 
         Raises:
             RankRetired: on the ranks whose stages it releases.
         """
-        intermediate = layout.padded(self.session.trainer.dims.pp)
-        result = self.repack(layout, intermediate)
+        dims = self.session.trainer.dims
+        intermediate = layout.padded(dims.pp)
+        freed = info.get("freed") or {}
+        if freed.get("choice") == "refuse":
+            result = RepackResult(False, dims.pp, layout.num_ranks, str(self.session.trainer.layout),
+                                  error=freed["reason"], world_size_before=dims.world_size,
+                                  world_size_after=dims.world_size, dp_before=dims.dp,
+                                  dp_after=dims.dp)
+        elif freed.get("choice") == "grow":
+            result = self.grow(layout, intermediate, freed["dp_grow"])
+        else:
+            result = self.repack(layout, intermediate)
         record = {**result.to_dict(), **info, "cluster": None}
         del record["migration"]  # the event holds it
         if result.applied:
@@ -101,35 +121,11 @@ class Repacker:
 
     def repack(self, layout_after: Layout, intermediate: Layout) -> RepackResult:
         s = self.session
-        dims, before = s.trainer.dims, s.trainer.layout
+        dims = s.trainer.dims
         k = layout_after.num_ranks  # pipeline ranks (interleaved: each keeps its v chunks)
-        result = RepackResult(False, dims.pp, k, str(before), world_size_before=dims.world_size,
-                              world_size_after=dims.world_size)
-        if layout_after.num_chunks > 1 and (k < 2 or s.trainer.num_microbatches % k):
-            result.error = (f"interleaved schedule cannot run {s.trainer.num_microbatches} "
-                            f"micro-batches on {k} pipeline rank(s); nothing moved")
-            return result  # config.py refuses such layouts at start; a last guard before moving
-        start = time.perf_counter()
-        migration = s.migrator.migrate(intermediate)
-        result.migration, result.phase_s["migration"] = migration, time.perf_counter() - start
-        if not migration.applied:
-            result.error = f"migration to {intermediate} abandoned: {migration.error}"
+        result, state = self._consolidate(layout_after, intermediate, dims.dp)
+        if result.error:
             return result
-        result.layout_after = str(intermediate)
-        start = time.perf_counter()
-        head, error = self._hand_over_head(k - 1)
-        # Capture BEFORE the world shrinks: with the distributed optimizer it gathers the
-        # sharded state over the old DP group, which the shrink destroys (NCCL then
-        # errors or hangs, past the point of no return). Whole stages retire, so every
-        # DP group is either all survivors (they capture) or all retirees (they do not).
-        state, captured = self._capture(head) if survives(dims, k) else (None, None)
-        ok, error = s.control.agree(error or captured, "agree-shrink")
-        result.phase_s["handoff"] = time.perf_counter() - start
-        if not ok:
-            result.error = f"head handoff failed, kept {intermediate}: {error}"
-            return result
-        self.generation += 1
-        result.generation = self.generation
         world = dims.tp * k * dims.dp
         result.ranks_released = list(range(world, dims.world_size))
         if state is None:
@@ -143,6 +139,66 @@ class Repacker:
         result.applied, result.layout_after = True, str(layout_after)
         result.world_size_after = world
         return result
+
+    def grow(self, layout_after: Layout, intermediate: Layout, new_dp: int) -> RepackResult:
+        """Like `repack` up to the point of no return; then every rank stays: the world
+        regroups with PP = K and DP = `new_dp`, each rank receives its new stage's state
+        from a survivor of that stage (`_spread`), and the stage is built from it."""
+        s = self.session
+        dims = s.trainer.dims
+        result, state = self._consolidate(layout_after, intermediate, new_dp)
+        if result.error:
+            return result
+        start = time.perf_counter()
+        new_dims = shrink_world(dataclasses.replace(dims, dp=new_dp), layout_after.num_ranks,
+                                self.generation, self.seed, self.timeout_s)
+        result.phase_s["regroup"] = time.perf_counter() - start
+        start = time.perf_counter()
+        state = _spread(dims, new_dims, state, self.timeout_s)
+        result.phase_s["spread"] = time.perf_counter() - start
+        start = time.perf_counter()
+        self._rebuild(new_dims, layout_after, state)
+        result.phase_s["rebuild"] = time.perf_counter() - start
+        result.applied, result.layout_after, result.dp_after = True, str(layout_after), new_dp
+        return result
+
+    def _consolidate(self, layout_after: Layout, intermediate: Layout,
+                     new_dp: int) -> tuple[RepackResult, Optional[StageState]]:
+        """Migration to `intermediate`, head handoff and, on the surviving stages, the
+        capture of their state (up to the point of no return; `result.error` set when
+        it stopped before it, with nothing lost)."""
+        s = self.session
+        dims, before = s.trainer.dims, s.trainer.layout
+        k = layout_after.num_ranks
+        result = RepackResult(False, dims.pp, k, str(before), world_size_before=dims.world_size,
+                              world_size_after=dims.world_size, dp_before=dims.dp, dp_after=dims.dp)
+        micro = s.trainer.num_microbatches * dims.dp // new_dp  # per replica after
+        if layout_after.num_chunks > 1 and (k < 2 or micro % k):
+            result.error = (f"interleaved schedule cannot run {micro} "
+                            f"micro-batches on {k} pipeline rank(s); nothing moved")
+            return result, None  # config.py refuses such layouts at start; a last guard
+        start = time.perf_counter()
+        migration = s.migrator.migrate(intermediate)
+        result.migration, result.phase_s["migration"] = migration, time.perf_counter() - start
+        if not migration.applied:
+            result.error = f"migration to {intermediate} abandoned: {migration.error}"
+            return result, None
+        result.layout_after = str(intermediate)
+        start = time.perf_counter()
+        head, error = self._hand_over_head(k - 1)
+        # Capture BEFORE the world shrinks: with the distributed optimizer it gathers the
+        # sharded state over the old DP group, which the shrink destroys (NCCL then
+        # errors or hangs, past the point of no return). Whole stages retire, so every
+        # DP group is either all survivors (they capture) or all retirees (they do not).
+        state, captured = self._capture(head) if survives(dims, k) else (None, None)
+        ok, error = s.control.agree(error or captured, "agree-shrink")
+        result.phase_s["handoff"] = time.perf_counter() - start
+        if not ok:
+            result.error = f"head handoff failed, kept {intermediate}: {error}"
+            return result, None
+        self.generation += 1
+        result.generation = self.generation
+        return result, state
 
     def _capture(self, head: Optional[StageState]) -> tuple[Optional[StageState], Optional[str]]:
         """The surviving stage's whole state by global name, with the head if it came
@@ -217,7 +273,9 @@ class Repacker:
         switch the session to it. The old stage's gradients and sharded optimizer state
         are released first: past the point of no return nothing reads them, and the new
         stage is built while only the old parameters (which `state` references) and the
-        gathered full optimizer state are still alive."""
+        gathered full optimizer state are still alive. A grow's freed ranks carry the
+        per-group settings from their emptied stage's optimizer: its groups stepped with
+        the same scheduler (tests/megatron/test_grow_dp.py runs a cosine schedule)."""
         from dynmo_plugin.megatron.migration.migrate import LayerMigrator
         from dynmo_plugin.megatron.training.trainer import StageTrainer
         s = self.session
@@ -249,6 +307,43 @@ def _release_training_state(old) -> None:
                 p.main_grad = None
     for opt in megatron_optimizers(old.optimizer):
         opt.optimizer.state.clear()
+
+
+def _source(old, new, rank: int) -> int:
+    """The old global rank that holds new rank `rank`'s stage (a survivor of that stage,
+    its DP rank spread over the old replicas). Megatron's order tp-cp-ep-dp-pp:
+    rank = tp_rank + tp x (dp_rank + dp x pp_rank)."""
+    tp_rank, rest = rank % new.tp, rank // new.tp
+    dp_rank, pp_rank = rest % new.dp, rest // new.dp
+    return tp_rank + old.tp * (dp_rank % old.dp + old.dp * pp_rank)
+
+
+def _spread(old, new, state: Optional[StageState], timeout_s: float) -> StageState:
+    """Every rank of the grown world gets the state of its new stage (collective over
+    the new world): each survivor packs what it captured, the headers go round, and
+    each rank receives from `_source` (checksummed), unless that is itself."""
+    rank = new.rank
+    header, buffers = None, []
+    if state is not None:
+        header, buffers = pack(HEAD, rank, -1, _flatten(state), new.device, tuple(sorted(state.frozen)))
+    headers: list = [None] * new.world_size
+    torch.distributed.all_gather_object(headers, header)
+    src = _source(old, new, rank)
+    ops, mine = [], None
+    for dst in range(new.world_size):
+        if dst != rank and _source(old, new, dst) == rank:
+            ops += [torch.distributed.P2POp(torch.distributed.isend, b, dst) for b in buffers]
+    if src != rank:
+        mine = empty_buffers(headers[src], new.device)
+        ops += [torch.distributed.P2POp(torch.distributed.irecv, b, src) for b in mine]
+    for work in torch.distributed.batch_isend_irecv(ops) if ops else []:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    if src == rank:
+        return state
+    for (_, _, expected), buf in zip(headers[src].buffers, mine):
+        if checksum(buf) != expected:
+            raise RuntimeError(f"checksum mismatch in the stage state from rank {src}")
+    return _unflatten(unpack(headers[src], mine), set(headers[src].frozen))
 
 
 def _flatten(state: StageState) -> dict[str, torch.Tensor]:

@@ -179,7 +179,7 @@ def shrink_world(dims: ParallelDims, new_pp: int, generation: int, seed: int,
     """
     backend, world = dims.backend, dims.tp * new_pp * dims.dp
     parallel_state.destroy_model_parallel()
-    if supports_shrinking():
+    if world < dims.world_size and supports_shrinking():  # equal: a grow (megatron.repack)
         logger.info("shrinking the %s world %d -> %d ranks in place (shrink_group)", backend,
                     dims.world_size, world)
         dist.shrink_group(list(range(world, dims.world_size)))
