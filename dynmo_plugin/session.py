@@ -44,7 +44,7 @@ class TrainingSession:
         configure = self.scenario.configure_model if self.scenario is not None else None
         self.trainer = StageTrainer(args, dims, layout, spec=spec, configure=configure)
         self.start_iteration = meta["iteration"] if meta else 0
-        self.repacker = Repacker(self, args.seed, cfg.dynmo.rebalance.migration_timeout_s)
+        self.repacker = Repacker(args.seed, cfg.dynmo.rebalance.migration_timeout_s)
         report = partial(RunReport, path=os.path.join(args.output, "report.json"),
                          config=cfg.to_dict())
         parts = assemble(cfg.dynmo, self.trainer, report, iteration=self.start_iteration,
@@ -122,8 +122,19 @@ class TrainingSession:
     # ---- repacks ----------------------------------------------------------------------------
     def _repack(self, layout: Layout, iteration: int, info: dict):
         if self.cfg.dynmo.repack.mode == "live":
-            return self.repacker.run(layout, iteration, info)
+            return self._live_repack(layout, iteration, info)
         return self._checkpoint_repack(layout, iteration, info)
+
+    def _live_repack(self, layout: Layout, iteration: int, info: dict):
+        """Repack the running job (megatron.migration.repack); survivors switch to the
+        rebuilt stage (`rebind`) and record the new world (`repacked`)."""
+        from dynmo_plugin.megatron.migration.repack import StageParts
+        parts = StageParts(self.trainer, self.control, self.migrator)
+        record, result, rebuilt = self.repacker.run(parts, layout, info)
+        if rebuilt is not None:
+            self.rebind(rebuilt.trainer, rebuilt.control, rebuilt.migrator)
+            self.repacked(iteration, record, result)
+        return record, result
 
     def _checkpoint_repack(self, layout: Layout, iteration: int, info: dict):
         """Save with the new layout recorded, then every rank ends after this iteration;
@@ -161,7 +172,7 @@ class TrainingSession:
         return record, result
 
     def rebind(self, trainer, control, migrator) -> None:
-        """Switch everything to the stage rebuilt in the shrunk world (megatron.repack)."""
+        """Switch everything to the stage a repack rebuilt (megatron.migration.repack)."""
         from dynmo_plugin.scenarios import Runtime
         trainer.data.load_state_dict(self.trainer.data.state_dict())  # same stream, same place
         self.trainer, self.control, self.migrator = trainer, control, migrator
@@ -170,12 +181,6 @@ class TrainingSession:
         self.dynmo.rebind(trainer, control, migrator)
         if self.scenario is not None:
             self.scenario.attach(Runtime(trainer, control, migrator))
-
-    def release_stage(self) -> None:
-        """A retiring rank drops its stage's buffers before leaving."""
-        from dynmo_plugin.megatron.migration.migrate import retire_ddp
-        for ddp in self.trainer.ddps:
-            retire_ddp(ddp)
 
     def repacked(self, iteration: int, record: dict, result) -> None:
         """Survivors, after a live repack: the world's new size in the report; the leader

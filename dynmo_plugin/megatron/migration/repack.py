@@ -32,7 +32,7 @@ import datetime
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -46,7 +46,7 @@ from dynmo_plugin.migration.result import MigrationResult
 from dynmo_plugin.migration.wire import checksum, empty_buffers, pack, unpack
 from dynmo_plugin.releases import mark_retired
 
-__all__ = ["RankRetired", "RepackResult", "Repacker"]
+__all__ = ["RankRetired", "RepackResult", "Repacker", "StageParts"]
 
 logger = logging.getLogger(__name__)
 HEAD = 0                      # the head travels under this pseudo layer number (layers are 1-based)
@@ -80,52 +80,69 @@ class RepackResult:
         return out
 
 
-class Repacker:
-    """Shrinks the run that `session` holds (its trainer, control plane and migrator).
+@dataclass
+class StageParts:
+    """The objects a live stage runs with, which a repack replaces: its trainer (a
+    `StageTrainer`), its control plane and its migrator."""
 
-    `session` must offer `trainer`, `control`, `migrator` and `rebind(trainer, control,
-    migrator)`: after a repack the survivors' session switches to the new objects.
+    trainer: Any
+    control: ControlPlane
+    migrator: Any
+
+
+class Repacker:
+    """Shrinks (or regroups) a live run onto fewer pipeline stages.
+
+    Holds nothing of its caller: each `run` is handed the stage's current `StageParts`
+    and returns the rebuilt ones, which the caller switches to (`TrainingSession.rebind`).
+    Only the repack generation outlives a call (it names the process groups and the
+    retirement records of each repack).
     """
 
-    def __init__(self, session, seed: int, timeout_s: float):
-        self.session, self.seed, self.timeout_s = session, seed, timeout_s
+    def __init__(self, seed: int, timeout_s: float):
+        self.seed, self.timeout_s = seed, timeout_s
         self.generation = 0
+        self.s: Optional[StageParts] = None  # the parts of the call in progress
 
-    def run(self, layout: Layout, iteration: int, info: dict) -> tuple[dict, RepackResult]:
+    def run(self, parts: StageParts, layout: Layout,
+            info: dict) -> tuple[dict, RepackResult, Optional[StageParts]]:
         """Repack onto `layout` (fewer stages); returns the event's `repack` record (the
-        result plus `info`: how it was decided) and the result. `info["freed"]` (a
-        `balancing.grow.FreedChoice` dict, absent: release) says what the freed ranks
-        do: release (they leave), grow (they stay as DP replicas) or refuse (nothing
-        moves; its reason is the event's error).
+        result plus `info`: how it was decided), the result, and the rebuilt parts (None
+        when nothing was applied). `info["freed"]` (a `balancing.grow.FreedChoice` dict,
+        absent: release) says what the freed ranks do: release (they leave), grow (they
+        stay as DP replicas) or refuse (nothing moves; its reason is the event's error).
 
         Raises:
             RankRetired: on the ranks whose stages it releases.
         """
-        dims = self.session.trainer.dims
-        intermediate = layout.padded(dims.pp)
-        freed = info.get("freed") or {}
-        if freed.get("choice") == "refuse":
-            result = RepackResult(False, dims.pp, layout.num_ranks, str(self.session.trainer.layout),
-                                  error=freed["reason"], world_size_before=dims.world_size,
-                                  world_size_after=dims.world_size, dp_before=dims.dp,
-                                  dp_after=dims.dp)
-        elif freed.get("choice") == "grow":
-            result = self.grow(layout, intermediate, freed["dp_grow"])
-        else:
-            result = self.repack(layout, intermediate)
+        self.s, dims = parts, parts.trainer.dims
+        try:
+            intermediate = layout.padded(dims.pp)
+            freed = info.get("freed") or {}
+            if freed.get("choice") == "refuse":
+                result = RepackResult(False, dims.pp, layout.num_ranks, str(parts.trainer.layout),
+                                      error=freed["reason"], world_size_before=dims.world_size,
+                                      world_size_after=dims.world_size, dp_before=dims.dp,
+                                      dp_after=dims.dp)
+                rebuilt = None
+            elif freed.get("choice") == "grow":
+                result, rebuilt = self.grow(layout, intermediate, freed["dp_grow"])
+            else:
+                result, rebuilt = self.repack(layout, intermediate)
+        finally:
+            self.s = None
         record = {**result.to_dict(), **info, "cluster": None}
         del record["migration"]  # the event holds it
-        if result.applied:
-            self.session.repacked(iteration, record, result)
-        return record, result
+        return record, result, rebuilt if result.applied else None
 
-    def repack(self, layout_after: Layout, intermediate: Layout) -> RepackResult:
-        s = self.session
+    def repack(self, layout_after: Layout,
+               intermediate: Layout) -> tuple[RepackResult, Optional[StageParts]]:
+        s = self.s
         dims = s.trainer.dims
         k = layout_after.num_ranks  # pipeline ranks (interleaved: each keeps its v chunks)
         result, state = self._consolidate(layout_after, intermediate, dims.dp)
         if result.error:
-            return result
+            return result, None
         world = dims.tp * k * dims.dp
         result.ranks_released = list(range(world, dims.world_size))
         if state is None:
@@ -134,21 +151,21 @@ class Repacker:
         new_dims = shrink_world(dims, k, self.generation, self.seed, self.timeout_s)
         result.phase_s["regroup"] = time.perf_counter() - start
         start = time.perf_counter()
-        self._rebuild(new_dims, layout_after, state)
+        rebuilt = self._rebuild(new_dims, layout_after, state)
         result.phase_s["rebuild"] = time.perf_counter() - start
         result.applied, result.layout_after = True, str(layout_after)
         result.world_size_after = world
-        return result
+        return result, rebuilt
 
-    def grow(self, layout_after: Layout, intermediate: Layout, new_dp: int) -> RepackResult:
+    def grow(self, layout_after: Layout, intermediate: Layout,
+             new_dp: int) -> tuple[RepackResult, Optional[StageParts]]:
         """Like `repack` up to the point of no return; then every rank stays: the world
         regroups with PP = K and DP = `new_dp`, each rank receives its new stage's state
         from a survivor of that stage (`_spread`), and the stage is built from it."""
-        s = self.session
-        dims = s.trainer.dims
+        dims = self.s.trainer.dims
         result, state = self._consolidate(layout_after, intermediate, new_dp)
         if result.error:
-            return result
+            return result, None
         start = time.perf_counter()
         new_dims = shrink_world(dataclasses.replace(dims, dp=new_dp), layout_after.num_ranks,
                                 self.generation, self.seed, self.timeout_s)
@@ -157,17 +174,17 @@ class Repacker:
         state = _spread(dims, new_dims, state, self.timeout_s)
         result.phase_s["spread"] = time.perf_counter() - start
         start = time.perf_counter()
-        self._rebuild(new_dims, layout_after, state)
+        rebuilt = self._rebuild(new_dims, layout_after, state)
         result.phase_s["rebuild"] = time.perf_counter() - start
         result.applied, result.layout_after, result.dp_after = True, str(layout_after), new_dp
-        return result
+        return result, rebuilt
 
     def _consolidate(self, layout_after: Layout, intermediate: Layout,
                      new_dp: int) -> tuple[RepackResult, Optional[StageState]]:
         """Migration to `intermediate`, head handoff and, on the surviving stages, the
         capture of their state (up to the point of no return; `result.error` set when
         it stopped before it, with nothing lost)."""
-        s = self.session
+        s = self.s
         dims, before = s.trainer.dims, s.trainer.layout
         k = layout_after.num_ranks
         result = RepackResult(False, dims.pp, k, str(before), world_size_before=dims.world_size,
@@ -204,7 +221,7 @@ class Repacker:
         """The surviving stage's whole state by global name, with the head if it came
         here (collective over the DP group with the distributed optimizer; a failure
         to allocate raises on every DP rank of the stage, see optim_state)."""
-        t = self.session.trainer
+        t = self.s.trainer
         try:
             state = StageState()
             for chunk in t.chunks:  # global keys: every chunk's state in one
@@ -217,7 +234,7 @@ class Repacker:
     def _hand_over_head(self, new_last: int) -> tuple[Optional[StageState], Optional[str]]:
         """Old last stage -> `new_last` (collective on every rank of the old world).
         Interleaved: the head is in the last chunk of either rank."""
-        t = self.session.trainer
+        t = self.s.trainer
         dims = t.dims
         old_last = dims.pp - 1
         if new_last == old_last:
@@ -232,13 +249,13 @@ class Repacker:
                 outgoing, sending = [header], {HEAD: buffers}
         except Exception as e:  # noqa: BLE001 - reported to every rank by the agreement
             error = f"head handoff on stage {dims.pp_rank}: {e!r}"
-        headers = exchange_headers(outgoing, self.session.control, self.session.migrator.pp_ranks())
+        headers = exchange_headers(outgoing, self.s.control, self.s.migrator.pp_ranks())
         try:  # allocate, agree, then communicate (see exchange_buffers)
             receive_into = {h.layer: empty_buffers(h, dims.device) for h in headers
                             if h.dst == dims.pp_rank}
         except Exception as e:  # noqa: BLE001
             error = error or f"head handoff on stage {dims.pp_rank}: {e!r}"
-        ok, error = self.session.control.agree(error, "agree-handoff")
+        ok, error = self.s.control.agree(error, "agree-handoff")
         if not ok:
             return None, error
         try:
@@ -257,10 +274,12 @@ class Repacker:
     # ---- 3. retire / regroup ---------------------------------------------------------------
     def _retire(self, k: int) -> None:
         """Leave cleanly: free the stage, destroy every process group, tell the leader."""
-        s = self.session
+        from dynmo_plugin.megatron.migration.migrate import retire_ddp
+        s = self.s
         rank, stage = s.trainer.dims.rank, s.trainer.dims.pp_rank
         s.control.enter("retired")
-        s.release_stage()
+        for ddp in s.trainer.ddps:  # drop the stage's buffers before leaving
+            retire_ddp(ddp)
         destroy_parallel()  # exiting with live subgroups aborts the process (and the job)
         mark_retired(self.generation, rank, self.timeout_s)
         logger.warning("rank %d: pipeline stage %d released by a repack to %d stages; leaving "
@@ -268,9 +287,9 @@ class Repacker:
         raise RankRetired(f"rank {rank} (stage {stage}) released")
 
     # ---- 4. rebuild --------------------------------------------------------------------------
-    def _rebuild(self, dims, layout: Layout, state: StageState) -> None:
-        """Build the stage for `layout` from `state` (captured before the shrink) and
-        switch the session to it. The old stage's gradients and sharded optimizer state
+    def _rebuild(self, dims, layout: Layout, state: StageState) -> StageParts:
+        """Build the stage for `layout` from `state` (captured before the shrink), with
+        its own control plane and migrator, for the caller to switch to. The old stage's gradients and sharded optimizer state
         are released first: past the point of no return nothing reads them, and the new
         stage is built while only the old parameters (which `state` references) and the
         gathered full optimizer state are still alive. A grow's freed ranks carry the
@@ -278,7 +297,7 @@ class Repacker:
         the same scheduler (tests/megatron/test_grow_dp.py runs a cosine schedule)."""
         from dynmo_plugin.megatron.migration.migrate import LayerMigrator
         from dynmo_plugin.megatron.training.trainer import StageTrainer
-        s = self.session
+        s = self.s
         old = s.trainer
         _release_training_state(old)
         args = dataclasses.replace(old.args, pipeline_model_parallel_size=layout.num_ranks,
@@ -289,7 +308,7 @@ class Repacker:
         trainer.scheduler.num_steps = old.scheduler.num_steps
         control = ControlPlane(s.control.timeout_s)
         migrator = LayerMigrator(trainer, control, s.migrator.timeout_s, s.migrator.fault)
-        s.rebind(trainer, control, migrator)
+        return StageParts(trainer, control, migrator)
 
 
 def _release_training_state(old) -> None:
