@@ -38,15 +38,15 @@ class StageDims(Protocol):
     """This rank's place in the TP x PP x DP grid and its process groups
     (`megatron.parallel.ParallelDims` is the one implementation)."""
 
-    rank: int
-    world_size: int
-    tp: int
-    pp: int
+    rank: int  # names this process in the report, the phase ledger and retirements
+    world_size: int  # what a repack shrinks (or keeps, growing data parallelism)
+    tp: int  # the replicas a profile is reduced over (max), with dp
+    pp: int  # the stages a layout spreads the layers over
     dp: int
-    pp_rank: int
+    pp_rank: int  # which stage of the layout this rank runs
     dp_rank: int
-    device: Device
-    groups: Groups
+    device: Device  # where received layers and staging buffers are allocated
+    groups: Groups  # what profiling gathers over and migration sends over
 
     @property
     def is_first_stage(self) -> bool: ...
