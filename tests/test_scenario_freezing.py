@@ -130,6 +130,7 @@ def test_frozen_prefix_skips_backward_keeps_forward(runs):
     # scripts/bench_layer_work.py
 
 
+@pytest.mark.multiproc
 def test_frozen_layer_does_forward_work_and_no_backward_work():
     in_megatron_process(_check_frozen_work)
 

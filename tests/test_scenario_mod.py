@@ -202,6 +202,7 @@ def transformer_config_of(args):
     return transformer_config(args, Layout.uniform(args.num_layers, 1))
 
 
+@pytest.mark.multiproc
 def test_block_work_tracks_capacity_and_the_work_model():
     """A routed block's counted work falls with its capacity as the runs' profiles showed
     (stage 0: 0.25 / 0.75 measured ~0.45x, 1.0 / 0.75 ~1.4x, 0.125 / 0.75 ~0.35x), and the
