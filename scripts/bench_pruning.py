@@ -6,15 +6,18 @@ vs physical, at a fraction of FFN neurons pruned (default 0.67).
 * masked:   `--dynmo-pruning-structured masked`: full-size weights, kept neurons
             gathered into smaller GEMMs at every call;
 * physical: the default: the layer rebuilt with the kept neurons only (what a pruning
-            round does, through `shrunk_tensors`).
-The three are timed in interleaved rounds (dense, masked, physical, dense, ...), each
+            round does, through `shrunk_tensors`);
+* csr:      unstructured magnitude-style pruning at `--sparsity` (default 0.98, the
+            final sparsity of tests/test_scenario_pruning.py's runs) on the CSR kernels
+            (fp32; the timing side of test_pruned_layers_do_less_work's FLOP count).
+The four are timed in interleaved rounds (dense, masked, physical, dense, ...), each
 round the median of `--iters` steps after a warm-up; the script prints per-layer
 milliseconds, parameter bytes, and masked/dense, physical/dense ratios as the median
 of the per-round ratios with their min-max spread. One process, one thread.
 On CUDA (`--device cuda`) steps are timed with CUDA events around synchronised steps.
 
 Usage: python scripts/bench_pruning.py [--hidden 512] [--seq 512] [--batch 2]
-       [--pruned 0.67] [--rounds 5] [--iters 10] [--dtype fp32|bf16] [--device cpu|cuda]
+       [--pruned 0.67] [--sparsity 0.98] [--rounds 5] [--iters 10] [--dtype fp32|bf16] [--device cpu|cuda]
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ def _args():
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--pruned", type=float, default=0.67)
+    p.add_argument("--sparsity", type=float, default=0.98)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
@@ -55,7 +59,8 @@ def _layers(a):
     from dynmo_plugin.megatron.migration.extra_state import carried_state, loadable_state
     from dynmo_plugin.megatron.training.model import layer_spec, transformer_config
     from dynmo_plugin.megatron.training.parallel import init_parallel
-    from dynmo_plugin.scenarios.gradual_pruning.layer import neuron_prunable_layer_spec
+    from dynmo_plugin.scenarios.gradual_pruning.layer import (neuron_prunable_layer_spec, prunable_layer_spec,
+                                                              prunable_linears)
     args = ModelArgs(num_layers=1, hidden_size=a.hidden, num_attention_heads=a.heads,
                      seq_length=a.seq, bf16=a.dtype == "bf16",
                      distributed_backend="nccl" if a.device == "cuda" else "gloo")
@@ -84,7 +89,15 @@ def _layers(a):
         apply_mask_(fc2.weight, fc2.weight_mask)
     physical = build(neuron_prunable_layer_spec(layer_spec("local")))
     physical.load_state_dict(loadable_state(shrunk_tensors(masked, carried_state(masked))))
-    return {"dense": dense, "masked": masked, "physical": physical}, dtype
+    layers = {"dense": dense, "masked": masked, "physical": physical}
+    if a.dtype == "fp32":  # the CSR kernels take fp32 only
+        layers["csr"] = csr = build(prunable_layer_spec(layer_spec("local"), 0.5))
+        gen = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for _, m in prunable_linears(csr):
+                m.weight_mask.copy_(torch.rand(m.weight.shape, generator=gen) >= a.sparsity)
+                apply_mask_(m.weight, m.weight_mask)
+    return layers, dtype
 
 
 def _step_s(layer, x, mask, device: str) -> float:

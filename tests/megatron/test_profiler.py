@@ -32,15 +32,25 @@ def pp2_heavy(tmp_path_factory):
 
 
 def test_heavy_layer_costs_k_times_its_neighbours(pp2_heavy):
+    """What the profiler itself measures (issue 26 keeps this one): each rank's one
+    thread's CPU time, which does not count while the OS runs other work, attributes the
+    3x work of layer 2 to layer 2. The band (1.8x-4.5x, was 3x +-25%) is wide because CPU
+    time still stretches with cache and memory-bandwidth contention from neighbours, and
+    only has to tell 3x from what a wrong attribution gives: ~1x (the work booked to a
+    neighbour or spread out) or ~6x and more (a span counted twice, a neighbour's inside)."""
     layers = {x["layer"]: x["fwd_s"] + x["bwd_s"] for x in _profile(pp2_heavy)["layers"]}
     neighbours = (layers[1] + layers[3] + layers[4]) / 3
-    assert layers[2] / neighbours == pytest.approx(3, rel=0.25)
+    assert 1.8 < layers[2] / neighbours < 4.5, layers
 
 
 def test_layer_sums_agree_with_schedule_timers(pp2_heavy):
+    """The layers' spans plus the stage's extras account for the schedule's compute
+    timers, both one thread's CPU time on the same thread (measured 1% apart), so load
+    moves both alike. The band (+-20%, was 15%) still catches any one layer missed
+    (stage 0: the light one is 25% of its layers' time; stage 1: ~45%) or counted twice."""
     for stage in _profile(pp2_heavy)["stages"]:
         assert stage["clock"] == "cpu_thread_time"
-        assert stage["profiled_s"] == pytest.approx(stage["compute_s"], rel=0.15), stage
+        assert stage["profiled_s"] == pytest.approx(stage["compute_s"], rel=0.2), stage
         assert stage["extra_s"] > 0
 
 

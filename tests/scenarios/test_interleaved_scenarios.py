@@ -8,8 +8,7 @@ Three torchrun runs, 8 layers from `Ett|tt|tt|ttL` (rank 0: layers 1, 2 and 5, 6
 3, 4 and 7, 8):
 - layer_freezing: layers 1-5 freeze at iteration 6 (chunk 0 of both ranks and chunk 1 of
   rank 0); the event's profiled rebalance moves frozen layers to the other rank; the
-  profile after the move still shows them frozen (no gradient, no optimizer state, ~0
-  backward) and the decisions are the same on every rank.
+  profile after the move still shows them frozen (no gradient, no optimizer state) and the decisions are the same on every rank.
 - moe: MoE layers 1, 3, 5, 7 (one per virtual stage); every event counts the tokens of
   all four, before and after a forced migration that moves MoE layers 3 and 7 across
   ranks (the gate refuses the events' own plans, so the layouts are known).
@@ -125,10 +124,10 @@ def test_freezing_spans_chunks_and_frozen_layers_stay_frozen_after_moving(tmp_pa
         assert sorted(layers) == list(range(1, 9))
         trainable = [layers[n] for n in range(6, 9)]
         assert all(x["grad_bytes"] > 0 and x["optim_bytes"] > 0 and x["bwd_s"] > 0 for x in trainable)
-        if it > 6:
-            reference = min(x["bwd_s"] for x in trainable)
+        if it > 6:  # (that a frozen layer does no backward work: counted in
+            # test_scenario_freezing.py::test_frozen_layer_does_forward_work_and_no_backward_work)
             assert all(layers[n]["grad_bytes"] == 0 and layers[n]["optim_bytes"] == 0
-                       and layers[n]["bwd_s"] < 0.2 * reference for n in frozen), (it, layers)
+                       for n in frozen), (it, layers)
         else:
             assert all(layers[n]["grad_bytes"] > 0 for n in frozen)
     last_it, last = _profiles(report)[-1]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dynmo_plugin.scenarios.layer_freezing.live import combine_shards, freeze_limit, frozen_prefix, plasticity
-from launch import load_params, losses, worker
+from launch import in_megatron_process, load_params, losses, worker
 
 MODEL = ["--num-layers", "12", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--vocab-size", "32", "--micro-batch-size", "2",
@@ -121,17 +121,53 @@ def test_frozen_prefix_skips_backward_keeps_forward(runs):
     report = runs["dynmo"][1]
     freeze = _freezes(report)[0]
     frozen = set(freeze["detail"]["frozen_layers"])
-    before = [p for it, p in _profiles(report) if it <= freeze["iteration"]][-1]
     after = next(p for it, p in _profiles(report) if it > freeze["iteration"])
     layers = {x["layer"]: x for x in after["layers"]}
-    trainable = sorted(x["bwd_s"] for n, x in layers.items() if n not in frozen)
-    assert all(x > 0 for x in trainable)  # incl. the first one after the prefix (no input grad)
-    reference = trainable[len(trainable) // 2]
-    assert all(layers[n]["bwd_s"] < 0.1 * reference for n in frozen)
+    assert all(x["bwd_s"] > 0 for n, x in layers.items() if n not in frozen)  # incl. the first one after the prefix
     assert all(layers[n]["grad_bytes"] == 0 and layers[n]["optim_bytes"] == 0 for n in frozen)
-    fwd_before = sum(x["fwd_s"] for x in before["layers"] if x["layer"] in frozen)
-    fwd_after = sum(layers[n]["fwd_s"] for n in frozen)
-    assert 0.5 < fwd_after / fwd_before < 2.0
+    # what the profile timed (frozen bwd_s < 0.1x a trainable layer's, fwd_s unchanged),
+    # counted: test_frozen_layer_does_forward_work_and_no_backward_work; timed:
+    # scripts/bench_layer_work.py
+
+
+@pytest.mark.multiproc
+def test_frozen_layer_does_forward_work_and_no_backward_work():
+    in_megatron_process(_check_frozen_work)
+
+
+def _layer_flops(layer, x) -> tuple[int, int]:
+    """(forward, backward) FLOPs of the layer on `x`, counted by torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+    s = x.shape[0]
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    with FlopCounterMode(display=False) as fwd:
+        out, _ = layer(hidden_states=x, attention_mask=mask)
+    with FlopCounterMode(display=False) as bwd:
+        out.sum().backward()
+    return fwd.get_total_flops(), bwd.get_total_flops()
+
+
+def _check_frozen_work(args):
+    """The real freezable layer frozen as the scenario freezes it (set_frozen, weights
+    requires_grad False) does exactly the trainable layer's forward matmuls and none in
+    the backward, where the trainable one does about twice its forward; the input still
+    gets its (zero) gradient, so the schedule upstream runs unchanged."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.training.model import layer_spec, transformer_config
+    from dynmo_plugin.scenarios.layer_freezing.layer import freezable_spec
+    cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))
+    layer = build_module(freezable_spec(layer_spec()), config=cfg, layer_number=1)
+    x = torch.randn(args.seq_length, 2, args.hidden_size, requires_grad=True)
+    fwd, bwd = _layer_flops(layer, x)
+    assert fwd > 0 and bwd > 1.5 * fwd, (fwd, bwd)
+    layer.set_frozen(True)
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    x.grad = None
+    assert _layer_flops(layer, x) == (fwd, 0)
+    assert x.grad is not None and not x.grad.any()
 
 
 @pytest.mark.multiproc

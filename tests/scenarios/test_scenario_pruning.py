@@ -40,21 +40,6 @@ def _pruning_events(report):
     return [e for e in report["events"] if e["kind"] == "dynamism"]
 
 
-def _profiles(report):
-    """(last iteration of the window, profile) of every closed profiling window."""
-    return [(e["window"][1], e["profile"]) for e in report["events"]
-            if e["kind"] in ("profile", "rebalance") and e.get("profile")]
-
-
-def _layer_to_head(profile) -> float:
-    """Mean cost of the last stage's layers over that stage's output layer + loss, in
-    one window on one rank: a ratio, so machine load during the window cancels out."""
-    last = max(s["stage"] for s in profile["stages"])
-    head = next(s["extra_s"] for s in profile["stages"] if s["stage"] == last)
-    layers = [x["fwd_s"] + x["bwd_s"] for x in profile["layers"] if x["stage"] == last]
-    return sum(layers) / len(layers) / head
-
-
 def test_events_follow_the_cubic_schedule(static):
     report, _ = static
     events = _pruning_events(report)
@@ -70,21 +55,6 @@ def test_events_follow_the_cubic_schedule(static):
     # every event is followed by a rebalance decision with the event as trigger
     triggers = [e["trigger"] for e in report["events"] if e["kind"] == "rebalance"]
     assert triggers == [f"event:gradual_pruning@{i}" for i in (8, 11, 14)]
-
-
-def test_pruned_layers_run_cheaper_than_dense(static):
-    """The profile sees the sparse kernels: relative to the head, a layer costs less
-    after the final event than dense. A direction, not a speed-up figure: measured 0.65x
-    on an idle machine and 0.87x during a full CI run (CSR matmuls are memory-bound and
-    suffer more from neighbours than the head's GEMM does), while the dense masked
-    windows in between measure 1.11-1.15x, which is what a broken switch would give."""
-    report, _ = static
-    profiles = _profiles(report)
-    before = [p for end, p in profiles if end < 8]
-    after = [p for end, p in profiles if end > 14]
-    assert before and after
-    ratio = _layer_to_head(after[-1]) / _layer_to_head(before[0])
-    assert ratio < 1.0, f"layer cost after pruning to {FINAL} is {ratio:.2f}x the dense cost"
 
 
 def test_dynmo_losses_equal_static_and_layers_moved(static, dynmo):
@@ -117,12 +87,7 @@ def test_structured_pruning_shrinks_layers_and_keeps_dynmo_equal_to_static(struc
     events = _pruning_events(dynmo)
     assert events and all(e["detail"]["unit"] == "ffn_neurons" for e in events)
     assert events[-1]["detail"]["target"] == pytest.approx(0.8)
-    profiles = _profiles(static)
-    before = [p for it, p in profiles if it < events[0]["iteration"]]
-    after = [p for it, p in profiles if it > events[-1]["iteration"]]
-    assert before and after
-    # 80% of FFN neurons gone: the MLP (2/3 of a layer's FLOPs) shrinks 5x
-    assert _layer_to_head(after[-1]) < 0.8 * _layer_to_head(before[-1])
+    # (that the pruned layers do less work: test_pruned_layers_do_less_work, counted)
     assert losses(dynmo) == losses(static)
     assert any(e["applied"] for e in dynmo["events"] if e["kind"] == "rebalance")
     params = {}
@@ -262,6 +227,59 @@ def _check_masks_and_kernels(args):
     fresh.load_state_dict(state, strict=False)
     assert [m.uses_sparse_kernel for _, m in prunable_linears(fresh)] == [True] * 4
     torch.testing.assert_close(_fwd_bwd(fresh, x)[0], out_s, rtol=0, atol=0)
+
+
+def test_pruned_layers_do_less_work():
+    """What the profile saw as a cheaper layer (measured 0.65x on an idle machine, 0.87x
+    under CI load; the timing lives in scripts/bench_pruning.py), counted instead: one
+    forward + backward of the real layer at the run's final 0.98 sparsity, past the CSR
+    threshold, does under a quarter of the dense layer's FLOPs; at 80% of FFN neurons
+    pruned (masked structured form) under 0.6x - the MLP, 2/3 of the work, gathers 1/5."""
+    in_megatron_process(_check_pruned_work)
+
+
+def _csr_flops(nnz_of, cols_of):
+    """FlopCounterMode entry for a CSR kernel (which the counter does not know): 2 FLOPs
+    per stored entry per dense column it meets - the work the CSR form does."""
+    def count(*args, out_val=None, **kwargs):
+        return 2 * nnz_of(args) * cols_of(args)
+    count._get_raw = True  # FlopCounterMode: pass the tensors, not their shapes
+    return count
+
+
+def layer_flops(layer, x) -> int:
+    """FLOPs of `_fwd_bwd(layer, x)`, the CSR kernels through `_csr_flops`."""
+    from torch.utils.flop_counter import FlopCounterMode
+    aten = torch.ops.aten
+    mapping = {aten._sparse_addmm: _csr_flops(lambda a: a[1]._nnz(), lambda a: a[2].shape[1]),
+               aten.sparse_sampled_addmm: _csr_flops(lambda a: a[0]._nnz(), lambda a: a[1].shape[1])}
+    with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        _fwd_bwd(layer, x)
+    return counter.get_total_flops()
+
+
+def _check_pruned_work(args):
+    from dynmo_plugin.scenarios.gradual_pruning.kernels import apply_mask_
+    from dynmo_plugin.scenarios.gradual_pruning.layer import prunable_linears
+    x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(0))
+    dense, pruned = _layer(args), _layer(args)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, m in prunable_linears(pruned):
+            keep = torch.rand(m.weight.shape, generator=gen) >= FINAL
+            m.weight_mask.copy_(keep)
+            apply_mask_(m.weight, keep)
+    assert [m.uses_sparse_kernel for _, m in prunable_linears(pruned)] == [True] * 4
+    full = layer_flops(dense, x)
+    assert full > 0
+    assert layer_flops(pruned, x) < 0.25 * full, (layer_flops(pruned, x), full)
+    structured = _layer(args, structured=True)
+    fc1, fc2 = structured.mlp.linear_fc1, structured.mlp.linear_fc2
+    keep = torch.rand(fc1.weight.shape[0], generator=gen) >= 0.8
+    with torch.no_grad():
+        fc1.weight_mask &= keep[:, None]
+        fc2.weight_mask &= keep[None, :]
+    assert layer_flops(structured, x) < 0.6 * full, (layer_flops(structured, x), full)
 
 
 def test_bad_schedules_are_config_errors():
