@@ -2,11 +2,11 @@
 """The timing side of two counted-work tests: a frozen layer's backward and a layer whose
 tokens exited early, against the same layer at full work.
 
-* freezing (tests/test_scenario_freezing.py): one GPT layer, trainable vs frozen as the
+* freezing (tests/scenarios/test_scenario_freezing.py): one GPT layer, trainable vs frozen as the
   scenario freezes it (set_frozen, weights requires_grad False): forward and backward
   milliseconds, frozen / trainable per phase (the runs' profiles: backward < 0.1x,
   forward ~1x);
-* early exit (tests/test_scenario_early_exit.py): the last early-exit layer with no token
+* early exit (tests/scenarios/test_scenario_early_exit.py): the last early-exit layer with no token
   exited vs 90% of each sample's tokens exited before it: fwd+bwd, exited / none (the
   runs' profiles: layer 8 / layer 1 fell below 0.3x of its value before exits).
 Variants are timed in interleaved rounds, each round the median of `--iters` steps after

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Mixture of Depths: one routed layer's fwd+bwd time by capacity, relative to capacity
-0.75 (the timing side of tests/test_scenario_mod.py's counted work).
+0.75 (the timing side of tests/scenarios/test_scenario_mod.py's counted work).
 
 A plain layer and a routed one at each capacity are timed in interleaved rounds (plain,
 1.0, 0.75, ..., plain, ...), each round the median of `--iters` steps after a warm-up;

@@ -8,7 +8,7 @@ vs physical, at a fraction of FFN neurons pruned (default 0.67).
 * physical: the default: the layer rebuilt with the kept neurons only (what a pruning
             round does, through `shrunk_tensors`);
 * csr:      unstructured magnitude-style pruning at `--sparsity` (default 0.98, the
-            final sparsity of tests/test_scenario_pruning.py's runs) on the CSR kernels
+            final sparsity of tests/scenarios/test_scenario_pruning.py's runs) on the CSR kernels
             (fp32; the timing side of test_pruned_layers_do_less_work's FLOP count).
 The four are timed in interleaved rounds (dense, masked, physical, dense, ...), each
 round the median of `--iters` steps after a warm-up; the script prints per-layer
