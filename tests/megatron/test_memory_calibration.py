@@ -8,8 +8,6 @@ test_memory_calibration`) this file is that run's torchrun worker: the launcher 
 layers onto the last stage, whose logits the model does not count.
 """
 import functools
-import os
-import sys
 import types
 
 import pytest
@@ -130,38 +128,6 @@ RUN = ["--num-layers", "6", "--hidden-size", "64", "--num-attention-heads", "4",
        "--dynmo-memory-cap-gb", str(CAP_GB), "--test-busy-layer", "1", "--test-busy-repeats", "25"]
 
 
-def busy_spec(layer_number: int, repeats: int):
-    """Test-only: layer `layer_number` runs `repeats` extra forwards under no_grad first
-    (work that costs time and saves nothing for backward)."""
-    import torch
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    class BusyLayer(TransformerLayer):
-        def forward(self, *args, **kwargs):
-            if self.layer_number == layer_number:
-                with torch.no_grad():
-                    for _ in range(repeats):
-                        super().forward(*args, **kwargs)
-            return super().forward(*args, **kwargs)
-
-    spec = get_gpt_layer_local_spec()
-    spec.module = BusyLayer
-    return spec
-
-
-def main() -> int:
-    from dynmo_plugin.train import build_parser, exit_on_peer_failure, run
-    from dynmo_plugin.megatron.training.machine import load_run_config
-    parser = build_parser()
-    parser.add_argument("--test-busy-layer", type=int, default=0)
-    parser.add_argument("--test-busy-repeats", type=int, default=0)
-    args = parser.parse_args()
-    cfg = load_run_config(args, world_size=int(os.environ["WORLD_SIZE"]))
-    spec = busy_spec(args.test_busy_layer, args.test_busy_repeats)
-    return exit_on_peer_failure(lambda: run(cfg, layer_spec=spec))
-
-
 @pytest.mark.multiproc
 def test_a_capped_run_never_holds_more_than_the_cap(tmp_path):
     """The plan the balancer applies fits the cap in the bytes the stages then hold
@@ -169,7 +135,7 @@ def test_a_capped_run_never_holds_more_than_the_cap(tmp_path):
     plain model but not the calibrated one. With the calibration removed the balancer
     applies 2|4 and the last stage holds more than the cap (checked by hand)."""
     from launch import train
-    report = train(2, RUN, tmp_path, module="test_memory_calibration")
+    report = train(2, RUN, tmp_path, module="workers.busy_worker")
     cap = CAP_GB * 1e9
     profiles = [e["profile"] for e in report["events"] if e.get("profile")]
     assert len(profiles) == 2                         # before and after the migration
@@ -197,6 +163,3 @@ def test_a_capped_run_never_holds_more_than_the_cap(tmp_path):
     plan = rebalance["plan"]
     layer = plan["stage_memory"][1] - plan["stage_memory_before"][1]   # one layer's modelled bytes
     assert plan["stage_memory"][1] + layer <= cap < plan["stage_memory"][1] + layer + last["overhead_bytes"]
-
-if __name__ == "__main__":
-    sys.exit(main())
