@@ -221,7 +221,10 @@ def static(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dynmo(tmp_path_factory):
-    return train(2, MODEL + SCENARIO + ["--dynmo-balancer", "exact",
+    # --dynmo-min-gain 0: the move after the event must not hang on the gate's noise floor,
+    # which follows the measured dispersion of this loaded machine (one CI run read a 12.6%
+    # gain under a 14.3% floor); the floor has its own tests (test_gate_dispersion).
+    return train(2, MODEL + SCENARIO + ["--dynmo-balancer", "exact", "--dynmo-min-gain", "0",
                                         "--dynmo-forced-layouts", "10:Ettt|tttL"],
                  tmp_path_factory.mktemp("dynmo"))
 
