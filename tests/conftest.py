@@ -6,7 +6,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from launch import PP4_STATIC, run_key, train, worker  # noqa: E402  (needs the path above)
+from launch import PP4_STATIC, run_key, start_zygote, train, worker  # noqa: E402  (needs the path above)
+
+
+def pytest_sessionstart(session):
+    """Fork the torchrun launcher (tests/zygote.py) before any test runs or is collected."""
+    start_zygote()
 
 
 @pytest.fixture(scope="session")

@@ -40,81 +40,26 @@ def torchrun(nproc: int, flags: list[str], output: Path, timeout: int = 300,
     return proc
 
 
+# The zygote (tests/zygote.py) that forks torchrun agents; conftest.py starts it when
+# the session starts. None: every launch is a fresh `python -m torch.distributed.run`.
+ZYGOTE = None
+
+
 def run_torchrun(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """torchrun ARGS from ROOT with `env`, output captured: forked from this process
-    (`_forked_torchrun`), or a fresh `python -m torch.distributed.run` with
-    DYNMO_TEST_FORK_TORCHRUN=0."""
-    if os.environ.get("DYNMO_TEST_FORK_TORCHRUN", "1") == "1" and hasattr(os, "fork"):
-        return _forked_torchrun(args, env, timeout)
+    """torchrun ARGS from ROOT with `env`, output captured: forked by the zygote, or a
+    fresh `python -m torch.distributed.run` (no zygote, or DYNMO_TEST_FORK_TORCHRUN=0)."""
+    if ZYGOTE is not None:
+        return ZYGOTE.run(args, env, timeout)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _forked_torchrun(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """torch's own torchrun (torch.distributed.run.main) in a fork of this process, which
-    has imported torch already: a fresh `python -m torch.distributed.run` spends ~1.7 s of
-    CPU importing torch before it starts any rank, on every launch of the suite. The
-    workers are fresh processes as before (the agent spawns them); stdout and stderr come
-    back as from subprocess.run. DYNMO_TEST_FORK_TORCHRUN=0 launches a fresh torchrun."""
-    import signal
-    import tempfile
-    import time
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        pid = os.fork()
-        if pid == 0:  # the agent: never returns into pytest
-            _agent(args, env, out.fileno(), err.fileno())
-        deadline = time.monotonic() + timeout
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGTERM)  # the agent stops its workers, as on a Ctrl-C
-                time.sleep(5)
-                os.killpg(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise subprocess.TimeoutExpired(["torchrun", *args], timeout)
-            time.sleep(0.05)
-        out.seek(0), err.seek(0)
-        return subprocess.CompletedProcess(["torchrun", *args], os.waitstatus_to_exitcode(status),
-                                           out.read().decode(errors="replace"),
-                                           err.read().decode(errors="replace"))
-
-
-def _agent(args: list[str], env: dict, out_fd: int, err_fd: int) -> None:
-    """The forked child: torchrun's main with `env`, cwd ROOT, stdout/stderr to the files;
-    exits with torchrun's status (1 and the traceback when a rank failed, as torchrun)."""
-    import traceback
-    code = 1
-    try:
-        os.setsid()  # its own process group: a timeout kills the agent with what is left
-        os.chdir(ROOT)
-        os.environ.clear()
-        os.environ.update(env)
-        os.dup2(out_fd, 1)
-        os.dup2(err_fd, 2)
-        sys.stdout = open(1, "w", buffering=1, closefd=False)  # not pytest's capture
-        sys.stderr = open(2, "w", buffering=1, closefd=False)
-        sys.argv = ["torchrun", *args]
-        import faulthandler
-        import logging
-        faulthandler.disable()  # pytest's, on its own stderr
-        logging.root.handlers.clear()  # pytest's capture: the agent logs to stderr as torchrun does
-        for logger in logging.Logger.manager.loggerDict.values():  # torch's handler, made at import
-            for handler in getattr(logger, "handlers", []):
-                if type(handler) is logging.StreamHandler:
-                    handler.setStream(sys.stderr)
-        from torch.distributed.run import main
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # noqa: BLE001 - printed as an uncaught exception would be
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+def start_zygote() -> None:
+    """Fork the zygote now (before any test has run), unless DYNMO_TEST_FORK_TORCHRUN=0."""
+    global ZYGOTE
+    if os.environ.get("DYNMO_TEST_FORK_TORCHRUN", "1") == "1" and hasattr(os, "fork"):
+        from zygote import Zygote
+        ZYGOTE = Zygote()
 
 
 def worker(nproc: int, flags: list[str], output: Path, **kw) -> dict:

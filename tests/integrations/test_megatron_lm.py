@@ -226,7 +226,7 @@ def test_flags_parse_inside_megatron_lm_parse_args_chained_with_the_callers(mtt,
 # ---- with the source, under torchrun: Megatron-LM's train() with the plugin ------------------------
 def _run(tmp: Path, extra: list[str], ranks: int = 2) -> tuple[dict, dict]:
     """torchrun of this file (the Megatron-LM harness below) as launch.torchrun does it:
-    torch's launcher in a fork of pytest (DYNMO_TEST_FORK_TORCHRUN=0: a fresh one)."""
+    torch's launcher forked by tests/zygote.py (DYNMO_TEST_FORK_TORCHRUN=0: a fresh one)."""
     from launch import ROOT, free_port, run_torchrun
     out = tmp / "out"
     args = ["--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),

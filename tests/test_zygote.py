@@ -1,0 +1,49 @@
+"""The test launcher (tests/zygote.py): torchrun runs whose workers are forked from a
+pre-imported process train exactly as fresh interpreters do, fail as they do, and a
+launch that runs past its timeout is stopped without leaving the launcher out of step."""
+import os
+import subprocess
+
+import pytest
+
+import launch
+from launch import SMALL_MODEL, assert_same_training, free_port, run_torchrun, worker
+
+FLAGS = SMALL_MODEL + ["--train-iters", "5", "--dynmo", "--test-dump-params",
+                       "--pipeline-model-parallel-size", "2",
+                       "--dynmo-forced-layouts", "3:Etttttt|ttL"]
+
+needs_zygote = pytest.mark.skipif(launch.ZYGOTE is None, reason="no zygote (DYNMO_TEST_FORK_TORCHRUN=0)")
+
+
+@needs_zygote
+@pytest.mark.multiproc
+def test_forked_workers_train_like_fresh_interpreters(tmp_path, monkeypatch):
+    """A migration run (2 stages, a forced move at iteration 3): the same losses to the
+    last bit, the same parameters and the same moves from both launchers."""
+    forked = worker(2, FLAGS, tmp_path / "forked")
+    monkeypatch.setattr(launch, "ZYGOTE", None)  # run_torchrun: `python -m torch.distributed.run`
+    fresh = worker(2, FLAGS, tmp_path / "fresh")
+    assert_same_training(tmp_path / "forked", forked, tmp_path / "fresh", fresh, ranks=(0, 1))
+    moves = [[(m["layer"], m["src"], m["dst"]) for m in e.get("moves", [])] for e in forked["events"]]
+    assert moves == [[(m["layer"], m["src"], m["dst"]) for m in e.get("moves", [])]
+                     for e in fresh["events"]]
+    assert forked["layout"] == fresh["layout"] == "Etttttt|ttL"
+
+
+@needs_zygote
+@pytest.mark.multiproc
+def test_a_launch_past_its_timeout_is_stopped_and_the_next_one_runs(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, sys, time\nprint('rank', os.environ['RANK'], flush=True)\n"
+                      "sys.exit(3) if sys.argv[1:] == ['--fail'] else time.sleep(600)\n")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+    def args(*extra):
+        return ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                str(free_port()), str(script), *extra]
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_torchrun(args(), env, timeout=3)
+    failed = run_torchrun(args("--fail"), env, timeout=120)
+    assert failed.returncode == 1 and "exitcode  : 3" in failed.stderr, failed.stderr[-2000:]
+    assert sorted(failed.stdout.split("\n")[:2]) == ["rank 0", "rank 1"]
