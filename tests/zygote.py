@@ -78,9 +78,12 @@ class Zygote:
 
 
 def _stop(agent: int) -> None:
-    os.kill(agent, signal.SIGTERM)  # the agent stops its workers, as on a Ctrl-C
-    time.sleep(5)
+    """SIGTERM to the agent (it stops its workers, as on a Ctrl-C), then SIGKILL to what is
+    left of its group. Either may find it gone: it can end, and the zygote reap it, just
+    as the timeout expires (the caller still reads the status the zygote sent)."""
     try:
+        os.kill(agent, signal.SIGTERM)
+        time.sleep(5)
         os.killpg(agent, signal.SIGKILL)
     except ProcessLookupError:
         pass
