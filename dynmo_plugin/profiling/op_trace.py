@@ -1,0 +1,105 @@
+"""What one forward + backward dispatches, op by op.
+
+A GPU runs each aten op that computes as one (or a few) kernels: their number is the
+host's cost (a launch each), their FLOPs and bytes the device's. Recording them on CPU,
+or on the meta device at a real shape, lets a machine without a GPU check what a GPU run
+will pay: the shape guards (every matmul dimension a multiple of 8), the FLOP and
+kernel-count budgets of the scenario layers, the host reads that would stall a stream,
+and the roofline estimate all read this one record.
+
+    with OpTrace() as trace:
+        out, _ = layer(hidden_states=x, attention_mask=mask)
+        out.float().sum().backward()
+    trace.flops(), trace.kernels(), trace.matmul_dims(), trace.host_reads()
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["OpRecord", "OpTrace"]
+
+_aten = torch.ops.aten
+# Ops that allocate or describe memory without running a kernel on its values.
+_NO_KERNEL = {_aten.empty, _aten.empty_like, _aten.empty_strided, _aten.detach, _aten.alias,
+              _aten.lift_fresh, _aten.sym_size, _aten.sym_stride, _aten.sym_numel,
+              _aten.sym_storage_offset, _aten.is_same_size, _aten.set_}
+# Ops whose result the host must wait for: a value read back (`item`, `bool`, `int`) or an
+# output whose size depends on the values.
+HOST_READS = {_aten._local_scalar_dense, _aten.nonzero, _aten.masked_select, _aten.unique_dim,
+              _aten._unique, _aten._unique2, _aten.unique_consecutive, _aten.equal}
+# Matrix products, with the (M, N, K)-style dimensions their kernels tile.
+_MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten._scaled_mm}
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One dispatched op: its name, the shapes it read and wrote, and its work."""
+
+    name: str
+    inputs: tuple[tuple[int, ...], ...]
+    outputs: tuple[tuple[int, ...], ...]
+    dtype: str
+    flops: int
+    bytes: int
+    kernel: bool       # runs a kernel (views, allocations and metadata do not)
+    host_read: bool    # the host waits for the device's result
+
+    @property
+    def is_matmul(self) -> bool:
+        return self.name in {str(m) for m in _MATMULS}
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class OpTrace(TorchDispatchMode):
+    """Records every aten op dispatched inside the `with` block, backward included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[OpRecord] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        ins, outs = _tensors((args, kwargs)), _tensors(out)
+        flops = int(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0
+        view = bool(getattr(func, "is_view", False))
+        first = (ins + outs)[0] if ins or outs else None
+        self.ops.append(OpRecord(
+            name=str(packet), inputs=tuple(tuple(t.shape) for t in ins),
+            outputs=tuple(tuple(t.shape) for t in outs),
+            dtype=str(first.dtype).removeprefix("torch.") if first is not None else "",
+            flops=flops, bytes=0 if view else sum(map(_nbytes, ins + outs)),
+            kernel=not view and packet not in _NO_KERNEL and packet is not _aten._local_scalar_dense,
+            host_read=packet in HOST_READS))
+        return out
+
+    def flops(self) -> int:
+        return sum(op.flops for op in self.ops)
+
+    def kernels(self) -> int:
+        """Ops that launch work on the device: the host's per-op cost, counted."""
+        return sum(op.kernel for op in self.ops)
+
+    def host_reads(self) -> list[str]:
+        return [op.name for op in self.ops if op.host_read]
+
+    def matmuls(self) -> list[OpRecord]:
+        return [op for op in self.ops if op.is_matmul]
+
+    def matmul_dims(self) -> list[int]:
+        """Every dimension of every matmul operand: a bf16 GEMM runs its fast kernels only
+        where each is a multiple of 8 (16 bytes)."""
+        return [d for op in self.matmuls() for shape in op.inputs for d in shape[-2:]]
