@@ -272,29 +272,51 @@ def test_exact_is_optimal_with_float_costs(case):
 
 
 # ---- heuristics --------------------------------------------------------------------------------
-def check_heuristic(case: Case, method: str) -> None:
+def check_heuristic(case: Case, method: str) -> Bounds | None:
+    """The heuristic's layout is allowed and scored right; returns it (None: no problem).
+    Never below the optimum is no check (the oracle's optimum is a minimum over the same
+    allowed layouts), so each heuristic's own property is tested below."""
     pb = build(case)
     if pb is None:
-        return
-    ref = brute(case)
-    if ref.optimum is None:
+        return None
+    if brute(case).optimum is None:
         check_infeasible(pb, method)
-        return
+        return None
     plan = solve(pb, method)
     after = check_plan_numbers(case, plan)
     assert allowed(case, after), plan.notes
-    assert bottleneck(case, after) >= ref.optimum - 2 * load_tol(case) - 1e-12
+    return after
+
+
+def deepspeed_answer(case: Case) -> Bounds:
+    """DeepSpeed's own partition_balanced, called here on the costs with the first and last
+    stage's extras folded into the first and last layer (the documented input)."""
+    from deepspeed.runtime.utils import partition_balanced
+
+    weights = [float(c) for c in case.costs]
+    extras = case.extras_cost or (0,) * case.num_stages
+    weights[0] += extras[0]
+    if case.num_stages > 1:
+        weights[-1] += extras[-1]
+    return tuple(partition_balanced(weights, case.num_stages))
 
 
 @SETTINGS
 @given(cases())
-def test_partition_is_feasible_and_never_beats_exact(case):
-    check_heuristic(case, "partition")
+def test_partition_is_deepspeeds_layout_or_the_exact_fallback(case):
+    after = check_heuristic(case, "partition")
+    if after is None:
+        return
+    theirs = deepspeed_answer(case)
+    if allowed(case, theirs):
+        assert after == theirs
+    else:   # DeepSpeed's layout breaks a cap or leaves a stage empty: exact's optimum instead
+        assert bottleneck(case, after) == pytest.approx(brute(case).optimum, abs=2 * load_tol(case) + 1e-12)
 
 
 @SETTINGS
 @given(cases())
-def test_diffusion_is_feasible_and_never_beats_exact(case):
+def test_diffusion_is_feasible_and_scored_right(case):
     check_heuristic(case, "diffusion")
 
 

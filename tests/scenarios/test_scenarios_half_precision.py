@@ -7,6 +7,7 @@ MoE and sparse-attention work models time one) or in a scenario's layer kills. T
 named fault (`calibration_exception`, dynmo_plugin.faults) fails a calibration: the
 run must finish, with an event that says why and that the FLOP-based model took over.
 """
+import json
 import math
 
 import pytest
@@ -15,7 +16,7 @@ from dynmo_plugin.scenarios.flops import FLOP_FALLBACK, DecoderFlops
 from dynmo_plugin.scenarios.mixture_of_depths.live import WorkModel
 from dynmo_plugin.scenarios.moe.live import CostModel, cost_model_from_calibrations, layer_work
 from dynmo_plugin.scenarios.sparse_attention.live import AttentionCostModel
-from launch import losses, train, worker
+from launch import losses, worker
 
 ITERS = 4
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -63,8 +64,15 @@ def _scenario_events(report: dict, scenario: str) -> list[dict]:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("scenario,precision", CASES, ids=[f"{s}-{p}" for s, p in CASES])
 def test_scenario_trains_in_half_precision(tmp_path, scenario, precision):
-    report = train(2, _flags(scenario, precision), tmp_path, timeout=240)
-    assert report["config"]["model"][precision]
+    report = worker(2, _flags(scenario, precision) + ["--test-dump-dtypes"], tmp_path, timeout=240)
+    # what trained, read from the model and the optimizer on every rank, not the echoed flag:
+    # half-precision parameters, fp32 main parameters and optimizer state
+    half = {"bf16": "bfloat16", "fp16": "float16"}[precision]
+    ranks = [json.loads((tmp_path / f"dtypes_rank{r}.json").read_text()) for r in range(2)]
+    assert all(d["params"] == [half] for d in ranks), ranks
+    # a stage whose layers all froze has nothing left to optimise; every other keeps fp32
+    assert all(d["main_params"] == d["optimizer_state"] == ["float32"] for d in ranks
+               if d["main_params"]) and any(d["main_params"] for d in ranks), ranks
     assert len(losses(report)) == ITERS and all(math.isfinite(x) for x in losses(report))
     events = _scenario_events(report, scenario)
     assert events, f"{scenario}: no event in {ITERS} iterations"

@@ -7,6 +7,9 @@
 --test-fault KIND@STAGE[:PHASE]: a FaultInjector (dynmo_plugin.faults) for the first migration.
 --test-profile-noise SIGMA: per-rank multiplicative timing noise (ProfileNoise).
 --test-freeze-layers 1,2: freeze these layers (and the embedding with layer 1) at start.
+--test-dump-dtypes: every rank writes <output>/dtypes_rank<R>.json at the end: the dtypes
+of the stage's parameters, of the optimizer's main parameters and of its state (what
+trained, not what the flags asked for).
 """
 import json
 import os
@@ -42,6 +45,7 @@ def main():
     parser.add_argument("--test-heavy-factor", type=int, default=1)
     parser.add_argument("--test-dump-ranks", action="store_true")
     parser.add_argument("--test-dump-params", action="store_true")
+    parser.add_argument("--test-dump-dtypes", action="store_true")
     parser.add_argument("--test-fault", default=None, help="KIND@STAGE[:PHASE], e.g. receiver_exception@1")
     parser.add_argument("--test-profile-noise", type=float, default=0.0)
     parser.add_argument("--test-freeze-layers", default="")
@@ -67,6 +71,24 @@ def main():
                   for n, p in global_named_parameters(chunk)}
         torch.save(params, os.path.join(cfg.model.output, f"params_rank{rank}.pt"))
 
+    def dump_dtypes(trainer):
+        import torch
+        names = lambda tensors: sorted({str(t.dtype).removeprefix("torch.") for t in tensors})  # noqa: E731
+        inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)   # Megatron wraps torch's
+        main = [p for group in inner.param_groups for p in group["params"]]
+        state = [v for st in inner.state.values() for v in st.values()
+                 if torch.is_tensor(v) and v.dim() > 0]
+        dtypes = {"params": names(p for c in trainer.chunks for p in c.parameters()),
+                  "main_params": names(main), "optimizer_state": names(state)}
+        with open(os.path.join(cfg.model.output, f"dtypes_rank{rank}.json"), "w") as fh:
+            json.dump(dtypes, fh)
+
+    def finish(trainer):
+        if args.test_dump_params:
+            dump_params(trainer)
+        if args.test_dump_dtypes:
+            dump_dtypes(trainer)
+
     def freeze(trainer):
         from dynmo_plugin.megatron.migration.migrate import retire_ddp
         for layer in trainer.model.decoder.layers:
@@ -81,7 +103,7 @@ def main():
     def train():
         report = run(cfg, layer_spec=spec, fault=fault, profile_noise=noise,
                      on_start=freeze if frozen else None,
-                     on_finish=dump_params if args.test_dump_params else None)
+                     on_finish=finish)
         if args.test_dump_ranks:
             with open(os.path.join(cfg.model.output, f"rank{rank}.json"), "w") as fh:
                 json.dump(report, fh)

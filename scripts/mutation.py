@@ -1,0 +1,235 @@
+"""Mutation testing of the core: how many deliberate bugs do the tests catch?
+
+cosmic-ray (pinned in setup.cfg's `mutation` extra) changes one thing in one module — a
+`<` into `<=`, a `+` into `-`, a number, an `and` into `or`, a loop that never runs — and
+runs the tests that cover that module. A mutant the tests still pass ("survived") is a
+bug they would miss: kill it with a test, or name why it changes nothing (an equivalent
+mutant) in docs/testing.md.
+
+Each target module is mutated in its own copy of the tracked tree (cosmic-ray edits
+files on disk), `--jobs` copies at a time. A module has thousands of possible mutants;
+a seeded random `--sample` of each, from the operators that leave a program that still
+runs (bit-shifts of floats only raise TypeError and teach nothing), fits the
+`--budget-s` on this 2-core machine. Mutants left when the budget runs out are reported
+as not run, never as killed.
+
+    .venv/bin/pip install -c constraints.txt -e '.[mutation]'
+    .venv/bin/python scripts/mutation.py                       # every target, ~18 minutes
+    .venv/bin/python scripts/mutation.py --only balancing.gate --sample 10 --json
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import random
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTEST = "-m pytest -x -q -p no:cacheprovider"
+FAST = f"{PYTEST} --noconftest"           # pure tests need no torchrun launcher
+BALANCING = "tests/balancing"
+# module (under dynmo_plugin/) -> the tests that cover it
+TARGETS: dict[str, str] = {
+    **{f"balancing.{m}": f"{FAST} {BALANCING}" for m in (
+        "exact", "partition", "diffusion", "segments", "problem", "gate", "memory",
+        "metrics", "baselines", "decide", "solve", "grow", "plan")},
+    "layout": f"{FAST} tests/config/test_config_layout.py {BALANCING}",
+    **{f"config.{m}": f"{FAST} tests/config/test_config.py tests/config/test_config_input.py "
+       "tests/config/test_config_layout.py" for m in ("checks", "fields", "load", "schema")},
+    "consensus": f"{PYTEST} tests/megatron/test_nccl_safety.py tests/run/test_reliability.py",
+    "scenarios.gathered_tokens": f"{PYTEST} tests/scenarios/test_scenario_mod.py "
+                                 "tests/scenarios/test_scenario_early_exit.py",
+    "scenarios.shapes": f"{FAST} tests/scenarios/test_shapes.py",
+}
+# Operators whose mutants still run: arithmetic among + - * / //, every comparison,
+# boolean and unary flips, constants, loops and exception handlers.
+_ARITH = ("Add", "Sub", "Mul", "Div", "FloorDiv")
+OPERATORS = {f"core/ReplaceBinaryOperator_{a}_{b}" for a in _ARITH for b in _ARITH if a != b} | {
+    "core/NumberReplacer", "core/AddNot", "core/ReplaceUnaryOperator_Delete_Not",
+    "core/ReplaceUnaryOperator_Delete_USub", "core/ReplaceUnaryOperator_USub_UAdd",
+    "core/ReplaceTrueWithFalse", "core/ReplaceFalseWithTrue", "core/ReplaceAndWithOr",
+    "core/ReplaceOrWithAnd", "core/ReplaceBreakWithContinue", "core/ReplaceContinueWithBreak",
+    "core/ZeroIterationForLoop", "core/ExceptionReplacer"}
+_COMPARE = ("Eq", "NotEq", "Lt", "LtE", "Gt", "GtE", "Is", "IsNot", "In", "NotIn")
+
+
+def _operator_ok(name: str) -> bool:
+    return name in OPERATORS or name.startswith("core/ReplaceComparisonOperator_") and all(
+        part in _COMPARE for part in name.rsplit("_", 2)[-2:])
+
+
+@dataclass
+class ModuleResult:
+    module: str
+    mutants: int = 0          # operators kept, before sampling
+    sampled: int = 0
+    killed: int = 0
+    survived: int = 0
+    timeout: int = 0
+    not_run: int = 0
+    seconds: float = 0.0
+    survivors: list[dict] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def survival(self) -> float | None:
+        done = self.killed + self.survived
+        return self.survived / done if done else None
+
+
+def _copy_tree(dest: Path, ref: str | None) -> None:
+    """The tracked files as they are now, or as committed at `ref` (to compare commits)."""
+    if ref:
+        archive = subprocess.run(["git", "archive", ref], cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+        return
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True,
+                           capture_output=True).stdout.split(b"\0")
+    for rel in filter(None, files):
+        src, dst = ROOT / rel.decode(), dest / rel.decode()
+        if src.is_file():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(src.read_bytes())
+
+
+def _first_related(module: str, tests: str) -> str:
+    """The test files that name the module, first: `-x` then stops at the first kill sooner
+    (a survivor runs them all either way)."""
+    words = tests.split()
+    paths = [w for w in words if w.startswith("tests/")]
+    named = sorted(str(p.relative_to(ROOT)) for d in paths if (ROOT / d).is_dir()
+                   for p in (ROOT / d).glob("test_*.py") if f"dynmo_plugin.{module}" in p.read_text())
+    return " ".join([w for w in words if not w.startswith("tests/")] + named + paths)
+
+
+def _config(module: str, tests: str, timeout: float) -> str:
+    path = "dynmo_plugin/" + module.replace(".", "/") + ".py"
+    tests = _first_related(module, tests)
+    return (f'[cosmic-ray]\nmodule-path = ["{path}"]\ntimeout = {timeout}\nexcluded-modules = []\n'
+            f'test-command = "{sys.executable} {tests}"\n[cosmic-ray.distributor]\nname = "local"\n')
+
+
+def _sample(db: Path, n: int, seed: int) -> tuple[int, int]:
+    """Keep `n` mutants of the runnable operators, chosen by `seed`; (kept before, sampled)."""
+    con = sqlite3.connect(db)
+    rows = con.execute("select job_id, operator_name from mutation_specs order by start_pos_row, "
+                       "start_pos_col, operator_name, occurrence").fetchall()   # not job_id: random
+    ok = [job for job, op in rows if _operator_ok(op)]
+    keep = set(random.Random(seed).sample(ok, min(n, len(ok))))
+    drop = [(job,) for job, _ in rows if job not in keep]
+    con.executemany("delete from mutation_specs where job_id = ?", drop)
+    con.executemany("delete from work_items where job_id = ?", drop)
+    con.commit()
+    con.close()
+    return len(ok), len(keep)
+
+
+def _collect(db: Path, result: ModuleResult) -> None:
+    con = sqlite3.connect(db)
+    rows = con.execute(
+        "select s.operator_name, s.start_pos_row, s.definition_name, r.test_outcome, "
+        "r.worker_outcome, r.diff from mutation_specs s left join work_results r "
+        "on s.job_id = r.job_id").fetchall()
+    con.close()
+    for op, row, where, outcome, worker, diff in rows:
+        if outcome is None:
+            result.not_run += 1
+        elif worker == "timeout":
+            result.timeout += 1     # a mutant that hangs the tests is caught, counted apart
+        elif outcome == "survived":
+            result.survived += 1
+            result.survivors.append({"operator": op.removeprefix("core/"), "line": row,
+                                     "function": where, "diff": diff or ""})
+        else:
+            result.killed += 1
+
+
+def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
+               mutant_timeout: float, ref: str | None = None) -> ModuleResult:
+    result, start = ModuleResult(module), time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
+        tree = Path(tmp)
+        _copy_tree(tree, ref)
+        if not (tree / 'dynmo_plugin' / (module.replace('.', '/') + '.py')).exists():
+            result.error = 'no such module at this commit'
+            return result
+        (tree / "cr.toml").write_text(_config(module, tests, mutant_timeout))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)}
+        cr = [sys.executable, "-m", "cosmic_ray.cli"]
+        init = subprocess.run([*cr, "init", "cr.toml", "s.sqlite"], cwd=tree, env=env,
+                              capture_output=True, text=True)
+        if init.returncode:
+            result.error = (init.stderr.strip().splitlines() or ["init failed"])[-1]
+            return result
+        result.mutants, result.sampled = _sample(tree / "s.sqlite", sample, seed)
+        try:
+            subprocess.run([*cr, "exec", "cr.toml", "s.sqlite"], cwd=tree, env=env,
+                           capture_output=True, timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            result.error = "budget ran out"
+        _collect(tree / "s.sqlite", result)
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def _table(results: list[ModuleResult]) -> str:
+    lines = ["| module | mutants | sampled | killed | survived | timeout | not run | survival | s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        rate = "–" if r.survival is None else f"{r.survival:.0%}"
+        lines.append(f"| {r.module} | {r.mutants} | {r.sampled} | {r.killed} | {r.survived} | "
+                     f"{r.timeout} | {r.not_run} | {rate} | {r.seconds:.0f} |")
+    killed, survived = sum(r.killed for r in results), sum(r.survived for r in results)
+    total = f"{survived / (killed + survived):.1%}" if killed + survived else "–"
+    lines.append(f"\nsurvival over all run mutants: {total} ({survived} of {killed + survived})")
+    for r in results:
+        for s in r.survivors:
+            lines.append(f"- survived: {r.module}:{s['line']} ({s['function']}) {s['operator']}")
+        if r.error:
+            lines.append(f"- {r.module}: {r.error}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--budget-s", type=float, default=1080.0, help="wall-clock budget (default %(default)s)")
+    ap.add_argument("--sample", type=int, default=12, help="mutants per module (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="which mutants are sampled (default %(default)s)")
+    ap.add_argument("--jobs", type=int, default=2, help="modules mutated at once (default %(default)s)")
+    ap.add_argument("--mutant-timeout", type=float, default=300.0, help="seconds per mutant's tests")
+    ap.add_argument("--ref", help="mutate the tree committed at this git ref (default: the working tree)")
+    ap.add_argument("--only", nargs="+", choices=sorted(TARGETS), help="these modules only")
+    ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    args = ap.parse_args(argv)
+    try:
+        import cosmic_ray  # noqa: F401
+    except ImportError:
+        print("mutation: cosmic-ray is not installed; run "
+              ".venv/bin/pip install -c constraints.txt -e '.[mutation]'", file=sys.stderr)
+        return 2
+    modules = args.only or sorted(TARGETS)
+    deadline = time.monotonic() + args.budget_s
+    with cf.ThreadPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(run_module, m, TARGETS[m], args.sample, args.seed + i, deadline,
+                               args.mutant_timeout, args.ref) for i, m in enumerate(modules)]
+        results = []
+        for m, fut in zip(modules, futures):
+            results.append(fut.result())
+            print(f"mutation: {m} done", file=sys.stderr)
+    if args.json:
+        print(json.dumps([{**asdict(r), "survival": r.survival} for r in results], indent=1))
+    else:
+        print(_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
