@@ -7,6 +7,7 @@ test_memory_calibration`) this file is that run's torchrun worker: the launcher 
 "busy" first layer, compute-heavy and memory-light, so that the balancer wants to move
 layers onto the last stage, whose logits the model does not count.
 """
+import itertools
 import functools
 import types
 
@@ -69,7 +70,11 @@ def test_every_plan_fits_the_cap_once_calibrated(costs, mem, over, cap):
         pb = BalanceProblem(costs=costs, num_stages=p, memory=mem[:n], capacity=cap,
                             extras_memory=[2.0, 0.0, 3.0], memory_overhead=over)
         layout = solve(pb, "exact").layout
-    except InfeasibleError:
+    except InfeasibleError:   # only when no split of the layers fits every stage
+        fits = [b for b in itertools.combinations(range(1, n), p - 1)   # no empty stage
+                if all(extra + sum(mem[lo:hi]) + o <= cap + 1e-6 for lo, hi, extra, o in
+                       zip((0, *b), (*b, n), (2.0, 0.0, 3.0), over))]
+        assert not fits, fits
         return
     for s, m in enumerate(stage_memory(pb, layout)):
         assert m + over[s] <= cap + 1e-6

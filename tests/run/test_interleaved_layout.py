@@ -168,11 +168,15 @@ def test_interleaved_exact_against_brute_force(c):
 @SETTINGS
 @given(interleaved_cases(), st.sampled_from(["partition", "diffusion", "uniform"]))
 def test_interleaved_heuristics_honour_rank_caps_or_refuse(c, method):
+    """A layout that breaks no rank's cap, or a refusal: never one where none fits, and
+    never a refusal without caps when a layout exists."""
+    want = _oracle(c)
     try:
-        pb = _problem(c)
-        plan = solve(pb, method)
-    except InfeasibleError:
+        plan = solve(_problem(c), method)
+    except InfeasibleError as e:
+        assert want is None or c["cap"] is not None, e
         return
+    assert want is not None, "a layout was returned where none fits"
     _, mem = _measured(c, plan.layout)
     if c["cap"] is not None:
         assert all(m <= k + 1e-6 for m, k in zip(mem, c["cap"]))
