@@ -197,7 +197,7 @@ def flops_ok(kernel, s=1024, buckets=16):
     return sparse <= 1.05 * dense / buckets + _hash_flops(s, 1, 2, 32, buckets), (sparse, dense)
 
 
-def kernels_ok(kernel, budget=36, buckets=16):
+def kernels_ok(kernel, budget=32, buckets=16):
     """Kernels of a forward + backward: at most dense's + `budget`, and the excess the same
     at s and 2s (no per-chunk or per-bucket loop)."""
     extra = [trace(kernel, s, buckets)[0].kernels() - trace(kernel, s, 1)[0].kernels()

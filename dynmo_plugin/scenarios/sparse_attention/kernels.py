@@ -97,6 +97,27 @@ def _slots(bucket: torch.Tensor, c: int) -> torch.Tensor:
     return order.unflatten(-1, (S // c, c)).sort(-1).values.flatten(-2)
 
 
+class _PermuteRows(torch.autograd.Function):
+    """x.index_select(0, index) whose backward is a gather too: `index` holds every row of x
+    `copies` times and `inverse` is where each (copy, row) went, so the gradient is
+    g.index_select(0, inverse) summed over the copies, with no scatter-add (index_add:
+    atomics on a GPU, and a sort-based kernel under deterministic mode)."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse, copies: int):
+        ctx.save_for_backward(inverse)
+        ctx.copies = copies
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, g):
+        (inverse,) = ctx.saved_tensors
+        grad = g.index_select(0, inverse)
+        if ctx.copies > 1:
+            grad = grad.view(ctx.copies, -1, *g.shape[1:]).sum(0)
+        return grad, None, None, None
+
+
 def lsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: int,
                   rotations: list[torch.Tensor], scale: float,
                   multiple: int = CHUNK_MULTIPLE) -> torch.Tensor:
@@ -114,16 +135,17 @@ def lsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: in
         # the un-sort's gather
         tagged = rows if rounds == 1 else rows + torch.arange(
             0, rounds * S * b * n, S * b * n, device=q.device).view(rounds, 1)
-        unsort = tagged.flatten().argsort()
+        tagged = tagged.flatten()
+        unsort = tagged.argsort()
     # one [S * b * n, 3d] table in Megatron's (position, sample, head) order, zero rows as
     # the padding positions: gathers and the un-sort are row index_selects, no transposes
     table = torch.cat([q, k, v], -1).reshape(s * b * n, 3 * d)
     if S > s:
         table = torch.cat([table, table.new_zeros((S - s) * b * n, 3 * d)])
-    chunks = table.index_select(0, rows.flatten()).view(b * n * rounds * (S // c), c, 3 * d)
+    chunks = _PermuteRows.apply(table, rows.flatten(), unsort, rounds).view(b * n * rounds * (S // c), c, 3 * d)
     qc, kc, vc = (x.unsqueeze(1) for x in chunks.split(d, -1))         # [chunks, 1, c, d]
     out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale)
-    out = out.reshape(-1, d).index_select(0, unsort).view(rounds, S * b * n, d)
+    out = _PermuteRows.apply(out.reshape(-1, d), unsort, tagged, 1).view(rounds, S * b * n, d)
     if S > s:
         out = out[:, :s * b * n]
     return (out.view(s * b * n, d) if rounds == 1 else out.mean(0)).view(s, b, n * d)
