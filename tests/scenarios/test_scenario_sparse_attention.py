@@ -142,6 +142,8 @@ def test_events_follow_the_schedule_with_work(static):
     assert events[0]["detail"]["buckets"] == {"1": 4, "2": 1, "3": 8, "4": 8}
     assert events[1]["detail"]["buckets"] == {str(n): b for n, b in FINAL.items()}
     assert events[1]["detail"]["changed"] == [3, 4]
+    # 1024 tokens: 4 buckets -> chunks of 256, 64 buckets -> 16 rounded up to 64 tokens
+    assert events[1]["detail"]["chunk_tokens"] == {"1": 256, "2": 1024, "3": 64, "4": 64}
     work = events[1]["work"]
     assert set(work) == {"1", "2", "3", "4"} and work["3"] == work["4"] < work["2"]
 

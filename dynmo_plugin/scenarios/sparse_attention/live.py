@@ -270,8 +270,12 @@ class SparseAttention(Scenario):
         table = self.table()
         for attention in self._attentions():
             attention.set_buckets(table[attention.layer_number])
+        seq = self.runtime.trainer.args.seq_length
         detail = {"round": k, "buckets": table,
-                  "changed": sorted(n for n in table if table[n] != before[n])}
+                  "changed": sorted(n for n in table if table[n] != before[n]),
+                  # the chunk lengths actually run (s/B rounded up to chunk_multiple; s: dense)
+                  "chunk_tokens": {n: _chunk(seq, b, self.settings.chunk_multiple) if b > 1 else seq
+                                   for n, b in table.items()}}
         if k == 1:
             detail["cost_model"] = self.model.to_dict()
         if self.runtime.trainer.dims.rank == 0:
