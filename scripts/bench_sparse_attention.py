@@ -23,7 +23,9 @@ profile windows after the last change (fwd+bwd per micro-batch, medians) it prin
 * measured/predicted: that ratio over the work model's.
 
 Usage: python scripts/bench_sparse_attention.py [--seq 4096 --buckets 16 --heads 8
-       --head-dim 64 --dtype bf16 --repeats 7] [--run [--iters 8]] [--json]
+       --head-dim 64 --dtype bf16 --repeats 7 --device cpu] [--run [--iters 8]] [--json]
+On a GPU (the note's probe shape): --device cuda --seq 8192 --heads 8 --head-dim 128
+--repeats 20.
 """
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ def ratios(report: dict) -> dict:
 
 
 def kernel_ratios(s: int, b: int, heads: int, head_dim: int, buckets: int, dtype: str,
-                  repeats: int) -> dict:
+                  repeats: int, device: str = "cpu") -> dict:
     """Interleaved timings of dense, chunked and unfused attention (module docstring)."""
     import torch
 
@@ -79,17 +81,25 @@ def kernel_ratios(s: int, b: int, heads: int, head_dim: int, buckets: int, dtype
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     kind = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    q, k, v = (torch.randn(s, b, heads, head_dim, generator=gen).to(kind).requires_grad_()
+    q, k, v = (torch.randn(s, b, heads, head_dim, generator=gen).to(device, kind).requires_grad_()
                for _ in range(3))
+    cuda = torch.device(device).type == "cuda"
     rot, scale = [hash_rotation(0, 1, 0, 0, 0, head_dim, buckets)], head_dim ** -0.5
     kernels = {"dense": lambda: dense_causal_attention(q, k, v, scale),
                "chunked": lambda: lsh_attention(q, k, v, buckets, rot, scale),
                "unfused": lambda: lsh_attention_unfused(q, k, v, buckets, rot, scale)}
 
     def once(fn) -> float:
-        start = time.thread_time()
-        fn().float().sum().backward()
-        elapsed = time.thread_time() - start
+        if cuda:  # device time of the whole forward + backward
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn().float().sum().backward()
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+        else:
+            start = time.thread_time()
+            fn().float().sum().backward()
+            elapsed = time.thread_time() - start
         for x in (q, k, v):
             x.grad = None
         return elapsed
@@ -106,7 +116,8 @@ def kernel_ratios(s: int, b: int, heads: int, head_dim: int, buckets: int, dtype
         values = sorted(x / y for x, y in zip(times[a], times[b]))
         return {"median": statistics.median(values), "min": values[0], "max": values[-1]}
 
-    return {"shape": f"s{s} b{b} heads{heads} d{head_dim} {dtype}, {buckets} buckets", "repeats": repeats,
+    return {"shape": f"s{s} b{b} heads{heads} d{head_dim} {dtype}, {buckets} buckets, {device}",
+            "repeats": repeats,
             "ms": {n: round(1e3 * statistics.median(t), 2) for n, t in times.items()},
             "chunked_over_dense": ratio("chunked", "dense"),
             "chunked_over_unfused": ratio("chunked", "unfused"),
@@ -124,14 +135,17 @@ def main() -> None:
     p.add_argument("--buckets", type=int, default=16)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--device", default="cpu", help="cuda: wall time between synchronisations")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     a = p.parse_args()
     if not a.run:
-        result = kernel_ratios(a.seq, a.batch, a.heads, a.head_dim, a.buckets, a.dtype, a.repeats)
+        result = kernel_ratios(a.seq, a.batch, a.heads, a.head_dim, a.buckets, a.dtype, a.repeats,
+                               a.device)
         if a.json:
             print(json.dumps(result))
             return
-        print(f"{result['shape']}, {result['repeats']} interleaved rounds, CPU time (indicative only)")
+        clock = "wall time" if a.device.startswith("cuda") else "CPU time (indicative only)"
+        print(f"{result['shape']}, {result['repeats']} interleaved rounds, {clock}")
         print("median ms  " + "  ".join(f"{n} {v}" for n, v in result["ms"].items()))
         for key in ("chunked_over_dense", "chunked_over_unfused", "unfused_over_dense"):
             r = result[key]
