@@ -1,6 +1,7 @@
-"""Dynamic hash-bucketed (LSH) sparse attention: the kernel, the schedule, real runs.
+"""Dynamic hash-bucketed (LSH) sparse attention: the module, the schedule, real runs.
 
-The kernel tests run in this process (pure torch); the scenario tests train a 4-layer
+The kernel's own tests and work guards are test_sparse_attention_kernel.py. The module
+tests run in this process; the scenario tests train a 4-layer
 GPT with 1024-token samples on 2 pipeline stages under torchrun. Layer 1 is pinned at
 4 buckets, layer 2 at 1 (dense SDPA); layers 3-4 go 1 -> 8 -> 64 buckets (changes after
 iterations 2 and 4). Training is bit-deterministic; only timings vary, so the work checks
@@ -19,102 +20,10 @@ from dynmo_plugin.config import ConfigError
 from dynmo_plugin.scenarios.sparse_attention.live import (bucket_table, calibration_buckets, change_round,
                                                     fit_cost_model, parse_buckets_per_layer,
                                                     scheduled_buckets)
-from dynmo_plugin.scenarios.sparse_attention.layer import (dense_causal_attention, hash_rotation,
-                                                 lsh_attention)
+from dynmo_plugin.scenarios.sparse_attention.layer import dense_causal_attention
 
 
-# ---- the kernel ------------------------------------------------------------------------------
-def _reference(q, k, v, buckets, rotations, scale):
-    """The same rule written out densely: per head, block ids from the separate sorts,
-    keys of the matching block strictly before the query, plus the query's own key;
-    rounds combined by their log-sum-exp."""
-    s, b, n, d = q.shape
-    c = -(-s // buckets)
-    pos = torch.arange(s)
-    out = torch.zeros(s, b, n, d, dtype=q.dtype)
-    for bi in range(b):
-        for h in range(n):
-            outs, lses = [], []
-            for rot in rotations:
-                def block(x):
-                    p = x.float() @ rot  # the kernel hashes in float32
-                    bucket = torch.cat([p, -p], -1)[:, :buckets].argmax(-1)
-                    ids = torch.empty(s, dtype=torch.long)
-                    ids[torch.argsort(bucket * s + pos)] = torch.arange(s) // c
-                    return ids
-                bq, bk = block(q[:, bi, h]), block(k[:, bi, h])
-                allowed = (bq[:, None] == bk[None, :]) & (pos[None, :] < pos[:, None])
-                allowed |= torch.eye(s, dtype=torch.bool)
-                logits = (q[:, bi, h] @ k[:, bi, h].T * scale).masked_fill(~allowed, -math.inf)
-                lses.append(torch.logsumexp(logits, -1))
-                outs.append(torch.softmax(logits, -1) @ v[:, bi, h])
-            w = torch.softmax(torch.stack(lses), 0)
-            out[:, bi, h] = sum(wi[:, None] * o for wi, o in zip(w, outs))
-    return out.reshape(s, b, n * d)
-
-
-@pytest.mark.parametrize("s,buckets,hashes", [(64, 4, 1), (60, 8, 1), (50, 3, 2), (33, 33, 1), (48, 2, 3)])
-def test_lsh_attention_matches_the_explicit_rule(s, buckets, hashes):
-    gen = torch.Generator().manual_seed(s)
-    q, k, v = (torch.randn(s, 2, 3, 8, generator=gen, dtype=torch.float64) for _ in range(3))
-    rotations = [hash_rotation(7, 3, 11, mb, r, 8, buckets) for mb, r in zip(range(hashes), range(hashes))]
-    got = lsh_attention(q, k, v, buckets, rotations, 0.3)
-    assert torch.allclose(got, _reference(q, k, v, buckets, rotations, 0.3), atol=1e-12)
-
-
-def test_lsh_attention_never_reads_later_values_and_is_differentiable():
-    """An output never depends on a later token's value (attention weights are causal).
-    Later KEYS may shift block boundaries (balanced blocks are cut from the sort of all
-    keys), as in Reformer/SMYRF; docs/scenarios/sparse_attention.md says so."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(32, 1, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
-    rot = [hash_rotation(0, 1, 0, 0, 0, 8, 4)]
-    base = lsh_attention(q, k, v, 4, rot, 0.35)
-    v2 = v.clone()
-    v2[20:] -= 3.0
-    assert torch.equal(lsh_attention(q, k, v2, 4, rot, 0.35)[:20], base[:20])
-    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
-    out = lsh_attention(q, k, v, 4, rot, 0.35)
-    out[:20].square().sum().backward(retain_graph=True)
-    assert torch.equal(v.grad[20:], torch.zeros_like(v.grad[20:]))
-    assert torch.equal(q.grad[20:], torch.zeros_like(q.grad[20:]))
-    for x in (q, k, v):
-        x.grad = None
-    out.square().sum().backward()
-    assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in (q, k, v))
-
-
-def test_dense_path_is_causal_softmax_attention():
-    gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(40, 2, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
-    logits = torch.einsum("sbnd,tbnd->bnst", q, k) * 0.3
-    logits = logits.masked_fill(torch.triu(torch.ones(40, 40, dtype=torch.bool), 1), -math.inf)
-    expected = torch.einsum("bnst,tbnd->sbnd", torch.softmax(logits, -1), v).reshape(40, 2, 16)
-    assert torch.allclose(dense_causal_attention(q, k, v, 0.3), expected, atol=1e-12)
-
-
-def test_hashing_is_the_same_for_any_split_of_heads_and_samples():
-    """One rotation for all heads and samples: a TP split of the heads or a different
-    micro-batching of the samples computes exactly the same outputs."""
-    gen = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(128, 2, 4, 16, generator=gen) for _ in range(3))
-    rot = [hash_rotation(5, 2, 9, 0, 0, 16, 8)]
-    whole = lsh_attention(q, k, v, 8, rot, 0.25).view(128, 2, 4, 16)
-    heads = torch.cat([lsh_attention(q[:, :, h:h + 2], k[:, :, h:h + 2], v[:, :, h:h + 2], 8, rot, 0.25)
-                       .view(128, 2, 2, 16) for h in (0, 2)], 2)
-    samples = torch.cat([lsh_attention(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], 8, rot, 0.25)
-                         .view(128, 1, 4, 16) for i in (0, 1)], 1)
-    assert torch.allclose(heads, whole, atol=1e-6) and torch.allclose(samples, whole, atol=1e-6)
-
-
-def test_rotation_is_a_pure_function_of_its_seed_tuple():
-    a = hash_rotation(1, 2, 3, 4, 0, 8, 16)
-    assert a.shape == (8, 8) and torch.equal(a, hash_rotation(1, 2, 3, 4, 0, 8, 16))
-    others = [hash_rotation(*args, 8, 16) for args in
-              [(2, 2, 3, 4, 0), (1, 3, 3, 4, 0), (1, 2, 4, 4, 0), (1, 2, 3, 5, 0), (1, 2, 3, 4, 1)]]
-    assert not any(torch.equal(a, o) for o in others)
-
-
+# ---- the Megatron module (the kernel: test_sparse_attention_kernel.py) ----------------------
 def _module(layer, initial, seed=1):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
@@ -180,14 +89,18 @@ def test_bad_buckets_per_layer_names_the_key(text, problem):
 def test_fit_recovers_a_cost_model_and_predicts_layer_work():
     s = 1024
     truth = {b: 2e-4 * s * math.ceil(s / b) + 1.5 + 0.05 * b for b in (4, 8, 32, 64)}
-    model = fit_cost_model(s, 1, linear_ms=15.0, dense_ms=30.0, lsh_ms=truth)
+    model = fit_cost_model(s, 1, linear_ms=15.0, dense_ms=30.0, lsh_ms=truth, chunk_multiple=1)
     assert model.block_ms == pytest.approx(2e-4, rel=1e-6)
     assert model.row_ms == pytest.approx(1.5, rel=1e-6)
     assert model.block_overhead_ms == pytest.approx(0.05, rel=1e-6)
     work = model.work({1: 1, 2: 4, 3: 64})
     assert work[1] == pytest.approx(45.0) and work[3] == pytest.approx(15.0 + truth[64], rel=1e-4)
-    two = fit_cost_model(s, 2, 15.0, 30.0, {b: 2 * v for b, v in truth.items()})  # ms of 2 rounds
+    two = fit_cost_model(s, 2, 15.0, 30.0, {b: 2 * v for b, v in truth.items()}, 1)  # ms of 2 rounds
     assert two.layer_ms(8) == pytest.approx(15.0 + 2 * truth[8], rel=1e-6)
+    tiled = fit_cost_model(s, 1, 15.0, 30.0, truth)  # chunks of 64 tokens: 32 and 64 buckets alike
+    assert tiled.block_ms * s * 64 == pytest.approx(tiled.attention_ms(64) - tiled.row_ms - 64 * tiled.block_overhead_ms)
+    assert tiled.attention_ms(32) - 32 * tiled.block_overhead_ms == pytest.approx(
+        tiled.attention_ms(64) - 64 * tiled.block_overhead_ms)
     assert calibration_buckets({1, 4, 8, 64}, 1024) == [4, 8, 64]   # the run's own counts
     assert calibration_buckets({1, 64}, 1024) == [32, 64, 128]      # widened to three
     assert calibration_buckets({1}, 6) == [2, 4]                    # within 2..seq_length
@@ -229,6 +142,8 @@ def test_events_follow_the_schedule_with_work(static):
     assert events[0]["detail"]["buckets"] == {"1": 4, "2": 1, "3": 8, "4": 8}
     assert events[1]["detail"]["buckets"] == {str(n): b for n, b in FINAL.items()}
     assert events[1]["detail"]["changed"] == [3, 4]
+    # 1024 tokens: 4 buckets -> chunks of 256, 64 buckets -> 16 rounded up to 64 tokens
+    assert events[1]["detail"]["chunk_tokens"] == {"1": 256, "2": 1024, "3": 64, "4": 64}
     work = events[1]["work"]
     assert set(work) == {"1", "2", "3", "4"} and work["3"] == work["4"] < work["2"]
 
@@ -280,16 +195,19 @@ def test_more_buckets_do_less_attention_work():
     """The run's final table (FINAL: layer 1 at 4 buckets, layer 2 dense, layers 3-4 at 64):
     the 64-bucket layers' attention does a fraction of the 4-bucket layer's work and of the
     dense one's (even counting dense causal attention at its least), and the work falls
-    with every doubling of the buckets (~ s^2 d / B plus the O(B) hash projection)."""
+    with every doubling of the buckets while the chunk shrinks (~ s * c: c = 256, 128, 64
+    tokens at 4, 8, 16 buckets); from 16 buckets on c stays at the 64-token granularity
+    and only the hash projection (~ B) grows."""
     work = {b: attention_flops(b) for b in (1, 4, 8, 16, 32, 64)}
     assert work[1] > 0, work  # the dense path is counted, not skipped
-    assert work[FINAL[3]] < 0.2 * work[FINAL[1]], work
+    assert work[FINAL[3]] < 0.3 * work[FINAL[1]], work
     assert work[FINAL[3]] < 0.1 * work[FINAL[2]], work
-    assert work[4] < work[1] and all(work[2 * b] < work[b] for b in (4, 8, 16, 32)), work
+    assert work[4] < work[1] and work[8] < work[4] and work[16] < work[8], work
+    assert work[16] < work[32] < work[64] < 1.2 * work[16], work
 
 
 def test_cost_model_has_the_form_of_the_kernels_work():
-    """The work model's per-round terms (s*ceil(s/B) query-key pairs, one, B blocks) fitted
+    """The work model's per-round terms (s*c query-key pairs, one, B buckets) fitted
     to the kernel's counted FLOPs at three bucket counts predict the count at others: the
     model's form is the work the kernel does (its timed coefficients only scale it)."""
     s = SHAPE["s"]

@@ -31,3 +31,7 @@ class SparseAttentionConfig:
                                                 "--dynmo-sparse-attention-rounds", positive))
     hashes: int = field(default=1, metadata=opt("hash rounds per iteration",
                                                  "--dynmo-sparse-attention-hashes", positive))
+    chunk_multiple: int = field(default=64, metadata=opt(
+        "tokens per attention chunk (s / buckets) are rounded up to a multiple of this "
+        "(GPU-friendly tiles; more buckets than s / chunk_multiple save nothing more)",
+        "--dynmo-sparse-attention-chunk-multiple", positive))

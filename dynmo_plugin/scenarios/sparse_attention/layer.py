@@ -8,16 +8,10 @@ returns `[s, b, heads * head_dim]`. It holds its bucket count in a buffer
 
 * `buckets == 1`: dense causal attention through torch's fused
   `scaled_dot_product_attention` (SDPA) - the baseline, one bucket holds every key;
-* `buckets == B > 1`: per hash round, queries and keys are hashed with one random
-  rotation R (Reformer's angular LSH: bucket = argmax([xR, -xR]), R of shape
-  `[head_dim, ceil(B/2)]`), each head's queries and keys are sorted separately by
-  (bucket, position) and cut into B equal blocks of `c = ceil(s/B)` (SMYRF's balanced
-  clusters: with separate Q and K projections a shared sort as in Reformer's shared-QK
-  is not possible). Query block i attends key block i, causally (keys strictly before
-  the query), plus always its own key (so no row is empty). Cost per round ~ s*c*d =
-  s^2 d / B plus O(s d) for hashing, sorting and gathering. Several rounds
-  (`hashes`) are combined with their softmax normalisers (Reformer's multi-round
-  LSH): the output is the log-sum-exp weighted mean of the rounds.
+* `buckets == B > 1`: tokens hashed into B buckets (Reformer's angular LSH, one random
+  rotation per round), sorted by bucket, cut into chunks of round_up(s/B, chunk_multiple)
+  tokens, and fused causal attention (SDPA / FlashAttention) run inside each chunk:
+  `kernels.lsh_attention`, whose docstring states the exact semantics.
 
 The rotation is drawn from a generator seeded by (seed, global layer number,
 iteration, global micro-batch index, hash round) and shared by all heads, so hashing
@@ -31,109 +25,20 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import math
 import time
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from dynmo_plugin.megatron.attention.core import CausalCoreAttention
+from dynmo_plugin.scenarios.sparse_attention.kernels import (CHUNK_MULTIPLE, dense_causal_attention,
+                                                             hash_rotation, lsh_attention)
 
 __all__ = ["LSHCoreAttention", "lsh_attention", "dense_causal_attention", "hash_rotation",
            "lsh_attention_spec", "core_attentions", "time_attention", "time_layer"]
-
-
-# ---- kernels (no Megatron) -------------------------------------------------------------------
-def hash_rotation(seed: int, layer: int, iteration: int, microbatch: int, round_: int,
-                  head_dim: int, buckets: int) -> torch.Tensor:
-    """The random rotation `[head_dim, ceil(buckets/2)]` (float32, CPU) of one hash round."""
-    key = f"lsh/{seed}/{layer}/{iteration}/{microbatch}/{round_}".encode()
-    value = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % 2**63
-    gen = torch.Generator().manual_seed(value)
-    return torch.randn(head_dim, (buckets + 1) // 2, generator=gen)
-
-
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """SDPA causal on `[s, b, n, d]` inputs -> `[s, b, n * d]`."""
-    s, b, n, d = q.shape
-    out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3),
-                                         v.permute(1, 2, 0, 3), is_causal=True, scale=scale)
-    return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; to a GPU through pinned memory without waiting (a plain
-    copy from pageable memory synchronises the host in every layer)."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def _round(table: torch.Tensor, s: int, b: int, n: int, d: int, buckets: int,
-           rotation: torch.Tensor, scale: float, want_lse: bool):
-    """One hash round over `table` = [q | k | v] rows in (position, batch, head) order.
-    Returns (out [rows, d], lse [rows] or None), rows in the same order."""
-    rows = s * b * n
-    c = -(-s // buckets)
-    S = c * buckets
-    with torch.no_grad():
-        qk = table[:rows, :2 * d].view(rows, 2, d)
-        proj = qk.float() @ _to_device(rotation, table.device)         # [rows, 2, ceil(B/2)]
-        bucket = torch.cat([proj, -proj], -1)[..., :buckets].argmax(-1)  # [rows, 2]
-        bucket = bucket.view(s, b, n, 2).permute(1, 2, 3, 0)            # [b, n, 2, s]
-        pos = torch.arange(s, device=table.device)
-        perm = torch.argsort(bucket * s + pos, dim=-1)                  # positions, sorted
-        group = (torch.arange(b, device=table.device)[:, None] * n
-                 + torch.arange(n, device=table.device)[None, :])[..., None, None]
-        flat = perm * (b * n) + group                                   # row ids
-        if S > s:  # pad to B whole blocks with a zero row that is never a valid key
-            flat = torch.cat([flat, flat.new_full((b, n, 2, S - s), rows)], -1)
-            perm = torch.cat([perm, perm.new_full((b, n, 2, S - s), 2**40)], -1)
-        pq, pk = perm[:, :, 0], perm[:, :, 1]
-        fq, fk = flat[:, :, 0].reshape(-1), flat[:, :, 1].reshape(-1)
-        masked = ~(pk.view(b, n, buckets, 1, c) < pq.view(b, n, buckets, c, 1))
-        inverse = torch.empty(rows + 1, dtype=torch.long, device=table.device)
-        inverse[fq] = torch.arange(b * n * S, device=table.device)
-        inverse = inverse[:rows]
-    gq = table.index_select(0, fq).view(b, n, buckets, c, 3 * d)      # query, own key, own value
-    gk = table[:, d:].index_select(0, fk).view(b, n, buckets, c, 2 * d)  # key block, value block
-    q, k_self, v_self = gq.split(d, -1)
-    k, v = gk.split(d, -1)
-    scores = torch.matmul(q, k.transpose(-1, -2)).masked_fill(masked, float("-inf"))
-    logits = torch.cat([scores, (q * k_self).sum(-1, keepdim=True)], -1) * scale
-    wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # softmax in fp32 at least
-    if want_lse:
-        lse = torch.logsumexp(wide, -1, keepdim=True)
-        probs = torch.exp(wide - lse).to(table.dtype)
-    else:
-        lse, probs = None, torch.softmax(wide, -1).to(table.dtype)
-    out = torch.matmul(probs[..., :c], v) + probs[..., c:] * v_self    # [b, n, B, c, d]
-    out = out.reshape(b * n * S, d).index_select(0, inverse)
-    if lse is not None:
-        lse = lse.reshape(b * n * S).index_select(0, inverse)
-    return out, lse
-
-
-def lsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: int,
-                  rotations: list[torch.Tensor], scale: float) -> torch.Tensor:
-    """Hash-bucketed causal attention (module docstring) on `[s, b, n, d]` inputs ->
-    `[s, b, n * d]`; one round per rotation (each `[d, ceil(buckets/2)]`)."""
-    s, b, n, d = q.shape
-    table = torch.cat([q, k, v], -1).reshape(s * b * n, 3 * d)
-    if -(-s // buckets) * buckets > s:
-        table = torch.cat([table, table.new_zeros(1, 3 * d)])
-    if len(rotations) == 1:
-        out, _ = _round(table, s, b, n, d, buckets, rotations[0], scale, want_lse=False)
-    else:
-        parts = [_round(table, s, b, n, d, buckets, r, scale, want_lse=True) for r in rotations]
-        weights = torch.softmax(torch.stack([lse for _, lse in parts]), 0).to(q.dtype)
-        out = sum(w[:, None] * o for w, (o, _) in zip(weights, parts))
-    return out.view(s, b, n * d)
 
 
 # ---- the Megatron module ----------------------------------------------------------------------
@@ -142,19 +47,21 @@ class LSHCoreAttention(CausalCoreAttention):
 
     Built by Megatron's Attention like DotProductAttention (keyword arguments below up
     to `pg_collection`); `seed`, `initial_buckets` ({global layer: buckets}) and
-    `hashes` come from the spec (`lsh_attention_spec`)."""
+    `hashes` and `chunk_multiple` (tokens per chunk rounded to it) come from the spec
+    (`lsh_attention_spec`)."""
 
     kind = "LSH attention"
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: Optional[float] = None,
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None, *, seed: int, initial_buckets: dict, hashes: int = 1):
+                 pg_collection=None, *, seed: int, initial_buckets: dict, hashes: int = 1,
+                 chunk_multiple: int = CHUNK_MULTIPLE):
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
                          softmax_scale, cp_comm_type, pg_collection)
-        if hashes < 1:
-            raise ValueError(f"hashes must be >= 1, got {hashes}")
-        self.seed, self.hashes = seed, hashes
+        if hashes < 1 or chunk_multiple < 1:
+            raise ValueError(f"hashes and chunk_multiple must be >= 1, got {hashes}, {chunk_multiple}")
+        self.seed, self.hashes, self.chunk_multiple = seed, hashes, chunk_multiple
         self._buckets = int(initial_buckets.get(self.layer_number, 1))  # the host's copy
         self.register_buffer("buckets", torch.tensor(self._buckets, dtype=torch.int64))
         self._iteration: Optional[int] = None
@@ -203,7 +110,8 @@ class LSHCoreAttention(CausalCoreAttention):
         self._microbatch += 1
         rotations = [hash_rotation(self.seed, self.layer_number, self._iteration, mb, r,
                                    query.shape[3], buckets) for r in range(self.hashes)]
-        return lsh_attention(query, key, value, buckets, rotations, self.softmax_scale)
+        return lsh_attention(query, key, value, buckets, rotations, self.softmax_scale,
+                             self.chunk_multiple)
 
     def _check_causal(self, mask: Optional[torch.Tensor], s: int) -> None:
         """The mask must be the plain causal one (True = masked) or None: padding masks
@@ -225,7 +133,8 @@ class LSHCoreAttention(CausalCoreAttention):
         self._verified = (mask, mask._version)  # holding it: its memory cannot be reused
 
 
-def lsh_attention_spec(spec: ModuleSpec, seed: int, initial_buckets: dict, hashes: int) -> ModuleSpec:
+def lsh_attention_spec(spec: ModuleSpec, seed: int, initial_buckets: dict, hashes: int,
+                       chunk_multiple: int = CHUNK_MULTIPLE) -> ModuleSpec:
     """`spec` (a TransformerLayer spec) whose self-attention's core attention is
     LSHCoreAttention; the rest of the layer is untouched."""
     try:
@@ -240,7 +149,8 @@ def lsh_attention_spec(spec: ModuleSpec, seed: int, initial_buckets: dict, hashe
     out.submodules.self_attention = copy.copy(attention)
     out.submodules.self_attention.submodules = copy.copy(sub)
     out.submodules.self_attention.submodules.core_attention = functools.partial(
-        LSHCoreAttention, seed=seed, initial_buckets=dict(initial_buckets), hashes=hashes)
+        LSHCoreAttention, seed=seed, initial_buckets=dict(initial_buckets), hashes=hashes,
+        chunk_multiple=chunk_multiple)
     return out
 
 
@@ -276,7 +186,8 @@ def _median_seconds(fns: dict, repeats: int, device: torch.device) -> dict:
 
 
 def time_attention(s: int, b: int, heads: int, head_dim: int, buckets: int, hashes: int = 1,
-                   repeats: int = 3, device: torch.device | str = "cpu") -> float:
+                   repeats: int = 3, device: torch.device | str = "cpu",
+                   chunk_multiple: int = CHUNK_MULTIPLE) -> float:
     """Median seconds of one forward + backward of the core attention at this shape."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
@@ -289,7 +200,7 @@ def time_attention(s: int, b: int, heads: int, head_dim: int, buckets: int, hash
         if buckets == 1:
             out = dense_causal_attention(q, k, v, scale)
         else:
-            out = lsh_attention(q, k, v, buckets, rotations, scale)
+            out = lsh_attention(q, k, v, buckets, rotations, scale, chunk_multiple)
         out.backward(torch.ones_like(out))
         for x in (q, k, v):
             x.grad = None

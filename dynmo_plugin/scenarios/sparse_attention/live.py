@@ -1,11 +1,12 @@
 """Dynamic hash-bucketed (LSH) sparse attention: attention cost per layer changes in training.
 
 Every decoder layer's core attention is `LSHCoreAttention`
-(dynmo_plugin.scenarios.sparse_attention.layer): with B buckets, queries and keys are hashed
+(dynmo_plugin.scenarios.sparse_attention.layer): with B buckets, tokens are hashed
 each iteration with a random rotation (Reformer's angular LSH), sorted by bucket and
-cut into B balanced blocks; a query attends only the keys of its matching block that
-precede it (plus itself). B = 1 is dense causal attention through torch's fused SDPA.
-Attention then costs ~ s^2 / B per layer instead of ~ s^2, so layers with different
+cut into chunks of c = round_up(s/B, chunk_multiple) tokens; a token attends the tokens
+of its chunk at or before its position, through fused attention (kernels.py).
+B = 1 is dense causal attention through torch's fused SDPA.
+Attention then costs ~ s * c instead of ~ s^2, so layers with different
 bucket counts cost different amounts, and the pipeline goes out of balance.
 
 Bucket counts (`dynamism.sparse_attention`): every layer starts with `buckets`; a
@@ -22,8 +23,8 @@ migration, repack and checkpoints carry it.
 Work model (`DynamismEvent.work`, {layer: predicted ms of one micro-batch's forward +
 backward}): `AttentionCostModel`, the layer's linear part (projections, MLP, norms)
 plus its attention, dense `dense_ms` (SDPA) for B = 1, else per hash round
-`block_ms * s*ceil(s/B) + row_ms + block_overhead_ms * B` (the block attention
-~ s^2/B, the hashing, sorting and gathering ~ s, a per-block overhead ~ B). Its
+`block_ms * s*c + row_ms + block_overhead_ms * B` with c the chunk length (the chunks'
+attention ~ s*c, the hashing, sorting and gathering ~ s, the hash projection ~ B). Its
 coefficients are fitted once at start from a timed micro-profile of the core
 attention at this run's shapes and the bucket counts the run uses (rank 0 times, all
 ranks receive the same model: `control.decide`).
@@ -105,9 +106,9 @@ def change_round(settings, iteration: int) -> int:
 class AttentionCostModel:
     """Predicted ms of one micro-batch's forward + backward of a layer (module docstring).
 
-    seq_length, hashes: the run's; linear_ms: everything but the core attention;
-    dense_ms: SDPA causal; block_ms per query-key pair of a block (times s*ceil(s/B)),
-    row_ms per hash round, block_overhead_ms per block."""
+    seq_length, hashes, chunk_multiple: the run's; linear_ms: everything but the core
+    attention; dense_ms: SDPA causal; block_ms per query-key pair of the chunks (times
+    s*c, c = kernels.chunk_tokens), row_ms per hash round, block_overhead_ms per bucket."""
 
     seq_length: int
     hashes: int
@@ -117,23 +118,26 @@ class AttentionCostModel:
     row_ms: float
     block_overhead_ms: float
     source: str = "timed"  # or "flops": the fallback when the calibration failed
+    chunk_multiple: int = 64
 
     @classmethod
     def from_flops(cls, flops, seq_length: int, micro_batch_size: int,
-                   hashes: int) -> "AttentionCostModel":
+                   hashes: int, chunk_multiple: int = 64) -> "AttentionCostModel":
         """The fallback from matmul FLOPs (dynamism.flops): block_ms per query-key pair
         of a block, dense attention over s keys per query; hashing, sorting and
         gathers (row_ms, block_overhead_ms) are not matmuls and count 0."""
         s, b = seq_length, micro_batch_size
         ms = lambda f: round(1e3 * flops.seconds(f), 9)  # noqa: E731
         return cls(s, hashes, ms(s * b * flops.linear()), ms(s * b * flops.attention(s)),
-                   ms(b * flops.attention(1)), 0.0, 0.0, source="flops")
+                   ms(b * flops.attention(1)), 0.0, 0.0, source="flops",
+                   chunk_multiple=chunk_multiple)
 
     def attention_ms(self, buckets: int) -> float:
         if buckets <= 1:
             return self.dense_ms
         return self.hashes * sum(c * f for c, f in zip(self._coefficients(),
-                                                       _features(self.seq_length, buckets)))
+                                                       _features(self.seq_length, buckets,
+                                                                 self.chunk_multiple)))
 
     def layer_ms(self, buckets: int) -> float:
         return self.linear_ms + self.attention_ms(buckets)
@@ -149,21 +153,27 @@ class AttentionCostModel:
         return asdict(self)
 
 
-def _features(s: int, buckets: int) -> tuple[float, float, float]:
-    """The LSH round's cost terms: query-key pairs in blocks, one, blocks."""
-    return float(s * -(-s // buckets)), 1.0, float(buckets)
+def _chunk(s: int, buckets: int, multiple: int) -> int:
+    """kernels.chunk_tokens, restated here (a pure wing imports no torch)."""
+    return min(s, multiple * math.ceil(s / buckets / multiple))
+
+
+def _features(s: int, buckets: int, multiple: int) -> tuple[float, float, float]:
+    """The LSH round's cost terms: query-key pairs in chunks, one, buckets."""
+    return float(s * _chunk(s, buckets, multiple)), 1.0, float(buckets)
 
 
 def fit_cost_model(seq_length: int, hashes: int, linear_ms: float, dense_ms: float,
-                   lsh_ms: dict[int, float]) -> AttentionCostModel:
+                   lsh_ms: dict[int, float], chunk_multiple: int = 64) -> AttentionCostModel:
     """Fit block_ms, row_ms, block_overhead_ms >= 0 to measured {buckets: ms of `hashes`
     rounds}, minimising relative error (every subset of the three terms is tried; the
     best non-negative least-squares solution wins)."""
     import numpy as np
     points = sorted((b, ms / hashes) for b, ms in lsh_ms.items() if b > 1)
     if not points:
-        return AttentionCostModel(seq_length, hashes, linear_ms, dense_ms, 0.0, 0.0, 0.0)
-    x = np.array([_features(seq_length, b) for b, _ in points], dtype=float)
+        return AttentionCostModel(seq_length, hashes, linear_ms, dense_ms, 0.0, 0.0, 0.0,
+                                  chunk_multiple=chunk_multiple)
+    x = np.array([_features(seq_length, b, chunk_multiple) for b, _ in points], dtype=float)
     y = np.array([ms for _, ms in points], dtype=float)
     w = 1.0 / np.maximum(y, 1e-9)
     best, best_err = (0.0, 0.0, 0.0), math.inf
@@ -180,7 +190,8 @@ def fit_cost_model(seq_length: int, hashes: int, linear_ms: float, dense_ms: flo
             err = float(np.sum(((x @ full - y) * w) ** 2))
             if err < best_err - 1e-12:
                 best, best_err = tuple(float(v) for v in full), err
-    return AttentionCostModel(seq_length, hashes, linear_ms, dense_ms, *best)
+    return AttentionCostModel(seq_length, hashes, linear_ms, dense_ms, *best,
+                              chunk_multiple=chunk_multiple)
 
 
 def calibration_buckets(used: set[int], seq_length: int) -> list[int]:
@@ -219,7 +230,8 @@ class SparseAttention(Scenario):
             raise ConfigError(f"{_SECTION}: more buckets than tokens per sample "
                               f"({model_args.seq_length}): {too_many}")
         return lsh_attention_spec(spec, seed=model_args.seed, initial_buckets=initial,
-                                  hashes=self.settings.hashes)
+                                  hashes=self.settings.hashes,
+                                  chunk_multiple=self.settings.chunk_multiple)
 
     def attach(self, runtime: Runtime) -> None:
         super().attach(runtime)
@@ -258,8 +270,12 @@ class SparseAttention(Scenario):
         table = self.table()
         for attention in self._attentions():
             attention.set_buckets(table[attention.layer_number])
+        seq = self.runtime.trainer.args.seq_length
         detail = {"round": k, "buckets": table,
-                  "changed": sorted(n for n in table if table[n] != before[n])}
+                  "changed": sorted(n for n in table if table[n] != before[n]),
+                  # the chunk lengths actually run (s/B rounded up to chunk_multiple; s: dense)
+                  "chunk_tokens": {n: _chunk(seq, b, self.settings.chunk_multiple) if b > 1 else seq
+                                   for n, b in table.items()}}
         if k == 1:
             detail["cost_model"] = self.model.to_dict()
         if self.runtime.trainer.dims.rank == 0:
@@ -307,7 +323,8 @@ class SparseAttention(Scenario):
         return self.decide_or_fallback(
             result, "sparse-attention-calibration",
             lambda: AttentionCostModel.from_flops(DecoderFlops.from_config(t.config), t.args.seq_length,
-                                                  t.args.micro_batch_size, self.settings.hashes).to_dict(),
+                                                  t.args.micro_batch_size, self.settings.hashes,
+                                                  self.settings.chunk_multiple).to_dict(),
             FLOP_FALLBACK)
 
     def _calibrate(self) -> dict:
@@ -325,7 +342,7 @@ class SparseAttention(Scenario):
         linear = ms.pop(0)
         attention = {k: max(v - linear, 0.0) for k, v in ms.items()}
         dense = attention.pop(1)
-        model = fit_cost_model(seq, s.hashes, linear, dense, attention)
+        model = fit_cost_model(seq, s.hashes, linear, dense, attention, s.chunk_multiple)
         logger.info("sparse attention calibration (ms, fwd+bwd per micro-batch): linear part %.2f, "
                     "dense attention %.2f, LSH attention %s", linear, dense,
                     {k: round(v, 2) for k, v in attention.items()})
