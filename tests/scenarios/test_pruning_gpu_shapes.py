@@ -132,6 +132,7 @@ def _check(args):
         trace = _trace(shrunk, x, attention_mask=mask)
         odd = sorted({d for d in trace.matmul_dims() if d % 8})
         assert odd == [], f"matmul dimensions not multiples of 8: {odd}"
+        assert trace.host_reads() == []  # nothing read back (test_scenario_host_sync: every layer)
         ffn, ffn_dense = _trace(shrunk.mlp, x).flops(), _trace(dense.mlp, x).flops()
         assert ffn <= 0.5 * ffn_dense, (ffn, ffn_dense)
 
