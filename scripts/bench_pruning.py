@@ -6,7 +6,11 @@ vs physical, at a fraction of FFN neurons pruned (default 0.67).
 * masked:   `--dynmo-pruning-structured masked`: full-size weights, kept neurons
             gathered into smaller GEMMs at every call;
 * physical: the default: the layer rebuilt with the kept neurons only (what a pruning
-            round does, through `shrunk_tensors`);
+            round does, through `shrunk_tensors`), at the kept width rounded to the
+            nearest `--width-multiple` (default 128, what a round keeps since issue 33);
+* unaligned: the same at the unrounded width (what a round kept before: e.g. 676 of
+            2048, no multiple of 8; a bf16 GPU GEMM at such a width is slow), timed
+            only when the rounding changes the width;
 * csr:      unstructured magnitude-style pruning at `--sparsity` (default 0.98, the
             final sparsity of tests/scenarios/test_scenario_pruning.py's runs) on the CSR kernels
             (fp32; the timing side of test_pruned_layers_do_less_work's FLOP count).
@@ -17,7 +21,7 @@ of the per-round ratios with their min-max spread. One process, one thread.
 On CUDA (`--device cuda`) steps are timed with CUDA events around synchronised steps.
 
 Usage: python scripts/bench_pruning.py [--hidden 512] [--seq 512] [--batch 2]
-       [--pruned 0.67] [--sparsity 0.98] [--rounds 5] [--iters 10] [--dtype fp32|bf16] [--device cpu|cuda]
+       [--pruned 0.67] [--width-multiple 128] [--sparsity 0.98] [--rounds 5] [--iters 10] [--dtype fp32|bf16] [--device cpu|cuda]
 """
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ def _args():
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--pruned", type=float, default=0.67)
+    p.add_argument("--width-multiple", type=int, default=128,
+                   help="kept FFN width rounded to the nearest multiple (the scenario's width_multiple)")
     p.add_argument("--sparsity", type=float, default=0.98)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
@@ -61,6 +67,7 @@ def _layers(a):
     from dynmo_plugin.megatron.training.parallel import init_parallel
     from dynmo_plugin.scenarios.gradual_pruning.layer import (neuron_prunable_layer_spec, prunable_layer_spec,
                                                               prunable_linears)
+    from dynmo_plugin.scenarios.gradual_pruning.widths import aligned_width
     args = ModelArgs(num_layers=1, hidden_size=a.hidden, num_attention_heads=a.heads,
                      seq_length=a.seq, bf16=a.dtype == "bf16",
                      distributed_backend="nccl" if a.device == "cuda" else "gloo")
@@ -76,20 +83,33 @@ def _layers(a):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         return layer
 
-    dense, masked = build(layer_spec("local")), build(neuron_prunable_layer_spec(layer_spec("local")))
-    fc1, fc2 = masked.mlp.linear_fc1, masked.mlp.linear_fc2
-    ffn = fc1.weight.shape[0]
-    keep = torch.ones(ffn, dtype=torch.bool, device=a.device)
-    keep[torch.randperm(ffn, generator=torch.Generator().manual_seed(1))[:round(a.pruned * ffn)]] = False
-    with torch.no_grad():
-        fc1.weight_mask &= keep[:, None]
-        fc2.weight_mask &= keep[None, :]
-        apply_mask_(fc1.weight, fc1.weight_mask)
-        apply_mask_(fc1.bias, keep)
-        apply_mask_(fc2.weight, fc2.weight_mask)
-    physical = build(neuron_prunable_layer_spec(layer_spec("local")))
-    physical.load_state_dict(loadable_state(shrunk_tensors(masked, carried_state(masked))))
-    layers = {"dense": dense, "masked": masked, "physical": physical}
+    def pruned(kept: int):
+        """(masked, physical) layers keeping `kept` FFN neurons (a seeded random choice)."""
+        masked = build(neuron_prunable_layer_spec(layer_spec("local")))
+        fc1, fc2 = masked.mlp.linear_fc1, masked.mlp.linear_fc2
+        ffn = fc1.weight.shape[0]
+        keep = torch.ones(ffn, dtype=torch.bool, device=a.device)
+        keep[torch.randperm(ffn, generator=torch.Generator().manual_seed(1))[:ffn - kept].to(a.device)] = False
+        with torch.no_grad():
+            fc1.weight_mask &= keep[:, None]
+            fc2.weight_mask &= keep[None, :]
+            apply_mask_(fc1.weight, fc1.weight_mask)
+            apply_mask_(fc1.bias, keep)
+            apply_mask_(fc2.weight, fc2.weight_mask)
+        fc1.refresh()
+        fc2.refresh()
+        physical = build(neuron_prunable_layer_spec(layer_spec("local")))
+        physical.load_state_dict(loadable_state(shrunk_tensors(masked, carried_state(masked))))
+        return masked, physical
+
+    ffn = cfg.ffn_hidden_size
+    kept = ffn - round(a.pruned * ffn)
+    aligned = aligned_width(kept, a.width_multiple, ffn, ffn)
+    masked, physical = pruned(aligned)
+    layers = {"dense": build(layer_spec("local")), "masked": masked, "physical": physical}
+    if aligned != kept:
+        layers["unaligned"] = pruned(kept)[1]
+    print(f"FFN width {ffn}: kept {aligned} (multiple {a.width_multiple}); unaligned {kept}")
     if a.dtype == "fp32":  # the CSR kernels take fp32 only
         layers["csr"] = csr = build(prunable_layer_spec(layer_spec("local"), 0.5))
         gen = torch.Generator().manual_seed(2)

@@ -125,7 +125,8 @@ SMALL = ["--dynmo", "--dynmo-config", str(ROOT / "configs" / "gradual_pruning.ya
          "--dynmo-pruning-granularity", "structured", "--dynmo-pruning-final-sparsity", "0.7",
          "--dynmo-pruning-start", "2", "--dynmo-pruning-interval", "3", "--dynmo-pruning-rounds", "2",
          "--pipeline-model-parallel-size", "2", "--test-dump-params",
-         "--dynmo-pruning-heads", "0.5"]  # rounds at 5 (heads 0.4375: 1 of 4) and 8 (0.5: 2)
+         "--dynmo-pruning-heads", "0.5",  # rounds at 5 (heads 0.4375: 1 of 4) and 8 (0.5: 2)
+         "--dynmo-pruning-width-multiple", "8"]  # FFN 128 wide: widths of 8 neurons
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +146,8 @@ def test_pp2_run_prunes_heads_shrinks_and_trains_on(runs):
     report, params = runs["still"]
     events = [e for e in report["events"] if e["kind"] == "dynamism"]
     assert [(e["iteration"], e["detail"]["heads"]) for e in events] == [(5, 0.4375), (8, 0.5)]
+    assert [e["detail"]["attention_heads"] for e in events] == [{str(n): k for n in range(1, 5)}
+                                                                for k in (3, 2)]
     assert all(math.isfinite(v) for v in losses(report)) and len(losses(report)) == 9
     for layer in range(4):
         prefix = f"decoder.layers.{layer}."
@@ -154,6 +157,7 @@ def test_pp2_run_prunes_heads_shrinks_and_trains_on(runs):
         assert params[prefix + PROJ + ".weight"].shape == (HIDDEN, kept * HEAD_DIM)
         neurons = round((1 - events[-1]["detail"]["sparsity"][str(layer + 1)]) * 4 * HIDDEN)
         assert params[prefix + "mlp.linear_fc1.weight"].shape == (neurons, HIDDEN)
+        assert neurons == events[-1]["detail"]["ffn_width"][str(layer + 1)] and neurons % 8 == 0
 
 
 @pytest.mark.multiproc

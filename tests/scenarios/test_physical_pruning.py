@@ -69,12 +69,18 @@ def test_physical_run_equals_masked_run_and_its_layers_shrink(runs):
     assert losses(physical) == losses(masked)  # measured: bit-exact (tolerance 0)
     sparsity = _sparsity(physical)
     assert sparsity == _sparsity(masked)
+    rounds = [e["detail"] for e in physical["events"] if e["kind"] == "dynamism"]
+    assert all(d["width_multiple"] == 128 for d in rounds)
+    # every width a round reported is a multiple of 128 (GEMM-friendly), the widths shrink
+    assert all(w % 128 == 0 for d in rounds for w in d["ffn_width"].values()), rounds
+    widths = rounds[-1]["ffn_width"]
     for layer in range(LAYERS):
         prefix = f"decoder.layers.{layer}."
         full1, full2 = mp[prefix + FC[0]], mp[prefix + FC[2]]
         kept = ~(full1 == 0).all(dim=1)
         assert int(kept.sum()) == round((1 - sparsity[str(layer + 1)]) * FFN)
         assert pp[prefix + FC[0]].shape == (int(kept.sum()), HIDDEN)  # really smaller
+        assert widths[str(layer + 1)] == int(kept.sum()) < FFN  # the width the event reported
         assert torch.equal(pp[prefix + FC[0]], full1[kept])
         assert torch.equal(pp[prefix + FC[1]], mp[prefix + FC[1]][kept])
         assert torch.equal(pp[prefix + FC[2]], full2[:, kept])
@@ -120,7 +126,8 @@ SMALL = ["--dynmo", "--dynmo-config", str(ROOT / "configs" / "gradual_pruning.ya
          "--global-batch-size", "8", "--train-iters", "9", "--seed", "5",
          "--dynmo-pruning-granularity", "structured", "--dynmo-pruning-final-sparsity", "0.7",
          "--dynmo-pruning-start", "2", "--dynmo-pruning-interval", "3", "--dynmo-pruning-rounds", "2",
-         "--dynmo-balancer", "uniform", "--save-interval", "3"]  # rounds at 5 and 8
+         "--dynmo-balancer", "uniform", "--save-interval", "3",
+         "--dynmo-pruning-width-multiple", "8"]  # rounds at 5 and 8; FFN 128 wide: widths of 8
 
 
 def _final(root) -> dict:

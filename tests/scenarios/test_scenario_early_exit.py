@@ -23,7 +23,8 @@ MODEL = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4
 SCENARIO = ["--dynmo-dynamism", "early_exit", "--dynmo-early-exit-threshold", "0.2",
             "--dynmo-early-exit-loss-weight", "0.5", "--dynmo-early-exit-start", str(START),
             "--dynmo-early-exit-interval", "4", "--dynmo-early-exit-min-layer", "4",
-            "--dynmo", "--dynmo-profile-every", "5", "--dynmo-min-gain", "0.02"]
+            "--dynmo", "--dynmo-profile-every", "5", "--dynmo-min-gain", "0.02",
+            "--dynmo-early-exit-token-multiple", "8"]  # s = 64: the default 64 would gather all
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,8 @@ def _check_exit_work(args):
     gen = torch.Generator().manual_seed(1)
     layer.exit_context = ctx = ExitContext(
         seq_length=s, threshold=0.2, min_layer=4, exits_on=True, loss_weight=0.5, grad_scale=1.0,
-        labels=[torch.randint(16, (s, b), generator=gen)] * 2, loss_masks=[torch.ones(s, b)] * 2)
+        labels=[torch.randint(16, (s, b), generator=gen)] * 2, loss_masks=[torch.ones(s, b)] * 2,
+        token_multiple=8)  # 6 active tokens gathered as 8
     exited = torch.zeros(s, b, dtype=torch.bool)
     full = _exit_layer_flops(layer, ctx, exited)
     for j in range(b):

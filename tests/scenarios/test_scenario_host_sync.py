@@ -7,8 +7,15 @@ lag. There is no GPU here, so `HostReads` (a TorchFunctionMode, counting only) r
 every such call in one forward + backward of each scenario layer built in a real
 Megatron process: what a GPU run under `torch.cuda.set_sync_debug_mode("error")` would
 refuse. The plain TransformerLayer is the baseline (it reads nothing back either).
-Early exit is the one layer that must read once, and only once tokens may have exited:
-how many tokens are still active sizes the gather that makes it cheaper.
+
+Budgets: 0 for every layer but early exit's. Pruned layers (unstructured masks, FFN
+neurons and heads, masked or physically shrunk) read their masks back when a mask is
+written (construction, `load_state_dict`, a pruning round: outside any forward), never in
+one (before issue 33 the first forward after any of those read each linear's mask:
+`int(mask.sum())` and `nonzero()`). Early exit reads once (one `tolist`), and only once
+tokens may have exited: how many tokens are still active sizes the gather that makes it
+cheaper, and that count is decided on the device by the previous layer; no bound the
+host knows keeps every active token (a smaller one drops some, the full s saves nothing).
 """
 import pytest
 import torch
@@ -86,6 +93,8 @@ def _check_layers(args):
     lsh.self_attention.core_attention.begin_iteration(1)
     assert _reads(lsh, hidden(), attention_mask=mask) == []
 
+    _check_pruned_layers(args, cfg, base, build, hidden, mask)
+
     exiting = build(early_exit_spec(base, vocab_size=args.vocab_size), number=3)
     labels = torch.randint(args.vocab_size, (s, b), generator=gen)
     exited = torch.zeros(s, b, dtype=torch.bool)
@@ -98,6 +107,30 @@ def _check_layers(args):
         x = torch.cat([hidden(), encode_exited(exited if exits_on else exited & False, h,
                                                torch.float32)]).detach().requires_grad_()
         assert _reads(exiting, x, attention_mask=mask) == expected, exits_on
+
+
+def _check_pruned_layers(args, cfg, base, build, hidden, mask):
+    """Budget 0: fresh pruned layers, after a round, and physically shrunk."""
+    from dynmo_plugin.megatron.migration.extra_state import carried_state, loadable_state
+    from dynmo_plugin.scenarios.gradual_pruning.layer import (head_prunable_layer_spec,
+                                                              neuron_prunable_layer_spec,
+                                                              prunable_layer_spec)
+    from dynmo_plugin.scenarios.gradual_pruning.live import (neuron_scores, prune_heads,
+                                                             prune_neurons, shrunk_tensors)
+    assert _reads(build(prunable_layer_spec(base, 0.85)), hidden(), attention_mask=mask) == []
+    spec = head_prunable_layer_spec(neuron_prunable_layer_spec(base))
+    assert _reads(build(spec), hidden(), attention_mask=mask) == []
+    layer = build(spec)
+    fc1, fc2 = layer.mlp.linear_fc1, layer.mlp.linear_fc2
+    score = neuron_scores(fc1, fc2)
+    prune_neurons([(fc1, fc2, score)], None, float(score.median()), 8)  # a round: masked
+    prune_heads([layer.self_attention], None, 0.5)
+    assert 0 < int(fc1.kept_neurons().sum()) < fc1.full_width
+    assert _reads(layer, hidden(), attention_mask=mask) == []
+    shrunk = build(spec)  # physically shrunk, as a round's rebuild or a migration loads it
+    shrunk.load_state_dict(loadable_state(shrunk_tensors(layer, carried_state(layer))), strict=True)
+    assert shrunk.mlp.linear_fc1.weight.shape[0] < fc1.full_width
+    assert _reads(shrunk, hidden(), attention_mask=mask) == []
 
 
 @pytest.mark.multiproc

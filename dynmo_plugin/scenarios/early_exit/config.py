@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dynmo_plugin.config.fields import fraction, non_negative, opt, positive
+from dynmo_plugin.scenarios.gradual_pruning.config import multiple_of_8
 
 __all__ = ["EarlyExitConfig"]
 
@@ -26,3 +27,8 @@ class EarlyExitConfig:
         non_negative))
     min_layer: int = field(default=1, metadata=opt("first layer after which a token may exit",
                                                     "--dynmo-early-exit-min-layer", positive))
+    token_multiple: int = field(default=64, metadata=opt(
+        "a layer gathers its active tokens into a count rounded up to a multiple of this "
+        "(padded with exited tokens whose outputs are discarded; the full sequence always "
+        "allowed), so its GEMMs and attention run the GPU's fast kernels",
+        "--dynmo-early-exit-token-multiple", multiple_of_8))

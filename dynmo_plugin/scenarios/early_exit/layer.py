@@ -25,8 +25,9 @@ split and moves with the layer in a migration (the head is a submodule: its
 weights, gradients and Adam state move too).
 
 Compute really shrinks: the active tokens of each sample are gathered to [C, b, h]
-(C = most active tokens in any sample of the micro-batch; shorter samples are padded
-with slots that are masked as keys and discarded), the causal mask is gathered at the
+(C = most active tokens in any sample of the micro-batch, rounded up to the context's
+`token_multiple` so the GEMMs and attention run the GPU's fast kernels; shorter samples
+and the rounding are padded with exited tokens, masked as keys, outputs discarded), the causal mask is gathered at the
 tokens' ORIGINAL positions to [b, 1, C, C], the base layer runs on that, and the
 result is scattered back. Keys are the active tokens only (exited tokens are neither
 queries nor keys/values in later layers; CALM instead propagates exited tokens'
@@ -46,6 +47,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from dynmo_plugin.scenarios.gathered_tokens import AttachLoss, gather_mask
+from dynmo_plugin.scenarios.shapes import round_up
 
 __all__ = ["ExitContext", "ExitHead", "EarlyExitLayer", "early_exit_spec", "attach_carrier",
            "carrier_rows",
@@ -89,6 +91,7 @@ class ExitContext:
     grad_scale: float
     labels: list = field(default_factory=list)
     loss_masks: list = field(default_factory=list)
+    token_multiple: int = 64  # gathered token counts are rounded up to a multiple of this
 
 
 class ExitHead(torch.nn.Module):
@@ -145,7 +148,9 @@ class EarlyExitLayer(TransformerLayer):
             active = ~exited
             counts = active.sum(0)
             # the one host read a layer needs once tokens may have exited: the number of
-            # active tokens C sizes the gather (what makes the layer cheaper)
+            # active tokens sizes the gather (what makes the layer cheaper). It is decided
+            # by the previous layer on the device; no host-side bound keeps every active
+            # token (a smaller one drops some, the full s saves nothing).
             per_sample = counts.tolist()
             self.tokens_active += sum(per_sample)
             if max(per_sample) == 0:  # every token of the micro-batch has exited
@@ -153,8 +158,8 @@ class EarlyExitLayer(TransformerLayer):
                 return torch.cat([x, carrier], dim=0), kwargs.get("context")
             if min(per_sample) == s:
                 active = counts = None  # nothing exited: the plain layer
-            else:
-                counts = (counts, max(per_sample))
+            else:  # C rounded up to the granularity: GEMM-friendly, padded with exited tokens
+                counts = (counts, round_up(max(per_sample), ctx.token_multiple, s))
         out, context, exited_after = self._run_active(x, exited, active, counts, mb, kwargs)
         carrier = encode_exited(exited_after, h, out.dtype)
         return torch.cat([out, carrier], dim=0), context
@@ -176,7 +181,8 @@ class EarlyExitLayer(TransformerLayer):
             y_active = y
         else:
             counts, c = counts
-            # active tokens first, each group in original order (stable sort)
+            # active tokens first, each group in original order (stable sort); slots past a
+            # sample's count hold its exited tokens (masked as keys, outputs discarded)
             idx = torch.sort((~active).to(torch.int8), dim=0, stable=True).indices[:c]  # [C, b]
             valid = torch.arange(c, device=x.device)[:, None] < counts[None, :]       # [C, b]
             x_active = x.gather(0, idx[..., None].expand(c, b, h))

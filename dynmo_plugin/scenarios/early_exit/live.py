@@ -79,7 +79,8 @@ class EarlyExit(Scenario):
         self._context = ExitContext(
             seq_length=t.args.seq_length, threshold=s.threshold, min_layer=s.min_layer,
             exits_on=iteration >= s.start, loss_weight=s.loss_weight,
-            grad_scale=loss_scale / t.num_microbatches, labels=labels, loss_masks=masks)
+            grad_scale=loss_scale / t.num_microbatches, labels=labels, loss_masks=masks,
+            token_multiple=s.token_multiple)
         self._bind()
 
     def _bind(self) -> None:

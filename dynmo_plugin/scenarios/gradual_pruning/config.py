@@ -11,6 +11,13 @@ from dynmo_plugin.config.fields import below_one, fraction, one_of, opt, positiv
 __all__ = ["PruningConfig"]
 
 
+def multiple_of_8(v) -> str | None:
+    """A width granularity a bf16 GEMM runs fast at: its fast kernels need every dimension
+    a multiple of 8 (16 bytes)."""
+    ok = isinstance(v, int) and not isinstance(v, bool) and v > 0 and v % 8 == 0
+    return None if ok else "a positive multiple of 8 (e.g. 128; GEMM dimensions must be multiples of 8)"
+
+
 @dataclass(kw_only=True)
 class PruningConfig:
     """Gradual global magnitude pruning (Zhu & Gupta's cubic schedule)."""
@@ -40,3 +47,8 @@ class PruningConfig:
         "structured only: fraction of each layer's attention heads removed after the last round "
         "(on the sparsity's cubic schedule; 0 = heads untouched)", "--dynmo-pruning-heads",
         below_one))
+    width_multiple: int = field(default=128, metadata=opt(
+        "structured only: each layer's kept FFN width (per tensor-parallel shard) is rounded to "
+        "the nearest multiple of this many neurons (the full width is always allowed; a layer "
+        "keeps at least one multiple), so its GEMMs run the GPU's fast kernels",
+        "--dynmo-pruning-width-multiple", multiple_of_8))

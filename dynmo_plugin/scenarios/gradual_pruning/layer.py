@@ -75,14 +75,29 @@ class _MaskedLinear:
                               "masked weight is not the Parameter that owns main_grad)")
         self.register_buffer("weight_mask", torch.ones(self.weight.shape, dtype=torch.bool,
                                                        device=self.weight.device))
-        self._cache_key: tuple | None = None
+        # what an all-ones mask gives, known without reading it back
         self._sparsity = 0.0
         self._pattern: CsrPattern | None = None
+        self._cache_key: tuple | None = self._key()
+
+    def _key(self) -> tuple:
+        """What identifies the mask's current values, read on the host only (its version
+        counter moves on every in-place write, `load_state_dict` included)."""
+        mask = self.weight_mask
+        return mask._version, mask.data_ptr(), mask.device
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.refresh()  # the loaded mask's kernels now, not in the next forward
 
     def refresh(self) -> None:
-        """Recompute sparsity and the CSR pattern if the mask changed since last time."""
+        """Recompute sparsity and the CSR pattern if the mask changed since last time.
+
+        This reads the mask back to the host (a device sync on a GPU): everything that
+        writes a mask (construction, `load_state_dict`, a pruning round) refreshes at once,
+        so a forward finds it current and reads nothing (tests/scenarios/test_scenario_host_sync.py)."""
         mask = self.weight_mask
-        key = (mask._version, mask.data_ptr(), mask.device)
+        key = self._key()
         if key == self._cache_key:
             return
         kept = int(mask.sum())
@@ -169,6 +184,14 @@ class _NeuronMasked(_MaskedLinear):
     axis: int = 0
     _present: torch.Tensor | None = None
 
+    def _init_mask(self) -> None:
+        super()._init_mask()
+        # every neuron kept: the plain matmul, no index (known without reading the mask)
+        self._kept, self._kept_count, self._gathers = None, int(self.weight.shape[self.axis]), False
+
+    def _key(self) -> tuple:
+        return super()._key() + (tuple(self.weight.shape),)
+
     @property
     def neuron_params(self) -> tuple[str, ...]:
         """The parameters with one entry per neuron along `axis`."""
@@ -198,14 +221,14 @@ class _NeuronMasked(_MaskedLinear):
         return self.local_mask().any(dim=1 - self.axis).nonzero().squeeze(1)
 
     def refresh(self) -> None:
-        mask = self.weight_mask
-        key = (mask._version, mask.data_ptr(), mask.device, tuple(self.weight.shape))
+        key = self._key()
         if key == self._cache_key:
             return
         self._kept = self.shrink_index()
+        self._kept_count = int(self._kept.numel())  # host copies: a forward reads these
         kept = int(self.kept_neurons().sum())
         self._sparsity = 1.0 - kept / self.full_width if self.full_width else 0.0
-        self._gathers = self._kept.numel() < int(self.weight.shape[self.axis])
+        self._gathers = self._kept_count < int(self.weight.shape[self.axis])
         self._pattern = None
         self._cache_key = key
 
@@ -397,7 +420,7 @@ class HeadPrunableSelfAttention(SelfAttention):
         """Set this module's and core attention's head counts to the heads qkv outputs."""
         qkv = self.linear_qkv
         qkv.refresh()
-        heads = int(qkv._kept.numel()) // (3 * self.head_dim)
+        heads = qkv._kept_count // (3 * self.head_dim)  # a host copy: no read back
         core = self.core_attention
         self.num_attention_heads_per_partition = self.num_query_groups_per_partition = heads
         core.num_attention_heads_per_partition = core.num_query_groups_per_partition = heads

@@ -22,7 +22,12 @@ layers whose linears now run the CSR kernel; the controller profiles and rebalan
 `granularity: structured` runs the same algorithm over FFN neurons instead of weights:
 a neuron's score is the L2 norm of everything attached to it (its fc1 row and bias
 entry, its fc2 column), the target is the fraction of neurons removed, and the kept
-neurons are gathered into smaller dense GEMMs (`NeuronPrunable*` linears). With
+neurons are gathered into smaller dense GEMMs (`NeuronPrunable*` linears). The global
+threshold says how many neurons each layer deserves; the layer keeps its top-scoring
+neurons at that count rounded to the nearest `pruning.width_multiple` (default 128,
+`widths.aligned_width`): a bf16 GEMM at an arbitrary width (2703) ran 4x slower on an
+H200 than at the nearest multiple of 8 (issue 33). The event reports the widths used
+(`ffn_width`, and `attention_heads` with head pruning). With
 `structured: physical` (the default) each round then rebuilds the pruned layers with
 the kept neurons only (`LayerMigrator.rebuild(reshape=...)`, the machinery a migration
 uses): weights, gradients, DDP buffers, fp32 masters and Adam moments shrink, and the
@@ -32,7 +37,8 @@ fails leaves the layers masked (same values, full size) and is retried next roun
 `pruning.heads` (opt-in, structured only) removes whole attention heads the same way
 (Minitron-style width pruning): on the same cubic schedule from 0 to `heads`, each layer
 drops floor(fraction * its heads) heads, the lowest by the L2 norm of their qkv rows
-(q, k, v and biases) and proj columns. Heads are ranked per layer, not globally, so every
+(q, k, v and biases) and proj columns (fewer where head_dim is no multiple of 8, so the
+kept width stays one: `widths.kept_head_count`). Heads are ranked per layer, not globally, so every
 layer keeps at least one head (fraction < 1) and no rank needs another's scores. Standard
 multi-head attention only: grouped-query attention (a k/v pair shared by several heads)
 and gated attention output are refused.
@@ -54,6 +60,7 @@ from dynmo_plugin.scenarios.base import DynamismEvent, Scenario
 from dynmo_plugin.scenarios.gradual_pruning.kernels import (apply_mask_, cubic_sparsity, global_threshold,
                                            is_pruning_step, local_candidates, magnitude_mask,
                                            mask_grad_, num_to_keep, zero_adam_state_)
+from dynmo_plugin.scenarios.gradual_pruning.widths import aligned_width, keep_top, kept_head_count
 
 __all__ = ["GradualPruning"]
 
@@ -138,7 +145,7 @@ class GradualPruning(Scenario):
             tau = self._threshold(target, [m.weight for _, _, m in self._linears()])
             self._apply(tau)
         self.applied = max(target, self.applied)
-        per_layer, sparse_layers = self._summary()
+        per_layer, sparse_layers, widths = self._summary()
         seconds = time.perf_counter() - start
         if self.runtime.control.rank == 0:
             logger.info("pruning round at iteration %d: target %.4f, heads %.4f, tau %s, %.2f s, "
@@ -148,7 +155,8 @@ class GradualPruning(Scenario):
             "granularity": self.pruning.granularity,
             "unit": "ffn_neurons" if self.structured else "weights",
             "sparsity": per_layer, "target": target, "threshold": tau,
-            "sparse_kernel_layers": sparse_layers,
+            "sparse_kernel_layers": sparse_layers, **widths,
+            **({"width_multiple": self.pruning.width_multiple} if self.structured else {}),
             **({"heads": self.heads_applied} if self.pruning.heads > 0 else {})})
 
     def after_layout_change(self) -> None:
@@ -215,49 +223,18 @@ class GradualPruning(Scenario):
             if isinstance(fc1, NeuronPrunableColumnParallelLinear):
                 yield layer.layer_number, fc1, fc2
 
-    @torch.no_grad()
     def _neuron_scores(self) -> dict[int, torch.Tensor]:
-        """Per layer: each FFN neuron's L2 norm over its fc1 row, fc1 bias, fc2 column, at
-        the layer's full width (pruned neurons score 0: their weights are zero or gone)."""
-        scores = {}
-        for number, fc1, fc2 in self._mlp_pairs():
-            sq = fc1.weight.float().pow(2).sum(1) + fc2.weight.float().pow(2).sum(0)
-            if fc1.bias is not None:
-                sq += fc1.bias.float().pow(2)
-            scores[number] = _full_width(fc1, sq).sqrt()
-        return scores
+        return {number: neuron_scores(fc1, fc2) for number, fc1, fc2 in self._mlp_pairs()}
 
-    @torch.no_grad()
     def _apply_structured(self, tau: float, scores: dict[int, torch.Tensor]) -> None:
-        optimizer = self.runtime.trainer.optimizer
-        for number, fc1, fc2 in self._mlp_pairs():
-            keep = fc1.kept_neurons() & (scores[number] >= tau)
-            _drop_neurons(optimizer, fc1, keep, fc2, keep)
+        prune_neurons([(fc1, fc2, scores[n]) for n, fc1, fc2 in self._mlp_pairs()],
+                      self.runtime.trainer.optimizer, tau, self.pruning.width_multiple)
 
-    @torch.no_grad()
     def _apply_heads(self, fraction: float) -> None:
-        """Mask, in every layer, the floor(fraction * heads) heads with the lowest L2 norm
-        over their qkv rows and biases and proj columns (heads already pruned first)."""
         from dynmo_plugin.scenarios.gradual_pruning.layer import HeadPrunableSelfAttention
-        optimizer = self.runtime.trainer.optimizer
-        for layer in self.runtime.trainer.layers:
-            attn = layer.self_attention
-            if not isinstance(attn, HeadPrunableSelfAttention):
-                continue
-            qkv, proj, heads = attn.linear_qkv, attn.linear_proj, attn.full_heads
-            sq = _full_width(qkv, qkv.weight.float().pow(2).sum(1))
-            if qkv.bias is not None:
-                sq += _full_width(qkv, qkv.bias.float().pow(2))
-            score = sq.view(heads, -1).sum(1) + _full_width(
-                proj, proj.weight.float().pow(2).sum(0)).view(heads, -1).sum(1)
-            kept = attn.kept_heads()
-            score[~kept] = -1.0  # pruned heads first: they stay pruned
-            keep = torch.ones(heads, dtype=torch.bool, device=kept.device)
-            keep[score.argsort(stable=True)[:int(fraction * heads)]] = False
-            keep &= kept
-            _drop_neurons(optimizer, qkv, keep.repeat_interleave(3 * attn.head_dim),
-                          proj, keep.repeat_interleave(attn.head_dim))
-            attn.sync_heads()
+        attns = [layer.self_attention for layer in self.runtime.trainer.layers
+                 if isinstance(layer.self_attention, HeadPrunableSelfAttention)]
+        prune_heads(attns, self.runtime.trainer.optimizer, fraction)
 
     def _shrink(self) -> bool:
         """Rebuild this stage's layers with their kept neurons only (collective: every
@@ -268,13 +245,20 @@ class GradualPruning(Scenario):
                          "stay masked at full size: %s", result.error)
         return result.applied
 
-    def _summary(self) -> tuple[dict[int, float], list[int]]:
-        """Per-layer sparsity and CSR layers over the whole pipeline (same on every rank)."""
+    def _summary(self) -> tuple[dict[int, float], list[int], dict[str, dict[int, int]]]:
+        """Per-layer sparsity, CSR layers and (structured) the widths the layers run at,
+        over the whole pipeline (same on every rank): kept FFN neurons and, with head
+        pruning, kept heads per layer (tensor-parallel shards added up)."""
         local: dict[int, list[int]] = {}
         if self._counts() and self.structured:
-            for number, fc1, _ in self._mlp_pairs():  # neurons: pruned, total, (no CSR)
+            for number, fc1, fc2 in self._mlp_pairs():  # neurons: pruned, total, (no CSR), widths
                 neurons = fc1.weight_mask.any(1)
-                local[number] = [int((~neurons).sum()), neurons.numel(), 0]
+                kept = int(neurons.sum())
+                local[number] = [neurons.numel() - kept, neurons.numel(), 0, kept, 0]
+            for layer in self.runtime.trainer.layers:
+                attn = layer.self_attention
+                if self.pruning.heads > 0 and layer.layer_number in local and hasattr(attn, "kept_heads"):
+                    local[layer.layer_number][4] = int(attn.kept_heads().sum())
         elif self._counts():
             for number, _, m in self._linears():
                 pruned_numel_sparse = local.setdefault(number, [0, 0, 0])
@@ -284,11 +268,16 @@ class GradualPruning(Scenario):
         merged: dict[int, list[int]] = {}
         for part in self.runtime.control.all_gather(local, "pruning-summary"):
             for number, values in part.items():  # TP shards of one layer add up
-                acc = merged.setdefault(number, [0, 0, 0])
+                acc = merged.setdefault(number, [0] * len(values))
                 for i, v in enumerate(values):
                     acc[i] += v
         per_layer = {n: round(v[0] / v[1], 6) for n, v in sorted(merged.items())}
-        return per_layer, sorted(n for n, v in merged.items() if v[2])
+        widths: dict[str, dict[int, int]] = {}
+        if self.structured:
+            widths["ffn_width"] = {n: v[3] for n, v in sorted(merged.items())}
+            if self.pruning.heads > 0:
+                widths["attention_heads"] = {n: v[4] for n, v in sorted(merged.items())}
+        return per_layer, sorted(n for n, v in merged.items() if v[2]), widths
 
 
 def _check_head_pruning(structured: bool, config) -> None:
@@ -312,6 +301,61 @@ def _full_width(module, per_neuron: torch.Tensor) -> torch.Tensor:
         return per_neuron
     return torch.zeros(module.full_width, dtype=per_neuron.dtype,
                        device=per_neuron.device).index_copy_(0, module._present, per_neuron)
+
+
+@torch.no_grad()
+def neuron_scores(fc1, fc2) -> torch.Tensor:
+    """Each FFN neuron's L2 norm over its fc1 row, fc1 bias entry and fc2 column, at the
+    layer's full width (pruned neurons score 0: their weights are zero or gone)."""
+    sq = fc1.weight.float().pow(2).sum(1) + fc2.weight.float().pow(2).sum(0)
+    if fc1.bias is not None:
+        sq += fc1.bias.float().pow(2)
+    return _full_width(fc1, sq).sqrt()
+
+
+@torch.no_grad()
+def prune_neurons(pairs, optimizer, tau: float, multiple: int) -> list[int]:
+    """For each (fc1, fc2, full-width scores) of one stage: keep the neurons the global
+    threshold `tau` keeps, their count rounded to the nearest `multiple` (`aligned_width`:
+    the layer's top-scoring neurons at that width); returns the widths kept. Host reads
+    here (the counts) happen once per round, outside any forward."""
+    widths = []
+    for fc1, fc2, score in pairs:
+        kept = fc1.kept_neurons()
+        width = aligned_width(int((kept & (score >= tau)).sum()), multiple, fc1.full_width,
+                              int(kept.sum()))
+        keep = keep_top(score, kept, width)
+        _drop_neurons(optimizer, fc1, keep, fc2, keep)
+        widths.append(width)
+    return widths
+
+
+@torch.no_grad()
+def head_scores(attn) -> torch.Tensor:
+    """[full heads]: each head's squared L2 norm over its qkv rows and biases (q, k, v) and
+    its proj columns (pruned heads score 0)."""
+    qkv, proj, heads = attn.linear_qkv, attn.linear_proj, attn.full_heads
+    sq = _full_width(qkv, qkv.weight.float().pow(2).sum(1))
+    if qkv.bias is not None:
+        sq += _full_width(qkv, qkv.bias.float().pow(2))
+    return sq.view(heads, -1).sum(1) + _full_width(
+        proj, proj.weight.float().pow(2).sum(0)).view(heads, -1).sum(1)
+
+
+@torch.no_grad()
+def prune_heads(attns, optimizer, fraction: float) -> list[int]:
+    """In every HeadPrunableSelfAttention of `attns`, keep the `kept_head_count` heads with
+    the highest `head_scores` (heads pruned before stay pruned); returns the heads kept."""
+    counts = []
+    for attn in attns:
+        kept = attn.kept_heads()
+        count = kept_head_count(attn.full_heads, int(kept.sum()), fraction, attn.head_dim)
+        keep = keep_top(head_scores(attn), kept, count)
+        _drop_neurons(optimizer, attn.linear_qkv, keep.repeat_interleave(3 * attn.head_dim),
+                      attn.linear_proj, keep.repeat_interleave(attn.head_dim))
+        attn.sync_heads()
+        counts.append(count)
+    return counts
 
 
 @torch.no_grad()
@@ -340,6 +384,8 @@ def _mask_optimizer_state(optimizer, w: torch.nn.Parameter, mask: torch.Tensor) 
     way the gradient buffer flattens `w`). Without it Adam's history and the masters
     drift at pruned positions (see zero_adam_state_)."""
     from dynmo_plugin.megatron.migration.optim_state import local_state_pieces
+    if optimizer is None:  # a layer no optimizer holds yet (a test's, a benchmark's)
+        return
     flat = mask.reshape(-1)
     for state, master, piece in local_state_pieces(optimizer, w):
         if master is not None:
