@@ -71,7 +71,7 @@ def _variants(a):
         p.requires_grad_(False)
     exit_layer = build_module(early_exit_spec(layer_spec(), 16), config=cfg, layer_number=8)
     exit_layer.exit_context = ExitContext(
-        seq_length=s, threshold=0.2, min_layer=4, exits_on=True, loss_weight=0.5, grad_scale=1.0,
+        seq_length=s, token_multiple=8, threshold=0.2, min_layer=4, exits_on=True, loss_weight=0.5, grad_scale=1.0,
         labels=[torch.randint(16, (s, b), generator=gen)], loss_masks=[torch.ones(s, b)])
     exited = torch.zeros(s, b, dtype=torch.bool)
     some = exited.clone()

@@ -94,6 +94,9 @@ class OpTrace(TorchDispatchMode):
         return sum(op.kernel for op in self.ops)
 
     def host_reads(self) -> list[str]:
+        """Reads that reach aten. `Tensor.tolist()` and `bool()` of a CPU tensor read the
+        values in C++ without dispatching (on CUDA they copy to the host first): a
+        TorchFunctionMode sees those (tests/scenarios/test_scenario_host_sync.py)."""
         return [op.name for op in self.ops if op.host_read]
 
     def matmuls(self) -> list[OpRecord]:
