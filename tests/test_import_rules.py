@@ -2,7 +2,9 @@
 
 Read from the source (ast), so a lazy import inside a function counts like a module-level
 one: a dependency is a dependency wherever it is written. Imports under
-`if TYPE_CHECKING:` are annotations only and do not count.
+`if TYPE_CHECKING:` are annotations only: they do not count for the floors, but they do
+for circles (two modules naming each other cannot be read one without the other).
+Every module also stays at or under MAX_LINES lines.
 """
 from __future__ import annotations
 
@@ -66,10 +68,11 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skip
 
 
-def imports(module: str) -> set[str]:
-    """Every dynmo_plugin module and third-party top-level package `module` imports."""
+def imports(module: str, annotations: bool = False) -> set[str]:
+    """Every dynmo_plugin module and third-party top-level package `module` imports
+    (with `annotations`, those under `if TYPE_CHECKING:` too)."""
     tree = ast.parse(MODULES[module].read_text())
-    skip, found = _type_checking_nodes(tree), set()
+    skip, found = set() if annotations else _type_checking_nodes(tree), set()
     for node in ast.walk(tree):
         if id(node) in skip:
             continue
@@ -87,6 +90,9 @@ def imports(module: str) -> set[str]:
 
 
 GRAPH = {m: {i for i in imports(m) if i in MODULES and i != m} for m in MODULES}
+# For circles: every module-level, lazy and `if TYPE_CHECKING:` import between modules.
+NAMED = {m: {i for i in imports(m, annotations=True) if i in MODULES and i != m} for m in MODULES}
+MAX_LINES = 600
 
 
 def test_every_module_is_on_a_floor():
@@ -108,23 +114,68 @@ def test_megatron_stays_behind_its_adapter():
     assert not offenders, f"import Megatron-Core outside its adapter: {offenders}"
 
 
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle of `graph`: its strongly connected components with more than
+    one module, each sorted, in sorted order (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return sorted(found)
+
+
 def test_no_import_cycle():
-    state: dict[str, int] = {}
-    path: list[str] = []
+    """No circle anywhere in the package, inside a folder or across folders, counting
+    lazy imports and `if TYPE_CHECKING:` ones."""
+    found = circles(NAMED)
+    assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
 
-    def visit(m: str) -> None:
-        state[m] = 1
-        path.append(m)
-        for t in sorted(GRAPH[m]):
-            assert state.get(t) != 1, "import cycle: " + " -> ".join(path[path.index(t):] + [t])
-            if t not in state:
-                visit(t)
-        path.pop()
-        state[m] = 2
 
-    for m in sorted(MODULES):
-        if m not in state:
-            visit(m)
+def test_no_module_is_over_the_line_limit():
+    lines = {m: len(p.read_text().splitlines()) for m, p in MODULES.items()}
+    over = sorted(f"{MODULES[m].relative_to(PACKAGE.parent)} ({n} lines)"
+                  for m, n in lines.items() if n > MAX_LINES)
+    assert not over, f"modules over {MAX_LINES} lines (split them by what they do): {', '.join(over)}"
+
+
+def test_the_circle_check_finds_every_circle():
+    """The checker itself: two circles, one through three modules, and no false ones."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}, "f": {"a"}}
+    assert circles(graph) == [["a", "b", "c"], ["d", "e"]]
+    assert circles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
 
 
 def test_the_rules_catch_an_upward_import():

@@ -13,8 +13,9 @@ from dynmo_plugin.balancing.metrics import (imbalance, migration_peak_memory,
 from dynmo_plugin.balancing.plan import GateVerdict, Move, Outcome, Plan, make_plan
 from dynmo_plugin.balancing.problem import (REL_TOL, BalanceProblem, InfeasibleError,
                                             ProblemError)
-from dynmo_plugin.balancing.repack import (RepackCandidate, RepackCriteria, RepackPlan,
-                                           first_fit_repack, plan_repack, shrink_problem)
+from dynmo_plugin.balancing.repack import first_fit_repack, plan_repack
+from dynmo_plugin.balancing.repack_plan import RepackCandidate, RepackCriteria, RepackPlan
+from dynmo_plugin.balancing.shrink import shrink_problem
 from dynmo_plugin.balancing.solve import BALANCERS, solve
 
 __all__ = [

@@ -19,7 +19,9 @@ from typing import Optional
 from dynmo_plugin.balancing.gate import GateConfig
 from dynmo_plugin.balancing.plan import Plan
 from dynmo_plugin.balancing.problem import BalanceProblem, InfeasibleError, ProblemError
-from dynmo_plugin.balancing.repack import IterationModel, RepackCriteria, RepackPlan, plan_repack
+from dynmo_plugin.balancing.repack import plan_repack
+from dynmo_plugin.balancing.repack_plan import RepackCriteria, RepackPlan
+from dynmo_plugin.balancing.repack_throughput import IterationModel
 from dynmo_plugin.balancing.solve import solve
 
 __all__ = ["Choice", "decide", "repack_considered"]

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable, Optional
 
 from dynmo_plugin.balancing.problem import BalanceProblem
-from dynmo_plugin.balancing.repack import IterationModel, shrink_problem
+from dynmo_plugin.balancing.repack_throughput import IterationModel
+from dynmo_plugin.balancing.shrink import shrink_problem
 from dynmo_plugin.layout import Layout
 
 __all__ = ["FREED_MODES", "FreedChoice", "choose_freed", "grow_iteration_s", "grow_refusal",

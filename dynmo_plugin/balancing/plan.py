@@ -12,6 +12,7 @@ from typing import Any
 
 from dynmo_plugin.balancing import metrics
 from dynmo_plugin.balancing.problem import BalanceProblem
+from dynmo_plugin.balancing.render import render_plan
 from dynmo_plugin.layout import Layout
 
 __all__ = ["Move", "Plan", "Outcome", "GateVerdict", "make_plan"]
@@ -118,8 +119,6 @@ class Plan:
         }
 
     def __str__(self) -> str:
-        from dynmo_plugin.balancing.render import render_plan
-
         return render_plan(self)
 
 

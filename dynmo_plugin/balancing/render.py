@@ -1,10 +1,11 @@
-"""The human-readable form of a Plan (a table per stage, then the moves and the gate)."""
+"""The human-readable form of a Plan (a table per stage, then the moves and the gate).
+
+Below the plan: `Plan.__str__` calls `render_plan`, so this module reads the plan by its
+attributes (`balancing.plan.Plan`) and does not import its type (that would be a circle).
+"""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from dynmo_plugin.balancing.plan import Plan
+from typing import Any
 
 __all__ = ["render_plan", "human_bytes"]
 
@@ -18,7 +19,7 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _layers(plan: "Plan", stage: int) -> str:
+def _layers(plan: Any, stage: int) -> str:
     got = plan.layout.layers_of(stage)
     return "-" if not got else f"{got[0]}-{got[-1]}" if len(got) > 1 else str(got[0])
 
@@ -27,7 +28,7 @@ def _arrow(before: float | None, after: float, fmt: str = "{:.4g}") -> str:
     return fmt.format(after) if before is None else f"{fmt.format(before)} -> {fmt.format(after)}"
 
 
-def _stage_table(plan: "Plan") -> list[str]:
+def _stage_table(plan: Any) -> list[str]:
     rows = [f"{'stage':>5}  {'layers':<11} {'load':<24} memory"]
     for s in range(plan.layout.num_stages):
         lb = plan.stage_loads_before[s] if plan.stage_loads_before else None
@@ -39,7 +40,7 @@ def _stage_table(plan: "Plan") -> list[str]:
     return rows
 
 
-def _summary(plan: "Plan") -> list[str]:
+def _summary(plan: Any) -> list[str]:
     return [
         f"bottleneck {_arrow(plan.bottleneck_before, plan.bottleneck_after)}; "
         f"imbalance {_arrow(plan.imbalance_before, plan.imbalance_after, '{:.3f}')}; "
@@ -48,7 +49,7 @@ def _summary(plan: "Plan") -> list[str]:
     ]
 
 
-def _moves(plan: "Plan") -> list[str]:
+def _moves(plan: Any) -> list[str]:
     if plan.before is None:
         return ["moves: no current layout given"]
     if not plan.moves:
@@ -58,7 +59,7 @@ def _moves(plan: "Plan") -> list[str]:
     return out
 
 
-def render_plan(plan: "Plan") -> str:
+def render_plan(plan: Any) -> str:
     layout = plan.layout.to_megatron()
     head = (f"plan ({plan.method}): {plan.before.to_megatron()} -> {layout}" if plan.before
             else f"plan ({plan.method}): {layout}")

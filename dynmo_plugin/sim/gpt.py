@@ -16,17 +16,15 @@ on GPUs a layer's time is not proportional to its FLOPs at small shapes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.sim.cost import Link
 
-if TYPE_CHECKING:  # measured imports this module
-    from dynmo_plugin.sim.measured import MeasuredCosts
-
-__all__ = ["GPTShape", "Hardware", "LayerLoad", "LayerCosts", "layer_costs", "flop_layer_costs"]
+__all__ = ["GPTShape", "Hardware", "LayerLoad", "LayerCosts", "MeasuredModel", "layer_costs",
+           "flop_layer_costs"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +81,7 @@ class Hardware:
     grad_bytes_per_param: float = 2.0
     state_bytes_per_param: float = 18.0
     memory_bytes: float = 80e9
-    measured: "MeasuredCosts | None" = None
+    measured: "MeasuredModel | None" = None
     name: str = "a100-flops"
 
     def __post_init__(self) -> None:
@@ -161,6 +159,14 @@ class LayerCosts:
         out[0] += 3 * self.embed_fwd_s
         out[-1] += 3 * self.head_fwd_s
         return out
+
+
+class MeasuredModel(Protocol):
+    """What `layer_costs` asks of `Hardware.measured`: a profile of measured per-layer
+    costs (`dynmo_plugin.sim.measured.MeasuredCosts`, which builds on this module's types,
+    so this module names the one method it calls instead of importing it)."""
+
+    def layer_costs(self, shape: GPTShape, load: LayerLoad) -> LayerCosts: ...
 
 
 def layer_costs(shape: GPTShape, hw: Hardware, load: LayerLoad) -> LayerCosts:

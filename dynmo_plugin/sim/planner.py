@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 from dynmo_plugin.balancing import BALANCERS, BalanceProblem, GateConfig, Plan, RepackCriteria, RepackPlan
-from dynmo_plugin.balancing.repack import IterationModel
+from dynmo_plugin.balancing.repack_throughput import IterationModel
 from dynmo_plugin.balancing.decide import decide as decide_live
 from dynmo_plugin.config import RebalanceConfig, RepackConfig
 from dynmo_plugin.errors import UserError

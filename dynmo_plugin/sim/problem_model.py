@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from dynmo_plugin.balancing.problem import BalanceProblem
-from dynmo_plugin.balancing.repack import IterationModel
+from dynmo_plugin.balancing.repack_throughput import IterationModel
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.sim.cost import Link, PipelineCosts

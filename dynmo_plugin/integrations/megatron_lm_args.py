@@ -1,0 +1,115 @@
+"""Megatron-LM's parsed args, checked and read for the plugin: its validated `RunConfig`
+(`load_plugin_config`), the Megatron-LM settings the plugin cannot follow (refused in
+one line naming the alternative), the scenario specs (`--spec SPEC_MODULE <scenario>`)
+and Megatron-LM's own MoE layers built from the plugin's `moe` spec.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dynmo_plugin.config import ConfigError, RunConfig
+from dynmo_plugin.integrations.megatron_lm_hooks import MegatronLMError
+from dynmo_plugin.megatron.training.machine import load_run_config
+
+__all__ = ["SPEC_MODULE", "SCENARIO_SPECS", "load_plugin_config", "use_native_moe_spec"]
+
+# Scenarios that run inside Megatron-LM's train(): their layer spec, named to Megatron-LM's
+# `--spec` as SPEC_MODULE and the scenario's name (dynmo_plugin.integrations.megatron_lm_specs).
+SPEC_MODULE = "dynmo_plugin.integrations.megatron_lm_specs"
+SCENARIO_SPECS = ("layer_freezing", "gradual_pruning")
+
+
+# Megatron-LM argument names that dynmo_plugin.config validates the plugin's settings
+# against (the rest of its namespace is Megatron-LM's business).
+_MODEL_KEYS = ("num_layers", "pipeline_model_parallel_size", "tensor_model_parallel_size",
+               "hidden_size", "num_attention_heads", "micro_batch_size", "global_batch_size", "save")
+
+
+def load_plugin_config(args: argparse.Namespace) -> RunConfig:
+    """The plugin's validated config from Megatron-LM's parsed args.
+
+    Raises:
+        ConfigError: a bad --dynmo* value, or a Megatron-LM setting the plugin cannot
+            follow while --dynmo is on (named, with the alternative).
+    """
+    ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if k.startswith("dynmo")})
+    for key in _MODEL_KEYS:
+        setattr(ns, key, getattr(args, key, None))
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    ns.pipeline_model_parallel_layout = None if layout is None else str(layout)
+    ns.train_iters = args.train_iters or sys.maxsize  # sample-based runs: not known yet
+    ns.num_virtual_stages_per_pipeline_rank = getattr(args, "virtual_pipeline_model_parallel_size",
+                                                      None) or 1
+    try:
+        cfg = load_run_config(ns)
+    except ConfigError:
+        asked = any(v not in (None, False) for k, v in vars(args).items() if k.startswith("dynmo")
+                    and k != "dynmo_output")
+        if asked:
+            raise
+        return RunConfig()  # nothing of the plugin's asked for: Megatron-LM's settings are its own
+    if cfg.dynmo.enabled:
+        _check_supported(args, cfg)
+    return cfg
+
+
+def _check_supported(args, cfg: RunConfig) -> None:
+    unsupported = [
+        (getattr(args, "overlap_param_gather", False),
+         "--overlap-param-gather (train() keeps the chunks' param_sync_func as a local, which a "
+         "migration would leave pointing at the old DDP; the distributed optimizer without it works)"),
+        (getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False),
+         "FSDP (--use-megatron-fsdp / --use-torch-fsdp2)"),
+        (bool(getattr(args, "mtp_num_layers", None)), "--mtp-num-layers"),
+        (getattr(args, "optimizer", "adam") not in ("adam", "sgd"), f"--optimizer {args.optimizer}"),
+        (cfg.dynmo.dynamism.kind not in ("none", *SCENARIO_SPECS)
+         and not (cfg.dynmo.dynamism.kind == "moe" and getattr(args, "num_experts", None)),
+         f"--dynmo-dynamism {cfg.dynmo.dynamism.kind} (its layers exist in the launcher only; "
+         f"under Megatron-LM: {', '.join(SCENARIO_SPECS)} through --spec, or report your own "
+         "events with megatron_lm.notify_event)"),
+        (cfg.dynmo.repack.enabled and cfg.dynmo.repack.mode != "checkpoint",
+         f"--dynmo-repack-mode {cfg.dynmo.repack.mode} (under Megatron-LM a repack saves a "
+         "checkpoint and restarts smaller: --dynmo-repack-mode checkpoint)"),
+    ]
+    bad = [what for hit, what in unsupported if hit]
+    if bad:
+        raise ConfigError(f"--dynmo under Megatron-LM does not support: {'; '.join(bad)}. Drop "
+                          "them, or run without --dynmo")
+    _check_scenario_spec(args, cfg.dynmo.dynamism.kind)
+
+
+def _check_scenario_spec(args, kind: str) -> None:
+    """A scenario needs the layers of its own --spec, and the plugin's --spec its scenario;
+    Megatron-LM's MoE (--num-experts) is followed as the 'moe' scenario, alone."""
+    if getattr(args, "num_experts", None) and kind not in ("none", "moe"):
+        raise ConfigError(f"--dynmo-dynamism {kind} with --num-experts: one scenario at a time; "
+                          "Megatron-LM's MoE layers are followed as the 'moe' scenario")
+    spec = list(getattr(args, "spec", None) or [])
+    native_moe = spec[1:] == ["moe"] and kind in ("none", "moe")
+    if spec[:1] == [SPEC_MODULE] and spec[1:] != [kind] and not native_moe:
+        raise ConfigError(f"--spec {' '.join(spec)} builds the {spec[-1]} scenario's layers: add "
+                          f"--dynmo-dynamism {spec[-1]} (or its YAML dynamism.kind), got {kind}")
+    if kind in SCENARIO_SPECS and spec != [SPEC_MODULE, kind]:
+        raise ConfigError(f"--dynmo-dynamism {kind} under Megatron-LM builds its layers from its own "
+                          f"spec: add --spec {SPEC_MODULE} {kind} (got --spec "
+                          f"{' '.join(spec) or 'none'})")
+
+
+
+def use_native_moe_spec(args) -> None:
+    """With --dynmo and --num-experts, gpt_builder builds the decoder from the plugin's
+    `moe` spec (megatron_lm_specs: Megatron-LM's own dense and MoE layer specs, picked by
+    global layer number), so a migrated layer is rebuilt as what it was and every MoE
+    layer counts its router's tokens per expert. Set before validate_args.
+
+    Raises:
+        MegatronLMError: --spec names another spec (the two cannot both build the layers).
+    """
+    if not getattr(args, "dynmo__enabled", False) or not getattr(args, "num_experts", None):
+        return
+    ours = [SPEC_MODULE, "moe"]
+    if args.spec is not None and list(args.spec) != ours:
+        raise MegatronLMError(f"--dynmo with --num-experts builds Megatron-LM's MoE layers from "
+                              f"--spec {' '.join(ours)}; drop --spec {' '.join(args.spec)}")
+    args.spec = ours

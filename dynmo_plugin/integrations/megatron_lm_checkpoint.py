@@ -1,0 +1,116 @@
+"""Megatron-LM's checkpoints under the plugin: a rebalanced (or checkpoint-repacked) run
+resumes under the layout it saved (`restore_saved_layout`), a per-rank checkpoint is
+never loaded under another split, and a scenario whose state the checkpoint lacks is
+not resumed (`refuse_scenario_resume`). Both run before Megatron-LM validates its args.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from dynmo_plugin.config import RunConfig
+from dynmo_plugin.integrations.megatron_lm_args import SCENARIO_SPECS
+from dynmo_plugin.integrations.megatron_lm_hooks import MegatronLMError
+from dynmo_plugin.layout import Layout
+
+__all__ = ["restore_saved_layout", "refuse_scenario_resume"]
+
+logger = logging.getLogger("dynmo_plugin.integrations.megatron_lm")  # the integration's logger
+
+# Formats whose model state dicts number decoder layers within each stage: loaded under
+# another split, a stage would take other layers' weights without an error.
+_PER_RANK_FORMATS = ("torch", "torch_dcp")
+
+
+def _saved_args(load_dir: str):
+    """(format, Megatron-LM args) of the newest checkpoint under `load_dir`; None
+    without one (a first run whose --load is also its --save)."""
+    tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker, encoding="utf-8") as fh:
+        text = fh.read().strip()
+    folder = os.path.join(load_dir, "release" if text == "release" else f"iter_{int(text):07d}")
+    if os.path.isfile(os.path.join(folder, "metadata.json")):  # dist_checkpointing
+        from megatron.core import dist_checkpointing
+        return "torch_dist", dist_checkpointing.load_common_state_dict(folder).get("args")
+    import glob
+
+    import torch
+    files = sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")))
+    if files:
+        return "torch", torch.load(files[0], map_location="cpu", weights_only=False).get("args")
+    return ("torch_dcp" if os.path.isfile(os.path.join(folder, ".metadata")) else "unknown"), None
+
+
+def _virtual_stages(args) -> int:
+    """Virtual stages per pipeline rank that these (not yet validated) args ask for."""
+    if args.num_virtual_stages_per_pipeline_rank:
+        return args.num_virtual_stages_per_pipeline_rank
+    if args.num_layers_per_virtual_pipeline_stage:
+        return args.num_layers // args.pipeline_model_parallel_size // \
+            args.num_layers_per_virtual_pipeline_stage
+    return 1
+
+
+def restore_saved_layout(args) -> None:
+    """With --dynmo and --load: the layout the checkpoint was saved under (a rebalanced
+    run resumes rebalanced), set in Megatron-LM's args before validate_args, as the
+    launcher restores it (docs/checkpoints.md): an explicit --pipeline-model-parallel-
+    layout wins; a saved layout without this run's pp x v stages (another pipeline
+    size) leaves Megatron-LM's own split. torch_dist checkpoints key layers by global
+    number, so any split loads them.
+
+    Raises:
+        MegatronLMError: a per-rank checkpoint (--ckpt-format torch / torch_dcp numbers
+            layers within each stage) that this run would load under another split.
+    """
+    if not getattr(args, "dynmo__enabled", False) or not args.load:
+        return
+    found = _saved_args(args.load)
+    if found is None:
+        return
+    fmt, saved = found
+    text = getattr(saved, "pipeline_model_parallel_layout", None)
+    saved_layout = None if text is None else str(text)
+    stages = args.pipeline_model_parallel_size * _virtual_stages(args)
+    # a checkpoint repack's chosen layout first, then the layout in force when it saved
+    fitting = [t for t in (getattr(saved, "dynmo_next_layout", None), saved_layout)
+               if t is not None and Layout.parse(t).num_stages == stages]
+    if (args.pipeline_model_parallel_layout is None and fitting
+            and getattr(saved, "num_layers", None) == args.num_layers):
+        args.pipeline_model_parallel_layout = chosen = fitting[0]
+        args.num_layers_per_virtual_pipeline_stage = args.num_virtual_stages_per_pipeline_rank = None
+        args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
+        logger.info("--load %s: resuming under the saved layout %s", args.load, chosen)
+    if fmt not in _PER_RANK_FORMATS:
+        return
+    saved_split = (saved_layout, getattr(saved, "pipeline_model_parallel_size", None),
+                   getattr(saved, "tensor_model_parallel_size", None))
+    run_split = (args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size,
+                 args.tensor_model_parallel_size)
+    if saved is None or saved_split != run_split:
+        shown = (lambda lay, pp, tp: f"layout {lay or 'uniform'} at PP {pp}, TP {tp}")
+        raise MegatronLMError(
+            f"--load {args.load}: a --ckpt-format {fmt} checkpoint (layers numbered within each "
+            f"stage) saved under {shown(*saved_split)} cannot be loaded under this run's "
+            f"{shown(*run_split)} without putting other layers' weights into its stages; resume "
+            "with the saved pipeline sizes and no --pipeline-model-parallel-layout, or save in "
+            "--ckpt-format torch_dist (layers keyed by global number, any split)")
+
+
+def refuse_scenario_resume(args, cfg: RunConfig) -> None:
+    """Layer freezing and pruning keep state Megatron-LM's checkpoint does not hold (which
+    parameters stopped training, the scenario's progress): resumed from one, frozen layers
+    would silently train again. Until that is saved, such a resume is refused.
+
+    Raises:
+        MegatronLMError: --load holds a checkpoint and one of those scenarios is on.
+    """
+    kind = cfg.dynmo.dynamism.kind
+    if cfg.dynmo.enabled and kind in SCENARIO_SPECS and args.load and _saved_args(args.load):
+        raise MegatronLMError(f"--load {args.load} with --dynmo-dynamism {kind}: the scenario's "
+                              "state (frozen or pruned parameters, its progress) is not in "
+                              "Megatron-LM's checkpoint yet; resume without the scenario, or run "
+                              "it in the launcher (python -m dynmo_plugin.train), whose "
+                              "checkpoints hold it")
