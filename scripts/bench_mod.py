@@ -9,6 +9,9 @@ per-round ratios with their min-max spread. One process, one thread. The runs' s
 measured ~0.45x (0.25), ~1.4x (1.0), ~0.35x (0.125).
 
 Usage: python scripts/bench_mod.py [--hidden 128] [--seq 256] [--batch 2] [--rounds 5] [--iters 5]
+                                   [--granularity 32]
+(--granularity: the token multiple C is rounded to; 32 keeps every capacity above exact
+at 256 tokens.)
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ CAPACITIES = (1.0, 0.75, 0.5, 0.25, 0.125)
 def _args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("hidden", 128), ("heads", 4), ("seq", 256), ("batch", 2),
-                          ("rounds", 5), ("iters", 5)):
+                          ("rounds", 5), ("iters", 5), ("granularity", 32)):
         p.add_argument(f"--{name}", type=int, default=default)
     return p.parse_args()
 
@@ -46,7 +49,7 @@ def _layers(a):
                      seq_length=a.seq, distributed_backend="gloo")
     init_parallel(args)
     cfg = transformer_config(args, Layout.uniform(2, 1))
-    spec = mod_spec(layer_spec(), {2: 1.0}, max(8, a.hidden // 8))
+    spec = mod_spec(layer_spec(), {2: 1.0}, max(8, a.hidden // 8), a.granularity)
     plain, routed = (build_module(spec, config=cfg, layer_number=n) for n in (1, 2))
     routed.mod_context = ModContext(predictor_loss_weight=1.0, grad_scale=1.0)
     return plain, routed
