@@ -17,7 +17,7 @@ any, too), the base layer runs on that, and the result is scattered back:
 the block output it scales. Compute shrinks with C: the layer's linear parts scale with
 C, its attention with C^2. What a routed layer adds to its block is a fixed, small list
 of ops (router GEMV, top-k, sort, gathers, the gated scatter, the predictor and its
-loss: tests/scenarios/test_mod_gpu_shapes.py counts them), none of which reads a device
+loss: tests/scenarios/test_scheme_gpu_shapes.py counts them), none of which reads a device
 value on the host.
 
 Top-C over a sequence looks at future tokens, so it cannot be used when sampling
