@@ -11,7 +11,7 @@ from dynmo_plugin.config import ConfigError
 from dynmo_plugin.scenarios.moe.live import (CostModel, combine_counts, cost_model_from_calibrations,
                                        ep_expert_tokens, expert_capacity, layer_work,
                                        megatron_capacity_factor, moe_layer_numbers)
-from launch import losses, train
+from launch import losses, train, worker
 
 MICRO_BATCHES = 2
 MODEL = ["--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "2048",
@@ -262,3 +262,20 @@ def test_flop_fixed_tokens_is_the_calibration_fallback_split():
     assert flop_fixed_tokens(cfg, 16) == (8 * 32 * 32 + 4 * 16 * 32 + 2 * 32 * 4) / (4 * 32 * 128)
     gated = SimpleNamespace(**{**vars(cfg), "gated_linear_unit": True, "moe_ffn_hidden_size": None})
     assert flop_fixed_tokens(gated, 16) == (8192 + 2048 + 256) / (6 * 32 * 64)
+
+
+@pytest.mark.multiproc
+def test_one_ranks_failed_calibration_is_noted_not_quiet(tmp_path):
+    """Stage 0's calibration raises (injected), stage 1's succeeds: the cost model comes
+    from stage 1, and the first event says that rank 0 failed (before, only a log line
+    did, and a broken calibration could pass every test)."""
+    flags = MODEL + MOE + HALF + ["--train-iters", "2", "--dynmo", "--test-fault",
+                                  "calibration_exception@0"]
+    report = worker(2, flags, tmp_path, timeout=240)
+    events = _events(report)
+    noted = [e["detail"]["fallbacks"] for e in events.values() if "fallbacks" in e["detail"]]
+    assert len(noted) == 1, events
+    (fallback,) = noted[0]
+    assert fallback["phase"] == "moe-calibration" and fallback["reason"].startswith("rank 0: ")
+    assert "InjectedFault" in fallback["reason"]
+    assert all(e["detail"]["cost_model"]["source"] == "calibrated" for e in events.values())
