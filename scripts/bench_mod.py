@@ -1,14 +1,23 @@
 #!/usr/bin/env python
-"""Mixture of Depths: one routed layer's fwd+bwd time by capacity, relative to capacity
-0.75 (the timing side of tests/scenarios/test_scenario_mod.py's counted work).
+"""Mixture of Depths: one routed layer's fwd+bwd time by capacity, relative to a PLAIN
+TransformerLayer of the same shape (the timing side of the counted work in
+tests/scenarios/test_scenario_mod.py and tests/scenarios/test_scheme_gpu_shapes.py).
 
 A plain layer and a routed one at each capacity are timed in interleaved rounds (plain,
 1.0, 0.75, ..., plain, ...), each round the median of `--iters` steps after a warm-up;
-printed: milliseconds and each variant / capacity-0.75 ratio as the median of the
-per-round ratios with their min-max spread. One process, one thread. The runs' stage 0
-measured ~0.45x (0.25), ~1.4x (1.0), ~0.35x (0.125).
+printed: milliseconds and each variant / plain ratio as the median of the per-round
+ratios with their min-max spread, and the tokens each capacity ran (rounded to
+`--granularity`). On CPU: one process, one thread, fp32 unless --bf16. On a GPU
+(--device cuda, NCCL group of one): each step between two synchronisations, so a step
+is max(GPU time, host launch time). The CPU runs' stage 0 measured ~0.45x (0.25),
+~1.4x (1.0), ~0.35x (0.125) of capacity 0.75.
 
-Usage: python scripts/bench_mod.py [--hidden 128] [--seq 256] [--batch 2] [--rounds 5] [--iters 5]
+Usage: python scripts/bench_mod.py [--hidden 128] [--heads 4] [--seq 256] [--batch 2]
+                                   [--rounds 5] [--iters 5] [--granularity 32]
+                                   [--device cpu|cuda] [--bf16]
+The issue-33 GPU-bound shape (one H100/H200):
+    python scripts/bench_mod.py --device cuda --bf16 --hidden 4096 --heads 32 --seq 2048 \\
+        --batch 1 --granularity 64
 """
 from __future__ import annotations
 
@@ -28,13 +37,15 @@ CAPACITIES = (1.0, 0.75, 0.5, 0.25, 0.125)
 def _args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("hidden", 128), ("heads", 4), ("seq", 256), ("batch", 2),
-                          ("rounds", 5), ("iters", 5)):
+                          ("rounds", 5), ("iters", 5), ("granularity", 32)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--bf16", action="store_true")
     return p.parse_args()
 
 
-def _layers(a):
-    """(plain, routed) layers of the run's spec."""
+def _layers(a, device: torch.device, dtype: torch.dtype):
+    """(plain, routed) layers of the run's spec, weights N(0, 0.02), on `device`."""
     from megatron.core.transformer.spec_utils import build_module
 
     from dynmo_plugin.config import ModelArgs
@@ -43,46 +54,63 @@ def _layers(a):
     from dynmo_plugin.megatron.training.parallel import init_parallel
     from dynmo_plugin.scenarios.mixture_of_depths.layer import ModContext, mod_spec
     args = ModelArgs(num_layers=2, hidden_size=a.hidden, num_attention_heads=a.heads,
-                     seq_length=a.seq, distributed_backend="gloo")
+                     seq_length=a.seq, bf16=a.bf16, transformer_impl="local",
+                     distributed_backend="nccl" if device.type == "cuda" else "gloo")
     init_parallel(args)
     cfg = transformer_config(args, Layout.uniform(2, 1))
-    spec = mod_spec(layer_spec(), {2: 1.0}, max(8, a.hidden // 8))
-    plain, routed = (build_module(spec, config=cfg, layer_number=n) for n in (1, 2))
-    routed.mod_context = ModContext(predictor_loss_weight=1.0, grad_scale=1.0)
-    return plain, routed
+    spec = mod_spec(layer_spec("local"), {2: 1.0}, max(8, a.hidden // 8), a.granularity)
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for n in (1, 2):
+        layer = build_module(spec, config=cfg, layer_number=n)
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02 if p.dim() > 1
+                        else torch.full(p.shape, 1.0 if name.endswith("weight") else 0.0))
+        layers.append(layer.to(device=device, dtype=dtype))
+    layers[1].mod_context = ModContext(predictor_loss_weight=0.01, grad_scale=1.0)
+    return layers
 
 
-def _step_s(layer, x, mask, rope) -> float:
+def _step_s(layer, x, mask, sync) -> float:
+    sync()
     start = time.perf_counter()
-    layer(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)[0].sum().backward()
+    inp = x.detach().requires_grad_(True)
+    layer(hidden_states=inp, attention_mask=mask)[0].float().sum().backward()
+    sync()
     return time.perf_counter() - start
 
 
 def main() -> None:
     a = _args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
-                      RANK="0", WORLD_SIZE="1")
+                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     torch.set_num_threads(1)
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    plain, routed = _layers(a)
+    device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if a.bf16 else torch.float32
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    plain, routed = _layers(a, device, dtype)
     s = a.seq
-    x = torch.randn(s, a.batch, a.hidden, requires_grad=True)
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
-    rope = RotaryEmbedding(kv_channels=a.hidden // a.heads, rotary_percent=1.0)(s)
+    x = torch.randn(s, a.batch, a.hidden, dtype=dtype, device=device)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), 1)[None, None]
     times = {c: [] for c in (None,) + CAPACITIES}
     for _ in range(a.rounds):
         for c in times:
             layer = plain if c is None else routed
             if c is not None:
                 layer.set_capacity(c)
-            _step_s(layer, x, mask, rope)  # warm-up
-            times[c].append(statistics.median(_step_s(layer, x, mask, rope) for _ in range(a.iters)))
-    print(f"one routed layer h{a.hidden} s{s} mb{a.batch} fp32 on cpu; "
-          f"{a.rounds} interleaved rounds x {a.iters} steps")
-    print(f"{'capacity':<9} {'fwd+bwd ms':>11} {'vs 0.75 (median, min-max)':>30}")
+            _step_s(layer, x, mask, sync)  # warm-up
+            times[c].append(statistics.median(_step_s(layer, x, mask, sync) for _ in range(a.iters)))
+    print(f"one routed layer h{a.hidden} s{s} mb{a.batch} {str(dtype).removeprefix('torch.')} "
+          f"on {device.type}; {a.rounds} interleaved rounds x {a.iters} steps; "
+          f"granularity {a.granularity}")
+    print(f"{'capacity':<9} {'tokens':>7} {'fwd+bwd ms':>11} {'vs plain (median, min-max)':>30}")
     for c, t in times.items():
-        ratios = [v / r for v, r in zip(t, times[0.75])]
-        print(f"{'plain' if c is None else c:<9} {1e3 * statistics.median(t):>11.2f} "
+        ratios = [v / r for v, r in zip(t, times[None])]
+        if c is not None:
+            routed.set_capacity(c)
+        tokens = s if c is None else routed.tokens(s)
+        print(f"{'plain' if c is None else c:<9} {tokens:>7} {1e3 * statistics.median(t):>11.2f} "
               f"{statistics.median(ratios):>14.3f}x ({min(ratios):.3f}-{max(ratios):.3f})")
 
 

@@ -28,6 +28,7 @@ SCENARIO = ["--dynmo-dynamism", "mixture_of_depths", "--dynmo-mod-every", "1",
             "--dynmo-mod-capacity", "1.0", "--dynmo-mod-capacity-per-layer", "1:0.25,2:0.75",
             "--dynmo-mod-final-capacity", "0.125", "--dynmo-mod-start", "4",
             "--dynmo-mod-interval", "4", "--dynmo-mod-rounds", "2",
+            "--dynmo-mod-granularity", "32",  # 256-token sequences: 0.125 is one granule
             "--dynmo", "--dynmo-profile-every", "3"]
 
 
@@ -90,7 +91,7 @@ def _check_routing(args):
     from dynmo_plugin.megatron.training.model import layer_spec, transformer_config
 
     cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))
-    spec = mod_spec(layer_spec(), {2: 0.5}, 8)
+    spec = mod_spec(layer_spec(), {2: 0.5}, 8, granularity=8)
     plain, routed = (build_module(spec, config=cfg, layer_number=n) for n in (1, 2))
     assert not plain.routed and not hasattr(plain, "router")
     assert routed.routed and "capacity" in routed.state_dict()   # a buffer: migrations move it
@@ -98,7 +99,7 @@ def _check_routing(args):
     with torch.no_grad():
         for p in routed.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    routed.mod_context = ModContext(predictor_loss_weight=1.0, grad_scale=1.0)
+    routed.mod_context = ModContext(predictor_loss_weight=1.0, grad_scale=1.0, collect_stats=True)
     s, b, h = args.seq_length, 3, args.hidden_size
     x = torch.randn(s, b, h, generator=gen, requires_grad=True)
     causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
@@ -117,8 +118,12 @@ def _check_routing(args):
         ref = torch.where(sel[..., None], x + gate * (full - x), x)
     assert (out - ref).abs().max() < 1e-5, (out - ref).abs().max()
     assert torch.equal(out[~sel], x[~sel])        # skipped tokens ride the residual
-    stats = routed.mod_stats.tolist()
-    assert stats[:2] == [s * b, s // 2 * b]       # tokens, of which selected
+    tokens, selected, predicted, both, right = routed.mod_counts()
+    assert [tokens, selected] == [s * b, s // 2 * b]
+    with torch.no_grad():
+        yes = routed.predictor(x).float() > 0
+    assert [predicted, both] == [int(yes.sum()), int((yes & sel).sum())]
+    assert right == int((yes == sel).sum())
 
     out.sum().backward()
     assert routed.router.weight.grad.abs().sum() > 0          # through the gate
@@ -160,7 +165,7 @@ def _count_layer_flops(args) -> dict:
     from dynmo_plugin.megatron.training.model import layer_spec
     from dynmo_plugin.scenarios.mixture_of_depths.layer import ModContext, mod_spec
     cfg = transformer_config_of(args)
-    spec = mod_spec(layer_spec(), {2: 1.0}, 16)
+    spec = mod_spec(layer_spec(), {2: 1.0}, 16, granularity=32)  # every capacity x 256 exact
     plain, routed = (build_module(spec, config=cfg, layer_number=n) for n in (1, 2))
     routed.mod_context = ModContext(predictor_loss_weight=1.0, grad_scale=1.0)
     s, h = args.seq_length, args.hidden_size
@@ -250,6 +255,9 @@ def test_events_follow_the_capacity_schedule(static):
                                  "6": 0.5625}
     assert last["capacity_before"] == first["capacity"]
     assert last["capacity"]["3"] == 0.125 and last["tokens_per_sample"]["3"] == 32
+    # 0.5625 x 256 = 144 tokens, rounded to the granularity (32): 160, and so reported
+    assert first["tokens_per_sample"]["3"] == 160 and first["capacity_used"]["3"] == 0.625
+    assert first["granularity"] == 32
     assert first["tokens_per_sample"]["1"] == 64 and first["tokens_per_sample"]["2"] == 192
     for e in events:
         assert sorted(int(k) for k in e["work"]) == list(range(1, 7))
@@ -295,7 +303,8 @@ def test_predictor_learns_top_c_membership(tmp_path):
              "--seq-length", "64", "--vocab-size", "64", "--micro-batch-size", "4",
              "--global-batch-size", "8", "--train-iters", "20", "--lr", "1e-3",
              "--dynmo-dynamism", "mixture_of_depths", "--dynmo-mod-every", "2",
-             "--dynmo-mod-capacity", "0.5", "--dynmo-mod-start", "20", "--dynmo-mod-rounds", "1"]
+             "--dynmo-mod-capacity", "0.5", "--dynmo-mod-start", "20", "--dynmo-mod-rounds", "1",
+             "--dynmo-mod-granularity", "32"]
     (event,) = _events(train(1, small, tmp_path))
     p = event["detail"]["predictor"]["2"]
     assert p["baseline"] == 0.5 and p["accuracy"] > 0.75 and p["recall"] > 0.75, p

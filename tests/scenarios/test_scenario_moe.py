@@ -9,8 +9,9 @@ import pytest
 
 from dynmo_plugin.config import ConfigError
 from dynmo_plugin.scenarios.moe.live import (CostModel, combine_counts, cost_model_from_calibrations,
-                                       ep_expert_tokens, layer_work, moe_layer_numbers)
-from launch import losses, train
+                                       ep_expert_tokens, expert_capacity, layer_work,
+                                       megatron_capacity_factor, moe_layer_numbers)
+from launch import losses, train, worker
 
 MICRO_BATCHES = 2
 MODEL = ["--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "2048",
@@ -77,6 +78,21 @@ def test_cost_model_is_the_median_over_ranks():
         cost_model_from_calibrations([None])
 
 
+def test_expert_capacity_is_rounded_and_megatron_computes_exactly_it():
+    """The scenario chooses the size (a multiple of the granularity, at least one granule,
+    at most every token); Megatron's get_capacity, given the factor, lands on it exactly."""
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+    assert expert_capacity(4096, 2, 8, 0.5, 64) == 512        # the H200 row's shape
+    assert expert_capacity(512, 2, 8, 0.45, 64) == 64         # 57.6 -> 64
+    assert expert_capacity(512, 2, 8, 0.1, 64) == 64          # at least one granule
+    assert expert_capacity(100, 8, 8, 4.0, 64) == 100         # at most every token
+    assert expert_capacity(4096, 2, 8, 0.3, 128) == 256       # 307.2 -> 256
+    for tokens in (64, 100, 256, 1000, 4096, 8192):
+        for k, e in ((1, 4), (2, 8), (3, 7), (8, 64)):
+            for c in range(1, tokens + 1, 7):
+                assert get_capacity(tokens * k, e, megatron_capacity_factor(c, tokens, k, e)) == c
+
+
 @pytest.mark.parametrize("top_k, capacity, every", [(1, 1.0, 2), (2, 0.0, 1), (8, 1.5, 3)])
 def test_configure_model_passes_megatrons_checks(top_k, capacity, every):
     """The scenario edits a TransformerConfig that already exists; rebuilding it from its
@@ -86,17 +102,30 @@ def test_configure_model_passes_megatrons_checks(top_k, capacity, every):
     from dynmo_plugin.config import DynamismConfig, ModelArgs
     from dynmo_plugin.scenarios.moe.live import MixtureOfExperts
     from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.training.model import transformer_config
+    from dynmo_plugin.megatron.training.model import layer_spec, transformer_config
 
     settings = DynamismConfig(kind="moe")
     settings.moe.top_k, settings.moe.capacity_factor, settings.moe.every = top_k, capacity, every
-    cfg = transformer_config(ModelArgs(num_layers=4, hidden_size=64, num_attention_heads=4,
-                                       pipeline_model_parallel_size=2), Layout.uniform(4, 2))
-    MixtureOfExperts(settings).configure_model(cfg)
+    args = ModelArgs(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64,
+                     micro_batch_size=4, pipeline_model_parallel_size=2)
+    cfg = transformer_config(args, Layout.uniform(4, 2))
+    scenario = MixtureOfExperts(settings)
+    if capacity:  # the capacity needs the tokens per micro-batch, which layer_spec reads
+        with pytest.raises(RuntimeError, match="layer_spec first"):
+            scenario.configure_model(cfg)
+    scenario.layer_spec(layer_spec("local"), args)
+    scenario.configure_model(cfg)
     checked = dataclasses.replace(cfg)
     assert (checked.num_moe_experts, checked.moe_router_topk, checked.moe_layer_freq) == \
         (8, top_k, [int(n % every == 1 or every == 1) for n in range(1, 5)])
-    assert checked.moe_expert_capacity_factor == (capacity or None)
+    # 256 tokens x top-k / 8 experts x capacity, rounded to 64 tokens (at least one granule)
+    if capacity:
+        from megatron.core.transformer.moe.moe_utils import get_capacity
+        expected = expert_capacity(256, top_k, 8, capacity, 64)
+        assert scenario.capacity == expected and expected % 64 == 0
+        assert get_capacity(256 * top_k, 8, checked.moe_expert_capacity_factor) == expected
+    else:
+        assert checked.moe_expert_capacity_factor is None and scenario.capacity is None
     assert checked.moe_token_dispatcher_type == "allgather" and not checked.add_bias_linear
     settings.moe.top_k = 9
     with pytest.raises(ValueError, match="top_k"):
@@ -173,6 +202,11 @@ def test_events_record_tokens_per_expert_every_iteration(half, full):
             # the aux loss is attached and scaled like the LM loss (1 / micro-batches)
             assert d["aux_loss_scale"] == [1.0 / MICRO_BATCHES]
             assert all(v > 0 for v in d["aux_loss"].values()) and sorted(d["aux_loss"]) == ["1", "3"]
+            # the calibration ran on every rank (a failure would be noted here) and the
+            # expert capacity is the rounded one: 256 tokens x 2 / 4 experts x 0.5 = 64
+            assert "fallbacks" not in d, d.get("fallbacks")
+            assert d["cost_model"]["source"] == "calibrated"
+            assert d["expert_capacity"] == (64 if cap == 0.5 else None)
             # EP straggler model: never below the one-rank work
             assert all(d["ep_straggler"]["work"][n] >= e["work"][n] for n in ("1", "3"))
     assert all(d == 1.0 for e in _events(full).values() for d in e["detail"]["kept"].values())
@@ -228,3 +262,20 @@ def test_flop_fixed_tokens_is_the_calibration_fallback_split():
     assert flop_fixed_tokens(cfg, 16) == (8 * 32 * 32 + 4 * 16 * 32 + 2 * 32 * 4) / (4 * 32 * 128)
     gated = SimpleNamespace(**{**vars(cfg), "gated_linear_unit": True, "moe_ffn_hidden_size": None})
     assert flop_fixed_tokens(gated, 16) == (8192 + 2048 + 256) / (6 * 32 * 64)
+
+
+@pytest.mark.multiproc
+def test_one_ranks_failed_calibration_is_noted_not_quiet(tmp_path):
+    """Stage 0's calibration raises (injected), stage 1's succeeds: the cost model comes
+    from stage 1, and the first event says that rank 0 failed (before, only a log line
+    did, and a broken calibration could pass every test)."""
+    flags = MODEL + MOE + HALF + ["--train-iters", "2", "--dynmo", "--test-fault",
+                                  "calibration_exception@0"]
+    report = worker(2, flags, tmp_path, timeout=240)
+    events = _events(report)
+    noted = [e["detail"]["fallbacks"] for e in events.values() if "fallbacks" in e["detail"]]
+    assert len(noted) == 1, events
+    (fallback,) = noted[0]
+    assert fallback["phase"] == "moe-calibration" and fallback["reason"].startswith("rank 0: ")
+    assert "InjectedFault" in fallback["reason"]
+    assert all(e["detail"]["cost_model"]["source"] == "calibrated" for e in events.values())

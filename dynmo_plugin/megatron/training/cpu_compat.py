@@ -102,10 +102,11 @@ def apply() -> None:
 
 def _patch_megatron() -> None:
     from megatron.core.tensor_parallel import random as mp_random
-    from megatron.core.transformer.moe import moe_utils
+
+    from dynmo_plugin.megatron.training.te_names import bind_missing_te_names
 
     # The tracker's add()/fork() become no-ops; the CPU generator is seeded by the caller.
     mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    # Megatron bug without Transformer Engine: the router references an undefined name.
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    # Megatron without Transformer Engine reads an unbound name in the MoE router; the
+    # same binding runs on CUDA machines without TE (build_stage_model).
+    bind_missing_te_names()

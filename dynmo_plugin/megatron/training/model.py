@@ -21,6 +21,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from dynmo_plugin.config import ModelArgs, resolve_transformer_impl
 from dynmo_plugin.megatron.training.machine import transformer_engine_problem
+from dynmo_plugin.megatron.training.te_names import bind_missing_te_names
 from dynmo_plugin.layout import Layout
 
 __all__ = ["transformer_config", "deterministic_kernels", "params_dtype", "layer_spec", "build_stage_model", "global_named_parameters",
@@ -105,6 +106,7 @@ def build_stage_model(args: ModelArgs, config: TransformerConfig, spec: ModuleSp
                       pre_process: bool, post_process: bool, vp_stage: int | None = None) -> GPTModel:
     """The GPTModel shell of the current pipeline stage (layout taken from `config`);
     `vp_stage`: which model chunk of this rank, for an interleaved pipeline."""
+    bind_missing_te_names()  # MoE's router reads te_general_gemm, unbound without TE (CUDA too)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -29,6 +29,10 @@ class ModConfig:
                                                    "--dynmo-mod-interval", positive))
     rounds: int = field(default=4, metadata=opt("capacity changes until final_capacity",
                                                 "--dynmo-mod-rounds", positive))
+    granularity: int = field(default=64, metadata=opt(
+        "a routed block's tokens per sequence (capacity x seq) are rounded to the nearest "
+        "multiple of this, at least one, at most the sequence: GEMM-friendly sizes on a GPU; "
+        "the events report the capacity used", "--dynmo-mod-granularity", positive))
     predictor_loss_weight: float = field(default=0.01, metadata=opt(
         "weight of the auxiliary predictor's loss (causal top-C at sampling time)",
         "--dynmo-mod-predictor-loss-weight", non_negative))

@@ -1,8 +1,10 @@
 """A Megatron TransformerLayer with Mixture-of-Depths routing (Raposo et al., 2024).
 
 A routed layer (the scenario decides which: every N-th) owns a router, a linear map
-hidden -> 1 scalar per token. Per sequence, the C = round(capacity x s) tokens with the
-highest router logits (expert-choice top-C) go through the whole block; the others
+hidden -> 1 scalar per token. Per sequence, the C tokens with the highest router logits
+(expert-choice top-C; C = capacity x s rounded to a multiple of `granularity`, 64 tokens
+by default, so every GEMM of the block has a GPU-friendly size) go through the whole
+block; the others
 ride the residual stream unchanged. The selected tokens are gathered to [C, b, h]
 (Megatron is [seq, batch, hidden]) in their original order, the causal mask is
 gathered at the tokens' ORIGINAL positions to [b, 1, C, C] (and rotary embeddings, if
@@ -11,16 +13,22 @@ any, too), the base layer runs on that, and the result is scattered back:
     out_i = x_i + sigmoid(r_i) * (block(x~)_i - x_i)   for selected tokens i,
     out_i = x_i                                      for the others,
 
-so the router receives gradients through the block output it scales. Compute
-shrinks with C: the layer's linear parts scale with C, its attention with C^2.
+(one scatter_add of the gated update into x), so the router receives gradients through
+the block output it scales. Compute shrinks with C: the layer's linear parts scale with
+C, its attention with C^2. What a routed layer adds to its block is a fixed, small list
+of ops (router GEMV, top-k, sort, gathers, the gated scatter, the predictor and its
+loss: tests/scenarios/test_scheme_gpu_shapes.py counts them), none of which reads a device
+value on the host.
 
 Top-C over a sequence looks at future tokens, so it cannot be used when sampling
 autoregressively. As in the paper, each routed layer also trains a small auxiliary
 predictor (Linear -> SiLU -> Linear on the block input, stop-gradient on that input)
 by binary cross-entropy to predict whether a token is in the top C; at sampling time
-it would replace the top-C. Its loss joins backward through `AttachLoss` (weighted
-by the scenario's `predictor_loss_weight`); since its input is detached it cannot
-change the backbone. Its accuracy is counted per iteration for the scenario's events.
+it would replace the top-C. Its loss's gradient joins backward through `AttachBCE`
+(weighted by the scenario's `predictor_loss_weight`; the value is never computed); since its input is detached it cannot
+change the backbone. Its accuracy is counted only in iterations the scenario reports
+(`ModContext.collect_stats`: event iterations), two int64 counts per micro-batch; the
+tokens and the selected count are known on the host.
 
 Per-layer state lives in the layer, so a migration or a repack moves it: router and
 predictor are submodules (weights, gradients, Adam state travel), and the current
@@ -40,9 +48,10 @@ import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from dynmo_plugin.scenarios.gathered_tokens import AttachLoss, gather_mask
+from dynmo_plugin.scenarios.gathered_tokens import gather_mask
+from dynmo_plugin.scenarios.shapes import round_nearest
 
-__all__ = ["ModContext", "Predictor", "MoDLayer", "mod_spec", "tokens_for",
+__all__ = ["ModContext", "Predictor", "MoDLayer", "AttachBCE", "mod_spec", "tokens_for", "GRANULARITY",
            "gather_rotary", "time_scratch_layers"]
 
 # kwargs of TransformerLayer.forward this layer cannot route (they index tokens in ways
@@ -52,9 +61,13 @@ _UNSUPPORTED = ("rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin", "atten
                 "inference_params")
 
 
-def tokens_for(capacity: float, seq_length: int) -> int:
-    """Tokens per sequence a block of this capacity processes: round(c x s), at least 1."""
-    return max(1, min(seq_length, int(round(capacity * seq_length))))
+GRANULARITY = 64  # tokens: the default multiple a routed block's token count is rounded to
+
+
+def tokens_for(capacity: float, seq_length: int, granularity: int = GRANULARITY) -> int:
+    """Tokens per sequence a block of this capacity processes: c x s rounded to the
+    nearest multiple of `granularity`, at least one granule, at most the sequence."""
+    return round_nearest(capacity * seq_length, granularity, seq_length)
 
 
 @dataclass
@@ -65,6 +78,7 @@ class ModContext:
 
     predictor_loss_weight: float
     grad_scale: float
+    collect_stats: bool = False  # count the predictor's hits (an event iteration)
 
 
 class Predictor(torch.nn.Module):
@@ -83,11 +97,14 @@ class Predictor(torch.nn.Module):
 class MoDLayer(TransformerLayer):
     """TransformerLayer that, if routed, processes only its top-C tokens per sequence."""
 
-    def __init__(self, *args, capacities: dict, predictor_width: int, **kwargs):
-        """`capacities`: {global layer number: initial capacity} of the routed layers."""
+    def __init__(self, *args, capacities: dict, predictor_width: int,
+                 granularity: int = GRANULARITY, **kwargs):
+        """`capacities`: {global layer number: initial capacity} of the routed layers;
+        `granularity`: the multiple (tokens) a block's token count is rounded to."""
         super().__init__(*args, **kwargs)
         capacity = capacities.get(self.layer_number)
         self.routed = capacity is not None
+        self.granularity = granularity
         self.mod_context: Optional[ModContext] = None
         if self.routed:
             h = self.config.hidden_size
@@ -117,12 +134,23 @@ class MoDLayer(TransformerLayer):
         if self.routed and prefix + "capacity" in state_dict:
             self._capacity = float(state_dict[prefix + "capacity"])
 
+    def tokens(self, seq_length: int) -> int:
+        """Tokens per sequence this block processes at its current capacity."""
+        return tokens_for(self._capacity, seq_length, self.granularity)
+
     def reset_mod_stats(self) -> None:
-        """Start a new iteration: [tokens, selected, predicted, predicted & selected,
-        predictions right] summed over this iteration's micro-batches."""
-        first = next(self.parameters(), None)  # on the layer's device: no copy per forward
-        self.mod_stats = torch.zeros(5, dtype=torch.float64,
-                                     device=first.device if first is not None else "cpu")
+        """Start a new iteration's predictor counts: tokens and selected (host ints,
+        known from the shapes) and [predicted, predicted & selected] (device int64,
+        allocated at the first counted micro-batch)."""
+        self._seen = [0, 0]
+        self._hits: Optional[torch.Tensor] = None
+
+    def mod_counts(self) -> list[int]:
+        """[tokens, selected, predicted, predicted & selected, predictions right] summed
+        over the micro-batches counted since the last reset (one device read)."""
+        tokens, selected = self._seen
+        predicted, both = self._hits.tolist() if self._hits is not None else (0, 0)
+        return [tokens, selected, predicted, both, tokens - selected - predicted + 2 * both]
 
     def forward(self, *args, **kwargs):
         if not self.routed:
@@ -141,9 +169,10 @@ class MoDLayer(TransformerLayer):
             raise NotImplementedError("Mixture of Depths needs whole sequences (no sequence parallel)")
         x = kwargs.pop("hidden_states")
         s, b, h = x.shape
-        c = tokens_for(self._capacity, s)
+        c = self.tokens(s)
         logits = self.router(x).squeeze(-1)  # [s, b]
         # expert choice: the top C tokens of each sequence, kept in their original order
+        # (sorted: a fused causal kernel that ignores the mask stays right)
         idx = torch.topk(logits.detach(), c, dim=0, sorted=False).indices.sort(dim=0).values
         gate = torch.sigmoid(logits.gather(0, idx))[..., None]            # [C, b, 1]
         if c == s:  # every token: no gather needed (idx is 0..s-1 per column)
@@ -156,28 +185,57 @@ class MoDLayer(TransformerLayer):
             if kwargs.get("rotary_pos_emb") is not None:
                 kwargs["rotary_pos_emb"] = gather_rotary(kwargs["rotary_pos_emb"], idx)
             y_sel, context = super().forward(hidden_states=x_sel, **kwargs)
-            out = x.scatter(0, where, x_sel + gate * (y_sel - x_sel))
+            # x + the gated update at the selected rows; backward: x's gradient passes as is
+            out = x.scatter_add(0, where, gate * (y_sel - x_sel))
         return self._predictor_loss(out, x, idx, ctx), context
 
     def _predictor_loss(self, out: torch.Tensor, x: torch.Tensor, idx: torch.Tensor,
                         ctx: ModContext) -> torch.Tensor:
         """Train the causal predictor on this micro-batch's top-C membership."""
-        pred = self.predictor(x.detach())                                  # [s, b]
-        target = torch.zeros_like(pred).scatter_(0, idx, 1.0)
-        loss = F.binary_cross_entropy_with_logits(pred.float(), target.float())
-        with torch.no_grad():  # no host sync: read by the scenario at event iterations only
-            yes, sel = pred > 0, target > 0.5
-            counts = torch.stack([sel.sum(), yes.sum(), (yes & sel).sum(), (yes == sel).sum()])
-            if self.mod_stats.device != x.device:
-                self.mod_stats = self.mod_stats.to(x.device)
-            self.mod_stats[0] += target.numel()
-            self.mod_stats[1:] += counts.double()
         scale = ctx.grad_scale * ctx.predictor_loss_weight
+        if scale == 0.0 and not ctx.collect_stats:
+            return out
+        pred = self.predictor(x.detach())                                   # [s, b]
+        if ctx.collect_stats:
+            self._count_hits(pred, idx)
         if scale == 0.0:
             return out
-        return AttachLoss.apply(out, loss, scale)
+        return AttachBCE.apply(out, pred, idx, scale)
+
+    @torch.no_grad()
+    def _count_hits(self, pred: torch.Tensor, idx: torch.Tensor) -> None:
+        """Add [predicted, predicted & selected] on the device (no host read; the scenario
+        reads them once per event) and the shapes' tokens and selected on the host."""
+        yes = pred > 0
+        hits = torch.stack([yes.sum(), yes.gather(0, idx).sum()])
+        self._hits = hits if self._hits is None else self._hits + hits
+        self._seen[0] += pred.numel()
+        self._seen[1] += idx.numel()
 
 
+
+
+class AttachBCE(torch.autograd.Function):
+    """`AttachBCE.apply(output, pred, idx, scale)`: `output` unchanged; backward also
+    sends `pred` the gradient of scale x mean binary cross-entropy of the logits `pred`
+    [s, b] against the targets 1 at `idx` [C, b] and 0 elsewhere:
+    scale x (sigmoid(pred) - target) / (s x b), in float32. The loss value itself is never
+    needed (it joins no report), so forward computes nothing: the same gradient as
+    `AttachLoss(output, F.binary_cross_entropy_with_logits(...), scale)` for a third of
+    its ops."""
+
+    @staticmethod
+    def forward(ctx, output, pred, idx, scale: float):
+        ctx.save_for_backward(pred, idx)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        pred, idx = ctx.saved_tensors
+        minus_one = torch.full(idx.shape, -1.0, device=pred.device)
+        grad = torch.sigmoid(pred.float()).scatter_add_(0, idx, minus_one)
+        return grad_output, grad.mul_(ctx.scale / pred.numel()).to(pred.dtype), None, None
 
 
 def gather_rotary(emb, idx: torch.Tensor):
@@ -191,14 +249,15 @@ def gather_rotary(emb, idx: torch.Tensor):
     return emb[:, 0][idx]
 
 
-def mod_spec(spec: ModuleSpec, capacities: dict[int, float], predictor_width: int) -> ModuleSpec:
+def mod_spec(spec: ModuleSpec, capacities: dict[int, float], predictor_width: int,
+             granularity: int = GRANULARITY) -> ModuleSpec:
     """`spec` (a TransformerLayer spec) with MoDLayer as its module."""
     if not (isinstance(spec.module, type) and issubclass(spec.module, TransformerLayer)):
         raise ValueError(f"Mixture of Depths needs a TransformerLayer spec, got {spec.module!r}")
     out = copy.copy(spec)
     out.module = MoDLayer
     out.params = {**(spec.params or {}), "capacities": dict(capacities),
-                  "predictor_width": predictor_width}
+                  "predictor_width": predictor_width, "granularity": granularity}
     return out
 
 
@@ -216,7 +275,8 @@ def time_scratch_layers(trainer, clock, capacities, repeats: int) -> dict:
 
     def scratch(routed: bool):
         caps = {n: 1.0 for n in range(1, cfg.num_layers + 1)} if routed else {}
-        layer = build_scratch_layer(mod_spec(trainer.spec, caps, width), cfg, 1,
+        spec = mod_spec(trainer.spec, caps, width, trainer.spec.params.get("granularity", GRANULARITY))
+        layer = build_scratch_layer(spec, cfg, 1,
                                     decoder.pg_collection, decoder.vp_stage, device, gen)
         layer.mod_context = ModContext(predictor_loss_weight=1.0, grad_scale=1.0)
         return layer

@@ -3,7 +3,8 @@ in transformer-based language models", 2024) as a live dynamism scenario.
 
 Every `every`-th decoder layer (global numbers every, 2*every, ...; the paper routes
 every other block) becomes a routed block (dynmo_plugin.scenarios.mixture_of_depths.layer): a router
-picks the top C = round(capacity x s) tokens of each sequence (expert choice), only
+picks the top C tokens of each sequence (expert choice; C = capacity x s rounded to a
+multiple of `granularity`, 64 by default, so the block's GEMMs keep GPU-friendly sizes), only
 those go through the block, the others ride the residual stream. A small auxiliary
 predictor per routed block learns to predict top-C membership causally (what the
 paper samples with). Capacity is per layer (`capacity`, overridden by
@@ -16,16 +17,18 @@ their capacity. So block cost differs across layers and over time.
 Events. Each capacity change is a `DynamismEvent` (rebalance: True). With a constant
 capacity (`final_capacity` 0) the same iterations report the predictor's progress; the
 first of them asks for a rebalance (per-layer capacities unbalance the split from the
-start), the others only report. An event's detail: the capacities and tokens per
-sequence from the next iteration on, the predictor's accuracy/recall per routed layer
-in the iteration just trained (gathered over every rank, summarised once), and the
-work model.
+start), the others only report. An event's detail: the capacities asked for, the tokens
+per sequence and the capacities actually used (after rounding) from the next iteration
+on, the predictor's accuracy/recall per routed layer in the iteration just trained
+(counted in event iterations only, gathered over every rank, summarised once), and the
+work model (at the capacities used).
 
 Work (`DynamismEvent.work`, {layer: units}, same on every rank): each layer's cost
 per micro-batch in token-equivalents of a plain layer, from a cost model fitted once,
 at the first event: rank 0 times a scratch routed layer (the run's own spec and
-sizes) at capacities 1, 3/4, 1/2, 1/4, 1/8 and a scratch plain layer (medians of 5
-rounds), and fits t(c) = fixed + linear*c + quadratic*c^2 (fixed: what does not
+sizes) at capacities 1, 3/4, 1/2, 1/4, 1/8 (each as rounded: the fit is over the capacities
+used) and a scratch plain layer (medians of 5 rounds), and fits
+t(c) = fixed + linear*c + quadratic*c^2 (fixed: what does not
 shrink with C: router, predictor, gather/scatter over all s tokens, the per-call
 overhead of the layer; linear: projections and MLP over C tokens; quadratic:
 attention over C x C); the result is decided once (broadcast) so every rank predicts
@@ -239,6 +242,7 @@ class MixtureOfDepths(Scenario):
         self.work_model: Optional[WorkModel] = None
         self.changes = 0  # schedule changes applied so far
         self._num_layers = 0
+        self._collect = False  # count the predictor's hits this iteration (an event's)
 
     # ---- Scenario interface ---------------------------------------------------------------
     def layer_spec(self, spec, model_args):
@@ -247,7 +251,8 @@ class MixtureOfDepths(Scenario):
         from dynmo_plugin.scenarios.mixture_of_depths.layer import mod_spec
         self._num_layers = model_args.num_layers
         self.schedule = CapacitySchedule.from_config(self.settings, model_args.num_layers)
-        return mod_spec(spec, self.schedule.capacities(0), _predictor_width(model_args.hidden_size))
+        return mod_spec(spec, self.schedule.capacities(0), _predictor_width(model_args.hidden_size),
+                        self.settings.granularity)
 
     def attach(self, runtime: Runtime) -> None:
         super().attach(runtime)
@@ -267,6 +272,7 @@ class MixtureOfDepths(Scenario):
         self._apply_capacities()  # the checkpoint's buffers hold these already
 
     def before_step(self, iteration: int) -> None:
+        self._collect = self.schedule.event_index(iteration) is not None
         self._bind(reset=True)
 
     def after_layout_change(self) -> None:
@@ -289,29 +295,38 @@ class MixtureOfDepths(Scenario):
         if not self.schedule.constant:
             self.changes = k
             self._apply_capacities()
-        from dynmo_plugin.scenarios.mixture_of_depths.layer import tokens_for
         capacities = self.schedule.capacities(self.changes)
+        tokens = self._tokens(capacities)
         seq = self.runtime.trainer.args.seq_length
+        used = {n: round(c / seq, 6) for n, c in tokens.items()}
         detail = {"change": self.changes, "rounds": self.schedule.rounds,
                   "capacity_before": before, "capacity": capacities,
-                  "tokens_per_sample": {n: tokens_for(c, seq) for n, c in capacities.items()},
-                  "predictor": predictor, "work_model": self.work_model.to_dict()}
+                  "granularity": self.settings.granularity, "tokens_per_sample": tokens,
+                  "capacity_used": used, "predictor": predictor,
+                  "work_model": self.work_model.to_dict()}
         rebalance = (not self.schedule.constant) or k == 1
         if self.runtime.control.rank == 0:
             logger.info("mixture of depths: iteration %d, capacities %s, predictor accuracy %s",
                         iteration, capacities, {n: p["accuracy"] for n, p in predictor.items()})
         return DynamismEvent(self.name, iteration, detail, rebalance=rebalance,
-                             work=self.work_model.work(self._num_layers, capacities))
+                             work=self.work_model.work(self._num_layers, used))
 
     # ---- helpers ------------------------------------------------------------------------------
     def _layers(self):
         return self.runtime.trainer.layers
 
+    def _tokens(self, capacities: dict[int, float]) -> dict[int, int]:
+        """{routed layer: tokens per sequence} its block processes at these capacities."""
+        from dynmo_plugin.scenarios.mixture_of_depths.layer import tokens_for
+        seq, g = self.runtime.trainer.args.seq_length, self.settings.granularity
+        return {n: tokens_for(c, seq, g) for n, c in capacities.items()}
+
     def _bind(self, reset: bool) -> None:
         from dynmo_plugin.scenarios.mixture_of_depths.layer import ModContext
         t = self.runtime.trainer
         loss_scale = current_loss_scale(t)
-        context = ModContext(self.settings.predictor_loss_weight, loss_scale / t.num_microbatches)
+        context = ModContext(self.settings.predictor_loss_weight, loss_scale / t.num_microbatches,
+                             collect_stats=self._collect)
         for layer in self._layers():
             layer.mod_context = context
             if reset:
@@ -325,7 +340,7 @@ class MixtureOfDepths(Scenario):
 
     def _predictor_stats(self) -> dict:
         """The iteration's predictor counts from every rank, summarised once."""
-        local = {layer.layer_number: layer.mod_stats.tolist() for layer in self._layers()
+        local = {layer.layer_number: layer.mod_counts() for layer in self._layers()
                  if layer.routed}
         gathered = self.runtime.control.all_gather(local, "mod-predictor-stats")
         return self.decide_or_fallback(lambda: predictor_summary(gathered), "mod-predictor",
@@ -341,8 +356,10 @@ class MixtureOfDepths(Scenario):
                                       _CALIBRATION_REPEATS)
         medians = {c: statistics.median(secs) for c, secs in samples.items()}
         plain = medians.pop(None)
-        model = WorkModel.fit(list(medians.items()), plain, t.args.seq_length,
-                              t.args.micro_batch_size)
+        s, g = t.args.seq_length, self.settings.granularity
+        from dynmo_plugin.scenarios.mixture_of_depths.layer import tokens_for
+        used = [(tokens_for(c, s, g) / s, v) for c, v in medians.items()]  # what ran
+        model = WorkModel.fit(used, plain, s, t.args.micro_batch_size)
         logger.info("mixture of depths: calibration ms: plain %.2f, routed by capacity %s",
                     plain * 1e3, {c: round(v * 1e3, 2) for c, v in medians.items()})
         return model.to_dict()

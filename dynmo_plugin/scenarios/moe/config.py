@@ -25,6 +25,10 @@ class MoeConfig:
     capacity_factor: float = field(default=0.0, metadata=opt(
         "expert capacity factor; tokens over capacity are dropped (0: no dropping)",
         "--dynmo-moe-capacity-factor", non_negative))
+    granularity: int = field(default=64, metadata=opt(
+        "an expert's capacity per micro-batch (tokens it may keep) is rounded to a multiple of "
+        "this many tokens (a GEMM-friendly size; the events report the capacity used)",
+        "--dynmo-moe-granularity", positive))
     aux_loss_coeff: float = field(default=0.01, metadata=opt(
         "weight of the router's load-balancing loss", "--dynmo-moe-aux-loss-coeff", non_negative))
     start: int = field(default=2, metadata=opt("iteration of the first routing event",

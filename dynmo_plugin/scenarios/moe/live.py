@@ -3,9 +3,12 @@
 The decoder's MoE layers are Megatron's `MoELayer` (router `TopKRouter` with its
 auxiliary load-balancing loss, `SequentialMLP` experts, the `allgather` token
 dispatcher), on every `every`-th layer (Megatron's `moe_layer_freq`; the others are
-dense). With a capacity factor, an expert takes at most
-ceil(tokens x top_k / experts x capacity_factor) tokens per micro-batch and the rest of
-its tokens are dropped (Megatron's "probs" policy: the lowest router probabilities go).
+dense). With a capacity factor, an expert takes at most C tokens per micro-batch, C =
+tokens x top_k / experts x capacity_factor rounded to the nearest multiple of
+`granularity` (64 by default; at least one granule, at most every token: `expert_capacity`),
+and the rest of its tokens are dropped (Megatron's "probs" policy: the lowest router
+probabilities go). Megatron takes a factor, not a size: the scenario hands it the factor
+whose ceiling is exactly C, and every event reports C (`expert_capacity`).
 Routing changes every iteration as the router learns, so does how many tokens each
 layer's experts process, and with it each layer's cost (DynMo's MoE scenario, which
 rebalances every iteration).
@@ -49,9 +52,11 @@ from dynmo_plugin.config import ConfigError
 
 from dynmo_plugin.scenarios.base import DynamismEvent, Runtime, Scenario
 from dynmo_plugin.scenarios.flops import FLOP_FALLBACK, DecoderFlops
+from dynmo_plugin.scenarios.shapes import round_nearest
 
 __all__ = ["MixtureOfExperts", "CostModel", "combine_counts", "ep_expert_tokens", "layer_work",
-           "cost_model_from_calibrations", "flop_cost_model", "moe_layer_numbers"]
+           "cost_model_from_calibrations", "flop_cost_model", "moe_layer_numbers",
+           "expert_capacity", "megatron_capacity_factor"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +73,20 @@ def moe_layer_numbers(num_layers: int, every: int, pattern: str = "") -> tuple[i
         raise ConfigError(f"dynamism.moe.pattern has {len(flags)} entries for {num_layers} decoder "
                           f"layers; give one 0 or 1 per layer")
     return tuple(n for n, moe in enumerate(flags, start=1) if moe)
+
+
+def expert_capacity(tokens: int, top_k: int, experts: int, factor: float, granularity: int) -> int:
+    """Tokens one expert may keep per micro-batch: its fair share (tokens x top_k /
+    experts) times `factor`, rounded to the nearest multiple of `granularity` (at least
+    one granule, at most `tokens`: an expert sees each token once)."""
+    return round_nearest(tokens * top_k / experts * factor, granularity, tokens)
+
+
+def megatron_capacity_factor(capacity: int, tokens: int, top_k: int, experts: int) -> float:
+    """The factor for which Megatron's get_capacity (ceil(tokens x top_k / experts x
+    factor)) gives exactly `capacity`: half a token below it, so rounding errors of the
+    float product cannot reach the next integer."""
+    return (capacity - 0.5) / (tokens * top_k / experts)
 
 
 @dataclass(frozen=True)
@@ -167,6 +186,8 @@ class MixtureOfExperts(Scenario):
         self.settings = config.moe
         self.ep_model = self.settings.ep_model  # the EP size the work assumes (1: source (a))
         self.cost_model: Optional[CostModel] = None
+        self.tokens: Optional[int] = None  # per micro-batch, known from layer_spec on
+        self.capacity: Optional[int] = None  # tokens per expert per micro-batch (None: no dropping)
         s = self.settings
         if s.top_k > s.num_experts:
             raise ConfigError(f"dynamism.moe.top_k ({s.top_k}) exceeds dynamism.moe.num_experts "
@@ -177,7 +198,10 @@ class MixtureOfExperts(Scenario):
 
     # ---- model ----------------------------------------------------------------------------
     def layer_spec(self, spec, model_args):
+        from dynmo_plugin.megatron.training.te_names import bind_missing_te_names
         from dynmo_plugin.scenarios.moe.layer import moe_layer_spec
+        bind_missing_te_names()  # the router reads te_general_gemm; unbound without TE
+        self.tokens = model_args.seq_length * model_args.micro_batch_size
         return moe_layer_spec(spec, _moe_spec(spec, self.settings.num_experts),
                               self._moe_layers(model_args.num_layers))
 
@@ -190,7 +214,7 @@ class MixtureOfExperts(Scenario):
         config.moe_router_topk = s.top_k
         config.moe_router_load_balancing_type = "aux_loss"
         config.moe_aux_loss_coeff = s.aux_loss_coeff
-        config.moe_expert_capacity_factor = s.capacity_factor if s.capacity_factor > 0 else None
+        config.moe_expert_capacity_factor = self._capacity_factor()
         config.moe_token_drop_policy = "probs"
         config.moe_pad_expert_input_to_capacity = False
         moe = self._moe_layers(config.num_layers)
@@ -208,6 +232,19 @@ class MixtureOfExperts(Scenario):
             raise ConfigError("MoE's allgather dispatcher does not support variable sequence "
                               "lengths (another scenario set them)")
 
+    def _capacity_factor(self) -> Optional[float]:
+        """Megatron's factor for the rounded capacity (None: no dropping)."""
+        s = self.settings
+        if s.capacity_factor <= 0:
+            self.capacity = None
+            return None
+        if self.tokens is None:
+            raise RuntimeError("MixtureOfExperts.configure_model needs layer_spec first "
+                               "(the tokens per micro-batch set the expert capacity)")
+        self.capacity = expert_capacity(self.tokens, s.top_k, s.num_experts, s.capacity_factor,
+                                        s.granularity)
+        return megatron_capacity_factor(self.capacity, self.tokens, s.top_k, s.num_experts)
+
     # ---- lifecycle --------------------------------------------------------------------------
     def attach(self, runtime: Runtime) -> None:
         super().attach(runtime)
@@ -224,6 +261,10 @@ class MixtureOfExperts(Scenario):
             logger.warning("MoE cost calibration failed on rank %d: %r", t.dims.rank, e)
             mine = {"error": f"{type(e).__name__}: {e}"}
         gathered = control.all_gather(mine, "moe-calibration")
+        errors = [f"rank {i}: {r['error']}" for i, r in enumerate(gathered) if r and "error" in r]
+        if errors:  # every rank knows: the next event says so, even if others' numbers do
+            self.note_fallback("moe-calibration", "; ".join(errors),
+                               "the cost model from the ranks that calibrated (or matmul FLOPs)")
         model = self.decide_or_fallback(
             lambda: cost_model_from_calibrations(gathered).to_dict(), "moe-cost-model",
             lambda: flop_cost_model(t.config, t.args.seq_length, t.args.micro_batch_size).to_dict(),
@@ -311,6 +352,7 @@ class MixtureOfExperts(Scenario):
             "aux_loss_scale": sorted(scales),
             "ep_straggler": {"ep": s.num_experts, "work": straggler},
             "ep_model": self.ep_model,
+            "expert_capacity": self.capacity,
             "cost_model": self.cost_model.to_dict(),
         }
         return detail, work
