@@ -325,6 +325,10 @@ def enable() -> None:
     if is_enabled():
         return
     mtt = check_version()
+    # Megatron-Core's MoE router reads te_general_gemm, bound only when Transformer Engine
+    # imports: without TE (on CUDA too) Megatron-LM's own MoE would die with a NameError
+    from dynmo_plugin.megatron.training.te_names import bind_missing_te_names
+    bind_missing_te_names()
     for name, make in wrappers(make_run=_Run).items():
         original = getattr(mtt, name)
         _hooks.originals[name] = original

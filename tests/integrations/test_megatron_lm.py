@@ -174,6 +174,17 @@ def test_enable_wraps_and_disable_restores(mtt):
 
 
 @needs_source
+def test_enable_binds_the_te_names_megatron_cores_moe_router_reads(mtt, monkeypatch):
+    """As on a CUDA machine without Transformer Engine: moe_utils has no te_general_gemm
+    (Megatron-Core binds it only inside its TE import), so Megatron-LM's own MoE router
+    would raise NameError; enable() binds it to None, the value the router checks."""
+    from megatron.core.transformer.moe import moe_utils
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
+    ml.enable()
+    assert moe_utils.te_general_gemm is None
+
+
+@needs_source
 def test_unknown_megatron_lm_versions_are_refused(mtt, monkeypatch):
     from megatron.core import package_info
     assert ml._installed_core_version() == package_info.__version__ == ml.SUPPORTED_CORE

@@ -85,7 +85,7 @@ def _check_layers(args):
     frozen.set_frozen(True)
     assert _reads(frozen, hidden(), attention_mask=mask) == []
 
-    routed = build(mod_spec(base, {2: 0.5}, 8))
+    routed = build(mod_spec(base, {2: 0.5}, 8, granularity=8))  # s16: 64 would route all
     routed.mod_context = ModContext(predictor_loss_weight=1.0, grad_scale=1.0)
     assert _reads(routed, hidden(), attention_mask=mask) == []
 
