@@ -10,11 +10,12 @@ m x dp / dp' micro-batches). The candidates, each simulated over the whole run:
 * uniform: Megatron's split on pp stages, dp replicas;
 * tuned: the exact split of the initial model on pp stages, dp replicas;
 * packed: the repack decision's K stages, dp replicas (the freed GPUs released);
-* grown_K: K stages on P x dp / K replicas (every GPU kept), for every K from the
-  repack decision's up to P - 1 into which the ranks and the global batch split evenly
-  (`grow.grow_refusal`): the decision's own layout at its K, the exact split of the
-  initial model on K stages otherwise (the decision's K need not split evenly: 6 of 8
-  stages at dp 8 does not, so its next sizes up are candidates).
+* grown_K: K stages on P x dp / K replicas (every GPU kept), for every K < P into which
+  the ranks and the global batch split evenly (`grow.grow_refusal`) and the layers fit
+  in memory: the repack decision's own layout at its K, the exact split of the initial
+  model on K stages otherwise. All such K, not only the decision's: the decision sizes
+  for release (no slower on fewer GPUs) and its K need not split evenly (6 of 8 stages
+  at dp 8 does not), while grown, fewer stages can be faster.
 
 `pick` returns the best candidate by one objective: "tokens_per_s" (every candidate
 uses at most pp x dp GPUs, so the pick is never below uniform or tuned in tokens per
@@ -75,7 +76,7 @@ def static_choices(*, uniform: Layout, tuned: Layout, packed: Layout, dp: int,
     p, k = uniform.num_stages, packed.num_stages
     if k < p:
         out["packed"] = choice("packed", packed, dp, m)
-    for size in range(k, p):
+    for size in range(1, p):
         if grow_refusal(p, size, dp, m) is not None:
             continue
         layout = packed if size == k else split_at(size)

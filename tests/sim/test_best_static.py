@@ -50,21 +50,27 @@ class _Summary:
 
 
 def test_candidates_follow_the_grow_arithmetic():
-    """8 stages at dp 2 packed to 4: grown to 4 x dp 4 (the global batch of 2 x 32
-    micro-batches unchanged: 16 per replica); sizes 5-7 do not split 16 ranks evenly,
-    so they are no candidates; the decision's own layout is used at its size."""
+    """8 stages at dp 2 (16 ranks), 32 micro-batches per replica, packed to 4: grown
+    candidates at every K the 16 ranks split into (1, 2, 4; not 3, 5, 6, 7), each on
+    16 / K replicas running 64 x K / 16 micro-batches (the global batch unchanged);
+    the decision's own layout at its K, the exact split (`split_at`) at the others."""
     uniform, packed = Layout.uniform(16, 8), Layout.uniform(16, 4)
-    seen = []
+    seen, asked = [], []
 
     def run_fixed(layout, dp, m):
         seen.append((layout.num_stages, dp, m))
         return _Summary(1.0, layout.num_stages * dp)
 
+    def split_at(k):
+        asked.append(k)
+        return Layout.uniform(16, k)
+
     out = static_choices(uniform=uniform, tuned=uniform, packed=packed, dp=2, num_microbatches=32,
-                         run_fixed=run_fixed, split_at=lambda k: pytest.fail(f"split asked for {k}"))
-    assert list(out) == ["uniform", "tuned", "packed", "grown_4"]
-    assert seen[-1] == (4, grown_dp(8, 4, 2), 16) == (4, 4, 16)
-    assert out["grown_4"].layout is packed and out["grown_4"].gpus == 16
+                         run_fixed=run_fixed, split_at=split_at)
+    assert list(out) == ["uniform", "tuned", "packed", "grown_1", "grown_2", "grown_4"]
+    assert asked == [1, 2]
+    assert seen[3:] == [(1, 16, 4), (2, 8, 8), (4, grown_dp(8, 4, 2), 16)]
+    assert out["grown_4"].layout is packed and all(c.gpus == 16 for n, c in out.items() if n != "packed")
 
 
 def test_pick_by_objective_and_refusals():
