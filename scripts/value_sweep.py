@@ -150,7 +150,8 @@ def moonshot(rows: list[dict]) -> dict:
     if not cells:
         return {"reached": False, "best": "no campaigns"}
     v, f, r = max(cells, key=lambda c: c[0])
-    fair = max((r2[f"{f2}_gpuh_over_per_gpu_bar"], f2, r2) for r2 in rows for f2 in FREED)
+    fair = max(((r2[f"{f2}_gpuh_over_per_gpu_bar"], f2, r2) for r2 in rows for f2 in FREED),
+               key=lambda c: c[0])
     return {"reached": bool(hits), "rows": hits,
             "best": f"{_where(r)} freed={f}: {v:.2f}x tokens per GPU-hour, {r[f'{f}_tokens_s']:.2f}x tokens/s",
             "best_over_per_gpu_bar": f"{_where(fair[2])} freed={fair[1]}: {fair[0]:.2f}x"}

@@ -34,7 +34,7 @@ def test_quick_sweep_rows_and_summary(sweep):
     assert s["campaigns"] == 4 and s["repacks_slower_than_allowed"] == 0
     assert s["moonshot"]["best"].startswith("FLOP ")
     for r in rows:
-        assert r["best_over_static"] >= 1.0 and r["fluid_over_best"] >= 1.0
+        assert r["best_over_static"] >= 1.0 and r["per_gpu_bar_gpuh_over_best"] >= 1.0 - 1e-12
         for f in value_sweep.FREED:  # started on the bar: at most the overheads below it
             assert r[f"{f}_tokens_s"] >= 0.98
             assert r[f"{f}_gpus_avg"] <= 64 + 1e-9
