@@ -49,6 +49,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--repack", action="store_true", help="consolidate onto fewer stages when it pays")
     p.add_argument("--start-balanced", action="store_true",
                    help="DynMo starts on the exact split of the initial model (--dynmo-start-balanced-at)")
+    p.add_argument("--start-best-static", action="store_true",
+                   help="DynMo starts on the best static choice (tuned split, pipeline sized once, "
+                        "freed GPUs as data parallelism; sim.best_static)")
+    p.add_argument("--freed", default="release", metavar="MODE",
+                   help="release | grow | auto: what the ranks a repack frees do (repack.freed)")
     p.add_argument("--repack-objective", default=None, metavar="NAME",
                    help="min_stages | throughput_per_gpu (default: the live default)")
     p.add_argument("--repack-max-slowdown", type=float, default=None, metavar="X",
@@ -61,7 +66,9 @@ def add_parser(subparsers) -> None:
                    help="gate horizon in iterations (default: until the next rebalance point)")
     costs = p.add_mutually_exclusive_group()
     costs.add_argument("--hardware", default="a100-flops", metavar="NAME",
-                       help="a100-flops (FLOP model) | h100 (measured curves) | a profile file")
+                       help="a100-flops (FLOP model) | h100 (measured curves, host-bound shapes) | "
+                            "h100-gpu | h200-gpu (gpu_check's curves; 'not measured' until a GPU "
+                            "produced them) | a profile file")
     costs.add_argument("--costs-from", default=None, metavar="RUN_DIR",
                        help="price layers with a training run's measured profiles (report.json); "
                             "the model takes the run's shape")
@@ -98,11 +105,13 @@ def _text(args: argparse.Namespace, result, cost_model: dict) -> str:
         f"speedup: {result.speedup:.3f}x over the same dynamism on Megatron's static split",
     ]
     for name, label in (("static_tuned", "the split tuned once at the start (static_tuned)"),
+                        ("best_static", "the best static choice (tuned, sized once, freed GPUs as DP)"),
                         ("no_dynamism", "the dense model (no dynamism)"),
                         ("static_best", "the better of Megatron's and DeepSpeed's static splits")):
         if name in result.baselines:
             lines.append(f"speedup: {result.speedup_over(name):.3f}x over {label}")
     lines += _baseline_table(args, result)
+    lines += [f"{name}: {what}" for name, what in result.static_choices.items()]
     lines += [
         f"decisions (live plan -> gate path): {len(result.events)} rebalance points, "
         f"{len(applied)} applied ({sum(e.kind == 'repack' for e in applied)} repacks)",
@@ -118,6 +127,7 @@ def _text(args: argparse.Namespace, result, cost_model: dict) -> str:
 
 _LABELS = {"static": "static (Megatron's split)", "static_tuned": "static_tuned (exact, at start)",
            "static_deepspeed": "static_deepspeed", "packed_once": "packed_once (repack at start)",
+           "best_static": "best_static (by tokens/s)", "best_static_per_gpu": "best_static_per_gpu",
            "no_dynamism": "no_dynamism (dense)", "fluid": "fluid bound (1/pp each)"}
 
 
@@ -192,6 +202,7 @@ def _model(args: argparse.Namespace):
     """(GPTShape, Hardware, pruning granularity, cost-model description) from the flags."""
     from dynmo_plugin.sim.from_run import from_run
     from dynmo_plugin.sim.gpt import GPTShape
+    from dynmo_plugin.sim.gpu_curves import GPU_MODELS, gpu_hardware
     from dynmo_plugin.sim.measured import hardware
 
     head = not args.no_output_layer
@@ -206,7 +217,9 @@ def _model(args: argparse.Namespace):
         hw, granularity = run.hardware(), args.pruning_granularity or run.granularity
     else:
         shape = GPTShape(num_layers=args.layers, output_layer=head, **given)
-        hw, granularity = hardware(args.hardware, shape), args.pruning_granularity
+        named = args.hardware in GPU_MODELS
+        hw = gpu_hardware(args.hardware, shape) if named else hardware(args.hardware, shape)
+        granularity = args.pruning_granularity
     m = hw.measured
     info = ({"name": hw.name, "source": "FLOPs (Narayanan et al. 2021) at 45% of 312 TFLOP/s"}
             if m is None else {"name": m.name, "source": m.source, "profile": m.to_dict(),
@@ -243,13 +256,15 @@ def campaign_config(args: argparse.Namespace):
     criteria = replace(criteria, **{k: v for k, v in (("objective", args.repack_objective),
                                                       ("max_slowdown", args.repack_max_slowdown))
                                     if v is not None})
-    baselines = ("static", "static_tuned", "packed_once", "no_dynamism", "fluid") + (
+    baselines = ("static", "static_tuned", "packed_once", "best_static", "best_static_per_gpu",
+                 "no_dynamism", "fluid") + (
         ("static_deepspeed",) if args.deepspeed_baseline else ())
     cfg = CampaignConfig(scenario=scenario, dp=args.dp, pp=args.pp,
                          num_microbatches=args.microbatches, iterations=args.iterations,
                          balancer=args.balancer, rebalance_every=args.rebalance_every,
                          repack=args.repack, repack_criteria=criteria, gate=gate, baselines=baselines,
-                         start_balanced=args.start_balanced,
+                         start_balanced=args.start_balanced, start_best_static=args.start_best_static,
+                         freed=args.freed,
                          noise_sigma=args.noise, seed=args.seed, shape=shape, hw=hw)
     return cfg, info
 

@@ -27,6 +27,9 @@ Baselines (`BASELINES`), each over the same iterations and tokens:
   over Megatron's split, without a gate (nothing moves before training starts), then
   kept: a pipeline made smaller once at the start; when no smaller K qualifies, the
   static_tuned split on all pp stages;
+* best_static, best_static_per_gpu: the best static choice (`sim.best_static`): split
+  tuned once, pipeline sized once, the freed GPUs as data parallelism from the start,
+  best by tokens/s and by tokens per GPU-hour;
 * no_dynamism: the dense model on Megatron's split (no early exit, dense attention);
 * fluid: not a baseline but a bound: the same dynamism with every stage holding exactly
   1/pp of the work (layers divisible at will, no overheads); no layer-granular
@@ -38,11 +41,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 
-from dynmo_plugin.balancing import RepackCriteria, plan_repack, solve
+from dynmo_plugin.balancing import InfeasibleError, RepackCriteria, plan_repack, solve
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
+from dynmo_plugin.balancing.grow import FREED_MODES
+from dynmo_plugin.balancing.repack import shrink_problem
+from dynmo_plugin.sim.best_static import StaticChoice, pick, static_choices
 from dynmo_plugin.sim.cost import PipelineCosts
 from dynmo_plugin.sim.decision import DecisionTimeModel
+from dynmo_plugin.sim.freed import freed_step
 from dynmo_plugin.sim.gpt import GPTShape, Hardware, LayerLoad, layer_costs
 from dynmo_plugin.sim.iteration import IterationResult, simulate_iteration
 from dynmo_plugin.sim.pipeline import simulate_layout
@@ -53,7 +60,8 @@ __all__ = ["BASELINES", "CampaignConfig", "RunSummary", "RebalanceRecord", "Camp
            "run_campaign", "run_variants", "VARIANT_FIELDS", "work_share"]
 
 log = logging.getLogger(__name__)
-BASELINES = ("static", "static_deepspeed", "static_tuned", "packed_once", "no_dynamism", "fluid")
+BASELINES = ("static", "static_deepspeed", "static_tuned", "packed_once", "no_dynamism", "fluid",
+             "best_static", "best_static_per_gpu")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +77,11 @@ class CampaignConfig:
     noise; profiling_*: assumed profiling overhead; decision_time: modelled seconds per
     decision (the balancer's wall clock is never charged); start_balanced: DynMo starts
     on the exact split of the initial model (the live `--dynmo-start-balanced-at`; its
-    one profiled iteration is charged), else on Megatron's uniform split."""
+    one profiled iteration is charged), else on Megatron's uniform split;
+    start_best_static: DynMo starts on the best static choice by tokens/s (layout and
+    data parallelism: configured at launch like the bar itself, nothing charged);
+    freed: what the ranks a repack frees do (`balancing.grow.FREED_MODES`, the live
+    `repack.freed`; `sim.freed`)."""
 
     scenario: Scenario
     dp: int
@@ -90,6 +102,8 @@ class CampaignConfig:
     profiling_slowdown: float = 0.10
     decision_time: DecisionTimeModel = field(default_factory=DecisionTimeModel)
     start_balanced: bool = False
+    start_best_static: bool = False
+    freed: str = "release"
 
     def __post_init__(self) -> None:
         L = self.scenario.num_layers
@@ -105,6 +119,10 @@ class CampaignConfig:
         unknown = sorted(set(self.baselines) - set(BASELINES))
         if unknown:
             raise UserError(f"unknown baseline(s) {unknown}; choose from {', '.join(BASELINES)}")
+        if self.freed not in FREED_MODES:
+            raise UserError(f"freed must be one of {', '.join(FREED_MODES)}, got {self.freed!r}")
+        if self.start_balanced and self.start_best_static:
+            raise UserError("start_balanced and start_best_static both set: choose one start")
         self.decision_time.cost_of(self.balancer)  # a balancer without a model fails here
         if self.num_microbatches is None:
             object.__setattr__(self, "num_microbatches", 4 * self.pp)
@@ -156,6 +174,8 @@ class RebalanceRecord:
     iter_s_before: float
     iter_s_after: float
     overhead_s: dict[str, float]
+    freed: str = ""
+    dp_after: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -171,6 +191,7 @@ class CampaignResult:
     events: list[RebalanceRecord]
     repack: bool
     baselines: dict[str, RunSummary] = field(default_factory=dict)
+    static_choices: dict[str, str] = field(default_factory=dict)
 
     @property
     def speedup(self) -> float:
@@ -195,6 +216,7 @@ class CampaignResult:
                "speedup": self.speedup,
                "baselines": {k: v.as_dict() for k, v in self.baselines.items()},
                "speedup_over": {k: self.speedup_over(k) for k in self.baselines},
+               "static_choices": dict(self.static_choices),
                "events": [e.as_dict() for e in self.events]}
         if self.repack:
             out["gpus_avg"] = self.dynmo.gpus_avg
@@ -209,18 +231,28 @@ class _Run:
         self.cfg = cfg
         self.shape: GPTShape = cfg.shape  # type: ignore[assignment]
         self._cache: dict[tuple, IterationResult] = {}
+        self.static: dict[str, StaticChoice] | None = None
 
-    def simulate(self, layout: Layout, point: int, load: LayerLoad, tag: str = "") -> IterationResult:
-        """One iteration of `layout` under `load`, in force from change point `point`;
-        cached by (layout, point, tag) (tag: another load at the same point)."""
-        key = (layout.counts, point, tag)
+    def simulate(self, layout: Layout, point: int, load: LayerLoad, tag: str = "",
+                 dp: int | None = None, m: int | None = None) -> IterationResult:
+        """One iteration of `layout` under `load`, in force from change point `point`, on
+        `dp` replicas of `m` micro-batches (default the campaign's); cached by (layout,
+        point, tag, dp, m) (tag: another load at the same point)."""
+        cfg = self.cfg
+        dp, m = dp or cfg.dp, m or cfg.num_microbatches
+        key = (layout.counts, point, tag, dp, m)
         if key not in self._cache:
-            cfg = self.cfg
             self._cache[key] = simulate_layout(
                 layout=layout, costs=layer_costs(self.shape, cfg.hw, load), load=load,
-                shape=self.shape, hw=cfg.hw, dp=cfg.dp, num_microbatches=cfg.num_microbatches,
-                noise_sigma=cfg.noise_sigma, seed=cfg.seed + point)  # type: ignore[arg-type]
+                shape=self.shape, hw=cfg.hw, dp=dp, num_microbatches=m,  # type: ignore[arg-type]
+                noise_sigma=cfg.noise_sigma, seed=cfg.seed + point)
         return self._cache[key]
+
+    def grow_s(self, layout: Layout) -> float:
+        """Copying the largest stage's training state to a new replica (`sim.freed`)."""
+        most = max(len(layout.rank_layers(r)) for r in range(layout.num_ranks))
+        link = self.cfg.hw.p2p
+        return most * self.shape.layer_params * self.cfg.hw.state_bytes_per_param / link.bandwidth_Bps + link.latency_s
 
     def migration_s(self, before: Layout, after: Layout) -> float:
         moved = before.moved_layers(after)
@@ -248,26 +280,43 @@ def _overheads(run: _Run, current: Layout, decision, before: IterationResult) ->
 
 
 def _rebalance(run: _Run, current: Layout, point: int, load: LayerLoad, iteration: int,
-               iterations_left: int) -> tuple[Layout, RebalanceRecord]:
+               iterations_left: int, dp: int, m: int) -> tuple[Layout, int, int, RebalanceRecord]:
+    """One rebalance point on `dp` replicas of `m` micro-batches: the live decision, then
+    (after an applied repack) the live release-or-grow choice (`sim.freed`)."""
     cfg = run.cfg
-    before = run.simulate(current, point, load)
+    before = run.simulate(current, point, load, dp=dp, m=m)
     problem = build_problem(costs=layer_costs(run.shape, cfg.hw, load), load=load, shape=run.shape,
-                            hw=cfg.hw, current=current, num_microbatches=cfg.num_microbatches)  # type: ignore[arg-type]
+                            hw=cfg.hw, current=current, num_microbatches=m)
     gate = cfg.gate.config(iterations_left, cfg.hw.p2p.bandwidth_Bps)
 
     def simulated(_problem, layout: Layout) -> float:  # the repack planner's iteration model
-        return run.simulate(layout, point, load).iteration_s
+        return run.simulate(layout, point, load, dp=dp, m=m).iteration_s
 
     decision = decide(problem, cfg.balancer, gate, cfg.repack_criteria if cfg.repack else None,
                       cfg.decision_time, simulated)
-    after = run.simulate(decision.layout, point, load)
-    record = RebalanceRecord(iteration, decision.kind, decision.applied, decision.reason,
-                             current.to_megatron(), decision.layout.to_megatron(),
-                             before.iteration_s, after.iteration_s,
-                             _overheads(run, current, decision, before))
+    overhead = _overheads(run, current, decision, before)
+    layout, reason, freed = decision.layout, decision.reason, ""
+    applied, new_dp, new_m = decision.applied, dp, m
+    if decision.kind == "repack" and decision.applied:
+        step = freed_step(
+            mode=cfg.freed, objective=cfg.repack_criteria.objective,  # type: ignore[union-attr]
+            stages_before=current.num_ranks, layout_after=layout, dp=dp, num_microbatches=m,
+            tokens_per_iteration=cfg.tokens_per_iteration,
+            iteration_s=lambda d, mb: run.simulate(layout, point, load, dp=d, m=mb).iteration_s)
+        freed = step.choice.line()
+        if step.refused:  # live: nothing moves, the repack's cost is not paid
+            layout, applied, reason = current, False, f"{reason}; {step.choice.reason}"
+            overhead = {k: (0.0 if k in ("migration", "repack") else v) for k, v in overhead.items()}
+        elif step.grown:
+            new_dp, new_m = step.dp, step.num_microbatches
+            overhead["migration"] += run.grow_s(layout)
+    after = run.simulate(layout, point, load, dp=new_dp, m=new_m)
+    record = RebalanceRecord(iteration, decision.kind, applied, reason,
+                             current.to_megatron(), layout.to_megatron(),
+                             before.iteration_s, after.iteration_s, overhead, freed, new_dp)
     log.debug("rebalance at %d: %s -> %s (%.4f -> %.4f s): %s", iteration, record.layout_before,
-              record.layout_after, before.iteration_s, after.iteration_s, decision.reason)
-    return decision.layout, record
+              record.layout_after, before.iteration_s, after.iteration_s, reason)
+    return layout, new_dp, new_m, record
 
 
 def _boundaries(cfg: CampaignConfig) -> tuple[list[int], list[int], set[int]]:
@@ -296,17 +345,19 @@ def _fixed_summary(cfg: CampaignConfig, time_s: float, idle_s: float, gpus: int)
     return RunSummary(tokens / time_s, idle_s / time_s, time_s, dict(_NO_OVERHEAD), float(gpus))
 
 
-def _fixed_layout_run(run: _Run, layout: Layout, dense: bool = False) -> RunSummary:
-    """The run on a layout that never changes (a static baseline)."""
+def _fixed_layout_run(run: _Run, layout: Layout, dense: bool = False, dp: int | None = None,
+                      m: int | None = None) -> RunSummary:
+    """The run on a layout that never changes (a static baseline), on `dp` replicas of
+    `m` micro-batches each (default the campaign's)."""
     cfg = run.cfg
     time_s = idle = 0.0
     for a, b, point, load in _segments(cfg):
         if dense:
             load, point = LayerLoad.dense(cfg.scenario.num_layers), 0
-        r = run.simulate(layout, point, load, "dense" if dense else "")
+        r = run.simulate(layout, point, load, "dense" if dense else "", dp=dp, m=m)
         time_s += (b - a) * r.iteration_s
         idle += (b - a) * r.iteration_s * r.bubble_ratio
-    return _fixed_summary(cfg, time_s, idle, cfg.dp * layout.num_stages)
+    return _fixed_summary(cfg, time_s, idle, (dp or cfg.dp) * layout.num_stages)
 
 
 def work_share(cfg: CampaignConfig) -> float:
@@ -365,10 +416,39 @@ def _packed_once_layout(run: _Run) -> Layout:
     return plan.layout_after if plan.apply else _initial_split(run, "exact")
 
 
+def _split_at(run: _Run, k: int) -> Layout | None:
+    """The exact split of the initial model on k stages (None: no layout fits)."""
+    try:
+        return solve(shrink_problem(_initial_problem(run), k), "exact").layout
+    except InfeasibleError:
+        return None
+
+
+def _static_choices(run: _Run) -> dict[str, StaticChoice]:
+    """The best static choice's candidates (`sim.best_static`), simulated once per run."""
+    if run.static is None:
+        cfg = run.cfg
+        run.static = static_choices(
+            uniform=Layout.uniform(cfg.scenario.num_layers, cfg.pp), tuned=_initial_split(run, "exact"),
+            packed=_packed_once_layout(run), dp=cfg.dp, num_microbatches=cfg.num_microbatches,  # type: ignore[arg-type]
+            run_fixed=lambda layout, dp, m: _fixed_layout_run(run, layout, dp=dp, m=m),
+            split_at=lambda k: _split_at(run, k))
+    return run.static
+
+
+def _best_static(run: _Run) -> dict[str, StaticChoice]:
+    choices = _static_choices(run)
+    return {"best_static": pick(choices, "tokens_per_s"),
+            "best_static_per_gpu": pick(choices, "tokens_per_gpu_hour")}
+
+
 def _baselines(run: _Run) -> dict[str, RunSummary]:
     cfg = run.cfg
     uniform = Layout.uniform(cfg.scenario.num_layers, cfg.pp)
     out = {"static": _fixed_layout_run(run, uniform)}
+    for name, choice in _best_static(run).items():
+        if name in cfg.baselines:
+            out[name] = choice.summary
     if "static_deepspeed" in cfg.baselines:
         out["static_deepspeed"] = _fixed_layout_run(run, _initial_split(run, "parameters"))
         out["static_best"] = max(out["static"], out["static_deepspeed"], key=lambda r: r.tokens_per_s)
@@ -388,6 +468,7 @@ def _dynmo_run(run: _Run) -> tuple[RunSummary, list[RebalanceRecord]]:
     _, _, rebalance = _boundaries(cfg)
     points = sorted(rebalance) + [cfg.iterations]
     layout = Layout.uniform(cfg.scenario.num_layers, cfg.pp)
+    dp, m = cfg.dp, cfg.num_microbatches
     overhead = dict(_NO_OVERHEAD)
     if cfg.start_balanced:
         tuned = _initial_split(run, "exact")
@@ -395,19 +476,22 @@ def _dynmo_run(run: _Run) -> tuple[RunSummary, list[RebalanceRecord]]:
         overhead["profiling"] += cfg.profiling_iterations * cfg.profiling_slowdown * first.iteration_s
         overhead["migration"] += run.migration_s(layout, tuned)
         layout = tuned
+    elif cfg.start_best_static:
+        best = _best_static(run)["best_static"]
+        layout, dp, m = best.layout, best.dp, best.num_microbatches
     time_s = idle = gpu_s = 0.0
     events = []
     for a, b, point, load in _segments(cfg):
         if a in rebalance:
             left = min(p for p in points if p > a) - a
-            layout, record = _rebalance(run, layout, point, load, a, left)
+            layout, dp, m, record = _rebalance(run, layout, point, load, a, left, dp, m)  # type: ignore[arg-type]
             events.append(record)
             for k, v in record.overhead_s.items():
                 overhead[k] += v
-        r = run.simulate(layout, point, load)
+        r = run.simulate(layout, point, load, dp=dp, m=m)
         time_s += (b - a) * r.iteration_s
         idle += (b - a) * r.iteration_s * r.bubble_ratio
-        gpu_s += (b - a) * r.iteration_s * cfg.dp * layout.num_stages
+        gpu_s += (b - a) * r.iteration_s * dp * layout.num_stages  # type: ignore[operator]
     total = time_s + sum(overhead.values())
     tokens = cfg.iterations * cfg.tokens_per_iteration
     summary = RunSummary(tokens / total, idle / time_s, total, overhead, gpu_s / time_s)
@@ -422,7 +506,7 @@ def run_campaign(cfg: CampaignConfig) -> CampaignResult:
 # what a variant may change: how DynMo decides, never what an iteration costs
 VARIANT_FIELDS = frozenset({"balancer", "repack", "repack_criteria", "gate", "decision_time",
                             "rebalance_every", "profiling_iterations", "profiling_slowdown",
-                            "start_balanced"})
+                            "start_balanced", "start_best_static", "freed"})
 
 
 def run_variants(cfg: CampaignConfig, variants: dict[str, dict]) -> dict[str, CampaignResult]:
@@ -443,5 +527,7 @@ def run_variants(cfg: CampaignConfig, variants: dict[str, dict]) -> dict[str, Ca
                             f"separate campaign (a variant may set {', '.join(sorted(VARIANT_FIELDS))})")
         run.cfg = replace(cfg, **overrides)
         dynmo, events = _dynmo_run(run)
-        out[name] = CampaignResult(baselines["static"], dynmo, events, run.cfg.repack, baselines)
+        choices = ({k: c.describe() for k, c in _best_static(run).items()}
+                   if run.static is not None else {})
+        out[name] = CampaignResult(baselines["static"], dynmo, events, run.cfg.repack, baselines, choices)
     return out
