@@ -72,10 +72,12 @@ from typing import Callable, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from gpu_check_plan import BUDGET_S, IT_S, NCCL_LONGEST_ROW_S, Group, Launch, Plan, render_plan  # noqa: E402
+from gpu_check_plan import (BUDGET_S, IT_S, NCCL_LONGEST_ROW_S, SPARSE_CALIBRATION_S, Group, Launch,  # noqa: E402
+                            Plan, Schedule, render_plan)
 NO_CUDA = "skipped: no CUDA"
-# Bit-exact rows need deterministic kernels (issue 25 item 9): set here for direct runs
-# too, inherited by every launch. gpu_check.sh sets them as well.
+# Bit-exact rows need deterministic kernels (issue 25 item 9): given to their launches
+# only (launch(deterministic=True)); every timing run has them removed, since they slow
+# the kernels they constrain (issue 34: the first H200 run timed every row under them).
 DETERMINISM_ENV = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 HEAVY_LAYER, HEAVY_FACTOR, HEAVY_TOLERANCE = 3, 3, 0.25
 # As tests/megatron/test_migration.py (8 layers, PP=2, start Etttt|ttttL): iteration 3 moves layers
@@ -151,12 +153,14 @@ def _error_line(text: str) -> str:
     return (errors or lines or ["(no output)"])[-1][:300]
 
 
-def launch(nproc: int, flags: list[str], out: Path, timeout_s: int = 180) -> dict:
+def launch(nproc: int, flags: list[str], out: Path, timeout_s: int = 180, deterministic: bool = False) -> dict:
     """The test worker (tests/workers/train_worker.py: the real launcher plus test
     switches): one rank in the started launcher worker where there is one (`WORKER`),
-    else under torchrun; returns the report. Raises CheckFailed with its error line, and
-    BudgetExceeded where the budget, not `timeout_s`, stopped it."""
-    if nproc == 1 and WORKER is not None:
+    else under torchrun; returns the report. `deterministic`: a bit-exact row's launch,
+    under torchrun with DETERMINISM_ENV (never in the shared worker, whose runs are timed).
+    Raises CheckFailed with its error line, and BudgetExceeded where the budget, not
+    `timeout_s`, stopped it."""
+    if nproc == 1 and WORKER is not None and not deterministic:
         return WORKER.run(flags, out, timeout_s)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
@@ -165,7 +169,7 @@ def launch(nproc: int, flags: list[str], out: Path, timeout_s: int = 180) -> dic
     _log(f"torchrun x{nproc}: {' '.join(flags)}")
     limit, by_budget = BUDGET.limit(timeout_s)
     try:
-        proc = run_killable(cmd, worker_env(), limit)
+        proc = run_killable(cmd, worker_env(deterministic), limit)
     except subprocess.TimeoutExpired as e:
         raise timed_out(limit, by_budget, ' '.join(flags[:6])) from e
     (out / "stderr.log").write_text(proc.stderr)
@@ -189,10 +193,14 @@ def run_killable(cmd: list[str], env: dict, timeout_s: float) -> subprocess.Comp
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def worker_env() -> dict:
-    """What a launcher process gets: one thread, the test workers importable."""
+def worker_env(deterministic: bool = False) -> dict:
+    """What a launcher process gets: one thread, the test workers importable, and the
+    determinism settings only for a bit-exact launch (removed otherwise, even when the
+    caller's environment has them)."""
     path = os.pathsep.join(p for p in (str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
+    env = {k: v for k, v in os.environ.items() if k not in DETERMINISM_ENV}
+    return {**env, **(DETERMINISM_ENV if deterministic else {}), "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
 
 
 class BudgetExceeded(CheckFailed):
@@ -465,8 +473,8 @@ def check_migration(m: Machine, sizes: Sizes, out: Path, precision: str) -> Row:
         return Row(name, NO_CUDA if not m.gpus else f"skipped: needs 2 GPUs ({len(m.gpus)} visible)")
     flags = [*sizes.exact, "--pipeline-model-parallel-size", "2"]
     flags += ["--bf16"] if precision == "bf16" else []
-    static = launch(2, flags, out / f"static_{precision}")
-    moved = launch(2, [*flags, "--dynmo-forced-layouts", FORCED], out / f"moved_{precision}")
+    static = launch(2, flags, out / f"static_{precision}", deterministic=True)
+    moved = launch(2, [*flags, "--dynmo-forced-layouts", FORCED], out / f"moved_{precision}", deterministic=True)
     applied = [e.get("applied") for e in moved["events"] if e.get("kind") == "rebalance"]
     if applied != [True, True]:
         errors = [e.get("error") for e in moved["events"] if e.get("kind") == "rebalance"]
@@ -485,11 +493,11 @@ def check_repack(m: Machine, sizes: Sizes, out: Path) -> Row:
         return Row("repack_2_to_1", NO_CUDA if not m.gpus else f"skipped: needs 2 GPUs ({len(m.gpus)} visible)")
     ckpt = out / "repack_ckpt"
     launch(2, [*sizes.exact, "--pipeline-model-parallel-size", "2", "--train-iters", "2",
-               "--save", str(ckpt), "--save-interval", "2"], out / "repack_saved")
+               "--save", str(ckpt), "--save-interval", "2"], out / "repack_saved", deterministic=True)
     resumed = launch(1, [*sizes.exact, "--pipeline-model-parallel-size", "1", "--load", str(ckpt)],
-                     out / "repack_resumed")
+                     out / "repack_resumed", deterministic=True)
     repacked = launch(2, [*sizes.exact, "--pipeline-model-parallel-size", "2", "--dynmo-repack",
-                          "--dynmo-forced-layouts", "3:EttttttttL"], out / "repacked")
+                          "--dynmo-forced-layouts", "3:EttttttttL"], out / "repacked", deterministic=True)
     (event,) = [e for e in repacked["events"] if e.get("kind") == "rebalance"]
     rp = event.get("repack") or {}
     if not rp.get("applied") or repacked["layout"] != "EttttttttL":
@@ -504,9 +512,15 @@ def check_repack(m: Machine, sizes: Sizes, out: Path) -> Row:
                f"{phases}; losses and parameters equal to the resumed PP=1 run")
 
 
-# ---- the product's GPU acceptance (issue 24) ---------------------------------------------------
+# ---- the product's GPU acceptance (issues 24, 34) -----------------------------------------------
 IDENTICAL_MAX, HEAVY_ACCEPT, OVERHEAD_MAX = 1.10, 0.10, 1.3
+PREDICTION_ACCEPT = 0.10  # a stage's predicted time per iteration within 10% of the measured
 THROUGHPUT_MAX, PLUGIN_OVERHEAD_MAX = 1.0, 1.03
+THROUGHPUT_ROUNDS = 4     # interleaved rounds of throughput_vs_megatron_lm (issue 34: >= 4)
+# Two heavy test layers at different factors: the cost of work k is c + k*w, so with
+# neighbours (k=1) the fit gives the slope w and the intercept c (a constant per span,
+# which read 3x as 2.63-2.73x on the H200). Run by the launcher worker (--gpu-check-heavy).
+HEAVY_LAYERS = {3: 3, 5: 2}
 _COMMON = ["--vocab-size", "32000", "--lr", "1e-4", "--transformer-impl", "local"]
 SHAPES = {  # name: (model flags, what it is)
     "host": (["--num-layers", "12", "--hidden-size", "1024", "--num-attention-heads", "16",
@@ -536,7 +550,65 @@ def identical_verdict(profile: dict, exclude: tuple = ()) -> tuple[float, str]:
         raise CheckFailed(f"too few timed layers in the profile: {costs}")
     ratio = max(costs.values()) / min(costs.values())
     ms = " ".join(f"{1e3 * costs[n]:.2f}" for n in sorted(costs))
-    return ratio, f"max/min {ratio:.3f} (<= {IDENTICAL_MAX}) over {len(costs)} layers, ms: {ms}"
+    return ratio, f"max/min {ratio:.3f} (<= {IDENTICAL_MAX}) over {len(costs)} layers, ms: {ms}" + _times(profile)
+
+
+def _times(profile: dict) -> str:
+    """Host and GPU-kernel time beside the cost (docs/profiling.md: which one is used)."""
+    stage = (profile.get("stages") or [{}])[0]
+    if "cost_source" not in stage:
+        return ""
+    return (f"; cost from {stage['cost_source']}, per iteration host {1e3 * stage.get('host_s', 0):.1f} ms, "
+            f"GPU kernels {1e3 * stage.get('gpu_s', 0):.1f} ms, span constant "
+            f"{1e3 * stage.get('span_constant_s', 0):.3f} ms removed")
+
+
+def heavy_slope_verdict(profile: dict, heavy: dict[int, int], tolerance: float) -> str:
+    """Each heavy layer at its factor +-tolerance of its neighbours' median, and the fit
+    cost = c + k*w through the neighbours (k=1) and the heavy layers: the intercept c
+    within tolerance of 0 (in units of a neighbour's cost). Raises CheckFailed."""
+    costs = layer_costs(profile)
+    others = [c for n, c in costs.items() if n not in heavy]
+    if not others or any(n not in costs for n in heavy):
+        raise CheckFailed(f"layers {sorted(heavy)} or their neighbours missing from the profile ({sorted(costs)})")
+    base = statistics.median(others)
+    ks = [1.0] * len(others) + [float(heavy[n]) for n in heavy]
+    ys = [c / base for c in others] + [costs[n] / base for n in heavy]
+    mk, my = statistics.fmean(ks), statistics.fmean(ys)
+    slope = sum((k - mk) * (y - my) for k, y in zip(ks, ys)) / sum((k - mk) ** 2 for k in ks)
+    intercept = my - slope * mk
+    ratios = {n: costs[n] / base for n in heavy}
+    detail = (", ".join(f"layer {n} {ratios[n]:.3f}x (expected {k}x)" for n, k in sorted(heavy.items()))
+              + f" +-{tolerance:.0%}; fit cost = {intercept:+.3f} + {slope:.3f} x work (neighbour = 1; "
+              f"intercept within +-{tolerance:.2f}); neighbour {1e3 * base:.2f} ms" + _times(profile))
+    if any(abs(ratios[n] / k - 1) > tolerance for n, k in heavy.items()) or abs(intercept) > tolerance:
+        raise CheckFailed(detail)
+    return detail
+
+
+def outside_windows(times: dict[int, float], report: Optional[dict], warmup: int) -> list[float]:
+    """Iteration seconds after `warmup`, without the iterations inside profiling windows."""
+    inside = set()
+    for e in timed_profiles(report or {"events": []}):
+        lo, hi = e.get("window") or [e["iteration"], e["iteration"]]
+        inside.update(range(lo, hi + 1))
+    return [t for i, t in sorted(times.items()) if i > warmup and i not in inside]
+
+
+def prediction_verdict(report: dict, times: dict[int, float], warmup: int = 3) -> tuple[float, str]:
+    """(worst predicted/measured - 1 over the timed profiles, detail): each profile's
+    predicted stage time per iteration (layers + extras + optimizer step) against the
+    median iteration outside windows."""
+    measured = outside_windows(times, report, warmup)
+    predicted = [e["profile"]["stages"][0].get("predicted_s", 0.0) for e in timed_profiles(report)]
+    if not measured or not predicted or min(predicted) <= 0:
+        raise CheckFailed(f"need predicted stage times ({predicted}) and iterations outside windows")
+    outside = statistics.median(measured)
+    worst = max((p / outside - 1 for p in predicted), key=abs)
+    detail = (f"predicted {' '.join(f'{1e3 * p:.1f}' for p in predicted)} ms/iteration vs measured "
+              f"{1e3 * outside:.1f} ms outside windows (median of {len(measured)}): worst {worst:+.1%} "
+              f"(<= +-{PREDICTION_ACCEPT:.0%})")
+    return worst, detail
 
 
 def overhead_verdict(report: dict, warmup: int = 2) -> tuple[float, str]:
@@ -575,11 +647,14 @@ class Runs:
         return value
 
 
+def _heavy_flag() -> list[str]:
+    return ["--gpu-check-heavy", ",".join(f"{n}:{k}" for n, k in sorted(HEAVY_LAYERS.items()))]
+
+
 def shape_run(m: Machine, shape: str, out: Path, runs: Runs) -> dict:
     flags, _ = SHAPES[shape]
     return runs.get(f"shape-{shape}", lambda: launch(
-        1, [*flags, *_COMMON, *SHAPE_RUN, *_precision(m), "--test-heavy-layer", str(HEAVY_LAYER),
-            "--test-heavy-factor", str(HEAVY_FACTOR)], out / f"shape_{shape}"))
+        1, [*flags, *_COMMON, *SHAPE_RUN, *_precision(m), *_heavy_flag()], out / f"shape_{shape}"))
 
 
 def check_identical(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
@@ -587,7 +662,7 @@ def check_identical(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
     if not m.gpus:
         return Row(name, NO_CUDA)
     profile = timed_profiles(shape_run(m, shape, out, runs))[-1]["profile"]
-    ratio, detail = identical_verdict(profile, exclude=(HEAVY_LAYER,))
+    ratio, detail = identical_verdict(profile, exclude=tuple(HEAVY_LAYERS))
     detail = f"{SHAPES[shape][1]}, launcher: {detail}"
     if ratio > IDENTICAL_MAX:
         raise CheckFailed(detail)
@@ -599,8 +674,7 @@ def check_heavy(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
     if not m.gpus:
         return Row(name, NO_CUDA)
     profile = timed_profiles(shape_run(m, shape, out, runs))[-1]["profile"]
-    return Row(name, "pass", f"{SHAPES[shape][1]}: " + heavy_layer_verdict(
-        profile, HEAVY_LAYER, HEAVY_FACTOR, HEAVY_ACCEPT))
+    return Row(name, "pass", f"{SHAPES[shape][1]}: " + heavy_slope_verdict(profile, HEAVY_LAYERS, HEAVY_ACCEPT))
 
 
 def check_overhead(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
@@ -613,6 +687,19 @@ def check_overhead(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
     return Row(name, "pass", f"{SHAPES[shape][1]}: {detail}")
 
 
+def check_prediction(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
+    """The launcher: the profile's predicted stage time against iterations outside windows."""
+    name = f"stage_prediction[{shape}]"
+    if not m.gpus:
+        return Row(name, NO_CUDA)
+    report = shape_run(m, shape, out, runs)
+    worst, detail = prediction_verdict(report, {i["iteration"]: i["time_s"] for i in report["iterations"]})
+    detail = f"{SHAPES[shape][1]}, launcher: {detail}"
+    if abs(worst) > PREDICTION_ACCEPT:
+        raise CheckFailed(detail)
+    return Row(name, "pass", detail)
+
+
 # ---- inside Megatron-LM's pretrain_gpt.py ---------------------------------------------------------
 MLM_ENV = "DYNMO_MEGATRON_LM"
 MLM_FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--bf16",
@@ -620,23 +707,30 @@ MLM_FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
              "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
              "--no-bias-dropout-fusion", "--no-rope-fusion", "--eval-iters", "0",
              "--eval-interval", "1000", "--log-interval", "1"]
+# Like the launcher (issue 34: the first run compared unlike runs): no dropout, no gradient
+# clipping, no NaN check of loss and gradients; weight decay 0.01 in both (Megatron-LM's
+# default and megatron-core's OptimizerConfig default, which the launcher uses). Megatron-LM
+# keeps its own data loading (DataLoader workers and pin-memory thread).
+MLM_LIKE_LAUNCHER = ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--clip-grad", "0.0",
+                     "--weight-decay", "0.01", "--no-check-for-nan-in-loss-and-grad"]
 MLM_ITERS = 20
 MLM_TIMEOUT_S = 240
+MLM_WARMUP = 3
 
 
-def mlm_launch(shape: str, dynmo: bool, out: Path) -> tuple[list[float], Optional[dict]]:
+def mlm_launch(shape: str, dynmo: bool, out: Path) -> tuple[dict[int, float], Optional[dict]]:
     """pretrain_gpt.py through the plugin's entry (docs/megatron-lm.md) at `shape`; returns
-    (ms per iteration after 3 warm-up iterations, the plugin's report or None)."""
+    (seconds per iteration by iteration number, the plugin's report or None)."""
     out.mkdir(parents=True, exist_ok=True)
     flags, _ = SHAPES[shape]
     seq = flags[flags.index("--seq-length") + 1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
            "-m", "dynmo_plugin.integrations.pretrain_gpt", *flags, "--max-position-embeddings", seq,
-           *MLM_FLAGS, "--train-iters", str(MLM_ITERS)]
+           *MLM_FLAGS, *MLM_LIKE_LAUNCHER, "--train-iters", str(MLM_ITERS)]
     if dynmo:
         cmd += ["--dynmo", "--dynmo-profile-every", "10", "--dynmo-output", str(out / "dynmo")]
-    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    env = {**{k: v for k, v in os.environ.items() if k not in DETERMINISM_ENV}, "CUDA_DEVICE_MAX_CONNECTIONS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     _log(f"pretrain_gpt.py {shape}{' --dynmo' if dynmo else ''}")
     limit, by_budget = BUDGET.limit(MLM_TIMEOUT_S)
@@ -648,18 +742,29 @@ def mlm_launch(shape: str, dynmo: bool, out: Path) -> tuple[list[float], Optiona
     if proc.returncode != 0:
         raise CheckFailed(f"pretrain_gpt.py exit {proc.returncode}: {_error_line(proc.stderr)} "
                           f"(log: {out}/train.log)")
-    ms = mlm_iteration_ms(proc.stdout + proc.stderr)
+    times = mlm_iteration_s(proc.stdout + proc.stderr)
     report = json.loads((out / "dynmo" / "report.json").read_text()) if dynmo else None
-    return ms, report
+    return times, report
 
 
-def mlm_iteration_ms(log: str, warmup: int = 3) -> list[float]:
-    """Megatron-LM's 'elapsed time per iteration (ms): X' after `warmup` iterations."""
+def _mlm_ms(log: str) -> dict[int, float]:
+    """Megatron-LM's 'iteration N/M | ... elapsed time per iteration (ms): X' by N."""
     import re
-    found = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", log)]
-    if len(found) <= warmup:
+    found = {int(i): float(ms) for i, ms in re.findall(
+        r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)", log)}
+    if len(found) <= MLM_WARMUP:
         raise CheckFailed(f"Megatron-LM logged {len(found)} iteration times")
-    return found[warmup:]
+    return found
+
+
+def mlm_iteration_s(log: str) -> dict[int, float]:
+    """Seconds per iteration by iteration number."""
+    return {i: ms / 1e3 for i, ms in _mlm_ms(log).items()}
+
+
+def mlm_iteration_ms(log: str, warmup: int = MLM_WARMUP) -> list[float]:
+    """Milliseconds per iteration, in order, after `warmup` iterations."""
+    return [ms for i, ms in sorted(_mlm_ms(log).items()) if i > warmup]
 
 
 def _mlm_skip(name: str, m: Machine) -> Optional[Row]:
@@ -670,13 +775,17 @@ def _mlm_skip(name: str, m: Machine) -> Optional[Row]:
     return None
 
 
+def _mlm_profiled(shape: str, out: Path, runs: Runs) -> tuple[dict[int, float], dict]:
+    # the host shape's profiled run is shared with throughput_vs_megatron_lm's first round
+    return runs.get(f"mlm-{shape}-dynmo-0", lambda: mlm_launch(shape, True, out / f"mlm_{shape}_dynmo_0"))
+
+
 def check_mlm_identical(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
     name = f"identical_layers[mlm-{shape}]"
     skip = _mlm_skip(name, m)
     if skip:
         return skip
-    # the host shape's profiled run is shared with throughput_vs_megatron_lm's first round
-    _, report = runs.get(f"mlm-{shape}-dynmo-0", lambda: mlm_launch(shape, True, out / f"mlm_{shape}_dynmo_0"))
+    _, report = _mlm_profiled(shape, out, runs)
     profile = timed_profiles(report)[-1]["profile"]
     ratio, detail = identical_verdict(profile)
     detail = f"{SHAPES[shape][1]}, inside pretrain_gpt.py: {detail}"
@@ -685,12 +794,43 @@ def check_mlm_identical(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
     return Row(name, "pass", detail)
 
 
+def check_mlm_prediction(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
+    name = f"stage_prediction[mlm-{shape}]"
+    skip = _mlm_skip(name, m)
+    if skip:
+        return skip
+    times, report = _mlm_profiled(shape, out, runs)
+    worst, detail = prediction_verdict(report, times)
+    detail = f"{SHAPES[shape][1]}, inside pretrain_gpt.py: {detail}"
+    if abs(worst) > PREDICTION_ACCEPT:
+        raise CheckFailed(detail)
+    return Row(name, "pass", detail)
+
+
 def _spread(values: list[float]) -> str:
     return f"{min(values):.3f}-{max(values):.3f}"
 
 
+def throughput_verdict(ours: list[float], ratio: list[float], plugin: list[float], what: str) -> tuple[bool, str]:
+    """(passed, detail) of the rounds: launcher/Megatron-LM <= THROUGHPUT_MAX (median of
+    the rounds); plugin/plain <= PLUGIN_OVERHEAD_MAX judged only where the rounds' spread
+    (max - min of their ratios) resolves it (< 3%), else said not resolved."""
+    a, b = statistics.median(ratio), statistics.median(plugin)
+    spread = max(plugin) - min(plugin)
+    resolved = spread < PLUGIN_OVERHEAD_MAX - 1
+    judged = (f"<= {PLUGIN_OVERHEAD_MAX}" if resolved else
+              f"not judged: the rounds spread {spread:.1%}, which does not resolve {PLUGIN_OVERHEAD_MAX - 1:.0%}")
+    detail = (f"{what}, {len(ratio)} interleaved rounds, like for like (no dropout, no clipping, weight decay "
+              f"0.01, no NaN checks), windows excluded: launcher/Megatron-LM {a:.3f}x (rounds {_spread(ratio)}, "
+              f"<= {THROUGHPUT_MAX}); --dynmo every 10 / plain {b:.3f}x (rounds {_spread(plugin)}, {judged}); "
+              f"launcher {1e3 * statistics.median(ours):.1f} ms/iteration (rounds {1e3 * min(ours):.1f}-"
+              f"{1e3 * max(ours):.1f})")
+    return a <= THROUGHPUT_MAX and (not resolved or b <= PLUGIN_OVERHEAD_MAX), detail
+
+
 def check_throughput(m: Machine, out: Path, runs: Runs, rounds: int) -> Row:
-    """Interleaved rounds of the three runs at the host shape (bf16)."""
+    """Interleaved rounds of the three runs at the host shape (bf16), each round in the
+    same order; iterations inside profiling windows and the warm-up excluded."""
     name = "throughput_vs_megatron_lm"
     skip = _mlm_skip(name, m)
     if skip:
@@ -700,18 +840,15 @@ def check_throughput(m: Machine, out: Path, runs: Runs, rounds: int) -> Row:
     for r in range(rounds):
         report = launch(1, [*flags, *_COMMON, "--train-iters", str(MLM_ITERS), *_precision(m)],
                         out / f"launcher_{r}")
-        launcher = 1e3 * statistics.median(i["time_s"] for i in report["iterations"] if i["iteration"] > 3)
+        launcher = statistics.median(i["time_s"] for i in report["iterations"] if i["iteration"] > MLM_WARMUP)
         plain, _ = mlm_launch("host", False, out / f"mlm_host_plain_{r}")
-        profiled, _ = runs.get(f"mlm-host-dynmo-{r}", lambda: mlm_launch("host", True, out / f"mlm_host_dynmo_{r}"))
+        profiled, dyn = runs.get(f"mlm-host-dynmo-{r}", lambda: mlm_launch("host", True, out / f"mlm_host_dynmo_{r}"))
+        plain_s = statistics.median(outside_windows(plain, None, MLM_WARMUP))
         ours.append(launcher)
-        ratio.append(launcher / statistics.median(plain))
-        plugin.append(statistics.median(profiled) / statistics.median(plain))
-    a, b = statistics.median(ratio), statistics.median(plugin)
-    detail = (f"{what}, {rounds} interleaved rounds: launcher/Megatron-LM {a:.3f}x (rounds "
-              f"{_spread(ratio)}, <= {THROUGHPUT_MAX}); --dynmo profiling every 10 / plain "
-              f"{b:.3f}x (rounds {_spread(plugin)}, <= {PLUGIN_OVERHEAD_MAX}); launcher "
-              f"{statistics.median(ours):.1f} ms/iteration")
-    if a > THROUGHPUT_MAX or b > PLUGIN_OVERHEAD_MAX:
+        ratio.append(launcher / plain_s)
+        plugin.append(statistics.median(outside_windows(profiled, dyn, MLM_WARMUP)) / plain_s)
+    passed, detail = throughput_verdict(ours, ratio, plugin, what)
+    if not passed:
         raise CheckFailed(detail)
     return Row(name, "pass", detail)
 
@@ -735,8 +872,10 @@ class Scenario:
     extra: list[str] = field(default_factory=list)
 
 
-_S8 = ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16",
-       "--seq-length", "2048", "--micro-batch-size", "2", "--global-batch-size", "4",
+# The dense schemes judge at a GPU-bound shape (issue 33: h2048 s2048 mb2 was host-bound
+# with local layers, so a saving in FLOPs did not show): h4096 s2048 mb1.
+_S8 = ["--num-layers", "8", "--hidden-size", "4096", "--num-attention-heads", "32",
+       "--seq-length", "2048", "--micro-batch-size", "1", "--global-batch-size", "2",
        "--vocab-size", "32000", "--lr", "1e-4", "--transformer-impl", "local"]
 _HEAD, _TAIL = (1, 2, 3, 4), (5, 6, 7, 8)
 SCENARIOS = [
@@ -758,7 +897,7 @@ SCENARIOS = [
         iters=40, every=10),
     Scenario("moe", {"kind": "moe", "moe": {
         "num_experts": 8, "top_k": 2, "pattern": "1,1,1,1,0,0,0,0", "capacity_factor": 0.5,
-        "start": 2, "interval": 1}}, [*_S8, "--ffn-hidden-size", "8192"], _HEAD, "moe_capacity", 0.8,
+        "start": 2, "interval": 1}}, [*_S8, "--ffn-hidden-size", "4096"], _HEAD, "moe_capacity", 0.8,
         "MoE layers 1-4 at capacity factor 0.5 vs 1.0 (each over dense layers 5-8 of its run)"),
     Scenario("sparse_attention", {"kind": "sparse_attention", "sparse_attention": {
         "buckets": 1, "buckets_per_layer": "1:1,2:1,3:1,4:1", "final_buckets": 16, "rounds": 1,
@@ -796,8 +935,19 @@ def scenario_ratio(sc: Scenario, profiles: list[dict], num_layers: int) -> tuple
     else:
         others = [n for n in range(1, num_layers + 1) if n not in sc.affected]
         affected, reference = _median_of(last, sc.affected), _median_of(last, others)
+    layers = {x["layer"]: x for x in profiles[-1]["layers"]}
+    host = {str(n): x.get("host_s", 0.0) for n, x in sorted(layers.items())}
+    gpu = {str(n): x.get("gpu_s", 0.0) for n, x in sorted(layers.items())}
     return affected / reference, {"affected_cost_s": affected, "reference_cost_s": reference,
-                                  "layer_cost_s": {str(n): c for n, c in sorted(last.items())}}
+                                  "layer_cost_s": {str(n): c for n, c in sorted(last.items())},
+                                  "layer_host_s": host, "layer_gpu_s": gpu}
+
+
+def host_gpu_note(figures: dict) -> str:
+    """Each layer's GPU-kernel and host time side by side (ms), as the last profile has them."""
+    gpu, host = figures.get("layer_gpu_s", {}), figures.get("layer_host_s", {})
+    pairs = " ".join(f"{n}:{1e3 * gpu.get(n, 0):.2f}/{1e3 * host.get(n, 0):.2f}" for n in figures["layer_cost_s"])
+    return f"; layer:GPU/host ms {pairs}"
 
 
 def _find(tree, key: str):
@@ -838,7 +988,7 @@ def check_scenario(m: Machine, sc: Scenario, out: Path, costs: dict) -> Row:
     costs[sc.kind] = {"ratio": ratio, "threshold": sc.threshold, "passed": passed, "what": sc.what,
                       "affected_layers": list(sc.affected), "reference": sc.reference,
                       "model": sc.model + sc.extra, **figures}
-    detail = f"{ratio:.3f}x (<= {sc.threshold}x): {sc.what}{note}"
+    detail = f"{ratio:.3f}x (<= {sc.threshold}x): {sc.what}{note}{host_gpu_note(figures)}"
     if not passed:
         raise CheckFailed(detail)
     return Row(name, "pass", detail)
@@ -864,7 +1014,7 @@ def builder_rows(costs: dict) -> list[dict]:
     and per shape one `dense` row timed by the scenario runs' dense reference layers."""
     rows, dense = [], {}
     for kind, figures in costs.items():
-        if kind not in _BUILDER:
+        if kind not in _BUILDER or not figures.get("passed"):  # a failed row is no cost (issue 34)
             continue
         model = figures["model"]
         shape = {"hidden": _flag(model, "--hidden-size", 0), "seq": _flag(model, "--seq-length", 0),
@@ -952,7 +1102,7 @@ def _guard(name: str, fn: Callable[[], Row]) -> Row:
     return row
 
 
-def plan_checks(m: Machine, sizes: Sizes, out: Path, rounds: int = 2,
+def plan_checks(m: Machine, sizes: Sizes, out: Path, rounds: int = THROUGHPUT_ROUNDS,
                 costs: Optional[dict] = None) -> list[tuple[str, Callable[[], Row]]]:
     """Every row, in the order they run (cheap first; shared runs next to each other)."""
     runs, costs = Runs(), costs if costs is not None else {}
@@ -966,9 +1116,11 @@ def plan_checks(m: Machine, sizes: Sizes, out: Path, rounds: int = 2,
     for shape in SHAPES:
         checks += [(f"identical_layers[{shape}]", lambda s=shape: check_identical(m, s, out, runs)),
                    (f"heavy_layer[{shape}]", lambda s=shape: check_heavy(m, s, out, runs)),
-                   (f"profiling_overhead[{shape}]", lambda s=shape: check_overhead(m, s, out, runs))]
-    checks += [(f"identical_layers[mlm-{shape}]", lambda s=shape: check_mlm_identical(m, s, out, runs))
-               for shape in SHAPES]
+                   (f"profiling_overhead[{shape}]", lambda s=shape: check_overhead(m, s, out, runs)),
+                   (f"stage_prediction[{shape}]", lambda s=shape: check_prediction(m, s, out, runs))]
+    for shape in SHAPES:
+        checks += [(f"identical_layers[mlm-{shape}]", lambda s=shape: check_mlm_identical(m, s, out, runs)),
+                   (f"stage_prediction[mlm-{shape}]", lambda s=shape: check_mlm_prediction(m, s, out, runs))]
     checks.append(("throughput_vs_megatron_lm", lambda: check_throughput(m, out, runs, rounds)))
     checks += [(f"scenario_cost[{sc.kind}]", lambda sc=sc: check_scenario(m, sc, out, costs))
                for sc in SCENARIOS]
@@ -998,7 +1150,7 @@ def _mlm(what: str, model: str) -> Launch:
 _SCENARIO_MODEL = {"moe": "s8_moe", "sparse_attention": "sparse_s8192"}
 
 
-def build_plan(m: Machine, rounds: int = 2, mlm: Optional[bool] = None, budget_s: float = BUDGET_S) -> Plan:
+def build_plan(m: Machine, rounds: int = THROUGHPUT_ROUNDS, mlm: Optional[bool] = None, budget_s: float = BUDGET_S) -> Plan:
     """The row groups in the order they run, each with the launches it makes on machine
     `m` (with `mlm`: whether $DYNMO_MEGATRON_LM is set). The rows most wanted come first,
     so a run that the budget cuts loses the end."""
@@ -1015,20 +1167,29 @@ def build_plan(m: Machine, rounds: int = 2, mlm: Optional[bool] = None, budget_s
                             (_w("4L h512 s64 + 3x layer, CPU", 3, "small"),)))
     for shape, (_, what) in SHAPES.items():
         groups.append(Group(f"shape[{shape}]", tuple(f"{r}[{shape}]" for r in ("identical_layers", "heavy_layer",
-                                                                               "profiling_overhead")),
+                                                                               "profiling_overhead",
+                                                                               "stage_prediction")),
                             **on(why, _w(f"{what} + 3x layer", 12, f"{shape}_heavy"))))
     for sc in SCENARIOS:
         runs = 2 if sc.reference == "moe_capacity" else 1
+        extra = SPARSE_CALIBRATION_S if sc.kind == "sparse_attention" else 0.0
         groups.append(Group(f"scenario_cost[{sc.kind}]", (f"scenario_cost[{sc.kind}]",), **on(why, *(
-            _w(f"{sc.kind} 8L PP=1", sc.iters, _SCENARIO_MODEL.get(sc.kind, "s8")) for _ in range(runs)))))
+            Launch(f"{sc.kind} 8L PP=1", "worker", sc.iters, IT_S[_SCENARIO_MODEL.get(sc.kind, "s8")], extra)
+            for _ in range(runs)))))
+    # round 0's profiled pretrain_gpt.py run is mlm[host]'s (shared, `Runs`); the rest of the
+    # rounds are the throughput group, the most expensive: 4 rounds of 3 runs do not fit one
+    # 8-minute call beside the other rows, so the schedule moves it last and a device call of
+    # its own runs it (`--only throughput`, docs/gpu.md)
     rounds_launches = [x for r in range(rounds) for x in (
         _w(f"round {r}: launcher 12L h1024, {MLM_ITERS} it.", MLM_ITERS, "host"), _mlm(f"round {r}: host", "mlm_host"),
-        _mlm(f"round {r}: host --dynmo", "mlm_host"))]
-    groups += [Group("mlm[host]+throughput", ("identical_layers[mlm-host]", "throughput_vs_megatron_lm"),
-                     **on(mlm_why, *rounds_launches)),
-               Group("mlm[gpu]", ("identical_layers[mlm-gpu]",), **on(mlm_why, _mlm("6L h4096 --dynmo", "mlm_gpu"))),
+        *((_mlm(f"round {r}: host --dynmo", "mlm_host"),) if r else ()))]
+    groups += [Group("mlm[host]", ("identical_layers[mlm-host]", "stage_prediction[mlm-host]"),
+                     **on(mlm_why, _mlm("round 0: host --dynmo", "mlm_host"))),
+               Group("mlm[gpu]", ("identical_layers[mlm-gpu]", "stage_prediction[mlm-gpu]"),
+                     **on(mlm_why, _mlm("6L h4096 --dynmo", "mlm_gpu"))),
                Group("bf16_vs_fp32_speed", ("bf16_vs_fp32_speed",), **on(why, _w("4L h2048 fp32", 8, "speed_fp32"),
                                                                          _w("4L h2048 bf16", 8, "speed_bf16"))),
+               Group("throughput", ("throughput_vs_megatron_lm",), **on(mlm_why, *rounds_launches)),
                Group("transformer_engine", ("transformer_engine",), **on(te_why, _w("8L h1024 TE", 8, "small")))]
     exact = [Launch(f"PP=2 8L h1024 {p}", "torchrun", 6, IT_S["small"]) for p in ("static", "moved")]
     precisions = ("fp32", "bf16") if m.bf16 else ("fp32",)
@@ -1060,7 +1221,7 @@ def start_group(gpus: int) -> Group:
                                    for c in children)), parallel=True)
 
 
-def target_plan(rounds: int = 2) -> Plan:
+def target_plan(rounds: int = THROUGHPUT_ROUNDS) -> Plan:
     """The plan on the machines the check is for: one GPU, Megatron-LM given, no TE (the
     lent H100/H200 machines)."""
     return build_plan(Machine(gpus=["one GPU"], bf16=True, te_problem="assumed absent"), rounds, mlm=True)
@@ -1085,14 +1246,16 @@ def _selected_rows(group: Group, only: tuple[str, ...]) -> list[str]:
     return [r for r in group.rows if r.startswith(only)]
 
 
-def run_group(group: Group, checks: dict, m: Machine, only: tuple[str, ...], worker: bool) -> list[Row]:
-    """The group's rows; all 'skipped: budget' when its estimate no longer fits."""
+def run_group(group: Group, checks: dict, m: Machine, only: tuple[str, ...], worker: bool,
+              run: bool = True, estimate_s: Optional[float] = None) -> list[Row]:
+    """The group's rows; all 'skipped: budget' when the schedule says it no longer fits."""
     names = _selected_rows(group, only)
     left = BUDGET.left()
-    if group.launches and left < group.estimate_s():
-        _log(f"group {group.name}: estimated {group.estimate_s():.0f} s, {max(0.0, left):.0f} s left: skipped")
-        return [Row(n, SKIPPED_BUDGET, f"estimated {group.estimate_s():.0f} s, {max(0.0, left):.0f} s left of "
-                                       f"--budget-s {BUDGET.seconds:.0f}") for n in names]
+    estimate_s = group.estimate_s() if estimate_s is None else estimate_s
+    if not run or (group.launches and left < estimate_s):
+        _log(f"group {group.name}: estimated {estimate_s:.0f} s, {max(0.0, left):.0f} s left: skipped")
+        return [Row(n, SKIPPED_BUDGET, f"estimated {estimate_s:.0f} s (re-estimated from the groups run), "
+                                       f"{max(0.0, left):.0f} s left of --budget-s {BUDGET.seconds:.0f}") for n in names]
     if group.name != "start":
         return [_run_row(name, checks[name]) for name in names]
     nccl = [n for n in names if n.startswith("nccl/")]
@@ -1112,7 +1275,7 @@ def _run_row(name: str, fn: Callable[[], Row]) -> Row:
     return row
 
 
-def run_checks(m: Machine, sizes: Sizes, out: Path, only: tuple[str, ...] = (), rounds: int = 2,
+def run_checks(m: Machine, sizes: Sizes, out: Path, only: tuple[str, ...] = (), rounds: int = THROUGHPUT_ROUNDS,
                budget_s: Optional[float] = None) -> list[Row]:
     """Every selected row group in plan order, within `budget_s` (None: no limit)."""
     global BUDGET, WORKER
@@ -1123,9 +1286,16 @@ def run_checks(m: Machine, sizes: Sizes, out: Path, only: tuple[str, ...] = (), 
     plan.only = only
     rows, chosen = [], plan.chosen()
     worker = any(x.kind == "worker" for g in chosen for x in g.launches)
+    schedule = Schedule(chosen)
     try:
-        for group in chosen:
-            rows += run_group(group, checks, m, only, worker)
+        while (step := schedule.next(BUDGET.left())) is not None:
+            group, run = step
+            start = time.perf_counter()
+            rows += run_group(group, checks, m, only, worker, run, schedule.estimate_s(group))
+            if run:
+                schedule.done(group, time.perf_counter() - start)
+                _log(f"group {group.name}: {time.perf_counter() - start:.0f} s (estimated "
+                     f"{group.estimate_s():.0f} s); later estimates x{schedule.scale:.2f}")
     finally:
         WORKER.stop()
         WORKER = None
@@ -1142,8 +1312,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
     parser.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
     parser.add_argument("--only", default="", help="comma-separated row-name (or row-group) prefixes to run")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="interleaved rounds of throughput_vs_megatron_lm (default 2)")
+    parser.add_argument("--rounds", type=int, default=THROUGHPUT_ROUNDS,
+                        help=f"interleaved rounds of throughput_vs_megatron_lm (default {THROUGHPUT_ROUNDS})")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S,
                         help=f"time for the whole check (default {BUDGET_S:.0f}): a row group whose "
                              "estimate no longer fits says 'skipped: budget'; every launch's timeout "
@@ -1159,8 +1329,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.budget_s <= 0:
         parser.error(f"--budget-s must be > 0, got {args.budget_s:g}")
     only = tuple(x.strip() for x in args.only.split(",") if x.strip())
-    for key, value in DETERMINISM_ENV.items():
-        os.environ.setdefault(key, value)
     if args.cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch initialises CUDA, here and in children
     machine = probe_machine(args.cpu)
@@ -1178,7 +1346,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows = run_checks(machine, sizes, out, only, args.rounds, args.budget_s)
         status = exit_status(rows)
         result = json.dumps({"ok": status == 0, "machine": asdict(machine),
-                             "env": {k: os.environ.get(k) for k in DETERMINISM_ENV},
+                             "env": {"bit_exact_rows": DETERMINISM_ENV, "timing_rows": {k: worker_env().get(k) for k in DETERMINISM_ENV}},
                              "plan": plan.to_dict(), "rows": [asdict(r) for r in rows]})
         (out / "gpu_check.json").write_text(result)
     if args.json:
