@@ -136,12 +136,12 @@ def test_a_hung_worker_run_is_killed_at_its_timeout(tmp_path, monkeypatch):
     script = tmp_path / "hang.py"
     script.write_text(_HANG)
     monkeypatch.setattr(gpu_check.Worker, "SCRIPT", script)
-    monkeypatch.setattr(gpu_check, "BUDGET", gpu_check.Budget(None))
+    monkeypatch.setattr(gpu_check.launching, "BUDGET", gpu_check.Budget(None))
     w = gpu_check.Worker(tmp_path / "worker.log", first_start_s=0)
     with pytest.raises(gpu_check.CheckFailed, match=r"no end after 2 s \(a hang\?\)") as e:
         w.run(["--num-layers", "2"], tmp_path / "a", timeout_s=2)
     assert not isinstance(e.value, gpu_check.BudgetExceeded) and w.proc is None
-    monkeypatch.setattr(gpu_check, "BUDGET", gpu_check.Budget(1))  # the budget ends first
+    monkeypatch.setattr(gpu_check.launching, "BUDGET", gpu_check.Budget(1))  # the budget ends first
     with pytest.raises(gpu_check.BudgetExceeded, match="the budget"):
         w.run(["--num-layers", "2"], tmp_path / "b", timeout_s=60)
     assert w.proc is None
@@ -158,7 +158,7 @@ def test_runs_in_one_worker_equal_separate_launches(tmp_path, monkeypatch):
     scenario's losses equal a fresh torchrun launch's bit for bit, nothing of the runs
     stays alive, and the failed run names its error and ends the process."""
     import gpu_check_nccl
-    monkeypatch.setattr(gpu_check, "BUDGET", gpu_check.Budget(None))
+    monkeypatch.setattr(gpu_check.launching, "BUDGET", gpu_check.Budget(None))
     first, second = (TINY + gpu_check_nccl.SCENARIOS[k] for k in ("sparse_attention", "mixture_of_depths"))
     w = gpu_check.Worker(tmp_path / "worker.log")
     try:

@@ -99,8 +99,12 @@ class KernelBusy:
         self._open: dict[tuple[str, int], object] = {}
         if enabled:
             from torch.profiler import ProfilerActivity, profile
-            self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-            self._prof.start()
+            try:  # another profiler already running (e.g. Megatron-LM's --profile) refuses a second
+                self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                self._prof.start()
+            except Exception as e:  # noqa: BLE001 - the span clock still stands; say why once
+                logger.warning("dynmo: GPU kernel times off in this window (%s: %s)", type(e).__name__, e)
+                self._prof = None
 
     def open(self, key: str, mb: int) -> None:
         if self._prof is None:
