@@ -24,16 +24,21 @@ the seconds it took (a run shared by several rows counts for the first), in plan
                          PP=2 checkpoint at the repack point (the tied output weight
                          becomes the embedding: see tests/megatron/test_repack.py)
   identical_layers[S]    PP=1 bf16 at shape S (host: 12L h1024 s1024 mb4, host-bound;
-                         gpu: 6L h4096 s2048 mb1, GPU-bound), one test layer 3x heavy:
-                         max/min fwd+bwd of the identical others <= 1.10
-  heavy_layer[S]         the same run: the 3x layer at 3.0x +-10% its neighbours' median
+                         gpu: 6L h4096 s2048 mb1, GPU-bound), test layers 3 at 3x and 5
+                         at 2x: max/min fwd+bwd of the identical others <= 1.10
+  heavy_layer[S]         the same run: layer 3 at 3.0x and layer 5 at 2.0x (+-10%) their
+                         neighbours' median, and the fit cost = c + k*w with c within
+                         +-0.10 of a neighbour (no constant per span)
   profiling_overhead[S]  the same run: profiled iterations / unprofiled ones <= 1.3
-  identical_layers[mlm-S]  inside Megatron-LM's pretrain_gpt.py ($DYNMO_MEGATRON_LM),
-                         --dynmo profiling: max/min of the layers <= 1.10
-  throughput_vs_megatron_lm  host shape, bf16, --rounds interleaved rounds of: the
-                         launcher, pretrain_gpt.py, pretrain_gpt.py --dynmo
-                         --dynmo-profile-every 10: launcher/Megatron-LM <= 1.0x and
-                         plugin/plain <= 1.03x (medians of the rounds; spread printed)
+  stage_prediction[S]    the same run: each profile's predicted stage time per iteration
+                         within 10% of the median iteration outside windows
+  identical_layers[mlm-S], stage_prediction[mlm-S]  the same inside Megatron-LM's
+                         pretrain_gpt.py ($DYNMO_MEGATRON_LM) with --dynmo profiling
+  throughput_vs_megatron_lm  host shape, bf16, --rounds (default 4) interleaved rounds of:
+                         the launcher, pretrain_gpt.py, pretrain_gpt.py --dynmo
+                         --dynmo-profile-every 10, like for like (no dropout, clipping or
+                         NaN checks): launcher/Megatron-LM <= 1.0x; plugin/plain <= 1.03x
+                         where the rounds' spread resolves 3% (windows excluded; spread printed)
   scenario_cost[KIND]    each of the six scenarios at PP=1 bf16 at a shape where it
                          should save: the affected layers' cost over the reference's
                          (SCENARIOS below); also written to OUT/scenario_costs.json
@@ -44,8 +49,10 @@ these prefixes.
 --plan: print the launch plan (row groups, their launches, estimated seconds from the
 constants in scripts/gpu_check_plan.py) and exit; a run prints it to stderr first.
 --budget-s S (default 480, issue 24's 8 minutes): a row group starts only while its
-estimate fits in what is left, else its rows say "skipped: budget"; every launch's
-timeout is capped at what is left. The one-rank runs go through one launcher worker
+estimate (scaled by what the groups run so far took) fits in what is left; one that does
+not is moved behind the cheaper groups still to come, then its rows say "skipped:
+budget"; every launch's timeout is capped at what is left. Determinism settings go to
+the bit-exact rows' launches only. The one-rank runs go through one launcher worker
 (scripts/gpu_check_worker.py: one process, one start-up); gpu_check_nccl.py's children
 start at once beside this script's probe, before any timed row (docs/gpu.md, "Budget").
 --cpu (what `gpu_check.sh --dry-run` passes): hide any GPU, run what runs on CPU (the

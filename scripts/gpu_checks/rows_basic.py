@@ -51,8 +51,9 @@ def _precision(m: Machine) -> list[str]:
 
 
 def check_profile_heavy_layer(m: Machine, sizes: Sizes, out: Path) -> Row:
+    # through the launcher worker's own switch, the one the GPU shape rows use (CI runs it)
     flags = [*sizes.heavy, "--dynmo", "--transformer-impl", "local", *_precision(m),
-             "--test-heavy-layer", str(HEAVY_LAYER), "--test-heavy-factor", str(HEAVY_FACTOR)]
+             "--gpu-check-heavy", f"{HEAVY_LAYER}:{HEAVY_FACTOR}"]
     report = launch(1, flags, out / "heavy")
     detail = heavy_layer_verdict(last_profile(report), HEAVY_LAYER, HEAVY_FACTOR, HEAVY_TOLERANCE)
     precision = "bf16" if _precision(m) else "fp32"
