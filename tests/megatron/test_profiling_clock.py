@@ -303,3 +303,36 @@ def test_kernel_timer_is_a_no_op_on_cpu_and_reads_real_profiler_ranges():
     for r, op in zip(ranges, mm):  # each matmul's launch lies inside its range
         thread, at = launches[op.correlation_id()]
         assert thread == r.thread and r.start_ns <= at <= r.end_ns
+
+
+class _KinetoEventStandIn:
+    """Stand-in for torch's _KinetoEvent (no CUDA here): the accessors `from_kineto` reads."""
+
+    def __init__(self, name, device, thread, start, duration, corr, linked=0):
+        self._v = (name, device, thread, start, duration, corr, linked)
+
+    def name(self): return self._v[0]  # noqa: E704
+    def device_type(self): return f"DeviceType.{self._v[1]}"  # noqa: E704
+    def start_thread_id(self): return self._v[2]  # noqa: E704
+    def start_ns(self): return self._v[3]  # noqa: E704
+    def end_ns(self): return self._v[3] + self._v[4]  # noqa: E704
+    def duration_ns(self): return self._v[4]  # noqa: E704
+    def correlation_id(self): return self._v[5]  # noqa: E704
+    def linked_correlation_id(self): return self._v[6]  # noqa: E704
+
+
+def test_cuda_kernels_are_linked_to_the_op_that_launched_them():
+    """As kineto reports them: a kernel's linked correlation id names the host op (or
+    runtime call) that launched it; the op lies inside the layer's range."""
+    from dynmo_plugin.megatron.profiling.kernels import attribute, from_kineto, samples_by_key
+    E = _KinetoEventStandIn
+    events = [E("dynmo:0:fwd/1:0", "CPU", 7, 1000, 500, 1), E("aten::mm", "CPU", 7, 1100, 50, 2),
+              E("cudaLaunchKernel", "CPU", 7, 1120, 5, 3), E("dynmo:0:bwd/1:0", "CPU", 9, 3000, 400, 4),
+              E("aten::mm", "CPU", 9, 3100, 50, 5), E("aten::add_", "CPU", 7, 5000, 10, 6),
+              E("sm90_gemm", "CUDA", 0, 1200, 2000, 10, linked=2), E("elementwise", "CUDA", 0, 3300, 300, 11, linked=5),
+              E("optimizer_kernel", "CUDA", 0, 5100, 999, 12, linked=6)]
+    ranges, launches, kernels = from_kineto(events)
+    assert [r.name for r in ranges] == ["dynmo:0:fwd/1:0", "dynmo:0:bwd/1:0"]
+    assert kernels == [(2, 2000), (5, 300), (6, 999)]
+    busy = samples_by_key(attribute(ranges, launches, kernels))
+    assert busy == {"fwd/1": [2000e-9], "bwd/1": [300e-9]}  # the optimizer's kernel is nobody's
