@@ -336,3 +336,49 @@ def test_cuda_kernels_are_linked_to_the_op_that_launched_them():
     assert kernels == [(2, 2000), (5, 300), (6, 999)]
     busy = samples_by_key(attribute(ranges, launches, kernels))
     assert busy == {"fwd/1": [2000e-9], "bwd/1": [300e-9]}  # the optimizer's kernel is nobody's
+
+
+def _layer(n, span_ms, host_ms, gpu_ms):
+    from dynmo_plugin.profiling.records import LayerProfile
+    return LayerProfile(layer=n, stage=0, fwd_s=span_ms / 3e3, bwd_s=2 * span_ms / 3e3, param_bytes=0, grad_bytes=0,
+                        optim_bytes=0, act_bytes=0, host_s=host_ms / 1e3, gpu_s=gpu_ms / 1e3, span_s=span_ms / 1e3)
+
+
+def test_each_layer_costs_the_time_that_paces_its_stage():
+    """Host-bound on CUDA (the H200 inside pretrain_gpt.py: the first layers 8.1-8.2 ms,
+    later ones 6.5, their kernels alike): layers cost their thread CPU time, alike; the
+    waits go to the stage and stay in the prediction. GPU-bound: the kernels' time. CPU:
+    the span."""
+    from dynmo_plugin.megatron.profiling.profiler import choose_costs
+    from dynmo_plugin.profiling.records import StageProfile
+
+    def stage():
+        return StageProfile(stage=0, extra_s=1e-3, wait_s=0.0, peak_bytes=0)
+    spans = {1: 8.2, 2: 8.1, 3: 6.5, 4: 6.5}
+    layers = [_layer(n, ms, ms, 2.0) for n, ms in spans.items()]
+    cpu = {n: (2.1e-3, 4.2e-3) for n in spans}                    # the launch work, alike
+    record = stage()
+    choose_costs(record, layers, {"fwd/1": [1e-3]}, cpu, 5e-4, m=4)
+    assert record.cost_source == "host_cpu" and all(x.cost_s == pytest.approx(6.3e-3) for x in layers)
+    assert record.host_waits_s == pytest.approx((8.2 + 8.1 + 6.5 + 6.5 - 4 * 6.3) / 1e3)
+    assert record.extra_s == 1e-3 and all(x.host_cpu_s == pytest.approx(6.3e-3) for x in layers)
+    # GPU-bound: kernel time at least host time
+    busy = {f"{d}/{n}": [k * 1e-3] for n in spans for d, k in (("fwd", 3.0), ("bwd", 6.0))} | {"head_fwd": [2e-3]}
+    layers = [_layer(n, 10.0, 2.0, 9.0) for n in spans]
+    record = stage()
+    choose_costs(record, layers, busy, cpu, 2e-3, m=4)
+    assert record.cost_source == "gpu_kernels" and all(x.cost_s == pytest.approx(9e-3) for x in layers)
+    assert record.extra_s == 2e-3 and record.host_waits_s == 0.0
+    # CPU: one clock, the span stands
+    layers = [_layer(n, ms, ms, 0.0) for n, ms in spans.items()]
+    record = stage()
+    choose_costs(record, layers, {}, None, 0.0, m=4)
+    assert record.cost_source == "span" and [round(x.cost_s * 1e3, 6) for x in layers] == [8.2, 8.1, 6.5, 6.5]
+
+
+def test_cuda_marks_keep_the_threads_cpu_time():
+    clock = CudaEventClock(cuda=RecordingCudaStandIn())
+    start = clock.begin()
+    sum(range(200000))
+    end = clock.mark()
+    assert 0 < clock.host_cpu_seconds(start, end) <= clock.host_seconds(start, end) + 1e-3

@@ -80,6 +80,11 @@ class _Spans:
         return [clock.seconds(self.start[mb], self.end[mb])
                 for mb in sorted(self.start) if mb in self.end]
 
+    def host_cpu_seconds(self, clock: Clock) -> list[float]:
+        """The thread's CPU time between the same marks (waits for the GIL left out)."""
+        return [clock.host_cpu_seconds(self.start[mb], self.end[mb])
+                for mb in sorted(self.start) if mb in self.end]
+
     def host_seconds(self, clock: Clock) -> list[float]:
         """The host's time between the same marks (on CUDA: launching the region)."""
         return [clock.host_seconds(self.start[mb], self.end[mb])
@@ -161,6 +166,8 @@ class StageProbe:
                 self.samples[key].extend(secs)
                 self.samples[f"host/{key}"].extend(_calibrated(spans.host_seconds(self.clock),
                                                                const[f"host/{way}"]))
+                self.samples[f"cpu/{key}"].extend(_calibrated(spans.host_cpu_seconds(self.clock),
+                                                              const[f"cpu/{way}"]))
             else:
                 for mb, s in zip(sorted(spans.start), secs):
                     extras[mb] += s
@@ -191,10 +198,12 @@ class StageProbe:
             spans = self._spans.get(f"{way}/0") if self._empty is not None else None
             device = median(spans.seconds(self.clock)) if spans is not None else 0.0
             host = median(spans.host_seconds(self.clock)) if spans is not None else 0.0
-            const[way], const[f"host/{way}"] = device, host
+            cpu = median(spans.host_cpu_seconds(self.clock)) if spans is not None else 0.0
+            const[way], const[f"host/{way}"], const[f"cpu/{way}"] = device, host, cpu
             if self._empty is not None:
                 self.samples[f"constant/{way}"].append(device)
                 self.samples[f"constant/host/{way}"].append(host)
+                self.samples[f"constant/cpu/{way}"].append(cpu)
         return const
 
     # ---- hooks --------------------------------------------------------------------------

@@ -31,9 +31,11 @@ span is calibrated (the probe subtracts the span constant it measures on empty l
 and on CUDA the kernels each layer launched are timed too (`kernels.KernelBusy`). A
 stage whose layers' kernel time is at least their host time is GPU-bound: its layers
 cost their kernel time (`cost_source` "gpu_kernels"), which is what bounds an iteration
-when the host runs ahead. Otherwise (host-bound, and always on CPU) a layer costs its
-calibrated span: max(host launch, GPU) from a drained device, i.e. the host's time. Both
-figures stay in the profile (`host_s`, `gpu_s`, `span_s`).
+when the host runs ahead. Otherwise a host-bound stage's layers on CUDA cost the host's
+own launch work, the thread's CPU time (`cost_source` "host_cpu"; what the spans hold
+beyond it, e.g. waiting for the GIL a DataLoader's pin-memory thread holds, is the
+stage's `host_waits_s`, kept in the prediction); on CPU (one clock) the calibrated span
+("span"). Every figure stays in the profile (`host_s`, `host_cpu_s`, `gpu_s`, `span_s`).
 
 The prediction the check holds the profile to: `predicted_s`, the stage's time per
 iteration from its layers, extras and optimizer step (`step_s`) as profiled, against
@@ -50,12 +52,12 @@ from dynmo_plugin.megatron.migration.optim_state import state_nbytes
 from dynmo_plugin.megatron.profiling.kernels import KernelBusy
 from dynmo_plugin.megatron.profiling.probe import SavedBytes, StageProbe
 from dynmo_plugin.megatron.profiling.timers import COMPUTE_TIMERS, TimerTap
-from dynmo_plugin.profiling.clock import clock_for
+from dynmo_plugin.profiling.clock import CudaEventClock, clock_for
 from dynmo_plugin.profiling.gather import gather_profile
 from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile, cost_spread, median
 from dynmo_plugin.sim.schedule import FORWARD, rank_orders
 
-__all__ = ["ProfileWindow", "prediction_line"]
+__all__ = ["ProfileWindow", "choose_costs", "prediction_line"]
 
 logger = logging.getLogger(__name__)
 
@@ -280,18 +282,16 @@ class ProfileWindow:
         m = self.trainer.num_microbatches
         record.span_constant_s = (median(probe.samples["constant/fwd"])
                                   + median(probe.samples["constant/bwd"]))
-        record.host_s = m * (sum(x.host_s for x in layers))
-        record.gpu_s = m * (sum(x.gpu_s for x in layers))
         busy = self._busy_samples or {}
-        gpu_bound = bool(busy) and record.gpu_s > 0 and record.gpu_s >= record.host_s
-        record.cost_source = "gpu_kernels" if gpu_bound else "span"
-        if gpu_bound:
-            for x in layers:
-                x.fwd_s = median(busy.get(f"fwd/{x.layer}", []))
-                x.bwd_s = median(busy.get(f"bwd/{x.layer}", []))
-            record.extra_s = sum(median(busy.get(k, [])) for k in ("emb_fwd", "emb_bwd", "head_fwd", "head_bwd"))
+        cpu = None
+        if isinstance(self.clock, CudaEventClock):  # CPU time differs from wall time only there
+            cpu = {x.layer: (median(probe.samples[f"cpu/fwd/{x.layer}"]), median(probe.samples[f"cpu/bwd/{x.layer}"]))
+                   for x in layers}
+        extra_gpu = sum(median(busy.get(k, [])) for k in ("emb_fwd", "emb_bwd", "head_fwd", "head_bwd"))
+        choose_costs(record, layers, busy, cpu, extra_gpu, m)
         record.step_s = median(self._steps) / len(self.probes)  # one optimizer per rank
-        record.predicted_s = m * (sum(x.cost_s for x in layers) + record.extra_s) + record.step_s
+        record.predicted_s = (m * (sum(x.cost_s for x in layers) + record.extra_s + record.host_waits_s)
+                              + record.step_s)
         record.measured_s = median(self.outside_s) / len(self.probes)
 
     def _chunk_extras(self, chunk, probe) -> tuple[int, int]:
@@ -348,6 +348,38 @@ class ProfileWindow:
             act_bytes=int(median(probe.act_bytes[n])))
 
 
+def choose_costs(record: StageProfile, layers: list[LayerProfile], busy: dict, cpu: dict | None,
+                 extra_gpu_s: float, m: int) -> None:
+    """Set each layer's fwd_s/bwd_s to the time it costs and the stage's `cost_source`:
+    - GPU-bound (kernel times measured, the layers' kernel time >= their host time):
+      the kernels' time ("gpu_kernels"), extras likewise;
+    - host-bound on CUDA (`cpu`: layer -> (fwd, bwd) thread CPU seconds): the host's own
+      launch work, its CPU time ("host_cpu"); what the spans hold beyond it (the thread
+      waiting for the GIL held by a DataLoader's pin-memory thread or for the OS, the
+      last kernel's tail) is the stage's, not a layer's: `host_waits_s` per micro-batch,
+      kept in the prediction. Identical layers then cost alike wherever the waits fall
+      (issue 34: 1.257x inside pretrain_gpt.py at the host-bound shape);
+    - otherwise (CPU: one clock) the calibrated span ("span").
+    `host_s`/`gpu_s` per iteration and each layer's `host_cpu_s` are recorded as well."""
+    record.host_s = m * sum(x.host_s for x in layers)
+    record.gpu_s = m * sum(x.gpu_s for x in layers)
+    if busy and record.gpu_s > 0 and record.gpu_s >= record.host_s:
+        record.cost_source = "gpu_kernels"
+        for x in layers:
+            x.fwd_s, x.bwd_s = median(busy.get(f"fwd/{x.layer}", [])), median(busy.get(f"bwd/{x.layer}", []))
+        record.extra_s = extra_gpu_s
+        return
+    if cpu:
+        record.cost_source = "host_cpu"
+        spans = sum(x.cost_s for x in layers)
+        for x in layers:
+            x.fwd_s, x.bwd_s = cpu.get(x.layer, (0.0, 0.0))
+            x.host_cpu_s = x.fwd_s + x.bwd_s
+        record.host_waits_s = max(0.0, spans - sum(x.cost_s for x in layers))
+        return
+    record.cost_source = "span"
+
+
 def prediction_line(stage: StageProfile) -> str:
     """One line per stage and window: the predicted time per iteration against the
     measured one outside windows, and which time the layers cost (docs/profiling.md)."""
@@ -356,5 +388,6 @@ def prediction_line(stage: StageProfile) -> str:
                 else "no iteration outside windows measured yet")
     return (f"stage {stage.stage}: predicted {1e3 * stage.predicted_s:.1f} ms/iteration ({stage.num_microbatches} "
             f"micro-batches, extras {1e3 * stage.extra_s:.2f} ms, step {1e3 * stage.step_s:.1f} ms) vs {measured}; "
-            f"layers cost {stage.cost_source} (host {1e3 * stage.host_s:.1f} ms, GPU kernels "
+            f"layers cost {stage.cost_source} (host {1e3 * stage.host_s:.1f} ms, of it waits "
+            f"{1e3 * stage.num_microbatches * stage.host_waits_s:.1f} ms, GPU kernels "
             f"{1e3 * stage.gpu_s:.1f} ms per iteration; span constant {1e3 * stage.span_constant_s:.3f} ms removed)")
