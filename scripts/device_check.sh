@@ -4,7 +4,8 @@
 # scripts/megatron_lm_gpu_check.sh, both within --total-s (default 540 s = 9 minutes).
 #
 #   scripts/device_check.sh --prepare [MEGATRON_LM_DIR]   # here, with a registry
-#   scripts/device_check.sh [--total-s S] [--python PY]   # on the GPU machine
+#   scripts/device_check.sh [--total-s S] [--python PY] [-- gpu_check.py flags]  # on the GPU
+#   scripts/device_check.sh --dry-run [-- gpu_check.py flags]  # no GPU: the CPU part, same layout
 #   scripts/device_check.sh --plan                        # estimated seconds, no run
 #
 # --prepare fills runs/device/ (git-ignored; carry it with the call): wheels/ holds the
@@ -16,10 +17,18 @@
 # On the GPU machine: installs runs/device/wheels into runs/device/site, runs
 # gpu_check.sh with --budget-s (what --total-s leaves after the install and the reserve
 # of megatron_lm_gpu_check.sh), then megatron_lm_gpu_check.sh under `timeout` for what
-# is left. Results go under $OUT (the device tool brings back what is there), else
-# runs/device/out: gpu_check.txt (the table), gpu_check/ (its runs, gpu_check.json),
-# megatron_lm.txt and megatron_lm/ (logs and reports; checkpoints stay in runs/device),
-# device_check.txt (each part's exit status and seconds).
+# is left. The runs are written to runs/device/work; $OUT (what the device tool brings
+# back: at most 8 files, none deeper than two folders) gets, all at its top
+# (else runs/device/out):
+#   device_check.txt   each part's exit status and seconds, and the archive's summary
+#   gpu_check.txt      the verdict table           gpu_check.log   its progress (stderr)
+#   gpu_check.json     the rows as JSON            scenario_costs.json  (when a scenario ran)
+#   megatron_lm.txt    megatron_lm_gpu_check.sh's output
+#   logs.tar.gz        EVERY log, report and profile of the run (<= 16 MiB, checkpoints
+#                      excluded; MANIFEST.txt inside lists what was kept, cut or dropped:
+#                      scripts/gpu_check_pack.py)
+# --dry-run (no GPU needed): gpu_check.sh --dry-run, megatron_lm_gpu_check.sh not run (its
+# line says so), the same files under $OUT.
 # Exit status: 0 when both passed, 1 when either failed, 2 on a usage or setup problem.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,6 +39,9 @@ INSTALL_S=10      # what the plan counts for the install below
 PY=python3
 MODE=run
 MLM_SRC="${DYNMO_MEGATRON_LM:-}"
+DRY=0
+EXTRA=()
+ARCHIVE_MIB=16   # the device tool brings back files of at most 16 MiB
 
 die() { echo "device_check.sh: error: $*" >&2; exit 2; }
 say() { echo "[device_check.sh] $*" >&2; }
@@ -38,9 +50,11 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --prepare) MODE=prepare; shift; [[ $# -gt 0 && "$1" != -* ]] && { MLM_SRC="$1"; shift; } ;;
     --plan) MODE=plan; shift ;;
+    --dry-run) DRY=1; shift ;;
+    --) shift; EXTRA=("$@"); break ;;
     --total-s) [[ $# -ge 2 && "$2" =~ ^[0-9]+$ ]] || die "--total-s needs a whole number of seconds"; TOTAL="$2"; shift 2 ;;
     --python) [[ $# -ge 2 ]] || die "--python needs an interpreter"; PY="$2"; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
@@ -69,44 +83,57 @@ if [[ $MODE == plan ]]; then
   exit $?
 fi
 
-# ---- on the GPU machine -----------------------------------------------------------------
+# ---- on the GPU machine (or --dry-run here) ------------------------------------------------
 OUT="${OUT:-$DEV/out}"
+WORK="$DEV/work"   # the runs; only what is listed above goes to $OUT
 mkdir -p "$OUT"
+rm -rf "$WORK"; mkdir -p "$WORK"
 START=$SECONDS
 SITE="$DEV/site"
-if compgen -G "$DEV/wheels/*.whl" >/dev/null; then
+if [[ $DRY -eq 0 ]] && compgen -G "$DEV/wheels/*.whl" >/dev/null; then
   "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --upgrade --target "$SITE" \
     "$DEV"/wheels/*.whl || die "installing $DEV/wheels failed"
 fi
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 [[ -f "$DEV/megatron-lm/pretrain_gpt.py" ]] && export DYNMO_MEGATRON_LM="$DEV/megatron-lm"
-say "gpu_check.sh --budget-s $GPU_BUDGET (after $((SECONDS - START)) s of install)"
+GPU_ARGS=(--python "$PY")
+[[ $DRY -eq 1 ]] && GPU_ARGS+=(--dry-run)
+say "gpu_check.sh ${GPU_ARGS[*]} --budget-s $GPU_BUDGET (after $((SECONDS - START)) s of install)"
 set +e
-bash "$ROOT/scripts/gpu_check.sh" --python "$PY" -- --budget-s "$GPU_BUDGET" --out "$OUT/gpu_check" \
-  2> "$OUT/gpu_check.log" | tee "$OUT/gpu_check.txt"
+bash "$ROOT/scripts/gpu_check.sh" "${GPU_ARGS[@]}" -- --budget-s "$GPU_BUDGET" --out "$WORK/gpu_check" \
+  ${EXTRA[@]+"${EXTRA[@]}"} 2> "$OUT/gpu_check.log" | tee "$OUT/gpu_check.txt"
 GPU_RC=${PIPESTATUS[0]}
 GPU_S=$((SECONDS - START))
 LEFT=$((TOTAL - GPU_S))
+for f in gpu_check.json scenario_costs.json; do
+  [[ -f "$WORK/gpu_check/$f" ]] && cp "$WORK/gpu_check/$f" "$OUT/$f"
+done
 MLM_RC=2
-if [[ -z "${DYNMO_MEGATRON_LM:-}" ]]; then
+if [[ $DRY -eq 1 ]]; then
+  MLM_RC=0
+  echo "megatron_lm_gpu_check.sh: not run: --dry-run (it needs a GPU)" | tee "$OUT/megatron_lm.txt"
+elif [[ -z "${DYNMO_MEGATRON_LM:-}" ]]; then
   echo "megatron_lm_gpu_check.sh: not run: no Megatron-LM (run --prepare first)" | tee "$OUT/megatron_lm.txt"
 elif [[ $LEFT -lt 30 ]]; then
   echo "megatron_lm_gpu_check.sh: skipped: budget ($LEFT s left of $TOTAL)" | tee "$OUT/megatron_lm.txt"
 else
   say "megatron_lm_gpu_check.sh with $LEFT s left"
   DYNMO_CHECK_PORT=$((29500 + RANDOM % 1000)) timeout -k 5 "$LEFT" bash "$ROOT/scripts/megatron_lm_gpu_check.sh" \
-    "$DYNMO_MEGATRON_LM" --python "$PY" --no-install --out "$DEV/mlm" > "$OUT/megatron_lm.txt" 2>&1
+    "$DYNMO_MEGATRON_LM" --python "$PY" --no-install --out "$WORK/megatron_lm" > "$OUT/megatron_lm.txt" 2>&1
   MLM_RC=$?
-  mkdir -p "$OUT/megatron_lm"
-  (cd "$DEV/mlm" && find . -name '*.log' -o -name 'report.json' | tar -cf - -T - 2>/dev/null) |
-    (cd "$OUT/megatron_lm" && tar -xf -)
   cat "$OUT/megatron_lm.txt"
 fi
+# every log, report and profile in one archive (checkpoints excluded): the device tool
+# brings back 8 files at most, so nothing else of the runs would come back
+mkdir -p "$WORK/gpu_check"; cp "$OUT/gpu_check.log" "$WORK/gpu_check/gpu_check.log" 2>/dev/null
+PACKED="$("$PY" "$ROOT/scripts/gpu_check_pack.py" "$OUT/logs.tar.gz" "$WORK/gpu_check" "$WORK/megatron_lm" \
+  --limit-mib "$ARCHIVE_MIB" 2>&1)" || PACKED="packing failed: $PACKED"
 set -e
 {
-  echo "gpu_check.sh: exit $GPU_RC, $GPU_S s (budget $GPU_BUDGET s)"
+  echo "gpu_check.sh: exit $GPU_RC, $GPU_S s (budget $GPU_BUDGET s)$([[ $DRY -eq 1 ]] && echo ', --dry-run')"
   echo "megatron_lm_gpu_check.sh: exit $MLM_RC$([[ $MLM_RC -eq 124 ]] && echo ' (stopped by the total budget)'), $((SECONDS - START - GPU_S)) s"
   echo "total: $((SECONDS - START)) s of $TOTAL s"
+  echo "$PACKED"
 } | tee "$OUT/device_check.txt"
 [[ $GPU_RC -eq 0 && $MLM_RC -eq 0 ]] && exit 0
 [[ $GPU_RC -eq 2 ]] && exit 2

@@ -8,21 +8,23 @@ which is how the next GPU run corrects them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 BUDGET_S = 480.0  # issue 24: the whole GPU check in at most 8 minutes on one H100/H200
 
-# Start-up of one launch, seconds, by kind.
+# Start-up of one launch, seconds, by kind. Re-fitted to the first device_check.sh run
+# on one H200 (../shared/notes/h200-acceptance-1.md, 2026-11-27); the run re-estimates
+# the groups still to come from what the finished ones took (`Schedule`).
 START_S = {
-    # h200-measured.md: "each torchrun launch 25-40 s" (interpreter, torch, Megatron-Core,
-    # CUDA context, NCCL, model); the top of the range, so the plan errs long
-    "torchrun": 40.0,
-    # a plain Python child doing the same imports and CUDA start without torchrun's agent:
-    # the bottom of that range (not measured on its own)
-    "process": 25.0,
+    # h200-acceptance-1: a pretrain_gpt.py torchrun launch ~32 s of start-up (was 40 s)
+    "torchrun": 32.0,
+    # a plain Python child doing the same imports and CUDA start without torchrun's agent;
+    # with NCCL_LONGEST_ROW_S the start group measured ~33 s (the plan said 55 s)
+    "process": 20.0,
     # one more run in the started launcher worker (scripts/gpu_check_worker.py): its process
-    # group, model, optimizer and first-iteration warm-up; imports and CUDA context are
-    # already there. Not measured yet: the worker's runs print their seconds
-    "worker": 6.0,
+    # group, model, optimizer and first-iteration warm-up. h200-acceptance-1: 10-19 s each
+    # (was 6 s, not measured then); the middle of the range
+    "worker": 14.0,
     # gpu_check.py itself: imports torch and megatron-core to probe the machine
     "parent": 10.0,
 }
@@ -39,10 +41,12 @@ IT_S = {
     # + the output layer (~3 layers) = ~53 ms per micro-batch, x4, + Adam over 1.35e9 params
     "gpu_heavy": 0.30,
     "mlm_gpu": 0.25,
-    # h200: 8L h2048 s2048 mb2 layer fwd+bwd 6.28 ms: 8 layers x 2 micro-batches + output
-    # layer and optimizer
-    "s8": 0.15,
-    # estimated: layers 1-4 hold 8 experts of FFN 8192, top-2: about twice the dense iteration
+    # the scenario rows' GPU-bound shape, 8L h4096 s2048 mb1 x 2 micro-batches: h200 a
+    # h4096 s2048 layer's fwd+bwd 9.1 ms (h200-acceptance-1) x 16 + output layer and Adam
+    # over ~1.7e9 parameters (estimated)
+    "s8": 0.20,
+    # estimated: layers 1-4 hold 8 experts of FFN 4096, top-2 at capacity <= 1: about the
+    # dense iteration plus routing and dispatch
     "s8_moe": 0.30,
     # estimated: h1024 at sequence 8192, mb1 x 2: causal attention over 8192 tokens
     # (~4x a s2048 layer's attention FLOPs per token), unfused local softmax
@@ -57,7 +61,10 @@ IT_S = {
 # The NCCL rows' children run at once: the plan counts one start-up and the longest
 # child's own work (a collective on a destroyed group waits 20 s; the others train a
 # 4-layer h64 model for 2-4 steps). Estimated, not measured.
-NCCL_LONGEST_ROW_S = 30.0
+NCCL_LONGEST_ROW_S = 13.0  # h200-acceptance-1: the start group ~33 s in all
+# sparse attention's calibration at its start (h200-acceptance-1: its run took 27 s
+# where the plan said 8 s): seconds the plan adds to that run
+SPARSE_CALIBRATION_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -136,5 +143,51 @@ def render_plan(plan: Plan) -> str:
                      f"{rows}")
     total = plan.total_s()
     lines.append(f"total: {total:.0f} s estimated of a {plan.budget_s:.0f} s budget"
-                 + ("" if total <= plan.budget_s else " -- OVER BUDGET: rows at the end will say 'skipped: budget'"))
+                 + ("" if total <= plan.budget_s else " -- OVER BUDGET: the run moves a group that does not fit behind cheaper ones; "
+                    "what still does not fit says 'skipped: budget'"))
     return "\n".join(lines)
+
+
+class Schedule:
+    """The order the groups run in, re-estimated as the run goes (issue 34).
+
+    Every estimate is scaled by what the finished groups took over what they were
+    estimated (`scale`, clamped to 0.5-2: one odd group does not swing it far). A group
+    whose scaled estimate no longer fits what is left is moved behind the cheaper groups
+    still to come (once), rather than skipped while they could run; met again and still
+    too long, it is skipped. A group without launches always runs (it costs nothing)."""
+
+    def __init__(self, groups: list[Group]):
+        self.pending = list(groups)
+        self.deferred: set[str] = set()
+        self.estimated = self.actual = 0.0
+
+    @property
+    def scale(self) -> float:
+        if self.estimated <= 0:
+            return 1.0
+        return min(2.0, max(0.5, self.actual / self.estimated))
+
+    def estimate_s(self, group: Group) -> float:
+        return group.estimate_s() * self.scale
+
+    def next(self, left_s: float) -> Optional[tuple[Group, bool]]:
+        """(the next group, whether to run it: False = skip it for the budget); None at the end."""
+        while self.pending:
+            group = self.pending[0]
+            need = self.estimate_s(group)
+            if not group.launches or need <= left_s:
+                return self.pending.pop(0), True
+            cheaper = [g for g in self.pending[1:] if self.estimate_s(g) < need]
+            if cheaper and group.name not in self.deferred:
+                self.deferred.add(group.name)
+                self.pending.append(self.pending.pop(0))
+                continue
+            return self.pending.pop(0), False
+        return None
+
+    def done(self, group: Group, seconds: float) -> None:
+        """A group ran in `seconds`: the later estimates follow."""
+        if group.launches:
+            self.estimated += group.estimate_s()
+            self.actual += seconds

@@ -38,11 +38,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+HEAVY_FLAG = "--gpu-check-heavy"  # LAYER:FACTOR,...: several test layers repeat their forward
+
+
+def heavy_layers_spec(factors: dict[int, int]):
+    """Like the test worker's `heavy_spec`, for several layers at once (e.g. layer 3 at 3x
+    and layer 5 at 2x: the slope and the intercept of cost against work, issue 34)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    class RepeatedLayers(TransformerLayer):
+        def forward(self, *args, **kwargs):
+            out = None
+            for _ in range(factors.get(self.layer_number, 1)):
+                out = super().forward(*args, **kwargs)
+                kwargs["hidden_states"] = out[0]
+            return out
+
+    spec = get_gpt_layer_local_spec()
+    spec.module = RepeatedLayers
+    return spec
+
+
+def take_heavy(flags: list[str]) -> tuple[list[str], dict[int, int]]:
+    """(the flags without HEAVY_FLAG, its layer -> factor map)."""
+    if HEAVY_FLAG not in flags:
+        return flags, {}
+    at = flags.index(HEAVY_FLAG)
+    pairs = [x.split(":") for x in flags[at + 1].split(",") if x]
+    return flags[:at] + flags[at + 2:], {int(a): int(b) for a, b in pairs}
+
+
 def run_one(flags: list[str], output: str) -> dict:
     """One launcher run in this process, as `torchrun --nproc-per-node 1 -m
-    workers.train_worker FLAGS --output OUTPUT` would do it."""
+    workers.train_worker FLAGS --output OUTPUT` would do it (HEAVY_FLAG: several heavy
+    test layers, through the test worker's own switch)."""
     import torch
     from workers import train_worker
+    flags, heavy = take_heavy(flags)
+    saved_spec = train_worker.heavy_spec
+    if heavy:
+        train_worker.heavy_spec = lambda *_: heavy_layers_spec(heavy)
+        flags = [*flags, "--test-heavy-layer", str(min(heavy)), "--test-heavy-factor", str(heavy[min(heavy)])]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     sys.argv = ["train_worker", *flags, "--output", output]
@@ -56,6 +93,8 @@ def run_one(flags: list[str], output: str) -> dict:
         traceback.print_exc()
         error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         _teardown()
+    finally:
+        train_worker.heavy_spec = saved_spec
     gc.collect()  # the run's model and optimizer, before the next run allocates its own
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     if cuda:

@@ -17,7 +17,8 @@ apart on an H200 (docs/profiling.md). With the queue drained at every start the
 interval is the same thing for every layer: from an idle GPU to the end of that
 layer's kernels, i.e. its GPU time when the GPU is the bottleneck, its launch time when
 the host is. Each mark also keeps the host's `perf_counter`, so a profile holds the
-host's time to launch the layer beside it (`host_seconds`). These clocks are only used
+host's time to launch the layer beside it (`host_seconds`), and the thread's CPU time
+(`host_cpu_seconds`: the launch work without the time the thread waited). These clocks are only used
 inside profiling windows: outside them nothing syncs.
 """
 from __future__ import annotations
@@ -44,6 +45,8 @@ class Clock(Protocol):
 
     def host_seconds(self, start: Any, end: Any) -> float: ...
 
+    def host_cpu_seconds(self, start: Any, end: Any) -> float: ...
+
 
 class CpuThreadClock:
     """`time.thread_time()`: CPU seconds of this thread (host and device time coincide)."""
@@ -63,6 +66,9 @@ class CpuThreadClock:
         return end - start
 
     def host_seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def host_cpu_seconds(self, start: float, end: float) -> float:
         return end - start
 
 
@@ -98,6 +104,7 @@ class SyncedWallClock(WallClock):
 class CudaMark(NamedTuple):
     event: Any          # torch.cuda.Event, recorded on the current stream
     host: float         # time.perf_counter() when it was recorded
+    cpu: float = 0.0    # time.thread_time() then: the recording thread's CPU time
 
 
 class CudaEventClock:
@@ -115,7 +122,7 @@ class CudaEventClock:
     def mark(self) -> CudaMark:
         event = self.cuda.Event(enable_timing=True)
         event.record()
-        return CudaMark(event, time.perf_counter())
+        return CudaMark(event, time.perf_counter(), time.thread_time())
 
     def begin(self) -> CudaMark:
         self.cuda.synchronize()
@@ -129,6 +136,13 @@ class CudaEventClock:
 
     def host_seconds(self, start: CudaMark, end: CudaMark) -> float:
         return end.host - start.host
+
+    def host_cpu_seconds(self, start: CudaMark, end: CudaMark) -> float:
+        """The thread's CPU time between the marks: the host's own launch work, without
+        the time it waited (for the GIL held by a DataLoader's pin-memory thread, for the
+        OS): both marks of a span are taken on the same thread (forward: the training
+        thread; backward: autograd's device thread)."""
+        return end.cpu - start.cpu
 
 
 def clock_for(device: torch.device) -> Clock:

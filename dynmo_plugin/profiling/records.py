@@ -68,6 +68,9 @@ class LayerProfile:
     spread: float = 0.0  # relative dispersion of fwd+bwd per micro-batch (`cost_spread`)
     host_s: float = 0.0  # median host seconds between the same marks, fwd+bwd (on CUDA:
     # launching the layer; near cost_s when the step is host-bound; docs/profiling.md)
+    gpu_s: float = 0.0   # median GPU kernel seconds the layer launched, fwd+bwd (CUDA only; 0: not measured)
+    span_s: float = 0.0  # the calibrated span, fwd+bwd (the cost on CPU)
+    host_cpu_s: float = 0.0  # the host thread's CPU time, fwd+bwd (CUDA, host-bound: the cost)
 
     @property
     def cost_s(self) -> float:
@@ -98,6 +101,16 @@ class StageProfile:
     extra_act_bytes: int = 0  # saved for backward outside the decoder layers, per micro-batch
     in_flight: int = 0      # micro-batches whose activations the stage holds at once (1F1B;
     # interleaved: the most of this chunk's micro-batches the rank's schedule holds at once)
+    # which time the layers cost (megatron/profiling/profiler.py `choose_costs`): "span" (CPU),
+    # "host_cpu" (CUDA, host-bound: the host's launch work) or "gpu_kernels" (GPU-bound)
+    cost_source: str = ""
+    span_constant_s: float = 0.0  # subtracted from every layer's span, fwd+bwd (empty spans)
+    host_s: float = 0.0     # per iteration: the layers' host time
+    gpu_s: float = 0.0      # per iteration: the layers' GPU kernel time (CUDA only)
+    step_s: float = 0.0     # per iteration: the optimizer step
+    host_waits_s: float = 0.0  # per micro-batch: the layers' spans beyond their CPU time ("host_cpu")
+    predicted_s: float = 0.0  # per iteration: (layers + extras + host waits) x micro-batches + step
+    measured_s: float = 0.0   # per iteration: median outside profiling windows (0: unknown)
 
 
 @dataclass

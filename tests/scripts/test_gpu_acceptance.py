@@ -33,6 +33,59 @@ def test_heavy_layer_acceptance_is_ten_percent():
         gpu_check.heavy_layer_verdict(_profile({1: 1.0, 2: 2.638, 3: 1.0}), 2, 3, gpu_check.HEAVY_ACCEPT)
 
 
+def _work(c: float, w: float, heavy: dict, n: int = 6) -> dict:
+    """Layer costs c + k*w: k = the heavy layers' factors, 1 for the others."""
+    return {i: c + heavy.get(i, 1) * w for i in range(1, n + 1)}
+
+
+def test_heavy_layers_at_two_factors_check_the_slope_not_just_a_ratio():
+    """Cost = c + k*w. With no constant (c = 0) both factors read true and the intercept is
+    0. The H200's kind of constant (c ~ 1.1 ms beside w ~ 4.6 ms: 3x read 2.63-2.73x)
+    fails; so does a layer booked at the wrong factor."""
+    heavy, accept = gpu_check.HEAVY_LAYERS, gpu_check.HEAVY_ACCEPT
+    assert heavy == {3: 3, 5: 2}
+    detail = gpu_check.heavy_slope_verdict(_profile(_work(0.0, 4.6e-3, heavy)), heavy, accept)
+    assert "layer 3 3.000x (expected 3x), layer 5 2.000x (expected 2x)" in detail
+    assert "fit cost = +0.000 + 1.000 x work" in detail
+    with pytest.raises(gpu_check.CheckFailed, match=r"layer 3 2\.6\d\dx .* fit cost = \+0\.19"):
+        gpu_check.heavy_slope_verdict(_profile(_work(1.1e-3, 4.6e-3, heavy)), heavy, accept)
+    # each ratio inside 10% but the intercept outside: c = 0.12 of a neighbour
+    with pytest.raises(gpu_check.CheckFailed, match="intercept"):
+        gpu_check.heavy_slope_verdict(_profile(_work(0.6e-3, 4.4e-3, heavy)), heavy, accept)
+    wrong = _work(0.0, 1e-3, heavy) | {5: 3e-3}  # layer 5 measured 3x for 2x of work
+    with pytest.raises(gpu_check.CheckFailed, match="layer 5 3.000x"):
+        gpu_check.heavy_slope_verdict(_profile(wrong), heavy, accept)
+
+
+def _stage_report(predicted: list[float], times: dict[int, float], windows: list[list[int]]) -> dict:
+    return {"iterations": [{"iteration": i, "time_s": t} for i, t in times.items()],
+            "events": [{"kind": "profile", "iteration": w[-1], "window": w,
+                        "profile": {"layers": [], "stages": [{"predicted_s": p}]}} for w, p in zip(windows, predicted)]}
+
+
+def test_stage_prediction_is_held_to_iterations_outside_windows():
+    times = {i: 0.100 for i in range(1, 13)} | {1: 2.0, 4: 0.5, 8: 0.5, 12: 0.5}  # warm-up, windows
+    worst, detail = gpu_check.prediction_verdict(_stage_report([0.104, 0.095], times, [[4, 4], [8, 8]]),
+                                                 times)
+    assert worst == pytest.approx(-0.05) and "measured 100.0 ms outside windows (median of 7)" in detail
+    worst, _ = gpu_check.prediction_verdict(_stage_report([0.085], times, [[4, 4]]), times)
+    assert worst == pytest.approx(-0.15) and abs(worst) > gpu_check.PREDICTION_ACCEPT
+    with pytest.raises(gpu_check.CheckFailed, match="predicted stage times"):
+        gpu_check.prediction_verdict(_stage_report([0.0], times, [[4, 4]]), times)
+
+
+def test_throughput_overhead_is_judged_only_where_the_rounds_resolve_three_percent():
+    ours = [0.20, 0.21, 0.20, 0.20]
+    ok, detail = gpu_check.throughput_verdict(ours, [0.95, 0.96, 0.97, 0.95], [1.01, 1.02, 1.00, 1.01], "host")
+    assert ok and "4 interleaved rounds" in detail and "<= 1.03" in detail
+    ok, detail = gpu_check.throughput_verdict(ours, [0.95] * 4, [1.04, 1.05, 1.04, 1.05], "host")
+    assert not ok  # resolved (spread 1%) and over 3%
+    ok, detail = gpu_check.throughput_verdict(ours, [0.95] * 4, [1.19, 1.27, 1.23, 1.20], "host")
+    assert ok and "not judged: the rounds spread 8.0%" in detail  # the H200's 1.192-1.268
+    ok, _ = gpu_check.throughput_verdict(ours, [1.05] * 4, [1.0] * 4, "host")
+    assert not ok  # launcher slower than Megatron-LM
+
+
 def _report(times: dict[int, float], windows: list[list[int]]) -> dict:
     return {"iterations": [{"iteration": i, "time_s": t} for i, t in times.items()],
             "events": [{"kind": "profile", "iteration": w[-1], "window": w, "profile": _profile({1: 1.0})}
@@ -113,6 +166,9 @@ def test_megatron_lm_iteration_times_after_warmup():
     log = "\n".join(f" [..] iteration {i}/20 | elapsed time per iteration (ms): {100 + i:.1f} | lr"
                     for i in range(1, 6))
     assert gpu_check.mlm_iteration_ms(log) == [104.0, 105.0]
+    assert gpu_check.mlm_iteration_s(log)[5] == pytest.approx(0.105)
+    real = " [2026-11-27 10:00:01] iteration        4/      20 | consumed samples: 64 | elapsed time per iteration (ms): 250.5 | lr"
+    assert gpu_check.mlm_iteration_s("\n".join([real.replace("  4/", f"  {i}/") for i in (1, 2, 3)] + [real]))[4] == 0.2505
     with pytest.raises(gpu_check.CheckFailed, match="logged 2"):
         gpu_check.mlm_iteration_ms(log.splitlines()[0] + "\n" + log.splitlines()[1])
 
@@ -149,12 +205,29 @@ def test_table_prints_each_rows_seconds():
     assert lines[2].endswith("| 1 x H100") and lines[3].endswith("| ok [42 s]")
 
 
-def test_gpu_check_sh_forces_the_determinism_settings():
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "1",
-           "CUBLAS_WORKSPACE_CONFIG": ":16:8", "PYTHONPATH": str(ROOT)}
+def test_determinism_settings_go_to_the_bit_exact_rows_only():
+    """Issue 34: every timing row of the H200 run ran under deterministic kernels. Now the
+    timed launches (worker, pretrain_gpt.py) have them removed even when the caller's
+    environment sets them; the bit-exact rows' launches get them."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+           "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--python", sys.executable, "--",
                            "--json", "--only", "machine"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     result = json.loads(proc.stdout)
-    assert result["env"] == {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    assert result["env"] == {"bit_exact_rows": {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+                                                "CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+                             "timing_rows": {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": None,
+                                             "CUBLAS_WORKSPACE_CONFIG": None}}
     assert [r["check"] for r in result["rows"]] == ["machine"] and proc.returncode == 0
+    timed, exact = gpu_check.worker_env(), gpu_check.worker_env(deterministic=True)
+    assert not set(gpu_check.DETERMINISM_ENV) & set(timed)
+    assert all(exact[k] == v for k, v in gpu_check.DETERMINISM_ENV.items())
+
+
+def test_simulator_cost_rows_come_only_from_rows_that_passed():
+    costs = _costs()
+    costs["mixture_of_depths"]["passed"] = False  # e.g. the H200's 0.801x against 0.3x
+    rows = gpu_check.builder_rows(costs)
+    assert "mixture_of_depths" not in {r["scenario"] for r in rows}
+    assert {r["scenario"] for r in rows} == {"dense", "gradual_pruning", "early_exit"}

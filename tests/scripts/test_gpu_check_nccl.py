@@ -51,3 +51,20 @@ def test_a_hung_shared_child_fails_its_row_and_names_it_for_the_rows_after():
     assert rows[1]["detail"] == "no end after 3 s (a hang?)"
     assert rows[2]["detail"] == "not run: its shared process ended in b"
     assert proc.poll() is not None  # killed, with its session
+
+
+def test_sync_free_counts_real_synchronisations_not_torchs_prototype_warning():
+    """torch warns once that sync-debug mode "is a prototype feature" when the mode is set
+    (torch/cuda/__init__.py on the H200's torch 2.11): it was counted as one host
+    synchronisation in every scenario. Real ones are c10's "called a synchronizing CUDA
+    operation"."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
+                      "synchronizing operations", UserWarning)
+        warnings.warn("an unrelated warning about synchronizing nothing", UserWarning)
+        assert nccl.host_syncs(caught) == []
+        warnings.warn("called a synchronizing CUDA operation", UserWarning)
+        warnings.warn("called a synchronizing CUDA operation", UserWarning)
+    assert [str(w.message) for w in nccl.host_syncs(caught)] == ["called a synchronizing CUDA operation"] * 2

@@ -18,6 +18,17 @@ Every span opens with `clock.begin()` (on CUDA: the device is drained first, so 
 holds that region's work only; `profiling.clock`) and closes with `clock.mark()`; the
 host's time between the same marks is kept beside it ("host/fwd/7").
 Hooks exist only between `attach()` and `detach()`: zero cost outside a window.
+
+The span constant (issue 34): a span also holds a fixed cost of the measurement itself
+(the drain before it, the hooks, the idle GPU until the first kernel arrives): on an
+H200 ~1.0-1.2 ms per span at both shapes, so a layer of 3x the FLOPs read 2.63-2.73x.
+With `span_constant=K` the probe runs K EMPTY layers after each window iteration through
+the very same hooks (`_EmptyLayer`: one elementwise kernel forward and backward, layer
+number 0) and subtracts the median of their spans, per direction and per clock (device,
+host), from every span of that iteration (clamped at 0): what is left is the layer's
+own work. The constants are kept ("constant/fwd", "constant/host/bwd", ...).
+With a `KernelBusy` every span is also a profiler range, so the kernels each layer
+launched are summed per layer (`profiling.kernels`: GPU busy time, no constant at all).
 """
 from __future__ import annotations
 
@@ -27,6 +38,7 @@ from typing import Callable
 import torch
 
 from dynmo_plugin.profiling.clock import Clock
+from dynmo_plugin.profiling.records import median
 
 __all__ = ["StageProbe", "SavedBytes"]
 
@@ -68,20 +80,43 @@ class _Spans:
         return [clock.seconds(self.start[mb], self.end[mb])
                 for mb in sorted(self.start) if mb in self.end]
 
+    def host_cpu_seconds(self, clock: Clock) -> list[float]:
+        """The thread's CPU time between the same marks (waits for the GIL left out)."""
+        return [clock.host_cpu_seconds(self.start[mb], self.end[mb])
+                for mb in sorted(self.start) if mb in self.end]
+
     def host_seconds(self, clock: Clock) -> list[float]:
         """The host's time between the same marks (on CUDA: launching the region)."""
         return [clock.host_seconds(self.start[mb], self.end[mb])
                 for mb in sorted(self.start) if mb in self.end]
 
 
+class _EmptyLayer(torch.nn.Module):
+    """A layer with no work: what a span costs when the layer inside it costs nothing."""
+
+    layer_number = 0
+
+    def forward(self, hidden_states, **kwargs):
+        return hidden_states * 1.0, None
+
+
+def _calibrated(values: list[float], constant: float) -> list[float]:
+    return [max(0.0, v - constant) for v in values]
+
+
 class StageProbe:
     """Times each layer of `model` (one pipeline stage; interleaved: one model chunk, i.e.
     one virtual stage, and the profiler attaches one probe per chunk) per micro-batch."""
 
-    def __init__(self, model: torch.nn.Module, clock: Clock, count_activations: bool = True):
+    def __init__(self, model: torch.nn.Module, clock: Clock, count_activations: bool = True,
+                 span_constant: int = 0, busy=None):
         """count_activations=False skips the saved-tensor accounting, which is most of
-        the probe's cost (scripts/bench_profiler.py); act_bytes are then 0."""
+        the probe's cost (scripts/bench_profiler.py); act_bytes are then 0.
+        span_constant: empty spans per iteration to calibrate the span constant (module
+        docstring; 0: none). busy: a `profiling.kernels.KernelBusy` (GPU kernel time)."""
         self.model, self.clock, self.count_activations = model, clock, count_activations
+        self.span_constant, self.busy = span_constant, busy
+        self._empty = _EmptyLayer() if span_constant else None
         self.layers = list(model.decoder.layers)
         self._handles: list = []
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -98,6 +133,8 @@ class StageProbe:
             self._hook_embedding(self.model.embedding)
         if getattr(self.model, "post_process", False):
             self._hook_head()
+        if self._empty is not None:
+            self._hook_layer(self._empty)
 
     def detach(self) -> None:
         for h in self._handles:
@@ -113,24 +150,61 @@ class StageProbe:
 
     def end_iteration(self) -> float:
         """Resolve marks into seconds (one device sync); returns the iteration's profiled
-        compute: layers + extras summed over its micro-batches."""
+        compute: layers + extras summed over its micro-batches, span constants removed."""
+        self._run_empty_spans()
         self.clock.resolve()
+        const = self._constants()
         total = 0.0
         extras = defaultdict(float)
         for key, spans in self._spans.items():
-            secs = spans.seconds(self.clock)
+            way = "bwd" if "bwd" in key else "fwd"
+            if key in ("fwd/0", "bwd/0"):
+                continue
+            secs = _calibrated(spans.seconds(self.clock), const[way])
             total += sum(secs)
             if key.startswith(("fwd/", "bwd/")):
                 self.samples[key].extend(secs)
-                self.samples[f"host/{key}"].extend(spans.host_seconds(self.clock))
+                self.samples[f"host/{key}"].extend(_calibrated(spans.host_seconds(self.clock),
+                                                               const[f"host/{way}"]))
+                self.samples[f"cpu/{key}"].extend(_calibrated(spans.host_cpu_seconds(self.clock),
+                                                              const[f"cpu/{way}"]))
             else:
                 for mb, s in zip(sorted(spans.start), secs):
                     extras[mb] += s
         self.samples["extra"].extend(extras.values())
         for (number, _mb), saved in self._saved.items():
-            self.act_bytes[number].append(saved.nbytes)
+            if number:
+                self.act_bytes[number].append(saved.nbytes)
+        if self.busy is not None:
+            self.busy.next_iteration()
         self._reset_iteration()
         return total
+
+    def _run_empty_spans(self) -> None:
+        """`span_constant` forward+backward passes of the empty layer, through the hooks."""
+        if self._empty is None:
+            return
+        param = next(self.model.parameters())
+        with torch.enable_grad():
+            for _ in range(self.span_constant):
+                x = torch.zeros(1, 1, 8, device=param.device, dtype=param.dtype, requires_grad=True)
+                out, _ = self._empty(hidden_states=x)
+                out.sum().backward()
+
+    def _constants(self) -> dict[str, float]:
+        """This iteration's span constants (median empty span), 0.0 without calibration."""
+        const = {}
+        for way in ("fwd", "bwd"):
+            spans = self._spans.get(f"{way}/0") if self._empty is not None else None
+            device = median(spans.seconds(self.clock)) if spans is not None else 0.0
+            host = median(spans.host_seconds(self.clock)) if spans is not None else 0.0
+            cpu = median(spans.host_cpu_seconds(self.clock)) if spans is not None else 0.0
+            const[way], const[f"host/{way}"], const[f"cpu/{way}"] = device, host, cpu
+            if self._empty is not None:
+                self.samples[f"constant/{way}"].append(device)
+                self.samples[f"constant/host/{way}"].append(host)
+                self.samples[f"constant/cpu/{way}"].append(cpu)
+        return const
 
     # ---- hooks --------------------------------------------------------------------------
     def _next_mb(self, key: str) -> int:
@@ -138,14 +212,25 @@ class StageProbe:
         self._counters[key] += 1
         return mb
 
-    def _grad_mark(self, spans: _Spans, which: str, mb: int) -> Callable:
+    def _grad_mark(self, key: str, which: str, mb: int) -> Callable:
         """A gradient hook marking the start (`clock.begin`: drains the device) or the
         end of a backward span."""
-        mark = self.clock.begin if which == "start" else self.clock.mark
+        spans = self._spans[key]
 
         def hook(grad):
-            getattr(spans, which)[mb] = mark()
+            if which == "start":
+                spans.start[mb] = self.clock.begin()
+                self._range(key, mb, True)
+            else:
+                self._range(key, mb, False)
+                spans.end[mb] = self.clock.mark()
         return hook
+
+    def _range(self, key, mb: int, opening: bool) -> None:
+        """The span's profiler range (`profiling.kernels`), where kernels are timed."""
+        if self.busy is None or key is None:
+            return
+        (self.busy.open if opening else self.busy.close)(key, mb)
 
     def _hook_layer(self, layer: torch.nn.Module) -> None:
         number = layer.layer_number
@@ -155,7 +240,7 @@ class StageProbe:
             mb = self._next_mb(f"layer/{number}")
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             if torch.is_tensor(hidden) and hidden.requires_grad:
-                hidden.register_hook(self._grad_mark(self._spans[bwd_key], "end", mb))
+                hidden.register_hook(self._grad_mark(bwd_key, "end", mb))
             else:  # e.g. after a frozen prefix: the last weight gradient ends the backward
                 self._ends_at_weights.add((number, mb))
             if self.count_activations:
@@ -163,20 +248,23 @@ class StageProbe:
                 self._saved[(number, mb)] = saved
                 saved.__enter__()
             self._spans[fwd_key].start[mb] = self.clock.begin()
+            self._range(fwd_key, mb, True)
 
         def post(module, args, kwargs, output):
             mb = self._counters[f"layer/{number}"] - 1
+            self._range(fwd_key, mb, False)
             self._spans[fwd_key].end[mb] = self.clock.mark()
             if self.count_activations:
                 self._saved[(number, mb)].__exit__(None, None, None)
             out = output[0] if isinstance(output, tuple) else output
             if torch.is_tensor(out) and out.requires_grad:
-                out.register_hook(self._grad_mark(self._spans[bwd_key], "start", mb))
+                out.register_hook(self._grad_mark(bwd_key, "start", mb))
                 out.register_hook(lambda grad: self._bwd_running.__setitem__(number, mb))
 
         def accumulated(param):
             mb = self._bwd_running.get(number)
             if mb is not None and (number, mb) in self._ends_at_weights:
+                self._range(bwd_key, mb, False)
                 self._spans[bwd_key].end[mb] = self.clock.mark()
 
         self._handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
@@ -187,18 +275,22 @@ class StageProbe:
     def _hook_embedding(self, embedding: torch.nn.Module) -> None:
         # Spans are looked up on each call: _reset_iteration replaces the dict.
         def pre(module, args):
-            self._spans["emb_fwd"].start[self._next_mb("emb")] = self.clock.begin()
+            mb = self._next_mb("emb")
+            self._spans["emb_fwd"].start[mb] = self.clock.begin()
+            self._range("emb_fwd", mb, True)
 
         def post(module, args, output):
             mb = self._counters["emb"] - 1
+            self._range("emb_fwd", mb, False)
             self._spans["emb_fwd"].end[mb] = self.clock.mark()
             if output.requires_grad:
-                output.register_hook(self._grad_mark(self._spans["emb_bwd"], "start", mb))
+                output.register_hook(self._grad_mark("emb_bwd", "start", mb))
 
         def accumulated(param):  # the last embedding weight grad ends the stage backward
             spans = self._spans["emb_bwd"]
             pending = [mb for mb in spans.start if mb not in spans.end]
             if pending:
+                self._range("emb_bwd", min(pending), False)
                 spans.end[min(pending)] = self.clock.mark()
 
         self._handles.append(embedding.register_forward_pre_hook(pre))
@@ -214,15 +306,17 @@ class StageProbe:
         def pre(module, args):
             mb = self._next_mb("head")
             self._spans["head_fwd"].start[mb] = self.clock.begin()
+            self._range("head_fwd", mb, True)
             hidden = args[0] if args else None
             if torch.is_tensor(hidden) and hidden.requires_grad:
-                hidden.register_hook(self._grad_mark(self._spans["head_bwd"], "end", mb))
+                hidden.register_hook(self._grad_mark("head_bwd", "end", mb))
 
         def post(module, args, output):
             mb = self._counters["head"] - 1
+            self._range("head_fwd", mb, False)
             self._spans["head_fwd"].end[mb] = self.clock.mark()
             if torch.is_tensor(output) and output.requires_grad:
-                output.register_hook(self._grad_mark(self._spans["head_bwd"], "start", mb))
+                output.register_hook(self._grad_mark("head_bwd", "start", mb))
 
         self._handles.append(start_module.register_forward_pre_hook(pre))
         self._handles.append(self.model.register_forward_hook(post))

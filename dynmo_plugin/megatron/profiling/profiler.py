@@ -25,6 +25,22 @@ virtual stage's extras (`profiling.records` says which fields are per rank). Mem
 the rank's: the static bytes of all chunks (one optimizer), and on CPU the activations
 the rank holds at the worst point of its interleaved schedule (`sim.schedule`: a
 forward of chunk c adds chunk c's bytes, its backward frees them).
+
+Which time a layer costs (issue 34; docs/profiling.md "GPU time and host time"): every
+span is calibrated (the probe subtracts the span constant it measures on empty layers),
+and on CUDA the kernels each layer launched are timed too (`kernels.KernelBusy`). A
+stage whose layers' kernel time is at least their host time is GPU-bound: its layers
+cost their kernel time (`cost_source` "gpu_kernels"), which is what bounds an iteration
+when the host runs ahead. Otherwise a host-bound stage's layers on CUDA cost the host's
+own launch work, the thread's CPU time (`cost_source` "host_cpu"; what the spans hold
+beyond it, e.g. waiting for the GIL a DataLoader's pin-memory thread holds, is the
+stage's `host_waits_s`, kept in the prediction); on CPU (one clock) the calibrated span
+("span"). Every figure stays in the profile (`host_s`, `host_cpu_s`, `gpu_s`, `span_s`).
+
+The prediction the check holds the profile to: `predicted_s`, the stage's time per
+iteration from its layers, extras and optimizer step (`step_s`) as profiled, against
+`measured_s`, the median iteration outside profiling windows (given by the caller as
+`outside_s`; 0.0 when not given). Both are logged for every window.
 """
 from __future__ import annotations
 
@@ -33,14 +49,15 @@ import logging
 import torch
 
 from dynmo_plugin.megatron.migration.optim_state import state_nbytes
+from dynmo_plugin.megatron.profiling.kernels import KernelBusy
 from dynmo_plugin.megatron.profiling.probe import SavedBytes, StageProbe
 from dynmo_plugin.megatron.profiling.timers import COMPUTE_TIMERS, TimerTap
-from dynmo_plugin.profiling.clock import clock_for
+from dynmo_plugin.profiling.clock import CudaEventClock, clock_for
 from dynmo_plugin.profiling.gather import gather_profile
 from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile, cost_spread, median
 from dynmo_plugin.sim.schedule import FORWARD, rank_orders
 
-__all__ = ["ProfileWindow"]
+__all__ = ["ProfileWindow", "choose_costs", "prediction_line"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,16 +146,58 @@ class _DevicePeak:
         self._handle.remove()
 
 
-class ProfileWindow:
-    """Profiles the stage (interleaved: every chunk) owned by `trainer` until `close()`."""
+class _StepTimer:
+    """The optimizer step's time per iteration, a calibrated span like a layer's
+    (global optimizer hooks, so a rebuilt optimizer is timed too)."""
 
-    def __init__(self, trainer):
+    def __init__(self, clock):
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        self.clock, self.marks, self._start = clock, [], None
+        self._handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
+
+    def _pre(self, optimizer, args, kwargs) -> None:
+        if self._start is None:
+            self._start = self.clock.begin()
+
+    def _post(self, optimizer, args, kwargs) -> None:
+        if self._start is not None:
+            self.marks.append((self._start, self.clock.mark()))
+            self._start = None
+
+    def take(self) -> float:
+        """Seconds of the steps since the last call (after clock.resolve())."""
+        seconds = sum(self.clock.seconds(a, b) for a, b in self.marks)
+        self.marks.clear()
+        return seconds
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+SPAN_CONSTANT_SAMPLES = 4  # empty spans per window iteration (probe.py: the span constant)
+
+
+class ProfileWindow:
+    """Profiles the stage (interleaved: every chunk) owned by `trainer` until `close()`.
+
+    `clock`: the device clock (default `clock_for(device)`; tests pass a fake one).
+    `outside_s`: recent iteration seconds outside windows, for the prediction check."""
+
+    def __init__(self, trainer, clock=None, outside_s=None):
         self.trainer = trainer
-        self.clock = clock_for(trainer.dims.device)
+        self.clock = clock if clock is not None else clock_for(trainer.dims.device)
+        self.outside_s = list(outside_s or [])
         self._saved_timers = trainer.config.timers
         self.tap = TimerTap(self._saved_timers, self.clock)
         trainer.config.timers = self.tap
-        self.probes = [StageProbe(chunk, self.clock) for chunk in trainer.chunks]
+        self.busy = KernelBusy(enabled=trainer.dims.device.type == "cuda")
+        self._busy_samples: dict | None = None
+        self.probes = [StageProbe(chunk, self.clock, span_constant=SPAN_CONSTANT_SAMPLES, busy=self.busy)
+                       for chunk in trainer.chunks]
+        self._step = _StepTimer(self.clock)
+        self._steps: list[float] = []
         for probe in self.probes:
             probe.attach()
         self.extra_acts = [_ExtraActivations(chunk) for chunk in trainer.chunks]
@@ -150,6 +209,7 @@ class ProfileWindow:
     def after_iteration(self) -> None:
         # resolves the clock first
         self._profiled.append(sum(probe.end_iteration() for probe in self.probes))
+        self._steps.append(self._step.take())
         if self._peak is not None:
             self._peak.end_iteration()
         totals = self.tap.take_totals()
@@ -161,6 +221,7 @@ class ProfileWindow:
 
         `perturb(profile)` (test-only, dynmo_plugin.faults.ProfileNoise) alters the local
         profile before the gather."""
+        self._busy_samples = self.busy.stop()
         self.cancel()
         local = self._local_profile()
         if perturb is not None:
@@ -168,6 +229,8 @@ class ProfileWindow:
         self.tap.publish({f"dynmo/layer-{x.layer:02d}/{k}": getattr(x, f"{k}_s")
                           for x in local.layers for k in ("fwd", "bwd")})
         groups = self.trainer.dims.groups
+        for stage in local.stages:
+            logger.info("dynmo: %s", prediction_line(stage))
         return gather_profile(local, groups.pp, groups.dp, groups.tp)
 
     def cancel(self) -> None:
@@ -177,6 +240,8 @@ class ProfileWindow:
             extra_act.detach()
         if self._peak is not None:
             self._peak.close()
+        self._step.close()
+        self.busy.stop()  # no-op after close()'s; a cancelled window's kernels are dropped
         self.trainer.config.timers = self._saved_timers
 
     # ---- summary ------------------------------------------------------------------------
@@ -207,7 +272,27 @@ class ProfileWindow:
                                 extra_act_bytes=int(e_act), in_flight=depth, **rank_fields)
                    for stage, probe, (nbytes, grad), e_act, depth
                    in zip(stages, self.probes, extras, extra_act, in_flight)]
+        for record, probe, chunk in zip(records, self.probes, layers):
+            self._choose_cost(record, probe, chunk)
         return PipelineProfile([x for chunk in layers for x in chunk], records, v)
+
+    def _choose_cost(self, record: StageProfile, probe: StageProbe, layers: list[LayerProfile]) -> None:
+        """The time each layer costs (module docstring), the span constant, and the
+        stage's predicted and measured time per iteration."""
+        m = self.trainer.num_microbatches
+        record.span_constant_s = (median(probe.samples["constant/fwd"])
+                                  + median(probe.samples["constant/bwd"]))
+        busy = self._busy_samples or {}
+        cpu = None
+        if isinstance(self.clock, CudaEventClock):  # CPU time differs from wall time only there
+            cpu = {x.layer: (median(probe.samples[f"cpu/fwd/{x.layer}"]), median(probe.samples[f"cpu/bwd/{x.layer}"]))
+                   for x in layers}
+        extra_gpu = sum(median(busy.get(k, [])) for k in ("emb_fwd", "emb_bwd", "head_fwd", "head_bwd"))
+        choose_costs(record, layers, busy, cpu, extra_gpu, m)
+        record.step_s = median(self._steps) / len(self.probes)  # one optimizer per rank
+        record.predicted_s = (m * (sum(x.cost_s for x in layers) + record.extra_s + record.host_waits_s)
+                              + record.step_s)
+        record.measured_s = median(self.outside_s) / len(self.probes)
 
     def _chunk_extras(self, chunk, probe) -> tuple[int, int]:
         """(bytes, gradient bytes) of the chunk's parameters outside its decoder layers:
@@ -251,11 +336,58 @@ class ProfileWindow:
         dispersion (`records.cost_spread`), which the gate's noise floor follows."""
         n, params = layer.layer_number, list(layer.parameters())
         fwd, bwd = probe.samples[f"fwd/{n}"], probe.samples[f"bwd/{n}"]
+        busy = self._busy_samples or {}
         return LayerProfile(
             layer=n, stage=stage, fwd_s=median(fwd), bwd_s=median(bwd),
-            spread=cost_spread(fwd, bwd),
+            spread=cost_spread(fwd, bwd), span_s=median(fwd) + median(bwd),
+            gpu_s=median(busy.get(f"fwd/{n}", [])) + median(busy.get(f"bwd/{n}", [])),
             host_s=median(probe.samples[f"host/fwd/{n}"]) + median(probe.samples[f"host/bwd/{n}"]),
             param_bytes=sum(_nbytes(p) for p in params),
             grad_bytes=sum(_grad_bytes(p) for p in params),
             optim_bytes=sum(state_nbytes(self.trainer.optimizer, p) for p in params),
             act_bytes=int(median(probe.act_bytes[n])))
+
+
+def choose_costs(record: StageProfile, layers: list[LayerProfile], busy: dict, cpu: dict | None,
+                 extra_gpu_s: float, m: int) -> None:
+    """Set each layer's fwd_s/bwd_s to the time it costs and the stage's `cost_source`:
+    - GPU-bound (kernel times measured, the layers' kernel time >= their host time):
+      the kernels' time ("gpu_kernels"), extras likewise;
+    - host-bound on CUDA (`cpu`: layer -> (fwd, bwd) thread CPU seconds): the host's own
+      launch work, its CPU time ("host_cpu"); what the spans hold beyond it (the thread
+      waiting for the GIL held by a DataLoader's pin-memory thread or for the OS, the
+      last kernel's tail) is the stage's, not a layer's: `host_waits_s` per micro-batch,
+      kept in the prediction. Identical layers then cost alike wherever the waits fall
+      (issue 34: 1.257x inside pretrain_gpt.py at the host-bound shape);
+    - otherwise (CPU: one clock) the calibrated span ("span").
+    `host_s`/`gpu_s` per iteration and each layer's `host_cpu_s` are recorded as well."""
+    record.host_s = m * sum(x.host_s for x in layers)
+    record.gpu_s = m * sum(x.gpu_s for x in layers)
+    if busy and record.gpu_s > 0 and record.gpu_s >= record.host_s:
+        record.cost_source = "gpu_kernels"
+        for x in layers:
+            x.fwd_s, x.bwd_s = median(busy.get(f"fwd/{x.layer}", [])), median(busy.get(f"bwd/{x.layer}", []))
+        record.extra_s = extra_gpu_s
+        return
+    if cpu:
+        record.cost_source = "host_cpu"
+        spans = sum(x.cost_s for x in layers)
+        for x in layers:
+            x.fwd_s, x.bwd_s = cpu.get(x.layer, (0.0, 0.0))
+            x.host_cpu_s = x.fwd_s + x.bwd_s
+        record.host_waits_s = max(0.0, spans - sum(x.cost_s for x in layers))
+        return
+    record.cost_source = "span"
+
+
+def prediction_line(stage: StageProfile) -> str:
+    """One line per stage and window: the predicted time per iteration against the
+    measured one outside windows, and which time the layers cost (docs/profiling.md)."""
+    measured = (f"measured {1e3 * stage.measured_s:.1f} ms outside windows "
+                f"({stage.predicted_s / stage.measured_s:.3f}x)" if stage.measured_s > 0
+                else "no iteration outside windows measured yet")
+    return (f"stage {stage.stage}: predicted {1e3 * stage.predicted_s:.1f} ms/iteration ({stage.num_microbatches} "
+            f"micro-batches, extras {1e3 * stage.extra_s:.2f} ms, step {1e3 * stage.step_s:.1f} ms) vs {measured}; "
+            f"layers cost {stage.cost_source} (host {1e3 * stage.host_s:.1f} ms, of it waits "
+            f"{1e3 * stage.num_microbatches * stage.host_waits_s:.1f} ms, GPU kernels "
+            f"{1e3 * stage.gpu_s:.1f} ms per iteration; span constant {1e3 * stage.span_constant_s:.3f} ms removed)")
