@@ -48,9 +48,9 @@ IT_S = {
     # estimated: layers 1-4 hold 8 experts of FFN 4096, top-2 at capacity <= 1: about the
     # dense iteration plus routing and dispatch
     "s8_moe": 0.30,
-    # estimated: h1024 at sequence 8192, mb1 x 2: causal attention over 8192 tokens
-    # (~4x a s2048 layer's attention FLOPs per token), unfused local softmax
-    "sparse_s8192": 0.30,
+    # estimated: h1024 at sequence 16384, mb1 x 2: a dense layer ~10 ms (h200-acceptance-1's
+    # s8192 layer 3.8-4.1 ms, attention x4 and the rest x2) x 16 + the 32k-vocabulary head
+    "sparse_s16384": 0.30,
     # h200: fp32 23,709 tokens/s and bf16 110,358 tokens/s at 16,384 tokens per iteration
     "speed_fp32": 0.69,
     "speed_bf16": 0.15,

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from dynmo_plugin.sim.gpu_curves import cost_rows as builder_rows  # only rows that passed
+from dynmo_plugin.sim.gpu_curves import gpu_cost_model, model_name
 from gpu_checks.common import CheckFailed, Machine, NO_CUDA, Row
 from gpu_checks.launching import launch
 from gpu_checks.rows_basic import _precision
@@ -64,9 +68,9 @@ SCENARIOS = [
         "buckets": 1, "buckets_per_layer": "1:1,2:1,3:1,4:1", "final_buckets": 16, "rounds": 1,
         "start": 2, "interval": 2, "hashes": 1}},
         ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8",
-         "--seq-length", "8192", "--micro-batch-size", "1", "--global-batch-size", "2",
+         "--seq-length", "16384", "--micro-batch-size", "1", "--global-batch-size", "2",
          "--vocab-size", "32000", "--lr", "1e-4", "--transformer-impl", "local"], _TAIL, "dense", 0.8,
-        "layers 5-8 with 16 hash buckets vs dense causal layers 1-4, sequence 8192"),
+        "layers 5-8 with 16 hash buckets vs dense causal layers 1-4, sequence 16384"),
 ]
 
 
@@ -155,43 +159,10 @@ def check_scenario(m: Machine, sc: Scenario, out: Path, costs: dict) -> Row:
     return Row(name, "pass", detail)
 
 
-# The simulator's name and curve knob for each scenario row (`dynmo_plugin.sim.profile_builder`).
-# MoE is left out: its row compares capacity factors of a wider FFN, not a dense layer of
-# the shape, and the busiest expert's load (the simulator's knob) is not measured here.
-_BUILDER = {"gradual_pruning": lambda f: 1 - 0.67, "layer_freezing": None,
-            "mixture_of_depths": lambda f: 0.125,
-            "early_exit": lambda f: 1 - f["exited_fraction"], "sparse_attention": lambda f: 1 / 16}
-
-
-def _flag(model: list[str], name: str, default: int) -> int:
-    """A flag's value as argparse reads it: the last occurrence wins."""
-    at = [i for i, token in enumerate(model[:-1]) if token == name]
-    return int(model[at[-1] + 1]) if at else default
-
-
-def builder_rows(costs: dict) -> list[dict]:
-    """The cost rows `python -m dynmo_plugin.sim.profile_builder` reads (docs/simulator.md,
-    "Cost rows"): per scenario its ratio to a dense layer of the same shape at its knob,
-    and per shape one `dense` row timed by the scenario runs' dense reference layers."""
-    rows, dense = [], {}
-    for kind, figures in costs.items():
-        if kind not in _BUILDER or not figures.get("passed"):  # a failed row is no cost (issue 34)
-            continue
-        model = figures["model"]
-        shape = {"hidden": _flag(model, "--hidden-size", 0), "seq": _flag(model, "--seq-length", 0),
-                 "micro_batch": _flag(model, "--micro-batch-size", 0),
-                 "vocab": _flag(model, "--vocab-size", 50257)}
-        name, knob = kind, _BUILDER[kind]
-        row = {"scenario": name, "shape": shape, "ratio": figures["ratio"], "source": kind}
-        if knob is not None:
-            row["knob_value"] = knob(figures)
-        if name == "gradual_pruning":
-            row["granularity"] = "structured"
-        rows.append(row)
-        dense.setdefault(tuple(shape.values()), {"scenario": "dense", "shape": shape,
-                                                 "ratio": 1.0, "layer_s": figures["reference_cost_s"],
-                                                 "source": f"{kind} reference layers"})
-    return list(dense.values()) + rows
+def _commit() -> str:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    return proc.stdout.strip() or "unknown (no git)"
 
 
 def write_scenario_costs(m: Machine, costs: dict, out: Path) -> Optional[Path]:
@@ -199,8 +170,13 @@ def write_scenario_costs(m: Machine, costs: dict, out: Path) -> Optional[Path]:
         return None
     path = out / "scenario_costs.json"
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"format": "dynmo-scenario-costs/1", "device": (m.gpus or ["cpu"])[0],
-                                "torch": m.torch, "precision": "bf16" if _precision(m) else "fp32",
-                                "pipeline_model_parallel_size": 1, "scenarios": costs,
-                                "rows": builder_rows(costs)}, indent=1))
+    device = (m.gpus or ["cpu"])[0]
+    doc = {"format": "dynmo-scenario-costs/1", "device": device, "torch": m.torch,
+           "precision": "bf16" if _precision(m) else "fp32", "pipeline_model_parallel_size": 1,
+           "scenarios": costs, "rows": builder_rows(costs)}
+    if m.gpus:   # the simulator's named model (--hardware h200-gpu): copy it to sim/profiles/
+        doc["gpu_cost_model"] = gpu_cost_model(costs, name=model_name(device), gpu=device,
+                                               date=time.strftime("%Y-%m-%d", time.gmtime()),
+                                               commit=_commit())
+    path.write_text(json.dumps(doc, indent=1))
     return path

@@ -144,14 +144,20 @@ def test_scenario_costs_file_format(tmp_path):
 
 
 def test_scenario_costs_feed_the_simulators_profile_builder(tmp_path):
-    """The rows written beside the figures build a hardware profile as they are: one dense
-    base per shape (early exit's shape has its own vocabulary: the last --vocab-size),
-    the knob each scheme was measured at, MoE left out."""
+    """The rows written beside the figures build a hardware profile as they are (one home:
+    dynmo_plugin.sim.gpu_curves): one dense base per (hidden, sequence, micro-batch), the
+    mean of the passed rows' reference layers (the head is priced by FLOPs: early exit's
+    run has a 16-token vocabulary), the knob each scheme was measured at, MoE left out; and
+    the named model the simulator loads (`--hardware h200-gpu`) from the same rows."""
     from dynmo_plugin.sim.profile_builder import build_profile, load_rows
     machine = gpu_check.Machine(gpus=["NVIDIA H200"], torch="2.13.0", bf16=True)
-    rows = load_rows(gpu_check.write_scenario_costs(machine, _costs(), tmp_path))
+    path = gpu_check.write_scenario_costs(machine, _costs(), tmp_path)
+    rows = load_rows(path)
     dense = [r for r in rows if r["scenario"] == "dense"]
-    assert sorted(r["shape"]["vocab"] for r in dense) == [16, 32000]
+    assert [sorted(r["shape"]) for r in dense] == [["hidden", "micro_batch", "seq"]]
+    model = json.loads(path.read_text())["gpu_cost_model"]
+    assert (model["name"], model["gpu"], model["status"]) == ("h200-gpu", "NVIDIA H200", "measured")
+    assert model["measured_scenarios"] == ["early_exit", "gradual_pruning", "mixture_of_depths"]
     by = {r["scenario"]: r for r in rows if r["scenario"] != "dense"}
     assert set(by) == {"mixture_of_depths", "gradual_pruning", "early_exit"}
     assert by["mixture_of_depths"]["knob_value"] == 0.125
