@@ -70,10 +70,27 @@ class OpRecord:
     kernel: bool       # runs a kernel (views, allocations and metadata do not)
     host_read: bool    # the host waits for the device's result
     causal: bool = False  # an attention kernel called with is_causal=True (skips half the work)
+    # strides of `inputs` then `outputs`, in that order: a matmul's leading dimensions
+    strides: tuple[tuple[int, ...], ...] = ()
 
     @property
     def is_matmul(self) -> bool:
         return self.name in {str(m) for m in _MATMULS}
+
+    def leading_dims(self) -> list[int]:
+        """Leading dimension of each 2-D+ operand and result of this op (from `strides`):
+        the larger of the two inner strides where the other is 1; both where neither is
+        (a strided view, which the kernel reads with that pitch). Empty when not recorded."""
+        out = []
+        for st in self.strides:
+            inner = st[-2:]
+            if len(inner) < 2:
+                continue
+            if 1 in inner:
+                out.append(max(inner))
+            else:
+                out.extend(inner)
+        return out
 
     @property
     def is_attention(self) -> bool:
@@ -122,7 +139,8 @@ class OpTrace(TorchDispatchMode):
             outputs=tuple(tuple(t.shape) for t in outs),
             dtype=str(first.dtype).removeprefix("torch.") if first is not None else "",
             flops=flops, bytes=sum(map(_nbytes, ins + outs)) if kernel else 0, kernel=kernel,
-            host_read=packet in HOST_READS, causal=_is_causal(func, args, kwargs)))
+            host_read=packet in HOST_READS, causal=_is_causal(func, args, kwargs),
+            strides=tuple(tuple(t.stride()) for t in ins + outs) if packet in _MATMULS else ()))
         return out
 
     def flops(self) -> int:
@@ -137,6 +155,12 @@ class OpTrace(TorchDispatchMode):
 
     def matmuls(self) -> list[OpRecord]:
         return [op for op in self.ops if op.is_matmul]
+
+    def leading_dims(self) -> list[int]:
+        """The leading dimension (row pitch, in elements) of every matmul operand and
+        result: what a bf16 GEMM needs a multiple of 8 (16 bytes) of to use its fast
+        kernels. A count of rows (e.g. tokens) never is one; a width always is."""
+        return [ld for op in self.matmuls() for ld in op.leading_dims()]
 
     def matmul_dims(self) -> list[int]:
         """Every dimension of every matmul operand: a bf16 GEMM runs its fast kernels only
