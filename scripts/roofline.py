@@ -298,7 +298,7 @@ def _fmt(v, spec=".2f") -> str:
 def print_schemes(rows: list[dict], hw: rl.Hardware) -> None:
     print(f"Predicted forward+backward per layer on one {hw.name} (bf16, --transformer-impl local)")
     print(f"{'scheme':36} {'shape':17} {'GPU ms':>7} {'host ms':>8} {'max':>7} {'ratio':>6} "
-          f"{'target':>7}  note")
+          f"{'GPU x':>6} {'target':>7}  note")
     for r in rows:
         if "error" in r:
             print(f"{r['scheme']:36} {r['shape']:17} ERROR {r['error'][:90]}")
@@ -306,7 +306,8 @@ def print_schemes(rows: list[dict], hw: rl.Hardware) -> None:
         target = f"<={r['target']}" if r["target"] is not None else ""
         mark = "" if "meets_target" not in r else (" ok" if r["meets_target"] else " MISS")
         print(f"{r['scheme']:36} {r['shape']:17} {r['gpu_ms']:7.2f} {r['host_ms']:8.2f} "
-              f"{r['bound_ms']:7.2f} {_fmt(r.get('ratio'), '6.3f')} {target:>7}{mark:5} "
+              f"{r['bound_ms']:7.2f} {_fmt(r.get('ratio'), '6.3f')} {_fmt(r.get('gpu_ratio'), '6.3f')} "
+              f"{target:>7}{mark:5} "
               f"{r['kernels']} kernels, {r['misaligned_matmuls']} misaligned; {r['how']}")
 
 

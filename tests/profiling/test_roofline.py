@@ -170,3 +170,31 @@ def test_a_token_count_is_no_leading_dimension_a_width_is():
     wide = _traced_linear(4096, 2703)
     assert 2703 in wide.leading_dims()
     assert rl.estimate(wide.ops).misaligned == len(wide.matmuls()) == 3
+
+
+_BROKEN_SCHEME = """
+import sys
+sys.path.insert(0, "scripts")
+import roofline
+
+def broken(shape):  # an injected fault: a scheme layer that no longer builds
+    raise RuntimeError("this layer does not build")
+
+roofline.SCHEMES.append(roofline.Scheme("broken", broken, roofline.GPU_BOUND, "plain", 0.5))
+sys.exit(roofline.main(["--json", "--schemes", "broken"]))
+"""
+
+
+@pytest.mark.multiproc
+def test_a_scheme_that_fails_to_build_is_a_row_and_json_is_one_document():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", _BROKEN_SCHEME], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["scheme"]: r for r in json.loads(proc.stdout)["schemes"]}  # stdout: one document
+    assert set(rows) == {"broken", "plain"}                              # with its reference
+    assert rows["broken"]["error"] == "RuntimeError: this layer does not build"
+    plain = rows["plain"]
+    assert plain["ratio"] == 1.0 and plain["gpu_ms"] > plain["host_ms"] > 0   # GPU-bound shape
+    assert plain["kernels"] == 50 and plain["misaligned_matmuls"] == 0
