@@ -24,3 +24,22 @@ def test_host_reads_are_named():
         int(x.sum())
         (x > 2).nonzero()
     assert trace.host_reads() == ["aten._local_scalar_dense", "aten.nonzero"]
+
+
+def test_fake_tensor_trace_counts_cpu_flash_attention_and_skips_metadata():
+    """Under FakeTensorMode (a real shape, no memory) SDPA on a CPU device runs the CPU
+    flash kernels, which torch's flop_registry leaves out: counted like the GPU ones, and
+    the prim.* queries FakeTensorMode answers launch nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+    shape = (1, 8, 4096, 128)
+    with FakeTensorMode():
+        q = torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)
+        with OpTrace() as trace:
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            out.backward(torch.ones_like(out))
+    attention = [op for op in trace.ops if op.is_attention]
+    assert [op.causal for op in attention] == [True, True]
+    assert sum(op.flops for op in attention) == (sdpa_flop_count(shape, shape, shape)
+                                                 + sdpa_backward_flop_count(shape, shape, shape, shape))
+    assert not any(op.kernel or op.bytes for op in trace.ops if op.name.startswith("prim."))

@@ -1,0 +1,377 @@
+"""Predict, before a GPU run, what each scheme's layer costs on an H200 / H100.
+
+Builds the real Megatron-Core layers (--transformer-impl local, bf16): a plain
+TransformerLayer and each scheme's layer as this checkout has it, at a GPU-bound shape,
+traces one forward + backward with `OpTrace` on the fake device (FakeTensorMode: real
+shapes, no memory, no arithmetic) and prices it with `dynmo_plugin.profiling.roofline`.
+A layer whose sizes depend on values (FakeTensorMode cannot answer) is traced for real
+on CPU at short sequences and extrapolated in s, or at a narrow hidden size and widened
+(scripts/roofline_trace.py; the row's note says which).
+
+    python scripts/roofline.py                 # the scheme table (H200)
+    python scripts/roofline.py --calibrate     # predicted vs measured for CALIBRATION
+    python scripts/roofline.py --fit           # refit the constants over CALIBRATION
+    python scripts/roofline.py --json          # one JSON document on stdout, logs on stderr
+
+A scheme is one entry of SCHEMES: a builder (config, shape) -> Case. A builder that
+fails gives a row with its error, not a crash. docs/roofline.md.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from roofline_trace import (ATTENTION, BF16, GPU_BOUND, Case, Shape, base_spec, build,  # noqa: E402
+                            causal_mask, config_for, megatron_process, plain_run, trace_case,
+                            trace_real_extrapolated, trace_real_narrow, trace_scheme)
+
+from dynmo_plugin.profiling import roofline as rl  # noqa: E402
+from dynmo_plugin.profiling.op_trace import OpRecord, OpTrace  # noqa: E402
+
+log = logging.getLogger("roofline")
+
+
+# ---- the scheme layers ----------------------------------------------------------------------
+def plain(shape: Shape) -> Case:
+    return Case(build(base_spec(), config_for(shape)), lambda m, x, s: plain_run(m, x, s.seq))
+
+
+def frozen(shape: Shape) -> Case:
+    """A frozen-prefix layer: forward only (nothing before it needs a gradient)."""
+    from dynmo_plugin.scenarios.layer_freezing.layer import freezable_spec
+    layer = build(freezable_spec(base_spec()), config_for(shape))
+    layer.set_frozen(True)
+    return Case(layer, lambda m, x, s: plain_run(m, x, s.seq), backward=False,
+                note="frozen prefix: forward only")
+
+
+def pruned(keep: float, align: int = 1) -> Callable[[Shape], Case]:
+    """Structured pruning: the FFN keeps `keep` of its neurons, physically shrunk (the
+    scheme's own NeuronPrunable linears, width rounded to `align` as the scheme would)."""
+    def make(shape: Shape) -> Case:
+        from dynmo_plugin.scenarios.gradual_pruning.layer import neuron_prunable_layer_spec
+        from dynmo_plugin.scenarios.shapes import round_nearest
+        layer = build(neuron_prunable_layer_spec(base_spec()), config_for(shape))
+        full = layer.mlp.linear_fc1.full_width
+        width = round_nearest(round(keep * full), align, full) if align > 1 else round(keep * full)
+        present = torch.arange(width)
+        for lin, axis in ((layer.mlp.linear_fc1, 0), (layer.mlp.linear_fc2, 1)):
+            kept = torch.zeros(full, dtype=torch.bool)
+            kept[:width] = True
+            lin.weight_mask &= kept[:, None] if axis == 0 else kept[None, :]
+            lin.resize_neurons(width, present)
+            lin.to(BF16)
+            lin.refresh()
+        return Case(layer, lambda m, x, s: plain_run(m, x, s.seq), note=f"FFN width {width} of {full}")
+    return make
+
+
+def mod(capacity: float) -> Callable[[Shape], Case]:
+    def make(shape: Shape) -> Case:
+        from dynmo_plugin.scenarios.mixture_of_depths.layer import ModContext, mod_spec
+        layer = build(mod_spec(base_spec(), {5: capacity}, 64), config_for(shape))
+        layer.mod_context = ModContext(predictor_loss_weight=0.01, grad_scale=1.0)
+        return Case(layer, lambda m, x, s: plain_run(m, x, s.seq), note=f"capacity {capacity}")
+    return make
+
+
+def early_exit(exited: float, vocab: int = 32000, number: int = 6) -> Callable[[Shape], Case]:
+    """Layer `number` of 8 (exits from layer 4 on) after `exited` of the tokens left at
+    earlier layers (layers <= 4 gather nothing: no token can have exited yet)."""
+    def make(shape: Shape) -> Case:
+        from dynmo_plugin.scenarios.early_exit.layer import ExitContext, early_exit_spec, encode_exited
+        cfg = config_for(shape)
+        layer = build(early_exit_spec(base_spec(), vocab_size=vocab), cfg, number=number)
+        s, b, h = shape.seq, shape.batch, shape.hidden
+        labels = torch.zeros(s, b, dtype=torch.long)
+        layer.exit_context = ExitContext(seq_length=s, threshold=0.2, min_layer=4, exits_on=True,
+                                         loss_weight=0.5, grad_scale=1.0, labels=[labels] * 4,
+                                         loss_masks=[torch.ones(s, b)] * 4)
+        flags = torch.zeros(s, b, dtype=torch.bool)
+        flags[: int(exited * s)] = True
+
+        def run(m, x, sh):
+            carrier = encode_exited(flags, h, x.dtype)
+            out, _ = m(hidden_states=torch.cat([x, carrier]), attention_mask=causal_mask(sh.seq))
+            return out
+        return Case(layer, run, real=number > 4 and exited > 0, note=f"{exited:.0%} of tokens exited before")
+    return make
+
+
+def moe(capacity_factor: float, pad: bool = False) -> Callable[[Shape], Case]:
+    """The scheme's MoE layer (8 experts, top-2, allgather dispatcher, local experts);
+    `pad`: Megatron's moe_pad_expert_input_to_capacity (static shapes; the scheme runs
+    without it)."""
+    def make(shape: Shape) -> Case:
+        from dynmo_plugin.scenarios.moe.layer import moe_layer_spec
+        from dynmo_plugin.scenarios.moe.live import _moe_spec
+        cfg = config_for(shape, num_moe_experts=8, moe_router_topk=2,
+                         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
+                         moe_expert_capacity_factor=capacity_factor, moe_token_drop_policy="probs",
+                         moe_pad_expert_input_to_capacity=pad, moe_layer_freq=[1] * 8,
+                         moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+                         add_bias_linear=False, moe_ffn_hidden_size=4 * shape.hidden)
+        base = base_spec()
+        layer = build(moe_layer_spec(base, _moe_spec(base, 8), (5,)), cfg)
+        return Case(layer, lambda m, x, s: plain_run(m, x, s.seq), real=not pad,
+                    note=f"8 experts top-2, capacity factor {capacity_factor}"
+                         + (", padded to capacity" if pad else ""))
+    return make
+
+
+def lsh(buckets: int) -> Callable[[Shape], Case]:
+    def make(shape: Shape) -> Case:
+        from dynmo_plugin.scenarios.sparse_attention.layer import lsh_attention_spec
+        layer = build(lsh_attention_spec(base_spec(), seed=1, initial_buckets={5: buckets}, hashes=1),
+                      config_for(shape))
+        layer.self_attention.core_attention.begin_iteration(1)
+        return Case(layer, lambda m, x, s: m(hidden_states=x, attention_mask=None)[0],
+                    note=f"{buckets} hash buckets" if buckets > 1 else "dense causal SDPA")
+    return make
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    make: Callable[[Shape], Case]
+    shape: Shape
+    reference: str          # the row the ratio is taken against
+    target: Optional[float]  # the issue's acceptance ratio (<=)
+
+
+SCHEMES: list[Scheme] = [
+    Scheme("plain", plain, GPU_BOUND, "plain", None),
+    Scheme("layer_freezing (frozen prefix)", frozen, GPU_BOUND, "plain", 0.4),
+    Scheme("gradual_pruning 67% (odd width)", pruned(0.33), GPU_BOUND, "plain", 0.75),
+    Scheme("gradual_pruning 67% (width /128)", pruned(0.33, 128), GPU_BOUND, "plain", 0.75),
+    Scheme("mixture_of_depths capacity 0.125", mod(0.125), GPU_BOUND, "plain", 0.3),
+    Scheme("early_exit tail (75% exited)", early_exit(0.75), GPU_BOUND, "plain", 0.6),
+    Scheme("moe capacity 1.0", moe(1.0), GPU_BOUND, "plain", None),
+    Scheme("moe capacity 0.5", moe(0.5), GPU_BOUND, "moe capacity 1.0", 0.8),
+    Scheme("sparse_attention dense (1 bucket)", lsh(1), ATTENTION, "sparse_attention dense (1 bucket)", None),
+    Scheme("sparse_attention 16 buckets", lsh(16), ATTENTION, "sparse_attention dense (1 bucket)", 0.8),
+]
+
+
+def scheme_rows(hw: rl.Hardware, names: Optional[list[str]] = None) -> list[dict]:
+    rows: dict[str, dict] = {}
+    wanted = set(names or ()) | {sc.reference for sc in SCHEMES if sc.name in (names or ())}
+    wanted |= {sc.reference for sc in SCHEMES if sc.name in wanted}
+    for sc in SCHEMES:
+        if names and sc.name not in wanted:
+            continue
+        t0 = time.time()
+        row = {"scheme": sc.name, "shape": sc.shape.label, "target": sc.target, "reference": sc.reference}
+        try:
+            ops, how, passes = trace_scheme(sc.make, sc.shape)
+            est = rl.estimate(ops, hw, passes=passes)
+            slow = [f"{op.name}{list(op.inputs)} pitch {op.leading_dims()}" for op in ops
+                    if op.kernel and op.is_matmul and rl.alignment_factor(op, rl.H200_CONSTANTS) < 1]
+            row.update(gpu_ms=est.gpu_s * 1e3, host_ms=est.host_s * 1e3, bound_ms=est.bound_s * 1e3,
+                       bound=est.bound, kernels=est.kernels, gflop=est.flops / 1e9,
+                       gbytes=est.bytes / 1e9, misaligned_matmuls=est.misaligned,
+                       misaligned_examples=slow[:3], how=how)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+            log.debug("%s", traceback.format_exc())
+        row["seconds"] = round(time.time() - t0, 1)
+        log.info("%s: %s", sc.name, row.get("error") or f"{row['bound_ms']:.2f} ms ({row['bound']})")
+        for example in row.get("misaligned_examples", []):
+            log.info("  misaligned: %s", example)
+        rows[sc.name] = row
+    for row in rows.values():
+        ref = rows.get(row["reference"])
+        if "bound_ms" in row and ref and "bound_ms" in ref:
+            row["ratio"] = row["bound_ms"] / ref["bound_ms"]
+            row["gpu_ratio"] = row["gpu_ms"] / ref["gpu_ms"]
+            if row["target"] is not None:
+                row["meets_target"] = row["ratio"] <= row["target"]
+    return list(rows.values())
+
+
+# ---- calibration traces -----------------------------------------------------------------------
+def _ffn_probe(width: int) -> list[OpRecord]:
+    """The probe: two linears and a GELU, h2048, 4096 tokens, fwd + bwd (pure torch)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        fc1, fc2 = torch.nn.Linear(2048, width, dtype=BF16), torch.nn.Linear(width, 2048, dtype=BF16)
+        x = torch.randn(4096, 2048, dtype=BF16, requires_grad=True)
+        g = torch.randn(4096, 2048, dtype=BF16)
+        with OpTrace() as trace:
+            torch.autograd.backward(fc2(torch.nn.functional.gelu(fc1(x))), g)
+    return trace.ops
+
+
+def _sdpa_probe(chunks: int) -> list[OpRecord]:
+    """SDPA causal, b1 n8 s8192 d128, as [b*n*chunks, 1, s/chunks, d]."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q, k, v = (torch.randn(8 * chunks, 1, 8192 // chunks, 128, dtype=BF16, requires_grad=True)
+                   for _ in range(3))
+        g = torch.randn(8 * chunks, 1, 8192 // chunks, 128, dtype=BF16)
+        with OpTrace() as trace:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.backward(out, g)
+    return trace.ops
+
+
+def calibration_traces() -> dict[str, list[OpRecord]]:
+    """A trace for every row of roofline.CALIBRATION, by name."""
+    h2048 = Shape(2048, 16, 2048, 2)
+    makers = {
+        "dense h2048 s2048 mb2": lambda: trace_case(plain(h2048), h2048),
+        "frozen h2048 s2048 mb2 (forward only)": lambda: trace_case(frozen(h2048), h2048),
+        "dense h4096 s2048 mb1": lambda: trace_case(plain(GPU_BOUND), GPU_BOUND),
+        "dense causal SDPA h1024 s8192 mb1": lambda: trace_case(lsh(1)(ATTENTION), ATTENTION),
+        "dense h1024 s1024 mb4 (host-bound)": lambda: trace_case(plain(Shape(1024, 16, 1024, 4)),
+                                                                 Shape(1024, 16, 1024, 4)),
+        "SDPA causal b1 n8 s8192 d128": lambda: _sdpa_probe(1),
+        "SDPA causal 16 chunks of 512": lambda: _sdpa_probe(16),
+    }
+    for w in (8192, 2703, 2730, 2688, 2736):
+        makers[f"FFN h2048 T4096 width {w}"] = lambda w=w: _ffn_probe(w)
+    scheme_rows = {  # the scheme layers' rows: (builder, shape)
+        "MoD routed capacity 0.125 h2048 s2048 mb2": (mod(0.125), h2048),
+        "MoD capacity 1.0 h2048 s2048 mb2": (mod(1.0), h2048),
+        "LSH 16 buckets h1024 s8192 mb1": (lsh(16), ATTENTION),
+        "early-exit layer, no exits yet, h2048 s2048 mb2 vocab 16": (early_exit(0.0, 16, 2), h2048),
+    }
+    for name, (make, shape) in scheme_rows.items():
+        makers[name] = lambda make=make, shape=shape: trace_scheme(make, shape)[0]
+    out = {}
+    for name, make in makers.items():
+        try:
+            out[name] = make()
+        except Exception as e:  # a scheme layer that no longer builds: its row is skipped
+            log.warning("calibration row %r not traced: %s: %s", name, type(e).__name__, e)
+    return out
+
+
+SELF_CHECK = Shape(2048, 32, 1024, 2)
+
+
+def self_check() -> dict:
+    """The two fallbacks against the fake trace, on a plain layer (which all three can
+    trace): {method: {flops, bytes, kernels, misaligned, gpu_ms}}; equal when sound."""
+    out = {}
+    for method, trace in (("fake", lambda: trace_case(plain(SELF_CHECK), SELF_CHECK)),
+                          ("extrapolated", lambda: trace_real_extrapolated(plain, SELF_CHECK)),
+                          ("narrow", lambda: trace_real_narrow(plain, SELF_CHECK))):
+        est = rl.estimate(trace())
+        out[method] = {"flops": est.flops, "bytes": est.bytes, "kernels": est.kernels,
+                       "misaligned": est.misaligned, "gpu_ms": est.gpu_s * 1e3}
+    return out
+
+
+def calibration_rows(traces, hw: rl.Hardware, c: rl.Constants) -> list[dict]:
+    out = []
+    for row in rl.CALIBRATION:
+        if row.name not in traces:
+            out.append({"row": row.name, "kind": row.kind, "code": row.code, "error": None,
+                        "measured_ms": row.measured_s * 1e3, "skipped": "not traced"})
+            continue
+        est = rl.estimate(traces[row.name], hw, c, row.passes)
+        pred = rl.predict_row(row, est, c)
+        out.append({"row": row.name, "kind": row.kind, "code": row.code, "measured_ms": row.measured_s * 1e3,
+                    "predicted_ms": pred * 1e3, "error": pred / row.measured_s - 1,
+                    "gpu_ms": est.gpu_s * 1e3, "host_ms": est.host_s * 1e3, "kernels": est.kernels,
+                    "gflop": est.flops / 1e9, "source": row.source})
+    return out
+
+
+# ---- output -----------------------------------------------------------------------------------
+def _fmt(v, spec=".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_schemes(rows: list[dict], hw: rl.Hardware) -> None:
+    print(f"Predicted forward+backward per layer on one {hw.name} (bf16, --transformer-impl local)")
+    print(f"{'scheme':36} {'shape':17} {'GPU ms':>7} {'host ms':>8} {'max':>7} {'ratio':>6} "
+          f"{'GPU x':>6} {'target':>7}  note")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['scheme']:36} {r['shape']:17} ERROR {r['error'][:90]}")
+            continue
+        target = f"<={r['target']}" if r["target"] is not None else ""
+        mark = "" if "meets_target" not in r else (" ok" if r["meets_target"] else " MISS")
+        print(f"{r['scheme']:36} {r['shape']:17} {r['gpu_ms']:7.2f} {r['host_ms']:8.2f} "
+              f"{r['bound_ms']:7.2f} {_fmt(r.get('ratio'), '6.3f')} {_fmt(r.get('gpu_ratio'), '6.3f')} "
+              f"{target:>7}{mark:5} "
+              f"{r['kernels']} kernels, {r['misaligned_matmuls']} misaligned; {r['how']}")
+
+
+def print_calibration(rows: list[dict]) -> None:
+    print(f"{'calibration row (H200 measured)':58} {'kind':5} {'measured':>8} {'predicted':>9} "
+          f"{'error':>7} {'GPU':>6} {'host':>6} kernels")
+    for r in rows:
+        name = r["row"] + ("" if r["code"] == "plain" else " *")
+        if r.get("skipped"):
+            print(f"{name:58} {r['kind']:5} {r['measured_ms']:8.3f} {r['skipped']}")
+            continue
+        print(f"{name:58} {r['kind']:5} {r['measured_ms']:8.3f} {r['predicted_ms']:9.3f} "
+              f"{r['error']:+7.1%} {r['gpu_ms']:6.2f} {r['host_ms']:6.2f} {r['kernels']}")
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+    print(f"max |error| {max(errors):.1%} (stated bound {rl.CALIBRATION_MAX_ERROR:.0%}); "
+          "* = a scheme layer as measured at main ea03802 (its code may have changed since)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hardware", choices=["h200", "h100"], default="h200")
+    ap.add_argument("--calibrate", action="store_true", help="predicted vs measured per calibration row")
+    ap.add_argument("--fit", action="store_true", help="refit the constants over the calibration rows")
+    ap.add_argument("--schemes", help="comma-separated scheme names (default all)")
+    ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(message)s")
+    known = {sc.name for sc in SCHEMES}
+    names = [n.strip() for n in a.schemes.split(",")] if a.schemes else None
+    if names and set(names) - known:
+        print(f"roofline: unknown scheme(s) {sorted(set(names) - known)}; known: {sorted(known)}",
+              file=sys.stderr)
+        return 2
+    hw = rl.H200 if a.hardware == "h200" else rl.H100
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    megatron_process()
+    doc: dict = {"hardware": dataclasses.asdict(hw), "constants": dataclasses.asdict(rl.H200_CONSTANTS)}
+    if a.calibrate or a.fit:
+        traces = calibration_traces()
+        if a.fit:
+            best, err = rl.fit(traces, rl.H200)
+            doc["fit"] = {"constants": dataclasses.asdict(best), "max_error": err}
+            log.info("fit: %s max error %.1f%%", best, 100 * err)
+        doc["calibration"] = calibration_rows(traces, rl.H200, rl.H200_CONSTANTS)
+        doc["self_check"] = self_check()
+    else:
+        doc["schemes"] = scheme_rows(hw, names)
+    if a.json:
+        print(json.dumps(doc, indent=1, default=str))
+    elif "calibration" in doc:
+        print_calibration(doc["calibration"])
+        print(f"plain layer {SELF_CHECK.label} ({SELF_CHECK.heads} heads) by each tracing method:")
+        for method, r in doc["self_check"].items():
+            print(f"  {method:12} {r['flops'] / 1e9:10.3f} GFLOP {r['bytes'] / 1e9:8.4f} GB "
+                  f"{r['kernels']:4} kernels {r['misaligned']} misaligned {r['gpu_ms']:.3f} ms")
+        if "fit" in doc:
+            print("fit:", doc["fit"])
+    else:
+        print_schemes(doc["schemes"], hw)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
