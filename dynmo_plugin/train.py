@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank{rank}] %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    # the solver's own "balancing exact: A -> B" line said B before the decision kept A;
+    # the controller's one line per decision says what was considered and why
+    logging.getLogger("dynmo_plugin.balancing.solve").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     args = build_parser().parse_args(argv)
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
@@ -140,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"dynmo-train: error: {e}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT
-    warning = nothing_to_balance(cfg)
-    if warning and rank == 0:
-        print(f"dynmo-train: warning: {warning}", file=sys.stderr, flush=True)
+    for warning in [*cfg.notices, nothing_to_balance(cfg)]:
+        if warning and rank == 0:
+            print(f"dynmo-train: warning: {warning}", file=sys.stderr, flush=True)
     try:
         return exit_on_peer_failure(run, cfg)
     except UserError as e:  # found while building (a checkpoint's TP, the GPUs): every rank

@@ -130,8 +130,9 @@ def _read_yaml(path: str) -> dict:
     finally:
         if loader is not None:
             loader.dispose()
-    if data is None:
-        return {}
+    if data is None:  # an empty file, or only comments: most likely the wrong file
+        raise ConfigError(f"{path}: the config file holds no settings (it is empty or only "
+                          "comments); give the YAML with your settings, or drop --dynmo-config")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
     return data

@@ -18,7 +18,7 @@ from dynmo_plugin.balancing.grow import FREED_MODES
 from dynmo_plugin.balancing.repack import OBJECTIVES, RepackCriteria
 from dynmo_plugin.balancing.solve import BALANCERS
 from dynmo_plugin.cluster.release import STRATEGIES
-from dynmo_plugin.config.fields import ascending_lengths, non_negative, one_of, opt, positive
+from dynmo_plugin.config.fields import ascending_lengths, below_one, non_negative, one_of, opt, positive
 from dynmo_plugin.scenarios import SCENARIOS
 
 __all__ = ["DataConfig", "ModelArgs", "ProfilingConfig", "RebalanceConfig", "DynamismConfig",
@@ -171,8 +171,8 @@ class RebalanceConfig:
                                                     "--dynmo-gate-margin", non_negative))
     min_gain: float = field(default=0.05, metadata=opt(
         "skip plans predicted to save less than this fraction of iteration time, or than the "
-        "profile's measured dispersion if larger (docs/profiling.md; 0 = no floor)",
-        "--dynmo-min-gain", non_negative))
+        "profile's measured dispersion if larger (docs/profiling.md; 0 = no floor; below 1: "
+        "no plan saves the whole iteration)", "--dynmo-min-gain", below_one))
     expected_event_gap: int = field(default=100, metadata=opt(
         "iterations a new layout is expected to last (gate horizon)", "--dynmo-event-gap", positive))
     memory_cap_gb: float = field(default=0.0, metadata=opt(
@@ -284,6 +284,10 @@ class RunConfig:
     model: ModelArgs = field(default_factory=ModelArgs)
     dynmo: DynmoConfig = field(default_factory=DynmoConfig)
     config_path: Optional[str] = None
+    # one-line notices found while resolving (printed by rank 0; not part of the report)
+    notices: list = field(default_factory=list, compare=False, repr=False)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        del out["notices"]
+        return out
