@@ -20,6 +20,7 @@ import yaml
 from dynmo_plugin.config.checks import check_run, check_transformer_impl
 from dynmo_plugin.config.fields import ConfigError
 from dynmo_plugin.config.flags import flag_of, leaf_fields
+from dynmo_plugin.config.megatron_flags import apply_megatron_compat
 from dynmo_plugin.config.schema import DynmoConfig, ModelArgs, RunConfig
 
 __all__ = ["load_config"]
@@ -180,6 +181,7 @@ def load_config(args: argparse.Namespace, world_size: int | None = None, *,
     Raises:
         ConfigError: on any unknown key, wrong type, out-of-range or inconsistent value.
     """
+    apply_megatron_compat(args)
     cfg = RunConfig(config_path=getattr(args, "dynmo_config", None))
     known = {f"model.{k}": (f, d) for k, f, d in leaf_fields(ModelArgs)}
     known.update({k: (f, d) for k, f, d in leaf_fields(DynmoConfig)})
