@@ -91,7 +91,12 @@ def _quiet_on_signal() -> None:
     add a warning and a SignalException traceback, and exit 1. Here it ends quietly with
     the signal's status (128 + signal), as a shell reports a job ended by a signal."""
     import logging
-    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
+
+    def drop(record: logging.LogRecord) -> bool:  # the agent's "death signal" chatter only
+        return "death signal" not in str(record.msg) and "closing signal" not in str(record.msg)
+    for name in ("torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).addFilter(drop)  # torch sets their levels on import: filter
     previous = sys.excepthook
 
     def hook(kind, value, tb):

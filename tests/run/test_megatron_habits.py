@@ -62,7 +62,7 @@ def test_the_log_line_is_megatron_lms(tmp_path):
         assert f"lm loss {sum(pair) / 2:.6E} (avg of 2)" in line, (line, pair)
         assert re.search(r"\| lr \d\.\d{3}E[-+]\d\d \|", line) and "tokens/s " in line
         assert "time left 0:00:" in line
-    assert "lr 5.000E-04" in logged[0]  # linear decay: iteration 2 of 4 steps at half the rate
+    assert "lr 7.500E-04" in logged[0]  # linear decay: step 2 of 4 applies 1e-3 x (1 - 1/4)
 
 
 def test_ctrl_c_stops_at_an_iteration_boundary_then_another_model_is_refused(tmp_path):

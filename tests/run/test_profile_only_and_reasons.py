@@ -20,8 +20,8 @@ HEAVY_HEAD = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads
               "--seq-length", "8", "--micro-batch-size", "1", "--global-batch-size", "4",
               "--vocab-size", "4096", "--pipeline-model-parallel-size", "2"]
 
-# three layers on stage 0, one on stage 1: whatever the head costs, the exact split moves one
-LOPSIDED = ["--pipeline-model-parallel-layout", "Ettt|tL"]
+# one layer on stage 0, three and the 4096-token head on stage 1: the exact split moves some
+LOPSIDED = ["--pipeline-model-parallel-layout", "Et|tttL"]
 
 
 def _env() -> dict:
@@ -82,8 +82,8 @@ def test_a_refused_rebalance_says_what_it_considered_and_which_flag_changes_it(t
     kept = [x for x in console.splitlines() if "rebalance [rebalance_interval]" in x]
     assert len(kept) == 2, console[-3000:]
     for line in kept:
-        assert "considered exact Ettt|tL -> E" in line and "predicted" in line and "imbalance" in line
-        assert "kept Ettt|tL: gain" in line and "below the noise floor" in line
+        assert "considered exact Et|tttL -> E" in line and "predicted" in line and "imbalance" in line
+        assert "kept Et|tttL: gain" in line and "below the noise floor" in line
         assert "--dynmo-min-gain 95.0%" in line and "(change: --dynmo-min-gain)" in line
         assert "min_relative_gain" not in line
     report = json.loads((out / "report.json").read_text())
