@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 from pathlib import Path
 
@@ -193,3 +194,35 @@ def test_non_finite_numbers_are_refused_everywhere(value):
         if "float" in str(f.type):
             outcome, message = _run([f"{_flag(f)}={value}"])
             assert outcome == "user" and f": {key}: expected" in message, (key, message)
+
+
+# ---- a checkpoint of another model (issue 36 item 8): refused exactly when a shape differs ----
+_SHAPE_FLAGS = {"num_layers": ("--num-layers", st.integers(1, 12)),
+                "hidden_size": ("--hidden-size", st.sampled_from([16, 32, 64])),
+                "num_attention_heads": ("--num-attention-heads", st.sampled_from([1, 2, 4])),
+                "vocab_size": ("--vocab-size", st.sampled_from([128, 256, 512]))}
+
+
+@FUZZ
+@given(saved=st.fixed_dictionaries({k: s for k, (_, s) in _SHAPE_FLAGS.items()}),
+       here=st.fixed_dictionaries({k: s for k, (_, s) in _SHAPE_FLAGS.items()}))
+def test_a_checkpoint_of_another_model_names_the_first_setting_that_differs(tmp_path_factory, saved, here):
+    from dynmo_plugin.megatron.checkpoint.directory import MODEL_KEYS, model_record
+    from dynmo_plugin.config import ModelArgs
+    ck = tmp_path_factory.mktemp("ck")
+    (ck / "latest_checkpointed_iteration.txt").write_text("3")
+    (ck / "iter_0000003").mkdir()
+    record = model_record(ModelArgs(**saved))
+    (ck / "iter_0000003" / "meta.json").write_text(json.dumps(
+        {"format": "dynmo-dist-ckpt/1", "iteration": 3, "model": record}))
+    argv = [a for k, v in here.items() for a in (_SHAPE_FLAGS[k][0], str(v))]
+    outcome, message = _run([*argv, "--load", str(ck), "--output", str(ck / "out")])
+    now = model_record(ModelArgs(**here))
+    differs = [k for k in MODEL_KEYS if record[k] != now[k]]
+    assert outcome == "user" and "\n" not in message, message
+    if differs:  # the first one, checkpoint vs command line, and the flag
+        k = differs[0]
+        assert (f"the checkpoint is of another model: {k} {record[k]} in the checkpoint" in message
+                and f"{now[k]} here (--{k.replace('_', '-')})" in message), (differs, message)
+    else:  # the same model: what is wrong is the (incomplete) checkpoint itself
+        assert "another model" not in message and "incomplete" in message, message
