@@ -33,7 +33,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from dynmo_plugin.balancing import BalanceProblem, GateConfig, InfeasibleError, ProblemError
+from dynmo_plugin.balancing import (BalanceProblem, GateConfig, InfeasibleError, Plan, ProblemError,
+                                   solve)
 from dynmo_plugin.balancing.decide import decide, repack_considered
 from dynmo_plugin.balancing.repack import IterationModel
 from dynmo_plugin.balancing.profile_problem import memory_calibration, problem_from_profile
@@ -208,15 +209,31 @@ class DynMo:
         if not opened.rebalance:
             profile = self.control.decide(gathered.to_dict, "profile")
             self.last_profile = self._timed_profile = PipelineProfile.from_dict(profile)
+            plan, reason = self._profile_plan(self.last_profile)
             memory = _memory_record(self.last_profile, self.trainer.layout.num_stages,
-                                    self.trainer.num_microbatches, _cap_bytes(self.config), None)
+                                    self.trainer.num_microbatches, _cap_bytes(self.config), plan)
             self._record(ProfileEvent(iteration, opened.trigger, window, str(self.trainer.layout),
                                       {"profiling": time.perf_counter() - start}, profile,
-                                      memory=memory))
+                                      memory=memory, plan=plan, reason=reason))
             return
         if self.cost_adjuster is not None:
             gathered = self.cost_adjuster(gathered, window)
         self._rebalance(iteration, opened.trigger, window, gathered, start)
+
+    def _profile_plan(self, profile: PipelineProfile) -> tuple[Optional[Plan], str]:
+        """A profile-only window (--dynmo-profile-every): the exact solver's plan for it,
+        never applied, so the run still gives a table, a picture and a layout
+        (`dynmo plan --from-run`); and why nothing moved. Rank 0 only (the report's)."""
+        why = ("profile only: nothing moves (--dynmo-profile-every); --dynmo-rebalance-interval N "
+               "rebalances, `dynmo plan --from-run` prints the layout for Megatron-LM")
+        if self.trainer.dims.rank != 0:
+            return None, why
+        t = self.trainer
+        try:
+            problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches)
+            return solve(problem, "exact"), why
+        except (InfeasibleError, ProblemError) as e:
+            return None, f"{why}; no feasible plan: {e}"
 
     # ---- decision and migration -----------------------------------------------------------
     def _decide(self, profile: PipelineProfile, trigger: str) -> Decision:
@@ -271,10 +288,12 @@ class DynMo:
             self._timed_profile = self.last_profile
         event = RebalanceEvent(iteration, trigger, str(before), str(before), False,
                                {"profiling": profiling_s, "decision": decision_s, "migration": 0.0},
-                               reason=decision.reason, plan=decision.plan, window=window,
+                               reason=explain(decision.reason), plan=decision.plan, window=window,
                                profile=decision.profile, profile_source=source,
                                measured_iter_s_before=self._measured_before(),
                                memory=decision.memory)
+        if decision.repack is not None and not (decision.repack.apply and decision.apply):
+            event.repack_considered = _repack_considered(decision.repack, decision.apply)
         if decision.repack is not None and decision.repack.apply and decision.apply:
             r = decision.repack
             info = {"method": r.method, "predicted_iter_s_before": r.predicted_iter_s_before,
@@ -454,14 +473,75 @@ def _memory_hint(reason: str, memory: Optional[dict]) -> str:
     return reason
 
 
+# What the user changes to get another verdict: a reason's words -> the flags that move it.
+_REASON_FLAGS = (("noise floor", "--dynmo-min-gain"),
+                 ("does not pay", "--dynmo-gate-margin, --dynmo-event-gap"),
+                 ("no feasible plan", "--dynmo-memory-cap-gb, --dynmo-allow-empty-stages"),
+                 ("above its cap", "--dynmo-memory-cap-gb"),
+                 ("balancer failed", "--dynmo-balancer"),
+                 ("too slow", "--dynmo-repack-max-slowdown"),
+                 ("min_stages", "--dynmo-repack-min-stages"),
+                 ("rebuild", "--dynmo-repack-rebuild-s, --dynmo-repack-memory-margin"))
+_NAMES = (("min_relative_gain", "--dynmo-min-gain"), ("max_slowdown", "--dynmo-repack-max-slowdown"),
+          ("min_stages", "--dynmo-repack-min-stages"), ("x margin", "x --dynmo-gate-margin"))
+
+
+def explain(reason: str) -> str:
+    """A decision's reason in the user's words: settings named by the flag that sets them
+    (`--dynmo-min-gain`, not the gate's `min_relative_gain`) and, for a refusal, which
+    flags change the verdict. Applied decisions ("pays: ...") keep their numbers only."""
+    if not reason or "(change:" in reason:
+        return reason
+    flags = [f for words, f in _REASON_FLAGS if words in reason]
+    for name, flag in _NAMES:
+        reason = reason.replace(name, flag)
+    return f"{reason} (change: {flags[0]})" if flags and not reason.startswith("pays") else reason
+
+
+def _repack_considered(plan, rebalance_applied: bool) -> dict:
+    """A repack the decision weighed and did not apply: what was weighed, and why not."""
+    why = plan.reason  # a refused plan's reason says why
+    if plan.apply and not rebalance_applied:
+        why = f"{plan.reason}; not applied: the rebalance it rides on was not"
+    return {"stages": plan.stages_before, "candidates": [c.stages for c in plan.candidates],
+            "predicted_iter_s_before": plan.predicted_iter_s_before,
+            "reason": explain(why)}
+
+
+def _predicted(plan) -> str:
+    if plan is None or plan.predicted_iter_s_before is None or plan.imbalance_before is None:
+        return ""
+    return (f"predicted {plan.predicted_iter_s_before:.4g} -> {plan.predicted_iter_s_after:.4g} "
+            f"s/iter, imbalance {plan.imbalance_before:.2f} -> {plan.imbalance_after:.2f}")
+
+
 def _describe(event) -> str:
+    """The console line's tail: what was considered, the numbers, what happened and why."""
     if isinstance(event, ProfileEvent):
-        return f": cancelled ({event.cancelled})" if event.cancelled else ""
+        if event.cancelled:
+            return f": cancelled ({event.cancelled})"
+        p = event.plan
+        if p is None:
+            return f": {event.reason}" if event.reason else ""
+        loads = ", ".join(f"{x:.4g}" for x in p.stage_loads_before or [])
+        return (f": stage loads {loads} s; the exact split {event.layout} -> {p.layout} "
+                f"({_predicted(p)}); {event.reason}")
+    tail = ""
+    if event.repack_considered is not None:
+        tail = f"; repack from {event.repack_considered['stages']} stages considered: " \
+               f"{event.repack_considered['reason']}"
     if event.applied:
         moved = sum(m["bytes"] for m in event.moves) / 1e6
+        numbers = f"; {_predicted(event.plan)}" if _predicted(event.plan) else ""
         return (f": {event.layout_before} -> {event.layout_after} "
-                f"({len(event.moves)} layers, {moved:.1f} MB)")
-    return f": kept {event.layout_before} ({event.error or event.reason})"
+                f"({len(event.moves)} layers, {moved:.1f} MB){numbers}; {event.reason}{tail}")
+    considered = ""
+    if event.plan is not None and str(event.plan.layout) == event.layout_before:
+        considered = f" considered {event.plan.method}: {event.layout_before} is its best split;"
+    elif event.plan is not None and event.plan.layout is not None:
+        considered = (f" considered {event.plan.method} {event.layout_before} -> "
+                      f"{event.plan.layout} ({_predicted(event.plan)});")
+    return f":{considered} kept {event.layout_before}: {event.error or event.reason}{tail}"
 
 
 def _per_rank(stage_bytes: list, pp: int) -> list:

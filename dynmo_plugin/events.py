@@ -39,6 +39,9 @@ class ProfileEvent:
     profile: Optional[dict] = None
     cancelled: str = ""           # why the window was dropped without a profile
     memory: Optional[dict] = None  # cap and per-stage memory calibration (controller)
+    # profile-only windows: the exact solver's plan for the profile, never applied, and why
+    plan: Optional[Plan] = None
+    reason: str = ""
 
     kind = "profile"
 
@@ -48,6 +51,10 @@ class ProfileEvent:
                "profile": self.profile}
         if self.cancelled:
             out["cancelled"] = self.cancelled
+        if self.reason:
+            out["reason"] = self.reason
+        if self.plan is not None:
+            out.update(_plan_fields(self.plan), layout_before=self.layout)
         if self.memory is not None:
             out["memory"] = self.memory
         return out
@@ -74,6 +81,8 @@ class RebalanceEvent:
     repack: Optional[dict] = None  # what a repack did (megatron.repack); "cluster" is filled later
     profile_source: str = "timed"  # or "estimated": the last timed profile scaled by work
     memory: Optional[dict] = None  # cap, per-stage calibration, calibrated bytes before/after
+    # a repack the decision weighed and did not apply: stages, predictions, reason
+    repack_considered: Optional[dict] = None
 
     kind = "rebalance"
 
@@ -95,12 +104,9 @@ class RebalanceEvent:
         if self.window is not None:
             out.update(window=self.window, layout=self.layout_before, profile=self.profile)
         if self.plan is not None:
-            p = self.plan
-            out.update(plan=p.to_dict(), stage_loads_before=p.stage_loads_before,
-                       stage_loads_after=p.stage_loads_after, imbalance_before=p.imbalance_before,
-                       imbalance_after=p.imbalance_after,
-                       predicted_iter_s_before=p.predicted_iter_s_before,
-                       predicted_iter_s_after=p.predicted_iter_s_after)
+            out.update(_plan_fields(self.plan))
+        if self.repack_considered is not None:
+            out["repack_considered"] = self.repack_considered
         if self.migration is not None:
             out["migration"] = self.migration.to_dict()
         if self.memory is not None:
@@ -108,3 +114,11 @@ class RebalanceEvent:
         if self.repack is not None:
             out["repack"] = dict(self.repack)  # a copy: a release thread may fill "cluster"
         return out
+
+
+def _plan_fields(p: Plan) -> dict[str, Any]:
+    """A plan's fields in an event: the plan, and what the report's tables and plots read."""
+    return {"plan": p.to_dict(), "stage_loads_before": p.stage_loads_before,
+            "stage_loads_after": p.stage_loads_after, "imbalance_before": p.imbalance_before,
+            "imbalance_after": p.imbalance_after, "predicted_iter_s_before": p.predicted_iter_s_before,
+            "predicted_iter_s_after": p.predicted_iter_s_after, "planned_layout": p.layout.to_megatron()}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 from functools import partial
 from typing import Optional
@@ -16,13 +18,23 @@ from typing import Optional
 from dynmo_plugin.config import ConfigError, RunConfig
 from dynmo_plugin.layout import Layout
 
-__all__ = ["TrainingSession", "StopTraining"]
+__all__ = ["TrainingSession", "StopTraining", "Stopped"]
 
 logger = logging.getLogger("dynmo_plugin.train")
 
 
 class StopTraining(Exception):
     """Every rank ends the run after this iteration (a checkpoint repack: restart smaller)."""
+
+
+class Stopped(Exception):
+    """Every rank stops after this iteration: a SIGINT/SIGTERM reached some rank (Ctrl-C,
+    a scheduler's preemption). `signum`: the signal; `checkpoint`: saved on the way out
+    (--exit-signal-handler with --save) or None."""
+
+    def __init__(self, signum: int, iteration: int, checkpoint: Optional[str]):
+        super().__init__(f"signal {signum} after iteration {iteration}")
+        self.signum, self.iteration, self.checkpoint = signum, iteration, checkpoint
 
 
 class TrainingSession:
@@ -45,6 +57,8 @@ class TrainingSession:
         self.trainer = StageTrainer(args, dims, layout, spec=spec, configure=configure)
         self.start_iteration = meta["iteration"] if meta else 0
         self.repacker = Repacker(args.seed, cfg.dynmo.rebalance.migration_timeout_s)
+        if dims.rank == 0:
+            _move_earlier_run(args.output, resuming=meta is not None)
         report = partial(RunReport, path=os.path.join(args.output, "report.json"),
                          config=cfg.to_dict())
         parts = assemble(cfg.dynmo, self.trainer, report, iteration=self.start_iteration,
@@ -61,6 +75,32 @@ class TrainingSession:
             self.dynmo.cost_adjuster = mix_adjuster(lambda: self.trainer.data)
         self.stop_after: Optional[int] = None
         self._completed = self.start_iteration
+        self._interval: list[tuple[float, float]] = []  # (loss, seconds) since the last log line
+        self.signal_received = 0
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        """Note it; the run stops at the end of the iteration (`_check_signal`). Repeats
+        are ignored: Ctrl-C under torchrun reaches a worker twice (the terminal's SIGINT,
+        then the agent's), and the agent kills what has not ended after its timeout."""
+        self.signal_received = self.signal_received or signum
+
+    def _check_signal(self, iteration: int) -> None:
+        """Stop every rank after the same iteration when any rank got a signal (one
+        max over the control plane per iteration; Megatron-LM's --exit-signal-handler
+        gathers the same flag each iteration). Saves first with --exit-signal-handler.
+
+        Raises:
+            Stopped: on every rank, after the iteration a signal arrived in.
+        """
+        signum = int(self.control.max([float(self.signal_received)], "signal")[0])
+        if not signum:
+            return
+        args = self.cfg.model
+        path = self.save(iteration) if args.exit_signal_handler and args.save else None
+        raise Stopped(signum, iteration, path)
 
     # ---- checkpoints ------------------------------------------------------------------------
     def _checkpoint(self, dims) -> Optional[dict]:
@@ -108,7 +148,9 @@ class TrainingSession:
         checkpoint repack restarts with (a grow keeps every rank)."""
         from dynmo_plugin.megatron.checkpoint.directory import save_checkpoint
         d = self.trainer.dims
-        meta = {"scenario": self.scenario.state_dict() if self.scenario is not None else {},
+        from dynmo_plugin.megatron.checkpoint.directory import model_record
+        meta = {"model": model_record(self.cfg.model),
+                "scenario": self.scenario.state_dict() if self.scenario is not None else {},
                 "data": self.trainer.data.state_dict(),
                 "next": None if next_layout is None else {
                     "layout": str(next_layout), "pp": next_layout.num_ranks,
@@ -192,6 +234,22 @@ class TrainingSession:
         if self.releases is not None and result.ranks_released:  # a grow keeps every rank
             self.releases.start(record, result)
 
+    def _log_line(self, iteration: int) -> str:
+        """Megatron-LM's log line: the loss averaged over the --log-interval iterations
+        since the last line, the learning rate and gradient norm of the last step (the
+        norm only where Megatron computes it: --clip-grad > 0), tokens/s and the time left
+        at the interval's pace."""
+        args, step = self.cfg.model, self.trainer.last_step
+        losses, times = [x for x, _ in self._interval], [t for _, t in self._interval]
+        per_iter = sum(times) / len(times)
+        tokens = args.global_batch_size * args.seq_length
+        norm = f" | grad norm {step['grad_norm']:.3f}" if step.get("grad_norm") is not None else ""
+        over = f" (avg of {len(losses)})" if len(losses) > 1 else ""
+        return (f"iteration {iteration:4d}/{args.train_iters} | lm loss {sum(losses) / len(losses):.6E}"
+                f"{over} | lr {step['lr']:.3E}{norm} | {per_iter * 1e3:.1f} ms/iter | "
+                f"tokens/s {tokens / per_iter:.0f} | time left "
+                f"{_clock(per_iter * (args.train_iters - iteration))} | layout {self.trainer.layout}")
+
     def finish(self) -> None:
         """After the last iteration: a checkpoint repack's retirees leave and the leader
         releases them; outstanding releases end; the report is final."""
@@ -247,14 +305,44 @@ class TrainingSession:
         self.report.add_iteration(iteration, loss, elapsed,
                                   dynmo_s=elapsed - (scenario_end - step_start),
                                   scenario_s=scenario_end - step_end)
+        self._interval.append((loss, elapsed))
         args = self.cfg.model
         if iteration % args.log_interval == 0:
-            logger.info("iteration %4d/%d | loss %.6f | %.1f ms | layout %s", iteration,
-                        args.train_iters, loss, elapsed * 1e3, self.trainer.layout)
+            logger.info("%s", self._log_line(iteration))
+            self._interval.clear()
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             self.save(iteration)
+        self._check_signal(iteration)
         if self.stop_after is not None:
             raise StopTraining(f"checkpoint repack after iteration {iteration}")
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def _move_earlier_run(output: str, resuming: bool) -> Optional[str]:
+    """A restart never overwrites what a run wrote before, nor leaves it beside the new
+    report: a fresh run moves an earlier run's files (report, log, summary, plots) into
+    `<output>/earlier-N/`; a resumed one continues the report and log, and moves only the
+    summary and plots rendered from the stopped run (`dynmo report` renders them anew).
+    Returns the directory used, or None when there was nothing to move."""
+    from dynmo_plugin.config.checks import OUTPUT_FILES
+    names = [n for n in OUTPUT_FILES if (not resuming or not n.startswith("report."))
+             and os.path.isfile(os.path.join(output, n))]
+    if not names:
+        return None
+    n = 1
+    while os.path.exists(os.path.join(output, f"earlier-{n}")):
+        n += 1
+    target = os.path.join(output, f"earlier-{n}")
+    os.makedirs(target)
+    for name in names:
+        os.replace(os.path.join(output, name), os.path.join(target, name))
+    what = "the stopped run's summary and plots" if resuming else "an earlier run's files"
+    logger.warning("--output %s held %s (%s); moved them to %s", output, what, ", ".join(names), target)
+    return target
 
 
 def _initial_layout(args, dims, meta: Optional[dict]) -> Layout:

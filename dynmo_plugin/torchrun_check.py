@@ -81,4 +81,30 @@ def handler():
         except UserError as e:
             print(f"dynmo-train: error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(USER_ERROR_EXIT) from None
+        _quiet_on_signal()
     return _refuse_backend
+
+
+def _quiet_on_signal() -> None:
+    """Ctrl-C (or SIGTERM) under torchrun: the workers stop at an iteration boundary and
+    rank 0 prints one line with the resume command (dynmo_plugin.train); the agent would
+    add a warning and a SignalException traceback, and exit 1. Here it ends quietly with
+    the signal's status (128 + signal), as a shell reports a job ended by a signal."""
+    import logging
+
+    def drop(record: logging.LogRecord) -> bool:  # the agent's "death signal" chatter only
+        return "death signal" not in str(record.msg) and "closing signal" not in str(record.msg)
+    for name in ("torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).addFilter(drop)  # torch sets their levels on import: filter
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        sigval = getattr(value, "sigval", None)
+        if type(value).__name__ == "SignalException" and sigval is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(128 + int(sigval))
+        previous(kind, value, tb)
+
+    sys.excepthook = hook

@@ -10,11 +10,14 @@ import logging
 import os
 import sys
 import warnings
+from typing import Optional
 
 from dynmo_plugin.config import RunConfig, add_dynmo_args, add_model_args, check_paths, load_config
+from dynmo_plugin.config.flags import OneLineParser
 from dynmo_plugin.errors import USER_ERROR_EXIT, UserError
 
-__all__ = ["main", "build_parser", "run", "exit_on_peer_failure", "validate", "LAUNCH_ENV"]
+__all__ = ["main", "build_parser", "run", "exit_on_peer_failure", "validate", "LAUNCH_ENV",
+           "SignalStop", "resume_line"]
 
 logger = logging.getLogger("dynmo_plugin.train")
 
@@ -26,7 +29,7 @@ LAUNCH_HINT = ("run it under torchrun: torchrun --nproc-per-node N -m dynmo_plug
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dynmo-train", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="dynmo-train", description=__doc__.splitlines()[0])
     add_model_args(parser)
     add_dynmo_args(parser)
     return parser
@@ -47,7 +50,7 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
     """
     from dynmo_plugin.megatron.training.parallel import destroy_parallel, init_parallel
     from dynmo_plugin.megatron.migration.repack import RankRetired
-    from dynmo_plugin.session import StopTraining, TrainingSession
+    from dynmo_plugin.session import Stopped, StopTraining, TrainingSession
 
     dims = init_parallel(cfg.model)
     try:
@@ -61,6 +64,10 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
             return None  # this rank's stage was released by a repack: exit 0, no report
         except StopTraining:
             pass         # a checkpoint repack: every rank ends here, the job restarts smaller
+        except Stopped as stop:  # SIGINT/SIGTERM: the report as it stands, then one line
+            session.report.layout = str(session.trainer.layout)
+            session.report.write()
+            raise SignalStop(stop.signum, stop.iteration, stop.checkpoint) from None
         session.finish()
         if on_finish is not None:
             on_finish(session.trainer)
@@ -69,6 +76,50 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
         return session.report.to_dict()
     finally:
         destroy_parallel()
+
+
+class SignalStop(Exception):
+    """The run stopped on a signal at an iteration boundary (`main` exits 128 + signum)."""
+
+    def __init__(self, signum: int, iteration: int, checkpoint: Optional[str]):
+        super().__init__(f"signal {signum}")
+        self.signum, self.iteration, self.checkpoint = signum, iteration, checkpoint
+
+
+def resume_line(stop: SignalStop, save: Optional[str], argv: list[str]) -> str:
+    """The one line a stopped run prints: where it stopped, the last checkpoint and the
+    command that resumes from it (this command line, with --load set to --save)."""
+    import shlex
+    import signal as _signal
+    name = _signal.Signals(stop.signum).name
+    last = _last_checkpoint(save)
+    if last is None:
+        return (f"dynmo-train: stopped by {name} after iteration {stop.iteration}; no checkpoint "
+                "(give --save DIR --exit-signal-handler to save on a signal, or --save-interval N)")
+    kept, skip = [], False
+    for token in argv:  # this command line without its --load
+        if skip:
+            skip = False
+            continue
+        if token == "--load":
+            skip = True
+            continue
+        if not token.startswith("--load="):
+            kept.append(token)
+    nproc = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+    return (f"dynmo-train: stopped by {name} after iteration {stop.iteration}; last checkpoint "
+            f"{last}; resume with: torchrun --nproc-per-node {nproc} -m dynmo_plugin.train "
+            f"{shlex.join(kept)} --load {shlex.quote(save)}")
+
+
+def _last_checkpoint(save: Optional[str]) -> Optional[str]:
+    if not save:
+        return None
+    try:
+        with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as fh:
+            return os.path.join(save, f"iter_{int(fh.read().strip()):07d}")
+    except (OSError, ValueError):
+        return None
 
 
 def validate(args: argparse.Namespace, world_size: int | None, in_launcher: bool = False) -> RunConfig:
@@ -88,6 +139,7 @@ def validate(args: argparse.Namespace, world_size: int | None, in_launcher: bool
     load = cfg.model.load
     if load:
         from dynmo_plugin.megatron.checkpoint import directory as checkpoint
+        checkpoint.check_same_model(load, cfg.model)
         if not in_launcher or not os.path.exists(os.path.join(load, checkpoint._LATEST)):
             checkpoint.read_meta(load, resume_if_absent=load == cfg.model.save)
     return cfg
@@ -127,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank{rank}] %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    # the solver's own "balancing exact: A -> B" line said B before the decision kept A;
+    # the controller's one line per decision says what was considered and why
+    logging.getLogger("dynmo_plugin.balancing.solve").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", module=r"megatron\..*")
     args = build_parser().parse_args(argv)
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
@@ -140,11 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"dynmo-train: error: {e}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT
-    warning = nothing_to_balance(cfg)
-    if warning and rank == 0:
-        print(f"dynmo-train: warning: {warning}", file=sys.stderr, flush=True)
+    for warning in [*cfg.notices, nothing_to_balance(cfg)]:
+        if warning and rank == 0:
+            print(f"dynmo-train: warning: {warning}", file=sys.stderr, flush=True)
     try:
         return exit_on_peer_failure(run, cfg)
+    except SignalStop as stop:
+        if rank == 0:
+            print(resume_line(stop, cfg.model.save, sys.argv[1:] if argv is None else argv),
+                  file=sys.stderr, flush=True)
+        return 128 + stop.signum
     except UserError as e:  # found while building (a checkpoint's TP, the GPUs): every rank
         print(f"dynmo-train: error: {e}", file=sys.stderr)
         return USER_ERROR_EXIT

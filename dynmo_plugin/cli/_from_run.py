@@ -43,15 +43,21 @@ def _report(run_dir: str) -> dict:
         raise UserError(f"--from-run {run_dir!r}: its report is not JSON ({e})") from e
 
 
-def _event(report: dict, run_dir: str) -> dict:
-    """The "start" rebalance event, else the first rebalance event with a profile."""
-    events = [e for e in report.get("events", []) if isinstance(e, dict) and e.get("kind") == "rebalance"
-              and (e.get("profile") or {}).get("layers")]
+def _with_profile(report: dict, kind: str) -> list[dict]:
+    return [e for e in report.get("events", []) if isinstance(e, dict) and e.get("kind") == kind
+            and isinstance(e.get("profile"), dict) and e["profile"].get("layers")]
+
+
+def _event(report: dict, run_dir: str, flag: str = "--from-run") -> dict:
+    """The "start" rebalance event, else the first rebalance event with a profile, else
+    (a profile-only run, --dynmo-profile-every) the last profile window's."""
+    events = _with_profile(report, "rebalance")
     start = [e for e in events if e.get("trigger") == "start"]
-    if not (start or events):
-        raise UserError(f"--from-run {run_dir!r}: the run recorded no rebalance profile; train "
-                        "with --dynmo --dynmo-start-balanced-at N (N >= 1)")
-    return (start or events)[0]
+    profiles = _with_profile(report, "profile")
+    if not (start or events or profiles):
+        raise UserError(f"{flag} {run_dir!r}: the run recorded no profile; train with --dynmo "
+                        "and --dynmo-start-balanced-at N or --dynmo-profile-every N (N >= 1)")
+    return (start or events)[0] if start or events else profiles[-1]
 
 
 def _microbatches(report: dict, event: dict) -> int:
@@ -80,7 +86,7 @@ def recommend(run_dir: str) -> dict[str, Any]:
     event = _event(report, run_dir)
     try:
         chunks = int((event.get("plan") or {}).get("num_chunks", 1))
-        current = Layout.parse(event["layout_before"], num_chunks=chunks)
+        current = Layout.parse(event.get("layout_before") or event["layout"], num_chunks=chunks)
         rb = report["config"]["dynmo"]["rebalance"]
         config = DynmoConfig(rebalance=RebalanceConfig(memory_cap_gb=float(rb["memory_cap_gb"]),
                                                        allow_empty_stages=bool(rb["allow_empty_stages"])))
@@ -108,7 +114,8 @@ def recommend(run_dir: str) -> dict[str, Any]:
             "predicted_iter_s": predicted,
             "predicted_iter_s_profiled": plan.predicted_iter_s_before,
             "live": {"iteration": event.get("iteration"), "applied": bool(event.get("applied")),
-                     "layout_after": event.get("layout_after"), "reason": event.get("reason")}}
+                     "layout_after": event.get("layout_after"),
+                     "reason": event.get("reason") or "profile only: nothing moves"}}
 
 
 def _profile_file(path: str) -> PipelineProfile:
@@ -121,6 +128,8 @@ def _profile_file(path: str) -> PipelineProfile:
                         "profile JSON file") from e
     except ValueError as e:
         raise UserError(f"--from-profile {path!r}: not JSON ({e})") from e
+    if isinstance(data, dict) and isinstance(data.get("events"), list) and "layers" not in data:
+        data = _event(data, path, "--from-profile")  # a run's report.json: its profile event
     if isinstance(data, dict) and isinstance(data.get("profile"), dict):
         data = data["profile"]
     try:

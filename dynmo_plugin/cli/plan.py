@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--extras", help="JSON per-stage extras: list of costs or {cost, memory}")
     p.add_argument("--current-layout", help="current Megatron layout string, e.g. 'Ettt|tttL'")
     p.add_argument("--allow-empty-stages", action="store_true", help="stages may hold no layer")
-    p.add_argument("--microbatches", type=int, default=1, help="for the predicted 1F1B time")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per iteration (--global-batch-size / (--micro-batch-size "
+                        "x DP)): the predicted 1F1B time and --repack's answer depend on it "
+                        "(default 1, said in a note on stderr: with 1 the stages never overlap)")
     p.add_argument("--max-rounds", type=int, help="diffusion: round cap")
     p.add_argument("--gate-iterations", type=int,
                    help="evaluate the gate: iterations until the next expected event")
@@ -310,7 +314,7 @@ def _problem(args: argparse.Namespace) -> BalanceProblem:
         current = Layout.uniform(len(layers["costs"]), stages)  # Megatron's static split
     return BalanceProblem(num_stages=stages, capacity=capacity, current=current,
                           allow_empty_stages=args.allow_empty_stages,
-                          num_microbatches=args.microbatches, **layers, **_extras(args),
+                          num_microbatches=args.microbatches or 1, **layers, **_extras(args),
                           tokens_per_iteration=args.tokens_per_iteration)
 
 
@@ -377,5 +381,16 @@ def run(args: argparse.Namespace) -> int:
     with third_party_output_to_stderr():
         plan = _solve(args)
         text = _as_json(plan) if args.json else str(plan)
+    if args.microbatches is None:
+        print(f"dynmo plan: note: {ASSUMED_ONE_MICROBATCH}", file=sys.stderr)
     print(text)
     return 0
+
+
+# The assumption `dynmo plan` makes without --microbatches, said every time it makes it:
+# with one micro-batch 1F1B never overlaps stages, so the iteration is the sum of all
+# stages' work whatever the split, and a repack onto one stage looks free (x1.000).
+ASSUMED_ONE_MICROBATCH = ("assuming 1 micro-batch per iteration (give --microbatches M, M = "
+                          "--global-batch-size / (--micro-batch-size x DP)); with 1 the stages "
+                          "never overlap, so predicted times ignore the pipeline and --repack "
+                          "finds fewer stages free")

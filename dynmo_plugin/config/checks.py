@@ -20,7 +20,10 @@ from dynmo_plugin.layout import Layout, LayoutError
 from dynmo_plugin.scenarios import SCENARIOS
 
 __all__ = ["check_run", "check_shape", "check_paths", "check_transformer_impl",
-           "resolve_transformer_impl"]
+           "resolve_transformer_impl", "check_dynmo_off", "PLUGIN_SECTIONS"]
+
+# The sections that only act with --dynmo (dynamism runs in a static baseline too).
+PLUGIN_SECTIONS = ("profiling", "rebalance", "repack", "cluster")
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,54 @@ def check_run(cfg: RunConfig, given: dict[str, str], where: str, world_size: Opt
     _check_repack(cfg, given)
     _check_interleaved_repack(cfg, where, world_size)
     _check_data(cfg, given)
+    cfg.notices += filter(None, [check_dynmo_off(cfg, given)])
+    _check_never(cfg, given)
+
+
+def _check_never(cfg: RunConfig, given: dict[str, str]) -> None:
+    """Settings that can never act in this run: the start profile past the last iteration
+    is refused (the user asked for a balanced start and would get none); an interval
+    longer than the run is a notice (a sweep may keep one interval over short runs)."""
+    m, d = cfg.model, cfg.dynmo
+    start = d.profiling.start_at
+    if start and start + d.profiling.window - 1 > m.train_iters:
+        where = given.get("profiling.start_at", "profiling.start_at")
+        raise ConfigError(f"{where}: profiling.start_at ({start}) + window ({d.profiling.window}) "
+                          f"ends past --train-iters ({m.train_iters}): the run ends before the start "
+                          "profile closes; give --dynmo-start-balanced-at <= "
+                          f"{max(1, m.train_iters - d.profiling.window + 1)} or more --train-iters")
+    for key, value, flag in (("rebalance.interval", d.rebalance.interval, "--dynmo-rebalance-interval"),
+                             ("profiling.every", d.profiling.every, "--dynmo-profile-every")):
+        if d.enabled and value > m.train_iters:
+            cfg.notices.append(f"{given.get(key, key)}: {key} ({value}) is longer than --train-iters "
+                               f"({m.train_iters}): {flag} never fires in this run")
+
+
+def check_dynmo_off(cfg: RunConfig, given: dict[str, str]) -> Optional[str]:
+    """Plugin settings while the plugin is off (no --dynmo, no `enabled: true`).
+
+    A flag (`--dynmo-rebalance-interval 2` without --dynmo) is refused, as Megatron-LM's
+    validate_args refuses a setting its feature is not on for: the user typed it for a run
+    that would never read it. The same keys from the YAML file give a notice: one file
+    serves a DynMo run and its static baseline (the same file without --dynmo, as
+    tests/megatron/test_repack.py and scripts/bench_e2e.py compare them), so the run goes
+    on, but not silently. `enabled: false` in the file says so on purpose: no notice.
+
+    Raises:
+        ConfigError: a plugin flag given without --dynmo.
+    """
+    if cfg.dynmo.enabled or "enabled" in given:
+        return None
+    keys = [k for k in given if k.split(".")[0] in PLUGIN_SECTIONS]
+    for key in keys:
+        if given[key].startswith("flag "):
+            raise ConfigError(f"{given[key]}: {key}: set, but DynMo is off (no --dynmo): the run "
+                              "would never read it; add --dynmo, or drop the flag for a static run")
+    if keys:
+        sections = sorted({k.split(".")[0] for k in keys})
+        return (f"{given[keys[0]]}: {', '.join(sections)} set, but --dynmo is not given: DynMo is "
+                "off and this run trains a static baseline (add --dynmo to profile and balance)")
+    return None
 
 
 def check_shape(m: ModelArgs, where: str, world_size: int | None = None) -> None:
@@ -104,19 +155,61 @@ def _check_schedule(m: ModelArgs, where: str) -> None:
         raise ConfigError(f"{where}: --min-lr ({m.min_lr}) must not exceed --lr ({m.lr})")
 
 
-def check_paths(model: ModelArgs) -> None:
-    """The launcher's own paths, before anything is built: --output and --save must be
-    directories or not exist yet, --load must not be a file. (Whether --load holds a
-    checkpoint is read_meta's question: dynmo_plugin.train asks it just as early.)
+# What a run writes into --output (dynmo_plugin.report, `dynmo report`): each must be a file.
+OUTPUT_FILES = ("report.json", "report.jsonl", "summary.md", "stage_loads.png", "training.png",
+                "gpus.png")
+
+
+def _unwritable(path: str) -> Optional[str]:
+    """Why directory `path` cannot be created or written, or None. Nothing is created:
+    the nearest existing ancestor must be a writable directory on a writable file system
+    (statvfs: root ignores permission bits, not a read-only mount)."""
+    if not path.strip():
+        return "an empty path (the report would land in the working directory)"
+    if "\0" in path:
+        return "a path with a NUL byte"
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        return (f"{probe} is a file, not a directory" if probe == os.path.abspath(path) else
+                f"{probe} is a file, so nothing can be created under it")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    try:
+        if os.statvfs(probe).f_flag & os.ST_RDONLY:
+            return f"{probe} is on a read-only file system"
+    except OSError as e:
+        return f"{probe}: {e.strerror}"
+    return None
+
+
+def check_paths(model: ModelArgs, extra: tuple = ()) -> None:
+    """Every path the run will write, before anything is built or trained: --output (and
+    the report files in it) and --save must be directories that exist or can be created
+    and written; --load must not be a file. `extra`: (flag, key, directory) more (e.g.
+    --tensorboard-dir). Whether --load holds a checkpoint is read_meta's question:
+    dynmo_plugin.train asks it just as early.
 
     Raises:
         ConfigError: a path that training would fail on later, named with the fix.
     """
     for flag, key, path in (("--output", "model.output", model.output),
-                            ("--save", "model.save", model.save)):
-        if path and os.path.exists(path) and not os.path.isdir(path):
-            raise ConfigError(f"flag {flag}: {key}: {path} is a file, not a directory; give a "
-                              "directory (it is created if missing)")
+                            ("--save", "model.save", model.save), *extra):
+        if path is None:
+            continue
+        why = _unwritable(path)
+        if why:
+            raise ConfigError(f"flag {flag}: {key}: cannot write to {path!r}: {why}; give a "
+                              "writable directory (it is created if missing)")
+    for name in OUTPUT_FILES:
+        target = os.path.join(model.output, name)
+        if os.path.isdir(target):
+            raise ConfigError(f"flag --output: model.output: {target} is a directory, but the run "
+                              f"writes its {name} there; remove it or give another --output")
     if model.load and os.path.exists(model.load) and not os.path.isdir(model.load):
         raise ConfigError(f"flag --load: model.load: {model.load} is a file, not a directory; "
                           "give the directory --save wrote (it holds "

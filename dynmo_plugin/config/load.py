@@ -20,6 +20,7 @@ import yaml
 from dynmo_plugin.config.checks import check_run, check_transformer_impl
 from dynmo_plugin.config.fields import ConfigError
 from dynmo_plugin.config.flags import flag_of, leaf_fields
+from dynmo_plugin.config.megatron_flags import apply_megatron_compat
 from dynmo_plugin.config.schema import DynmoConfig, ModelArgs, RunConfig
 
 __all__ = ["load_config"]
@@ -130,8 +131,9 @@ def _read_yaml(path: str) -> dict:
     finally:
         if loader is not None:
             loader.dispose()
-    if data is None:
-        return {}
+    if data is None:  # an empty file, or only comments: most likely the wrong file
+        raise ConfigError(f"{path}: the config file holds no settings (it is empty or only "
+                          "comments); give the YAML with your settings, or drop --dynmo-config")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
     return data
@@ -179,6 +181,7 @@ def load_config(args: argparse.Namespace, world_size: int | None = None, *,
     Raises:
         ConfigError: on any unknown key, wrong type, out-of-range or inconsistent value.
     """
+    apply_megatron_compat(args)
     cfg = RunConfig(config_path=getattr(args, "dynmo_config", None))
     known = {f"model.{k}": (f, d) for k, f, d in leaf_fields(ModelArgs)}
     known.update({k: (f, d) for k, f, d in leaf_fields(DynmoConfig)})

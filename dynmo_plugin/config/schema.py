@@ -18,7 +18,7 @@ from dynmo_plugin.balancing.grow import FREED_MODES
 from dynmo_plugin.balancing.repack import OBJECTIVES, RepackCriteria
 from dynmo_plugin.balancing.solve import BALANCERS
 from dynmo_plugin.cluster.release import STRATEGIES
-from dynmo_plugin.config.fields import ascending_lengths, non_negative, one_of, opt, positive
+from dynmo_plugin.config.fields import ascending_lengths, below_one, non_negative, one_of, opt, positive
 from dynmo_plugin.scenarios import SCENARIOS
 
 __all__ = ["DataConfig", "ModelArgs", "ProfilingConfig", "RebalanceConfig", "DynamismConfig",
@@ -109,6 +109,9 @@ class ModelArgs:
     lr_decay_style: str = field(default="constant", metadata=opt("learning-rate decay after warm-up", check=one_of("constant", "linear", "cosine", "inverse-square-root")))
     lr_decay_iters: Optional[int] = field(default=None, metadata=opt("iterations over which the rate decays (default --train-iters)", check=positive))
     min_lr: float = field(default=0.0, metadata=opt("learning rate at the end of the decay", check=non_negative))
+    weight_decay: float = field(default=0.0, metadata=opt(
+        "weight decay coefficient for L2 regularization, as Megatron-LM's (whose default is 0.01; "
+        "0 here, so runs made before it existed train the same)", check=non_negative))
     clip_grad: float = field(default=0.0, metadata=opt("gradient clipping norm (0 = off; CPU needs 0)", check=non_negative))
     bf16: bool = field(default=False, metadata=opt("bf16 weights and activations, fp32 master weights in the optimizer"))
     fp16: bool = field(default=False, metadata=opt("fp16 weights and activations, fp32 master weights, dynamic loss scaling"))
@@ -135,6 +138,9 @@ class ModelArgs:
     save: Optional[str] = field(default=None, metadata=opt("checkpoint directory to save to"))
     save_interval: int = field(default=0, metadata=opt("iterations between checkpoints (0 = only at a checkpoint repack)", check=non_negative))
     load: Optional[str] = field(default=None, metadata=opt("checkpoint directory to resume from (any pipeline split)"))
+    exit_signal_handler: bool = field(default=False, metadata=opt(
+        "on SIGTERM/SIGINT, save a checkpoint (with --save) at the iteration boundary before "
+        "exiting, as Megatron-LM's; without it the run still stops there, saving nothing"))
     data: DataConfig = field(default_factory=DataConfig)
 
 
@@ -171,8 +177,8 @@ class RebalanceConfig:
                                                     "--dynmo-gate-margin", non_negative))
     min_gain: float = field(default=0.05, metadata=opt(
         "skip plans predicted to save less than this fraction of iteration time, or than the "
-        "profile's measured dispersion if larger (docs/profiling.md; 0 = no floor)",
-        "--dynmo-min-gain", non_negative))
+        "profile's measured dispersion if larger (docs/profiling.md; 0 = no floor; below 1: "
+        "no plan saves the whole iteration)", "--dynmo-min-gain", below_one))
     expected_event_gap: int = field(default=100, metadata=opt(
         "iterations a new layout is expected to last (gate horizon)", "--dynmo-event-gap", positive))
     memory_cap_gb: float = field(default=0.0, metadata=opt(
@@ -284,6 +290,10 @@ class RunConfig:
     model: ModelArgs = field(default_factory=ModelArgs)
     dynmo: DynmoConfig = field(default_factory=DynmoConfig)
     config_path: Optional[str] = None
+    # one-line notices found while resolving (printed by rank 0; not part of the report)
+    notices: list = field(default_factory=list, compare=False, repr=False)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        del out["notices"]
+        return out

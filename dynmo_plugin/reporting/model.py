@@ -102,6 +102,9 @@ class Event:
     scenario: str | None = None  # dynamism events: which scenario changed the work
     stages_before: int | None = None  # repacks: pipeline stages before/after
     stages_after: int | None = None
+    reason: str | None = None          # why the decision went as it did (flags named)
+    planned_layout: str | None = None  # the plan's layout, applied or not
+    repack_reason: str | None = None   # a repack considered and not applied: why
 
     @property
     def label(self) -> str:
@@ -138,7 +141,11 @@ class Event:
             moved_bytes=sum(_num(m.get("bytes")) or 0.0 for m in moves if isinstance(m, dict)),
             scenario=_opt_text(raw.get("scenario")),
             stages_before=_stage_count(repack, "stages_before"),
-            stages_after=_stage_count(repack, "stages_after"))
+            stages_after=_stage_count(repack, "stages_after"),
+            reason=_opt_text(raw.get("error") or raw.get("reason") or raw.get("cancelled")),
+            planned_layout=_opt_text(raw.get("planned_layout")),
+            repack_reason=_opt_text((raw.get("repack_considered") or {}).get("reason")
+                                    if isinstance(raw.get("repack_considered"), dict) else None))
 
     def impossible(self) -> tuple[str, float] | None:
         """The first field holding a value no run produces (negative seconds or bytes,

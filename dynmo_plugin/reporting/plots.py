@@ -50,6 +50,8 @@ def _bars(ax, before, after, unit_label: str, xlabels=None) -> None:
 
 def _panel(ax, report: Report, event: Event) -> None:
     applied = "" if event.applied is None else (" (applied)" if event.applied else " (not applied)")
+    if event.kind == "profile" and event.planned_layout:
+        applied = " (exact plan, profile only)"
     if event.loads_before or event.loads_after:
         _bars(ax, event.loads_before, event.loads_after, "load (s)")
         stages = max(len(event.loads_before or []), len(event.loads_after or []))

@@ -33,10 +33,20 @@ def _measured(report: Report, e: Event) -> str:
     return _pair(e.measured_before, e.measured_after, ".4f", " s")
 
 
+def _layouts(e: Event) -> str:
+    if e.kind == "profile" and e.planned_layout:  # nothing moves: the layout the profile asks for
+        return f"`{e.layout_before}` (exact: `{e.planned_layout}`)"
+    if e.applied is False and e.planned_layout and e.planned_layout != e.layout_before:
+        return f"`{e.layout_before}` (considered `{e.planned_layout}`)"
+    return f"`{e.layout_before}` → `{e.layout_after}`" if e.layout_before or e.layout_after else "–"
+
+
 def _event_row(report: Report, e: Event) -> str:
-    layouts = f"`{e.layout_before}` → `{e.layout_after}`" if e.layout_before or e.layout_after else "–"
+    layouts = _layouts(e)
     overhead = sum(e.overhead_s.values()) if e.overhead_s else None
     applied = "–" if e.applied is None else ("yes" if e.applied else "no")
+    if e.kind == "profile" and e.planned_layout:
+        applied = "profile only"
     imbalance = _pair(e.imbalance_before, e.imbalance_after, ".2f")
     if e.kind == "repack" and e.imbalance_before is None and e.stages_before and e.stages_after:
         imbalance = f"{e.stages_before} → {e.stages_after} stages"
@@ -66,6 +76,29 @@ def _time_lines(report: Report) -> list[str]:
     return lines
 
 
+def _decisions(report: Report) -> list[str]:
+    """Every decision, applied or not: what was considered and why it went so (the reason
+    names the flag that changes it), and any repack weighed and not applied."""
+    lines = []
+    for e in report.events:
+        if e.kind not in ("rebalance", "repack", "profile") or not (e.reason or e.repack_reason):
+            continue
+        verdict = {True: "applied", False: "not applied", None: ""}[e.applied]
+        if e.kind == "profile":
+            verdict = "not applied (profile only)" if e.planned_layout else ""
+        considered = f" `{e.layout_before}` → `{e.planned_layout}`" if e.planned_layout else ""
+        if e.planned_layout and e.planned_layout == e.layout_before:
+            considered = f" (`{e.layout_before}` is already the best split)"
+        what = f"{e.kind}{considered}{', ' + verdict if verdict else ''}"
+        text = f"- iteration {e.iteration} ({e.trigger or '–'}): {what}"
+        if e.reason:
+            text += f": {e.reason}"
+        if e.repack_reason:
+            text += f"; repack considered, not applied: {e.repack_reason}"
+        lines.append(text.replace("\n", " "))
+    return ["", "## Decisions", "", *lines] if lines else []
+
+
 def markdown_summary(report: Report, plots: list[Path]) -> str:
     """The summary text; `plots` are linked relative to the report's directory."""
     world = ", ".join(f"{k}={v}" for k, v in report.world.items()) or "unknown"
@@ -91,6 +124,7 @@ def markdown_summary(report: Report, plots: list[Path]) -> str:
         out += ["", "| iteration | kind | trigger | applied | layout | imbalance | measured iter time "
                 "| moves | overhead |", "|---|---|---|---|---|---|---|---|---|"]
         out += [_event_row(report, e) for e in report.events]
+    out += _decisions(report)
     if plots:
         out += ["", "## Plots", ""]
         out += [f"![{p.stem}]({p.name})" for p in plots]

@@ -270,3 +270,53 @@ def test_json_stdout_is_one_document_in_a_subprocess(tmp_path, argv):
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert isinstance(json.loads(r.stdout), dict), r.stdout[:200]
+
+
+# ---- paths (issue 36): which outcome is right for each kind of path ----------------------------
+_PROFILE_EVENT = {"kind": "profile", "iteration": 2, "trigger": "profile_interval", "window": [2, 2],
+                  "layout": "Etttt|ttttL", "profile": {
+                      "layers": [{"layer": n, "stage": (n - 1) // 4, "fwd_s": 0.01, "bwd_s": 0.02,
+                                  "param_bytes": 1, "grad_bytes": 1, "optim_bytes": 1, "act_bytes": 1}
+                                 for n in range(1, 9)],
+                      "stages": [{"stage": s, "extra_s": [0.005, 0.06][s], "wait_s": 0.0, "peak_bytes": 0,
+                                  "num_microbatches": 8} for s in range(2)]}}
+_PATH_KINDS = ("missing", "a directory without a report", "not JSON", "a report without a profile",
+               "a report of a profile-only run", "under a file")
+
+
+def _path_of(tmp: Path, kind: str, as_dir: bool) -> str:
+    run = tmp / "run"
+    blocker = tmp / "a_file"
+    blocker.write_text("x")
+    if kind == "missing":
+        return str(tmp / "nowhere")
+    if kind == "under a file":
+        return str(blocker / "run")
+    run.mkdir()
+    if kind == "not JSON":
+        (run / "report.json").write_text("{not json")
+    elif kind != "a directory without a report":
+        events = [_PROFILE_EVENT] if kind == "a report of a profile-only run" else []
+        doc = {"config": {"model": {"global_batch_size": 8, "micro_batch_size": 1},
+                          "dynmo": {"rebalance": {"memory_cap_gb": 0.0, "allow_empty_stages": False},
+                                    "repack": {"enabled": False}}},
+               "world": {"dp": 1}, "iterations": [], "events": events}
+        (run / "report.json").write_text(json.dumps(doc))
+    return str(run) if as_dir else str(run / "report.json")
+
+
+@given(kind=st.sampled_from(_PATH_KINDS), flag=st.sampled_from(["--from-run", "--from-profile"]))
+@settings(FUZZ, max_examples=24)
+def test_plan_from_recorded_paths(kind, flag):
+    """Exit 0 with a layout exactly for a profile-only run's report (it raised KeyError:
+    'layers' or refused "no rebalance profile"); every other path: one line naming the flag."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _path_of(Path(tmp), kind, as_dir=flag == "--from-run")
+        code, out = _check(["plan", flag, path])
+        _, _, err, _ = _run(["plan", flag, path])
+    if kind == "a report of a profile-only run":
+        assert code == 0 and "--pipeline-model-parallel-layout 'Ettttt|ttt" in out, (out, err)
+    else:
+        assert code == 2 and err.startswith(f"dynmo plan: error: {flag} "), err
+    if kind == "a report without a profile":
+        assert "recorded no profile" in err, err

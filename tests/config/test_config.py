@@ -23,7 +23,7 @@ def _yaml(tmp_path, text):
 
 def test_defaults_and_precedence(tmp_path):
     path = _yaml(tmp_path, "rebalance:\n  interval: 5\n  balancer: diffusion\nmodel:\n  num_layers: 4\n")
-    cfg = _parse(["--dynmo-config", path, "--dynmo-rebalance-interval", "7"])
+    cfg = _parse(["--dynmo", "--dynmo-config", path, "--dynmo-rebalance-interval", "7"])
     assert isinstance(cfg, RunConfig)
     assert cfg.dynmo.rebalance.interval == 7          # the flag wins over the file
     assert cfg.dynmo.rebalance.balancer == "diffusion"  # the file wins over the default
@@ -35,7 +35,8 @@ def test_forced_layouts_from_yaml_and_flag(tmp_path):
     path = _yaml(tmp_path, "rebalance:\n  forced_layouts:\n    3: 'Ett|ttttttL'\n")
     cfg = _parse(["--dynmo-config", path, "--pipeline-model-parallel-size", "2"])
     assert cfg.dynmo.rebalance.forced_layouts == {3: "Ett|ttttttL"}
-    cfg = _parse(["--pipeline-model-parallel-size", "2", "--dynmo-forced-layouts", "2:Et|tttttttL;4:Etttt|ttttL"])
+    cfg = _parse(["--dynmo", "--pipeline-model-parallel-size", "2", "--dynmo-forced-layouts",
+                  "2:Et|tttttttL;4:Etttt|ttttL"])
     assert cfg.dynmo.rebalance.forced_layouts == {2: "Et|tttttttL", 4: "Etttt|ttttL"}
 
 
@@ -48,9 +49,9 @@ def test_forced_layouts_from_yaml_and_flag(tmp_path):
     ("bogus: 1\n", [], "bogus: unknown key"),
     ("- a\n- b\n", [], "expected a mapping of sections"),
     ("rebalance: [\n", [], "not valid YAML"),
-    ("", ["--num-layers", "5", "--pipeline-model-parallel-size", "2",
+    ("model: {}\n", ["--num-layers", "5", "--pipeline-model-parallel-size", "2",
           "--pipeline-model-parallel-layout", "Ett|ttL"], "holds 4 decoder layers but --num-layers is 5"),
-    ("", ["--pipeline-model-parallel-size", "3", "--pipeline-model-parallel-layout", "Etttt|ttttL"],
+    ("model: {}\n", ["--pipeline-model-parallel-size", "3", "--pipeline-model-parallel-layout", "Etttt|ttttL"],
      "has 2 stages but the pipeline has 3"),
     ("rebalance:\n  forced_layouts:\n    2: 'Ett|tL'\n", ["--pipeline-model-parallel-size", "2"],
      "rebalance.forced_layouts.2"),
@@ -73,7 +74,7 @@ def test_bad_input_is_named(tmp_path, text, argv, needle):
 def test_repack_and_cluster_sections(tmp_path):
     path = _yaml(tmp_path, "repack:\n  enabled: true\n  min_stages: 2\ncluster:\n  strategy: statefulset-scale\n"
                            "  namespace: ml\n")
-    cfg = _parse(["--dynmo-config", path, "--pipeline-model-parallel-size", "4",
+    cfg = _parse(["--dynmo", "--dynmo-config", path, "--pipeline-model-parallel-size", "4",
                   "--dynmo-repack-objective", "throughput_per_gpu", "--dynmo-cluster-retries", "2",
                   "--dynmo-forced-layouts", "5:Etttt|ttttL"])
     rp, cl = cfg.dynmo.repack, cfg.dynmo.cluster

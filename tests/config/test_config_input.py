@@ -58,8 +58,10 @@ def test_paths_are_checked_before_anything_is_built(tmp_path):
     a_file.write_text("x")
     empty = tmp_path / "empty"
     empty.mkdir()
-    cases = [(["--output", str(a_file)], "model.output: " + str(a_file) + " is a file"),
-             (["--save", str(a_file)], "model.save: " + str(a_file) + " is a file"),
+    cases = [(["--output", str(a_file)], "model.output: cannot write to '" + str(a_file) + "': "
+               + str(a_file) + " is a file"),
+             (["--save", str(a_file)], "model.save: cannot write to '" + str(a_file) + "': "
+              + str(a_file) + " is a file"),
              (["--load", str(a_file)], "model.load: " + str(a_file) + " is a file"),
              (["--load", str(tmp_path / "missing")], "does not exist"),
              (["--load", str(empty)], "holds no checkpoint")]

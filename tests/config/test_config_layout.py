@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cfg(*argv: str) -> RunConfig:
-    return load_config(_parser().parse_args(list(argv)), cuda_devices=lambda: 0, te_problem=lambda: None)
+    return load_config(_parser().parse_args(["--dynmo", *argv]), cuda_devices=lambda: 0, te_problem=lambda: None)
 
 
 def test_balancer_names_are_the_solvers_registry():

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -24,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynmo_plugin.config import DynmoConfig, ModelArgs, flag_of as _flag, leaf_fields as _leaf_fields
+from dynmo_plugin.config.checks import PLUGIN_SECTIONS
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.train import build_parser, validate
 
@@ -36,7 +39,7 @@ SKIP = {"model.data.path", "model.load", "model.save", "model.output"}
 KEYS = sorted(k for k in FIELDS if k not in SKIP)
 NAMES = ({k.rsplit(".", i)[0] for k in FIELDS for i in range(k.count(".") + 1)}
          | {_flag(f) for f in FIELDS.values()})  # dotted keys, their sections, flags
-WHOLE_FILE = ("YAML", "UTF-8", "mapping of sections", "given twice", "unknown key")
+WHOLE_FILE = ("YAML", "UTF-8", "mapping of sections", "given twice", "unknown key", "holds no settings")
 
 values = st.one_of(
     st.integers(-3, 40), st.integers(), st.floats(allow_nan=True, allow_infinity=True),
@@ -58,8 +61,9 @@ def _merge(a: dict, b: dict) -> dict:
     return out
 
 
-def _run(argv: list[str]) -> tuple[str, str]:
-    """('ok' | 'user' | 'argparse', message) of validate() on `argv`."""
+def _run(argv: list[str], cfg_out: list | None = None) -> tuple[str, str]:
+    """('ok' | 'user' | 'argparse', message) of validate() on `argv`; the validated
+    config is appended to `cfg_out` when given."""
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
@@ -68,16 +72,18 @@ def _run(argv: list[str]) -> tuple[str, str]:
             assert e.code == 2, argv
             return "argparse", err.getvalue()
     try:
-        validate(args, world_size=2)
+        cfg = validate(args, world_size=2)
     except UserError as e:
         return "user", str(e)
+    if cfg_out is not None:
+        cfg_out.append(cfg)
     return "ok", ""
 
 
 def _check(outcome: str, message: str, keys: list[str]) -> None:
-    if outcome == "argparse":
+    if outcome == "argparse":  # one line, as Megatron-LM users expect (not the 103-line usage)
         lines = message.strip().splitlines()
-        assert lines[0].startswith("usage: dynmo-train") and "error: argument" in lines[-1], message
+        assert len(lines) == 1 and lines[0].startswith("dynmo-train: error: argument"), message
         return
     if outcome == "ok":
         return
@@ -109,11 +115,55 @@ def test_settings_validate_or_fail_in_one_line(tmp_path_factory, pairs, via_flag
         path = tmp / "c.yaml"
         path.write_text(yaml.safe_dump(doc))
         argv = ["--dynmo-config", str(path), *argv]
-    _check(*_run(argv), [k for k, _ in pairs])
+    cfgs: list = []
+    outcome, message = _run(argv, cfgs)
+    _check(outcome, message, [k for k, _ in pairs])
+    # the oracle of issue 36 item 1: a plugin flag never validates while DynMo is off
+    plugin_flags = [a for a in argv if a.split("=")[0] in PLUGIN_FLAGS]
+    if outcome == "ok" and plugin_flags:
+        assert cfgs[0].dynmo.enabled, (argv, "a plugin flag validated with DynMo off")
+
+
+PLUGIN_FLAGS = {_flag(f) for k, f in FIELDS.items() if k.split(".")[0] in PLUGIN_SECTIONS}
+
+# ---- paths the run writes (issue 36 item 2): which outcome is right, not just one line ------
+PATH_KINDS = ("new", "nested new", "existing dir", "under a file", "the file itself", "empty",
+              "blank", "report.json a directory")
+
+
+def _make_path(tmp: Path, kind: str) -> str:
+    blocker = tmp / "a_file"
+    blocker.write_text("x")
+    if kind == "report.json a directory":
+        (tmp / "out" / "report.json").mkdir(parents=True)
+        return str(tmp / "out")
+    return {"new": str(tmp / "new"), "nested new": str(tmp / "a" / "b" / "c"),
+            "existing dir": str(tmp), "under a file": str(blocker / "sub" / "dir"),
+            "the file itself": str(blocker), "empty": "", "blank": "  "}[kind]
+
+
+@FUZZ
+@given(kind=st.sampled_from(PATH_KINDS), flag=st.sampled_from(["--output", "--save"]),
+       dynmo=st.booleans())
+def test_paths_are_checked_before_anything_is_made(tmp_path_factory, kind, flag, dynmo):
+    """Refused exactly when the run could not write there (an empty or blank path, a
+    file on the way, report.json a directory under --output), in one line naming the
+    flag; nothing is created either way."""
+    tmp = tmp_path_factory.mktemp("paths")
+    path = _make_path(tmp, kind)
+    argv = [flag, path] + (["--output", str(tmp / "o")] if flag == "--save" else [])
+    before = sorted(p for p in tmp.rglob("*"))
+    outcome, message = _run(argv + (["--dynmo"] if dynmo else []))
+    bad = kind in ("under a file", "the file itself", "empty", "blank") or (
+        kind == "report.json a directory" and flag == "--output")
+    assert outcome == ("user" if bad else "ok"), (kind, flag, message)
+    if bad:
+        assert message.startswith(f"flag {flag}: model.{flag[2:]}: ") and "\n" not in message, message
+    assert sorted(p for p in tmp.rglob("*")) == before  # validation creates nothing
 
 
 yaml_texts = st.one_of(
-    st.binary(max_size=40).map(lambda b: b),
+    st.binary(max_size=40).map(lambda b: b), st.sampled_from([b"", b"\n\n", b"# only a comment\n"]),
     st.sampled_from([b"model:\n  num_layers: 4\nmodel:\n  hidden_size: 8\n",
                      b"rebalance:\n\tinterval: 2\n", b"rebalance: [\n", b"rebalance: 5\n",
                      b"model.num_layers: 4\n", b"\xff\xfemodel: {}\n", b"- 1\n- 2\n",
@@ -133,6 +183,8 @@ def test_yaml_files_validate_or_fail_in_one_line(tmp_path_factory, text):
     _check(outcome, message, [])
     if outcome == "user":
         assert message.startswith(str(path)), message
+    if not text.strip():  # an empty file is the wrong file, not an empty configuration
+        assert outcome == "user" and "holds no settings" in message, message
 
 
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
@@ -142,3 +194,35 @@ def test_non_finite_numbers_are_refused_everywhere(value):
         if "float" in str(f.type):
             outcome, message = _run([f"{_flag(f)}={value}"])
             assert outcome == "user" and f": {key}: expected" in message, (key, message)
+
+
+# ---- a checkpoint of another model (issue 36 item 8): refused exactly when a shape differs ----
+_SHAPE_FLAGS = {"num_layers": ("--num-layers", st.integers(1, 12)),
+                "hidden_size": ("--hidden-size", st.sampled_from([16, 32, 64])),
+                "num_attention_heads": ("--num-attention-heads", st.sampled_from([1, 2, 4])),
+                "vocab_size": ("--vocab-size", st.sampled_from([128, 256, 512]))}
+
+
+@FUZZ
+@given(saved=st.fixed_dictionaries({k: s for k, (_, s) in _SHAPE_FLAGS.items()}),
+       here=st.fixed_dictionaries({k: s for k, (_, s) in _SHAPE_FLAGS.items()}))
+def test_a_checkpoint_of_another_model_names_the_first_setting_that_differs(tmp_path_factory, saved, here):
+    from dynmo_plugin.megatron.checkpoint.directory import MODEL_KEYS, model_record
+    from dynmo_plugin.config import ModelArgs
+    ck = tmp_path_factory.mktemp("ck")
+    (ck / "latest_checkpointed_iteration.txt").write_text("3")
+    (ck / "iter_0000003").mkdir()
+    record = model_record(ModelArgs(**saved))
+    (ck / "iter_0000003" / "meta.json").write_text(json.dumps(
+        {"format": "dynmo-dist-ckpt/1", "iteration": 3, "model": record}))
+    argv = [a for k, v in here.items() for a in (_SHAPE_FLAGS[k][0], str(v))]
+    outcome, message = _run([*argv, "--load", str(ck), "--output", str(ck / "out")])
+    now = model_record(ModelArgs(**here))
+    differs = [k for k in MODEL_KEYS if record[k] != now[k]]
+    assert outcome == "user" and "\n" not in message, message
+    if differs:  # the first one, checkpoint vs command line, and the flag
+        k = differs[0]
+        assert (f"the checkpoint is of another model: {k} {record[k]} in the checkpoint" in message
+                and f"{now[k]} here (--{k.replace('_', '-')})" in message), (differs, message)
+    else:  # the same model: what is wrong is the (incomplete) checkpoint itself
+        assert "another model" not in message and "incomplete" in message, message

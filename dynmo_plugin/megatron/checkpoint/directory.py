@@ -25,7 +25,7 @@ from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
 
 __all__ = ["save_checkpoint", "read_meta", "load_checkpoint", "resume_layout", "CheckpointError",
-           "FORMAT"]
+           "FORMAT", "check_same_model", "model_record", "MODEL_KEYS"]
 
 FORMAT = "dynmo-dist-ckpt/1"
 _LATEST = "latest_checkpointed_iteration.txt"
@@ -182,6 +182,49 @@ def read_meta(root: str, resume_if_absent: bool = False) -> Optional[dict]:
     if missing:
         raise CheckpointError(f"{directory}: {', '.join(missing)} missing; the checkpoint is incomplete")
     return meta
+
+
+# The settings that fix the shape of the saved weights: a checkpoint loads only into the
+# same model (the pipeline split, TP aside, may change).
+MODEL_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
+              "max_position_embeddings", "untie_embeddings_and_output_weights")
+
+
+def model_record(args) -> dict:
+    """What a checkpoint's meta.json records of the model (`MODEL_KEYS`), as resolved:
+    ffn_hidden_size and max_position_embeddings by their defaults when not given."""
+    out = {k: getattr(args, k, None) for k in MODEL_KEYS}
+    out["ffn_hidden_size"] = out["ffn_hidden_size"] or 4 * out["hidden_size"]
+    out["max_position_embeddings"] = out["max_position_embeddings"] or getattr(args, "seq_length", None)
+    return out
+
+
+def check_same_model(root: str, args) -> None:
+    """Before anything is built (dynmo_plugin.train.validate, torchrun's own process
+    included: plain JSON, no torch): the checkpoint in --load is of this model, else one
+    line naming the first setting that differs, checkpoint vs command line. Checkpoints
+    saved before meta.json recorded the model are not checked here.
+
+    Raises:
+        CheckpointError: the model differs.
+    """
+    try:
+        with open(os.path.join(root, _LATEST), encoding="utf-8") as fh:
+            path = os.path.join(_iter_dir(root, int(fh.read().strip())), "meta.json")
+        with open(path, encoding="utf-8") as fh:
+            saved = json.load(fh).get("model")
+    except (OSError, ValueError, AttributeError):
+        return  # absent or unreadable: read_meta says what is wrong with it
+    if not isinstance(saved, dict):
+        return
+    now = model_record(args)
+    for key in MODEL_KEYS:
+        if key in saved and saved[key] != now[key]:
+            flag = "--" + key.replace("_", "-")
+            raise CheckpointError(f"--load {root}: the checkpoint is of another model: {key} "
+                                  f"{saved[key]} in the checkpoint ({path}), {now[key]} here "
+                                  f"({flag}); give {flag} {saved[key]} to resume it, or another "
+                                  "--load (or none) to train this model")
 
 
 def _freeze(trainer, frozen: set) -> None:

@@ -136,6 +136,7 @@ class StageTrainer:
             use_distributed_optimizer=args.use_distributed_optimizer)
         self.optimizer_config = OptimizerConfig(
             optimizer="adam", lr=args.lr, min_lr=args.min_lr, clip_grad=args.clip_grad,
+            weight_decay=args.weight_decay,
             bf16=args.bf16, fp16=args.fp16, params_dtype=params_dtype(args),
             loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
             use_distributed_optimizer=args.use_distributed_optimizer)
@@ -150,9 +151,12 @@ class StageTrainer:
             self.optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr,
             min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
             lr_decay_steps=args.lr_decay_iters or args.train_iters,
-            lr_decay_style=args.lr_decay_style, start_wd=0.0, end_wd=0.0, wd_incr_steps=1,
+            lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+            end_wd=args.weight_decay, wd_incr_steps=1,
             wd_incr_style="constant")
         self.install_wrappers(self.ddp, self.optimizer)
+        # the last step's learning rate and gradient norm (None: not computed), for the log
+        self.last_step: dict = {"lr": args.lr, "grad_norm": None, "skipped": False}
 
     def _build_data(self, args: ModelArgs, dims: ParallelDims):
         """(the data stream, the schedule's forward-step function): the synthetic token
@@ -233,7 +237,11 @@ class StageTrainer:
             forward_step_func=self._forward_step, data_iterator=data, model=self.ddps,
             num_microbatches=self.num_microbatches, seq_length=self.args.seq_length,
             micro_batch_size=self.args.micro_batch_size, forward_only=False)
-        ok, _grad_norm, _ = self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
+        ok, grad_norm, _ = self.optimizer.step()
+        measured = grad_norm is not None and self.args.clip_grad > 0  # Megatron computes it only to clip
+        self.last_step = {"lr": lr, "grad_norm": float(grad_norm) if measured else None,
+                          "skipped": not ok}
         if ok:
             self.scheduler.step(increment=1)
         else:
