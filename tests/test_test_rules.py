@@ -6,7 +6,8 @@ condition can legitimately be false (a random instance with no feasible layout),
 test asserts the condition itself, against its own oracle. Read from the source (ast):
 - an `except` in a test whose body is only `return`, `pass` or `continue` (polling
   loops, which retry and fail after the loop, are the exception);
-- an `if X:` with no `else` whose body is only asserts, X a bare value (its truth).
+- an `if X:` with no `else` whose body is only asserts, X a bare value (its truth) that
+  no earlier assert of the test checked.
 """
 from __future__ import annotations
 
@@ -35,11 +36,20 @@ def _swallowing_handlers(fn: ast.FunctionDef):
             yield node.lineno
 
 
+def _asserted_before(fn: ast.FunctionDef, test: ast.expr, line: int) -> bool:
+    """The guard's own value was asserted earlier (e.g. `assert outcome == ("user" if bad
+    else "ok")` before `if bad:`): then the branch refines a checked fact."""
+    text = ast.unparse(test)
+    return any(isinstance(n, ast.Assert) and n.lineno < line and
+               any(ast.unparse(m) == text for m in ast.walk(n.test)) for n in ast.walk(fn))
+
+
 def _truthy_guards(fn: ast.FunctionDef):
     for node in ast.walk(fn):
         if (isinstance(node, ast.If) and not node.orelse
                 and isinstance(node.test, (ast.Name, ast.Attribute, ast.Subscript, ast.Call))
-                and all(isinstance(b, ast.Assert) for b in node.body)):
+                and all(isinstance(b, ast.Assert) for b in node.body)
+                and not _asserted_before(fn, node.test, node.lineno)):
             yield node.lineno
 
 
@@ -59,9 +69,11 @@ def test_the_rules_catch_their_examples(tmp_path):
     """Both rules fire on the patterns they name and not on a polling loop."""
     src = ("def test_a():\n    try:\n        f()\n    except ValueError:\n        return\n"
            "def test_b(events):\n    if events:\n        assert events[0]\n"
+           "def test_d(bad, out):\n    assert out == bad\n    if bad:\n        assert out\n"
            "def test_c():\n    for _ in range(3):\n        try:\n            f()\n"
            "        except OSError:\n            return\n    raise AssertionError\n")
     fns = {n.name: n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef)}
     assert list(_swallowing_handlers(fns["test_a"])) == [4]
     assert list(_truthy_guards(fns["test_b"])) == [7]
     assert list(_swallowing_handlers(fns["test_c"])) == []
+    assert list(_truthy_guards(fns["test_d"])) == []
