@@ -169,7 +169,7 @@ class DynMo:
         else:
             return
         self._open = _OpenWindow(trigger, iteration, self.config.profiling.window, rebalance,
-                                 ProfileWindow(self.trainer))
+                                 ProfileWindow(self.trainer, outside_s=list(self._recent)))
 
     # ---- cost updates from the scenario's work, without timing ---------------------------
     def _can_estimate(self) -> bool:

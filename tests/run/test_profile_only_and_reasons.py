@@ -56,6 +56,10 @@ def test_a_profile_only_run_gives_a_plan_a_picture_and_a_table(tmp_path):
     assert "profile only: nothing moves (--dynmo-profile-every)" in lines[0]
     report = json.loads((out / "report.json").read_text())
     assert report["layout"] == "Ett|ttL"  # nothing moved
+    # the window at iteration 4 holds each stage's prediction against its time per
+    # iteration outside windows (iteration 3): both there, the controller's measure passed in
+    (last,) = [e for e in report["events"] if e["iteration"] == 4 and e.get("profile")]
+    assert all(s["predicted_s"] > 0 and s["measured_s"] > 0 for s in last["profile"]["stages"]), last
     assert _dynmo("report", str(out)).returncode == 0
     assert (out / "stage_loads.png").stat().st_size > 0
     summary = (out / "summary.md").read_text()
