@@ -225,7 +225,7 @@ def _agent(args: list[str], env: dict, out: str, err: str, folder: str) -> None:
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # not pytest's capture
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         as_fresh_interpreter(env)
-        _workers_from_the_server(env, folder)
+        _workers_from_the_server(folder)
         args = worker_args(args)
         sys.argv = ["torchrun", *args]
         from torch.distributed.run import main
@@ -242,7 +242,7 @@ def _agent(args: list[str], env: dict, out: str, err: str, folder: str) -> None:
         os._exit(code)
 
 
-def _workers_from_the_server(env: dict, folder: str) -> None:
+def _workers_from_the_server(folder: str) -> None:
     """In the agent: the `forkserver` start method uses the zygote's fork server (the
     agent is not its parent, so it is checked with a signal 0, not waitpid), and torchrun's
     entrypoint reaches each worker wrapped in zygote_worker.Worker."""
@@ -265,8 +265,10 @@ def _workers_from_the_server(env: dict, folder: str) -> None:
     start_processes = local_elastic_agent.start_processes
 
     def start_with_workers(**kwargs):
-        keys = frozenset().union(*kwargs["envs"].values())
-        kwargs["entrypoint"] = Worker(kwargs["entrypoint"], env, keys, os.getpid(), folder)
+        keys = frozenset().union(*kwargs["envs"].values())  # torchrun's per-rank variables
+        # the agent's environment now, as a fork would copy it (torchrun may have set
+        # OMP_NUM_THREADS in it)
+        kwargs["entrypoint"] = Worker(kwargs["entrypoint"], dict(os.environ), keys, os.getpid(), folder)
         return start_processes(**kwargs)
     local_elastic_agent.start_processes = start_with_workers
 
