@@ -130,7 +130,7 @@ def test_workers_are_forked_by_a_single_threaded_process(tmp_path):
 @pytest.mark.multiproc
 def test_a_rank_that_does_not_join_ends_the_launch_with_its_name_and_every_stack(tmp_path, monkeypatch):
     """Rank 1 sleeps before init_process_group while rank 0 waits inside it: 5 s after rank
-    0 entered (DYNMO_TEST_RENDEZVOUS_S=5), the launch is stopped - not the 600 s timeout - with
+    0 entered (DYNMO_TEST_RENDEZVOUS_S=5), the launch is stopped - not at its 300 s timeout - with
     one line naming rank 1 and both ranks' stacks (faulthandler on SIGUSR1)."""
     monkeypatch.setenv("DYNMO_TEST_RENDEZVOUS_S", "5")
     script = _script(tmp_path, (
@@ -142,7 +142,7 @@ def test_a_rank_that_does_not_join_ends_the_launch_with_its_name_and_every_stack
         "    late_rank()\n"
         "dist.init_process_group('gloo')\n"))
     with pytest.raises(RendezvousTimeout) as stopped:
-        run_torchrun(_args(script), ENV, timeout=600)
+        run_torchrun(_args(script), ENV, timeout=300)
     message = str(stopped.value)
     assert message.splitlines()[0] == (
         "rendezvous incomplete after 5 s: rank(s) [1] of 2 never reached init_process_group (waiting "

@@ -96,7 +96,14 @@ class Zygote:
             _write_all(self._requests, _WORD.pack(len(payload)) + payload)
             agent = self._read_word()
             watch = RendezvousWatch(folder, rendezvous_deadline() if rendezvous_s is None else rendezvous_s)
-            status, late = self._wait(agent, watch, time.monotonic() + timeout)
+            try:
+                status, late = self._wait(agent, watch, time.monotonic() + timeout)
+            except BaseException:
+                # interrupted before the agent's status was read (pytest-timeout's alarm,
+                # Ctrl-C): stop it and read that status, or the next launch would read it
+                _stop(agent)
+                self._read_word()
+                raise
             text = [p.read_bytes().decode(errors="replace") for p in (out, err)]
             if status is None:
                 raise subprocess.TimeoutExpired(["torchrun", *args], timeout, *text)
@@ -112,7 +119,7 @@ class Zygote:
         while True:
             left = deadline - time.monotonic()
             ready, _, _ = select.select([self._replies], [], [], max(0.0, min(1.0, left)))
-            if ready:
+            if ready:  # each return reads the status last: nothing can interrupt after it
                 return self._read_word(), None
             if left <= 0:
                 _stop(agent)
