@@ -7,7 +7,9 @@ launches needs hundreds of launches to be seen.
 
 A hang is a launch that ran past --timeout (or, with the rendezvous deadline of the
 launcher, one it stopped with the ranks that did not join named). The last line is a JSON
-record (launches, ok, hangs, failures, total_s, per_launch_s: median, min, max).
+record (launches, ok, hangs, failures, total_s, per_launch_s: median, min, max, and
+cpu_per_launch_s: the CPU seconds the zygote and what it forked - agents, fork server,
+workers - spent per launch, which a loaded machine disturbs far less than wall time).
 DYNMO_TEST_FORK_TORCHRUN=0 measures fresh torchruns instead of the zygote.
 """
 from __future__ import annotations
@@ -61,6 +63,26 @@ def launch_once(nproc: int, timeout: float, script: Path, out: Path, train: bool
     return "ok", ""
 
 
+def launcher_cpu_s() -> float:
+    """CPU seconds (user + system) of the zygote, of its live children (the fork server)
+    and of every process they reaped (agents, workers), from /proc; 0 without a zygote."""
+    if launch.ZYGOTE is None:
+        return 0.0
+    zygote = launch.ZYGOTE.pid
+    try:
+        children = Path(f"/proc/{zygote}/task/{zygote}/children").read_text().split()
+    except OSError:
+        return 0.0
+    total = 0
+    for pid in [zygote, *map(int, children)]:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # an agent that just ended
+            continue
+        total += sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def launch_args(nproc: int, script: Path) -> list[str]:
     return ["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
             str(launch.free_port()), str(script)]
@@ -76,14 +98,16 @@ def main() -> int:
     launch.start_zygote()
     counts = {"ok": 0, "hang": 0, "failed": 0}
     times: list[float] = []
+    cpu: list[float] = []
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "tiny_rendezvous.py"
         script.write_text(TINY)
         for i in range(opts.launches):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), launcher_cpu_s()
             outcome, detail = launch_once(opts.nproc, opts.timeout, script, Path(tmp) / f"run{i}", opts.train)
             times.append(time.perf_counter() - t0)
+            cpu.append(launcher_cpu_s() - c0)
             counts[outcome] += 1
             if outcome != "ok":
                 print(f"launch {i}: {outcome} after {times[-1]:.1f} s: {detail}", file=sys.stderr, flush=True)
@@ -95,6 +119,8 @@ def main() -> int:
               "total_s": round(total, 1),
               "per_launch_s": {"median": round(statistics.median(times), 3),
                                "min": round(min(times), 3), "max": round(max(times), 3)},
+              "cpu_per_launch_s": {"median": round(statistics.median(cpu[1:] or cpu), 3),
+                                   "min": round(min(cpu[1:] or cpu), 3)},
               "loadavg": os.getloadavg()}
     record.pop("hang", None)
     print(json.dumps(record))
