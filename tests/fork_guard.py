@@ -4,8 +4,8 @@ A fork copies the whole address space but only the calling thread: a lock that a
 thread held at that instant (a TCPStore server's, the allocator's, a logging handler's)
 stays held forever in the child, which then hangs at its first use of it. The test
 launcher (tests/zygote.py) forks only from single-threaded processes; this guard makes
-a fork from a multi-threaded one fail loudly instead of hanging at random, in the
-launcher's processes and everything they fork.
+a fork from a multi-threaded one fail loudly instead of hanging at random, in each of
+the launcher's processes (the zygote, its fork server, torchrun's agents).
 
 Threads are counted twice: Python's (threading.active_count) and the kernel's
 (/proc/self/task), which also sees the native threads of C++ libraries (a TCPStore
@@ -18,6 +18,7 @@ import threading
 
 _real_fork = os.fork
 _installed = False
+_guarded_pid: int | None = None  # the process install() was last called in
 
 
 class ForkWithThreadsError(RuntimeError):
@@ -46,7 +47,7 @@ def refusal() -> str | None:
 
 
 def _checked_fork() -> int:
-    if (line := refusal()) is not None:
+    if os.getpid() == _guarded_pid and (line := refusal()) is not None:
         raise ForkWithThreadsError(line)
     return _real_fork()
 
@@ -55,25 +56,30 @@ def _before_any_fork() -> None:
     """The backstop for forks that do not go through os.fork (os.forkpty, a subprocess
     with preexec_fn): an at-fork handler cannot stop the fork, so the process aborts
     with the line instead of letting a child hang."""
-    if (line := refusal()) is not None:
+    if os.getpid() == _guarded_pid and (line := refusal()) is not None:
         os.write(2, f"{line}\n".encode())
         os.abort()
 
 
 def install() -> None:
-    """Guard this process and every process forked from it (the guard is inherited)."""
-    global _installed
-    if _installed:
-        return
-    os.fork = _checked_fork
-    os.register_at_fork(before=_before_any_fork)
-    _installed = True
+    """Guard this process. Its forks are not guarded until they call install() too: the
+    launcher's processes do, the workers - the program under test - do not (Megatron-Core's
+    checkpoint writer forks from a worker running dozens of threads, as it would under a
+    plain torchrun)."""
+    global _installed, _guarded_pid
+    _guarded_pid = os.getpid()
+    if not _installed:
+        os.fork = _checked_fork
+        os.register_at_fork(before=_before_any_fork)
+        _installed = True
 
 
 def fork() -> int:
-    """os.fork, refused with ForkWithThreadsError from a multi-threaded process (also where
-    the guard is not installed, as in pytest's own process)."""
-    return _checked_fork()
+    """os.fork, refused with ForkWithThreadsError from a multi-threaded process, whether or
+    not the guard is installed here (pytest's own process forks the zygote with it)."""
+    if (line := refusal()) is not None:
+        raise ForkWithThreadsError(line)
+    return _real_fork()
 
 
 __all__ = ["ForkWithThreadsError", "fork", "install", "refusal", "thread_counts"]

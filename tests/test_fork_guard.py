@@ -169,3 +169,19 @@ def test_a_launch_whose_port_was_taken_is_relaunched_on_another(tmp_path, capsys
     assert proc.returncode == 0 and sorted(proc.stdout.splitlines()) == ["rank 0", "rank 1"], proc.stderr[-3000:]
     logged = capsys.readouterr().err.splitlines()
     assert len(logged) == 1 and logged[0].startswith(f"tests/launch.py: torchrun's store could not bind port {port} ")
+
+
+@needs_zygote
+@pytest.mark.multiproc
+def test_a_worker_running_threads_forks_as_under_a_plain_torchrun(tmp_path):
+    """The guard is the launcher's: a worker is the program under test, and one running
+    threads may fork as under a plain torchrun (Megatron-Core's checkpoint writer does)."""
+    script = _script(tmp_path, (
+        "import multiprocessing as mp, os, threading\n"
+        "threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+        "child = mp.get_context('fork').Process(target=print, args=('child of', os.environ['RANK']))\n"
+        "child.start(); child.join()\n"
+        "print('rank', os.environ['RANK'], child.exitcode, flush=True)\n"))
+    proc = run_torchrun(_args(script), ENV, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(proc.stdout.splitlines()) == ["child of 0", "child of 1", "rank 0 0", "rank 1 0"]

@@ -17,8 +17,9 @@ there). It imports what the workers import (`PRELOAD`), then forks two kinds of 
 The agent starts threads (its TCPStore server, its monitors); a fork of it could copy a
 lock one of them held, held forever in the child (a rank hung 300 s in
 _create_c10d_store that way). So the agent never forks: the zygote and the fork server
-never start a thread, and tests/fork_guard.py refuses a fork from any of these processes
-while a second thread runs.
+never start a thread, and tests/fork_guard.py refuses a fork from any of these three
+while a second thread runs (the workers, the program under test, fork as they would
+under a plain torchrun).
 
 A launch whose ranks have not all joined their process group `DYNMO_TEST_RENDEZVOUS_S`
 (60) seconds after the first one entered it is stopped with the ranks that did not join
@@ -205,6 +206,7 @@ def _start_worker_server(close: tuple[int, ...]) -> str:
         pid = os.fork()
         if pid == 0:
             try:
+                fork_guard.install()  # it forks the workers
                 for fd in (*close, alive_w):
                     os.close(fd)
                 forkserver.main(listener.fileno(), alive_r, [])  # until the zygote ends
@@ -223,6 +225,7 @@ def _agent(args: list[str], env: dict, out: str, err: str, folder: str) -> None:
     from multiprocessing import util
     code = 1
     try:
+        fork_guard.install()  # it runs threads: a fork (--start-method fork) is refused
         os.setpgid(0, 0)  # its own group, which the workers join: a timeout kills them all
         os.chdir(ROOT)
         os.environ.clear()
