@@ -40,14 +40,41 @@ def torchrun(nproc: int, flags: list[str], output: Path, timeout: int = 300,
     return proc
 
 
-# The zygote (tests/zygote.py) that forks torchrun agents; conftest.py starts it when
-# the session starts. None: every launch is a fresh `python -m torch.distributed.run`.
+# The zygote (tests/zygote.py) that forks torchrun agents and, through its fork server,
+# their workers; conftest.py starts it when the session starts. None: every launch is a
+# fresh `python -m torch.distributed.run`.
 ZYGOTE = None
+# The last line torchrun's agent prints when its store could not bind the port it was given.
+PORT_TAKEN = "The server socket has failed to listen on any local network address"
+PORT_TRIES = 3
 
 
 def run_torchrun(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     """torchrun ARGS from ROOT with `env`, output captured: forked by the zygote, or a
-    fresh `python -m torch.distributed.run` (no zygote, or DYNMO_TEST_FORK_TORCHRUN=0)."""
+    fresh `python -m torch.distributed.run` (no zygote, or DYNMO_TEST_FORK_TORCHRUN=0).
+    free_port() closes the port it found before torchrun binds it, so another process can
+    take it in between: a launch whose store could not bind its --master-port (no worker
+    has started then) is relaunched on a new port, the reason printed to stderr."""
+    proc = _run_torchrun_once(args, env, timeout)
+    for attempt in range(2, PORT_TRIES + 1):
+        if not port_taken(proc) or "--master-port" not in args:
+            break
+        at = args.index("--master-port") + 1
+        port, args = args[at], [*args[:at], str(free_port()), *args[at + 1:]]
+        print(f"tests/launch.py: torchrun's store could not bind port {port} (EADDRINUSE: taken "
+              f"since free_port() found it); relaunching on port {args[at]} (try {attempt} of "
+              f"{PORT_TRIES})", file=sys.stderr, flush=True)
+        proc = _run_torchrun_once(args, env, timeout)
+    return proc
+
+
+def port_taken(proc: subprocess.CompletedProcess) -> bool:
+    """Did the launch fail because its store's port was taken (and so before any worker)?"""
+    last = proc.stderr.strip().splitlines()[-1:] if proc.stderr else []
+    return proc.returncode != 0 and bool(last) and PORT_TAKEN in last[0] and "EADDRINUSE" in last[0]
+
+
+def _run_torchrun_once(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     if ZYGOTE is not None:
         return ZYGOTE.run(args, env, timeout)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=ROOT,

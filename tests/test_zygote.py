@@ -2,7 +2,9 @@
 pre-imported process train exactly as fresh interpreters do, fail as they do, and a
 launch that runs past its timeout is stopped without leaving the launcher out of step."""
 import os
+import signal
 import subprocess
+import time
 
 import pytest
 
@@ -47,3 +49,40 @@ def test_a_launch_past_its_timeout_is_stopped_and_the_next_one_runs(tmp_path):
     failed = run_torchrun(args("--fail"), env, timeout=120)
     assert failed.returncode == 1 and "exitcode  : 3" in failed.stderr, failed.stderr[-2000:]
     assert sorted(failed.stdout.split("\n")[:2]) == ["rank 0", "rank 1"]
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _interrupt(signum, frame):
+    raise Interrupted
+
+
+@needs_zygote
+@pytest.mark.multiproc
+def test_a_launch_interrupted_by_an_alarm_leaves_the_next_one_in_step(tmp_path):
+    """pytest-timeout stops a test with SIGALRM raising in the main thread, which may be
+    waiting on a launch: that launch is stopped and its status read, so the next launch
+    reads its own (it read the stale one: a wrong pid and exit code)."""
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, sys, time\nprint('rank', os.environ['RANK'], flush=True)\n"
+                      "sys.exit(3) if sys.argv[1:] == ['--fail'] else time.sleep(600)\n")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+    def args(*extra):
+        return ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                str(free_port()), str(script), *extra]
+    previous = signal.signal(signal.SIGALRM, _interrupt)
+    started = time.monotonic()
+    pending, _ = signal.setitimer(signal.ITIMER_REAL, 3)  # pytest-timeout's own alarm, if any
+    try:
+        with pytest.raises(Interrupted):
+            run_torchrun(args(), env, timeout=120)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if pending:  # give pytest-timeout its alarm back
+            signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - started), 0.01))
+    failed = run_torchrun(args("--fail"), env, timeout=120)
+    assert failed.returncode == 1 and "exitcode  : 3" in failed.stderr, failed.stderr[-2000:]
