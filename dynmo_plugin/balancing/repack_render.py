@@ -42,11 +42,14 @@ def render_repack(plan: Any) -> str:
     else:
         head = f"repack ({plan.method}): keep {plan.stages_before} stages ({plan.layout_before})"
     now = plan.predicted_iter_s_before
-    lines = [head, f"current: {plan.stages_before} stages, predicted iteration {now:.4g} s, "
+    # costs are seconds where the caller knows the tokens per iteration (a live run, the
+    # simulator, `dynmo plan --tokens-per-iteration`); a costs file's are unitless
+    unit = " s" if plan.tokens_per_iteration is not None else ""
+    lines = [head, f"current: {plan.stages_before} stages, predicted iteration {now:.4g}{unit}, "
                    f"tokens/s/GPU (rel) {_fmt(per_gpu(now, plan.stages_before))}",
              _tokens_line(plan)]
     if plan.candidates:
-        lines.append(f"{'stages':>6}  {'iter s':>10}  {'vs now':>7}  {'tok/s/GPU':>10}  "
+        lines.append(f"{'stages':>6}  {'iter' + unit:>10}  {'vs now':>7}  {'tok/s/GPU':>10}  "
                      f"{'fits':<4}  layout / reason")
     for c in plan.candidates:
         vs = "-" if c.predicted_iter_s is None else ratio_text(c.predicted_iter_s, now)
