@@ -28,6 +28,13 @@ def positive(v: Any) -> Optional[str]:
     return None if v > 0 else "a positive number"
 
 
+def multiple_of_8(v: Any) -> Optional[str]:
+    """A width granularity a bf16 GEMM runs fast at: its fast kernels need every dimension
+    a multiple of 8 (16 bytes)."""
+    ok = isinstance(v, int) and not isinstance(v, bool) and v > 0 and v % 8 == 0
+    return None if ok else "a positive multiple of 8 (e.g. 128; GEMM dimensions must be multiples of 8)"
+
+
 def non_negative(v: Any) -> Optional[str]:
     return None if v >= 0 else "a non-negative number"
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dynmo_plugin.config.fields import fraction, non_negative, opt, positive
-from dynmo_plugin.scenarios.gradual_pruning.config import multiple_of_8
+from dynmo_plugin.config.fields import fraction, multiple_of_8, non_negative, opt, positive
 
 __all__ = ["EarlyExitConfig"]
 

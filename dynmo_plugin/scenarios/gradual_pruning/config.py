@@ -6,16 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dynmo_plugin.config.fields import below_one, fraction, one_of, opt, positive
+from dynmo_plugin.config.fields import below_one, fraction, multiple_of_8, one_of, opt, positive
 
 __all__ = ["PruningConfig"]
-
-
-def multiple_of_8(v) -> str | None:
-    """A width granularity a bf16 GEMM runs fast at: its fast kernels need every dimension
-    a multiple of 8 (16 bytes)."""
-    ok = isinstance(v, int) and not isinstance(v, bool) and v > 0 and v % 8 == 0
-    return None if ok else "a positive multiple of 8 (e.g. 128; GEMM dimensions must be multiples of 8)"
 
 
 @dataclass(kw_only=True)

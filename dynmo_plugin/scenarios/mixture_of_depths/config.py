@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dynmo_plugin.config.fields import fraction, non_negative, opt, positive
+from dynmo_plugin.config.fields import fraction, multiple_of_8, non_negative, opt, positive
 
 __all__ = ["ModConfig"]
 
@@ -32,7 +32,7 @@ class ModConfig:
     granularity: int = field(default=64, metadata=opt(
         "a routed block's tokens per sequence (capacity x seq) are rounded to the nearest "
         "multiple of this, at least one, at most the sequence: GEMM-friendly sizes on a GPU; "
-        "the events report the capacity used", "--dynmo-mod-granularity", positive))
+        "the events report the capacity used", "--dynmo-mod-granularity", multiple_of_8))
     predictor_loss_weight: float = field(default=0.01, metadata=opt(
         "weight of the auxiliary predictor's loss (causal top-C at sampling time)",
         "--dynmo-mod-predictor-loss-weight", non_negative))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dynmo_plugin.config.fields import non_negative, opt, positive, zeros_and_ones
+from dynmo_plugin.config.fields import multiple_of_8, non_negative, opt, positive, zeros_and_ones
 
 __all__ = ["MoeConfig"]
 
@@ -28,7 +28,7 @@ class MoeConfig:
     granularity: int = field(default=64, metadata=opt(
         "an expert's capacity per micro-batch (tokens it may keep) is rounded to a multiple of "
         "this many tokens (a GEMM-friendly size; the events report the capacity used)",
-        "--dynmo-moe-granularity", positive))
+        "--dynmo-moe-granularity", multiple_of_8))
     aux_loss_coeff: float = field(default=0.01, metadata=opt(
         "weight of the router's load-balancing loss", "--dynmo-moe-aux-loss-coeff", non_negative))
     start: int = field(default=2, metadata=opt("iteration of the first routing event",

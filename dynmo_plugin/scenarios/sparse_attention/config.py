@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dynmo_plugin.config.fields import non_negative, opt, positive
+from dynmo_plugin.config.fields import multiple_of_8, non_negative, opt, positive
 
 __all__ = ["SparseAttentionConfig"]
 
@@ -34,4 +34,4 @@ class SparseAttentionConfig:
     chunk_multiple: int = field(default=64, metadata=opt(
         "tokens per attention chunk (s / buckets) are rounded up to a multiple of this "
         "(GPU-friendly tiles; more buckets than s / chunk_multiple save nothing more)",
-        "--dynmo-sparse-attention-chunk-multiple", positive))
+        "--dynmo-sparse-attention-chunk-multiple", multiple_of_8))
