@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_day_one import TINY, _env, assert_refused, lines, torchrun
 
 from dynmo_plugin.megatron.training.machine import load_run_config
@@ -65,31 +67,43 @@ def test_the_log_line_is_megatron_lms(tmp_path):
     assert "lr 7.500E-04" in logged[0]  # linear decay: step 2 of 4 applies 1e-3 x (1 - 1/4)
 
 
-def test_ctrl_c_stops_at_an_iteration_boundary_then_another_model_is_refused(tmp_path):
-    """Ctrl-C printed ~176 lines, three tracebacks, exit 1. Now: the terminal's SIGINT to
-    torchrun's process group; the run saves (--exit-signal-handler), prints one line with
-    the last checkpoint and the resume command, and exits 130. Then that checkpoint under
-    another --num-layers: one line naming the setting (it was ~50 lines, every rank)."""
-    ck, out = tmp_path / "ck", tmp_path / "run"
+def _stopped_run(tmp_path: Path, flags: list[str], at: int, signum: int) -> tuple[int, str, str]:
+    """A long run, then `signum` to torchrun's process group once iteration `at` is logged
+    (what Ctrl-C in a terminal does): (exit code, the output before, the output after)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
            "127.0.0.1", "--master-port", str(_port()), "-m", "dynmo_plugin.train", *TINY,
-           "--train-iters", "100000", "--save", str(ck), "--exit-signal-handler", "--output", str(out)]
+           "--train-iters", "100000", *flags]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen = []
     deadline = time.monotonic() + 300
     for line in proc.stdout:
         seen.append(line)
-        if re.search(r"iteration +3/", line) or time.monotonic() > deadline:
+        if re.search(rf"iteration +{at}/", line) or time.monotonic() > deadline:
             break
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    os.killpg(proc.pid, signum)
     rest, _ = proc.communicate(timeout=120)
-    # besides rank 0's log (iterations, "checkpoint saved"): exactly the one line
+    return proc.returncode, "".join(seen), rest
+
+
+def _one_line(code: int, before: str, rest: str, signum: int) -> str:
+    """Besides rank 0's log (iterations, "checkpoint saved"): exactly one line, no traceback."""
     after = [x for x in rest.splitlines() if x.strip() and not x.startswith("[rank0] ")]
-    assert proc.returncode == 128 + signal.SIGINT, "".join(seen[-5:]) + rest[-3000:]
+    assert code == 128 + signum, before[-500:] + rest[-3000:]
     assert "Traceback" not in rest and len(after) == 1, rest[-3000:]
-    stopped = int(re.search(r"stopped by SIGINT after iteration (\d+); last checkpoint ", after[0]).group(1))
-    assert after[0].endswith(f"--output {out} --load {ck}") and "--train-iters 100000" in after[0]
+    return after[0]
+
+
+def test_ctrl_c_stops_at_an_iteration_boundary_then_another_model_is_refused(tmp_path):
+    """Ctrl-C printed ~176 lines, three tracebacks, exit 1. Now: the terminal's SIGINT to
+    torchrun's process group; the run saves (--exit-signal-handler), prints one line with
+    the last checkpoint and the resume command, and exits 130. Then that checkpoint under
+    another --num-layers: one line naming the setting (it was ~50 lines, every rank)."""
+    ck, out = tmp_path / "ck", tmp_path / "run"
+    line = _one_line(*_stopped_run(tmp_path, ["--save", str(ck), "--exit-signal-handler",
+                                              "--output", str(out)], 3, signal.SIGINT), signal.SIGINT)
+    stopped = int(re.search(r"stopped by SIGINT after iteration (\d+); last checkpoint ", line).group(1))
+    assert line.endswith(f"--output {out} --load {ck}") and "--train-iters 100000" in line
     assert (ck / f"iter_{stopped:07d}" / "meta.json").exists()
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
     report = json.loads((out / "report.json").read_text())
@@ -100,6 +114,31 @@ def test_ctrl_c_stops_at_an_iteration_boundary_then_another_model_is_refused(tmp
     assert_refused(torchrun(tmp_path / "x", other),
                    f"--load {ck}: the checkpoint is of another model: num_layers 2 in the checkpoint",
                    tmp_path / "x")
+
+
+@settings(max_examples=4, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(signum=st.sampled_from([signal.SIGINT, signal.SIGTERM]), at=st.integers(1, 3),
+       save=st.booleans(), dynmo=st.booleans())
+def test_signals_stop_at_a_boundary_with_one_line(tmp_path_factory, signum, at, save, dynmo):
+    """Fuzz of stops: either signal, at any iteration, with or without a save on signal and
+    the plugin. The oracle: exit 128 + signal, one line naming the signal and the iteration
+    the report ends at, a checkpoint of exactly that iteration and the resume command when
+    saving, else the line saying how to get one."""
+    tmp = tmp_path_factory.mktemp("stop")
+    ck, out = tmp / "ck", tmp / "run"
+    flags = ["--output", str(out)] + (["--save", str(ck), "--exit-signal-handler"] if save else []) + (
+        ["--dynmo"] if dynmo else [])
+    line = _one_line(*_stopped_run(tmp, flags, at, signum), signum)
+    name = signal.Signals(signum).name
+    stopped = int(re.search(rf"^dynmo-train: stopped by {name} after iteration (\d+); ", line).group(1))
+    report = json.loads((out / "report.json").read_text())
+    assert stopped >= at and report["iterations"][-1]["iteration"] == stopped and report["complete"] is False
+    if save:
+        assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
+        assert line.endswith(f"--load {ck}"), line
+    else:
+        assert "; no checkpoint (give --save DIR --exit-signal-handler" in line and not ck.exists(), line
 
 
 def _port() -> int:
