@@ -77,9 +77,18 @@ class TrainingSession:
         self._completed = self.start_iteration
         self._interval: list[tuple[float, float]] = []  # (loss, seconds) since the last log line
         self.signal_received = 0
+        self._signal_handlers: dict = {}   # the ones this session replaced, for release_signals
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, self._on_signal)
+            self._signal_handlers = {sig: signal.signal(sig, self._on_signal)
+                                     for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def release_signals(self) -> None:
+        """Give SIGINT/SIGTERM back to the handlers this session replaced: its own handler
+        holds the session (and so the model), which would otherwise outlive the run in a
+        process that trains again (scripts/gpu_check_worker.py runs scenario after scenario)."""
+        for sig, handler in self._signal_handlers.items():
+            signal.signal(sig, handler)
+        self._signal_handlers = {}
 
     def _on_signal(self, signum, frame) -> None:
         """Note it; the run stops at the end of the iteration (`_check_signal`). Repeats

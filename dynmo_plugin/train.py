@@ -53,6 +53,7 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
     from dynmo_plugin.session import Stopped, StopTraining, TrainingSession
 
     dims = init_parallel(cfg.model)
+    session = None
     try:
         session = TrainingSession(cfg, dims, layer_spec, fault, profile_noise)
         if on_start is not None:
@@ -75,6 +76,8 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
             logger.info("report written to %s", session.report.path)
         return session.report.to_dict()
     finally:
+        if session is not None:
+            session.release_signals()
         destroy_parallel()
 
 

@@ -47,7 +47,7 @@ FREEZING = ["--dynmo-dynamism", "layer_freezing", "--dynmo-freezing-start", "2",
 MOE = ["--dynmo-dynamism", "moe", "--dynmo-moe-num-experts", "4", "--dynmo-moe-top-k", "2",
        "--dynmo-moe-capacity-factor", "1.0", "--dynmo-moe-pattern", "1,0,1,0,1,0,1,0",
        "--dynmo-moe-start", "2", "--dynmo-moe-interval", "1",
-       "--dynmo-forced-layouts", "5:Ettt|t|ttt|tL", "--dynmo-min-gain", "1e9"]
+       "--dynmo-forced-layouts", "5:Ettt|t|ttt|tL", "--dynmo-min-gain", "0.999"]
 
 
 def _config(argv):
@@ -71,7 +71,7 @@ def test_scenarios_are_accepted_with_virtual_stages(kind):
 EARLY_EXIT = ["--vocab-size", "16", "--dynmo-dynamism", "early_exit",
               "--dynmo-early-exit-threshold", "0.1", "--dynmo-early-exit-start", "2",
               "--dynmo-early-exit-interval", "2", "--dynmo-early-exit-min-layer", "2",
-              "--dynmo-forced-layouts", "5:E|ttttt|t|ttL", "--dynmo-min-gain", "1e9"]
+              "--dynmo-forced-layouts", "5:E|ttttt|t|ttL", "--dynmo-min-gain", "0.999"]
 
 
 @pytest.mark.multiproc
