@@ -132,12 +132,15 @@ class RendezvousWatch:
                 "sets the deadline)")
 
     def dump_stacks(self) -> None:
-        """SIGUSR1 to every worker: faulthandler writes its threads' stacks to its stderr."""
-        for pid, _ in self.ranks().values():
+        """SIGUSR1 to every worker, one rank at a time: faulthandler writes its threads'
+        stacks to its stderr, which the ranks share, so dumps at once interleave by the
+        character (a CI run lost "in late_rank" that way)."""
+        for _, (pid, _) in sorted(self.ranks().items()):
             try:
                 os.kill(pid, signal.SIGUSR1)
             except ProcessLookupError:
-                pass
+                continue
+            time.sleep(0.5)   # faulthandler writes from the signal handler, at once
 
 
 def as_fresh_interpreter(env: dict) -> None:
