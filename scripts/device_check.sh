@@ -7,6 +7,9 @@
 #   scripts/device_check.sh [--total-s S] [--python PY] [-- gpu_check.py flags]  # on the GPU
 #   scripts/device_check.sh --dry-run [-- gpu_check.py flags]  # no GPU: the CPU part, same layout
 #   scripts/device_check.sh --plan                        # estimated seconds, no run
+#   ... --no-megatron-lm     gpu_check.sh alone (a short call; its line says so)
+#   ... --probe              also scripts/layer_probe.py first (the roofline's layers
+#                            timed: GPU, host, kernels; $OUT/layer_probe.json)
 #
 # --prepare fills runs/device/ (git-ignored; carry it with the call): wheels/ holds the
 # Python 3.12 manylinux wheels the GPU machines lack (megatron-core 0.16.1, pydantic and
@@ -40,6 +43,8 @@ PY=python3
 MODE=run
 MLM_SRC="${DYNMO_MEGATRON_LM:-}"
 DRY=0
+MLM=1
+PROBE=0
 EXTRA=()
 ARCHIVE_MIB=16   # the device tool brings back files of at most 16 MiB
 
@@ -51,6 +56,8 @@ while [[ $# -gt 0 ]]; do
     --prepare) MODE=prepare; shift; [[ $# -gt 0 && "$1" != -* ]] && { MLM_SRC="$1"; shift; } ;;
     --plan) MODE=plan; shift ;;
     --dry-run) DRY=1; shift ;;
+    --no-megatron-lm) MLM=0; shift ;;
+    --probe) PROBE=1; shift ;;
     --) shift; EXTRA=("$@"); break ;;
     --total-s) [[ $# -ge 2 && "$2" =~ ^[0-9]+$ ]] || die "--total-s needs a whole number of seconds"; TOTAL="$2"; shift 2 ;;
     --python) [[ $# -ge 2 ]] || die "--python needs an interpreter"; PY="$2"; shift 2 ;;
@@ -96,6 +103,11 @@ if [[ $DRY -eq 0 ]] && compgen -G "$DEV/wheels/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 [[ -f "$DEV/megatron-lm/pretrain_gpt.py" ]] && export DYNMO_MEGATRON_LM="$DEV/megatron-lm"
+if [[ $PROBE -eq 1 && $DRY -eq 0 ]]; then
+  say "layer_probe.py (GPU, host and kernels of the roofline's layers)"
+  "$PY" "$ROOT/scripts/layer_probe.py" --json "$OUT/layer_probe.json" --budget-s 90 || say "layer_probe.py failed"
+  START=$SECONDS   # the budgets below are gpu_check's and Megatron-LM's
+fi
 GPU_ARGS=(--python "$PY")
 [[ $DRY -eq 1 ]] && GPU_ARGS+=(--dry-run)
 say "gpu_check.sh ${GPU_ARGS[*]} --budget-s $GPU_BUDGET (after $((SECONDS - START)) s of install)"
@@ -112,6 +124,8 @@ MLM_RC=2
 if [[ $DRY -eq 1 ]]; then
   MLM_RC=0
   echo "megatron_lm_gpu_check.sh: not run: --dry-run (it needs a GPU)" | tee "$OUT/megatron_lm.txt"
+elif [[ $MLM -eq 0 ]]; then
+  echo "megatron_lm_gpu_check.sh: not run: --no-megatron-lm" | tee "$OUT/megatron_lm.txt"
 elif [[ -z "${DYNMO_MEGATRON_LM:-}" ]]; then
   echo "megatron_lm_gpu_check.sh: not run: no Megatron-LM (run --prepare first)" | tee "$OUT/megatron_lm.txt"
 elif [[ $LEFT -lt 30 ]]; then
