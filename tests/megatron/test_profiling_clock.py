@@ -308,8 +308,10 @@ def test_kernel_timer_is_a_no_op_on_cpu_and_reads_real_profiler_ranges():
 class _KinetoEventStandIn:
     """Stand-in for torch's _KinetoEvent (no CUDA here): the accessors `from_kineto` reads."""
 
-    def __init__(self, name, device, thread, start, duration, corr, linked=0):
-        self._v = (name, device, thread, start, duration, corr, linked)
+    def __init__(self, name, device, thread, start, duration, corr, linked=0, activity=None):
+        activity = activity or ("user_annotation" if name.startswith("dynmo:") else
+                                "cpu_op" if device == "CPU" else "kernel")
+        self._v = (name, device, thread, start, duration, corr, linked, activity)
 
     def name(self): return self._v[0]  # noqa: E704
     def device_type(self): return f"DeviceType.{self._v[1]}"  # noqa: E704
@@ -319,6 +321,8 @@ class _KinetoEventStandIn:
     def duration_ns(self): return self._v[4]  # noqa: E704
     def correlation_id(self): return self._v[5]  # noqa: E704
     def linked_correlation_id(self): return self._v[6]  # noqa: E704
+    def activity_type(self): return self._v[7]  # noqa: E704
+    def is_user_annotation(self): return self._v[7] in ("user_annotation", "gpu_user_annotation")  # noqa: E704
 
 
 def test_cuda_kernels_are_linked_to_the_op_that_launched_them():
@@ -330,7 +334,11 @@ def test_cuda_kernels_are_linked_to_the_op_that_launched_them():
               E("cudaLaunchKernel", "CPU", 7, 1120, 5, 3), E("dynmo:0:bwd/1:0", "CPU", 9, 3000, 400, 4),
               E("aten::mm", "CPU", 9, 3100, 50, 5), E("aten::add_", "CPU", 7, 5000, 10, 6),
               E("sm90_gemm", "CUDA", 0, 1200, 2000, 10, linked=2), E("elementwise", "CUDA", 0, 3300, 300, 11, linked=5),
-              E("optimizer_kernel", "CUDA", 0, 5100, 999, 12, linked=6)]
+              E("optimizer_kernel", "CUDA", 0, 5100, 999, 12, linked=6),
+              # kineto's GPU mirror of each range (its GPU extent, gaps included) and a
+              # host wait: not kernels (the H200 run counted them: busy > span)
+              E("dynmo:0:fwd/1:0", "CUDA", 0, 1200, 2600, 13, linked=1, activity="gpu_user_annotation"),
+              E("Stream Sync", "CUDA", 0, 3200, 700, 14, linked=5, activity="cuda_sync")]
     ranges, launches, kernels = from_kineto(events)
     assert [r.name for r in ranges] == ["dynmo:0:fwd/1:0", "dynmo:0:bwd/1:0"]
     assert kernels == [(2, 2000), (5, 300), (6, 999)]

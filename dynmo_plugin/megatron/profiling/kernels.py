@@ -84,9 +84,22 @@ def from_kineto(events) -> tuple[list[Range], dict[int, tuple[int, int]], list[t
                 ranges.append(Range(ev.name(), ev.start_thread_id(), ev.start_ns(), ev.end_ns()))
             if ev.correlation_id():
                 launches[ev.correlation_id()] = (ev.start_thread_id(), ev.start_ns())
-        elif device.endswith("CUDA"):
+        elif device.endswith("CUDA") and is_gpu_work(ev):
             kernels.append((ev.linked_correlation_id() or ev.correlation_id(), ev.duration_ns()))
     return ranges, launches, kernels
+
+
+# Device-side records that are not GPU work: kineto mirrors every record_function range
+# onto the GPU timeline ("gpu_user_annotation": the range's GPU extent, kernels and
+# idle gaps both) and, when asked, the host's waits ("cuda_sync"). Counting them, as
+# the H200 run of 2026-11-27 did, charged each layer its kernels plus its own GPU extent
+# (a frozen layer 5.9 ms against 2.7 ms of kernels; busy time above the span itself).
+NOT_WORK = frozenset({"gpu_user_annotation", "user_annotation", "cuda_sync", "overhead"})
+
+
+def is_gpu_work(ev) -> bool:
+    """A kernel, memcpy or memset: what torch's own tables sum as device time."""
+    return not ev.is_user_annotation() and str(ev.activity_type()) not in NOT_WORK
 
 
 class KernelBusy:
