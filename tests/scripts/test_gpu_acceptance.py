@@ -96,6 +96,12 @@ def test_profiling_overhead_compares_window_iterations_with_the_others_after_war
     times = {1: 9.0, 2: 9.0, 3: 1.0, 4: 1.25, 5: 1.0, 6: 1.0, 7: 1.0, 8: 1.25}
     ratio, detail = gpu_check.overhead_verdict(_report(times, [[4, 4], [8, 8]]))
     assert ratio == pytest.approx(1.25) and "1.250x" in detail
+    report = _report(times, [[4, 4], [8, 8]])  # closing a window: the plugin's own time, apart
+    for it in report["iterations"]:
+        it["dynmo_s"] = 0.5 if it["iteration"] in (4, 8) else 0.001
+        it["time_s"] += it["dynmo_s"]
+    ratio, detail = gpu_check.overhead_verdict(report)
+    assert ratio == pytest.approx(1.25 / 1.001) and "closing a window 500.0 ms once" in detail
     with pytest.raises(gpu_check.CheckFailed, match="profiled and unprofiled"):
         gpu_check.overhead_verdict(_report(times, []))
 
