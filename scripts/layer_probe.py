@@ -75,7 +75,22 @@ def setup() -> None:
     init_parallel(ModelArgs(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,
                             bf16=True, transformer_impl="local", distributed_backend="nccl"))
     bind_missing_te_names()
-    torch.set_default_device("cuda")
+    _masks_on_cuda()
+
+
+def _masks_on_cuda() -> None:
+    """The roofline's harness builds its causal masks on the CPU (it traces there); here
+    they live on the GPU, built once per length. No global default device: the schemes
+    draw some values on the CPU on purpose (sparse attention's seeded rotations)."""
+    import functools
+
+    import roofline
+    import roofline_trace
+
+    @functools.lru_cache(maxsize=8)
+    def causal_mask(s: int) -> torch.Tensor:
+        return torch.triu(torch.ones(s, s, dtype=torch.bool, device="cuda"), 1)[None, None]
+    roofline_trace.causal_mask = roofline.causal_mask = causal_mask
 
 
 class Probe:
@@ -83,13 +98,17 @@ class Probe:
 
     def __init__(self, make, shape):
         from roofline_trace import BF16
-        self.case = make(shape)
+        with torch.device("cuda"):  # the case's own tensors (labels, flags) on the GPU
+            self.case = make(shape)
         self.case.layer.cuda()
         self.shape = shape
         self.x = torch.randn(self.case.input_rows(shape), shape.batch, shape.hidden, dtype=BF16,
-                             requires_grad=self.case.backward)
+                             device="cuda", requires_grad=self.case.backward)
 
     def step(self) -> None:
+        reset = getattr(self.case.layer, "reset_exit_stats", None)
+        if reset is not None:  # early exit: one micro-batch per step, as its scenario resets it
+            reset()
         out = self.case.run(self.case.layer, self.x, self.shape)
         if self.case.backward:
             out.backward(torch.ones_like(out))

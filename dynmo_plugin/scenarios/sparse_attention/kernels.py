@@ -54,7 +54,7 @@ def hash_rotation(seed: int, layer: int, iteration: int, microbatch: int, round_
     key = f"lsh/{seed}/{layer}/{iteration}/{microbatch}/{round_}".encode()
     value = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % 2**63
     gen = torch.Generator().manual_seed(value)
-    return torch.randn(head_dim, (buckets + 1) // 2, generator=gen)
+    return torch.randn(head_dim, (buckets + 1) // 2, generator=gen, device="cpu")
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
