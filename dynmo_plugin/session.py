@@ -50,7 +50,7 @@ class TrainingSession:
         meta = self._checkpoint(dims)
         layout = _initial_layout(args, dims, meta)
         self.scenario = build_scenario(cfg.dynmo.dynamism)
-        spec = layer_spec if layer_spec is not None else default_spec(args.transformer_impl)
+        spec = layer_spec if layer_spec is not None else default_spec(args.transformer_impl, args.attention_backend)
         if self.scenario is not None:
             spec = self.scenario.layer_spec(spec, args)
         configure = self.scenario.configure_model if self.scenario is not None else None

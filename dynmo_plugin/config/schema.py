@@ -132,6 +132,10 @@ class ModelArgs:
         "decoder layer implementation: transformer_engine (NVIDIA TE, CUDA only) or local "
         "(Megatron's own); default transformer_engine where TE imports and CUDA GPUs are "
         "visible, else local", check=one_of("local", "transformer_engine")))
+    attention_backend: str = field(default="unfused", metadata=opt(
+        "core attention of --transformer-impl local: unfused (Megatron's DotProductAttention) or "
+        "sdpa (torch's fused SDPA kernels: FlashAttention / memory-efficient on CUDA); "
+        "Transformer Engine layers use TE's own", check=one_of("unfused", "sdpa")))
     pipeline_model_parallel_layout: Optional[str] = field(default=None, metadata=opt("Megatron layout string, e.g. 'Ett|ttL'"))
     untie_embeddings_and_output_weights: bool = field(default=False, metadata=opt("separate output-layer weights"))
     output: str = field(default="runs/latest", metadata=opt("directory for report.json"))

@@ -84,10 +84,12 @@ def transformer_config(args: ModelArgs, layout: Layout) -> TransformerConfig:
     )
 
 
-def layer_spec(impl: Optional[str] = None) -> ModuleSpec:
+def layer_spec(impl: Optional[str] = None, attention: str = "unfused") -> ModuleSpec:
     """Megatron's GPT layer spec for `impl` (--transformer-impl: "transformer_engine" or
     "local"), which `load_config` resolved and checked against the machine and scenario;
-    None (a stage built without load_config) resolves the same way, with no scenario."""
+    None (a stage built without load_config) resolves the same way, with no scenario.
+    `attention` (--attention-backend): the local spec's core attention, "unfused"
+    (Megatron's DotProductAttention) or "sdpa" (megatron.attention.sdpa)."""
     if impl is None:
         impl, note = resolve_transformer_impl(None, torch.cuda.device_count(), "none",
                                               transformer_engine_problem)
@@ -99,7 +101,11 @@ def layer_spec(impl: Optional[str] = None) -> ModuleSpec:
         return get_gpt_layer_with_transformer_engine_spec()
     if impl != "local":
         raise ValueError(f"transformer_impl {impl!r}: expected local or transformer_engine")
-    return get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec()
+    if attention == "sdpa":
+        from dynmo_plugin.megatron.attention.sdpa import sdpa_attention_spec
+        spec = sdpa_attention_spec(spec)
+    return spec
 
 
 def build_stage_model(args: ModelArgs, config: TransformerConfig, spec: ModuleSpec,
