@@ -17,6 +17,21 @@ import torch
 __all__ = ["AttachLoss", "gather_mask"]
 
 
+_ARBITRARY = "_dynmo_arbitrary_mask"
+
+
+def arbitrary_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Mark `mask` as not the plain causal one. A fused core attention that takes a
+    causal mask type's mask to be the causal one (megatron.attention.sdpa, as TE does)
+    applies a marked mask as it is."""
+    setattr(mask, _ARBITRARY, True)
+    return mask
+
+
+def is_arbitrary_mask(mask: torch.Tensor) -> bool:
+    return getattr(mask, _ARBITRARY, False)
+
+
 def gather_mask(mask: Optional[torch.Tensor], idx: torch.Tensor, s: int, layer: str) -> torch.Tensor:
     """[1 or b, 1, s, s] bool (True = masked) -> [b, 1, C, C] at the positions `idx` [C, b].
     `layer` names the caller in the error for a missing mask."""
@@ -26,10 +41,10 @@ def gather_mask(mask: Optional[torch.Tensor], idx: torch.Tensor, s: int, layer: 
     c, b = idx.shape
     if mask.shape[:2] == (1, 1):  # one mask for the batch: one indexing kernel
         cols = idx.T
-        return mask[0, 0][cols[:, :, None], cols[:, None, :]][:, None]
+        return arbitrary_mask(mask[0, 0][cols[:, :, None], cols[:, None, :]][:, None])
     full = mask.expand(b, 1, s, s)
     rows = full.gather(2, idx.T[:, None, :, None].expand(b, 1, c, s))
-    return rows.gather(3, idx.T[:, None, None, :].expand(b, 1, c, c))
+    return arbitrary_mask(rows.gather(3, idx.T[:, None, None, :].expand(b, 1, c, c)))
 
 
 class AttachLoss(torch.autograd.Function):

@@ -11,9 +11,12 @@ against 0.62x of the FLOPs). Users with Transformer Engine get TE's fused attent
 CUDA, the math kernel on CPU).
 
 Same interface and numbers as DotProductAttention (Megatron's mask convention: True =
-masked out; the mask is always honoured, so the schemes' gathered masks, e.g. early
-exit's and Mixture of Depths', work unchanged); no attention dropout (the project runs
-without it: dropout would consume RNG differently per split), no context parallelism.
+masked out). With a causal mask type the mask tensor is taken to be the causal one, as
+Transformer Engine's fused attention takes it, and SDPA runs with `is_causal` (flash
+attention skips the masked half); a mask marked `arbitrary_mask` (the schemes' gathered
+masks: Mixture of Depths', early exit's) is applied as it is. No attention dropout (the
+project runs without it: dropout would consume RNG differently per split), no context
+parallelism.
 """
 from __future__ import annotations
 
@@ -24,10 +27,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from dynmo_plugin.megatron.attention.core import CausalCoreAttention
+from dynmo_plugin.scenarios.gathered_tokens import is_arbitrary_mask
 
-__all__ = ["SDPACoreAttention", "sdpa_attention_spec", "ATTENTION_BACKENDS"]
-
-ATTENTION_BACKENDS = ("unfused", "sdpa")
+__all__ = ["SDPACoreAttention", "sdpa_attention_spec"]
 
 
 class SDPACoreAttention(CausalCoreAttention):
@@ -43,7 +45,7 @@ class SDPACoreAttention(CausalCoreAttention):
         sq, b, n, _ = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))   # [b, n, s, d]
         causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
-        if attention_mask is None:
+        if attention_mask is None or (causal and not is_arbitrary_mask(attention_mask)):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal and sq > 1,
                                                  scale=self.softmax_scale, enable_gqa=k.shape[1] != n)
         else:  # Megatron's True = masked out; SDPA's True = may attend

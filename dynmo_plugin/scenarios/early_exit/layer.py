@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from dynmo_plugin.scenarios.gathered_tokens import AttachLoss, gather_mask
+from dynmo_plugin.scenarios.gathered_tokens import AttachLoss, arbitrary_mask, gather_mask
 from dynmo_plugin.scenarios.shapes import round_up
 
 __all__ = ["ExitContext", "ExitHead", "EarlyExitLayer", "early_exit_spec", "attach_carrier",
@@ -225,7 +225,7 @@ def _gather_mask(mask: Optional[torch.Tensor], idx: torch.Tensor, valid: torch.T
     c = idx.shape[0]
     out = gather_mask(mask, idx, s, "EarlyExitLayer") | ~valid.T[:, None, None, :]
     eye = torch.eye(c, dtype=torch.bool, device=idx.device)
-    return torch.where(~valid.T[:, None, :, None], ~eye, out)
+    return arbitrary_mask(torch.where(~valid.T[:, None, :, None], ~eye, out))
 
 
 def attach_carrier(model, seq_length: int) -> None:
