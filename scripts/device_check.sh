@@ -105,7 +105,7 @@ export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 [[ -f "$DEV/megatron-lm/pretrain_gpt.py" ]] && export DYNMO_MEGATRON_LM="$DEV/megatron-lm"
 if [[ $PROBE -eq 1 && $DRY -eq 0 ]]; then
   say "layer_probe.py (GPU, host and kernels of the roofline's layers)"
-  "$PY" "$ROOT/scripts/layer_probe.py" --json "$OUT/layer_probe.json" --budget-s 90 || say "layer_probe.py failed"
+  "$PY" "$ROOT/scripts/layer_probe.py" --json "$OUT/layer_probe.json" --budget-s 100 || say "layer_probe.py failed"
   START=$SECONDS   # the budgets below are gpu_check's and Megatron-LM's
 fi
 GPU_ARGS=(--python "$PY")

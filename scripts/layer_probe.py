@@ -55,6 +55,15 @@ def cases():
             (f"moe1.0 {tag}", rf.moe(1.0), shape, f"plain {tag}"),
             (f"moe0.5 {tag}", rf.moe(0.5), shape, f"moe1.0 {tag}"),
         ]
+    sdpa = Shape(4096, 32, 4096, 2)   # the scenario rows' shape, --attention-backend sdpa
+    tag = f"{sdpa.label} sdpa"
+    out += [(f"plain {tag}", rf.plain, sdpa, f"plain {tag}"),
+            (f"frozen {tag}", rf.frozen, sdpa, f"plain {tag}"),
+            (f"pruned67/128 {tag}", rf.pruned(0.33, 128), sdpa, f"plain {tag}"),
+            (f"mod0.125 {tag}", rf.mod(0.125), sdpa, f"plain {tag}"),
+            (f"early_exit75 {tag}", rf.early_exit(0.75), sdpa, f"plain {tag}"),
+            (f"moe1.0 {tag}", rf.moe(1.0), sdpa, f"plain {tag}"),
+            (f"moe0.5 {tag}", rf.moe(0.5), sdpa, f"moe1.0 {tag}")]
     for seq in (8192, 16384, 32768):
         shape = Shape(ATTENTION.hidden, ATTENTION.heads, seq, 1)
         tag = shape.label
@@ -96,8 +105,10 @@ def _masks_on_cuda() -> None:
 class Probe:
     """One built case, steppable."""
 
-    def __init__(self, make, shape):
+    def __init__(self, make, shape, attention: str):
+        import roofline_trace
         from roofline_trace import BF16
+        roofline_trace.ATTENTION_BACKEND = "sdpa" if attention == "sdpa" else "unfused"
         with torch.device("cuda"):  # the case's own tensors (labels, flags) on the GPU
             self.case = make(shape)
         self.case.layer.cuda()
@@ -139,7 +150,7 @@ class Probe:
 
 
 def measure(name, make, shape, rounds: int) -> dict:
-    probe = Probe(make, shape)
+    probe = Probe(make, shape, "sdpa" if name.endswith(" sdpa") else "unfused")
     for _ in range(2):
         probe.step()
     gpu_ms, kernels = probe.kernel_time()
@@ -162,7 +173,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="", help="comma-separated name prefixes (default all)")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--budget-s", type=float, default=150.0, help="stop starting cases after this")
+    p.add_argument("--budget-s", type=float, default=120.0, help="stop starting cases after this")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="[layer_probe] %(message)s", stream=sys.stderr)

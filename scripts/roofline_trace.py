@@ -82,9 +82,12 @@ def config_for(shape: Shape, num_layers: int = 8, **extra):
     return cfg
 
 
+ATTENTION_BACKEND = "unfused"   # --attention-backend of the layers built (layer_probe sets it)
+
+
 def base_spec():
     from dynmo_plugin.megatron.training.model import layer_spec
-    return layer_spec("local")
+    return layer_spec("local", ATTENTION_BACKEND)
 
 
 def build(spec, cfg, number: int = 5) -> torch.nn.Module:

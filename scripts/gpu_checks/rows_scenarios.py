@@ -37,11 +37,16 @@ class Scenario:
     extra: list[str] = field(default_factory=list)
 
 
-# The dense schemes judge at a GPU-bound shape (issue 33: h2048 s2048 mb2 was host-bound
-# with local layers, so a saving in FLOPs did not show): h4096 s2048 mb1.
+# The dense schemes judge at a GPU-bound shape with fused attention. The H200 run of
+# 2026-11-27 (../shared/notes, docs/gpu.md): at h4096 s2048 mb1 a trainable layer's host
+# time in the launcher (~7.5 ms) matched its kernels (7.3 ms), and Megatron's unfused
+# DotProductAttention was ~3 ms of them, hiding the GEMM savings (pruning 0.81x for 0.62x
+# of the FLOPs). Here: twice the tokens (s4096 mb2, ~11 ms of kernels per layer) and
+# --attention-backend sdpa (torch's flash attention, as TE users get theirs).
 _S8 = ["--num-layers", "8", "--hidden-size", "4096", "--num-attention-heads", "32",
-       "--seq-length", "2048", "--micro-batch-size", "1", "--global-batch-size", "2",
-       "--vocab-size", "32000", "--lr", "1e-4", "--transformer-impl", "local"]
+       "--seq-length", "4096", "--micro-batch-size", "2", "--global-batch-size", "4",
+       "--vocab-size", "32000", "--lr", "1e-4", "--transformer-impl", "local",
+       "--attention-backend", "sdpa"]
 _HEAD, _TAIL = (1, 2, 3, 4), (5, 6, 7, 8)
 SCENARIOS = [
     Scenario("gradual_pruning", {"kind": "gradual_pruning", "pruning": {
