@@ -23,8 +23,10 @@ START_S = {
     "process": 20.0,
     # one more run in the started launcher worker (scripts/gpu_check_worker.py): its process
     # group, model, optimizer and first-iteration warm-up. h200-acceptance-1: 10-19 s each
-    # (was 6 s, not measured then); the middle of the range
-    "worker": 14.0,
+    # (was 6 s, not measured then). The H200 run of 2026-11-27: 26.5-31.5 s per run of
+    # 8-12 iterations (the plan's 14 s made every later estimate x1.6-1.7 and skipped the
+    # last two scenario rows): start-up ~24 s
+    "worker": 24.0,
     # gpu_check.py itself: imports torch and megatron-core to probe the machine
     "parent": 10.0,
 }
@@ -41,13 +43,13 @@ IT_S = {
     # + the output layer (~3 layers) = ~53 ms per micro-batch, x4, + Adam over 1.35e9 params
     "gpu_heavy": 0.30,
     "mlm_gpu": 0.25,
-    # the scenario rows' GPU-bound shape, 8L h4096 s2048 mb1 x 2 micro-batches: h200 a
-    # h4096 s2048 layer's fwd+bwd 9.1 ms (h200-acceptance-1) x 16 + output layer and Adam
-    # over ~1.7e9 parameters (estimated)
-    "s8": 0.20,
+    # the scenario rows' GPU-bound shape, 8L h4096 s4096 mb2 (sdpa) x 2 micro-batches:
+    # ~11 ms of kernels per layer (twice the tokens of h4096 s2048 mb1's 7.3 ms, less the
+    # unfused attention; estimated) x 16 + output layer and Adam over ~1.7e9 parameters
+    "s8": 0.35,
     # estimated: layers 1-4 hold 8 experts of FFN 4096, top-2 at capacity <= 1: about the
     # dense iteration plus routing and dispatch
-    "s8_moe": 0.30,
+    "s8_moe": 0.45,
     # estimated: h1024 at sequence 16384, mb1 x 2: a dense layer ~10 ms (h200-acceptance-1's
     # s8192 layer 3.8-4.1 ms, attention x4 and the rest x2) x 16 + the 32k-vocabulary head
     "sparse_s16384": 0.30,
