@@ -7,9 +7,11 @@ wherever the layer lands. So `MoeTransformerLayer` carries both submodule sets a
 picks by its global layer number: MoE iff it is in `moe_layers` (the scenario resolves
 the pattern once: dynmo_plugin.scenarios.moe.live.moe_layer_numbers).
 
-An MoE layer counts the tokens each of its experts processed, per micro-batch, from
-the router's output (`routing_map.sum(0)`: after capacity dropping); the scenario reads
-and resets the counts every iteration (`take_counts`). They are per-iteration
+An MoE layer counts the rows each of its experts computed, per micro-batch, from the
+router's output (`routing_map.sum(0)`: after capacity dropping; padded to the capacity
+when the scheme pads, Megatron's moe_pad_expert_input_to_capacity), and the tokens each
+really kept (a non-zero routing probability; padding rows have none); the scenario reads
+and resets both every iteration (`take_counts`, `take_kept`). They are per-iteration
 statistics, read before any migration can happen, so they are plain attributes, not
 state that moves. Everything that must move with the layer (router and expert weights)
 is a parameter of Megatron's own modules.
@@ -45,27 +47,40 @@ class MoeTransformerLayer(TransformerLayer):
         if self.layer_number != number:  # the offset above must be Megatron's own
             raise RuntimeError(f"MoE layer numbered {number}, Megatron says {self.layer_number}")
         self._counts: Optional[torch.Tensor] = None
+        self._kept: Optional[torch.Tensor] = None
         self.micro_batches = 0
         if self.is_moe:
             self.mlp.router.register_forward_hook(self._count_tokens)
 
     def _count_tokens(self, module, args, output) -> None:
-        _probs, routing_map = output
-        counts = routing_map.detach().sum(0).to(torch.int64)
+        probs, routing_map = output
+        routing_map = routing_map.detach()
+        counts = routing_map.sum(0).to(torch.int64)
+        kept = (routing_map & (probs.detach() != 0)).sum(0).to(torch.int64)
         self._counts = counts if self._counts is None else self._counts + counts
+        self._kept = kept if self._kept is None else self._kept + kept
         self.micro_batches += 1
 
     def reset_counts(self) -> None:
         """Drop the counts without reading them (a read waits for the device)."""
-        self._counts, self.micro_batches = None, 0
+        self._counts, self._kept, self.micro_batches = None, None, 0
 
     def take_counts(self) -> Optional[list[int]]:
-        """Tokens per expert since the last call (summed over micro-batches, after
-        dropping), or None for a dense layer; resets the counts."""
+        """Rows each expert computed since the last call (summed over micro-batches, after
+        dropping; with padding, its capacity each micro-batch), or None for a dense layer;
+        resets the counts (read `take_kept` first)."""
         if not self.is_moe:
             return None
         counts = self._counts
-        self._counts, self.micro_batches = None, 0
+        self._counts, self._kept, self.micro_batches = None, None, 0
+        return self._listed(counts)
+
+    def take_kept(self) -> Optional[list[int]]:
+        """Tokens each expert kept since the last call (rows less padding), or None for a
+        dense layer; does not reset (`take_counts` does)."""
+        return self._listed(self._kept) if self.is_moe else None
+
+    def _listed(self, counts: Optional[torch.Tensor]) -> list[int]:
         if counts is None:
             return [0] * self.config.num_moe_experts
         return [int(c) for c in counts.tolist()]
