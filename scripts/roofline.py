@@ -109,14 +109,17 @@ def early_exit(exited: float, vocab: int = 32000, number: int = 6) -> Callable[[
     return make
 
 
-def moe(capacity_factor: float, pad: bool = True) -> Callable[[Shape], Case]:
+def moe(capacity_factor: float, pad: bool = True, sdpa: bool = False) -> Callable[[Shape], Case]:
     """The scheme's MoE layer as the scheme configures it (MixtureOfExperts.layer_spec and
     configure_model: 8 experts, top-2, capacity rounded to 64 tokens, allgather dispatcher,
     local experts, every expert padded to its capacity unless `pad` is False, the
     scheme's --dynmo-moe-no-pad), its weights initialised as a model's are (norms 1,
     others N(0, 0.02)): uninitialised weights (the launcher's config leaves that to
     init_by_global_name) made the router send every token to the same two experts on
-    the GPU probe."""
+    the GPU probe. `sdpa`: the layers' core attention torch's fused causal SDPA
+    (VarlenCoreAttention, unpacked) instead of Megatron's unfused local one, in the dense
+    spec the MoE layer takes its attention from: what the ratio becomes once the base
+    spec's attention is fused."""
     def make(shape: Shape) -> Case:
         from dynmo_plugin.config import DynamismConfig, ModelArgs
         from dynmo_plugin.scenarios.moe.live import MixtureOfExperts
@@ -126,7 +129,11 @@ def moe(capacity_factor: float, pad: bool = True) -> Callable[[Shape], Case]:
             8, 2, capacity_factor, 0.01, not pad
         scheme = MixtureOfExperts(settings)
         cfg = config_for(shape)
-        spec = scheme.layer_spec(base_spec(), ModelArgs(
+        base = base_spec()
+        if sdpa:
+            from dynmo_plugin.megatron.attention.varlen import varlen_attention_spec
+            base = varlen_attention_spec(base)
+        spec = scheme.layer_spec(base, ModelArgs(
             num_layers=cfg.num_layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
             seq_length=shape.seq, micro_batch_size=shape.batch))
         scheme.configure_model(cfg)
@@ -141,7 +148,8 @@ def moe(capacity_factor: float, pad: bool = True) -> Callable[[Shape], Case]:
                     p.zero_()
         return Case(layer, lambda m, x, s: plain_run(m, x, s.seq), real=True,
                     note=f"8 experts top-2, capacity {scheme.capacity} per expert"
-                         + (", padded" if cfg.moe_pad_expert_input_to_capacity else ", unpadded"))
+                         + (", padded" if cfg.moe_pad_expert_input_to_capacity else ", unpadded")
+                         + (", SDPA attention" if sdpa else ""))
     return make
 
 
@@ -176,6 +184,9 @@ SCHEMES: list[Scheme] = [
     Scheme("moe capacity 0.5", moe(0.5), GPU_BOUND, "moe capacity 1.0", 0.8),
     Scheme("moe capacity 1.0 unpadded", moe(1.0, pad=False), GPU_BOUND, "plain", None),
     Scheme("moe capacity 0.5 unpadded", moe(0.5, pad=False), GPU_BOUND, "moe capacity 1.0 unpadded", None),
+    Scheme("moe capacity 1.0 SDPA attention", moe(1.0, sdpa=True), GPU_BOUND, "plain", None),
+    Scheme("moe capacity 0.5 SDPA attention", moe(0.5, sdpa=True), GPU_BOUND,
+           "moe capacity 1.0 SDPA attention", 0.8),
     Scheme("sparse_attention dense (1 bucket)", lsh(1), ATTENTION, "sparse_attention dense (1 bucket)", None),
     Scheme("sparse_attention 16 buckets", lsh(16), ATTENTION, "sparse_attention dense (1 bucket)", 0.8),
 ]

@@ -96,8 +96,33 @@ def _check(args, pad: bool):
         assert quadratic == [], quadratic[:3]
 
 
+def _check_attention_follows_the_dense_spec(args):
+    """An MoE layer's attention is the dense spec's, even as edited after the scenario
+    made its spec (the trainer swaps in VarlenCoreAttention for packed documents; a
+    fused core attention would come the same way); its MLP is Megatron's MoE layer."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import build_module
+
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.attention.varlen import VarlenCoreAttention, varlen_attention_spec
+    from dynmo_plugin.megatron.training.model import layer_spec, transformer_config
+    from dynmo_plugin.scenarios.moe.layer import moe_layer_spec
+    from dynmo_plugin.scenarios.moe.live import _moe_spec
+    cfg = transformer_config(args, Layout.uniform(args.num_layers, 1))
+    cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size = EXPERTS, TOP_K, FFN
+    cfg.moe_token_dispatcher_type, cfg.add_bias_linear = "allgather", False
+    base = layer_spec("local")
+    spec = varlen_attention_spec(moe_layer_spec(base, _moe_spec(base, EXPERTS), (1,)))
+    moe, dense = (build_module(spec, config=cfg, layer_number=n) for n in (1, 2))
+    assert isinstance(moe.mlp, MoELayer) and not isinstance(dense.mlp, MoELayer)
+    for layer in (moe, dense):
+        assert isinstance(layer.self_attention.core_attention, VarlenCoreAttention), \
+            type(layer.self_attention.core_attention)
+
+
 def _check_padded(args):
     _check(args, pad=True)
+    _check_attention_follows_the_dense_spec(args)
 
 
 def _args():
@@ -108,4 +133,5 @@ def _args():
 
 @pytest.mark.multiproc
 def test_moe_expert_work_follows_the_capacity():
+    """Also: an MoE layer's attention is the dense spec's (`_check_attention_...`)."""
     in_megatron_process(_check_padded, _args())
