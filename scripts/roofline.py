@@ -109,24 +109,47 @@ def early_exit(exited: float, vocab: int = 32000, number: int = 6) -> Callable[[
     return make
 
 
-def moe(capacity_factor: float, pad: bool = False) -> Callable[[Shape], Case]:
-    """The scheme's MoE layer (8 experts, top-2, allgather dispatcher, local experts);
-    `pad`: Megatron's moe_pad_expert_input_to_capacity (static shapes; the scheme runs
-    without it)."""
+def moe(capacity_factor: float, pad: bool = True, sdpa: bool = False) -> Callable[[Shape], Case]:
+    """The scheme's MoE layer as the scheme configures it (MixtureOfExperts.layer_spec and
+    configure_model: 8 experts, top-2, capacity rounded to 64 tokens, allgather dispatcher,
+    local experts, every expert padded to its capacity unless `pad` is False, the
+    scheme's --dynmo-moe-no-pad), its weights initialised as a model's are (norms 1,
+    others N(0, 0.02)): uninitialised weights (the launcher's config leaves that to
+    init_by_global_name) made the router send every token to the same two experts on
+    the GPU probe. `sdpa`: the layers' core attention torch's fused causal SDPA
+    (VarlenCoreAttention, unpacked) instead of Megatron's unfused local one, in the dense
+    spec the MoE layer takes its attention from: what the ratio becomes once the base
+    spec's attention is fused."""
     def make(shape: Shape) -> Case:
-        from dynmo_plugin.scenarios.moe.layer import moe_layer_spec
-        from dynmo_plugin.scenarios.moe.live import _moe_spec
-        cfg = config_for(shape, num_moe_experts=8, moe_router_topk=2,
-                         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
-                         moe_expert_capacity_factor=capacity_factor, moe_token_drop_policy="probs",
-                         moe_pad_expert_input_to_capacity=pad, moe_layer_freq=[1] * 8,
-                         moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
-                         add_bias_linear=False, moe_ffn_hidden_size=4 * shape.hidden)
+        from dynmo_plugin.config import DynamismConfig, ModelArgs
+        from dynmo_plugin.scenarios.moe.live import MixtureOfExperts
+        settings = DynamismConfig(kind="moe")
+        m = settings.moe
+        m.num_experts, m.top_k, m.capacity_factor, m.aux_loss_coeff, m.no_pad = \
+            8, 2, capacity_factor, 0.01, not pad
+        scheme = MixtureOfExperts(settings)
+        cfg = config_for(shape)
         base = base_spec()
-        layer = build(moe_layer_spec(base, _moe_spec(base, 8), (5,)), cfg)
-        return Case(layer, lambda m, x, s: plain_run(m, x, s.seq), real=not pad,
-                    note=f"8 experts top-2, capacity factor {capacity_factor}"
-                         + (", padded to capacity" if pad else ""))
+        if sdpa:
+            from dynmo_plugin.megatron.attention.varlen import varlen_attention_spec
+            base = varlen_attention_spec(base)
+        spec = scheme.layer_spec(base, ModelArgs(
+            num_layers=cfg.num_layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+            seq_length=shape.seq, micro_batch_size=shape.batch))
+        scheme.configure_model(cfg)
+        layer = build(spec, cfg)
+        with torch.no_grad():  # on the CPU (shapes only) large matrices are zeroed, not
+            for name, p in layer.named_parameters():  # drawn: ~45 s a layer at h4096
+                if "norm" in name:
+                    p.fill_(1.0 if name.endswith("weight") else 0.0)
+                elif p.device.type != "cpu" or p.numel() <= 1 << 20:
+                    p.normal_(0, 0.02)
+                else:
+                    p.zero_()
+        return Case(layer, lambda m, x, s: plain_run(m, x, s.seq), real=True,
+                    note=f"8 experts top-2, capacity {scheme.capacity} per expert"
+                         + (", padded" if cfg.moe_pad_expert_input_to_capacity else ", unpadded")
+                         + (", SDPA attention" if sdpa else ""))
     return make
 
 
@@ -159,6 +182,11 @@ SCHEMES: list[Scheme] = [
     Scheme("early_exit tail (75% exited)", early_exit(0.75), GPU_BOUND, "plain", 0.6),
     Scheme("moe capacity 1.0", moe(1.0), GPU_BOUND, "plain", None),
     Scheme("moe capacity 0.5", moe(0.5), GPU_BOUND, "moe capacity 1.0", 0.8),
+    Scheme("moe capacity 1.0 unpadded", moe(1.0, pad=False), GPU_BOUND, "plain", None),
+    Scheme("moe capacity 0.5 unpadded", moe(0.5, pad=False), GPU_BOUND, "moe capacity 1.0 unpadded", None),
+    Scheme("moe capacity 1.0 SDPA attention", moe(1.0, sdpa=True), GPU_BOUND, "plain", None),
+    Scheme("moe capacity 0.5 SDPA attention", moe(0.5, sdpa=True), GPU_BOUND,
+           "moe capacity 1.0 SDPA attention", 0.8),
     Scheme("sparse_attention dense (1 bucket)", lsh(1), ATTENTION, "sparse_attention dense (1 bucket)", None),
     Scheme("sparse_attention 16 buckets", lsh(16), ATTENTION, "sparse_attention dense (1 bucket)", 0.8),
 ]

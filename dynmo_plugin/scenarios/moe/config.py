@@ -29,6 +29,11 @@ class MoeConfig:
         "an expert's capacity per micro-batch (tokens it may keep) is rounded to a multiple of "
         "this many tokens (a GEMM-friendly size; the events report the capacity used)",
         "--dynmo-moe-granularity", multiple_of_8))
+    no_pad: bool = field(default=False, metadata=opt(
+        "with a capacity, let each expert compute only the tokens it kept (GEMM rows that "
+        "follow the routing, read back to the host every forward) instead of padding every "
+        "expert to its capacity (static shapes: the work is what the capacity says)",
+        "--dynmo-moe-no-pad"))
     aux_loss_coeff: float = field(default=0.01, metadata=opt(
         "weight of the router's load-balancing loss", "--dynmo-moe-aux-loss-coeff", non_negative))
     start: int = field(default=2, metadata=opt("iteration of the first routing event",

@@ -3,13 +3,18 @@
 Megatron builds an MoE pattern (`moe_layer_freq`: every N-th layer, or a 0/1 list) as a
 block spec with one layer spec per layer. A migration, however, builds a single layer
 from ONE spec (dynmo_plugin.megatron.migration.migrate: `build_module(spec, layer_number=...)`),
-wherever the layer lands. So `MoeTransformerLayer` carries both submodule sets and
-picks by its global layer number: MoE iff it is in `moe_layers` (the scenario resolves
-the pattern once: dynmo_plugin.scenarios.moe.live.moe_layer_numbers).
+wherever the layer lands. So `MoeTransformerLayer` carries the MoE spec's MLP half
+(pre-MLP norm, MLP) beside the dense submodules and picks by its global layer number:
+MoE iff it is in `moe_layers` (the scenario resolves the pattern once:
+dynmo_plugin.scenarios.moe.live.moe_layer_numbers). The attention half of an MoE layer is
+always the dense spec's, so whatever core attention the run's spec has (or is given
+later: packed documents' VarlenCoreAttention, a fused one) reaches MoE layers too.
 
-An MoE layer counts the tokens each of its experts processed, per micro-batch, from
-the router's output (`routing_map.sum(0)`: after capacity dropping); the scenario reads
-and resets the counts every iteration (`take_counts`). They are per-iteration
+An MoE layer counts the rows each of its experts computed, per micro-batch, from the
+router's output (`routing_map.sum(0)`: after capacity dropping; padded to the capacity
+when the scheme pads, Megatron's moe_pad_expert_input_to_capacity), and the tokens each
+really kept (a non-zero routing probability; padding rows have none); the scenario reads
+and resets both every iteration (`take_counts`, `take_kept`). They are per-iteration
 statistics, read before any migration can happen, so they are plain attributes, not
 state that moves. Everything that must move with the layer (router and expert weights)
 is a parameter of Megatron's own modules.
@@ -17,6 +22,7 @@ is a parameter of Megatron's own modules.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import Optional
 
@@ -34,52 +40,77 @@ logger = logging.getLogger(__name__)
 class MoeTransformerLayer(TransformerLayer):
     """MoE submodules when the global layer number is in `moe_layers`, else the dense ones."""
 
-    def __init__(self, config, submodules, layer_number: int = 1, *, moe_submodules,
+    def __init__(self, config, submodules, layer_number: int = 1, *, moe_mlp: dict,
                  moe_layers: tuple[int, ...], **kwargs):
         pg = kwargs.get("pg_collection")
         pp_rank = get_pg_rank(pg.pp) if pg is not None else None
         number = layer_number + get_transformer_layer_offset(config, kwargs.get("vp_stage"), pp_rank)
         self.is_moe = number in moe_layers
-        super().__init__(config, moe_submodules if self.is_moe else submodules, layer_number,
-                         **kwargs)
+        if self.is_moe:  # the dense layer's attention half (whatever the spec's core
+            submodules = copy.copy(submodules)  # attention is now), the MoE's MLP half
+            for name, value in moe_mlp.items():
+                setattr(submodules, name, value)
+        super().__init__(config, submodules, layer_number, **kwargs)
         if self.layer_number != number:  # the offset above must be Megatron's own
             raise RuntimeError(f"MoE layer numbered {number}, Megatron says {self.layer_number}")
         self._counts: Optional[torch.Tensor] = None
+        self._kept: Optional[torch.Tensor] = None
         self.micro_batches = 0
         if self.is_moe:
             self.mlp.router.register_forward_hook(self._count_tokens)
 
     def _count_tokens(self, module, args, output) -> None:
-        _probs, routing_map = output
-        counts = routing_map.detach().sum(0).to(torch.int64)
+        probs, routing_map = output
+        routing_map = routing_map.detach()
+        counts = routing_map.sum(0).to(torch.int64)
+        kept = (routing_map & (probs.detach() != 0)).sum(0).to(torch.int64)
         self._counts = counts if self._counts is None else self._counts + counts
+        self._kept = kept if self._kept is None else self._kept + kept
         self.micro_batches += 1
 
     def reset_counts(self) -> None:
         """Drop the counts without reading them (a read waits for the device)."""
-        self._counts, self.micro_batches = None, 0
+        self._counts, self._kept, self.micro_batches = None, None, 0
 
     def take_counts(self) -> Optional[list[int]]:
-        """Tokens per expert since the last call (summed over micro-batches, after
-        dropping), or None for a dense layer; resets the counts."""
+        """Rows each expert computed since the last call (summed over micro-batches, after
+        dropping; with padding, its capacity each micro-batch), or None for a dense layer;
+        resets the counts (read `take_kept` first)."""
         if not self.is_moe:
             return None
         counts = self._counts
-        self._counts, self.micro_batches = None, 0
+        self._counts, self._kept, self.micro_batches = None, None, 0
+        return self._listed(counts)
+
+    def take_kept(self) -> Optional[list[int]]:
+        """Tokens each expert kept since the last call (rows less padding), or None for a
+        dense layer; does not reset (`take_counts` does)."""
+        return self._listed(self._kept) if self.is_moe else None
+
+    def _listed(self, counts: Optional[torch.Tensor]) -> list[int]:
         if counts is None:
             return [0] * self.config.num_moe_experts
         return [int(c) for c in counts.tolist()]
 
 
+# The attention half of a TransformerLayer's submodules: an MoE layer takes these from the
+# dense spec as the layer is built (a later edit of the spec, e.g. the trainer's
+# varlen_attention_spec for packed documents, reaches MoE layers too), the rest from `moe`.
+_ATTENTION_HALF = {"input_layernorm", "self_attention", "self_attn_bda", "pre_cross_attn_layernorm",
+                   "cross_attention", "cross_attn_bda"}
+
+
 def moe_layer_spec(dense: ModuleSpec, moe: ModuleSpec, moe_layers: tuple[int, ...]) -> ModuleSpec:
-    """One layer spec: `moe`'s submodules on MoE layers, `dense`'s elsewhere."""
+    """One layer spec: on MoE layers `dense`'s attention half and `moe`'s MLP half
+    (pre-MLP norm, MLP, their state-dict key map), `dense`'s submodules elsewhere."""
     for spec in (dense, moe):
         if not (isinstance(spec.module, type) and issubclass(spec.module, TransformerLayer)):
             raise ValueError(f"MoE needs TransformerLayer specs, got {spec.module!r}")
     out = copy.copy(dense)
     out.module = MoeTransformerLayer
-    out.params = {**(dense.params or {}), "moe_submodules": moe.submodules,
-                  "moe_layers": tuple(moe_layers)}
+    mlp_half = {f.name: getattr(moe.submodules, f.name) for f in dataclasses.fields(moe.submodules)
+                if f.name not in _ATTENTION_HALF}
+    out.params = {**(dense.params or {}), "moe_mlp": mlp_half, "moe_layers": tuple(moe_layers)}
     return out
 
 

@@ -8,7 +8,14 @@ tokens x top_k / experts x capacity_factor rounded to the nearest multiple of
 `granularity` (64 by default; at least one granule, at most every token: `expert_capacity`),
 and the rest of its tokens are dropped (Megatron's "probs" policy: the lowest router
 probabilities go). Megatron takes a factor, not a size: the scenario hands it the factor
-whose ceiling is exactly C, and every event reports C (`expert_capacity`).
+whose ceiling is exactly C, and every event reports C (`expert_capacity`). Each expert
+then computes exactly C rows per micro-batch, its kept tokens padded (Megatron's
+moe_pad_expert_input_to_capacity): static GEMM shapes, a multiple of `granularity`, so
+the GPU's work is what the capacity says whatever the router does (unpadded, an
+untrained router that sends most tokens to two experts computed 56% of the capacity-1.0
+rows at capacity 1.0 and 0.69x of that at 0.5; `no_pad` restores that behaviour). The
+events' `tokens_per_expert` are rows computed (padding included: the work), `kept` the
+share of routed tokens really kept.
 Routing changes every iteration as the router learns, so does how many tokens each
 layer's experts process, and with it each layer's cost (DynMo's MoE scenario, which
 rebalances every iteration).
@@ -216,7 +223,9 @@ class MixtureOfExperts(Scenario):
         config.moe_aux_loss_coeff = s.aux_loss_coeff
         config.moe_expert_capacity_factor = self._capacity_factor()
         config.moe_token_drop_policy = "probs"
-        config.moe_pad_expert_input_to_capacity = False
+        # every expert computes exactly its capacity (a multiple of the granularity): the
+        # GPU's work follows the capacity, not how (im)balanced the router is just now
+        config.moe_pad_expert_input_to_capacity = self.capacity is not None and not s.no_pad
         moe = self._moe_layers(config.num_layers)
         config.moe_layer_freq = [int(n in moe) for n in range(1, config.num_layers + 1)]
         config.moe_grouped_gemm = False
@@ -320,20 +329,22 @@ class MixtureOfExperts(Scenario):
                                                              get_moe_layer_wise_logging_tracker)
         t = self.runtime.trainer
         tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
-        layers, aux = {}, {}
+        layers, kept, aux = {}, {}, {}
         for layer in self._layers():
             n = layer.layer_number
+            kept[n] = layer.take_kept()
             layers[n] = layer.take_counts()
             if layers[n] is not None and tracker is not None:
                 aux[n] = float(tracker["values"][n - 1]) / t.num_microbatches
         scale = MoEAuxLossAutoScaler.main_loss_backward_scale
         tp_rank = t.dims.groups.tp.rank() if t.dims.tp > 1 else 0
-        return {"tp": tp_rank, "dp": t.dims.dp_rank, "layers": layers, "aux_loss": aux,
+        return {"tp": tp_rank, "dp": t.dims.dp_rank, "layers": layers, "kept": kept, "aux_loss": aux,
                 "aux_loss_scale": None if scale is None else float(scale)}
 
     def _summarise(self, gathered: list[dict]) -> tuple[dict, dict]:
         t, s = self.runtime.trainer, self.settings
         total, busiest = combine_counts(gathered)
+        kept, _ = combine_counts([{**p, "layers": p["kept"]} for p in gathered])
         m = t.num_microbatches
         routed = m * t.args.micro_batch_size * t.args.seq_length * s.top_k * t.dims.dp
         work = {n: layer_work(c, self.cost_model, m, self.ep_model) for n, c in busiest.items()}
@@ -347,7 +358,8 @@ class MixtureOfExperts(Scenario):
         scales = {p["aux_loss_scale"] for p in gathered if p["aux_loss_scale"] is not None}
         detail = {
             "tokens_per_expert": {n: c for n, c in total.items() if c is not None},
-            "kept": {n: round(sum(c) / routed, 6) for n, c in total.items() if c is not None},
+            "kept": {n: round(sum(c) / routed, 6) for n, c in kept.items() if c is not None},
+            "padded_to_capacity": self.capacity is not None and not s.no_pad,
             "aux_loss": {n: round(statistics.fmean(v), 6) for n, v in sorted(aux.items())},
             "aux_loss_scale": sorted(scales),
             "ep_straggler": {"ep": s.num_experts, "work": straggler},
