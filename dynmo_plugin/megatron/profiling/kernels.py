@@ -92,14 +92,24 @@ def from_kineto(events) -> tuple[list[Range], dict[int, tuple[int, int]], list[t
 # Device-side records that are not GPU work: kineto mirrors every record_function range
 # onto the GPU timeline ("gpu_user_annotation": the range's GPU extent, kernels and
 # idle gaps both) and, when asked, the host's waits ("cuda_sync"). Counting them, as
-# the H200 run of 2026-11-27 did, charged each layer its kernels plus its own GPU extent
-# (a frozen layer 5.9 ms against 2.7 ms of kernels; busy time above the span itself).
+# the first H200 run of 2026-11-27 did, charged each layer its kernels plus its own GPU
+# extent (a frozen layer 5.9 ms against 2.7 ms of kernels; busy time above the span).
 NOT_WORK = frozenset({"gpu_user_annotation", "user_annotation", "cuda_sync", "overhead"})
 
 
 def is_gpu_work(ev) -> bool:
-    """A kernel, memcpy or memset: what torch's own tables sum as device time."""
-    return not ev.is_user_annotation() and str(ev.activity_type()) not in NOT_WORK
+    """A kernel, memcpy or memset: what torch's own tables sum as device time. The
+    accessors differ by torch version (2.11, on the lent GPUs, has no `activity_type`:
+    the second H200 run lost every kernel time to an AttributeError), so each is read
+    only where it exists, and a device record carrying one of our range names is our
+    range's GPU mirror whatever else the version says."""
+    if ev.name().startswith(PREFIX):
+        return False
+    annotation = getattr(ev, "is_user_annotation", None)
+    if annotation is not None and annotation():
+        return False
+    activity = getattr(ev, "activity_type", None)
+    return activity is None or str(activity()) not in NOT_WORK
 
 
 class KernelBusy:
