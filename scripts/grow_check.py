@@ -9,8 +9,9 @@ and prints tokens/s after the grow over before it, predicted and measured.
 
 This machine is shared: other sessions' work takes cores from the run, and more in
 one stretch than in another. While the run goes, a sampler (LoadSampler) reads every
-0.2 s the machine's busy CPU time (/proc/stat), the CPU time of this process's
-descendants (the run's ranks) and the iteration in progress (report.jsonl's lines);
+0.2 s the machine's busy CPU time (/proc/stat), the CPU time of this process and its
+descendants (the run's ranks; the process tree rescanned every second, ~4 ms of CPU
+each) and the iteration in progress (report.jsonl's lines);
 the difference is the foreign load per iteration, and the replay predicts each
 stretch on the cores it left. Both figures are printed: the plain one (what
 `dynmo simulate --from-run DIR --cores 2` prints) and the load-corrected one.
@@ -93,9 +94,10 @@ class LoadSampler:
             return 0
 
     def _loop(self, period_s: float) -> None:
-        me = os.getpid()
+        me, own, scanned = os.getpid(), set(), -1.0
         while True:
-            own = _descendants(me) | {me}
+            if time.monotonic() - scanned >= 1.0:  # a /proc scan: ~4 ms CPU; ranks come rarely
+                own, scanned = _descendants(me) | {me}, time.monotonic()
             self.samples.append((time.monotonic(), machine_busy_s(), _cpu_s(own), self._iteration()))
             if self._stop.wait(period_s):
                 return
