@@ -103,13 +103,17 @@ class LoadSampler:
                 return
 
     def foreign_cores(self) -> dict[int, float]:
-        """Iteration -> mean cores busy with work not this process tree's during it."""
+        """Iteration -> mean cores busy with work not this process tree's during it. An
+        interval counts for every iteration in progress in it (from the one at its start
+        to the one at its end: a short iteration, or a starved sampler, may fall between
+        two samples)."""
         busy: dict[int, list[float]] = {}
-        for (t0, m0, o0, it), (t1, m1, o1, _) in zip(self.samples, self.samples[1:]):
-            if it > 0 and t1 > t0 and o1 >= o0:  # a rank that exited takes its CPU time along
-                acc = busy.setdefault(it, [0.0, 0.0])
-                acc[0] += (m1 - m0) - (o1 - o0)
-                acc[1] += t1 - t0
+        for (t0, m0, o0, i0), (t1, m1, o1, i1) in zip(self.samples, self.samples[1:]):
+            if i0 > 0 and t1 > t0 and o1 >= o0:  # a rank that exited takes its CPU time along
+                for it in range(i0, max(i0, i1) + 1):
+                    acc = busy.setdefault(it, [0.0, 0.0])
+                    acc[0] += (m1 - m0) - (o1 - o0)
+                    acc[1] += t1 - t0
         return {it: max(0.0, f / t) for it, (f, t) in busy.items() if t > 0}
 
 
@@ -135,12 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cores", type=float, default=float(len(os.sched_getaffinity(0))))
     p.add_argument("--port", type=int, default=29641)
-    p.add_argument("--keep", default=None, metavar="DIR", help="write the run here (default: a temp dir)")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="write the run here, with the sampler's load_samples.json (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="grow_check_") as tmp:
         run_dir = Path(a.keep or tmp)
         sampler = launch(run_dir, a.port)
+        (run_dir / "load_samples.json").write_text(json.dumps(sampler.samples))
         plain = replay_run(run_dir, cores=a.cores)
         loaded = replay_run(run_dir, cores=a.cores, foreign_cores=sampler.foreign_cores())
     if a.json:

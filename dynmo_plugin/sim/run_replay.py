@@ -23,9 +23,10 @@ one simulated iteration: `sim.iteration` on dedicated devices, and with `cores` 
 `sim.shared` (the ranks time-sharing that many CPU cores, replicas splitting them
 evenly). Other processes on a shared machine take cores too: given the foreign load
 per iteration (cores busy with work not the run's, as scripts/grow_check.py samples
-it from /proc), a segment is predicted on the cores they left (`cores` minus their
-mean over the segment's measured iterations, at least MIN_CORES), as
-scripts/validate_sim.py's "loaded" figure. Links: the run's configured migration bandwidth (`rebalance.bandwidth_gbps`),
+it from /proc), each measured iteration is predicted on the cores they left during it
+(`cores` minus theirs, at least MIN_CORES; scripts/validate_sim.py's "loaded" figure)
+and the segment's prediction is the median of those, as its measurement is the median
+of the iterations' times: like with like, iteration by iteration. Links: the run's configured migration bandwidth (`rebalance.bandwidth_gbps`),
 100 us per message on gloo (loopback TCP, scripts/validate_sim.py's assumption).
 Not modelled: the optimizer step (0.1-4 ms per stage on the CPU runs this checks,
 profiled as `step_s`), Python and gloo work outside the layers.
@@ -247,7 +248,7 @@ def replay_report(report: dict, run_dir: str = "", cores: float | None = None,
     gbps = float(((report["config"].get("dynmo") or {}).get("rebalance") or {}).get("bandwidth_gbps", 1.0))
     gloo = report["world"].get("backend") == "gloo"
     link = Link(latency_s=GLOO_LATENCY_S if gloo else 0.0, bandwidth_Bps=gbps * 1e9)
-    skip, cache = _clean(report), {}
+    skip = _clean(report)
     rows: list[tuple[tuple, int, float]] = []
     for row in report["iterations"]:
         it = int(row["iteration"])
@@ -264,13 +265,12 @@ def replay_report(report: dict, run_dir: str = "", cores: float | None = None,
                             "models the non-interleaved 1F1B schedule only")
         m = int(model["global_batch_size"]) // (int(model["micro_batch_size"]) * dp)
         counted = [(it, s) for it, s in group if it not in skip]
-        left = _cores_left(cores, foreign_cores, [it for it, _ in counted or group])
-        if (key, left) not in cache:
-            pc = _pipeline_costs(costs, layout, frozen_set, dp, m, act, link)
-            dedicated = simulate_iteration(pc).iteration_s
-            cache[key, left] = (dedicated if left is None else shared_iteration_s(pc, left), dedicated)
+        pc = _pipeline_costs(costs, layout, frozen_set, dp, m, act, link)
+        dedicated = simulate_iteration(pc).iteration_s
+        lefts = [_cores_left(cores, foreign_cores, it) for it, _ in counted or group]
+        predicted = statistics.median(dedicated if c is None else shared_iteration_s(pc, c) for c in lefts)
         measured = statistics.median(s for _, s in counted) if counted else None
-        predicted, dedicated = cache[key, left]
+        left = None if cores is None else statistics.fmean(lefts)  # type: ignore[arg-type]
         segments.append(Segment(group[0][0], group[-1][0], left, layout_text, pp, dp, m, frozen_set,
                                 float(model["global_batch_size"] * model["seq_length"]),
                                 predicted, dedicated, measured, tuple(it for it, _ in counted)))
@@ -284,12 +284,10 @@ def replay_report(report: dict, run_dir: str = "", cores: float | None = None,
     return RunReplay(run_dir, cores, start, segments, check)
 
 
-def _cores_left(cores: float | None, foreign: Mapping[int, float] | None,
-                iterations: list[int]) -> float | None:
+def _cores_left(cores: float | None, foreign: Mapping[int, float] | None, iteration: int) -> float | None:
     if cores is None or foreign is None:
         return cores
-    busy = [foreign[it] for it in iterations if it in foreign]
-    return max(cores - (statistics.fmean(busy) if busy else 0.0), MIN_CORES)
+    return max(cores - foreign.get(iteration, 0.0), MIN_CORES)
 
 
 def _group(rows: list[tuple[tuple, int, float]]) -> list[tuple[tuple, list[tuple[int, float]]]]:

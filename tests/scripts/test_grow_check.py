@@ -27,13 +27,15 @@ def gc():
 
 
 def test_foreign_cores_per_iteration(gc, tmp_path):
-    """(time, machine busy s, own s, iteration): iteration 1 for 2 s with the machine
-    busy 3 core-s of which 1 ours -> 1.0 foreign core; iteration 2: 1 s, 1.5 busy, 1.5
-    ours -> 0; an interval where own CPU time fell (a rank exited) is left out."""
+    """(time, machine busy s, own s, iteration at the sample), one interval a second:
+    0-1 s iteration 1, 1.0 foreign core; 1-2 s iterations 1 and 2, 1.0; 2-3 s iterations
+    2, 3 and 4 (3 fell between two samples), 0; 3-4 s iteration 4, 1.0; 4-5 s iterations 4
+    and 5, 1.0; 5-6 s own CPU time fell (a rank exited, taking its time along): left out.
+    Per iteration, the mean over the intervals it was in progress in."""
     s = gc.LoadSampler(tmp_path)
-    s.samples = [(0.0, 0.0, 0.0, 1), (1.0, 1.5, 0.5, 1), (2.0, 3.0, 1.0, 2), (3.0, 4.5, 2.5, 3),
-                 (4.0, 5.0, 1.0, 3)]
-    assert s.foreign_cores() == pytest.approx({1: 1.0, 2: 0.0})
+    s.samples = [(0.0, 0.0, 0.0, 1), (1.0, 1.5, 0.5, 1), (2.0, 3.0, 1.0, 2), (3.0, 4.5, 2.5, 4),
+                 (4.0, 6.5, 3.5, 4), (5.0, 8.5, 4.5, 5), (6.0, 9.0, 1.0, 5)]
+    assert s.foreign_cores() == pytest.approx({1: 1.0, 2: 0.5, 3: 0.0, 4: 2 / 3, 5: 1.0})
 
 
 def test_a_child_burning_cpu_is_own_work(gc, tmp_path):

@@ -104,6 +104,15 @@ def test_foreign_load_leaves_fewer_cores():
         replay_report(_report(), foreign_cores=foreign)
 
 
+def test_each_iteration_is_predicted_on_its_own_cores():
+    """The grown stretch (7-10) on 2 cores, others holding 1 core during 7 and 10 and
+    none during 8-9: 64, 32, 32, 64 ms, median 48 ms, as the measured median is taken
+    (the mean load, 1.5 cores left, would say 42.7 ms)."""
+    loaded = replay_report(_report(), cores=2.0, foreign_cores={7: 1.0, 8: 0.0, 9: 0.0, 10: 1.0})
+    after = loaded.segments[2]
+    assert after.predicted_s == pytest.approx(48 * MS) and after.cores == pytest.approx(1.5)
+
+
 def test_replicas_split_the_cores():
     costs = PipelineCosts(fwd_s=[0.002, 0.003], bwd_s=[0.004, 0.005], num_microbatches=4, dp=2)
     assert shared_iteration_s(costs, 2.0) == pytest.approx(simulate_shared(costs, 1.0).iteration_s)
