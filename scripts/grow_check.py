@@ -13,7 +13,7 @@ one stretch than in another. While the run goes, a sampler (LoadSampler) reads e
 descendants (the run's ranks; the process tree rescanned every second, ~4 ms of CPU
 each) and the iteration in progress (report.jsonl's lines);
 the difference is the foreign load per iteration, and the replay predicts each
-stretch on the cores it left. Both figures are printed: the plain one (what
+iteration on the cores it left (a stretch: the median, as measured). Both figures are printed: the plain one (what
 `dynmo simulate --from-run DIR --cores 2` prints) and the load-corrected one.
 
     .venv/bin/python scripts/grow_check.py                 # ~1 min; prints the ratio

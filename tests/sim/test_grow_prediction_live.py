@@ -5,17 +5,17 @@ freeze at iteration 6, the frozen model trains on 4 stages, a forced repack at
 iteration 13 packs it onto 2 stages and the freed ranks grow data parallelism to 2.
 `sim.run_replay` predicts the tokens/s after the grow over before it from the run's
 iteration-7 profile; the run measured it. While the run goes, scripts/grow_check.py's
-LoadSampler records the cores other processes took, per iteration; each stretch is
-predicted on the cores they left.
+LoadSampler records the cores other processes took, per iteration; each iteration is
+predicted on the cores they left it.
 
 TOLERANCE (25%, scripts/grow_check.py): CPU timing on this shared 2-core machine
 scatters by +-20% per measurement, and the ratio holds two medians of 5 and 9
-iterations taken a few seconds apart; the model also leaves out the host work outside
-the layers (~0.2 s per iteration here, about the same before and after the grow, so it
-pulls the measured ratio toward 1). Measured while writing this (load average 10-24,
-other sessions holding 0.9-1.1 of the 2 cores): predicted / measured - 1 = -3.6%
-load-corrected (+24.6% without the correction, one device per rank +49%). A ratio,
-not a time: a load that slows both stretches alike cancels.
+iterations taken a few seconds apart; the host work outside the layers is not modelled
+(about the same CPU time per iteration before and after the grow: it cancels in the
+ratio). Measured while writing this (load average 43-97): predicted / measured - 1
+between -14% and +7% load-corrected in five runs, -37% to +105% without the
+correction (docs/simulator.md). A ratio, not a time: a load that slows both stretches
+alike cancels, and the sampler accounts for one that does not.
 """
 from __future__ import annotations
 
