@@ -5,6 +5,9 @@ so the what-if predicts what the plugin would do with the same gate settings. Co
 is priced by FLOPs (`--hardware a100-flops`, the default), by measured curves
 (`--hardware h100`, or a profile file), or by what a live run measured
 (`--costs-from RUN_DIR`: the run's per-layer profiles; the model takes the run's shape).
+`--from-run RUN_DIR` instead replays that run: its layouts, data parallelism and
+freezing as they happened, predicted per stretch beside what it measured, and the
+tokens/s ratio across a repack that grew data parallelism (`sim.run_replay`).
 """
 from __future__ import annotations
 
@@ -36,11 +39,18 @@ _SHAPE_FLAGS = (("--hidden", "hidden"), ("--heads", "heads"), ("--seq-length", "
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("simulate", help="simulate static vs DynMo training on a cluster",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--scenario", required=True, metavar="NAME", help=f"one of {', '.join(SCENARIOS)} (or its section key: "
-                        f"{', '.join(e.section for e in SCENARIOS.values())})")
-    p.add_argument("--layers", type=int, required=True, help="GPT decoder layers (paper: 24/32/40/48)")
-    p.add_argument("--dp", type=int, required=True, help="data-parallel size")
-    p.add_argument("--pp", type=int, required=True, help="pipeline-parallel size")
+    p.add_argument("--scenario", metavar="NAME", help=f"one of {', '.join(SCENARIOS)} (or its section key: "
+                        f"{', '.join(e.section for e in SCENARIOS.values())}); required unless --from-run")
+    p.add_argument("--layers", type=int, help="GPT decoder layers (paper: 24/32/40/48); required unless --from-run")
+    p.add_argument("--dp", type=int, help="data-parallel size; required unless --from-run")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size; required unless --from-run")
+    p.add_argument("--from-run", default=None, metavar="RUN_DIR",
+                   help="replay a training run (its report.json): layouts, data parallelism and "
+                        "freezing as they happened, predicted beside measured, and the tokens/s "
+                        "ratio across a grow (sim.run_replay); takes no campaign flags")
+    p.add_argument("--cores", type=float, default=None, metavar="N",
+                   help="with --from-run: the ranks time-share N CPU cores (sim.shared; a CPU run "
+                        "with more ranks than cores); default: one device per rank")
     p.add_argument("--balancer", default="exact",
                    help="exact | partition | diffusion | parameters | uniform (default exact, as "
                         "the live plugin)")
@@ -239,6 +249,12 @@ def campaign_config(args: argparse.Namespace):
     from dynmo_plugin.sim.planner import GateSettings, live_repack_criteria
     from dynmo_plugin.scenarios import make_trajectory
 
+    missing = [f for f in ("--scenario", "--layers", "--dp", "--pp") if _flag_value(args, f) is None]
+    if missing:
+        raise UserError(f"dynmo simulate needs {', '.join(missing)} (or --from-run RUN_DIR to "
+                        "replay a training run)")
+    if args.cores is not None:
+        raise UserError("--cores applies only to --from-run RUN_DIR; drop it")
     _check_names(args)
     _check_numbers(args)
     if args.balancer in ("partition", "parameters") or args.deepspeed_baseline:
@@ -278,6 +294,10 @@ def _simulate(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_run is not None:
+        from dynmo_plugin.cli._simulate_run import run_from_run
+
+        return run_from_run(args)
     with third_party_output_to_stderr():
         result, info = _simulate(args)
         if args.json:

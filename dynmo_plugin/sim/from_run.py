@@ -31,7 +31,7 @@ from dynmo_plugin.report import SUMMARY_NAME, read_report
 from dynmo_plugin.sim.gpt import GPTShape, Hardware
 from dynmo_plugin.sim.measured import Curve, MeasuredCosts, with_measured
 
-__all__ = ["RunCosts", "from_run"]
+__all__ = ["RunCosts", "from_run", "read_run_report"]
 
 
 @dataclass(frozen=True)
@@ -53,16 +53,20 @@ class RunCosts:
         return with_measured(base or Hardware(), self.measured)
 
 
-def _read(run_dir: str | Path) -> dict:
-    """The run's report: its summary, or its log replayed when the run did not finish."""
+def read_run_report(run_dir: str | Path, flag: str = "--costs-from") -> dict:
+    """The run's report: its summary, or its log replayed when the run did not finish.
+
+    Raises:
+        UserError: naming `flag`, when there is no readable report.
+    """
     path = Path(run_dir) / SUMMARY_NAME
     try:
         return read_report(run_dir)
     except OSError as e:
-        raise UserError(f"--costs-from {str(run_dir)!r}: cannot read {path} ({e.strerror or e}); "
+        raise UserError(f"{flag} {str(run_dir)!r}: cannot read {path} ({e.strerror or e}); "
                         "pass a training run's --output directory") from e
     except json.JSONDecodeError as e:
-        raise UserError(f"--costs-from {str(run_dir)!r}: {path} is not JSON ({e})") from e
+        raise UserError(f"{flag} {str(run_dir)!r}: {path} is not JSON ({e})") from e
 
 
 def _profiles(report: dict, run_dir: str | Path) -> list[tuple[int, dict]]:
@@ -104,7 +108,7 @@ def from_run(run_dir: str | Path) -> RunCosts:
     Raises:
         UserError: no readable report.json, or no per-layer profile in it.
     """
-    report = _read(run_dir)
+    report = read_run_report(run_dir)
     profiles = _profiles(report, run_dir)
     first_it, first = profiles[0]
     totals = _totals(first)

@@ -1,0 +1,306 @@
+"""A training run replayed by the simulator: `dynmo simulate --from-run RUN_DIR`.
+
+The run's report.json says what happened; the simulator predicts what each stretch of
+it should have cost and sets that beside what it measured. From the report:
+
+* the layout in force at every iteration (the initial one, then each applied
+  rebalance's `layout_after` from the iteration after its event), the pipeline and
+  data-parallel sizes (`world.history`: a repack that grew data parallelism changes
+  both), micro-batches per replica (global batch / (micro-batch x dp));
+* the freezing schedule as it happened (each `dynamism` event's `frozen_layers`, in
+  force from the iteration after it);
+* per-layer costs from ONE profile: the last one taken at or before the grow (what the
+  run knew when it grew; without a grow, the first). Each layer's forward and backward
+  seconds per micro-batch as profiled; a layer frozen at that profile has no measured
+  backward, so its dense backward is its forward times the median backward / forward
+  of the layers that were training then. A frozen layer costs its forward only
+  (freezing is front to back, so nothing before it needs a gradient). The stages'
+  extras (embedding on the first stage, output layer + loss on the last) go to the
+  first and last stage of every layout, split 1 : 2 into forward and backward.
+
+Each segment (iterations with one layout, one data parallelism and one frozen set) is
+one simulated iteration: `sim.iteration` on dedicated devices, and with `cores` given
+`sim.shared` (the ranks time-sharing that many CPU cores, replicas splitting them
+evenly). Other processes on a shared machine take cores too: given the foreign load
+per iteration (cores busy with work not the run's, as scripts/grow_check.py samples
+it from /proc), each measured iteration is predicted on the cores they left during it
+(`cores` minus theirs, at least MIN_CORES; scripts/validate_sim.py's "loaded" figure)
+and the segment's prediction is the median of those, as its measurement is the median
+of the iterations' times: like with like, iteration by iteration. Links: the run's configured migration bandwidth (`rebalance.bandwidth_gbps`),
+100 us per message on gloo (loopback TCP, scripts/validate_sim.py's assumption).
+Not modelled: the optimizer step (0.1-4 ms per stage on the CPU runs this checks,
+profiled as `step_s`), Python and gloo work outside the layers.
+
+Measured: the median of `time_s - dynmo_s` over the segment's clean iterations: after
+the first `warmup`, outside every profiling window, and not an iteration at which an
+event happened (a rebalance's migration, a freeze's rebuild). The grow check compares
+tokens/s after the grow over before it (the segment ending at the grow, the segment
+starting after it): a ratio, so a load that slows both segments alike cancels.
+Pure: no torch.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from dynmo_plugin.errors import UserError
+from dynmo_plugin.layout import Layout
+from dynmo_plugin.sim.cost import Link, PipelineCosts
+from dynmo_plugin.sim.from_run import read_run_report
+from dynmo_plugin.sim.iteration import simulate_iteration
+from dynmo_plugin.sim.shared import shared_iteration_s
+
+__all__ = ["GrowCheck", "RunReplay", "Segment", "WARMUP", "replay_report", "replay_run"]
+
+WARMUP = 2
+MIN_CORES = 0.1
+"""Iterations not measured at the start (allocation, first-touch, the profiler's warm-up)."""
+EXTRA_FORWARD_SHARE = 1.0 / 3.0
+GLOO_LATENCY_S = 1e-4
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Iterations `first`..`last` with one layout, dp and frozen set: predicted seconds
+    per iteration (`predicted_s`: shared cores when the replay has `cores`, else
+    dedicated devices; `dedicated_s` always), measured median over `counted`."""
+
+    first: int
+    last: int
+    cores: float | None
+    layout: str
+    pp: int
+    dp: int
+    num_microbatches: int
+    frozen: tuple[int, ...]
+    tokens_per_iteration: float
+    predicted_s: float
+    dedicated_s: float
+    measured_s: float | None
+    counted: tuple[int, ...]
+
+    def tokens_per_s(self, which: str = "predicted") -> float | None:
+        s = {"predicted": self.predicted_s, "dedicated": self.dedicated_s,
+             "measured": self.measured_s}[which]
+        return None if not s else self.tokens_per_iteration / s
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__, frozen=list(self.frozen), counted=list(self.counted),
+                    tokens_per_s_predicted=self.tokens_per_s(),
+                    tokens_per_s_measured=self.tokens_per_s("measured"))
+
+
+@dataclass(frozen=True)
+class GrowCheck:
+    """A repack that grew data parallelism at `iteration`: tokens/s after over before,
+    predicted and measured (None when a side has no clean iteration)."""
+
+    iteration: int
+    before: Segment
+    after: Segment
+
+    def ratio(self, which: str = "predicted") -> float | None:
+        a, b = self.after.tokens_per_s(which), self.before.tokens_per_s(which)
+        return None if a is None or b is None else a / b
+
+    @property
+    def error(self) -> float | None:
+        """predicted ratio / measured ratio - 1."""
+        p, m = self.ratio(), self.ratio("measured")
+        return None if p is None or m is None else p / m - 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"iteration": self.iteration, "before": self.before.as_dict(),
+                "after": self.after.as_dict(), "ratio_predicted": self.ratio(),
+                "ratio_dedicated": self.ratio("dedicated"), "ratio_measured": self.ratio("measured"),
+                "error": self.error}
+
+
+@dataclass(frozen=True)
+class RunReplay:
+    run_dir: str
+    cores: float | None
+    profile_iteration: int
+    segments: list[Segment]
+    grow: GrowCheck | None
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"run_dir": self.run_dir, "cores": self.cores, "warmup": WARMUP,
+                "profile_iteration": self.profile_iteration,
+                "segments": [s.as_dict() for s in self.segments],
+                "grow": None if self.grow is None else self.grow.as_dict(), "notes": self.notes}
+
+
+@dataclass(frozen=True)
+class _LayerCosts:
+    fwd: dict[int, float]
+    bwd_dense: dict[int, float]
+    param_bytes: dict[int, float]
+    embed_s: float
+    head_s: float
+    head_grad_bytes: float
+
+
+def _changes(report: dict) -> tuple[list[tuple[int, str]], list[tuple[int, int, int]],
+                                     list[tuple[int, tuple[int, ...]]]]:
+    """(from iteration, layout), (from iteration, pp, dp), (from iteration, frozen set)."""
+    layouts = [(1, report["initial_layout"])]
+    frozen: list[tuple[int, tuple[int, ...]]] = [(1, ())]
+    for e in report.get("events", []):
+        if e.get("kind") == "rebalance" and e.get("applied") and e.get("layout_after"):
+            layouts.append((e["iteration"] + 1, e["layout_after"]))
+        detail = e.get("detail") or {}
+        if e.get("kind") == "dynamism" and "frozen_layers" in detail:
+            frozen.append((e["iteration"] + 1, tuple(sorted(int(x) for x in detail["frozen_layers"]))))
+    world = report["world"]
+    history = world.get("history") or [{"iteration": 0, "pp": world["pp"], "dp": world["dp"]}]
+    worlds = [(max(int(h["iteration"]), 0) + 1, int(h["pp"]), int(h["dp"])) for h in history]
+    return layouts, worlds, frozen
+
+
+def _at(changes: list, iteration: int):
+    return [c for c in changes if c[0] <= iteration][-1]
+
+
+def _grow_event(report: dict) -> dict | None:
+    for e in report.get("events", []):
+        repack = e.get("repack") or {}
+        if e.get("applied") and repack.get("applied") and \
+                int(repack.get("dp_after") or 0) > int(repack.get("dp_before") or 0):
+            return e
+    return None
+
+
+def _profile(report: dict, at: int | None, run_dir: str) -> tuple[int, dict]:
+    found = sorted(((int((e.get("window") or [e["iteration"]])[0]), e["profile"])
+                    for e in report.get("events", [])
+                    if (e.get("profile") or {}).get("layers") and (e.get("profile") or {}).get("stages")),
+                   key=lambda x: x[0])
+    if not found:
+        raise UserError(f"--from-run {run_dir!r}: report.json holds no per-layer profile; train "
+                        "with --dynmo and --dynmo-profile-every N (or a dynamism scenario)")
+    if at is None:
+        return found[0]
+    before = [f for f in found if f[0] <= at]
+    return before[-1] if before else found[0]
+
+
+def _layer_costs(profile: dict, frozen_then: tuple[int, ...]) -> _LayerCosts:
+    layers = {int(x["layer"]): x for x in profile["layers"]}
+    training = [x for i, x in layers.items() if i not in frozen_then and x["fwd_s"] > 0]
+    ratio = statistics.median(x["bwd_s"] / x["fwd_s"] for x in training) if training else 2.0
+    bwd = {i: (ratio * x["fwd_s"] if i in frozen_then else x["bwd_s"]) for i, x in layers.items()}
+    stages = sorted(profile["stages"], key=lambda s: s["stage"])
+    embed = 0.0 if len(stages) == 1 else float(stages[0]["extra_s"])
+    return _LayerCosts(fwd={i: float(x["fwd_s"]) for i, x in layers.items()}, bwd_dense=bwd,
+                       param_bytes={i: float(x.get("param_bytes", 0)) for i, x in layers.items()},
+                       embed_s=embed, head_s=float(stages[-1]["extra_s"]),
+                       head_grad_bytes=float(stages[-1].get("extra_grad_bytes", 0)))
+
+
+def _pipeline_costs(c: _LayerCosts, layout: Layout, frozen: tuple[int, ...], dp: int, m: int,
+                    act_bytes: float, link: Link) -> PipelineCosts:
+    fwd, bwd, grads = [], [], []
+    for s in range(layout.num_stages):
+        layers = layout.layers_of(s)
+        extra = (c.embed_s if s == 0 else 0.0) + (c.head_s if s == layout.num_stages - 1 else 0.0)
+        fwd.append(sum(c.fwd[i] for i in layers) + EXTRA_FORWARD_SHARE * extra)
+        bwd.append(sum(c.bwd_dense[i] for i in layers if i not in frozen)
+                   + (1 - EXTRA_FORWARD_SHARE) * extra)
+        grads.append(sum(c.param_bytes[i] for i in layers if i not in frozen)
+                     + (c.head_grad_bytes if s == layout.num_stages - 1 else 0.0))
+    return PipelineCosts(fwd_s=fwd, bwd_s=bwd, num_microbatches=m, act_bytes=act_bytes, p2p=link,
+                         dp=dp, grad_bytes=grads, dp_link=link)
+
+
+def _clean(report: dict) -> set[int]:
+    """Iterations at which something other than training ran (module docstring)."""
+    out = set(range(1, WARMUP + 1))
+    for e in report.get("events", []):
+        out.add(int(e["iteration"]))
+        if e.get("window"):
+            out.update(range(int(e["window"][0]), int(e["window"][1]) + 1))
+    return out
+
+
+def replay_report(report: dict, run_dir: str = "", cores: float | None = None,
+                  foreign_cores: Mapping[int, float] | None = None) -> RunReplay:
+    """The replay of `report` (a run's report.json as read): module docstring.
+    `foreign_cores`: iteration -> cores other processes kept busy during it (needs `cores`).
+
+    Raises:
+        UserError: no per-layer profile, an interleaved layout, or cores <= 0.
+    """
+    if cores is not None and not cores > 0:
+        raise UserError(f"--cores must be a number > 0, got {cores}")
+    if foreign_cores is not None and cores is None:
+        raise UserError("a foreign load needs the cores it shares (cores=N)")
+    layouts, worlds, frozen = _changes(report)
+    grow = _grow_event(report)
+    start, profile = _profile(report, None if grow is None else int(grow["iteration"]), run_dir)
+    costs = _layer_costs(profile, _at(frozen, start)[1])
+    model = report["config"]["model"]
+    element = 2 if model.get("bf16") or model.get("fp16") else 4
+    act = float(model["seq_length"] * model["micro_batch_size"] * model["hidden_size"] * element)
+    gbps = float(((report["config"].get("dynmo") or {}).get("rebalance") or {}).get("bandwidth_gbps", 1.0))
+    gloo = report["world"].get("backend") == "gloo"
+    link = Link(latency_s=GLOO_LATENCY_S if gloo else 0.0, bandwidth_Bps=gbps * 1e9)
+    skip = _clean(report)
+    rows: list[tuple[tuple, int, float]] = []
+    for row in report["iterations"]:
+        it = int(row["iteration"])
+        _, layout, = _at(layouts, it)
+        _, pp, dp = _at(worlds, it)
+        key = (layout, pp, dp, _at(frozen, it)[1])
+        rows.append((key, it, float(row["time_s"]) - float(row.get("dynmo_s", 0.0))))
+    segments: list[Segment] = []
+    for key, group in _group(rows):
+        layout_text, pp, dp, frozen_set = key
+        layout = Layout.parse(layout_text)
+        if layout.interleaved or layout.num_stages != pp:
+            raise UserError(f"--from-run {run_dir!r}: layout {layout_text} on pp {pp}: the replay "
+                            "models the non-interleaved 1F1B schedule only")
+        m = int(model["global_batch_size"]) // (int(model["micro_batch_size"]) * dp)
+        counted = [(it, s) for it, s in group if it not in skip]
+        pc = _pipeline_costs(costs, layout, frozen_set, dp, m, act, link)
+        dedicated = simulate_iteration(pc).iteration_s
+        lefts = [_cores_left(cores, foreign_cores, it) for it, _ in counted or group]
+        predicted = statistics.median(dedicated if c is None else shared_iteration_s(pc, c) for c in lefts)
+        measured = statistics.median(s for _, s in counted) if counted else None
+        left = None if cores is None else statistics.fmean(lefts)  # type: ignore[arg-type]
+        segments.append(Segment(group[0][0], group[-1][0], left, layout_text, pp, dp, m, frozen_set,
+                                float(model["global_batch_size"] * model["seq_length"]),
+                                predicted, dedicated, measured, tuple(it for it, _ in counted)))
+    check = None
+    if grow is not None:
+        g = int(grow["iteration"])
+        before = [s for s in segments if s.first <= g <= s.last]
+        after = [s for s in segments if s.first == g + 1]
+        if before and after:
+            check = GrowCheck(g, before[0], after[0])
+    return RunReplay(run_dir, cores, start, segments, check)
+
+
+def _cores_left(cores: float | None, foreign: Mapping[int, float] | None, iteration: int) -> float | None:
+    if cores is None or foreign is None:
+        return cores
+    return max(cores - foreign.get(iteration, 0.0), MIN_CORES)
+
+
+def _group(rows: list[tuple[tuple, int, float]]) -> list[tuple[tuple, list[tuple[int, float]]]]:
+    out: list[tuple[tuple, list[tuple[int, float]]]] = []
+    for key, it, s in rows:
+        if out and out[-1][0] == key:
+            out[-1][1].append((it, s))
+        else:
+            out.append((key, [(it, s)]))
+    return out
+
+
+def replay_run(run_dir: str | Path, cores: float | None = None,
+               foreign_cores: Mapping[int, float] | None = None) -> RunReplay:
+    """`replay_report` of the run in `run_dir` (its report.json, or its log replayed)."""
+    return replay_report(read_run_report(run_dir, "--from-run"), str(run_dir), cores, foreign_cores)

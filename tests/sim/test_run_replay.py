@@ -1,0 +1,156 @@
+"""sim.run_replay (`dynmo simulate --from-run`) on a report written here: pure, no launch.
+
+The report: 4 layers (forward 1 ms, backward 2 ms per micro-batch, no extras, no
+gradient bytes, nccl so no per-message latency, a link so fast that
+transfers take no time) on 2 stages, 8 micro-batches; layers
+1-2 freeze at iteration 3 (profiled at 4-5, after the freeze), and at iteration 6 a
+repack onto 1 stage grows data parallelism to 2 (4 micro-batches per replica). Every
+predicted figure below is counted by hand from those costs.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dynmo_plugin.cli import main as dynmo
+from dynmo_plugin.errors import UserError
+from dynmo_plugin.sim import PipelineCosts
+from dynmo_plugin.sim.run_replay import replay_report, replay_run
+from dynmo_plugin.sim.shared import shared_iteration_s, simulate_shared
+
+MS = 1e-3
+
+
+def _profile(frozen: set[int]) -> dict:
+    layers = [{"layer": i, "stage": (i - 1) // 2, "fwd_s": 1 * MS,
+               "bwd_s": 0.0 if i in frozen else 2 * MS, "param_bytes": 0} for i in range(1, 5)]
+    stages = [{"stage": s, "extra_s": 0.0, "extra_grad_bytes": 0, "num_microbatches": 8} for s in (0, 1)]
+    return {"layers": layers, "stages": stages}
+
+
+def _report() -> dict:
+    model = {"seq_length": 16, "micro_batch_size": 1, "hidden_size": 8, "global_batch_size": 8}
+    iterations = [{"iteration": i, "time_s": t, "dynmo_s": 0.0} for i, t in enumerate(
+        [0.9, 0.9, 0.9, 0.06, 0.9, 0.9, 0.9, 0.05, 0.03, 0.04], start=1)]
+    events = [
+        {"kind": "dynamism", "iteration": 3, "detail": {"frozen_layers": [1, 2]}},
+        {"kind": "rebalance", "iteration": 5, "window": [4, 5], "applied": False,
+         "layout_after": "Ett|ttL", "profile": _profile({1, 2})},
+        {"kind": "rebalance", "iteration": 6, "applied": True, "layout_after": "EttttL",
+         "repack": {"applied": True, "dp_before": 1, "dp_after": 2}},
+    ]
+    world = {"pp": 2, "dp": 1, "backend": "nccl",
+             "history": [{"iteration": 0, "pp": 2, "dp": 1}, {"iteration": 6, "pp": 1, "dp": 2}]}
+    return {"config": {"model": model, "dynmo": {"rebalance": {"bandwidth_gbps": 1e9}}},
+            "world": world, "initial_layout": "Ett|ttL", "iterations": iterations, "events": events}
+
+
+def _rows(replay):
+    return [(s.first, s.last, s.layout, s.pp, s.dp, s.num_microbatches, s.frozen, s.counted)
+            for s in replay.segments]
+
+
+def test_segments_follow_layout_world_and_freezing_and_measure_clean_iterations_only():
+    replay = replay_report(_report())
+    assert replay.profile_iteration == 4
+    assert _rows(replay) == [
+        (1, 3, "Ett|ttL", 2, 1, 8, (), ()),              # 1-2 warm-up, 3 the freeze event
+        (4, 6, "Ett|ttL", 2, 1, 8, (1, 2), ()),          # 4-5 profiled, 6 the repack
+        (7, 10, "EttttL", 1, 2, 4, (1, 2), (7, 8, 9, 10))]
+    after = replay.segments[2]
+    assert after.measured_s == pytest.approx(0.045)  # median of 0.9, 0.05, 0.03, 0.04
+    assert after.tokens_per_iteration == 8 * 16
+
+
+def test_predictions_count_the_work_of_each_segment():
+    """On one core a pipeline is never idle: an iteration is its whole work. Dense
+    (segment 1): 8 micro-batches x 4 layers x 3 ms, the frozen layers' backward
+    restored from the profiled ratio (2 ms / 1 ms of the training layers). Frozen
+    (segment 2): layers 1-2 forward only. Grown (segment 3): each replica 4 micro-
+    batches on half the core. Dedicated, one replica of 1 stage: 4 x 8 ms."""
+    one = replay_report(_report(), cores=1.0)
+    assert [s.predicted_s for s in one.segments] == pytest.approx([96 * MS, 64 * MS, 64 * MS])
+    dedicated = replay_report(_report())
+    assert dedicated.segments[2].predicted_s == pytest.approx(32 * MS)
+    assert [s.dedicated_s for s in one.segments] == [s.predicted_s for s in dedicated.segments]
+    # stage 0 of the frozen pipeline: 2 ms per micro-batch, stage 1: 6 ms
+    assert dedicated.segments[1].predicted_s == pytest.approx(2 * MS + 8 * 6 * MS)
+
+
+def test_the_grow_ratio_and_its_error():
+    replay = replay_report(_report(), cores=1.0)
+    g = replay.grow
+    assert (g.iteration, g.before.first, g.after.first) == (6, 4, 7)
+    assert g.ratio() == pytest.approx(1.0)  # one core: the same work before and after
+    assert g.ratio("dedicated") == pytest.approx(50 / 32)
+    assert g.ratio("measured") is None and g.error is None  # no clean iteration before it
+    report = _report()
+    report["events"][1]["window"] = [5, 5]  # iteration 4 now measured: 0.06 s
+    g = replay_report(report, cores=1.0).grow
+    assert g.before.counted == (4,)
+    assert g.ratio("measured") == pytest.approx(0.06 / 0.045)
+    assert g.error == pytest.approx(1.0 / (0.06 / 0.045) - 1)
+
+
+def test_foreign_load_leaves_fewer_cores():
+    """Two cores of which other processes kept one busy: the one-core prediction."""
+    foreign = {i: 1.0 for i in range(1, 11)}
+    loaded = replay_report(_report(), cores=2.0, foreign_cores=foreign)
+    one = replay_report(_report(), cores=1.0)
+    assert [s.cores for s in loaded.segments] == [1.0, 1.0, 1.0]
+    assert [s.predicted_s for s in loaded.segments] == pytest.approx([s.predicted_s for s in one.segments])
+    with pytest.raises(UserError, match="needs the cores"):
+        replay_report(_report(), foreign_cores=foreign)
+
+
+def test_each_iteration_is_predicted_on_its_own_cores():
+    """The grown stretch (7-10) on 2 cores, others holding 1 core during 7 and 10 and
+    none during 8-9: 64, 32, 32, 64 ms, median 48 ms, as the measured median is taken
+    (the mean load, 1.5 cores left, would say 42.7 ms)."""
+    loaded = replay_report(_report(), cores=2.0, foreign_cores={7: 1.0, 8: 0.0, 9: 0.0, 10: 1.0})
+    after = loaded.segments[2]
+    assert after.predicted_s == pytest.approx(48 * MS) and after.cores == pytest.approx(1.5)
+
+
+def test_replicas_split_the_cores():
+    costs = PipelineCosts(fwd_s=[0.002, 0.003], bwd_s=[0.004, 0.005], num_microbatches=4, dp=2)
+    assert shared_iteration_s(costs, 2.0) == pytest.approx(simulate_shared(costs, 1.0).iteration_s)
+    assert shared_iteration_s(costs, 2.0) == pytest.approx(4 * 0.014)
+
+
+def test_cli_from_run(tmp_path, capsys):
+    (tmp_path / "report.json").write_text(json.dumps(_report()))
+    assert dynmo(["simulate", "--from-run", str(tmp_path), "--cores", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "grow at iteration 6 (pp 2 -> 1, dp 1 -> 2): tokens/s after / before: predicted 1.000x; not measured" in out
+    assert "one device per rank would give 1.563x" in out
+    assert dynmo(["simulate", "--from-run", str(tmp_path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["grow"]["ratio_predicted"] == pytest.approx(50 / 32) and doc["cores"] is None
+    assert replay_run(tmp_path).as_dict() == doc
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--from-run", "RUN", "--pp", "2"], "--from-run replays the run's own model, cluster and schedule; drop --pp"),
+    (["--from-run", "RUN", "--scenario", "moe", "--repack"], "drop --repack, --scenario"),
+    (["--from-run", "RUN", "--cores", "0"], "--cores must be a number > 0, got 0.0"),
+    (["--from-run", "NOPE"], "--from-run 'NOPE': cannot read"),
+    (["--scenario", "moe", "--pp", "2"], "dynmo simulate needs --layers, --dp (or --from-run RUN_DIR"),
+    (["--scenario", "moe", "--layers", "4", "--dp", "1", "--pp", "2", "--cores", "2"],
+     "--cores applies only to --from-run RUN_DIR; drop it"),
+])
+def test_cli_errors_are_one_line(tmp_path, capsys, argv, message):
+    (tmp_path / "report.json").write_text(json.dumps(_report()))
+    argv = [str(tmp_path) if a == "RUN" else str(tmp_path / "nope") if a == "NOPE" else a for a in argv]
+    message = message.replace("'NOPE'", repr(str(tmp_path / "nope")))
+    assert dynmo(["simulate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_no_profile_is_one_clear_error():
+    report = _report()
+    del report["events"][1]["profile"]
+    with pytest.raises(UserError, match="holds no per-layer profile; train with --dynmo"):
+        replay_report(report, "RUN")
