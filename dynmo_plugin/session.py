@@ -360,10 +360,11 @@ def _initial_layout(args, dims, meta: Optional[dict]) -> Layout:
     (megatron.checkpoint.resume_layout); else Megatron's uniform split."""
     v = args.num_virtual_stages_per_pipeline_rank
     if args.pipeline_model_parallel_layout:
-        return Layout.parse(args.pipeline_model_parallel_layout, dims.pp, args.num_layers, v)
+        return Layout.parse(args.pipeline_model_parallel_layout, dims.pp, args.num_layers, v,
+                            args.mtp_num_layers or 0)
     if meta is not None:
         from dynmo_plugin.megatron.checkpoint.directory import resume_layout
         layout = resume_layout(meta, dims.pp, v, args.num_layers)
         if layout is not None:
             return layout
-    return Layout.uniform(args.num_layers, dims.pp * v, v)
+    return Layout.uniform(args.num_layers, dims.pp * v, v, args.mtp_num_layers or 0)

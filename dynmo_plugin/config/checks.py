@@ -103,7 +103,8 @@ def check_shape(m: ModelArgs, where: str, world_size: int | None = None) -> None
     v = m.num_virtual_stages_per_pipeline_rank
     if m.pipeline_model_parallel_layout is not None:
         try:
-            Layout.parse(m.pipeline_model_parallel_layout, pp, m.num_layers, v)
+            Layout.parse(m.pipeline_model_parallel_layout, pp, m.num_layers, v,
+                         m.mtp_num_layers or 0)
         except LayoutError as e:
             raise ConfigError(f"{where}: --pipeline-model-parallel-layout: {e}") from e
     elif m.num_layers < pp * v:
@@ -389,7 +390,8 @@ def _check_forced_layouts(cfg: RunConfig, where: str) -> None:
              f"--num-virtual-stages-per-pipeline-rank {m.num_virtual_stages_per_pipeline_rank}")
     for it, text in cfg.dynmo.rebalance.forced_layouts.items():
         try:
-            layout = Layout.parse(text, None, m.num_layers, m.num_virtual_stages_per_pipeline_rank)
+            layout = Layout.parse(text, None, m.num_layers, m.num_virtual_stages_per_pipeline_rank,
+                                  m.mtp_num_layers or 0)
         except LayoutError as e:
             raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: {e}") from e
         if layout.num_stages > pp or (layout.num_stages < pp and not cfg.dynmo.repack.enabled):

@@ -171,3 +171,38 @@ def test_mtp_queries_and_repack_padding():
     assert Layout.parse("Et|t|t|mL", 2, 3, 2, 1).padded(3).to_megatron() == "Et|t||t|m|L"
     assert layout.mtp_moved(Layout.parse("Ett|t|mL")) is True
     assert layout.mtp_moved(layout) is False
+
+
+def _run_config(argv):
+    import argparse
+
+    from dynmo_plugin.config import add_dynmo_args, add_model_args
+    from dynmo_plugin.megatron.training.machine import load_run_config
+    parser = add_dynmo_args(add_model_args(argparse.ArgumentParser()))
+    return load_run_config(parser.parse_args(argv))
+
+
+def test_mtp_num_layers_from_flags_and_yaml(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("model:\n  num_layers: 4\n  mtp_num_layers: 1\n  pipeline_model_parallel_size: 2\n")
+    cfg = _run_config(["--dynmo-config", str(path)])
+    assert cfg.model.mtp_num_layers == 1
+    cfg = _run_config(["--dynmo-config", str(path), "--mtp-num-layers", "2",
+                       "--pipeline-model-parallel-layout", "Ett|ttmm|L",
+                       "--pipeline-model-parallel-size", "3"])
+    assert cfg.model.mtp_num_layers == 2
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--mtp-num-layers", "1", "--pipeline-model-parallel-layout", "Ett|ttL"],
+     "holds 0 MTP layers ('m') but --mtp-num-layers is 1"),
+    (["--pipeline-model-parallel-layout", "Ett|ttmL"], "holds 1 MTP layers ('m') but --mtp-num-layers is 0"),
+    (["--mtp-num-layers", "1", "--pipeline-model-parallel-layout", "Ettm|ttL"],
+     "decoder layers after them"),
+    (["--mtp-num-layers", "0"], "mtp_num_layers"),
+])
+def test_mtp_config_errors_are_one_line(argv, needle):
+    from dynmo_plugin.config import ConfigError
+    with pytest.raises(ConfigError) as err:
+        _run_config(["--num-layers", "4", "--pipeline-model-parallel-size", "2", *argv])
+    assert needle in str(err.value) and "\n" not in str(err.value)
