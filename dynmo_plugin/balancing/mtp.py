@@ -34,7 +34,8 @@ from dynmo_plugin.balancing.problem import REL_TOL, BalanceProblem, InfeasibleEr
 from dynmo_plugin.balancing.segments import SegmentModel
 from dynmo_plugin.layout import Layout
 
-__all__ = ["solve_exact_mtp", "fold_mtp_last", "mtp_candidates", "LAST_STAGE_NOTE"]
+__all__ = ["solve_exact_mtp", "fold_mtp_last", "kept_mtp_stage", "mtp_candidates",
+           "LAST_STAGE_NOTE"]
 
 LAST_STAGE_NOTE = ("MTP block kept on the last stage: only the exact balancer places it "
                    "(and not on interleaved pipelines)")
@@ -43,24 +44,35 @@ LAST_STAGE_NOTE = ("MTP block kept on the last stage: only the exact balancer pl
 def mtp_candidates(problem: BalanceProblem) -> list[int]:
     """Stages the MTP block may take: any but the first (unless it is the only one)."""
     p = problem.num_stages
-    return list(range(1 if p > 1 else 0, p))
+    allowed = problem.mtp_stages
+    return [s for s in range(1 if p > 1 else 0, p) if allowed is None or s in allowed]
 
 
 def _strip(layout: Layout | None) -> Layout | None:
     return None if layout is None else Layout(layout.counts, layout.num_chunks)
 
 
+def kept_mtp_stage(problem: BalanceProblem) -> int:
+    """Where the balancers other than exact keep the block: the last stage, unless
+    `mtp_stages` pins it elsewhere (then its first)."""
+    last = problem.num_stages - 1
+    stages = problem.mtp_stages
+    return last if stages is None or last in stages else stages[0]
+
+
 def fold_mtp_last(problem: BalanceProblem) -> BalanceProblem:
-    """The problem without MTP, the block's cost and memory on the last stage's extras."""
+    """The problem without MTP, the block's cost and memory on its kept stage's extras
+    (`kept_mtp_stage`)."""
     ec = problem.extras_cost_arr.copy()
     em = problem.extras_memory_arr.copy()
-    ec[-1] += problem.mtp_cost
-    em[-1] += problem.mtp_memory
+    s = kept_mtp_stage(problem)
+    ec[s] += problem.mtp_cost
+    em[s] += problem.mtp_memory
     return dataclasses.replace(problem, extras_cost=ec.tolist(), extras_memory=em.tolist(),
                                current=_strip(problem.current), **_NO_MTP)
 
 
-_NO_MTP = dict(mtp_layers=0, mtp_cost=0.0, mtp_memory=0.0, mtp_move_bytes=None)
+_NO_MTP = dict(mtp_layers=0, mtp_cost=0.0, mtp_memory=0.0, mtp_move_bytes=None, mtp_stages=None)
 
 
 def _sub_problem(problem: BalanceProblem, k: int, with_block: bool) -> BalanceProblem | None:

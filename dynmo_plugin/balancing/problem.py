@@ -111,6 +111,9 @@ class BalanceProblem:
             plan's predicted tokens/s and tokens per GPU-hour (costs must be seconds).
         mtp_layers: Multi-Token Prediction layers (Megatron's --mtp-num-layers), one unit
             placed after every decoder layer (`layout`); 0 = none.
+        mtp_stages: the stages the block may take (None: every stage Megatron allows);
+            the live controller pins it to its current stage, since live migration
+            moves decoder layers only.
         mtp_cost / mtp_memory / mtp_move_bytes: the MTP block's cost, bytes and bytes
             moved with it (default `mtp_memory`), counted on the stage that holds it. Its
             losses' output-layer work stays on the last stage (Megatron computes them
@@ -141,6 +144,7 @@ class BalanceProblem:
     mtp_cost: float = 0.0
     mtp_memory: float = 0.0
     mtp_move_bytes: float | None = None
+    mtp_stages: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
@@ -214,6 +218,17 @@ class BalanceProblem:
             if value and not k:
                 raise ProblemError(f"{name} = {value} but the problem has no MTP layers; "
                                    "give mtp_layers")
+
+        stages = self.mtp_stages
+        if stages is not None:
+            try:
+                stages = tuple(sorted({int(s) for s in stages}))
+            except (TypeError, ValueError):
+                stages = ()
+            if not stages or not k or any(not 0 <= s < self.num_stages for s in stages):
+                raise ProblemError(f"mtp_stages must be stages of {self.num_stages} (with MTP "
+                                   f"layers), got {self.mtp_stages!r}")
+            object.__setattr__(self, "mtp_stages", stages)
 
     @property
     def mtp_move_bytes_value(self) -> float:

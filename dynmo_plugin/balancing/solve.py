@@ -11,7 +11,9 @@ from dynmo_plugin.balancing.diffusion import solve_diffusion
 from dynmo_plugin.balancing.exact import solve_exact, solve_interleaved
 from dynmo_plugin.balancing.gate import GateConfig, attach_gate
 from dynmo_plugin.balancing.metrics import feasibility_problems
-from dynmo_plugin.balancing.mtp import LAST_STAGE_NOTE, fold_mtp_last, solve_exact_mtp
+from dynmo_plugin.balancing.mtp import (LAST_STAGE_NOTE, fold_mtp_last, kept_mtp_stage,
+                                        solve_exact_mtp)
+from dynmo_plugin.layout import LayoutError
 from dynmo_plugin.balancing.partition import solve_partition
 from dynmo_plugin.balancing.plan import Outcome, Plan, make_plan
 from dynmo_plugin.balancing.problem import BalanceProblem, InfeasibleError, ProblemError
@@ -81,9 +83,14 @@ def _with_mtp(problem: BalanceProblem, method: str, fn: Callable[..., Outcome],
     if method == "exact" and problem.num_chunks == 1:
         return solve_exact_mtp(problem)
     out = fn(fold_mtp_last(problem), **options)
-    v, last = problem.num_chunks, problem.num_stages - 1
-    layout = Layout(out.layout.counts, v, problem.mtp_layers, last)
-    return Outcome(layout, [*out.notes, LAST_STAGE_NOTE], out.rounds)
+    stage = kept_mtp_stage(problem)
+    try:
+        layout = Layout(out.layout.counts, problem.num_chunks, problem.mtp_layers, stage)
+    except LayoutError as e:
+        raise InfeasibleError(f"{method} put decoder layers where the MTP block (kept on stage "
+                              f"{stage}) forbids them ({e}); use the exact balancer") from None
+    note = LAST_STAGE_NOTE if stage == problem.num_stages - 1 else f"MTP block kept on stage {stage}"
+    return Outcome(layout, [*out.notes, note], out.rounds)
 
 
 def _check_rank_memory(problem: BalanceProblem, layout: Layout, method: str) -> None:

@@ -402,3 +402,20 @@ def _check_forced_layouts(cfg: RunConfig, where: str) -> None:
         if it > m.train_iters:
             raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: iteration is past "
                               f"--train-iters ({m.train_iters})")
+        _check_mtp_stays(m, where, it, text, layout)
+
+
+def _check_mtp_stays(m: ModelArgs, where: str, it: int, text: str, layout: Layout) -> None:
+    """A forced layout keeps the MTP block on the rank it starts on: live migration moves
+    decoder layers only (a checkpoint moves the block: save, --load under a new layout)."""
+    if not m.mtp_num_layers:
+        return
+    pp, v = m.pipeline_model_parallel_size, m.num_virtual_stages_per_pipeline_rank
+    start = (Layout.parse(m.pipeline_model_parallel_layout, pp, m.num_layers, v, m.mtp_num_layers)
+             .mtp_rank if m.pipeline_model_parallel_layout else pp - 1)
+    if layout.mtp_rank != start:
+        raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: layout {text!r} puts the MTP "
+                          f"block on rank {layout.mtp_rank} but it starts on rank {start}; live "
+                          "migration moves decoder layers only: move the block through a "
+                          "checkpoint (--save, then --load with the new "
+                          "--pipeline-model-parallel-layout)")
