@@ -364,7 +364,7 @@ def _initial_layout(args, dims, meta: Optional[dict]) -> Layout:
                             args.mtp_num_layers or 0)
     if meta is not None:
         from dynmo_plugin.megatron.checkpoint.directory import resume_layout
-        layout = resume_layout(meta, dims.pp, v, args.num_layers)
+        layout = resume_layout(meta, dims.pp, v, args.num_layers, args.mtp_num_layers or 0)
         if layout is not None:
             return layout
     return Layout.uniform(args.num_layers, dims.pp * v, v, args.mtp_num_layers or 0)

@@ -109,3 +109,13 @@ def test_decided_rebalance_profiles_the_block_and_keeps_it_while_decoders_move(t
     assert mtp["fwd_s"] > 0 and mtp["bwd_s"] > 0 and mtp["param_bytes"] > 0 and mtp["act_bytes"] > 0
     assert first["plan"]["notes"] and "MTP block" in " ".join(first["plan"]["notes"])
     assert_same_training(static_dir, static, moved_dir, moved, range(2))
+
+
+@pytest.mark.parametrize("pp, v, mtp, want", [
+    (4, 1, 1, "Ett|ttt|tttm|L"),   # the saved standalone block, restored
+    (2, 2, 1, "Ett|ttt|ttt|mL"),   # its stage is rank 0's chunk under v = 2: last stage
+    (4, 1, 0, "Ett|ttt|ttt|L"),    # resumed without MTP
+])
+def test_a_resume_without_a_layout_flag_keeps_the_saved_mtp_stage_where_it_can(pp, v, mtp, want):
+    from dynmo_plugin.megatron.checkpoint.directory import resume_layout
+    assert str(resume_layout({"layout": "Ett|ttt|tttm|L"}, pp, v, 8, mtp)) == want
