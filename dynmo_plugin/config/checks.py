@@ -40,6 +40,9 @@ def check_run(cfg: RunConfig, given: dict[str, str], where: str, world_size: Opt
     check_shape(cfg.model, where, world_size)
     _check_precision(cfg, given)
     _check_forced_layouts(cfg, where)
+    if cfg.model.mtp_num_layers and cfg.dynmo.repack.enabled:
+        raise ConfigError(f"{where}: repack.enabled with --mtp-num-layers: repacks do not carry "
+                          "the MTP block yet; rebalance without --dynmo-repack")
     _check_dynamism(cfg, given)
     _check_repack(cfg, given)
     _check_interleaved_repack(cfg, where, world_size)

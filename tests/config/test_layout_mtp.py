@@ -206,3 +206,10 @@ def test_mtp_config_errors_are_one_line(argv, needle):
     with pytest.raises(ConfigError) as err:
         _run_config(["--num-layers", "4", "--pipeline-model-parallel-size", "2", *argv])
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_repack_with_mtp_is_refused_in_one_line():
+    from dynmo_plugin.config import ConfigError
+    with pytest.raises(ConfigError, match="repacks do not carry the MTP block yet"):
+        _run_config(["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--mtp-num-layers",
+                     "1", "--dynmo", "--dynmo-repack"])
