@@ -119,3 +119,15 @@ def test_decided_rebalance_profiles_the_block_and_keeps_it_while_decoders_move(t
 def test_a_resume_without_a_layout_flag_keeps_the_saved_mtp_stage_where_it_can(pp, v, mtp, want):
     from dynmo_plugin.megatron.checkpoint.directory import resume_layout
     assert str(resume_layout({"layout": "Ett|ttt|tttm|L"}, pp, v, 8, mtp)) == want
+
+
+def test_interleaved_decoder_moves_around_the_mtp_block_are_bit_exact(tmp_path_factory):
+    """pp=2 x v=2: the block in rank 1's last chunk; a forced layout moves decoder layers
+    between chunks and ranks around it."""
+    static_dir, moved_dir = tmp_path_factory.mktemp("v_static"), tmp_path_factory.mktemp("v_moved")
+    flags = MTP + ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+    static = worker(2, flags, static_dir)
+    moved = worker(2, flags + ["--dynmo-forced-layouts", "3:Et|ttt|ttt|tmL"], moved_dir)
+    assert [(e["applied"], e["layout_after"]) for e in _rebalances(moved)] == [(True, "Et|ttt|ttt|tmL")]
+    assert static["layout"] == "Ett|tt|tt|ttmL"
+    assert_same_training(static_dir, static, moved_dir, moved, range(2))
