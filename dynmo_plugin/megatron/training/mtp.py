@@ -30,7 +30,7 @@ MTP_POSITION_NAME = "mtp.position_embeddings.weight"
 
 def mtp_rank_of(args) -> Optional[int]:
     """The pipeline rank the layout (or Megatron's default: the last) puts MTP on."""
-    k, pp = args.mtp_num_layers or 0, args.pipeline_model_parallel_size
+    k, pp = getattr(args, "mtp_num_layers", None) or 0, args.pipeline_model_parallel_size
     if not k:
         return None
     text = args.pipeline_model_parallel_layout
