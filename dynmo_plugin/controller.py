@@ -242,7 +242,8 @@ class DynMo:
         t, rb = self.trainer, self.config.rebalance
         cap = _cap_bytes(self.config)
         try:
-            problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches)
+            problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches,
+                                           pin_mtp=True)  # live migration moves decoder layers
         except (InfeasibleError, ProblemError) as e:
             memory = _memory_record(profile, t.layout.num_stages, t.num_microbatches, cap, None)
             return Decision(profile.to_dict(), None, False,
@@ -350,7 +351,8 @@ class DynMo:
         plan, t = decision.repack, self.trainer
         if plan is None or not plan.apply or not decision.apply or self.config.repack.freed == "release":
             return decision, None
-        problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches)  # as _decide
+        problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches,
+                                       pin_mtp=True)  # as _decide
         return decision, self._freed_choice(problem, plan)
 
     def _freed_choice(self, problem: BalanceProblem, plan) -> Optional[dict]:

@@ -6,6 +6,14 @@ A layout is written the way Megatron-Core writes `pipeline_model_parallel_layout
 unchanged. Only layouts with the embedding on the first stage and the loss on the last
 are represented: those are the layouts a rebalancer produces.
 
+Multi-Token Prediction (MTP, Megatron's `--mtp-num-layers k`): "m" is one MTP layer.
+The k MTP layers are one unit, in one (virtual) stage, after every decoder layer
+("Ett|ttmmL", or standalone on an earlier rank: "Ett|tmm|L", the stages after it then
+hold no decoder layer), in the last chunk of its rank and, with pp > 1, never on the
+first rank: Megatron-Core 0.16.1's `validate_layer_layout` rules (it accepts 'm' on the
+first rank where v = 1; we refuse it, as its own message for v > 1 says it should be).
+Within a stage the order is E, t..., m..., L.
+
 Interleaved (virtual) pipelines: with `num_chunks` = v model chunks per rank
 (Megatron's `--num-virtual-stages-per-pipeline-rank`) the string has pp * v stages,
 in layer order, and virtual stage s runs on rank `s % pp` as its chunk `s // pp`
@@ -52,6 +60,8 @@ class Layout:
 
     counts: tuple[int, ...]
     num_chunks: int = 1
+    mtp_layers: int = 0
+    mtp_stage: int | None = None
 
     def __post_init__(self) -> None:
         if not self.counts:
@@ -66,52 +76,84 @@ class Layout:
         if len(self.counts) % v:
             raise LayoutError(f"{len(self.counts)} stages cannot be split into {v} virtual stages "
                               f"per rank; give pp * {v} stages")
+        if self.mtp_layers and self.mtp_stage is None:
+            object.__setattr__(self, "mtp_stage", len(self.counts) - 1)  # Megatron's default
+        check_mtp_placement(self)
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp_layers > 0
+
+    @property
+    def mtp_rank(self) -> int | None:
+        """Pipeline rank holding the MTP block, or None without MTP."""
+        return None if self.mtp_stage is None else self.rank_of(self.mtp_stage)
+
+    @property
+    def mtp_standalone(self) -> bool:
+        """MTP on a rank before the last (Megatron's `mtp_standalone`)."""
+        return self.mtp_stage is not None and self.mtp_rank != self.num_ranks - 1
+
+    def with_mtp(self, mtp_layers: int, mtp_stage: int | None = None) -> "Layout":
+        """The same decoder counts with `mtp_layers` MTP layers on `mtp_stage` (default:
+        the last stage)."""
+        return Layout(self.counts, self.num_chunks, mtp_layers,
+                      mtp_stage if mtp_layers else None)
+
+    def mtp_moved(self, other: "Layout") -> bool:
+        """Whether `other` puts the MTP block on another rank (a chunk change on the
+        same rank moves nothing)."""
+        if self.mtp_layers != other.mtp_layers:
+            raise LayoutError(f"cannot compare layouts of {self.mtp_layers} and "
+                              f"{other.mtp_layers} MTP layers")
+        return self.has_mtp and self.mtp_rank != other.mtp_rank
 
     # ---- construction -------------------------------------------------------------
     @classmethod
     def parse(cls, text: str, num_stages: int | None = None, num_layers: int | None = None,
-              num_chunks: int = 1) -> "Layout":
+              num_chunks: int = 1, mtp_num_layers: int | None = None) -> "Layout":
         """Parse a Megatron layout string; check it against PP size (`num_stages`: pipeline
-        ranks), layer count and virtual stages per rank (`num_chunks`): the string must
-        have pp * num_chunks stages."""
-        expanded = _expand(text)
-        stages = expanded.split("|")
-        bad = sorted(set(expanded) - set("Et|L"))
-        if bad:
-            raise LayoutError(f"layout {text!r}: unsupported characters {bad}; use E, t, L and |"
-                              " (MTP 'm' layers are not supported)")
-        if "E" not in stages[0] or "".join(stages).count("E") != 1 or not stages[0].startswith("E"):
-            raise LayoutError(f"layout {text!r}: the embedding 'E' must open the first stage, once")
-        if not stages[-1].endswith("L") or "".join(stages).count("L") != 1:
-            raise LayoutError(f"layout {text!r}: the loss 'L' must close the last stage, once")
-        counts = tuple(s.count("t") for s in stages)
+        ranks), layer count, virtual stages per rank (`num_chunks`: the string must
+        have pp * num_chunks stages) and MTP layers (`mtp_num_layers`; None: not checked)."""
+        stages = _expand(text).split("|")
+        counts, mtp_stage, mtp_layers = _parse_stages(text, stages)
         if num_stages is not None and len(counts) != num_stages * num_chunks:
             raise LayoutError(_stage_count_message(text, len(counts), num_stages, num_chunks))
         if len(counts) % num_chunks:
             raise LayoutError(f"layout {text!r} has {len(counts)} stages, not a multiple of "
                               f"{num_chunks} (--num-virtual-stages-per-pipeline-rank)")
-        layout = cls(counts, num_chunks)
+        if mtp_num_layers is not None and mtp_layers != mtp_num_layers:
+            raise LayoutError(f"layout {text!r} holds {mtp_layers} MTP layers ('m') but "
+                              f"--mtp-num-layers is {mtp_num_layers}")
+        try:
+            layout = cls(counts, num_chunks, mtp_layers, mtp_stage)
+        except LayoutError as e:
+            raise LayoutError(f"layout {text!r}: {e}") from None
         if num_layers is not None and layout.num_layers != num_layers:
             raise LayoutError(f"layout {text!r} holds {layout.num_layers} decoder layers but "
                               f"--num-layers is {num_layers}")
         return layout
 
     @classmethod
-    def uniform(cls, num_layers: int, num_stages: int, num_chunks: int = 1) -> "Layout":
+    def uniform(cls, num_layers: int, num_stages: int, num_chunks: int = 1,
+                mtp_layers: int = 0) -> "Layout":
         """Megatron's static split over `num_stages` (virtual) stages; the remainder goes
-        to the first stages."""
+        to the first stages; MTP layers (if any) on the last stage, as Megatron puts them
+        without a custom layout."""
         if num_stages <= 0:
             raise LayoutError(f"need a positive number of stages, got {num_stages}")
         base, extra = divmod(num_layers, num_stages)
-        return cls(tuple(base + (1 if s < extra else 0) for s in range(num_stages)), num_chunks)
+        return cls(tuple(base + (1 if s < extra else 0) for s in range(num_stages)), num_chunks,
+                   mtp_layers)
 
     @classmethod
-    def from_boundaries(cls, boundaries: Sequence[int], num_chunks: int = 1) -> "Layout":
+    def from_boundaries(cls, boundaries: Sequence[int], num_chunks: int = 1, mtp_layers: int = 0,
+                        mtp_stage: int | None = None) -> "Layout":
         """From DeepSpeed-style boundaries [0, b1, ..., n] over 0-based layer indices."""
         b = [int(x) for x in boundaries]
         if len(b) < 2 or b[0] != 0 or any(y < x for x, y in zip(b, b[1:])):
             raise LayoutError(f"boundaries must start at 0 and never decrease, got {b}")
-        return cls(tuple(y - x for x, y in zip(b, b[1:])), num_chunks)
+        return cls(tuple(y - x for x, y in zip(b, b[1:])), num_chunks, mtp_layers, mtp_stage)
 
     # ---- queries -----------------------------------------------------------------
     @property
@@ -183,8 +225,8 @@ class Layout:
                 enumerate(zip(self.assignment(), other.assignment())) if a != b]
 
     def with_chunks(self, num_chunks: int) -> "Layout":
-        """The same counts read with `num_chunks` virtual stages per rank."""
-        return Layout(self.counts, num_chunks)
+        """The same counts (and MTP stage) read with `num_chunks` virtual stages per rank."""
+        return Layout(self.counts, num_chunks, self.mtp_layers, self.mtp_stage)
 
     def padded(self, num_ranks: int) -> "Layout":
         """These virtual stages on the lowest ranks of a `num_ranks`-rank pipeline, each
@@ -197,17 +239,74 @@ class Layout:
             raise LayoutError(f"cannot spread {pp} pipeline ranks over {num_ranks}")
         counts = [c for chunk in range(v)
                   for c in self.counts[chunk * pp:(chunk + 1) * pp] + (0,) * (num_ranks - pp)]
-        return Layout(tuple(counts), v)
+        mtp = self.mtp_stage
+        if mtp is not None:
+            mtp = self.chunk_of(mtp) * num_ranks + self.rank_of(mtp)
+        return Layout(tuple(counts), v, self.mtp_layers, mtp)
 
     def to_megatron(self) -> str:
         """Megatron's layout string, e.g. 'Ett|ttL' (empty stages allowed: 'Et||tL')."""
         parts = ["t" * c for c in self.counts]
+        if self.mtp_stage is not None:
+            parts[self.mtp_stage] += "m" * self.mtp_layers
         parts[0] = "E" + parts[0]
         parts[-1] = parts[-1] + "L"
         return "|".join(parts)
 
     def __str__(self) -> str:
         return self.to_megatron()
+
+
+_STAGE = re.compile(r"(E?)(t*)(m*)(L?)")
+
+
+def _parse_stages(text: str, stages: list[str]) -> tuple[tuple[int, ...], int | None, int]:
+    """Decoder counts, the MTP stage and MTP layer count of the expanded `stages`;
+    E opens the first stage, L closes the last, each stage reads E? t* m* L?."""
+    bad = sorted(set("".join(stages)) - set("Etm|L"))
+    if bad:
+        raise LayoutError(f"layout {text!r}: unsupported characters {bad}; use E, t, m, L and |")
+    joined = "".join(stages)
+    if joined.count("E") != 1 or not stages[0].startswith("E"):
+        raise LayoutError(f"layout {text!r}: the embedding 'E' must open the first stage, once")
+    if joined.count("L") != 1 or not stages[-1].endswith("L"):
+        raise LayoutError(f"layout {text!r}: the loss 'L' must close the last stage, once")
+    counts, mtp = [], []
+    for s, stage in enumerate(stages):
+        match = _STAGE.fullmatch(stage)
+        if match is None:
+            raise LayoutError(f"layout {text!r}: stage {s} is {stage!r}; within a stage MTP "
+                              "layers 'm' follow every decoder layer 't' (order E, t, m, L)")
+        counts.append(len(match.group(2)))
+        if match.group(3):
+            mtp.append(s)
+    if len(mtp) > 1:
+        raise LayoutError(f"layout {text!r}: MTP layers 'm' in stages {mtp}; all of them must "
+                          "be in one (virtual) stage")
+    return tuple(counts), (mtp[0] if mtp else None), joined.count("m")
+
+
+def check_mtp_placement(layout: Layout) -> None:
+    """Megatron-Core 0.16.1's MTP rules (module doc): LayoutError, one line, if broken."""
+    k, s = layout.mtp_layers, layout.mtp_stage
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise LayoutError(f"mtp_layers must be a non-negative integer, got {k!r}")
+    if k == 0:
+        if s is not None:
+            raise LayoutError(f"an MTP stage ({s}) without MTP layers; give mtp_layers >= 1")
+        return
+    if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < layout.num_stages:
+        raise LayoutError(f"MTP stage {s!r} is not a stage of {layout.num_stages}")
+    later = [t for t in range(s + 1, layout.num_stages) if layout.counts[t]]
+    if later:
+        raise LayoutError(f"MTP layers in stage {s} but decoder layers after them in stage "
+                          f"{later[0]}; MTP layers must follow every decoder layer")
+    if layout.chunk_of(s) != layout.num_chunks - 1:
+        raise LayoutError(f"MTP layers in virtual stage {s}, chunk {layout.chunk_of(s)} of rank "
+                          f"{layout.rank_of(s)}; they must be in the last chunk of their rank")
+    if layout.num_ranks > 1 and layout.rank_of(s) == 0:
+        raise LayoutError("MTP layers on the first pipeline rank; put them on the last rank or "
+                          "standalone on a later one")
 
 
 def _stage_count_message(text: str, found: int, pp: int, chunks: int) -> str:

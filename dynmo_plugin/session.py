@@ -357,13 +357,15 @@ def _move_earlier_run(output: str, resuming: bool) -> Optional[str]:
 def _initial_layout(args, dims, meta: Optional[dict]) -> Layout:
     """An explicit --pipeline-model-parallel-layout; else, resuming, the layout a checkpoint
     repack chose or the saved one, if it has this run's pp x v stages
-    (megatron.checkpoint.resume_layout); else Megatron's uniform split."""
+    (megatron.checkpoint.resume_layout); else Megatron's uniform split. MTP layers
+    (--mtp-num-layers) as the layout places them, else on the last stage."""
     v = args.num_virtual_stages_per_pipeline_rank
+    mtp = getattr(args, "mtp_num_layers", None) or 0  # args: ModelArgs, or a namespace without it
     if args.pipeline_model_parallel_layout:
-        return Layout.parse(args.pipeline_model_parallel_layout, dims.pp, args.num_layers, v)
+        return Layout.parse(args.pipeline_model_parallel_layout, dims.pp, args.num_layers, v, mtp)
     if meta is not None:
         from dynmo_plugin.megatron.checkpoint.directory import resume_layout
-        layout = resume_layout(meta, dims.pp, v, args.num_layers)
+        layout = resume_layout(meta, dims.pp, v, args.num_layers, mtp)
         if layout is not None:
             return layout
-    return Layout.uniform(args.num_layers, dims.pp * v, v)
+    return Layout.uniform(args.num_layers, dims.pp * v, v, mtp)

@@ -26,14 +26,20 @@ def stage_loads(problem: BalanceProblem, layout: Layout) -> list[float]:
     """Per-stage load: extras cost + the stage's layer costs."""
     lo, hi = _segments(layout)
     pre = problem.cost_prefix
-    return (problem.extras_cost_arr + (pre[hi] - pre[lo])).tolist()
+    loads = problem.extras_cost_arr + (pre[hi] - pre[lo])
+    if layout.mtp_stage is not None:
+        loads[layout.mtp_stage] += problem.mtp_cost
+    return loads.tolist()
 
 
 def stage_memory(problem: BalanceProblem, layout: Layout) -> list[float]:
     """Per-stage bytes: extras memory + the stage's layer memory."""
     lo, hi = _segments(layout)
     pre = problem.memory_prefix
-    return (problem.extras_memory_arr + (pre[hi] - pre[lo])).tolist()
+    memory = problem.extras_memory_arr + (pre[hi] - pre[lo])
+    if layout.mtp_stage is not None:
+        memory[layout.mtp_stage] += problem.mtp_memory
+    return memory.tolist()
 
 
 def rank_memory(problem: BalanceProblem, layout: Layout) -> list[float]:
@@ -85,6 +91,9 @@ def migration_peak_memory(problem: BalanceProblem, before: Layout, after: Layout
         if rank[src] != rank[dst]:
             incoming[dst] += float(move_bytes[layer - 1])
             transferring.update((int(rank[src]), int(rank[dst])))
+    if before.has_mtp and after.has_mtp and before.mtp_moved(after):
+        incoming[after.mtp_stage] += problem.mtp_move_bytes_value  # the MTP block, received
+        transferring.update((int(rank[before.mtp_stage]), int(rank[after.mtp_stage])))
     lo, hi = _segments(after)
     rebuilt = problem.extras_rebuild_arr + (problem.rebuild_prefix[hi] - problem.rebuild_prefix[lo])
     if memory_before is None:
@@ -183,10 +192,14 @@ def memory_violations(problem: BalanceProblem, layout: Layout) -> list[tuple[int
 
 
 def empty_stages(problem: BalanceProblem, layout: Layout) -> list[int]:
-    """Stages without layers, when the problem forbids them (else [])."""
+    """Stages without layers, when the problem forbids them (else []). A stage holding
+    only MTP layers is not empty; the stages after a standalone MTP block must be
+    (Megatron's rule), so they are not listed."""
     if problem.allow_empty_stages:
         return []
-    return [s for s, c in enumerate(layout.counts) if c == 0]
+    mtp = layout.mtp_stage
+    return [s for s, c in enumerate(layout.counts)
+            if c == 0 and (mtp is None or s < mtp)]
 
 
 def feasibility_problems(problem: BalanceProblem, layout: Layout) -> list[str]:

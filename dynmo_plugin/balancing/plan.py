@@ -45,12 +45,15 @@ class Outcome:
 @dataclass(frozen=True)
 class Move:
     """One layer migration: global 1-based layer number, source/destination (virtual)
-    stage, bytes sent (0 for a move between chunks of the same rank: no communication)."""
+    stage, bytes sent (0 for a move between chunks of the same rank: no communication).
+    `kind` "mtp": an MTP layer (numbered 1..k among the MTP layers), which moves with its
+    whole block."""
 
     layer: int
     src: int
     dst: int
     bytes: float
+    kind: str = "decoder"
 
 
 @dataclass
@@ -109,7 +112,7 @@ class Plan:
             "predicted_iter_s": self.predicted_iter_s_after,
             "predicted_iter_s_before": self.predicted_iter_s_before,
             "num_microbatches": self.num_microbatches,
-            "moves": [asdict(m) for m in self.moves],
+            "moves": [_move_dict(m) for m in self.moves],
             "bytes_moved": self.bytes_moved,
             "solve_seconds": self.solve_seconds,
             "rounds": self.rounds,
@@ -148,10 +151,30 @@ def make_plan(problem: BalanceProblem, layout: Layout, method: str, solve_second
     plan.stage_loads_before, plan.stage_memory_before = loads_before, memory_before
     rank = problem.stage_rank
     plan.moves = [Move(layer, src, dst, float(move_bytes[layer - 1]) if rank[src] != rank[dst] else 0.0)
-                  for layer, src, dst in moved]
+                  for layer, src, dst in moved] + _mtp_moves(problem, before, layout)
     plan.migration_peak_memory = metrics.migration_peak_memory(
         problem, before, layout, moved=moved, memory_before=memory_before)
     plan.bottleneck_before = max(loads_before)
     plan.imbalance_before = metrics.imbalance(loads_before)
     plan.predicted_iter_s_before = metrics.predicted_iteration_s(loads_before, m, problem.num_chunks)
     return plan
+
+
+def _move_dict(move: Move) -> dict[str, Any]:
+    """A move as report.json writes it; "kind" only for MTP layers (decoder moves keep
+    the fields they always had)."""
+    out = asdict(move)
+    if out["kind"] == "decoder":
+        del out["kind"]
+    return out
+
+
+def _mtp_moves(problem: BalanceProblem, before: Layout, after: Layout) -> list[Move]:
+    """One Move per MTP layer when the block changes stage (its bytes split evenly)."""
+    src, dst = before.mtp_stage, after.mtp_stage
+    if src is None or dst is None or src == dst:
+        return []
+    k = after.mtp_layers
+    rank = problem.stage_rank
+    each = problem.mtp_move_bytes_value / k if rank[src] != rank[dst] else 0.0
+    return [Move(i, src, dst, each, kind="mtp") for i in range(1, k + 1)]

@@ -109,6 +109,15 @@ class BalanceProblem:
         tokens_per_iteration: tokens one pipeline replica trains per iteration
             (micro-batches x micro-batch size x sequence); optional, only to report a
             plan's predicted tokens/s and tokens per GPU-hour (costs must be seconds).
+        mtp_layers: Multi-Token Prediction layers (Megatron's --mtp-num-layers), one unit
+            placed after every decoder layer (`layout`); 0 = none.
+        mtp_stages: the stages the block may take (None: every stage Megatron allows);
+            the live controller pins it to its current stage, since live migration
+            moves decoder layers only.
+        mtp_cost / mtp_memory / mtp_move_bytes: the MTP block's cost, bytes and bytes
+            moved with it (default `mtp_memory`), counted on the stage that holds it. Its
+            losses' output-layer work stays on the last stage (Megatron computes them
+            there wherever the block is): that belongs in the last stage's extras.
     Raises:
         ProblemError: malformed inputs (the message names the value and the fix).
         InfeasibleError: a stage's fixed extras alone exceed its capacity.
@@ -131,6 +140,11 @@ class BalanceProblem:
     num_chunks: int = 1
     tokens_per_iteration: float | None = None
     transfer_transient_bytes: float = 0.0
+    mtp_layers: int = 0
+    mtp_cost: float = 0.0
+    mtp_memory: float = 0.0
+    mtp_move_bytes: float | None = None
+    mtp_stages: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
@@ -169,6 +183,7 @@ class BalanceProblem:
         if tpi is not None and (isinstance(tpi, bool) or not isinstance(tpi, (int, float))
                                 or not (math.isfinite(tpi) and tpi > 0)):
             raise ProblemError(f"tokens_per_iteration must be a finite number > 0, got {tpi!r}")
+        self._check_mtp()
         self._check_current()
         self._check_extras_fit()
         if int(self.move_key.sum()) >= _MAX_KEY:
@@ -189,10 +204,44 @@ class BalanceProblem:
                                f"({self.num_ranks}), got {self.capacity!r}")
         return out
 
+    def _check_mtp(self) -> None:
+        k = self.mtp_layers
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ProblemError(f"mtp_layers must be a non-negative integer, got {k!r}")
+        for name in ("mtp_cost", "mtp_memory", "mtp_move_bytes"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0:
+                raise ProblemError(f"{name} must be a finite number >= 0, got {value!r}")
+            if value and not k:
+                raise ProblemError(f"{name} = {value} but the problem has no MTP layers; "
+                                   "give mtp_layers")
+
+        stages = self.mtp_stages
+        if stages is not None:
+            try:
+                stages = tuple(sorted({int(s) for s in stages}))
+            except (TypeError, ValueError):
+                stages = ()
+            if not stages or not k or any(not 0 <= s < self.num_stages for s in stages):
+                raise ProblemError(f"mtp_stages must be stages of {self.num_stages} (with MTP "
+                                   f"layers), got {self.mtp_stages!r}")
+            object.__setattr__(self, "mtp_stages", stages)
+
+    @property
+    def mtp_move_bytes_value(self) -> float:
+        """Bytes a move of the MTP block sends: `mtp_move_bytes`, else `mtp_memory`."""
+        return float(self.mtp_memory if self.mtp_move_bytes is None else self.mtp_move_bytes)
+
     def _check_current(self) -> None:
         cur = self.current
         if cur is None:
             return
+        if isinstance(cur, Layout) and cur.mtp_layers != self.mtp_layers:
+            raise ProblemError(f"current layout {cur} has {cur.mtp_layers} MTP layers but the "
+                               f"problem has {self.mtp_layers} (mtp_layers)")
         if not isinstance(cur, Layout):
             raise ProblemError(f"current must be a Layout (Layout.parse('Ett|ttL')), got {cur!r}")
         if cur.num_stages != self.num_stages or cur.num_layers != self.num_layers \

@@ -50,8 +50,25 @@ def memory_calibration(profile: PipelineProfile, num_stages: int,
     return layer_bytes, calibration
 
 
+def _mtp_fields(profile: PipelineProfile, current: Layout, num_microbatches: int,
+                pin_mtp: bool) -> dict:
+    """The MTP block's problem fields: its measured cost and state + the activations of
+    the micro-batches a stage may hold (as a layer's); pinned to its current stage when
+    `pin_mtp` (live migration moves decoder layers only)."""
+    if not current.has_mtp:
+        return {}
+    out = {"mtp_layers": current.mtp_layers,
+           "mtp_stages": (current.mtp_stage,) if pin_mtp else None}
+    block = profile.mtp
+    if block is not None:
+        depth = min(current.num_stages, num_microbatches)
+        out.update(mtp_cost=block.cost_s, mtp_memory=float(block.state_bytes + depth * block.act_bytes),
+                   mtp_move_bytes=float(block.state_bytes))
+    return out
+
+
 def problem_from_profile(profile: PipelineProfile, current: Layout, config,
-                         num_microbatches: int) -> BalanceProblem:
+                         num_microbatches: int, pin_mtp: bool = False) -> BalanceProblem:
     """Per-layer cost = median fwd+bwd per micro-batch; memory as `memory_calibration`
     models and calibrates it; a migration rebuilds each stage's gradient buffers
     (`rebuild_bytes`). Interleaved: extras per virtual stage, memory overhead and the
@@ -78,4 +95,5 @@ def problem_from_profile(profile: PipelineProfile, current: Layout, config,
         num_chunks=current.num_chunks,
         transfer_transient_bytes=(CHECKSUM_TRANSIENT_BYTES
                                   if any(s.clock == "cuda_event" for s in profile.stages) else 0.0),
+        **_mtp_fields(profile, current, num_microbatches, pin_mtp),
     )

@@ -55,8 +55,24 @@ def _moves(plan: Any) -> list[str]:
     if not plan.moves:
         return ["moves: none"]
     out = [f"moves: {len(plan.moves)} layer(s), {human_bytes(plan.bytes_moved)}"]
-    out += [f"  layer {m.layer}: stage {m.src} -> {m.dst} ({human_bytes(m.bytes)})" for m in plan.moves]
+    out += [f"  {'MTP layer' if getattr(m, 'kind', 'decoder') == 'mtp' else 'layer'} {m.layer}: "
+            f"stage {m.src} -> {m.dst} ({human_bytes(m.bytes)})" for m in plan.moves]
     return out
+
+
+def _mtp(plan: Any) -> list[str]:
+    """Where the MTP block goes, said outright (on the last rank, or standalone)."""
+    layout = plan.layout
+    if not getattr(layout, "has_mtp", False):
+        return []
+    where = (f"standalone on stage {layout.mtp_stage} (rank {layout.mtp_rank})"
+             if layout.mtp_standalone else f"on the last rank (stage {layout.mtp_stage})")
+    before = plan.before
+    if before is not None and before.has_mtp and before.mtp_stage != layout.mtp_stage:
+        where += f", moved from stage {before.mtp_stage}"
+    elif before is not None:
+        where += ", where it is"
+    return [f"MTP block ({layout.mtp_layers} layer(s)): {where}"]
 
 
 def render_plan(plan: Any) -> str:
@@ -65,7 +81,7 @@ def render_plan(plan: Any) -> str:
             else f"plan ({plan.method}): {layout}")
     head += f"  [solved in {plan.solve_seconds * 1e3:.1f} ms"
     head += f", {plan.rounds} rounds]" if plan.rounds is not None else "]"
-    lines = [head, *_stage_table(plan), *_summary(plan), *_moves(plan)]
+    lines = [head, *_stage_table(plan), *_summary(plan), *_mtp(plan), *_moves(plan)]
     if plan.gate is not None:
         g = plan.gate
         lines.append(f"gate: {'APPLY' if g.apply else 'skip'} - {g.reason}")

@@ -11,6 +11,9 @@ from dynmo_plugin.balancing.diffusion import solve_diffusion
 from dynmo_plugin.balancing.exact import solve_exact, solve_interleaved
 from dynmo_plugin.balancing.gate import GateConfig, attach_gate
 from dynmo_plugin.balancing.metrics import feasibility_problems
+from dynmo_plugin.balancing.mtp import (LAST_STAGE_NOTE, fold_mtp_last, kept_mtp_stage,
+                                        solve_exact_mtp)
+from dynmo_plugin.layout import LayoutError
 from dynmo_plugin.balancing.partition import solve_partition
 from dynmo_plugin.balancing.plan import Outcome, Plan, make_plan
 from dynmo_plugin.balancing.problem import BalanceProblem, InfeasibleError, ProblemError
@@ -61,7 +64,7 @@ def solve(problem: BalanceProblem, method: str, *, gate: GateConfig | None = Non
         raise ProblemError(f"method {method!r} does not take option(s) {unknown}; "
                            f"it takes {sorted(accepted) or 'none'}")
     start = time.perf_counter()
-    outcome = fn(problem, **options)
+    outcome = _with_mtp(problem, method, fn, options)
     seconds = time.perf_counter() - start
     layout = outcome.layout.with_chunks(problem.num_chunks)  # balancers see plain stages
     if problem.num_chunks > 1:
@@ -69,6 +72,25 @@ def solve(problem: BalanceProblem, method: str, *, gate: GateConfig | None = Non
     plan = make_plan(problem, layout, method, seconds, outcome.rounds, outcome.notes)
     log.info("balancing %s: %s -> %s in %.3f s", method, problem.current, plan.layout, seconds)
     return attach_gate(plan, gate) if gate is not None else plan
+
+
+def _with_mtp(problem: BalanceProblem, method: str, fn: Callable[..., Outcome],
+              options: dict[str, Any]) -> Outcome:
+    """Run the balancer; with MTP layers, the exact one places the block
+    (`mtp.solve_exact_mtp`), the others see it on the last stage (`mtp.fold_mtp_last`)."""
+    if not problem.mtp_layers:
+        return fn(problem, **options)
+    if method == "exact" and problem.num_chunks == 1:
+        return solve_exact_mtp(problem)
+    out = fn(fold_mtp_last(problem), **options)
+    stage = kept_mtp_stage(problem)
+    try:
+        layout = Layout(out.layout.counts, problem.num_chunks, problem.mtp_layers, stage)
+    except LayoutError as e:
+        raise InfeasibleError(f"{method} put decoder layers where the MTP block (kept on stage "
+                              f"{stage}) forbids them ({e}); use the exact balancer") from None
+    note = LAST_STAGE_NOTE if stage == problem.num_stages - 1 else f"MTP block kept on stage {stage}"
+    return Outcome(layout, [*out.notes, note], out.rounds)
 
 
 def _check_rank_memory(problem: BalanceProblem, layout: Layout, method: str) -> None:

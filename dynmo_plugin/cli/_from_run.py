@@ -99,7 +99,7 @@ def recommend(run_dir: str) -> dict[str, Any]:
             min_stages=int(rp["min_stages"]), max_slowdown=float(rp["max_slowdown"]),
             objective=rp["objective"], memory_margin=float(rp["memory_margin"]),
             rebuild_s=float(rp["rebuild_s"]))
-        if repack_considered(problem, criteria):
+        if repack_considered(problem, criteria) and not problem.mtp_layers:  # no MTP repacks yet
             repack = plan_repack(problem, criteria, iteration_model=_iteration_model(report))
             if repack.apply:
                 layout, predicted = repack.layout_after, repack.predicted_iter_s_after
@@ -113,6 +113,7 @@ def recommend(run_dir: str) -> dict[str, Any]:
             "pipeline_model_parallel_layout": layout.to_megatron(),
             "predicted_iter_s": predicted,
             "predicted_iter_s_profiled": plan.predicted_iter_s_before,
+            "mtp": _mtp_placement(current, layout),
             "live": {"iteration": event.get("iteration"), "applied": bool(event.get("applied")),
                      "layout_after": event.get("layout_after"),
                      "reason": event.get("reason") or "profile only: nothing moves"}}
@@ -156,7 +157,9 @@ def recommend_from_profile(path: str) -> dict[str, Any]:
         counts = [0] * len(profile.stages)
         for x in profile.layers:
             counts[x.stage] += 1
-        current = Layout(tuple(counts), num_chunks=profile.num_chunks)
+        mtp = profile.mtp
+        current = Layout(tuple(counts), profile.num_chunks, mtp.layer if mtp else 0,
+                         mtp.stage if mtp else None)
         m = max(s.num_microbatches for s in profile.stages) or 1
         problem = problem_from_profile(profile, current, DynmoConfig(), m)
         plan = solve(problem, "exact")
@@ -169,12 +172,34 @@ def recommend_from_profile(path: str) -> dict[str, Any]:
             "num_virtual_stages_per_pipeline_rank": layout.num_chunks,
             "pipeline_model_parallel_layout": layout.to_megatron(),
             "predicted_iter_s": plan.predicted_iter_s_after,
-            "predicted_iter_s_profiled": plan.predicted_iter_s_before}
+            "predicted_iter_s_profiled": plan.predicted_iter_s_before,
+            "mtp": _mtp_placement(current, layout)}
+
+
+def _mtp_placement(before: Layout, after: Layout) -> dict[str, Any] | None:
+    """Where the recommended layout puts the MTP block, and where it was profiled."""
+    if not after.has_mtp:
+        return None
+    return {"layers": after.mtp_layers, "stage": after.mtp_stage, "rank": after.mtp_rank,
+            "standalone": after.mtp_standalone, "profiled_stage": before.mtp_stage}
+
+
+def _mtp_line(rec: dict[str, Any]) -> list[str]:
+    mtp = rec.get("mtp")
+    if not mtp:
+        return []
+    where = (f"standalone on rank {mtp['rank']}" if mtp["standalone"]
+             else f"on the last rank ({mtp['rank']})")
+    moved = ("where it was profiled" if mtp["profiled_stage"] == mtp["stage"]
+             else f"moved from stage {mtp['profiled_stage']}")
+    return [f"MTP block ({mtp['layers']} layer(s)): {where}, stage {mtp['stage']}; {moved}"]
 
 
 def _flags(rec: dict[str, Any]) -> str:
     flags = (f"--pipeline-model-parallel-size {rec['pipeline_model_parallel_size']} "
              f"--pipeline-model-parallel-layout '{rec['pipeline_model_parallel_layout']}'")
+    if rec.get("mtp"):
+        flags += f" --mtp-num-layers {rec['mtp']['layers']}"
     if rec["num_virtual_stages_per_pipeline_rank"] > 1:
         flags += f" --num-virtual-stages-per-pipeline-rank {rec['num_virtual_stages_per_pipeline_rank']}"
     return flags
@@ -188,6 +213,7 @@ def render_profile(rec: dict[str, Any], as_json: bool) -> str:
         f"({rec['num_microbatches']} micro-batches)",
         "recommended for Megatron-LM (exact solver on the measured profile):",
         f"  {_flags(rec)}",
+        *_mtp_line(rec),
         f"predicted iteration {rec['predicted_iter_s']:.4g} s (the profiled layout "
         f"{rec['predicted_iter_s_profiled']:.4g} s)"])
 
@@ -204,6 +230,7 @@ def render(rec: dict[str, Any], as_json: bool) -> str:
         f"under {rec['layout_profiled']}",
         "recommended for Megatron-LM (exact solver on the measured profile):",
         f"  {flags}",
+        *_mtp_line(rec),
         f"predicted iteration {rec['predicted_iter_s']:.4g} s (the profiled layout "
         f"{rec['predicted_iter_s_profiled']:.4g} s)",
         f"the live run {did}"])

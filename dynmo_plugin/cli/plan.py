@@ -14,7 +14,10 @@ same from a profile file as a run records it (the layout it was profiled under i
 from its layers' stages; no memory cap, no repack: those are the run's settings).
 
 costs.json: a JSON list of per-layer costs, or an object {"costs": [...], "memory":
-[...], "move_bytes": [...], "params": [...]} (all but costs optional). mem.json: a list
+[...], "move_bytes": [...], "params": [...], "mtp": {"layers": k, "cost": c, "memory": b,
+"move_bytes": b}} (all but costs optional; "mtp": the Multi-Token Prediction block, one
+unit the exact balancer places on the last rank or standalone, its "m" layers also read
+from --current-layout). mem.json: a list
 of per-layer bytes. extras.json: a list of per-stage costs, or {"cost": [...],
 "memory": [...]}. --capacity: bytes per stage (suffixes KB MB GB TB KiB MiB GiB TiB),
 or a comma-separated list, one per stage. The costs file may also be given as the
@@ -196,10 +199,10 @@ def _layer_inputs(args: argparse.Namespace) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("costs"), list):
         raise UserError(f"costs file {args.costs!r} must hold a list of numbers or an object "
                         "with a 'costs' list")
-    unknown = sorted(set(data) - {"costs", "memory", "move_bytes", "params"})
+    unknown = sorted(set(data) - {"costs", "memory", "move_bytes", "params", "mtp"})
     if unknown:
         raise UserError(f"costs file {args.costs!r}: unknown keys {show(unknown)}; "
-                        "use costs, memory, move_bytes, params")
+                        "use costs, memory, move_bytes, params, mtp")
     source = f"costs file {args.costs!r}"
     out = {"costs": _numbers(data["costs"], "costs", source),
            "memory": _optional_numbers(data.get("memory"), "memory", source),
@@ -208,6 +211,25 @@ def _layer_inputs(args: argparse.Namespace) -> dict[str, Any]:
     if args.memory:
         out["memory"] = _numbers(_load_json(args.memory, "memory"), "memory",
                                  f"memory file {args.memory!r}")
+    out.update(_mtp_inputs(data.get("mtp"), source))
+    return out
+
+
+def _mtp_inputs(data: Any, source: str) -> dict[str, Any]:
+    """The costs file's "mtp" object as BalanceProblem fields ({} when absent)."""
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or not set(data) <= {"layers", "cost", "memory", "move_bytes"}:
+        raise UserError(f"{source}: mtp must be an object with layers, cost, memory, move_bytes, "
+                        f"got {show(data)}")
+    k = data.get("layers")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise UserError(f"{source}: mtp.layers must be an integer >= 1 (--mtp-num-layers), "
+                        f"got {show(k)}")
+    values = _numbers([data.get(f, 0) for f in ("cost", "memory")], "mtp cost/memory", source)
+    out = {"mtp_layers": k, "mtp_cost": values[0], "mtp_memory": values[1]}
+    if data.get("move_bytes") is not None:
+        out["mtp_move_bytes"] = _numbers([data["move_bytes"]], "mtp.move_bytes", source)[0]
     return out
 
 
@@ -310,12 +332,33 @@ def _problem(args: argparse.Namespace) -> BalanceProblem:
         capacity = parts[0] if len(parts) == 1 else parts
     current = _current_layout(args, len(layers["costs"]))
     stages = args.stages if current is None else current.num_stages
+    _check_mtp(args, layers, current)
     if args.repack and current is None and layers["costs"]:
-        current = Layout.uniform(len(layers["costs"]), stages)  # Megatron's static split
+        current = Layout.uniform(len(layers["costs"]), stages,  # Megatron's static split
+                                 mtp_layers=layers.get("mtp_layers", 0))
     return BalanceProblem(num_stages=stages, capacity=capacity, current=current,
                           allow_empty_stages=args.allow_empty_stages,
                           num_microbatches=args.microbatches or 1, **layers, **_extras(args),
                           tokens_per_iteration=args.tokens_per_iteration)
+
+
+def _check_mtp(args: argparse.Namespace, layers: dict[str, Any], current: Layout | None) -> None:
+    """The costs file's mtp.layers and the current layout's 'm' agree; a layout's 'm'
+    alone gives the block (cost 0). Repacks do not carry MTP yet: refused.
+
+    Raises:
+        UserError: they disagree, or --repack with MTP.
+    """
+    in_file = layers.get("mtp_layers")
+    in_layout = current.mtp_layers if current is not None else None
+    if in_file is not None and in_layout is not None and in_file != in_layout:
+        raise UserError(f"--current-layout holds {in_layout} MTP layers ('m') but the costs "
+                        f"file's mtp.layers is {in_file}; make them agree")
+    if in_file is None and in_layout:
+        layers["mtp_layers"] = in_layout
+    if args.repack and layers.get("mtp_layers"):
+        raise UserError("--repack does not carry MTP layers yet; plan a rebalance (--method "
+                        "exact) instead")
 
 
 def _gate(args: argparse.Namespace) -> GateConfig | None:

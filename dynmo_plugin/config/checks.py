@@ -40,6 +40,9 @@ def check_run(cfg: RunConfig, given: dict[str, str], where: str, world_size: Opt
     check_shape(cfg.model, where, world_size)
     _check_precision(cfg, given)
     _check_forced_layouts(cfg, where)
+    if cfg.model.mtp_num_layers and cfg.dynmo.repack.enabled:
+        raise ConfigError(f"{where}: repack.enabled with --mtp-num-layers: repacks do not carry "
+                          "the MTP block yet; rebalance without --dynmo-repack")
     _check_dynamism(cfg, given)
     _check_repack(cfg, given)
     _check_interleaved_repack(cfg, where, world_size)
@@ -103,7 +106,8 @@ def check_shape(m: ModelArgs, where: str, world_size: int | None = None) -> None
     v = m.num_virtual_stages_per_pipeline_rank
     if m.pipeline_model_parallel_layout is not None:
         try:
-            Layout.parse(m.pipeline_model_parallel_layout, pp, m.num_layers, v)
+            Layout.parse(m.pipeline_model_parallel_layout, pp, m.num_layers, v,
+                         m.mtp_num_layers or 0)
         except LayoutError as e:
             raise ConfigError(f"{where}: --pipeline-model-parallel-layout: {e}") from e
     elif m.num_layers < pp * v:
@@ -389,7 +393,8 @@ def _check_forced_layouts(cfg: RunConfig, where: str) -> None:
              f"--num-virtual-stages-per-pipeline-rank {m.num_virtual_stages_per_pipeline_rank}")
     for it, text in cfg.dynmo.rebalance.forced_layouts.items():
         try:
-            layout = Layout.parse(text, None, m.num_layers, m.num_virtual_stages_per_pipeline_rank)
+            layout = Layout.parse(text, None, m.num_layers, m.num_virtual_stages_per_pipeline_rank,
+                                  m.mtp_num_layers or 0)
         except LayoutError as e:
             raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: {e}") from e
         if layout.num_stages > pp or (layout.num_stages < pp and not cfg.dynmo.repack.enabled):
@@ -400,3 +405,20 @@ def _check_forced_layouts(cfg: RunConfig, where: str) -> None:
         if it > m.train_iters:
             raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: iteration is past "
                               f"--train-iters ({m.train_iters})")
+        _check_mtp_stays(m, where, it, text, layout)
+
+
+def _check_mtp_stays(m: ModelArgs, where: str, it: int, text: str, layout: Layout) -> None:
+    """A forced layout keeps the MTP block on the rank it starts on: live migration moves
+    decoder layers only (a checkpoint moves the block: save, --load under a new layout)."""
+    if not m.mtp_num_layers:
+        return
+    pp, v = m.pipeline_model_parallel_size, m.num_virtual_stages_per_pipeline_rank
+    start = (Layout.parse(m.pipeline_model_parallel_layout, pp, m.num_layers, v, m.mtp_num_layers)
+             .mtp_rank if m.pipeline_model_parallel_layout else pp - 1)
+    if layout.mtp_rank != start:
+        raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: layout {text!r} puts the MTP "
+                          f"block on rank {layout.mtp_rank} but it starts on rank {start}; live "
+                          "migration moves decoder layers only: move the block through a "
+                          "checkpoint (--save, then --load with the new "
+                          "--pipeline-model-parallel-layout)")

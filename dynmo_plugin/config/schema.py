@@ -137,6 +137,10 @@ class ModelArgs:
         "sdpa (torch's fused SDPA kernels: FlashAttention / memory-efficient on CUDA); "
         "Transformer Engine layers use TE's own", check=one_of("unfused", "sdpa")))
     pipeline_model_parallel_layout: Optional[str] = field(default=None, metadata=opt("Megatron layout string, e.g. 'Ett|ttL'"))
+    mtp_num_layers: Optional[int] = field(default=None, metadata=opt(
+        "Multi-Token Prediction layers after the decoder (Megatron-Core's MTP block; 'm' in "
+        "the layout: on the last rank by default, or standalone on an earlier one)",
+        check=positive))
     untie_embeddings_and_output_weights: bool = field(default=False, metadata=opt("separate output-layer weights"))
     output: str = field(default="runs/latest", metadata=opt("directory for report.json"))
     save: Optional[str] = field(default=None, metadata=opt("checkpoint directory to save to"))

@@ -23,7 +23,8 @@ SCENARIO_SPECS = ("layer_freezing", "gradual_pruning")
 # Megatron-LM argument names that dynmo_plugin.config validates the plugin's settings
 # against (the rest of its namespace is Megatron-LM's business).
 _MODEL_KEYS = ("num_layers", "pipeline_model_parallel_size", "tensor_model_parallel_size",
-               "hidden_size", "num_attention_heads", "micro_batch_size", "global_batch_size", "save")
+               "hidden_size", "num_attention_heads", "micro_batch_size", "global_batch_size", "save",
+               "mtp_num_layers")
 
 
 def load_plugin_config(args: argparse.Namespace) -> RunConfig:
@@ -61,7 +62,8 @@ def _check_supported(args, cfg: RunConfig) -> None:
          "migration would leave pointing at the old DDP; the distributed optimizer without it works)"),
         (getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False),
          "FSDP (--use-megatron-fsdp / --use-torch-fsdp2)"),
-        (bool(getattr(args, "mtp_num_layers", None)), "--mtp-num-layers"),
+        (bool(getattr(args, "mtp_num_layers", None)) and getattr(args, "num_layers_per_virtual_pipeline_stage", None),
+         "--mtp-num-layers with virtual pipeline stages (MTP under Megatron-LM: one chunk per rank)"),
         (getattr(args, "optimizer", "adam") not in ("adam", "sgd"), f"--optimizer {args.optimizer}"),
         (cfg.dynmo.dynamism.kind not in ("none", *SCENARIO_SPECS)
          and not (cfg.dynmo.dynamism.kind == "moe" and getattr(args, "num_experts", None)),

@@ -141,11 +141,14 @@ def _current_layout(models: list, dims) -> Layout:
     stage s is chunk s // pp of rank s % pp, as in Megatron."""
     import torch.distributed as dist
     numbers = [[layer.layer_number for layer in m.decoder.layers] for m in models]
+    mtp = [len(m.mtp.layers) if getattr(m, "mtp_process", False) else 0 for m in models]
     held: list = [None] * dims.pp
-    dist.all_gather_object(held, numbers, group=dims.groups.pp)
+    dist.all_gather_object(held, (numbers, mtp), group=dims.groups.pp)
     v = len(models)
-    stages = [held[s % dims.pp][s // dims.pp] for s in range(dims.pp * v)]
-    layout = Layout(tuple(len(n) for n in stages), v)
+    stages = [held[s % dims.pp][0][s // dims.pp] for s in range(dims.pp * v)]
+    blocks = [held[s % dims.pp][1][s // dims.pp] for s in range(dims.pp * v)]
+    k = max(blocks)
+    layout = Layout(tuple(len(n) for n in stages), v, k, blocks.index(k) if k else None)
     if [n for stage in stages for n in stage] != list(range(1, layout.num_layers + 1)):
         raise MegatronLMError(f"decoder layers per (virtual) stage {stages} are not one "
                               "contiguous split")

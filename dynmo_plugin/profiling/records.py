@@ -118,18 +118,26 @@ class PipelineProfile:
     layers: list[LayerProfile] = field(default_factory=list)
     stages: list[StageProfile] = field(default_factory=list)
     num_chunks: int = 1     # virtual stages per pipeline rank (module docstring)
+    # The Multi-Token Prediction block as one unit (`layer` = its k MTP layers, `stage`
+    # where it ran): its own hooks' time, its embedding use included; its losses'
+    # output-layer work stays in the last stage's extras. None: no MTP.
+    mtp: LayerProfile | None = None
 
     def to_dict(self) -> dict:
         out = {"layers": [asdict(x) for x in self.layers],
                "stages": [asdict(x) for x in self.stages]}
         if self.num_chunks != 1:
             out["num_chunks"] = self.num_chunks
+        if self.mtp is not None:
+            out["mtp"] = asdict(self.mtp)
         return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "PipelineProfile":
+        mtp = data.get("mtp")
         return cls([LayerProfile(**x) for x in data["layers"]],
-                   [StageProfile(**x) for x in data["stages"]], int(data.get("num_chunks", 1)))
+                   [StageProfile(**x) for x in data["stages"]], int(data.get("num_chunks", 1)),
+                   None if mtp is None else LayerProfile(**mtp))
 
     def dispersion(self) -> float:
         """The profile's measured noise: the layers' relative dispersions weighted by
@@ -155,7 +163,8 @@ class PipelineProfile:
                              "be merged: every rank must profile the same pipeline")
         layers = sorted((x for p in parts for x in p.layers), key=lambda x: x.layer)
         stages = sorted((x for p in parts for x in p.stages), key=lambda x: x.stage)
-        return PipelineProfile(layers, stages, chunks.pop())
+        mtp = next((p.mtp for p in parts if p.mtp is not None), None)
+        return PipelineProfile(layers, stages, chunks.pop(), mtp)
 
     @staticmethod
     def elementwise_max(parts: list["PipelineProfile"]) -> "PipelineProfile":
@@ -171,4 +180,5 @@ class PipelineProfile:
             return out
         layers = [fold([p.layers[i] for p in parts]) for i in range(len(parts[0].layers))]
         stages = [fold([p.stages[i] for p in parts]) for i in range(len(parts[0].stages))]
-        return PipelineProfile(layers, stages, parts[0].num_chunks)
+        mtp = [p.mtp for p in parts if p.mtp is not None]
+        return PipelineProfile(layers, stages, parts[0].num_chunks, fold(mtp) if mtp else None)

@@ -105,6 +105,7 @@ class Event:
     reason: str | None = None          # why the decision went as it did (flags named)
     planned_layout: str | None = None  # the plan's layout, applied or not
     repack_reason: str | None = None   # a repack considered and not applied: why
+    mtp: str | None = None             # the profile's MTP block, as one line
 
     @property
     def label(self) -> str:
@@ -145,7 +146,8 @@ class Event:
             reason=_opt_text(raw.get("error") or raw.get("reason") or raw.get("cancelled")),
             planned_layout=_opt_text(raw.get("planned_layout")),
             repack_reason=_opt_text((raw.get("repack_considered") or {}).get("reason")
-                                    if isinstance(raw.get("repack_considered"), dict) else None))
+                                    if isinstance(raw.get("repack_considered"), dict) else None),
+            mtp=_mtp_line(raw.get("profile")))
 
     def impossible(self) -> tuple[str, float] | None:
         """The first field holding a value no run produces (negative seconds or bytes,
@@ -162,6 +164,18 @@ class Event:
                    ("predicted_iter_s_after", self.predicted_after)]
         bad = next(((k, v) for k, v in fields if v is not None and not 0 <= v <= _MAX_PLOTTED), None)
         return bad or (("moves[].bytes", self.moved_bytes) if self.moved_bytes < 0 else None)
+
+
+def _mtp_line(profile: Any) -> str | None:
+    """The profiled MTP block (`PipelineProfile.mtp`) in one line, or None."""
+    mtp = profile.get("mtp") if isinstance(profile, dict) else None
+    if not isinstance(mtp, dict):
+        return None
+    fwd, bwd = _num(mtp.get("fwd_s")) or 0.0, _num(mtp.get("bwd_s")) or 0.0
+    state = sum(_num(mtp.get(k)) or 0.0 for k in ("param_bytes", "grad_bytes", "optim_bytes"))
+    return (f"{_text(mtp.get('layer'))} layer(s) on stage {_text(mtp.get('stage'))}: "
+            f"{1e3 * (fwd + bwd):.3f} ms fwd+bwd per micro-batch, {state / 1e6:.2f} MB state, "
+            f"{(_num(mtp.get('act_bytes')) or 0.0) / 1e6:.2f} MB activations per micro-batch")
 
 
 def _stage_count(repack: Any, key: str) -> int | None:

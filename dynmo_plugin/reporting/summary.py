@@ -125,6 +125,10 @@ def markdown_summary(report: Report, plots: list[Path]) -> str:
                 "| moves | overhead |", "|---|---|---|---|---|---|---|---|---|"]
         out += [_event_row(report, e) for e in report.events]
     out += _decisions(report)
+    mtp = [(e.iteration, e.mtp) for e in report.events if e.mtp]
+    if mtp:
+        out += ["", "## MTP block (profiled as one unit)", ""]
+        out += [f"- iteration {it}: {line}" for it, line in mtp]
     if plots:
         out += ["", "## Plots", ""]
         out += [f"![{p.stem}]({p.name})" for p in plots]

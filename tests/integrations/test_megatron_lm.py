@@ -83,12 +83,14 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
     with pytest.raises(ConfigError, match="has 2 stages but the pipeline has 4"):
         ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "4:Et|tttL"],
                                              **interleaved))
-    # without --dynmo nothing is refused, not even a layout the plugin cannot represent
-    # (an MTP layer): the hooks pass every call through
+    # without --dynmo nothing is refused, not even a layout that does not fit the flags
+    # (an MTP layer without --mtp-num-layers): the hooks pass every call through
     mtp = dict(pipeline_model_parallel_layout="Ett|tt|mL", num_layers=4, pipeline_model_parallel_size=3)
     assert not ml.load_plugin_config(_megatron_like(use_distributed_optimizer=True, **mtp)).dynmo.enabled
-    with pytest.raises(ConfigError, match="MTP"):
+    with pytest.raises(ConfigError, match=r"holds 1 MTP layers \('m'\) but --mtp-num-layers is 0"):
         ml.load_plugin_config(_megatron_like(argv=["--dynmo"], **mtp))
+    # with it, MTP is followed (one chunk per rank)
+    assert ml.load_plugin_config(_megatron_like(argv=["--dynmo"], mtp_num_layers=1, **mtp)).dynmo.enabled
 
 
 def test_event_scalars_for_the_writers():
@@ -602,3 +604,20 @@ def _harness() -> None:
 
 if __name__ == "__main__":
     _harness()
+
+
+@needs_source
+def test_mtp_inside_megatron_lm_train_profiled_and_decoders_moved_bit_exact(tmp_path):
+    """--mtp-num-layers 1 under Megatron-LM's own train() (its gpt_builders build the MTP
+    block, pretrain_gpt's get_embedding_ranks add the MTP rank): the stage handle reads
+    the block's place ('m' on the last rank), profiles hold it as its own unit, a forced
+    layout moves a decoder layer around it, and every loss equals the never-moved run's."""
+    mtp = ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--dynmo"]  # Megatron-LM: MTP needs rope
+    moved, moved_losses = _run(tmp_path / "moved", [*mtp, "--dynmo-profile-every", "2",
+                                                    "--dynmo-forced-layouts", "4:Et|tttmL"])
+    static, static_losses = _run(tmp_path / "static", mtp)
+    assert static["layout"] == "Ett|ttmL" and static["events"] == []
+    _check_forced_move(moved, "Et|tttmL", 4)
+    profiles = [e["profile"] for e in moved["events"] if e.get("profile")]
+    assert profiles and all(p["mtp"]["stage"] == 1 and p["mtp"]["fwd_s"] > 0 for p in profiles)
+    assert len(moved_losses) == 6 and moved_losses == static_losses

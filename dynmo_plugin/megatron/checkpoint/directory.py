@@ -22,7 +22,7 @@ import traceback
 from typing import Optional
 
 from dynmo_plugin.errors import UserError
-from dynmo_plugin.layout import Layout
+from dynmo_plugin.layout import Layout, LayoutError
 
 __all__ = ["save_checkpoint", "read_meta", "load_checkpoint", "resume_layout", "CheckpointError",
            "FORMAT", "check_same_model", "model_record", "MODEL_KEYS"]
@@ -125,19 +125,28 @@ def save_checkpoint(root: str, iteration: int, trainer, control, meta: dict) -> 
     return final
 
 
-def resume_layout(meta: dict, pp: int, v: int, num_layers: int) -> Optional[Layout]:
+def resume_layout(meta: dict, pp: int, v: int, num_layers: int,
+                  mtp_layers: int = 0) -> Optional[Layout]:
     """The layout a resumed run takes from its checkpoint when no layout flag is given:
     the one a checkpoint repack chose, else the saved one (a rebalanced run resumes
     rebalanced), if it has this run's `pp x v` (virtual) stages, whatever pp and v it was
     saved with: a layout string lists (virtual) stages in layer order, so one of 4 stages
     is a split for pp=4 as for pp=2 x v=2. None when neither fits (the caller takes
-    Megatron's uniform split, as for a changed pipeline size); logged on rank 0."""
+    Megatron's uniform split, as for a changed pipeline size); logged on rank 0.
+    The MTP block (`mtp_layers`, this run's --mtp-num-layers) keeps its saved stage where
+    that is allowed under this run's v; else (or saved without it) it goes on the last
+    stage, Megatron's default."""
     stages = pp * v
     nxt = meta.get("next")
     for text in ([nxt["layout"]] if nxt else []) + [meta["layout"]]:
         layout = Layout.parse(text, None, num_layers)
         if layout.num_stages == stages:
-            return Layout(layout.counts, v)
+            try:
+                if layout.mtp_layers == mtp_layers:
+                    return layout.with_chunks(v)
+            except LayoutError:
+                pass
+            return Layout(layout.counts, v, mtp_layers)
     logger.info("saved layout %s has %d (virtual) stages, this run has pp x v = %d x %d = %d: "
                 "starting from the uniform split", meta["layout"], Layout.parse(meta["layout"]).num_stages,
                 pp, v, stages)

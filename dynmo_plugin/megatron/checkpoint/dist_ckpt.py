@@ -193,10 +193,29 @@ def _model_state(trainer) -> dict:
     (Megatron offsets a chunk's layers by its `vp_stage`), the checkpoint keeps only
     those keys and no model entry outside them (common.pt holds optimizer entries), so
     a checkpoint saved under any number of chunks loads into any other."""
-    states = [chunk.sharded_state_dict() for chunk in trainer.chunks]
+    states = [_chunk_state(chunk) for chunk in trainer.chunks]
     for state in states:
         _masks_follow_weights(state)
     return states[0] if len(states) == 1 else {f"chunk{c}": s for c, s in enumerate(states)}
+
+
+def _chunk_state(chunk) -> dict:
+    """One chunk's sharded state dict. An MTP stage needs the metadata's dp_cp_group:
+    GPTModel.sharded_state_dict reads it for the MTP embedding copy without filling it in
+    (megatron-core 0.16.1 fills only the copy it hands its parent class). Its own
+    position table (not the first stage's: nothing keeps the two equal) is saved under
+    its global name (`training.mtp.MTP_POSITION_NAME`), not as a second copy of the first
+    stage's key, which Megatron's sharding check refuses."""
+    if not getattr(chunk, "mtp_process", False):
+        return chunk.sharded_state_dict()
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    from dynmo_plugin.megatron.training.mtp import MTP_POSITION_NAME
+    state = chunk.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+    table = state.get("embedding.position_embeddings.weight")
+    if table is not None and not getattr(chunk, "pre_process", False):
+        table.key = MTP_POSITION_NAME
+    return state
 
 
 def check_sharding(state: dict, loading: bool) -> None:

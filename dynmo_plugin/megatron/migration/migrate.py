@@ -113,6 +113,11 @@ class LayerMigrator:
         if t.dims.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if t.dims.device.type == "cuda" else 0
+        if old.mtp_layers != new.mtp_layers or old.mtp_moved(new):
+            # every rank sees the same two layouts: all refuse before any collective
+            raise MigrationError(f"{old} -> {new} moves the MTP block to another rank; live "
+                                 "migration moves decoder layers only (move it through a "
+                                 "checkpoint: save, then --load under the new layout)")
         moves = old.moved_layers(new)
         # what crosses ranks (for one chunk per rank: every move; stages are ranks)
         remote = [(n, old.rank_of(s), new.rank_of(d)) for n, s, d in moves
@@ -305,7 +310,7 @@ class LayerMigrator:
     def _set_config_layout(self, layout: Layout) -> None:
         cfg = self.trainer.config
         parsed = PipelineParallelLayerLayout(layout.to_megatron(), layout.num_ranks)
-        parsed.validate_layer_layout(num_layers=cfg.num_layers, mtp_num_layers=None)
+        parsed.validate_layer_layout(num_layers=cfg.num_layers, mtp_num_layers=cfg.mtp_num_layers)
         cfg.pipeline_model_parallel_layout = parsed
 
     # ---- prepare: new layer list and DDP beside the old ones ------------------------------

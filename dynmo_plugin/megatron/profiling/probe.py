@@ -133,6 +133,8 @@ class StageProbe:
             self._hook_embedding(self.model.embedding)
         if getattr(self.model, "post_process", False):
             self._hook_head()
+        if getattr(self.model, "mtp_process", False):
+            self._hook_mtp(self.model.mtp)
         if self._empty is not None:
             self._hook_layer(self._empty)
 
@@ -147,6 +149,7 @@ class StageProbe:
         self._saved: dict[tuple[int, int], SavedBytes] = {}
         self._ends_at_weights: set[tuple[int, int]] = set()  # (layer, mb) with no input grad
         self._bwd_running: dict[int, int] = {}  # layer -> micro-batch whose backward started last
+        self._mtp_saved: dict[int, SavedBytes] = {}
 
     def end_iteration(self) -> float:
         """Resolve marks into seconds (one device sync); returns the iteration's profiled
@@ -156,13 +159,20 @@ class StageProbe:
         const = self._constants()
         total = 0.0
         extras = defaultdict(float)
+        nested = self._mtp_nested()
         for key, spans in self._spans.items():
             way = "bwd" if "bwd" in key else "fwd"
             if key in ("fwd/0", "bwd/0"):
                 continue
             secs = _calibrated(spans.seconds(self.clock), const[way])
+            if key in ("head_fwd", "head_bwd"):  # the MTP block ran inside: its own unit
+                mtp = dict(zip(sorted(nested[key].start), nested[key].seconds(self.clock))) \
+                    if key in nested else {}
+                secs = [max(0.0, s - mtp.get(mb, 0.0)) for mb, s in zip(sorted(spans.start), secs)]
             total += sum(secs)
-            if key.startswith(("fwd/", "bwd/")):
+            if key.startswith(("mtp/fwd", "mtp/bwd")):
+                self.samples[key].extend(secs)
+            elif key.startswith(("fwd/", "bwd/")):
                 self.samples[key].extend(secs)
                 self.samples[f"host/{key}"].extend(_calibrated(spans.host_seconds(self.clock),
                                                                const[f"host/{way}"]))
@@ -175,6 +185,8 @@ class StageProbe:
         for (number, _mb), saved in self._saved.items():
             if number:
                 self.act_bytes[number].append(saved.nbytes)
+        for saved in self._mtp_saved.values():
+            self.act_bytes["mtp"].append(saved.nbytes)
         if self.busy is not None:
             self.busy.next_iteration()
         self._reset_iteration()
@@ -298,6 +310,39 @@ class StageProbe:
         weight = embedding.word_embeddings.weight
         if weight.requires_grad:
             self._handles.append(weight.register_post_accumulate_grad_hook(accumulated))
+
+    def _mtp_nested(self) -> dict[str, "_Spans"]:
+        """The MTP spans inside the head's (the last stage runs the block within GPTModel's
+        post-processing), by head key; {} where the stage has no head."""
+        if not getattr(self.model, "post_process", False):
+            return {}
+        return {"head_fwd": self._spans["mtp/fwd"], "head_bwd": self._spans["mtp/bwd"]}
+
+    def _hook_mtp(self, block: torch.nn.Module) -> None:
+        """The MTP block as one unit (`MultiTokenPredictionBlock`, called with keyword
+        arguments): forward by module hooks, backward from the gradient at its output to
+        the gradient at its input `hidden_states`; its embedding use falls inside."""
+        def pre(module, args, kwargs):
+            mb = self._next_mb("mtp")
+            hidden = kwargs.get("hidden_states")
+            if torch.is_tensor(hidden) and hidden.requires_grad:
+                hidden.register_hook(self._grad_mark("mtp/bwd", "end", mb))
+            if self.count_activations:
+                saved = SavedBytes(self._param_ptrs)
+                self._mtp_saved[mb] = saved
+                saved.__enter__()
+            self._spans["mtp/fwd"].start[mb] = self.clock.begin()
+
+        def post(module, args, kwargs, output):
+            mb = self._counters["mtp"] - 1
+            self._spans["mtp/fwd"].end[mb] = self.clock.mark()
+            if self.count_activations:
+                self._mtp_saved[mb].__exit__(None, None, None)
+            if torch.is_tensor(output) and output.requires_grad:
+                output.register_hook(self._grad_mark("mtp/bwd", "start", mb))
+
+        self._handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        self._handles.append(block.register_forward_hook(post, with_kwargs=True))
 
     def _hook_head(self) -> None:
         norm = getattr(self.model.decoder, "final_layernorm", None)

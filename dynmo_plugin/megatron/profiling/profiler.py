@@ -274,7 +274,26 @@ class ProfileWindow:
                    in zip(stages, self.probes, extras, extra_act, in_flight)]
         for record, probe, chunk in zip(records, self.probes, layers):
             self._choose_cost(record, probe, chunk)
-        return PipelineProfile([x for chunk in layers for x in chunk], records, v)
+        mtp = next((self._mtp_profile(probe, chunk, stage) for chunk, probe, stage
+                    in zip(t.chunks, self.probes, stages) if getattr(chunk, "mtp_process", False)),
+                   None)
+        if mtp is not None:  # the block's time left the head's extras: the stage still runs it
+            record = records[stages.index(mtp.stage)]
+            record.predicted_s += t.num_microbatches * mtp.cost_s
+        return PipelineProfile([x for chunk in layers for x in chunk], records, v, mtp)
+
+    def _mtp_profile(self, probe: StageProbe, chunk, stage: int) -> LayerProfile:
+        """The MTP block as one unit: its own spans (`probe._hook_mtp`) and the exact
+        bytes of its parameters, gradients and optimizer state."""
+        fwd, bwd = probe.samples["mtp/fwd"], probe.samples["mtp/bwd"]
+        params = list(chunk.mtp.parameters())
+        return LayerProfile(
+            layer=len(chunk.mtp.layers), stage=stage, fwd_s=median(fwd), bwd_s=median(bwd),
+            spread=cost_spread(fwd, bwd), span_s=median(fwd) + median(bwd),
+            param_bytes=sum(_nbytes(p) for p in params),
+            grad_bytes=sum(_grad_bytes(p) for p in params),
+            optim_bytes=sum(state_nbytes(self.trainer.optimizer, p) for p in params),
+            act_bytes=int(median(probe.act_bytes["mtp"])))
 
     def _choose_cost(self, record: StageProfile, probe: StageProbe, layers: list[LayerProfile]) -> None:
         """The time each layer costs (module docstring), the span constant, and the
@@ -298,6 +317,8 @@ class ProfileWindow:
         """(bytes, gradient bytes) of the chunk's parameters outside its decoder layers:
         params + grads + optimizer state of the embedding, final norm and output layer."""
         layer_params = {id(p) for layer in probe.layers for p in layer.parameters()}
+        if getattr(chunk, "mtp_process", False):  # the MTP block is its own unit
+            layer_params |= {id(p) for p in chunk.mtp.parameters()}
         extras = [p for p in chunk.parameters() if id(p) not in layer_params]
         grad = sum(_grad_bytes(p) for p in extras)
         return sum(_nbytes(p) + state_nbytes(self.trainer.optimizer, p) for p in extras) + grad, grad

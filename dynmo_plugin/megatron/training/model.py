@@ -21,6 +21,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from dynmo_plugin.config import ModelArgs, resolve_transformer_impl
 from dynmo_plugin.megatron.training.machine import transformer_engine_problem
+from dynmo_plugin.megatron.training.mtp import global_name, mtp_block_spec
 from dynmo_plugin.megatron.training.te_names import bind_missing_te_names
 from dynmo_plugin.layout import Layout
 
@@ -62,6 +63,7 @@ def transformer_config(args: ModelArgs, layout: Layout) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         pipeline_model_parallel_layout=layout.to_megatron(),
+        mtp_num_layers=layout.mtp_layers or None,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=args.bf16,
@@ -123,6 +125,7 @@ def build_stage_model(args: ModelArgs, config: TransformerConfig, spec: ModuleSp
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type="learned_absolute",
         vp_stage=vp_stage,
+        mtp_block_spec=mtp_block_spec(config, spec, args.transformer_impl or "local", vp_stage),
     )
     init_by_global_name(model, args.seed)
     if torch.cuda.is_available():
@@ -140,7 +143,7 @@ def global_named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch
             name = f"decoder.layers.{layer_numbers[int(m.group(1))] - 1}." + name[m.end():]
         elif name == "output_layer.weight" and getattr(p, "shared_embedding", False):
             name = "embedding.word_embeddings.weight"
-        yield name, p
+        yield global_name(name, model), p
 
 
 def _init_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from dynmo_plugin.config import ConfigError, ModelArgs
 from dynmo_plugin.consensus import agent_store
+from dynmo_plugin.megatron.training.mtp import embedding_ranks_for
 
 __all__ = ["ParallelDims", "init_parallel", "current_dims", "destroy_parallel", "shrink_world",
            "survives", "resolve_backend", "supports_shrinking"]
@@ -103,13 +104,15 @@ def init_parallel(args: ModelArgs) -> ParallelDims:
         torch.set_num_threads(1)  # CPU-time profiling needs one thread per rank
     torch.manual_seed(args.seed)
     return _model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                           args.seed)
+                           args.seed, embedding_ranks_for(args))
 
 
-def _model_parallel(tp: int, pp: int, seed: int) -> ParallelDims:
-    """Megatron's groups over the current world (pipeline rank varies slowest)."""
+def _model_parallel(tp: int, pp: int, seed: int, embedding_ranks=None) -> ParallelDims:
+    """Megatron's groups over the current world (pipeline rank varies slowest);
+    `embedding_ranks`: Megatron's `get_embedding_ranks` (default: first and last)."""
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp)
+                                             pipeline_model_parallel_size=pp,
+                                             get_embedding_ranks=embedding_ranks)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return current_dims()
 
