@@ -155,8 +155,13 @@ def _stop(agent: int) -> None:
 
 def _serve(requests: int, replies: int) -> None:
     """The zygote: import PRELOAD, start the fork server, then one agent per request until
-    pytest closes the pipe. Never returns."""
+    pytest closes the pipe. Never returns; a failure is printed to pytest's stderr (the
+    launches then raise 'the test launcher process died')."""
     fork_guard.install()
+    # torch starts an OpenMP thread as it loads unless OMP_NUM_THREADS is 1, and a zygote
+    # running two threads may not fork (a plain `pytest` without it left none): loaded
+    # with one, as every launch's workers run (launch.torchrun's environment)
+    os.environ["OMP_NUM_THREADS"] = "1"
     server = None
     try:
         _preload()
@@ -169,6 +174,9 @@ def _serve(requests: int, replies: int) -> None:
                 _agent(args, env, out, err, folder)  # never returns
             os.write(replies, _WORD.pack(agent))
             os.write(replies, _WORD.pack(os.waitpid(agent, 0)[1]))
+    except BaseException:  # noqa: BLE001 - printed, then the zygote ends
+        import traceback
+        traceback.print_exc()
     finally:
         if server is not None:
             shutil.rmtree(os.path.dirname(server), ignore_errors=True)
