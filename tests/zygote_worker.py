@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# Folders the zygote put on its sys.path to preload from (a Megatron-LM checkout): not on a
+# worker's, which a fresh interpreter would not have either.
+PRELOADED_PATHS: list[str] = []
 
 
 class Worker:
@@ -145,9 +148,10 @@ class RendezvousWatch:
 
 def as_fresh_interpreter(env: dict) -> None:
     """What `python -u -m MODULE` would start with, where a fork of pytest differs:
-    sys.path without the folders pytest prepended (ROOT, then PYTHONPATH, then the
-    interpreter's own), warnings as PYTHONWARNINGS says instead of pytest's recorder,
-    logging without pytest's handlers, no faulthandler on pytest's stderr, and
+    sys.path without the folders pytest prepended or the zygote preloaded from (ROOT,
+    then PYTHONPATH, then the interpreter's own), warnings as PYTHONWARNINGS says instead
+    of pytest's recorder, logging without pytest's handlers, no faulthandler on pytest's
+    stderr, and
     multiprocessing's start method not chosen yet.
 
     The start method: a worker of the fork server is made by multiprocessing's spawn
@@ -163,7 +167,7 @@ def as_fresh_interpreter(env: dict) -> None:
     tests = ROOT / "tests"
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     site = [p for p in sys.path if p and Path(p).resolve() != ROOT
-            and not Path(p).resolve().is_relative_to(tests)]
+            and not Path(p).resolve().is_relative_to(tests) and p not in PRELOADED_PATHS]
     sys.path[:] = [str(ROOT), *extra, *site]
     warnings.resetwarnings()
     warnings.showwarning = warnings._showwarning_orig
