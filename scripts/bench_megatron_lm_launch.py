@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integrations"), str(ROOT / "scripts")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "integrations"), str(ROOT / "scripts")]
 
 import launch  # noqa: E402  (needs the path above)
 from stress_launch import launcher_cpu_s  # noqa: E402
