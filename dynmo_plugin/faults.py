@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -57,7 +59,12 @@ class FaultInjector:
         if not getattr(self, "_armed", False) or stage != self.stage or phase != self.phase:
             return
         if self.kind == "hang":
-            time.sleep(10**6)  # torchrun's agent ends this process once the others exit
+            # torchrun's agent ends this process once the others exit, with a SIGTERM: the
+            # session's handler would only note it (the rank never reaches an iteration
+            # boundary) and the agent kill it 30 s later; SIGTERM's default ends it at once
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(10**6)
         if self.kind == "exit":
             os._exit(17)
 

@@ -185,3 +185,19 @@ def test_a_worker_running_threads_forks_as_under_a_plain_torchrun(tmp_path):
     proc = run_torchrun(_args(script), ENV, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(proc.stdout.splitlines()) == ["child of 0", "child of 1", "rank 0 0", "rank 1 0"]
+
+
+@needs_zygote
+@pytest.mark.multiproc
+def test_the_zygote_forks_when_pytest_runs_without_omp_num_threads(tmp_path):
+    """torch starts an OpenMP thread as it loads unless OMP_NUM_THREADS=1: a zygote that
+    imported it so could not fork its fork server, and every launch of a plain `pytest`
+    (no OMP_NUM_THREADS) failed with 'the test launcher process died'."""
+    script = _script(tmp_path, "import os\nprint('rank', os.environ['RANK'], flush=True)\n")
+    code = ("import os, launch\n"
+            "os.environ.pop('OMP_NUM_THREADS')\n"
+            "launch.start_zygote()\n"
+            f"proc = launch.run_torchrun({_args(script)!r}, dict(os.environ), 120)\n"
+            "print(proc.returncode, sorted(proc.stdout.split()), flush=True)\n")
+    proc = _python(code)
+    assert proc.stdout.splitlines() == ["0 ['0', '1', 'rank', 'rank']"], proc.stderr[-3000:]

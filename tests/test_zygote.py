@@ -86,3 +86,31 @@ def test_a_launch_interrupted_by_an_alarm_leaves_the_next_one_in_step(tmp_path):
             signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - started), 0.01))
     failed = run_torchrun(args("--fail"), env, timeout=120)
     assert failed.returncode == 1 and "exitcode  : 3" in failed.stderr, failed.stderr[-2000:]
+
+
+@needs_zygote
+@pytest.mark.multiproc
+def test_a_workers_multiprocessing_starts_as_in_a_fresh_interpreter(tmp_path, monkeypatch):
+    """A worker of the fork server is made by multiprocessing's spawn preparation, which
+    gave it the agent's start method (forkserver) as its default: every DataLoader of the
+    program under test then started a fresh fork server interpreter importing the script
+    (Megatron-LM's 2 persistent data workers per iterator: ~35 s of a Megatron-LM launch).
+    With no start method chosen, as in a fresh `python script.py`, a Process of the
+    default context is a fork of the rank itself, in both launchers."""
+    script = tmp_path / "children.py"
+    script.write_text(
+        "import multiprocessing as mp, os\n"
+        "chosen = mp.get_start_method(allow_none=True)\n"
+        "child = mp.Process(target=os._exit, args=(0,)); child.start(); child.join()\n"
+        "print('rank', os.environ['RANK'], chosen, mp.get_start_method(),\n"
+        "      'child exit', child.exitcode, flush=True)\n")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+    def launch_children() -> list[str]:
+        proc = run_torchrun(["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                             str(free_port()), str(script)], env, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return sorted(proc.stdout.splitlines())
+    forked = launch_children()
+    monkeypatch.setattr(launch, "ZYGOTE", None)  # a fresh `python -m torch.distributed.run`
+    assert forked == launch_children() == [f"rank {r} None fork child exit 0" for r in (0, 1)]

@@ -26,7 +26,8 @@ A launch whose ranks have not all joined their process group `DYNMO_TEST_RENDEZV
 named and the stacks of every rank (RendezvousTimeout), instead of waiting out its timeout.
 
 What differs from `python -m torch.distributed.run`: the workers share the zygote's
-hash seed and start with its imports done. DYNMO_TEST_FORK_TORCHRUN=0 launches a
+hash seed and start with its imports done (Megatron-LM's training package included, where
+DYNMO_MEGATRON_LM names a checkout). DYNMO_TEST_FORK_TORCHRUN=0 launches a
 fresh torchrun with fresh workers, exactly as a user would (launch.run_torchrun).
 """
 from __future__ import annotations
@@ -45,7 +46,7 @@ from pathlib import Path
 
 import fork_guard
 from launch import ROOT
-from zygote_worker import RendezvousWatch, Worker, as_fresh_interpreter
+from zygote_worker import PRELOADED_PATHS, RendezvousWatch, Worker, as_fresh_interpreter
 
 # What every rank of the launcher imports before its first step (measured with
 # PYTHONPROFILEIMPORTTIME on a 2-rank run): Megatron-Core alone is ~3 s of CPU per rank.
@@ -54,6 +55,12 @@ PRELOAD = ("megatron.core.models.gpt.gpt_layer_specs", "dynmo_plugin.train",
            "dynmo_plugin.megatron.training.model", "dynmo_plugin.megatron.training.trainer",
            "dynmo_plugin.megatron.migration.repack", "dynmo_plugin.megatron.profiling.profiler",
            "torch.distributed.run")
+# Megatron-LM's training package, where a checkout is given (DYNMO_MEGATRON_LM): its import
+# was ~2.5 s of CPU per rank of each launch of tests/integrations/test_megatron_lm.py's
+# harness. Its root goes on the zygote's sys.path for the import and off the workers'
+# (zygote_worker.PRELOADED_PATHS): the harness puts it there itself, as a fresh one does.
+MEGATRON_LM_PRELOAD = ("dynmo_plugin.integrations.megatron_lm", "megatron.training.training",
+                       "megatron.training.initialize", "gpt_builders", "model_provider")
 _WORD = struct.Struct("q")
 
 
@@ -155,8 +162,13 @@ def _stop(agent: int) -> None:
 
 def _serve(requests: int, replies: int) -> None:
     """The zygote: import PRELOAD, start the fork server, then one agent per request until
-    pytest closes the pipe. Never returns."""
+    pytest closes the pipe. Never returns; a failure is printed to pytest's stderr (the
+    launches then raise 'the test launcher process died')."""
     fork_guard.install()
+    # torch starts an OpenMP thread as it loads unless OMP_NUM_THREADS is 1, and a zygote
+    # running two threads may not fork (a plain `pytest` without it left none): loaded
+    # with one, as every launch's workers run (launch.torchrun's environment)
+    os.environ["OMP_NUM_THREADS"] = "1"
     server = None
     try:
         _preload()
@@ -169,6 +181,9 @@ def _serve(requests: int, replies: int) -> None:
                 _agent(args, env, out, err, folder)  # never returns
             os.write(replies, _WORD.pack(agent))
             os.write(replies, _WORD.pack(os.waitpid(agent, 0)[1]))
+    except BaseException:  # noqa: BLE001 - printed, then the zygote ends
+        import traceback
+        traceback.print_exc()
     finally:
         if server is not None:
             shutil.rmtree(os.path.dirname(server), ignore_errors=True)
@@ -183,11 +198,16 @@ def _preload() -> None:
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name in PRELOAD:
-            try:
+        try:
+            for name in PRELOAD:
                 importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - the workers import it again and fail loudly
-                return
+            if source := os.environ.get("DYNMO_MEGATRON_LM"):
+                from dynmo_plugin.integrations import megatron_lm
+                PRELOADED_PATHS.append(megatron_lm.use_source(source))
+                for name in MEGATRON_LM_PRELOAD:
+                    importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the workers import it again and fail loudly
+            return
 
 
 def _start_worker_server(close: tuple[int, ...]) -> str:

@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# Folders the zygote put on its sys.path to preload from (a Megatron-LM checkout): not on a
+# worker's, which a fresh interpreter would not have either.
+PRELOADED_PATHS: list[str] = []
 
 
 class Worker:
@@ -145,21 +148,33 @@ class RendezvousWatch:
 
 def as_fresh_interpreter(env: dict) -> None:
     """What `python -u -m MODULE` would start with, where a fork of pytest differs:
-    sys.path without the folders pytest prepended (ROOT, then PYTHONPATH, then the
-    interpreter's own), warnings as PYTHONWARNINGS says instead of pytest's recorder,
-    logging without pytest's handlers, no faulthandler on pytest's stderr."""
+    sys.path without the folders pytest prepended or the zygote preloaded from (ROOT,
+    then PYTHONPATH, then the interpreter's own), warnings as PYTHONWARNINGS says instead
+    of pytest's recorder, logging without pytest's handlers, no faulthandler on pytest's
+    stderr, and
+    multiprocessing's start method not chosen yet.
+
+    The start method: a worker of the fork server is made by multiprocessing's spawn
+    preparation, which sets the agent's start method (`forkserver`) as the worker's
+    default, where a fresh `python script.py` has none (so `fork` on Linux). Left so,
+    every DataLoader of the program under test (Megatron-LM's: 2 persistent workers
+    per iterator) started a fresh fork server interpreter that imported the script
+    as __main__ (Megatron-LM and all) and unpickled each data worker: ~35 s of a
+    Megatron-LM launch's start-up, where a fork of the rank takes well under 1 s."""
     import logging
+    import multiprocessing
     import warnings
     tests = ROOT / "tests"
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     site = [p for p in sys.path if p and Path(p).resolve() != ROOT
-            and not Path(p).resolve().is_relative_to(tests)]
+            and not Path(p).resolve().is_relative_to(tests) and p not in PRELOADED_PATHS]
     sys.path[:] = [str(ROOT), *extra, *site]
     warnings.resetwarnings()
     warnings.showwarning = warnings._showwarning_orig
     for action in filter(None, env.get("PYTHONWARNINGS", "").split(",")):
         warnings.simplefilter(action.split(":")[0])
     faulthandler.disable()
+    multiprocessing.set_start_method(None, force=True)
     logging.root.handlers.clear()
     for logger in logging.Logger.manager.loggerDict.values():  # torch's handler, made at import
         for handler in getattr(logger, "handlers", []):
