@@ -28,6 +28,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -100,19 +101,43 @@ def _copy_tree(dest: Path, ref: str | None) -> None:
             dst.write_bytes(src.read_bytes())
 
 
-def _first_related(module: str, tests: str) -> str:
+def _first_related(module: str, tests: str, tree: Path) -> str:
     """The test files that name the module, first: `-x` then stops at the first kill sooner
-    (a survivor runs them all either way)."""
+    (a survivor runs them all either way). Read from `tree`, the copy under test (with
+    --ref, a test file of the working tree may not exist there)."""
     words = tests.split()
     paths = [w for w in words if w.startswith("tests/")]
-    named = sorted(str(p.relative_to(ROOT)) for d in paths if (ROOT / d).is_dir()
-                   for p in (ROOT / d).glob("test_*.py") if f"dynmo_plugin.{module}" in p.read_text())
+    named = sorted(str(p.relative_to(tree)) for d in paths if (tree / d).is_dir()
+                   for p in (tree / d).glob("test_*.py") if f"dynmo_plugin.{module}" in p.read_text())
     return " ".join([w for w in words if not w.startswith("tests/")] + named + paths)
+
+
+_BASELINES: dict[tuple[str, str | None], str] = {}
+_BASELINE_LOCK = threading.Lock()
+
+
+def _baseline(tests: str, ref: str | None, tree: Path, env: dict, timeout: float) -> str:
+    """'' when the unmutated tests pass in `tree`, else why not. Without it a test that fails
+    anyway (a missing file at --ref, an environment the commit predates) counts every mutant
+    as killed. Once per test command and tree: the balancing modules share theirs."""
+    key = (" ".join(sorted(tests.split())), ref)
+    with _BASELINE_LOCK:
+        if key in _BASELINES:
+            return _BASELINES[key]
+        try:
+            run = subprocess.run([sys.executable, *tests.split()], cwd=tree, env=env,
+                                 capture_output=True, text=True, timeout=timeout)
+            why = "" if run.returncode == 0 else (
+                f"tests fail unmutated (exit {run.returncode}): "
+                + ((run.stdout + run.stderr).strip().splitlines() or [""])[-1])
+        except subprocess.TimeoutExpired:
+            why = f"tests run past {timeout:.0f} s unmutated"
+        _BASELINES[key] = why
+        return why
 
 
 def _config(module: str, tests: str, timeout: float) -> str:
     path = "dynmo_plugin/" + module.replace(".", "/") + ".py"
-    tests = _first_related(module, tests)
     return (f'[cosmic-ray]\nmodule-path = ["{path}"]\ntimeout = {timeout}\nexcluded-modules = []\n'
             f'test-command = "{sys.executable} {tests}"\n[cosmic-ray.distributor]\nname = "local"\n')
 
@@ -161,8 +186,12 @@ def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
         if not (tree / 'dynmo_plugin' / (module.replace('.', '/') + '.py')).exists():
             result.error = 'no such module at this commit'
             return result
-        (tree / "cr.toml").write_text(_config(module, tests, mutant_timeout))
+        tests = _first_related(module, tests, tree)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)}
+        result.error = _baseline(tests, ref, tree, env, mutant_timeout)
+        if result.error:
+            return result
+        (tree / "cr.toml").write_text(_config(module, tests, mutant_timeout))
         cr = [sys.executable, "-m", "cosmic_ray.cli"]
         init = subprocess.run([*cr, "init", "cr.toml", "s.sqlite"], cwd=tree, env=env,
                               capture_output=True, text=True)
@@ -216,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
               ".venv/bin/pip install -c constraints.txt -e '.[mutation]'", file=sys.stderr)
         return 2
     modules = args.only or sorted(TARGETS)
-    deadline = time.monotonic() + args.budget_s
+    start = time.monotonic()
+    deadline = start + args.budget_s
     with cf.ThreadPoolExecutor(args.jobs) as pool:
         futures = [pool.submit(run_module, m, TARGETS[m], args.sample, args.seed + i, deadline,
                                args.mutant_timeout, args.ref) for i, m in enumerate(modules)]
@@ -228,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([{**asdict(r), "survival": r.survival} for r in results], indent=1))
     else:
         print(_table(results))
+        print(f"wall: {time.monotonic() - start:.0f} s for {len(modules)} modules, --jobs {args.jobs}, "
+              f"--sample {args.sample}, --seed {args.seed}, ref {args.ref or 'working tree'}")
     return 0
 
 
