@@ -24,6 +24,7 @@ import concurrent.futures as cf
 import json
 import os
 import random
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -124,14 +125,11 @@ def _baseline(tests: str, ref: str | None, tree: Path, env: dict, timeout: float
     with _BASELINE_LOCK:
         if key in _BASELINES:
             return _BASELINES[key]
-        try:
-            run = subprocess.run([sys.executable, *tests.split()], cwd=tree, env=env,
-                                 capture_output=True, text=True, timeout=timeout)
-            why = "" if run.returncode == 0 else (
-                f"tests fail unmutated (exit {run.returncode}): "
-                + ((run.stdout + run.stderr).strip().splitlines() or [""])[-1])
-        except subprocess.TimeoutExpired:
-            why = f"tests run past {timeout:.0f} s unmutated"
+        log = tree / "baseline.log"
+        code = _run_group([sys.executable, *tests.split()], tree, env, timeout, log)
+        why = (f"tests run past {timeout:.0f} s unmutated" if code is None else "" if code == 0
+               else f"tests fail unmutated (exit {code}): "
+               + (log.read_text().strip().splitlines() or [""])[-1])
         _BASELINES[key] = why
         return why
 
@@ -177,6 +175,40 @@ def _collect(db: Path, result: ModuleResult) -> None:
             result.killed += 1
 
 
+def _run_group(cmd: list[str], cwd: Path, env: dict, timeout: float,
+               log: Path | None = None) -> int | None:
+    """Run `cmd` in its own process group (output to `log`); its exit status, None if it ran
+    past `timeout`. The whole group is stopped then (and when this script is interrupted):
+    killing cosmic-ray alone leaves its pytest running on, mutated, in a directory about to
+    be removed."""
+    with open(log or os.devnull, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    _GROUPS.add(proc.pid)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _GROUPS.discard(proc.pid)
+
+
+_GROUPS: set[int] = set()
+
+
+def _stop(signum: int, _frame) -> None:
+    """SIGTERM/SIGINT: stop every running cosmic-ray group, then exit 128+signal."""
+    for pgid in list(_GROUPS):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os._exit(128 + signum)
+
+
 def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
                mutant_timeout: float, ref: str | None = None) -> ModuleResult:
     result, start = ModuleResult(module), time.monotonic()
@@ -199,10 +231,8 @@ def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
             result.error = (init.stderr.strip().splitlines() or ["init failed"])[-1]
             return result
         result.mutants, result.sampled = _sample(tree / "s.sqlite", sample, seed)
-        try:
-            subprocess.run([*cr, "exec", "cr.toml", "s.sqlite"], cwd=tree, env=env,
-                           capture_output=True, timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if _run_group([*cr, "exec", "cr.toml", "s.sqlite"], tree, env,
+                      max(1.0, deadline - time.monotonic())) is None:
             result.error = "budget ran out"
         _collect(tree / "s.sqlite", result)
     result.seconds = time.monotonic() - start
@@ -245,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
               ".venv/bin/pip install -c constraints.txt -e '.[mutation]'", file=sys.stderr)
         return 2
     modules = args.only or sorted(TARGETS)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
     start = time.monotonic()
     deadline = start + args.budget_s
     with cf.ThreadPoolExecutor(args.jobs) as pool:
