@@ -24,6 +24,7 @@ import concurrent.futures as cf
 import json
 import os
 import random
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -197,6 +199,7 @@ def _run_group(cmd: list[str], cwd: Path, env: dict, timeout: float,
 
 
 _GROUPS: set[int] = set()
+_TREES: set[str] = set()      # the copies, removed on a stop too
 
 
 def _stop(signum: int, _frame) -> None:
@@ -206,6 +209,8 @@ def _stop(signum: int, _frame) -> None:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    for tree in list(_TREES):
+        shutil.rmtree(tree, ignore_errors=True)
     os._exit(128 + signum)
 
 
@@ -214,6 +219,7 @@ def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
     result, start = ModuleResult(module), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
         tree = Path(tmp)
+        _TREES.add(tmp)
         _copy_tree(tree, ref)
         if not (tree / 'dynmo_plugin' / (module.replace('.', '/') + '.py')).exists():
             result.error = 'no such module at this commit'
@@ -235,6 +241,7 @@ def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
                       max(1.0, deadline - time.monotonic())) is None:
             result.error = "budget ran out"
         _collect(tree / "s.sqlite", result)
+        _TREES.discard(tmp)
     result.seconds = time.monotonic() - start
     return result
 
@@ -261,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--budget-s", type=float, default=1080.0, help="wall-clock budget (default %(default)s)")
     ap.add_argument("--sample", type=int, default=12, help="mutants per module (default %(default)s)")
-    ap.add_argument("--seed", type=int, default=0, help="which mutants are sampled (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="which mutants are sampled, with the module's "
+                    "name: --only X samples X's as a full run does (default %(default)s)")
     ap.add_argument("--jobs", type=int, default=2, help="modules mutated at once (default %(default)s)")
     ap.add_argument("--mutant-timeout", type=float, default=300.0, help="seconds per mutant's tests")
     ap.add_argument("--ref", help="mutate the tree committed at this git ref (default: the working tree)")
@@ -280,8 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     deadline = start + args.budget_s
     with cf.ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run_module, m, TARGETS[m], args.sample, args.seed + i, deadline,
-                               args.mutant_timeout, args.ref) for i, m in enumerate(modules)]
+        futures = [pool.submit(run_module, m, TARGETS[m], args.sample,
+                               args.seed + zlib.crc32(m.encode()), deadline,
+                               args.mutant_timeout, args.ref) for m in modules]
         results = []
         for m, fut in zip(modules, futures):
             results.append(fut.result())
