@@ -217,6 +217,9 @@ def _stop(signum: int, _frame) -> None:
 def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
                mutant_timeout: float, ref: str | None = None) -> ModuleResult:
     result, start = ModuleResult(module), time.monotonic()
+    if start >= deadline:
+        result.error = "budget ran out before this module"
+        return result
     with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
         tree = Path(tmp)
         _TREES.add(tmp)
@@ -226,7 +229,8 @@ def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
             return result
         tests = _first_related(module, tests, tree)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)}
-        result.error = _baseline(tests, ref, tree, env, mutant_timeout)
+        result.error = _baseline(tests, ref, tree, env,
+                                 max(1.0, min(mutant_timeout, deadline - time.monotonic())))
         if result.error:
             return result
         (tree / "cr.toml").write_text(_config(module, tests, mutant_timeout))
