@@ -47,9 +47,12 @@ TARGETS: dict[str, str] = {
         "metrics", "baselines", "decide", "solve", "grow", "plan")},
     "layout": f"{FAST} tests/config/test_config_layout.py {BALANCING}",
     **{f"config.{m}": f"{FAST} tests/config/test_config.py tests/config/test_config_input.py "
-       "tests/config/test_config_layout.py" for m in ("checks", "fields", "load", "schema")},
+       "tests/config/test_config_layout.py tests/config/test_granularity.py "
+       "tests/data/test_data_documents.py::test_config_checks"   # the data section's checks
+       for m in ("checks", "fields", "load", "schema")},
     "consensus": f"{PYTEST} tests/megatron/test_nccl_safety.py tests/run/test_reliability.py",
-    "scenarios.gathered_tokens": f"{PYTEST} tests/scenarios/test_scenario_mod.py "
+    "scenarios.gathered_tokens": f"{PYTEST} tests/scenarios/test_gathered_tokens.py "
+                                 "tests/scenarios/test_scenario_mod.py "
                                  "tests/scenarios/test_scenario_early_exit.py",
     "scenarios.shapes": f"{FAST} tests/scenarios/test_shapes.py",
 }
@@ -106,9 +109,10 @@ def _copy_tree(dest: Path, ref: str | None) -> None:
 
 def _first_related(module: str, tests: str, tree: Path) -> str:
     """The test files that name the module, first: `-x` then stops at the first kill sooner
-    (a survivor runs them all either way). Read from `tree`, the copy under test (with
-    --ref, a test file of the working tree may not exist there)."""
-    words = tests.split()
+    (a survivor runs them all either way). Read from `tree`, the copy under test: with
+    --ref, a test file named here may not exist yet there, and is left out."""
+    words = [w for w in tests.split()
+             if not w.startswith("tests/") or (tree / w.split("::")[0]).exists()]
     paths = [w for w in words if w.startswith("tests/")]
     named = sorted(str(p.relative_to(tree)) for d in paths if (tree / d).is_dir()
                    for p in (tree / d).glob("test_*.py") if f"dynmo_plugin.{module}" in p.read_text())
@@ -228,7 +232,9 @@ def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
             result.error = 'no such module at this commit'
             return result
         tests = _first_related(module, tests, tree)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)}
+        # tests/ on the path: --noconftest tests still import its helpers (launch, ...)
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests")])}
         result.error = _baseline(tests, ref, tree, env,
                                  max(1.0, min(mutant_timeout, deadline - time.monotonic())))
         if result.error:

@@ -10,6 +10,7 @@ from dynmo_plugin.balancing import (BALANCERS, BalanceProblem, GateConfig, Infea
                                     ProblemError, attach_gate, evaluate_gate, imbalance,
                                     optimal_bottleneck, predicted_iteration_s, solve,
                                     stage_loads)
+from dynmo_plugin.balancing.baselines import solve_parameters
 from dynmo_plugin.balancing.diffusion import StageState, exchange
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
@@ -111,6 +112,9 @@ def test_uniform_and_parameters_baselines():
     assert sum(counts) == 6 and counts[0] <= 2
     with pytest.raises(ProblemError, match="param_counts"):
         solve(BalanceProblem(costs=[1, 2], num_stages=2), "parameters")
+    for wrong in ([10] * 5, [10] * 7):   # one count per layer, neither fewer nor more
+        with pytest.raises(ProblemError, match="param_counts must be 6 values"):
+            solve_parameters(BalanceProblem(costs=[1] * 6, num_stages=3), wrong)
     with pytest.raises(InfeasibleError, match="uniform"):
         solve(BalanceProblem(costs=[1] * 4, num_stages=2, memory=[1, 1, 1, 5], capacity=5), "uniform")
 
