@@ -45,7 +45,7 @@ TARGETS: dict[str, str] = {
     **{f"balancing.{m}": f"{FAST} {BALANCING}" for m in (
         "exact", "partition", "diffusion", "segments", "problem", "gate", "memory",
         "metrics", "baselines", "decide", "solve", "grow", "plan")},
-    "layout": f"{FAST} tests/config/test_config_layout.py {BALANCING}",
+    "layout": f"{FAST} tests/test_layout.py tests/config/test_config_layout.py {BALANCING}",
     **{f"config.{m}": f"{FAST} tests/config/test_config.py tests/config/test_config_input.py "
        "tests/config/test_config_layout.py tests/config/test_granularity.py "
        "tests/data/test_data_documents.py::test_config_checks"   # the data section's checks
