@@ -47,7 +47,7 @@ TARGETS: dict[str, str] = {
         "metrics", "baselines", "decide", "solve", "grow", "plan")},
     "layout": f"{FAST} tests/test_layout.py tests/config/test_config_layout.py {BALANCING}",
     **{f"config.{m}": f"{FAST} tests/config/test_config.py tests/config/test_config_input.py "
-       "tests/config/test_config_layout.py tests/config/test_granularity.py "
+       "tests/config/test_config_layout.py tests/config/test_granularity.py tests/config/test_fields.py "
        "tests/data/test_data_documents.py::test_config_checks"   # the data section's checks
        for m in ("checks", "fields", "load", "schema")},
     "consensus": f"{PYTEST} tests/megatron/test_nccl_safety.py tests/run/test_reliability.py",
