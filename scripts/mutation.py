@@ -123,11 +123,13 @@ _BASELINES: dict[tuple[str, str | None], str] = {}
 _BASELINE_LOCK = threading.Lock()
 
 
-def _baseline(tests: str, ref: str | None, tree: Path, env: dict, timeout: float) -> str:
+def _baseline(shared: str, tests: str, ref: str | None, tree: Path, env: dict,
+              timeout: float) -> str:
     """'' when the unmutated tests pass in `tree`, else why not. Without it a test that fails
     anyway (a missing file at --ref, an environment the commit predates) counts every mutant
-    as killed. Once per test command and tree: the balancing modules share theirs."""
-    key = (" ".join(sorted(tests.split())), ref)
+    as killed. Once per test command (`shared`, as TARGETS names it, before a module's own
+    files are put first) and tree: the balancing modules share theirs."""
+    key = (shared, ref)
     with _BASELINE_LOCK:
         if key in _BASELINES:
             return _BASELINES[key]
@@ -231,11 +233,11 @@ def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
         if not (tree / 'dynmo_plugin' / (module.replace('.', '/') + '.py')).exists():
             result.error = 'no such module at this commit'
             return result
-        tests = _first_related(module, tests, tree)
+        shared, tests = tests, _first_related(module, tests, tree)
         # tests/ on the path: --noconftest tests still import its helpers (launch, ...)
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests")])}
-        result.error = _baseline(tests, ref, tree, env,
+        result.error = _baseline(shared, tests, ref, tree, env,
                                  max(1.0, min(mutant_timeout, deadline - time.monotonic())))
         if result.error:
             return result
