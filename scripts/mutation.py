@@ -82,6 +82,7 @@ class ModuleResult:
     survived: int = 0
     timeout: int = 0
     not_run: int = 0
+    incompetent: int = 0
     seconds: float = 0.0
     survivors: list[dict] = field(default_factory=list)
     error: str = ""
@@ -164,23 +165,29 @@ def _sample(db: Path, n: int, seed: int) -> tuple[int, int]:
 
 
 def _collect(db: Path, result: ModuleResult) -> None:
+    """Count the session's outcomes. cosmic-ray stores its enums by name ('SURVIVED',
+    'KILLED', 'INCOMPETENT'), and a test command past the timeout as KILLED with the
+    output 'timeout'."""
     con = sqlite3.connect(db)
     rows = con.execute(
         "select s.operator_name, s.start_pos_row, s.definition_name, r.test_outcome, "
-        "r.worker_outcome, r.diff from mutation_specs s left join work_results r "
+        "r.output, r.diff from mutation_specs s left join work_results r "
         "on s.job_id = r.job_id").fetchall()
     con.close()
-    for op, row, where, outcome, worker, diff in rows:
-        if outcome is None:
+    for op, row, where, outcome, output, diff in rows:
+        outcome = (outcome or "").lower()
+        if not outcome:
             result.not_run += 1
-        elif worker == "timeout":
+        elif outcome == "killed" and (output or "").strip() == "timeout":
             result.timeout += 1     # a mutant that hangs the tests is caught, counted apart
         elif outcome == "survived":
             result.survived += 1
             result.survivors.append({"operator": op.removeprefix("core/"), "line": row,
                                      "function": where, "diff": diff or ""})
-        else:
+        elif outcome == "killed":
             result.killed += 1
+        else:                       # incompetent: the mutant could not be applied or run
+            result.incompetent += 1
 
 
 def _run_group(cmd: list[str], cwd: Path, env: dict, timeout: float,
