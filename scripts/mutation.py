@@ -14,8 +14,12 @@ runs (bit-shifts of floats only raise TypeError and teach nothing), fits the
 as not run, never as killed.
 
     .venv/bin/pip install -c constraints.txt -e '.[mutation]'
-    .venv/bin/python scripts/mutation.py                       # every target, ~18 minutes
+    nice -n 15 .venv/bin/python scripts/mutation.py --jobs 1 --sample 4   # every target
     .venv/bin/python scripts/mutation.py --only balancing.gate --sample 10 --json
+
+How long depends on the machine's load more than on the code: docs/testing.md has the
+measured times, the survival per module before and after issue 40, and the survivors
+left with why.
 """
 from __future__ import annotations
 
@@ -24,11 +28,15 @@ import concurrent.futures as cf
 import json
 import os
 import random
+import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,11 +49,14 @@ TARGETS: dict[str, str] = {
     **{f"balancing.{m}": f"{FAST} {BALANCING}" for m in (
         "exact", "partition", "diffusion", "segments", "problem", "gate", "memory",
         "metrics", "baselines", "decide", "solve", "grow", "plan")},
-    "layout": f"{FAST} tests/config/test_config_layout.py {BALANCING}",
+    "layout": f"{FAST} tests/test_layout.py tests/config/test_config_layout.py {BALANCING}",
     **{f"config.{m}": f"{FAST} tests/config/test_config.py tests/config/test_config_input.py "
-       "tests/config/test_config_layout.py" for m in ("checks", "fields", "load", "schema")},
+       "tests/config/test_config_layout.py tests/config/test_granularity.py tests/config/test_fields.py "
+       "tests/data/test_data_documents.py::test_config_checks"   # the data section's checks
+       for m in ("checks", "fields", "load", "schema")},
     "consensus": f"{PYTEST} tests/megatron/test_nccl_safety.py tests/run/test_reliability.py",
-    "scenarios.gathered_tokens": f"{PYTEST} tests/scenarios/test_scenario_mod.py "
+    "scenarios.gathered_tokens": f"{PYTEST} tests/scenarios/test_gathered_tokens.py "
+                                 "tests/scenarios/test_scenario_mod.py "
                                  "tests/scenarios/test_scenario_early_exit.py",
     "scenarios.shapes": f"{FAST} tests/scenarios/test_shapes.py",
 }
@@ -75,6 +86,7 @@ class ModuleResult:
     survived: int = 0
     timeout: int = 0
     not_run: int = 0
+    incompetent: int = 0
     seconds: float = 0.0
     survivors: list[dict] = field(default_factory=list)
     error: str = ""
@@ -100,19 +112,43 @@ def _copy_tree(dest: Path, ref: str | None) -> None:
             dst.write_bytes(src.read_bytes())
 
 
-def _first_related(module: str, tests: str) -> str:
+def _first_related(module: str, tests: str, tree: Path) -> str:
     """The test files that name the module, first: `-x` then stops at the first kill sooner
-    (a survivor runs them all either way)."""
-    words = tests.split()
+    (a survivor runs them all either way). Read from `tree`, the copy under test: with
+    --ref, a test file named here may not exist yet there, and is left out."""
+    words = [w for w in tests.split()
+             if not w.startswith("tests/") or (tree / w.split("::")[0]).exists()]
     paths = [w for w in words if w.startswith("tests/")]
-    named = sorted(str(p.relative_to(ROOT)) for d in paths if (ROOT / d).is_dir()
-                   for p in (ROOT / d).glob("test_*.py") if f"dynmo_plugin.{module}" in p.read_text())
+    named = sorted(str(p.relative_to(tree)) for d in paths if (tree / d).is_dir()
+                   for p in (tree / d).glob("test_*.py") if f"dynmo_plugin.{module}" in p.read_text())
     return " ".join([w for w in words if not w.startswith("tests/")] + named + paths)
+
+
+_BASELINES: dict[tuple[str, str | None], str] = {}
+_BASELINE_LOCK = threading.Lock()
+
+
+def _baseline(shared: str, tests: str, ref: str | None, tree: Path, env: dict,
+              timeout: float) -> str:
+    """'' when the unmutated tests pass in `tree`, else why not. Without it a test that fails
+    anyway (a missing file at --ref, an environment the commit predates) counts every mutant
+    as killed. Once per test command (`shared`, as TARGETS names it, before a module's own
+    files are put first) and tree: the balancing modules share theirs."""
+    key = (shared, ref)
+    with _BASELINE_LOCK:
+        if key in _BASELINES:
+            return _BASELINES[key]
+        log = tree / "baseline.log"
+        code = _run_group([sys.executable, *tests.split()], tree, env, timeout, log)
+        why = (f"tests run past {timeout:.0f} s unmutated" if code is None else "" if code == 0
+               else f"tests fail unmutated (exit {code}): "
+               + (log.read_text().strip().splitlines() or [""])[-1])
+        _BASELINES[key] = why
+        return why
 
 
 def _config(module: str, tests: str, timeout: float) -> str:
     path = "dynmo_plugin/" + module.replace(".", "/") + ".py"
-    tests = _first_related(module, tests)
     return (f'[cosmic-ray]\nmodule-path = ["{path}"]\ntimeout = {timeout}\nexcluded-modules = []\n'
             f'test-command = "{sys.executable} {tests}"\n[cosmic-ray.distributor]\nname = "local"\n')
 
@@ -133,36 +169,90 @@ def _sample(db: Path, n: int, seed: int) -> tuple[int, int]:
 
 
 def _collect(db: Path, result: ModuleResult) -> None:
+    """Count the session's outcomes. cosmic-ray stores its enums by name ('SURVIVED',
+    'KILLED', 'INCOMPETENT'), and a test command past the timeout as KILLED with the
+    output 'timeout'."""
     con = sqlite3.connect(db)
     rows = con.execute(
         "select s.operator_name, s.start_pos_row, s.definition_name, r.test_outcome, "
-        "r.worker_outcome, r.diff from mutation_specs s left join work_results r "
+        "r.output, r.diff from mutation_specs s left join work_results r "
         "on s.job_id = r.job_id").fetchall()
     con.close()
-    for op, row, where, outcome, worker, diff in rows:
-        if outcome is None:
+    for op, row, where, outcome, output, diff in rows:
+        outcome = (outcome or "").lower()
+        if not outcome:
             result.not_run += 1
-        elif worker == "timeout":
+        elif outcome == "killed" and (output or "").strip() == "timeout":
             result.timeout += 1     # a mutant that hangs the tests is caught, counted apart
         elif outcome == "survived":
             result.survived += 1
             result.survivors.append({"operator": op.removeprefix("core/"), "line": row,
                                      "function": where, "diff": diff or ""})
-        else:
+        elif outcome == "killed":
             result.killed += 1
+        else:                       # incompetent: the mutant could not be applied or run
+            result.incompetent += 1
+
+
+def _run_group(cmd: list[str], cwd: Path, env: dict, timeout: float,
+               log: Path | None = None) -> int | None:
+    """Run `cmd` in its own process group (output to `log`); its exit status, None if it ran
+    past `timeout`. The whole group is stopped then (and when this script is interrupted):
+    killing cosmic-ray alone leaves its pytest running on, mutated, in a directory about to
+    be removed."""
+    with open(log or os.devnull, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    _GROUPS.add(proc.pid)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _GROUPS.discard(proc.pid)
+
+
+_GROUPS: set[int] = set()
+_TREES: set[str] = set()      # the copies, removed on a stop too
+
+
+def _stop(signum: int, _frame) -> None:
+    """SIGTERM/SIGINT: stop every running cosmic-ray group, then exit 128+signal."""
+    for pgid in list(_GROUPS):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for tree in list(_TREES):
+        shutil.rmtree(tree, ignore_errors=True)
+    os._exit(128 + signum)
 
 
 def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
                mutant_timeout: float, ref: str | None = None) -> ModuleResult:
     result, start = ModuleResult(module), time.monotonic()
+    if start >= deadline:
+        result.error = "budget ran out before this module"
+        return result
     with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
         tree = Path(tmp)
+        _TREES.add(tmp)
         _copy_tree(tree, ref)
         if not (tree / 'dynmo_plugin' / (module.replace('.', '/') + '.py')).exists():
             result.error = 'no such module at this commit'
             return result
+        shared, tests = tests, _first_related(module, tests, tree)
+        # tests/ on the path: --noconftest tests still import its helpers (launch, ...)
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests")])}
+        result.error = _baseline(shared, tests, ref, tree, env,
+                                 max(1.0, min(mutant_timeout, deadline - time.monotonic())))
+        if result.error:
+            return result
         (tree / "cr.toml").write_text(_config(module, tests, mutant_timeout))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree)}
         cr = [sys.executable, "-m", "cosmic_ray.cli"]
         init = subprocess.run([*cr, "init", "cr.toml", "s.sqlite"], cwd=tree, env=env,
                               capture_output=True, text=True)
@@ -170,12 +260,11 @@ def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
             result.error = (init.stderr.strip().splitlines() or ["init failed"])[-1]
             return result
         result.mutants, result.sampled = _sample(tree / "s.sqlite", sample, seed)
-        try:
-            subprocess.run([*cr, "exec", "cr.toml", "s.sqlite"], cwd=tree, env=env,
-                           capture_output=True, timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if _run_group([*cr, "exec", "cr.toml", "s.sqlite"], tree, env,
+                      max(1.0, deadline - time.monotonic())) is None:
             result.error = "budget ran out"
         _collect(tree / "s.sqlite", result)
+        _TREES.discard(tmp)
     result.seconds = time.monotonic() - start
     return result
 
@@ -202,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--budget-s", type=float, default=1080.0, help="wall-clock budget (default %(default)s)")
     ap.add_argument("--sample", type=int, default=12, help="mutants per module (default %(default)s)")
-    ap.add_argument("--seed", type=int, default=0, help="which mutants are sampled (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="which mutants are sampled, with the module's "
+                    "name: --only X samples X's as a full run does (default %(default)s)")
     ap.add_argument("--jobs", type=int, default=2, help="modules mutated at once (default %(default)s)")
     ap.add_argument("--mutant-timeout", type=float, default=300.0, help="seconds per mutant's tests")
     ap.add_argument("--ref", help="mutate the tree committed at this git ref (default: the working tree)")
@@ -216,10 +306,14 @@ def main(argv: list[str] | None = None) -> int:
               ".venv/bin/pip install -c constraints.txt -e '.[mutation]'", file=sys.stderr)
         return 2
     modules = args.only or sorted(TARGETS)
-    deadline = time.monotonic() + args.budget_s
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
+    start = time.monotonic()
+    deadline = start + args.budget_s
     with cf.ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run_module, m, TARGETS[m], args.sample, args.seed + i, deadline,
-                               args.mutant_timeout, args.ref) for i, m in enumerate(modules)]
+        futures = [pool.submit(run_module, m, TARGETS[m], args.sample,
+                               args.seed + zlib.crc32(m.encode()), deadline,
+                               args.mutant_timeout, args.ref) for m in modules]
         results = []
         for m, fut in zip(modules, futures):
             results.append(fut.result())
@@ -228,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([{**asdict(r), "survival": r.survival} for r in results], indent=1))
     else:
         print(_table(results))
+        print(f"wall: {time.monotonic() - start:.0f} s for {len(modules)} modules, --jobs {args.jobs}, "
+              f"--sample {args.sample}, --seed {args.seed}, ref {args.ref or 'working tree'}")
     return 0
 
 

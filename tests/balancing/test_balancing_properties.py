@@ -338,3 +338,23 @@ def test_diffusion_never_raises_bottleneck_or_potential_from_an_allowed_start(ca
     assert max(loads(case, after)) <= max(before) + tol
     assert potential(loads(case, after)) <= potential(before) + 10 * tol
     assert not plan.notes  # converged, no repair needed
+    assert no_exchange_left(case, after)
+
+
+def no_exchange_left(case: Case, bounds: Bounds) -> bool:
+    """The paper's stopping point, from the case's own numbers: on no edge s|s+1 may the
+    heavier stage hand its boundary layer (cost c, bytes m) to the lighter one, i.e.
+    never tol < c < L_hi - L_lo - tol with the giver above its minimum layer count and
+    the taker within its cap. Diffusion that stopped by convergence must be there."""
+    stage_loads, mem, caps = loads(case, bounds), memories(case, bounds), capacities(case)
+    tol, least = load_tol(case), 0 if case.allow_empty else 1
+    for s in range(case.num_stages - 1):
+        giver, taker = (s, s + 1) if stage_loads[s] > stage_loads[s + 1] else (s + 1, s)
+        if bounds[giver + 1] - bounds[giver] <= least:
+            continue
+        layer = bounds[s + 1] - 1 if giver == s else bounds[s + 1]   # the boundary layer
+        if mem[taker] + case.memory[layer] > caps[taker] + mem_tol(case):
+            continue
+        if tol < case.costs[layer] < stage_loads[giver] - stage_loads[taker] - tol:
+            return False
+    return True

@@ -10,6 +10,7 @@ from dynmo_plugin.balancing import (BALANCERS, BalanceProblem, GateConfig, Infea
                                     ProblemError, attach_gate, evaluate_gate, imbalance,
                                     optimal_bottleneck, predicted_iteration_s, solve,
                                     stage_loads)
+from dynmo_plugin.balancing.baselines import solve_parameters
 from dynmo_plugin.balancing.diffusion import StageState, exchange
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
@@ -111,6 +112,9 @@ def test_uniform_and_parameters_baselines():
     assert sum(counts) == 6 and counts[0] <= 2
     with pytest.raises(ProblemError, match="param_counts"):
         solve(BalanceProblem(costs=[1, 2], num_stages=2), "parameters")
+    for wrong in ([10] * 5, [10] * 7):   # one count per layer, neither fewer nor more
+        with pytest.raises(ProblemError, match="param_counts must be 6 values"):
+            solve_parameters(BalanceProblem(costs=[1] * 6, num_stages=3), wrong)
     with pytest.raises(InfeasibleError, match="uniform"):
         solve(BalanceProblem(costs=[1] * 4, num_stages=2, memory=[1, 1, 1, 5], capacity=5), "uniform")
 
@@ -205,3 +209,21 @@ def test_gate_refuses_a_move_whose_transient_peak_exceeds_the_cap():
     assert not fits_after_but_not_during.gate.apply
     assert "migration needs" in fits_after_but_not_during.gate.reason and "stage 0" in fits_after_but_not_during.gate.reason
     assert solve(_peak_problem(50.0), "exact", gate=gate).gate.apply
+
+
+def test_decide_keeps_the_layout_when_no_plan_can_be_made():
+    """Neither a problem the balancer cannot read (no parameter counts for 'parameters')
+    nor an infeasible one (a cap every layout breaks) escapes decide: the run keeps its
+    layout and the reason names the cause."""
+    from dynmo_plugin.balancing.decide import decide
+    no_counts = BalanceProblem(costs=[1, 2, 3, 4], num_stages=2, current=Layout((2, 2)))
+    gate = GateConfig(iterations_until_next_event=100, bandwidth_bytes_per_s=1e9)
+    choice = decide(no_counts, "parameters", gate)
+    assert (choice.apply, choice.action, choice.plan) == (False, "none", None)
+    assert choice.reason.startswith("no feasible plan: ") and "param_counts" in choice.reason
+    capped = BalanceProblem(costs=[1, 2, 3, 4], num_stages=2, memory=[3, 3, 3, 3], capacity=5,
+                            current=Layout((2, 2)), allow_empty_stages=False)
+    with pytest.raises(InfeasibleError):
+        solve(capped, "exact")
+    choice = decide(capped, "exact", gate)
+    assert not choice.apply and choice.reason.startswith("no feasible plan: ")

@@ -81,3 +81,13 @@ def test_launcher_prints_the_path_error_in_one_line(tmp_path, capsys):
     assert main(["--output", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("dynmo-train: error: flag --output: model.output")
+
+
+def test_one_layer_per_virtual_stage_is_enough():
+    """--num-layers equal to pp x virtual stages per rank is a pipeline (one layer each);
+    one fewer needs a layout with empty stages."""
+    flags = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+    cfg = _validate(["--num-layers", "4", *flags])
+    assert cfg.model.num_layers == 4
+    with pytest.raises(ConfigError, match="is smaller than --pipeline-model-parallel-size"):
+        _validate(["--num-layers", "3", *flags])

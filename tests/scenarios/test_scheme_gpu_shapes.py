@@ -182,20 +182,3 @@ def test_moe_trains_without_transformer_engine_at_its_capacity():
         num_layers=2, hidden_size=64, ffn_hidden_size=192, num_attention_heads=4,
         seq_length=128, micro_batch_size=4, bf16=True))
 
-
-def test_gather_mask_one_index_equals_two_gathers():
-    """The batch-shared mask [1, 1, s, s] is gathered by one index kernel; a per-sample
-    mask [b, 1, s, s] by two gathers: both give mask[i, 0, idx_i, idx_j] (what early exit
-    and Mixture of Depths attend with)."""
-    from dynmo_plugin.profiling.op_trace import OpTrace
-    from dynmo_plugin.scenarios.gathered_tokens import gather_mask
-    gen = torch.Generator().manual_seed(0)
-    s, c, b = 24, 8, 3
-    shared = torch.rand(1, 1, s, s, generator=gen) > 0.5
-    idx = torch.stack([torch.randperm(s, generator=gen)[:c] for _ in range(b)], dim=1)  # [C, b]
-    with OpTrace() as trace:
-        got = gather_mask(shared, idx, s, "test")
-    per_sample = gather_mask(shared.expand(b, 1, s, s).contiguous(), idx, s, "test")
-    expected = torch.stack([shared[0, 0][idx[:, i]][:, idx[:, i]] for i in range(b)])[:, None]
-    assert torch.equal(got, expected) and torch.equal(per_sample, expected)
-    assert trace.kernels() == 1
