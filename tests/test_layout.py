@@ -27,7 +27,8 @@ def test_megatron_strings(text, counts, chunks):
 
 
 @pytest.mark.parametrize("text,args,needle", [
-    ("Etm|tL", {}, "unsupported characters ['m']"),
+    ("Etm|tL", {}, "MTP layers must follow every decoder layer"),
+    ("Etx|tL", {}, "unsupported characters ['x']"),
     ("tt|ttL", {}, "the embedding 'E' must open the first stage"),
     ("Ett|EttL", {}, "the embedding 'E' must open the first stage"),
     ("Ett|tt", {}, "the loss 'L' must close the last stage"),
