@@ -25,12 +25,14 @@ import logging
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import roofline_trace  # noqa: E402
 import torch  # noqa: E402
 from roofline_trace import (ATTENTION, BF16, GPU_BOUND, Case, Shape, base_spec, build,  # noqa: E402
                             causal_mask, config_for, megatron_process, plain_run, trace_case,
@@ -164,6 +166,20 @@ def lsh(buckets: int) -> Callable[[Shape], Case]:
     return make
 
 
+SDPA_SHAPE = Shape(4096, 32, 4096, 2)    # the GPU check's scenario rows, --attention-backend sdpa
+LONG = Shape(1024, 8, 16384, 1)           # sparse attention where attention dominates
+
+
+@contextmanager
+def attention_backend(name: str):
+    """Build the layers with --attention-backend `name` (roofline_trace.base_spec reads it)."""
+    old, roofline_trace.ATTENTION_BACKEND = roofline_trace.ATTENTION_BACKEND, name
+    try:
+        yield
+    finally:
+        roofline_trace.ATTENTION_BACKEND = old
+
+
 @dataclass(frozen=True)
 class Scheme:
     name: str
@@ -171,14 +187,20 @@ class Scheme:
     shape: Shape
     reference: str          # the row the ratio is taken against
     target: Optional[float]  # the issue's acceptance ratio (<=)
+    backend: str = "unfused"  # --attention-backend of the layers
+    measured: Optional[str] = None  # scripts/layer_probe.py's case (rl.CALIBRATION), if measured
 
 
+_SDPA = " sdpa"
 SCHEMES: list[Scheme] = [
-    Scheme("plain", plain, GPU_BOUND, "plain", None),
-    Scheme("layer_freezing (frozen prefix)", frozen, GPU_BOUND, "plain", 0.4),
+    Scheme("plain", plain, GPU_BOUND, "plain", None, measured="plain h4096 s2048 mb1"),
+    Scheme("layer_freezing (frozen prefix)", frozen, GPU_BOUND, "plain", 0.4,
+           measured="frozen h4096 s2048 mb1"),
     Scheme("gradual_pruning 67% (odd width)", pruned(0.33), GPU_BOUND, "plain", 0.75),
-    Scheme("gradual_pruning 67% (width /128)", pruned(0.33, 128), GPU_BOUND, "plain", 0.75),
-    Scheme("mixture_of_depths capacity 0.125", mod(0.125), GPU_BOUND, "plain", 0.3),
+    Scheme("gradual_pruning 67% (width /128)", pruned(0.33, 128), GPU_BOUND, "plain", 0.75,
+           measured="pruned67/128 h4096 s2048 mb1"),
+    Scheme("mixture_of_depths capacity 0.125", mod(0.125), GPU_BOUND, "plain", 0.3,
+           measured="mod0.125 h4096 s2048 mb1"),
     Scheme("early_exit tail (75% exited)", early_exit(0.75), GPU_BOUND, "plain", 0.6),
     Scheme("moe capacity 1.0", moe(1.0), GPU_BOUND, "plain", None),
     Scheme("moe capacity 0.5", moe(0.5), GPU_BOUND, "moe capacity 1.0", 0.8),
@@ -187,9 +209,44 @@ SCHEMES: list[Scheme] = [
     Scheme("moe capacity 1.0 SDPA attention", moe(1.0, sdpa=True), GPU_BOUND, "plain", None),
     Scheme("moe capacity 0.5 SDPA attention", moe(0.5, sdpa=True), GPU_BOUND,
            "moe capacity 1.0 SDPA attention", 0.8),
-    Scheme("sparse_attention dense (1 bucket)", lsh(1), ATTENTION, "sparse_attention dense (1 bucket)", None),
+    # the GPU check's scenario shape with --attention-backend sdpa
+    Scheme("plain" + _SDPA, plain, SDPA_SHAPE, "plain" + _SDPA, None, "sdpa",
+           "plain h4096 s4096 mb2 sdpa"),
+    Scheme("layer_freezing (frozen prefix)" + _SDPA, frozen, SDPA_SHAPE, "plain" + _SDPA, 0.4, "sdpa",
+           "frozen h4096 s4096 mb2 sdpa"),
+    Scheme("gradual_pruning 67% (width /128)" + _SDPA, pruned(0.33, 128), SDPA_SHAPE, "plain" + _SDPA,
+           0.75, "sdpa", "pruned67/128 h4096 s4096 mb2 sdpa"),
+    Scheme("mixture_of_depths capacity 0.125" + _SDPA, mod(0.125), SDPA_SHAPE, "plain" + _SDPA, 0.3,
+           "sdpa"),
+    Scheme("early_exit tail (75% exited)" + _SDPA, early_exit(0.75), SDPA_SHAPE, "plain" + _SDPA, 0.6,
+           "sdpa", "early_exit75 h4096 s4096 mb2 sdpa"),
+    Scheme("sparse_attention dense (1 bucket)", lsh(1), ATTENTION, "sparse_attention dense (1 bucket)", None,
+           measured="lsh1 h1024 s8192 mb1"),
     Scheme("sparse_attention 16 buckets", lsh(16), ATTENTION, "sparse_attention dense (1 bucket)", 0.8),
+    Scheme("sparse_attention dense (1 bucket) s16384", lsh(1), LONG,
+           "sparse_attention dense (1 bucket) s16384", None, measured="lsh1 h1024 s16384 mb1"),
+    Scheme("sparse_attention 16 buckets s16384", lsh(16), LONG, "sparse_attention dense (1 bucket) s16384",
+           0.8),
 ]
+
+
+def _measured(row: dict, case: str) -> None:
+    """The measured GPU and host ms of `case` (rl.CALIBRATION) into `row`."""
+    row["measured_gpu_ms"] = rl.measured(case, "gpu") * 1e3
+    row["measured_host_ms"] = rl.measured(case, "host") * 1e3
+    row["measured_case"] = case
+
+
+def _ratios(row: dict, ref: dict) -> None:
+    if "bound_ms" in row and "bound_ms" in ref:
+        row["ratio"] = row["bound_ms"] / ref["bound_ms"]
+        row["gpu_ratio"] = row["gpu_ms"] / ref["gpu_ms"]
+        if row["target"] is not None:
+            row["meets_target"] = row["ratio"] <= row["target"]
+    if "measured_gpu_ms" in row and "measured_gpu_ms" in ref:
+        row["measured_gpu_ratio"] = row["measured_gpu_ms"] / ref["measured_gpu_ms"]
+        row["measured_ratio"] = (max(row["measured_gpu_ms"], row["measured_host_ms"])
+                                 / max(ref["measured_gpu_ms"], ref["measured_host_ms"]))
 
 
 def scheme_rows(hw: rl.Hardware, names: Optional[list[str]] = None) -> list[dict]:
@@ -200,9 +257,13 @@ def scheme_rows(hw: rl.Hardware, names: Optional[list[str]] = None) -> list[dict
         if names and sc.name not in wanted:
             continue
         t0 = time.time()
-        row = {"scheme": sc.name, "shape": sc.shape.label, "target": sc.target, "reference": sc.reference}
+        row = {"scheme": sc.name, "shape": sc.shape.label, "target": sc.target, "reference": sc.reference,
+               "backend": sc.backend}
+        if sc.measured:
+            _measured(row, sc.measured)
         try:
-            ops, how, passes = trace_scheme(sc.make, sc.shape)
+            with attention_backend(sc.backend):
+                ops, how, passes = trace_scheme(sc.make, sc.shape)
             est = rl.estimate(ops, hw, passes=passes)
             slow = [f"{op.name}{list(op.inputs)} pitch {op.leading_dims()}" for op in ops
                     if op.kernel and op.is_matmul and rl.alignment_factor(op, rl.H200_CONSTANTS) < 1]
@@ -220,11 +281,8 @@ def scheme_rows(hw: rl.Hardware, names: Optional[list[str]] = None) -> list[dict
         rows[sc.name] = row
     for row in rows.values():
         ref = rows.get(row["reference"])
-        if "bound_ms" in row and ref and "bound_ms" in ref:
-            row["ratio"] = row["bound_ms"] / ref["bound_ms"]
-            row["gpu_ratio"] = row["gpu_ms"] / ref["gpu_ms"]
-            if row["target"] is not None:
-                row["meets_target"] = row["ratio"] <= row["target"]
+        if ref:
+            _ratios(row, ref)
     return list(rows.values())
 
 
@@ -255,35 +313,36 @@ def _sdpa_probe(chunks: int) -> list[OpRecord]:
 
 
 def calibration_traces() -> dict[str, list[OpRecord]]:
-    """A trace for every row of roofline.CALIBRATION, by name."""
-    h2048 = Shape(2048, 16, 2048, 2)
-    makers = {
-        "dense h2048 s2048 mb2": lambda: trace_case(plain(h2048), h2048),
-        "frozen h2048 s2048 mb2 (forward only)": lambda: trace_case(frozen(h2048), h2048),
-        "dense h4096 s2048 mb1": lambda: trace_case(plain(GPU_BOUND), GPU_BOUND),
-        "dense causal SDPA h1024 s8192 mb1": lambda: trace_case(lsh(1)(ATTENTION), ATTENTION),
-        "dense h1024 s1024 mb4 (host-bound)": lambda: trace_case(plain(Shape(1024, 16, 1024, 4)),
-                                                                 Shape(1024, 16, 1024, 4)),
+    """A trace for every row of roofline.CALIBRATION, by `CalibrationRow.trace`: the
+    kernel probes, and scripts/layer_probe.py's cases built by that script's own list
+    (the same builders it measured)."""
+    import layer_probe
+    makers: dict[str, Callable[[], list[OpRecord]]] = {
         "SDPA causal b1 n8 s8192 d128": lambda: _sdpa_probe(1),
         "SDPA causal 16 chunks of 512": lambda: _sdpa_probe(16),
     }
     for w in (8192, 2703, 2730, 2688, 2736):
         makers[f"FFN h2048 T4096 width {w}"] = lambda w=w: _ffn_probe(w)
-    scheme_rows = {  # the scheme layers' rows: (builder, shape)
-        "MoD routed capacity 0.125 h2048 s2048 mb2": (mod(0.125), h2048),
-        "MoD capacity 1.0 h2048 s2048 mb2": (mod(1.0), h2048),
-        "LSH 16 buckets h1024 s8192 mb1": (lsh(16), ATTENTION),
-        "early-exit layer, no exits yet, h2048 s2048 mb2 vocab 16": (early_exit(0.0, 16, 2), h2048),
-    }
-    for name, (make, shape) in scheme_rows.items():
-        makers[name] = lambda make=make, shape=shape: trace_scheme(make, shape)[0]
+    layers = {name: (make, shape) for name, make, shape, _ in layer_probe.cases()}
+    backends = {row.trace: row.backend for row in rl.CALIBRATION}
+    for name in backends:
+        if name in layers:
+            make, shape = layers[name]
+            makers[name] = lambda make=make, shape=shape, b=backends[name]: _traced_with(b, make, shape)
     out = {}
     for name, make in makers.items():
+        t0 = time.time()
         try:
             out[name] = make()
         except Exception as e:  # a scheme layer that no longer builds: its row is skipped
             log.warning("calibration row %r not traced: %s: %s", name, type(e).__name__, e)
+        log.debug("traced %s in %.1f s", name, time.time() - t0)
     return out
+
+
+def _traced_with(backend: str, make: Callable[[Shape], Case], shape: Shape) -> list[OpRecord]:
+    with attention_backend(backend):
+        return trace_scheme(make, shape)[0]
 
 
 SELF_CHECK = Shape(2048, 32, 1024, 2)
@@ -305,53 +364,59 @@ def self_check() -> dict:
 def calibration_rows(traces, hw: rl.Hardware, c: rl.Constants) -> list[dict]:
     out = []
     for row in rl.CALIBRATION:
-        if row.name not in traces:
-            out.append({"row": row.name, "kind": row.kind, "code": row.code, "error": None,
-                        "measured_ms": row.measured_s * 1e3, "skipped": "not traced"})
+        base = {"row": row.name, "kind": row.kind, "code": row.code, "backend": row.backend,
+                "measured_ms": row.measured_s * 1e3, "measured_kernels": row.kernels, "source": row.source}
+        if row.trace not in traces:
+            out.append(base | {"error": None, "skipped": "not traced"})
             continue
-        est = rl.estimate(traces[row.name], hw, c, row.passes)
+        est = rl.estimate(traces[row.trace], hw, c, row.passes)
         pred = rl.predict_row(row, est, c)
-        out.append({"row": row.name, "kind": row.kind, "code": row.code, "measured_ms": row.measured_s * 1e3,
-                    "predicted_ms": pred * 1e3, "error": pred / row.measured_s - 1,
-                    "gpu_ms": est.gpu_s * 1e3, "host_ms": est.host_s * 1e3, "kernels": est.kernels,
-                    "gflop": est.flops / 1e9, "source": row.source})
+        out.append(base | {"predicted_ms": pred * 1e3, "error": pred / row.measured_s - 1,
+                           "gpu_ms": est.gpu_s * 1e3, "host_ms": est.host_s * 1e3, "kernels": est.kernels,
+                           "gflop": est.flops / 1e9})
     return out
 
 
 # ---- output -----------------------------------------------------------------------------------
 def _fmt(v, spec=".2f") -> str:
-    return "-" if v is None else format(v, spec)
+    width = spec.split(".")[0]
+    return format("-", ">" + width) if v is None else format(v, spec)
 
 
 def print_schemes(rows: list[dict], hw: rl.Hardware) -> None:
-    print(f"Predicted forward+backward per layer on one {hw.name} (bf16, --transformer-impl local)")
-    print(f"{'scheme':36} {'shape':17} {'GPU ms':>7} {'host ms':>8} {'max':>7} {'ratio':>6} "
-          f"{'GPU x':>6} {'target':>7}  note")
+    print(f"Predicted forward+backward per layer on one {hw.name} (bf16, --transformer-impl local); "
+          "measured: scripts/layer_probe.py on an H200 (GPU = kernel busy time, host = enqueue)")
+    print(f"{'scheme':44} {'shape':17} {'GPU ms':>7} {'host ms':>8} {'ratio':>6} {'GPU x':>6} "
+          f"{'meas GPU':>8} {'meas host':>9} {'meas x':>6} {'GPU x':>6} {'target':>7}  note")
     for r in rows:
         if "error" in r:
-            print(f"{r['scheme']:36} {r['shape']:17} ERROR {r['error'][:90]}")
+            print(f"{r['scheme']:44} {r['shape']:17} ERROR {r['error'][:90]}")
             continue
         target = f"<={r['target']}" if r["target"] is not None else ""
         mark = "" if "meets_target" not in r else (" ok" if r["meets_target"] else " MISS")
-        print(f"{r['scheme']:36} {r['shape']:17} {r['gpu_ms']:7.2f} {r['host_ms']:8.2f} "
-              f"{r['bound_ms']:7.2f} {_fmt(r.get('ratio'), '6.3f')} {_fmt(r.get('gpu_ratio'), '6.3f')} "
+        print(f"{r['scheme']:44} {r['shape']:17} {r['gpu_ms']:7.2f} {r['host_ms']:8.2f} "
+              f"{_fmt(r.get('ratio'), '6.3f')} {_fmt(r.get('gpu_ratio'), '6.3f')} "
+              f"{_fmt(r.get('measured_gpu_ms'), '8.2f')} {_fmt(r.get('measured_host_ms'), '9.2f')} "
+              f"{_fmt(r.get('measured_ratio'), '6.3f')} {_fmt(r.get('measured_gpu_ratio'), '6.3f')} "
               f"{target:>7}{mark:5} "
               f"{r['kernels']} kernels, {r['misaligned_matmuls']} misaligned; {r['how']}")
 
 
 def print_calibration(rows: list[dict]) -> None:
-    print(f"{'calibration row (H200 measured)':58} {'kind':5} {'measured':>8} {'predicted':>9} "
-          f"{'error':>7} {'GPU':>6} {'host':>6} kernels")
+    print(f"{'calibration row (H200 measured)':44} {'kind':5} {'measured':>8} {'predicted':>9} "
+          f"{'error':>7} {'GPU':>6} {'host':>6} kernels traced/measured")
     for r in rows:
         name = r["row"] + ("" if r["code"] == "plain" else " *")
         if r.get("skipped"):
-            print(f"{name:58} {r['kind']:5} {r['measured_ms']:8.3f} {r['skipped']}")
+            print(f"{name:44} {r['kind']:5} {r['measured_ms']:8.3f} {r['skipped']}")
             continue
-        print(f"{name:58} {r['kind']:5} {r['measured_ms']:8.3f} {r['predicted_ms']:9.3f} "
-              f"{r['error']:+7.1%} {r['gpu_ms']:6.2f} {r['host_ms']:6.2f} {r['kernels']}")
+        print(f"{name:44} {r['kind']:5} {r['measured_ms']:8.3f} {r['predicted_ms']:9.3f} "
+              f"{r['error']:+7.1%} {r['gpu_ms']:6.2f} {r['host_ms']:6.2f} {r['kernels']}"
+              + (f"/{r['measured_kernels']}" if r["measured_kernels"] else ""))
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
-    print(f"max |error| {max(errors):.1%} (stated bound {rl.CALIBRATION_MAX_ERROR:.0%}); "
-          "* = a scheme layer as measured at main ea03802 (its code may have changed since)")
+    plain = [abs(r["error"]) for r in rows if r["error"] is not None and r["code"] == "plain"]
+    print(f"max |error| {max(errors):.1%}, of the unmarked rows {max(plain):.1%} (stated bound "
+          f"{rl.CALIBRATION_MAX_ERROR:.0%}); * = a scheme layer as measured (its code may change)")
 
 
 def main(argv=None) -> int:

@@ -38,7 +38,7 @@ class Shape:
         return f"h{self.hidden} s{self.seq} mb{self.batch}"
 
 
-GPU_BOUND = Shape(4096, 32, 2048, 1)       # identical_layers[gpu]: 9.1 ms on an H200
+GPU_BOUND = Shape(4096, 32, 2048, 1)       # 7.28 ms of kernels on an H200 (layer_probe)
 ATTENTION = Shape(1024, 8, 8192, 1)        # scenario_cost[sparse_attention]
 
 
