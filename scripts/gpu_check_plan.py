@@ -15,6 +15,11 @@ BUDGET_S = 480.0  # issue 24: the whole GPU check in at most 8 minutes on one H1
 # Start-up of one launch, seconds, by kind. Re-fitted to the first device_check.sh run
 # on one H200 (../shared/notes/h200-acceptance-1.md, 2026-11-27); the run re-estimates
 # the groups still to come from what the finished ones took (`Schedule`).
+# Groups that a device call of their own runs (`--only throughput,bf16_vs_fp32_speed`):
+# with start-up measured on the H200 (2026-11-27: a launcher-worker run 26-42 s, not
+# 6-14), the rest of the rows fill one 9-minute call and these two do not fit beside them.
+SECOND_CALL = ("throughput", "bf16_vs_fp32_speed")
+
 START_S = {
     # h200-acceptance-1: a pretrain_gpt.py torchrun launch ~32 s of start-up (was 40 s)
     "torchrun": 32.0,

@@ -76,10 +76,11 @@ def test_device_check_plan_fits_nine_minutes():
     budget = const["TOTAL"] - const["MLM_RESERVE"] - const["INSTALL_S"]
     plan = gpu_check.target_plan()
     plan.budget_s = budget
-    throughput = _group_of(plan, "throughput_vs_megatron_lm").estimate_s()
-    assert plan.total_s() - throughput <= budget  # every other gpu_check group fits its share
+    second = sum(g.estimate_s() for g in plan.groups if g.name in gpu_check_plan.SECOND_CALL)
+    assert len([g for g in plan.groups if g.name in gpu_check_plan.SECOND_CALL]) == 2
+    assert plan.total_s() - second <= budget  # every other gpu_check group fits its share
     device = gpu_check.device_plan(plan, const["TOTAL"])
-    assert device.total_s() - throughput <= const["TOTAL"]
+    assert device.total_s() - second <= const["TOTAL"]
     assert device.groups[-1].estimate_s() <= const["MLM_RESERVE"]
     assert device.groups[0].estimate_s() <= const["INSTALL_S"]
 
@@ -234,9 +235,10 @@ def test_estimates_follow_what_the_finished_groups_took():
 
 
 def test_the_plans_constants_are_the_h200_runs():
-    """h200-acceptance-1.md: worker runs 10-19 s, torchrun ~32 s, start group ~33 s,
-    sparse attention's calibration ~20 s more."""
-    assert 10 <= gpu_check_plan.START_S["worker"] <= 19 and gpu_check_plan.START_S["torchrun"] == 32
+    """h200-acceptance-1.md: torchrun ~32 s, start group ~33 s, sparse attention's
+    calibration ~20 s more; the H200 runs of 2026-11-27: a launcher-worker run 26-42 s
+    with its 8-12 iterations (start-up ~24 s; acceptance-1's 10-19 s was too low)."""
+    assert 20 <= gpu_check_plan.START_S["worker"] <= 31 and gpu_check_plan.START_S["torchrun"] == 32
     start = gpu_check.target_plan().groups[0]
     assert start.name == "start" and 30 <= start.estimate_s() <= 36
     sparse = _group_of(gpu_check.target_plan(), "scenario_cost[sparse_attention]")
