@@ -7,6 +7,8 @@
 #   scripts/device_check.sh [--total-s S] [--python PY] [-- gpu_check.py flags]  # on the GPU
 #   scripts/device_check.sh --dry-run [-- gpu_check.py flags]  # no GPU: the CPU part, same layout
 #   scripts/device_check.sh --plan                        # estimated seconds, no run
+#   ... -- --only throughput,bf16_vs_fp32_speed   the second call: those two groups do not fit
+#                            one 9-minute call beside the rest (gpu_check_plan.SECOND_CALL)
 #   ... --no-megatron-lm     gpu_check.sh alone (a short call; its line says so)
 #   ... --probe              also scripts/layer_probe.py first (the roofline's layers
 #                            timed: GPU, host, kernels; $OUT/layer_probe.json)
