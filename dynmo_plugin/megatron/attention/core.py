@@ -8,13 +8,14 @@ kernel's name in the message, rather than computing something else silently.
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Optional
 
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["CausalCoreAttention"]
+__all__ = ["CausalCoreAttention", "with_core_attention"]
 
 
 class CausalCoreAttention(MegatronModule):
@@ -36,3 +37,14 @@ class CausalCoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = (softmax_scale if softmax_scale is not None
                               else 1.0 / math.sqrt(config.kv_channels))
+
+
+def with_core_attention(spec, core_attention):
+    """A copy of a layer spec whose self-attention's `core_attention` is `core_attention`
+    (the spec's other parts shared, the path down to it copied: the input is untouched)."""
+    out = copy.copy(spec)
+    out.submodules = copy.copy(spec.submodules)
+    out.submodules.self_attention = copy.copy(spec.submodules.self_attention)
+    out.submodules.self_attention.submodules = copy.copy(spec.submodules.self_attention.submodules)
+    out.submodules.self_attention.submodules.core_attention = core_attention
+    return out

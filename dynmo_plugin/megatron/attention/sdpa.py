@@ -20,13 +20,11 @@ parallelism.
 """
 from __future__ import annotations
 
-import copy
-
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from dynmo_plugin.megatron.attention.core import CausalCoreAttention
+from dynmo_plugin.megatron.attention.core import CausalCoreAttention, with_core_attention
 from dynmo_plugin.scenarios.gathered_tokens import is_arbitrary_mask
 
 __all__ = ["SDPACoreAttention", "sdpa_attention_spec"]
@@ -64,10 +62,5 @@ def sdpa_attention_spec(spec: ModuleSpec) -> ModuleSpec:
     current = sub.core_attention
     if getattr(current, "__name__", "") != "DotProductAttention":
         return spec
-    out = copy.copy(spec)
-    out.submodules = copy.copy(spec.submodules)
-    out.submodules.self_attention = copy.copy(spec.submodules.self_attention)
-    out.submodules.self_attention.submodules = copy.copy(sub)
-    out.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    return out
+    return with_core_attention(spec, SDPACoreAttention)
 

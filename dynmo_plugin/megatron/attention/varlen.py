@@ -16,7 +16,6 @@ Where CUDA and Transformer Engine exist, TE's layer spec handles THD natively an
 """
 from __future__ import annotations
 
-import copy
 import itertools
 
 import torch
@@ -25,7 +24,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from dynmo_plugin.megatron.attention.core import CausalCoreAttention
+from dynmo_plugin.megatron.attention.core import CausalCoreAttention, with_core_attention
 
 __all__ = ["VarlenCoreAttention", "varlen_attention", "varlen_attention_spec",
            "packed_seq_params"]
@@ -101,12 +100,7 @@ def varlen_attention_spec(spec: ModuleSpec) -> ModuleSpec:
         raise ValueError(f"packed documents replace the core attention with per-document "
                          f"attention, but this layer spec already uses {name}; train that "
                          "scenario on the synthetic token stream")
-    out = copy.copy(spec)
-    out.submodules = copy.copy(spec.submodules)
-    out.submodules.self_attention = copy.copy(spec.submodules.self_attention)
-    out.submodules.self_attention.submodules = copy.copy(sub)
-    out.submodules.self_attention.submodules.core_attention = VarlenCoreAttention
-    return out
+    return with_core_attention(spec, VarlenCoreAttention)
 
 
 def packed_seq_params(batch: dict) -> PackedSeqParams:
