@@ -8,7 +8,10 @@ outside windows vs. disabled (should sit within that floor: hooks are detached),
 profiled step vs. the same run's unprofiled iterations, and the window's open/close
 cost (summary + gather), which the report records separately as `dynmo_s`.
 Part 2 (thread CPU time, one process, no pipeline noise): the training step with no
-hooks, with timing hooks only, and with timing + activation accounting.
+hooks, with timing hooks only, with timing + activation accounting, and with timing +
+the window's kernel profiler (`kernels.KernelBusy` on the host: user-scope ranges only,
+as it runs, against every host op recorded, as it ran on the H200 of 2026-11-27), with
+the profiler's close (stop + attribution) timed apart.
 Part 3 (wall clock, PP=2): stage 0 holds a layer three times heavier than the rest, so
 stage 1 should spend more of each iteration blocked in receives than stage 0 does. The
 profile's per-stage `wait_s` is wall-clock time, so this relation is a measurement, not
@@ -75,6 +78,7 @@ def _cpu_worker(steps: int, rounds: int) -> None:
     from dynmo_plugin.config import ModelArgs
     from dynmo_plugin.layout import Layout
     from dynmo_plugin.megatron.profiling import probe
+    from dynmo_plugin.megatron.profiling.kernels import KernelBusy
     from dynmo_plugin.megatron.training.parallel import destroy_parallel, init_parallel
     from dynmo_plugin.megatron.training.trainer import StageTrainer
     from dynmo_plugin.profiling.clock import CpuThreadClock
@@ -83,10 +87,15 @@ def _cpu_worker(steps: int, rounds: int) -> None:
                      micro_batch_size=2, global_batch_size=16)
     trainer = StageTrainer(args, init_parallel(args), Layout.uniform(8, 1))
 
+    closes: dict[str, list[float]] = {"kineto_user": [], "kineto_all": []}
+
     def timed(variant: str) -> float:
-        p = None
+        p = busy = None
+        if variant.startswith("kineto"):
+            busy = KernelBusy(True, device="cpu", every_op=variant == "kineto_all")
         if variant != "off":
-            p = probe.StageProbe(trainer.model, CpuThreadClock(), count_activations=variant == "full")
+            p = probe.StageProbe(trainer.model, CpuThreadClock(), count_activations=variant == "full",
+                                 busy=busy)
             p.attach()
         samples = []
         for i in range(steps):
@@ -97,14 +106,21 @@ def _cpu_worker(steps: int, rounds: int) -> None:
                 p.end_iteration()
         if p is not None:
             p.detach()
+        if busy is not None:
+            start = time.perf_counter()
+            busy.stop()
+            closes[variant].append(time.perf_counter() - start)
         return statistics.median(samples)
 
     timed("off")
-    results = {"off": [], "timing": [], "full": []}
+    results = {"off": [], "timing": [], "full": [], "kineto_user": [], "kineto_all": []}
     for _ in range(rounds):
         for variant in results:
             results[variant].append(timed(variant))
-    print_result({k: statistics.median(v) for k, v in results.items()})
+    out = {k: statistics.median(v) for k, v in results.items()}
+    out.update({f"close_{k}": statistics.median(v) for k, v in closes.items()})
+    out["spread_off"] = max(results["off"]) / min(results["off"])
+    print_result(out)
     destroy_parallel()
 
 
@@ -112,9 +128,13 @@ def cpu_overhead(steps: int, rounds: int) -> None:
     out = torchrun(1, [__file__, "--cpu-worker", "--steps", str(steps), "--rounds", str(rounds)])
     res = read_result(out)
     print(f"Part 2: one process, thread CPU time per training step ({rounds} rounds x {steps} steps)")
+    print(f"  noise floor: the no-hook rounds span {res['spread_off']:.3f} x")
     for name, label in (("off", "no hooks"), ("timing", "timing hooks"),
-                        ("full", "timing + activation accounting")):
-        print(f"  {label:32s} {1e3 * res[name]:7.1f} ms  {res[name] / res['off']:.3f} x")
+                        ("full", "timing + activation accounting"),
+                        ("kineto_user", "timing + kernel profiler (ours)"),
+                        ("kineto_all", "timing + profiler, every host op")):
+        close = f"  close {1e3 * res['close_' + name]:.1f} ms" if "close_" + name in res else ""
+        print(f"  {label:32s} {1e3 * res[name]:7.1f} ms  {res[name] / res['off']:.3f} x{close}")
 
 
 def wait_relation(rounds: int) -> None:

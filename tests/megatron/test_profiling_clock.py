@@ -305,6 +305,30 @@ def test_kernel_timer_is_a_no_op_on_cpu_and_reads_real_profiler_ranges():
         assert thread == r.thread and r.start_ns <= at <= r.end_ns
 
 
+def test_window_profiler_records_our_ranges_and_not_every_host_op():
+    """The window's profiler records user-scope ranges only: a layer's forward+backward
+    leaves our two ranges per micro-batch and none of its ~dozens of aten ops (with every
+    scope: each op, 1.4-1.8x host time and seconds to close a window). The busy timer on
+    the same path stops cleanly with no kernels on CPU."""
+    from torch.autograd.profiler import record_function
+
+    from dynmo_plugin.megatron.profiling.kernels import KernelBusy, range_name, start_profiler, stop_profiler
+    layer, x = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()), torch.randn(4, 16)
+    prof = start_profiler("cpu")
+    for mb in range(2):
+        with record_function(range_name(0, "fwd/1", mb)):
+            out = layer(x)
+        with record_function(range_name(0, "bwd/1", mb)):
+            out.sum().backward()
+    names = [e.name() for e in stop_profiler(prof)]
+    assert sorted(names) == sorted(range_name(0, k, mb) for mb in range(2) for k in ("fwd/1", "bwd/1")), names
+    busy = KernelBusy(enabled=True, device="cpu")
+    busy.open("fwd/1", 0)
+    layer(x)
+    busy.close("fwd/1", 0)
+    assert busy.stop() == {} and busy._prof is None
+
+
 class _KinetoEventStandIn:
     """Stand-in for torch's _KinetoEvent (no CUDA here): the accessors `from_kineto` reads."""
 
