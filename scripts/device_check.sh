@@ -34,6 +34,10 @@
 #                      scripts/gpu_check_pack.py)
 # --dry-run (no GPU needed): gpu_check.sh --dry-run, megatron_lm_gpu_check.sh not run (its
 # line says so), the same files under $OUT.
+# DYNMO_SOURCE_COMMIT=<hash> (set in the command line sent to the device, from here:
+#                            the device copy's .git is not the tree sent: the 2026-11-27 run
+#                            recorded the session's starting commit) names the source in
+#                            scenario_costs.json and the simulator's GPU cost model.
 # Exit status: 0 when both passed, 1 when either failed, 2 on a usage or setup problem.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

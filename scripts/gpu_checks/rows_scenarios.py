@@ -3,6 +3,7 @@ simulator reads."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -165,9 +166,15 @@ def check_scenario(m: Machine, sc: Scenario, out: Path, costs: dict) -> Row:
 
 
 def _commit() -> str:
+    """The source's commit: DYNMO_SOURCE_COMMIT when the caller sent it (a device copy's
+    .git need not be the tree that was sent: scripts/device_check.sh), else git's HEAD
+    marked as such."""
+    if os.environ.get("DYNMO_SOURCE_COMMIT"):
+        return os.environ["DYNMO_SOURCE_COMMIT"]
     proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[2])
-    return proc.stdout.strip() or "unknown (no git)"
+    head = proc.stdout.strip()
+    return f"{head} (the copy's git HEAD; unverified)" if head else "unknown (no git)"
 
 
 def write_scenario_costs(m: Machine, costs: dict, out: Path) -> Optional[Path]:
