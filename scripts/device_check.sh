@@ -45,7 +45,7 @@ DEV="$ROOT/runs/device"
 TOTAL=540
 MLM_RESERVE=130   # megatron_lm_gpu_check.sh: 3 torchrun launches at 40 s + their work
 INSTALL_S=10      # what the plan counts for the install below
-PY=python3
+PY=
 MODE=run
 MLM_SRC="${DYNMO_MEGATRON_LM:-}"
 DRY=0
@@ -71,6 +71,13 @@ while [[ $# -gt 0 ]]; do
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
+# The interpreter: --python, else this checkout's .venv for a dry run here (where `make`
+# installed torch), else python3 (the GPU machine's, which has torch).
+if [[ -z "$PY" ]]; then
+  PY=python3
+  [[ $DRY -eq 1 && -x "$ROOT/.venv/bin/python" ]] && PY="$ROOT/.venv/bin/python"
+fi
+[[ $MODE != run ]] || "$PY" -c "import torch" 2>/dev/null || die "$PY cannot import torch: pass --python with one that can (here: make install, then --python .venv/bin/python)"
 GPU_BUDGET=$((TOTAL - INSTALL_S - MLM_RESERVE))
 [[ $GPU_BUDGET -gt 0 ]] || die "--total-s $TOTAL leaves no time for gpu_check.sh (needs > $((INSTALL_S + MLM_RESERVE)))"
 

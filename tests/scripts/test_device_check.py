@@ -176,3 +176,21 @@ def test_dry_run_lays_out_out_as_the_gpu_call_would(tmp_path):
     text = (out / "device_check.txt").read_text()
     assert "--dry-run" in text and "logs.tar.gz: " in text
     assert "not run: --dry-run" in (out / "megatron_lm.txt").read_text()
+
+
+def test_an_interpreter_without_torch_is_one_line_and_exit_2(tmp_path):
+    """Before any run: an interpreter that cannot import torch (a fresh machine's
+    python3 given to a dry run) is named in one line, exit 2, not a traceback
+    minutes later from inside gpu_check.py."""
+    import os
+    import subprocess
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[2] / "scripts" / "device_check.sh"
+    proc = subprocess.run(["bash", str(script), "--dry-run", "--python", "/bin/false"],
+                          env={**os.environ, "OUT": str(tmp_path / "out")}, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "device_check.sh: error: /bin/false cannot import torch: pass --python with one that can "
+        "(here: make install, then --python .venv/bin/python)"]
+    assert not (tmp_path / "out").exists()
