@@ -12,10 +12,11 @@ Budgets: 0 for every layer but early exit's. Pruned layers (unstructured masks, 
 neurons and heads, masked or physically shrunk) read their masks back when a mask is
 written (construction, `load_state_dict`, a pruning round: outside any forward), never in
 one (before issue 33 the first forward after any of those read each linear's mask:
-`int(mask.sum())` and `nonzero()`). Early exit reads once (one `tolist`), and only once
-tokens may have exited: how many tokens are still active sizes the gather that makes it
-cheaper, and that count is decided on the device by the previous layer; no bound the
-host knows keeps every active token (a smaller one drops some, the full s saves nothing).
+`int(mask.sum())` and `nonzero()`). Early exit reads once per stage and micro-batch (one
+`tolist`, in the stage's first layer), and only once tokens may have exited: how many
+tokens are still active sizes the gather, and the bound it uses (the count entering the
+layer before) comes from the carrier there; the stage's later layers wait for a copy the
+layer before staged (docs/scenarios/early_exit.md, "Host synchronisation").
 """
 import pytest
 import torch
@@ -36,6 +37,8 @@ class HostReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        if args and getattr(args[0], "_dynmo_host_copy", False):  # a staged host buffer
+            return func(*args, **(kwargs or {}))
         if name in _READS or (name in ("__getitem__", "__setitem__") and _bool_index(args[1:2])):
             self.calls.append(name)
         return func(*args, **(kwargs or {}))
@@ -51,6 +54,11 @@ def _reads(layer, x, **kwargs) -> list[str]:
         out, _ = layer(hidden_states=x, **kwargs)
         out.float().sum().backward()
     return mode.calls
+
+
+def _base():
+    from dynmo_plugin.megatron.training.model import layer_spec
+    return layer_spec()
 
 
 def _check_layers(args):
@@ -107,6 +115,27 @@ def _check_layers(args):
         x = torch.cat([hidden(), encode_exited(exited if exits_on else exited & False, h,
                                                torch.float32)]).detach().requires_grad_()
         assert _reads(exiting, x, attention_mask=mask) == expected, exits_on
+    _check_exit_stage(build, early_exit_spec, ExitContext, encode_exited, exited, labels, hidden, mask, h)
+
+
+def _check_exit_stage(build, early_exit_spec, ExitContext, encode_exited, exited, labels, hidden, mask, h):
+    """A stage's later layers read nothing: layer 4 gathers at most the tokens active
+    entering layer 3, which layer 3 staged for the host when it started (StagedCount);
+    only the stage's first layer reads (that bound, from the carrier)."""
+    s, b = exited.shape
+    first, second = (build(early_exit_spec(_base(), vocab_size=labels.max().item() + 1), number=n)
+                     for n in (3, 4))
+    ctx = ExitContext(seq_length=s, threshold=0.5, min_layer=2, exits_on=True, loss_weight=0.5,
+                      grad_scale=1.0, labels=[labels], loss_masks=[torch.ones(s, b)])
+    for layer in (first, second):
+        layer.exit_context = ctx
+        layer.reset_exit_stats()
+    x = torch.cat([hidden(), encode_exited(exited, h, torch.float32)]).detach().requires_grad_()
+    with HostReads() as mode:
+        out, _ = first(hidden_states=x, attention_mask=mask)
+    assert mode.calls == ["tolist"]
+    assert _reads(second, out.detach().requires_grad_(), attention_mask=mask) == []
+    assert second.tokens_active <= first.tokens_active == int((~exited).sum())
 
 
 def _check_pruned_layers(args, cfg, base, build, hidden, mask):

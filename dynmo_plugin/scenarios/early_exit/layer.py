@@ -55,23 +55,57 @@ __all__ = ["ExitContext", "ExitHead", "EarlyExitLayer", "early_exit_spec", "atta
 
 
 def carrier_rows(seq_length: int, hidden_size: int) -> int:
-    """Rows appended to the [s, b, h] activation to carry one exit flag per token."""
-    return math.ceil(seq_length / hidden_size)
+    """Rows appended to the [s, b, h] activation to carry two exit flags per token: after
+    the layer that sent it, and after the layer before that (`StagedCount`)."""
+    return math.ceil(2 * seq_length / hidden_size)
 
 
-def encode_exited(exited: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """[s, b] bool -> [R, b, h] rows of 0.0/1.0 (token t of sample j at flat index t)."""
+def encode_exited(exited: torch.Tensor, hidden_size: int, dtype: torch.dtype,
+                  before: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[s, b] bool flags now (and one layer earlier: `before`, default the same) ->
+    [R, b, h] rows of 0.0/1.0 (token t of sample j at flat index t, then s + t)."""
     s, b = exited.shape
     rows = carrier_rows(s, hidden_size)
     flat = torch.zeros(rows * hidden_size, b, dtype=dtype, device=exited.device)
-    flat[:s] = exited.to(dtype)
+    flat[:2 * s] = torch.cat([exited, exited if before is None else before]).to(dtype)
     return flat.view(rows, hidden_size, b).permute(0, 2, 1).contiguous()
 
 
-def decode_exited(rows: torch.Tensor, seq_length: int) -> torch.Tensor:
-    """The inverse of `encode_exited`: [R, b, h] -> [s, b] bool."""
+def decode_exited(rows: torch.Tensor, seq_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `encode_exited`: [R, b, h] -> ([s, b] bool now, [s, b] one layer earlier)."""
     r, b, h = rows.shape
-    return rows.detach().permute(0, 2, 1).reshape(r * h, b)[:seq_length] > 0.5
+    flat = rows.detach().permute(0, 2, 1).reshape(r * h, b)[:2 * seq_length] > 0.5
+    return flat[:seq_length], flat[seq_length:]
+
+
+class StagedCount:
+    """Active tokens per sample entering a layer, copied to the host without waiting for
+    it: into pinned memory with an event on CUDA (a plain copy on CPU).
+
+    Why: a layer gathers at most C of its tokens, and C must be known on the host. The
+    exact count entering layer L is decided by layer L-1 on the device, so reading it
+    drains the queue once per layer (issue 33). The count entering L-1 bounds it (an
+    exited token stays exited) and was staged by L-1 at its start: waiting for that copy
+    lets the host enqueue L while the device still runs L-1. The padded slots between
+    the bound and each sample's exact count are masked on the device (`valid`). The
+    bound is the same on every pipeline layout: a stage's first layer reads the count
+    entering L-1 from the carrier's second flag set (its one host read per micro-batch)."""
+
+    def __init__(self, counts: torch.Tensor):
+        self.event = None
+        if counts.is_cuda:
+            self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self.host.copy_(counts, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = counts.detach().clone()
+        self.host._dynmo_host_copy = True  # a host buffer: reading it reads no device value
+
+    def read(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
 @dataclass
@@ -92,6 +126,9 @@ class ExitContext:
     labels: list = field(default_factory=list)
     loss_masks: list = field(default_factory=list)
     token_multiple: int = 64  # gathered token counts are rounded up to a multiple of this
+    # micro-batch -> (layer number, active tokens per sample entering it) of the last
+    # layer of this stage that ran it: a StagedCount, or a list the host knows
+    staged: dict = field(default_factory=dict)
 
 
 class ExitHead(torch.nn.Module):
@@ -120,10 +157,17 @@ class EarlyExitLayer(TransformerLayer):
         """Start a new iteration: micro-batch counter and token counts back to zero."""
         self._calls = 0
         self.tokens_seen = 0    # tokens of this iteration's micro-batches
-        self.tokens_active = 0  # of which not exited before this layer
+        # of which not exited before this layer: a device tensor once a token may have
+        # exited (read by the scenario at its events, not per forward)
+        self._active = 0
         # exit-head confidence summed over the active tokens: a float64 device tensor once
         # a micro-batch ran (read by the scenario at its events, not per forward)
         self.confidence_sum = 0.0
+
+    @property
+    def tokens_active(self) -> int:
+        """Tokens this iteration's micro-batches ran through this layer (a host read)."""
+        return int(self._active)
 
     def forward(self, *args, **kwargs):
         ctx = self.exit_context
@@ -139,30 +183,33 @@ class EarlyExitLayer(TransformerLayer):
         self._calls += 1
         hidden = kwargs.pop("hidden_states")
         s, h = ctx.seq_length, self.config.hidden_size
-        x, exited = hidden[:s], decode_exited(hidden[s:], s)
+        x, (exited, before) = hidden[:s], decode_exited(hidden[s:], s)
         self.tokens_seen += exited.numel()
         if not self._exits_possible():  # known on the host: every token is active
-            active = counts = None
-            self.tokens_active += exited.numel()
-        else:
-            active = ~exited
-            counts = active.sum(0)
-            # the one host read a layer needs once tokens may have exited: the number of
-            # active tokens sizes the gather (what makes the layer cheaper). It is decided
-            # by the previous layer on the device; no host-side bound keeps every active
-            # token (a smaller one drops some, the full s saves nothing).
-            per_sample = counts.tolist()
-            self.tokens_active += sum(per_sample)
-            if max(per_sample) == 0:  # every token of the micro-batch has exited
-                carrier = encode_exited(exited, h, x.dtype)
-                return torch.cat([x, carrier], dim=0), kwargs.get("context")
-            if min(per_sample) == s:
-                active = counts = None  # nothing exited: the plain layer
-            else:  # C rounded up to the granularity: GEMM-friendly, padded with exited tokens
-                counts = (counts, round_up(max(per_sample), ctx.token_multiple, s))
-        out, context, exited_after = self._run_active(x, exited, active, counts, mb, kwargs)
-        carrier = encode_exited(exited_after, h, out.dtype)
-        return torch.cat([out, carrier], dim=0), context
+            ctx.staged[mb] = (self.layer_number, [s] * exited.shape[1])
+            self._active += exited.numel()
+            out, context, exited_after = self._run_active(x, exited, None, None, mb, kwargs)
+            return torch.cat([out, encode_exited(exited_after, h, out.dtype, exited)], dim=0), context
+        active = ~exited
+        counts = active.sum(0)                 # exact, on the device: masks the padded slots
+        bound = max(self._bound(before, mb))   # on the host, without draining the queue
+        ctx.staged[mb] = (self.layer_number, StagedCount(counts))
+        self._active = self._active + counts.sum()
+        if bound == 0:  # every token of the micro-batch had exited
+            return torch.cat([x, encode_exited(exited, h, x.dtype, exited)], dim=0), kwargs.get("context")
+        # C rounded up to the granularity: GEMM-friendly, padded with exited tokens
+        c = round_up(bound, ctx.token_multiple, s)
+        out, context, exited_after = self._run_active(x, exited, active, (counts, c), mb, kwargs)
+        return torch.cat([out, encode_exited(exited_after, h, out.dtype, exited)], dim=0), context
+
+    def _bound(self, before: torch.Tensor, mb: int) -> list[int]:
+        """Active tokens per sample entering the layer before this one: an upper bound of
+        this layer's (`StagedCount`). Staged by that layer when it ran on this stage; else
+        (this is the stage's first layer) read from the carrier: one host read."""
+        staged = self.exit_context.staged.get(mb)
+        if staged is not None and staged[0] == self.layer_number - 1:
+            return staged[1] if isinstance(staged[1], list) else staged[1].read()
+        return (~before).sum(0).tolist()
 
     def _exits_possible(self) -> bool:
         """Whether a token may have exited before this layer: only after a layer >=
