@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dynmo_plugin.profiling.op_trace import OpTrace
+from dynmo_plugin.scenarios.sparse_attention import kernels
 from dynmo_plugin.scenarios.sparse_attention.kernels import (chunk_tokens, dense_causal_attention,
                                                              hash_matrix, hash_rotation, lsh_attention)
 from dynmo_plugin.scenarios.sparse_attention.unfused import lsh_attention_unfused
@@ -80,6 +81,25 @@ def test_kernel_matches_the_reference_in_bf16():
     assert got.dtype == torch.bfloat16
     err = (got.double() - reference(q, k, v, 4, rotations, 32 ** -0.5, 64)).abs().max()
     assert err < 3e-2, err
+
+
+def test_qkv_read_in_place_equals_separate_tensors():
+    """q, k, v as the adjacent slices of one projection (Megatron's fused QKV, split
+    without a copy: the kernel reads its rows in place) give the same outputs and
+    gradients, bit for bit, as the same values in three separate tensors (one copy)."""
+    s, b, n, d = 192, 2, 3, 16
+    gen = torch.Generator().manual_seed(5)
+    mixed = torch.randn(s, b, n, 3 * d, generator=gen).requires_grad_()
+    fused = mixed.split(d, -1)
+    apart = [x.detach().clone().requires_grad_() for x in fused]
+    assert kernels._adjacent(*fused) and not kernels._adjacent(*apart)
+    assert not kernels._adjacent(fused[1], fused[0], fused[2])     # order matters
+    rot = [hash_rotation(3, 1, 2, 0, r, d, 8) for r in range(2)]
+    g = torch.randn(s, b, n * d, generator=gen)
+    outs = [lsh_attention(*qkv, 8, rot, 0.25, 16) for qkv in (fused, apart)]
+    assert torch.equal(outs[0], outs[1])
+    (grad,) = torch.autograd.grad(outs[0], mixed, g)
+    assert torch.equal(grad, torch.cat(torch.autograd.grad(outs[1], apart, g), -1))
 
 
 def test_causal_and_chunked():
@@ -203,9 +223,11 @@ def flops_ok(kernel, s=1024, buckets=16):
     return sparse <= 1.05 * dense / buckets + _hash_flops(s, 1, 2, 32, buckets), (sparse, dense)
 
 
-def kernels_ok(kernel, budget=32, buckets=16):
+def kernels_ok(kernel, budget=14, buckets=16):
     """Kernels of a forward + backward: at most dense's + `budget`, and the excess the same
-    at s and 2s (no per-chunk or per-bucket loop)."""
+    at s and 2s (no per-chunk or per-bucket loop). Measured 14 (q, k, v separate tensors
+    here: one concatenation into [q | k | v] rows and three copies into their .grad);
+    24 before the hash, sort and gathers were fused (issue 33), 66 for the unfused kernel."""
     extra = [trace(kernel, s, buckets)[0].kernels() - trace(kernel, s, 1)[0].kernels()
              for s in (1024, 2048)]
     return extra[0] == extra[1] <= budget, extra
