@@ -168,6 +168,7 @@ def lsh(buckets: int) -> Callable[[Shape], Case]:
 
 SDPA_SHAPE = Shape(4096, 32, 4096, 2)    # the GPU check's scenario rows, --attention-backend sdpa
 LONG = Shape(1024, 8, 16384, 1)           # sparse attention where attention dominates
+LONGER = Shape(1024, 8, 32768, 1)         # sparse attention's live row (rows_scenarios.py)
 
 
 @contextmanager
@@ -226,6 +227,10 @@ SCHEMES: list[Scheme] = [
     Scheme("sparse_attention dense (1 bucket) s16384", lsh(1), LONG,
            "sparse_attention dense (1 bucket) s16384", None, measured="lsh1 h1024 s16384 mb1"),
     Scheme("sparse_attention 16 buckets s16384", lsh(16), LONG, "sparse_attention dense (1 bucket) s16384",
+           0.8),
+    Scheme("sparse_attention dense (1 bucket) s32768", lsh(1), LONGER,
+           "sparse_attention dense (1 bucket) s32768", None, measured="lsh1 h1024 s32768 mb1"),
+    Scheme("sparse_attention 16 buckets s32768", lsh(16), LONGER, "sparse_attention dense (1 bucket) s32768",
            0.8),
 ]
 

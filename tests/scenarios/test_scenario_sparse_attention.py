@@ -191,19 +191,31 @@ def attention_flops(buckets: int, s=SHAPE["s"], b=SHAPE["b"], heads=SHAPE["heads
     return counter.get_total_flops()
 
 
+def _hash_flops(buckets: int) -> int:
+    """The hash projection: [q | k] (2 head_dim) times [M; M] (M = [R, -R][:, :B]) per token."""
+    if buckets == 1:
+        return 0
+    return 2 * SHAPE["s"] * SHAPE["b"] * SHAPE["heads"] * 2 * SHAPE["head_dim"] * buckets
+
+
 def test_more_buckets_do_less_attention_work():
     """The run's final table (FINAL: layer 1 at 4 buckets, layer 2 dense, layers 3-4 at 64):
     the 64-bucket layers' attention does a fraction of the 4-bucket layer's work and of the
     dense one's (even counting dense causal attention at its least), and the work falls
     with every doubling of the buckets while the chunk shrinks (~ s * c: c = 256, 128, 64
     tokens at 4, 8, 16 buckets); from 16 buckets on c stays at the 64-token granularity
-    and only the hash projection (~ B) grows."""
-    work = {b: attention_flops(b) for b in (1, 4, 8, 16, 32, 64)}
+    and only the hash projection (~ B) grows. The hash (one fp32 matmul of 2 head_dim x B
+    per token: issue 33 traded 4x its FLOPs for three fewer kernels, see the kernel
+    module) is counted separately: at this test's head_dim of 32 and 64 buckets it is a
+    third of the layer's counted work, at a GPU row's 128 and 16 buckets ~1%."""
+    total = {b: attention_flops(b) for b in (1, 4, 8, 16, 32, 64)}
+    work = {b: t - _hash_flops(b) for b, t in total.items()}
     assert work[1] > 0, work  # the dense path is counted, not skipped
     assert work[FINAL[3]] < 0.3 * work[FINAL[1]], work
     assert work[FINAL[3]] < 0.1 * work[FINAL[2]], work
     assert work[4] < work[1] and work[8] < work[4] and work[16] < work[8], work
-    assert work[16] < work[32] < work[64] < 1.2 * work[16], work
+    assert work[16] == work[32] == work[64], work   # 64-token chunks from 16 buckets on
+    assert total[16] < total[32] < total[64] < 0.1 * total[1], total
 
 
 def test_cost_model_has_the_form_of_the_kernels_work():

@@ -14,20 +14,23 @@ guard can fail; 1.70x of dense FlashAttention on an H200).
 """
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from dynmo_plugin.profiling.op_trace import OpTrace
+from dynmo_plugin.scenarios.sparse_attention import kernels
 from dynmo_plugin.scenarios.sparse_attention.kernels import (chunk_tokens, dense_causal_attention,
-                                                             hash_rotation, lsh_attention)
+                                                             hash_matrix, hash_rotation, lsh_attention)
 from dynmo_plugin.scenarios.sparse_attention.unfused import lsh_attention_unfused
 
 
 # ---- the reference: the same semantics, written out densely ----------------------------------
 def reference(q, k, v, buckets, rotations, scale, multiple):
-    """Per (sample, head, round): each token's bucket from x = q + k (float32), tokens
-    ranked by (bucket, position) with Python's sort, chunk = rank // c; a token attends
-    the tokens of its chunk at or before its position; rounds averaged."""
+    """Per (sample, head, round): each token's bucket, argmax of (q + k) [R, -R][:, :B] in
+    float32, computed as [q | k] [M; M] (kernels.hash_matrix), tokens ranked by (bucket,
+    position) with Python's sort, chunk = rank // c; a token attends the tokens of its
+    chunk at or before its position; rounds averaged."""
     s, b, n, d = q.shape
     c = chunk_tokens(s, buckets, multiple)
     pos = torch.arange(s)
@@ -36,8 +39,8 @@ def reference(q, k, v, buckets, rotations, scale, multiple):
         for h in range(n):
             rounds = []
             for rot in rotations:
-                p = (q[:, bi, h] + k[:, bi, h]).float() @ rot
-                bucket = torch.cat([p, -p], -1)[:, :buckets].argmax(-1).tolist()
+                m = torch.from_numpy(hash_matrix([rot], buckets))
+                bucket = (torch.cat([q[:, bi, h], k[:, bi, h]], -1).float() @ m).argmax(-1).tolist()
                 ranked = sorted(range(s), key=lambda t: (bucket[t], t))
                 chunk = torch.empty(s, dtype=torch.long)
                 for rank, t in enumerate(ranked):
@@ -80,6 +83,25 @@ def test_kernel_matches_the_reference_in_bf16():
     assert err < 3e-2, err
 
 
+def test_qkv_read_in_place_equals_separate_tensors():
+    """q, k, v as the adjacent slices of one projection (Megatron's fused QKV, split
+    without a copy: the kernel reads its rows in place) give the same outputs and
+    gradients, bit for bit, as the same values in three separate tensors (one copy)."""
+    s, b, n, d = 192, 2, 3, 16
+    gen = torch.Generator().manual_seed(5)
+    mixed = torch.randn(s, b, n, 3 * d, generator=gen).requires_grad_()
+    fused = mixed.split(d, -1)
+    apart = [x.detach().clone().requires_grad_() for x in fused]
+    assert kernels._adjacent(*fused) and not kernels._adjacent(*apart)
+    assert not kernels._adjacent(fused[1], fused[0], fused[2])     # order matters
+    rot = [hash_rotation(3, 1, 2, 0, r, d, 8) for r in range(2)]
+    g = torch.randn(s, b, n * d, generator=gen)
+    outs = [lsh_attention(*qkv, 8, rot, 0.25, 16) for qkv in (fused, apart)]
+    assert torch.equal(outs[0], outs[1])
+    (grad,) = torch.autograd.grad(outs[0], mixed, g)
+    assert torch.equal(grad, torch.cat(torch.autograd.grad(outs[1], apart, g), -1))
+
+
 def test_causal_and_chunked():
     """An output never depends on a later token's value; with one chunk (c = s) it is
     dense causal attention; the bucket's chunk is really a subset (not dense)."""
@@ -120,10 +142,13 @@ def test_hashing_is_the_same_for_any_split_of_heads_and_samples():
 
 def test_rotation_is_a_pure_function_of_its_seed_tuple():
     a = hash_rotation(1, 2, 3, 4, 0, 8, 16)
-    assert a.shape == (8, 8) and torch.equal(a, hash_rotation(1, 2, 3, 4, 0, 8, 16))
+    assert a.shape == (8, 8) and a.dtype == np.float32 and np.array_equal(a, hash_rotation(1, 2, 3, 4, 0, 8, 16))
     others = [hash_rotation(*args, 8, 16) for args in
               [(2, 2, 3, 4, 0), (1, 3, 3, 4, 0), (1, 2, 4, 4, 0), (1, 2, 3, 5, 0), (1, 2, 3, 4, 1)]]
-    assert not any(torch.equal(a, o) for o in others)
+    assert not any(np.array_equal(a, o) for o in others)
+    m = hash_matrix([a, -a], 5)   # per round [R, -R][:, :B], side by side, stacked twice
+    assert m.shape == (16, 10) and np.array_equal(m[:8], m[8:])
+    assert np.array_equal(m[:8, :5], np.concatenate([a, -a], 1)[:, :5]) and np.array_equal(m[:8, 5:], -m[:8, :5])
 
 
 def test_chunk_lengths_are_multiples_of_the_granularity():
@@ -185,8 +210,9 @@ KERNELS = {"chunked": lsh_attention, "unfused (before issue 33)": lsh_attention_
 
 
 def _hash_flops(s, b, n, d, buckets):
-    """The hash projection's FLOPs: s*b*n rows of d times [d, ceil(B/2)], float32."""
-    return 2 * s * b * n * d * ((buckets + 1) // 2)
+    """The hash projection's FLOPs: s*b*n rows [q | k] of 2d times [2d, B] (kernels.hash_matrix),
+    float32 (4x the minimal (q + k) R: no add and no negation kernels, B/16 of a projection)."""
+    return 2 * s * b * n * 2 * d * buckets
 
 
 def flops_ok(kernel, s=1024, buckets=16):
@@ -197,9 +223,11 @@ def flops_ok(kernel, s=1024, buckets=16):
     return sparse <= 1.05 * dense / buckets + _hash_flops(s, 1, 2, 32, buckets), (sparse, dense)
 
 
-def kernels_ok(kernel, budget=32, buckets=16):
+def kernels_ok(kernel, budget=14, buckets=16):
     """Kernels of a forward + backward: at most dense's + `budget`, and the excess the same
-    at s and 2s (no per-chunk or per-bucket loop)."""
+    at s and 2s (no per-chunk or per-bucket loop). Measured 14 (q, k, v separate tensors
+    here: one concatenation into [q | k | v] rows and three copies into their .grad);
+    24 before the hash, sort and gathers were fused (issue 33), 66 for the unfused kernel."""
     extra = [trace(kernel, s, buckets)[0].kernels() - trace(kernel, s, 1)[0].kernels()
              for s in (1024, 2048)]
     return extra[0] == extra[1] <= budget, extra

@@ -18,7 +18,7 @@ __all__ = ["lsh_attention_unfused"]
 
 
 def _round(table: torch.Tensor, s: int, b: int, n: int, d: int, buckets: int,
-           rotation: torch.Tensor, scale: float, want_lse: bool):
+           rotation, scale: float, want_lse: bool):
     """One hash round over `table` = [q | k | v] rows in (position, batch, head) order.
     Returns (out [rows, d], lse [rows] or None), rows in the same order."""
     rows = s * b * n
@@ -26,7 +26,7 @@ def _round(table: torch.Tensor, s: int, b: int, n: int, d: int, buckets: int,
     S = c * buckets
     with torch.no_grad():
         qk = table[:rows, :2 * d].view(rows, 2, d)
-        proj = qk.float() @ _to_device(rotation, table.device)         # [rows, 2, ceil(B/2)]
+        proj = qk.float() @ _to_device(torch.as_tensor(rotation), table.device)         # [rows, 2, ceil(B/2)]
         bucket = torch.cat([proj, -proj], -1)[..., :buckets].argmax(-1)  # [rows, 2]
         bucket = bucket.view(s, b, n, 2).permute(1, 2, 3, 0)            # [b, n, 2, s]
         pos = torch.arange(s, device=table.device)
@@ -63,7 +63,7 @@ def _round(table: torch.Tensor, s: int, b: int, n: int, d: int, buckets: int,
 
 
 def lsh_attention_unfused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: int,
-                  rotations: list[torch.Tensor], scale: float) -> torch.Tensor:
+                  rotations: list, scale: float) -> torch.Tensor:
     """Hash-bucketed causal attention (module docstring) on `[s, b, n, d]` inputs ->
     `[s, b, n * d]`; one round per rotation (each `[d, ceil(buckets/2)]`)."""
     s, b, n, d = q.shape
