@@ -71,11 +71,11 @@ while [[ $# -gt 0 ]]; do
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
-# The interpreter: --python, else this checkout's .venv for a dry run here (where `make`
-# installed torch), else python3 (the GPU machine's, which has torch).
+# The interpreter: --python, else this checkout's .venv for a dry run or a plan here
+# (where `make` installed torch), else python3 (the GPU machine's, which has torch).
 if [[ -z "$PY" ]]; then
   PY=python3
-  [[ $DRY -eq 1 && -x "$ROOT/.venv/bin/python" ]] && PY="$ROOT/.venv/bin/python"
+  [[ ($DRY -eq 1 || $MODE == plan) && -x "$ROOT/.venv/bin/python" ]] && PY="$ROOT/.venv/bin/python"
 fi
 [[ $MODE != run ]] || "$PY" -c "import torch" 2>/dev/null || die "$PY cannot import torch: pass --python with one that can (here: make install, then --python .venv/bin/python)"
 GPU_BUDGET=$((TOTAL - INSTALL_S - MLM_RESERVE))

@@ -55,9 +55,10 @@ IT_S = {
     # estimated: layers 1-4 hold 8 experts of FFN 4096, top-2 at capacity <= 1: about the
     # dense iteration plus routing and dispatch
     "s8_moe": 0.45,
-    # estimated: h1024 at sequence 16384, mb1 x 2: a dense layer ~10 ms (h200-acceptance-1's
-    # s8192 layer 3.8-4.1 ms, attention x4 and the rest x2) x 16 + the 32k-vocabulary head
-    "sparse_s16384": 0.30,
+    # h1024 at sequence 32768, mb1 x 2 (the sparse-attention row since issue 33's second
+    # pass: host-bound at s16384): a dense causal SDPA layer 17.27 ms of kernels (H200,
+    # layer_probe lsh1) x 16 + the 32k-vocabulary head over 32768 tokens; estimated
+    "sparse_s32768": 0.35,
     # h200: fp32 23,709 tokens/s and bf16 110,358 tokens/s at 16,384 tokens per iteration
     "speed_fp32": 0.69,
     "speed_bf16": 0.15,
