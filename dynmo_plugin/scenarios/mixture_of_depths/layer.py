@@ -19,7 +19,7 @@ back:
 the block output it scales. Compute shrinks with C: the layer's linear parts scale with
 C, its attention with C^2. What a routed layer adds to its block is a fixed, short list
 of kernels with hand-written backwards (routing.py: router GEMV, top-C, sort, gathers,
-the gated scatter, the predictor's gradient; 31 kernels per forward + backward, was 44:
+the gated scatter, the predictor's gradient; 30 kernels per forward + backward, was 44:
 tests/scenarios/test_mod_kernels.py counts them), none of which reads a device value on
 the host.
 

@@ -4,7 +4,7 @@ wraps, with hand-written backwards that launch only the kernels they need.
 A routed layer at capacity 0.125 runs its block on 1/8 of the tokens; on a GPU that
 block is a few milliseconds, and each extra kernel costs the host ~35 us to enqueue
 (docs/roofline.md). Left to autograd, the router, top-C, the gathers, the gated scatter
-and the predictor's loss took 44 extra kernels per forward + backward (an H4096 s4096 mb2
+and the predictor's loss took 44 extra kernels per forward + backward (an h4096 s4096 mb2
 layer, --attention-backend sdpa): the host, not the GPU, set the layer's time. Here:
 
 * `RouteIn`: router logits (one GEMV), top-C per sequence with the indices sorted
