@@ -15,9 +15,13 @@ is max(GPU time, host launch time). The CPU runs' stage 0 measured ~0.45x (0.25)
 Usage: python scripts/bench_mod.py [--hidden 128] [--heads 4] [--seq 256] [--batch 2]
                                    [--rounds 5] [--iters 5] [--granularity 32]
                                    [--device cpu|cuda] [--bf16]
+                                   [--attention-backend unfused|sdpa]
 The issue-33 GPU-bound shape (one H100/H200):
     python scripts/bench_mod.py --device cuda --bf16 --hidden 4096 --heads 32 --seq 2048 \\
         --batch 1 --granularity 64
+The scenario row's layer (scripts/gpu_checks/rows_scenarios.py: micro-batch 4, SDPA):
+    python scripts/bench_mod.py --device cuda --bf16 --hidden 4096 --heads 32 --seq 4096 \\
+        --batch 4 --granularity 64 --attention-backend sdpa
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ def _args():
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--attention-backend", choices=("unfused", "sdpa"), default="unfused")
     return p.parse_args()
 
 
@@ -58,7 +63,7 @@ def _layers(a, device: torch.device, dtype: torch.dtype):
                      distributed_backend="nccl" if device.type == "cuda" else "gloo")
     init_parallel(args)
     cfg = transformer_config(args, Layout.uniform(2, 1))
-    spec = mod_spec(layer_spec("local"), {2: 1.0}, max(8, a.hidden // 8), a.granularity)
+    spec = mod_spec(layer_spec("local", a.attention_backend), {2: 1.0}, max(8, a.hidden // 8), a.granularity)
     gen = torch.Generator().manual_seed(0)
     layers = []
     for n in (1, 2):
@@ -103,7 +108,7 @@ def main() -> None:
             times[c].append(statistics.median(_step_s(layer, x, mask, sync) for _ in range(a.iters)))
     print(f"one routed layer h{a.hidden} s{s} mb{a.batch} {str(dtype).removeprefix('torch.')} "
           f"on {device.type}; {a.rounds} interleaved rounds x {a.iters} steps; "
-          f"granularity {a.granularity}")
+          f"granularity {a.granularity}; {a.attention_backend} attention")
     print(f"{'capacity':<9} {'tokens':>7} {'fwd+bwd ms':>11} {'vs plain (median, min-max)':>30}")
     for c, t in times.items():
         ratios = [v / r for v, r in zip(t, times[None])]

@@ -197,7 +197,7 @@ def _mlm(what: str, model: str) -> Launch:
     return Launch(f"pretrain_gpt.py {what}, {MLM_ITERS} it.", "torchrun", MLM_ITERS, IT_S[model])
 
 
-_SCENARIO_MODEL = {"moe": "s8_moe", "sparse_attention": "sparse_s32768"}
+_SCENARIO_MODEL = {"moe": "s8_moe", "sparse_attention": "sparse_s32768", "mixture_of_depths": "s8_mb4"}
 
 
 def build_plan(m: Machine, rounds: int = THROUGHPUT_ROUNDS, mlm: Optional[bool] = None, budget_s: float = BUDGET_S) -> Plan:

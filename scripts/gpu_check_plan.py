@@ -52,6 +52,9 @@ IT_S = {
     # ~11 ms of kernels per layer (twice the tokens of h4096 s2048 mb1's 7.3 ms, less the
     # unfused attention; estimated) x 16 + output layer and Adam over ~1.7e9 parameters
     "s8": 0.35,
+    # MoD's row at micro-batch 4 (host-bound at mb2: docs/scenarios/mixture_of_depths.md):
+    # twice s8's tokens per micro-batch; estimated
+    "s8_mb4": 0.65,
     # estimated: layers 1-4 hold 8 experts of FFN 4096, top-2 at capacity <= 1: about the
     # dense iteration plus routing and dispatch
     "s8_moe": 0.45,

@@ -64,6 +64,10 @@ def cases():
             (f"early_exit75 {tag}", rf.early_exit(0.75), sdpa, f"plain {tag}"),
             (f"moe1.0 {tag}", rf.moe(1.0), sdpa, f"plain {tag}"),
             (f"moe0.5 {tag}", rf.moe(0.5), sdpa, f"moe1.0 {tag}")]
+    mb4 = Shape(4096, 32, 4096, 4)    # Mixture of Depths' scenario row (micro-batch 4)
+    tag = f"{mb4.label} sdpa"
+    out += [(f"plain {tag}", rf.plain, mb4, f"plain {tag}"),
+            (f"mod0.125 {tag}", rf.mod(0.125), mb4, f"plain {tag}")]
     for seq in (8192, 16384, 32768):
         shape = Shape(ATTENTION.hidden, ATTENTION.heads, seq, 1)
         tag = shape.label

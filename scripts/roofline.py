@@ -82,9 +82,12 @@ def pruned(keep: float, align: int = 1) -> Callable[[Shape], Case]:
 def mod(capacity: float) -> Callable[[Shape], Case]:
     def make(shape: Shape) -> Case:
         from dynmo_plugin.scenarios.mixture_of_depths.layer import ModContext, mod_spec
-        layer = build(mod_spec(base_spec(), {5: capacity}, 64), config_for(shape))
+        from dynmo_plugin.scenarios.mixture_of_depths.live import _predictor_width
+        width = _predictor_width(shape.hidden)   # the scenario's predictor (h/8)
+        layer = build(mod_spec(base_spec(), {5: capacity}, width), config_for(shape))
         layer.mod_context = ModContext(predictor_loss_weight=0.01, grad_scale=1.0)
-        return Case(layer, lambda m, x, s: plain_run(m, x, s.seq), note=f"capacity {capacity}")
+        return Case(layer, lambda m, x, s: plain_run(m, x, s.seq),
+                    note=f"capacity {capacity}, predictor width {width}")
     return make
 
 
@@ -169,6 +172,7 @@ def lsh(buckets: int) -> Callable[[Shape], Case]:
 SDPA_SHAPE = Shape(4096, 32, 4096, 2)    # the GPU check's scenario rows, --attention-backend sdpa
 LONG = Shape(1024, 8, 16384, 1)           # sparse attention where attention dominates
 LONGER = Shape(1024, 8, 32768, 1)         # sparse attention's live row (rows_scenarios.py)
+MOD_SHAPE = Shape(4096, 32, 4096, 4)      # Mixture of Depths' scenario row, --attention-backend sdpa
 
 
 @contextmanager
@@ -218,6 +222,10 @@ SCHEMES: list[Scheme] = [
     Scheme("gradual_pruning 67% (width /128)" + _SDPA, pruned(0.33, 128), SDPA_SHAPE, "plain" + _SDPA,
            0.75, "sdpa", "pruned67/128 h4096 s4096 mb2 sdpa"),
     Scheme("mixture_of_depths capacity 0.125" + _SDPA, mod(0.125), SDPA_SHAPE, "plain" + _SDPA, 0.3,
+           "sdpa"),
+    # Mixture of Depths' scenario row: micro-batch 4 (its layer is host-bound at 2)
+    Scheme("plain sdpa mb4", plain, MOD_SHAPE, "plain sdpa mb4", None, "sdpa"),
+    Scheme("mixture_of_depths capacity 0.125 sdpa mb4", mod(0.125), MOD_SHAPE, "plain sdpa mb4", 0.3,
            "sdpa"),
     Scheme("early_exit tail (75% exited)" + _SDPA, early_exit(0.75), SDPA_SHAPE, "plain" + _SDPA, 0.6,
            "sdpa", "early_exit75 h4096 s4096 mb2 sdpa"),

@@ -160,7 +160,8 @@ def test_scenario_costs_feed_the_simulators_profile_builder(tmp_path):
     path = gpu_check.write_scenario_costs(machine, _costs(), tmp_path)
     rows = load_rows(path)
     dense = [r for r in rows if r["scenario"] == "dense"]
-    assert [sorted(r["shape"]) for r in dense] == [["hidden", "micro_batch", "seq"]]
+    # two dense bases: the rows' shared shape (mb2) and MoD's own (mb4: rows_scenarios.py)
+    assert [sorted(r["shape"]) for r in dense] == [["hidden", "micro_batch", "seq"]] * 2
     model = json.loads(path.read_text())["gpu_cost_model"]
     assert (model["name"], model["gpu"], model["status"]) == ("h200-gpu", "NVIDIA H200", "measured")
     assert model["measured_scenarios"] == ["early_exit", "gradual_pruning", "mixture_of_depths"]

@@ -6,26 +6,30 @@ hidden -> 1 scalar per token. Per sequence, the C tokens with the highest router
 by default, so every GEMM of the block has a GPU-friendly size) go through the whole
 block; the others
 ride the residual stream unchanged. The selected tokens are gathered to [C, b, h]
-(Megatron is [seq, batch, hidden]) in their original order, the causal mask is
-gathered at the tokens' ORIGINAL positions to [b, 1, C, C] (and rotary embeddings, if
-any, too), the base layer runs on that, and the result is scattered back:
+(Megatron is [seq, batch, hidden]) in their original order, so among them the causal
+mask is the causal mask again (its [C, C] corner: a view, and SDPA's causal kernel;
+a mask marked arbitrary is gathered at the tokens' ORIGINAL positions instead, as are
+rotary embeddings, if any), the base layer runs on that, and the result is scattered
+back:
 
     out_i = x_i + sigmoid(r_i) * (block(x~)_i - x_i)   for selected tokens i,
     out_i = x_i                                      for the others,
 
 (one scatter_add of the gated update into x), so the router receives gradients through
 the block output it scales. Compute shrinks with C: the layer's linear parts scale with
-C, its attention with C^2. What a routed layer adds to its block is a fixed, small list
-of ops (router GEMV, top-k, sort, gathers, the gated scatter, the predictor and its
-loss: tests/scenarios/test_scheme_gpu_shapes.py counts them), none of which reads a device
-value on the host.
+C, its attention with C^2. What a routed layer adds to its block is a fixed, short list
+of kernels with hand-written backwards (routing.py: router GEMV, top-C, sort, gathers,
+the gated scatter, the predictor's gradient; 30 kernels per forward + backward, was 44:
+tests/scenarios/test_mod_kernels.py counts them), none of which reads a device value on
+the host.
 
 Top-C over a sequence looks at future tokens, so it cannot be used when sampling
 autoregressively. As in the paper, each routed layer also trains a small auxiliary
 predictor (Linear -> SiLU -> Linear on the block input, stop-gradient on that input)
 by binary cross-entropy to predict whether a token is in the top C; at sampling time
-it would replace the top-C. Its loss's gradient joins backward through `AttachBCE`
-(weighted by the scenario's `predictor_loss_weight`; the value is never computed); since its input is detached it cannot
+it would replace the top-C. Its loss's gradient joins backward through `PredictorGrad`
+(weighted by the scenario's `predictor_loss_weight`; the value is never computed, and
+the predictor's forward runs in the backward); since its input is detached it cannot
 change the backbone. Its accuracy is counted only in iterations the scenario reports
 (`ModContext.collect_stats`: event iterations), two int64 counts per micro-batch; the
 tokens and the selected count are known on the host.
@@ -45,13 +49,15 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from dynmo_plugin.scenarios.gathered_tokens import gather_mask
+from dynmo_plugin.scenarios.gathered_tokens import gather_mask, is_arbitrary_mask
+from dynmo_plugin.scenarios.mixture_of_depths.routing import PredictorGrad, RouteIn, RouteOut
 from dynmo_plugin.scenarios.shapes import round_nearest
 
-__all__ = ["ModContext", "Predictor", "MoDLayer", "AttachBCE", "mod_spec", "tokens_for", "GRANULARITY",
+__all__ = ["ModContext", "Predictor", "MoDLayer", "mod_spec", "tokens_for", "GRANULARITY",
            "gather_rotary", "time_scratch_layers"]
 
 # kwargs of TransformerLayer.forward this layer cannot route (they index tokens in ways
@@ -170,37 +176,50 @@ class MoDLayer(TransformerLayer):
         x = kwargs.pop("hidden_states")
         s, b, h = x.shape
         c = self.tokens(s)
-        logits = self.router(x).squeeze(-1)  # [s, b]
-        # expert choice: the top C tokens of each sequence, kept in their original order
-        # (sorted: a fused causal kernel that ignores the mask stays right)
-        idx = torch.topk(logits.detach(), c, dim=0, sorted=False).indices.sort(dim=0).values
-        gate = torch.sigmoid(logits.gather(0, idx))[..., None]            # [C, b, 1]
-        if c == s:  # every token: no gather needed (idx is 0..s-1 per column)
-            y, context = super().forward(hidden_states=x, **kwargs)
-            out = x + gate * (y - x)
-        else:
-            where = idx[..., None].expand(c, b, h)
-            x_sel = x.gather(0, where)
-            kwargs["attention_mask"] = gather_mask(kwargs.get("attention_mask"), idx, s, "MoDLayer")
-            if kwargs.get("rotary_pos_emb") is not None:
-                kwargs["rotary_pos_emb"] = gather_rotary(kwargs["rotary_pos_emb"], idx)
-            y_sel, context = super().forward(hidden_states=x_sel, **kwargs)
-            # x + the gated update at the selected rows; backward: x's gradient passes as is
-            out = x.scatter_add(0, where, gate * (y_sel - x_sel))
+        if c == s:  # every token: the gated plain layer, no gather
+            return self._every_token(x, ctx, kwargs)
+        box: dict = {}  # RouteOut's backward hands RouteIn's the output gradient
+        x_sel, gate, idx = RouteIn.apply(x, self.router.weight, c, box)
+        kwargs["attention_mask"] = self._block_mask(kwargs.get("attention_mask"), idx, s)
+        if kwargs.get("rotary_pos_emb") is not None:
+            kwargs["rotary_pos_emb"] = gather_rotary(kwargs["rotary_pos_emb"], idx)
+        y_sel, context = super().forward(hidden_states=x_sel, **kwargs)
+        out = RouteOut.apply(x.detach(), x_sel.detach(), y_sel, gate, idx, box)
+        return self._predictor_loss(out, x, idx, ctx), context
+
+    def _block_mask(self, mask: Optional[torch.Tensor], idx: torch.Tensor, s: int) -> torch.Tensor:
+        """The attention mask among the selected tokens. A causal layer's mask (not marked
+        arbitrary) is the causal one, as Transformer Engine and the SDPA backend take it;
+        among tokens kept in their original order that is the causal mask again: its
+        leading [C, C] corner, a view (no kernel; SDPA runs its causal kernel on it). Any
+        other mask is gathered at the tokens' positions."""
+        c = idx.shape[0]
+        causal = self.self_attention.attn_mask_type == AttnMaskType.causal
+        if causal and mask is not None and not is_arbitrary_mask(mask) and mask.shape[-2:] == (s, s):
+            return mask[..., :c, :c]
+        return gather_mask(mask, idx, s, "MoDLayer")
+
+    def _every_token(self, x: torch.Tensor, ctx: ModContext, kwargs: dict):
+        """Capacity 1: the block on all tokens, gated (the router still learns)."""
+        logits = self.router(x).squeeze(-1)                                   # [s, b]
+        idx = torch.arange(x.shape[0], device=x.device)[:, None].expand(logits.shape)
+        y, context = super().forward(hidden_states=x, **kwargs)
+        out = x + torch.sigmoid(logits)[..., None] * (y - x)
         return self._predictor_loss(out, x, idx, ctx), context
 
     def _predictor_loss(self, out: torch.Tensor, x: torch.Tensor, idx: torch.Tensor,
                         ctx: ModContext) -> torch.Tensor:
-        """Train the causal predictor on this micro-batch's top-C membership."""
+        """Train the causal predictor on this micro-batch's top-C membership (its forward
+        runs in the backward; here only where its hits are counted)."""
         scale = ctx.grad_scale * ctx.predictor_loss_weight
-        if scale == 0.0 and not ctx.collect_stats:
-            return out
-        pred = self.predictor(x.detach())                                   # [s, b]
         if ctx.collect_stats:
-            self._count_hits(pred, idx)
+            with torch.no_grad():
+                self._count_hits(self.predictor(x), idx)
         if scale == 0.0:
             return out
-        return AttachBCE.apply(out, pred, idx, scale)
+        p = self.predictor
+        return PredictorGrad.apply(out, x.detach(), idx, scale, p.fc1.weight, p.fc1.bias,
+                                   p.fc2.weight, p.fc2.bias)
 
     @torch.no_grad()
     def _count_hits(self, pred: torch.Tensor, idx: torch.Tensor) -> None:
@@ -211,31 +230,6 @@ class MoDLayer(TransformerLayer):
         self._hits = hits if self._hits is None else self._hits + hits
         self._seen[0] += pred.numel()
         self._seen[1] += idx.numel()
-
-
-
-
-class AttachBCE(torch.autograd.Function):
-    """`AttachBCE.apply(output, pred, idx, scale)`: `output` unchanged; backward also
-    sends `pred` the gradient of scale x mean binary cross-entropy of the logits `pred`
-    [s, b] against the targets 1 at `idx` [C, b] and 0 elsewhere:
-    scale x (sigmoid(pred) - target) / (s x b), in float32. The loss value itself is never
-    needed (it joins no report), so forward computes nothing: the same gradient as
-    `AttachLoss(output, F.binary_cross_entropy_with_logits(...), scale)` for a third of
-    its ops."""
-
-    @staticmethod
-    def forward(ctx, output, pred, idx, scale: float):
-        ctx.save_for_backward(pred, idx)
-        ctx.scale = scale
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        pred, idx = ctx.saved_tensors
-        minus_one = torch.full(idx.shape, -1.0, device=pred.device)
-        grad = torch.sigmoid(pred.float()).scatter_add_(0, idx, minus_one)
-        return grad_output, grad.mul_(ctx.scale / pred.numel()).to(pred.dtype), None, None
 
 
 def gather_rotary(emb, idx: torch.Tensor):
