@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -19,8 +20,26 @@ PP4_STATIC = SMALL_MODEL + ["--train-iters", "6", "--dynmo", "--test-dump-params
                             "--pipeline-model-parallel-size", "4"]
 
 
+# Ports handed to torchrun stores come from below the kernel's ephemeral range (32768-60999
+# here): port 0 picks from that range, where every outgoing connection (gloo's, other
+# sessions') also takes its local port, so a port found free was taken before torchrun bound
+# it (CI run of 2026-11-28: EADDRINUSE in a day-one test). Below it only another free_port()
+# drawing the same random port can collide.
+_PORTS = range(20000, 32768)
+_RANDOM = random.SystemRandom()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nobody listens on now, drawn at random below the ephemeral range."""
+    for _ in range(100):
+        port = _RANDOM.choice(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that range is full: whatever the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -49,13 +68,15 @@ PORT_TAKEN = "The server socket has failed to listen on any local network addres
 PORT_TRIES = 3
 
 
-def run_torchrun(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """torchrun ARGS from ROOT with `env`, output captured: forked by the zygote, or a
-    fresh `python -m torch.distributed.run` (no zygote, or DYNMO_TEST_FORK_TORCHRUN=0).
+def run_torchrun(args: list[str], env: dict, timeout: float, cwd: Path = ROOT,
+                 fresh: bool = False) -> subprocess.CompletedProcess:
+    """torchrun ARGS from `cwd` with `env`, output captured: forked by the zygote, or a
+    fresh `python -m torch.distributed.run` (`fresh`: the documented command as a user
+    types it; no zygote; or DYNMO_TEST_FORK_TORCHRUN=0; the zygote runs from ROOT).
     free_port() closes the port it found before torchrun binds it, so another process can
     take it in between: a launch whose store could not bind its --master-port (no worker
     has started then) is relaunched on a new port, the reason printed to stderr."""
-    proc = _run_torchrun_once(args, env, timeout)
+    proc = _run_torchrun_once(args, env, timeout, cwd, fresh)
     for attempt in range(2, PORT_TRIES + 1):
         if not port_taken(proc) or "--master-port" not in args:
             break
@@ -64,7 +85,7 @@ def run_torchrun(args: list[str], env: dict, timeout: float) -> subprocess.Compl
         print(f"tests/launch.py: torchrun's store could not bind port {port} (EADDRINUSE: taken "
               f"since free_port() found it); relaunching on port {args[at]} (try {attempt} of "
               f"{PORT_TRIES})", file=sys.stderr, flush=True)
-        proc = _run_torchrun_once(args, env, timeout)
+        proc = _run_torchrun_once(args, env, timeout, cwd, fresh)
     return proc
 
 
@@ -74,10 +95,11 @@ def port_taken(proc: subprocess.CompletedProcess) -> bool:
     return proc.returncode != 0 and bool(last) and PORT_TAKEN in last[0] and "EADDRINUSE" in last[0]
 
 
-def _run_torchrun_once(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    if ZYGOTE is not None:
+def _run_torchrun_once(args: list[str], env: dict, timeout: float, cwd: Path = ROOT,
+                       fresh: bool = False) -> subprocess.CompletedProcess:
+    if ZYGOTE is not None and not fresh and Path(cwd) == ROOT:
         return ZYGOTE.run(args, env, timeout)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -37,8 +37,16 @@ def test_forked_workers_train_like_fresh_interpreters(tmp_path, monkeypatch):
 @pytest.mark.multiproc
 def test_a_launch_past_its_timeout_is_stopped_and_the_next_one_runs(tmp_path):
     script = tmp_path / "sleeper.py"
-    script.write_text("import os, sys, time\nprint('rank', os.environ['RANK'], flush=True)\n"
-                      "sys.exit(3) if sys.argv[1:] == ['--fail'] else time.sleep(600)\n")
+    # each rank prints, then waits until both have (a file each) before failing: torchrun
+    # stops the other rank at the first failure, which under load came before rank 1 had
+    # printed (CI run of 2026-11-28: ['', 'rank 0'])
+    script.write_text("import os, sys, time\nfrom pathlib import Path\n"
+                      "print('rank', os.environ['RANK'], flush=True)\n"
+                      "if sys.argv[1:] != ['--fail']:\n    time.sleep(600)\n"
+                      f"Path({str(tmp_path)!r}, 'printed' + os.environ['RANK']).touch()\n"
+                      f"while len(list(Path({str(tmp_path)!r}).glob('printed*'))) < 2:\n"
+                      "    time.sleep(0.05)\n"
+                      "sys.exit(3)\n")
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
     def args(*extra):
@@ -66,8 +74,16 @@ def test_a_launch_interrupted_by_an_alarm_leaves_the_next_one_in_step(tmp_path):
     waiting on a launch: that launch is stopped and its status read, so the next launch
     reads its own (it read the stale one: a wrong pid and exit code)."""
     script = tmp_path / "sleeper.py"
-    script.write_text("import os, sys, time\nprint('rank', os.environ['RANK'], flush=True)\n"
-                      "sys.exit(3) if sys.argv[1:] == ['--fail'] else time.sleep(600)\n")
+    # each rank prints, then waits until both have (a file each) before failing: torchrun
+    # stops the other rank at the first failure, which under load came before rank 1 had
+    # printed (CI run of 2026-11-28: ['', 'rank 0'])
+    script.write_text("import os, sys, time\nfrom pathlib import Path\n"
+                      "print('rank', os.environ['RANK'], flush=True)\n"
+                      "if sys.argv[1:] != ['--fail']:\n    time.sleep(600)\n"
+                      f"Path({str(tmp_path)!r}, 'printed' + os.environ['RANK']).touch()\n"
+                      f"while len(list(Path({str(tmp_path)!r}).glob('printed*'))) < 2:\n"
+                      "    time.sleep(0.05)\n"
+                      "sys.exit(3)\n")
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
     def args(*extra):

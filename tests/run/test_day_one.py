@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from launch import free_port
+from launch import free_port, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
@@ -30,10 +29,9 @@ def torchrun(tmp_path: Path, flags: list[str], nproc: int = 2, output: str | Non
              timeout: int = 300) -> subprocess.CompletedProcess:
     """The documented command, from `tmp_path`; --output defaults to tmp_path/run."""
     out = str(tmp_path / "run") if output is None else output
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                           "-m", "dynmo_plugin.train", *flags, "--output", out],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return run_torchrun(["--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
+                         str(free_port()), "-m", "dynmo_plugin.train", *flags, "--output", out],
+                        _env(), timeout, cwd=tmp_path, fresh=True)
 
 
 def lines(proc: subprocess.CompletedProcess) -> list[str]:

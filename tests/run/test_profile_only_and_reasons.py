@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launch import free_port
+from launch import free_port, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 # the last stage runs a 4096-token output layer: the exact split moves layers off it
@@ -32,10 +32,9 @@ def _env() -> dict:
 
 def _train(tmp_path: Path, flags: list[str]) -> tuple[Path, str]:
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                           "-m", "dynmo_plugin.train", *HEAVY_HEAD, *flags, "--output", str(out)],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = run_torchrun(["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                         str(free_port()), "-m", "dynmo_plugin.train", *HEAVY_HEAD, *flags, "--output", str(out)],
+                        _env(), 600, cwd=tmp_path, fresh=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, proc.stderr
 
