@@ -454,10 +454,12 @@ def _moves(old: Layout, headers: list[Header], moves) -> list[dict]:
 def _embedding_groups(trainer, pp_ranks: list[int]):
     """The embedding groups of every rank the MTP block may move to (made at start, by
     every rank: training.mtp.EmbeddingGroups); None where live block moves cannot happen
-    (no MTP, virtual stages, tied embeddings, or only one candidate rank)."""
+    (no MTP, virtual stages, tied embeddings, one candidate rank, a stage handle that
+    cannot feed the block elsewhere: Megatron-LM's)."""
     layout = trainer.layout
     if (not layout.has_mtp or layout.num_chunks > 1 or layout.num_ranks < 3
-            or trainer.chunks[0].share_embeddings_and_output_weights):
+            or trainer.chunks[0].share_embeddings_and_output_weights
+            or not getattr(trainer, "mtp_moves_live", True)):
         return None
     from megatron.core import parallel_state
     return EmbeddingGroups(parallel_state.get_embedding_group(check_initialized=False),

@@ -53,6 +53,9 @@ def moves_refused(trainer, old: Layout, new: Layout) -> Optional[str]:
     if old.num_chunks > 1:
         return (f"{old} -> {new} moves the MTP block to another rank with virtual pipeline "
                 "stages; live MTP moves need one chunk per rank")
+    if not getattr(trainer, "mtp_moves_live", True):
+        return (f"{old} -> {new} moves the MTP block to another rank, which this stage handle "
+                "cannot feed there (Megatron-LM: data on the first, last and MTP ranks only)")
     if trainer.chunks[0].share_embeddings_and_output_weights:
         return (f"{old} -> {new} moves the MTP block with tied embeddings (the last rank's "
                 "output weight is its embedding copy while it holds the block); use "
@@ -119,9 +122,29 @@ def _build_norm(trainer, chunk) -> torch.nn.ModuleDict:
 
     config = trainer.config
     with _no_initialisation(config):
-        norm = build_module(chunk.decoder.submodules.layer_norm, config=config,
+        norm = build_module(_norm_spec(trainer, chunk), config=config,
                             hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
     return torch.nn.ModuleDict({"final_layernorm": norm})
+
+
+def _norm_spec(trainer, chunk):
+    """The decoder's final-norm module: its block spec's, or where the stage was built
+    without decoder layers (Megatron-LM's block spec then names none) the backend's, as
+    Megatron's GPT block specs pick it (TENorm, else LNImpl)."""
+    spec = chunk.decoder.submodules.layer_norm
+    if spec is not None:
+        return spec
+    rms = trainer.config.normalization == "RMSNorm"
+    if _impl(trainer) == "transformer_engine":
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+        return TESpecProvider().layer_norm(rms_norm=rms)
+    from megatron.core.models.backends import LocalSpecProvider
+    return LocalSpecProvider().layer_norm(rms_norm=rms)
+
+
+def _impl(trainer) -> str:
+    """--transformer-impl of the run (the launcher's args and Megatron-LM's both name it)."""
+    return getattr(getattr(trainer, "args", None), "transformer_impl", None) or "local"
 
 
 def _build_mtp(trainer, chunk) -> torch.nn.ModuleDict:
@@ -132,8 +155,7 @@ def _build_mtp(trainer, chunk) -> torch.nn.ModuleDict:
     from dynmo_plugin.megatron.training.mtp import mtp_block_spec
 
     config = trainer.config
-    impl = getattr(getattr(trainer, "args", None), "transformer_impl", None) or "local"
-    spec = mtp_block_spec(config, trainer.spec, impl, chunk.vp_stage)
+    spec = mtp_block_spec(config, trainer.spec, _impl(trainer), chunk.vp_stage)
     if spec is None:
         raise RuntimeError("the new layout puts no MTP block on this rank")
     with _no_initialisation(config):
