@@ -40,9 +40,7 @@ def check_run(cfg: RunConfig, given: dict[str, str], where: str, world_size: Opt
     check_shape(cfg.model, where, world_size)
     _check_precision(cfg, given)
     _check_forced_layouts(cfg, where)
-    if cfg.model.mtp_num_layers and cfg.dynmo.repack.enabled:
-        raise ConfigError(f"{where}: repack.enabled with --mtp-num-layers: repacks do not carry "
-                          "the MTP block yet; rebalance without --dynmo-repack")
+    _check_mtp_repack(cfg, where)
     _check_dynamism(cfg, given)
     _check_repack(cfg, given)
     _check_interleaved_repack(cfg, where, world_size)
@@ -406,6 +404,26 @@ def _check_forced_layouts(cfg: RunConfig, where: str) -> None:
             raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: iteration is past "
                               f"--train-iters ({m.train_iters})")
         _check_mtp_stays(m, where, it, text, layout)
+        if layout.has_mtp and layout.num_stages < pp and layout.mtp_rank != layout.num_ranks - 1:
+            raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: layout {text!r} repacks "
+                              f"with the MTP block on rank {layout.mtp_rank}; a repack lands it on "
+                              f"the last surviving rank ({layout.num_ranks - 1}): end the layout "
+                              "with 'mL'")
+
+
+def _check_mtp_repack(cfg: RunConfig, where: str) -> None:
+    """A repack carries the MTP block onto the last surviving rank, live, as a live move
+    does (one chunk per rank, untied embeddings)."""
+    m = cfg.model
+    if not (m.mtp_num_layers and cfg.dynmo.repack.enabled):
+        return
+    why = ("virtual pipeline stages" if m.num_virtual_stages_per_pipeline_rank > 1 else
+           "tied embeddings" if not m.untie_embeddings_and_output_weights else
+           "--dynmo-repack-mode checkpoint" if cfg.dynmo.repack.mode != "live" else None)
+    if why:
+        raise ConfigError(f"{where}: repack.enabled with --mtp-num-layers and {why}: a repack "
+                          "carries the MTP block live only (one chunk per rank, untied "
+                          "embeddings, --dynmo-repack-mode live); rebalance without --dynmo-repack")
 
 
 def _check_mtp_stays(m: ModelArgs, where: str, it: int, text: str, layout: Layout) -> None:

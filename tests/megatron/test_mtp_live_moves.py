@@ -9,12 +9,14 @@ the bit-exact case (docs/mtp.md). At PP=2 the block cannot change rank (Megatron
 forbids it on the first rank): the PP=2 moves are in test_mtp_runs.py and the repack
 tests.
 """
+import json
 import shutil
 
 import pytest
+import torch
 
 from dynmo_plugin.layout import Layout
-from launch import assert_same_training, losses, worker
+from launch import assert_same_training, load_params, losses, torchrun, worker
 
 from test_mtp_runs import MTP
 
@@ -79,3 +81,30 @@ def test_pp4_decided_move_puts_the_block_where_the_exact_balancer_says(tmp_path_
     assert Layout.parse(first["layout_after"]).mtp_rank != 3
     assert any(m["layer"] == "mtp" for m in first["moves"])
     assert_same_training(static_dir, static, moved_dir, moved, range(4))
+
+
+def test_a_live_repack_carries_the_block_onto_the_last_surviving_rank(static, tmp_path):
+    """PP=4 -> PP=2 at iteration 3: the block, standalone on rank 2, lands on the new last
+    rank with the decoder layers around it; losses and parameters as the never-repacked run."""
+    proc = torchrun(4, PP4 + STANDALONE + ["--dynmo-repack", "--dynmo-forced-layouts",
+                                           "3:Etttt|ttttmL"], tmp_path, module="workers.train_worker")
+    assert "released by a repack to 2 stages" in proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    (event,) = _rebalances(report)
+    assert event["applied"] and event["repack"]["applied"], event.get("error")
+    assert report["layout"] == "Etttt|ttttmL"
+    assert any(m["layer"] == "mtp" and (m["src"], m["dst"]) == (2, 1)
+               for m in event["migration"]["moves"])
+    static_dir, static_report = static
+    assert losses(report) == losses(static_report)
+    a, b = load_params(tmp_path, range(2)), load_params(static_dir, range(4))
+    assert a.keys() == b.keys() and [n for n in a if not torch.equal(a[n], b[n])] == []
+
+
+def test_a_repack_that_leaves_the_block_standalone_is_refused_in_one_line(tmp_path):
+    proc = torchrun(4, PP4 + STANDALONE + ["--dynmo-repack", "--dynmo-forced-layouts",
+                                           "3:Ettt|tttttm|L"], tmp_path, check=False,
+                    module="workers.train_worker")
+    assert proc.returncode != 0
+    assert "a repack lands it on the last surviving rank (2): end the layout with 'mL'" in (
+        proc.stderr + proc.stdout)
