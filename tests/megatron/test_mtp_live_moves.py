@@ -108,3 +108,16 @@ def test_a_repack_that_leaves_the_block_standalone_is_refused_in_one_line(tmp_pa
     assert proc.returncode != 0
     assert "a repack lands it on the last surviving rank (2): end the layout with 'mL'" in (
         proc.stderr + proc.stdout)
+
+
+def test_block_moves_with_data_parallel_replicas_and_the_distributed_optimizer(tmp_path_factory):
+    """PP=3 x DP=2: one embedding group per pipeline and candidate rank (made at start by
+    every rank), the block's optimizer state gathered over DP and re-sharded."""
+    static_dir, moved_dir = (tmp_path_factory.mktemp(n) for n in ("dp_static", "dp_moved"))
+    flags = MTP + ["--pipeline-model-parallel-size", "3", "--use-distributed-optimizer",
+                   "--pipeline-model-parallel-layout", "Ett|ttt|tttmL"]
+    static = worker(6, flags, static_dir)
+    moved = worker(6, flags + ["--dynmo-forced-layouts", "3:Ett|ttttttm|L;5:Ett|ttt|tttmL"], moved_dir)
+    assert [(e["applied"], e["layout_after"]) for e in _rebalances(moved)] == [
+        (True, "Ett|ttttttm|L"), (True, "Ett|ttt|tttmL")]
+    assert_same_training(static_dir, static, moved_dir, moved, range(6))
