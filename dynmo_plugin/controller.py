@@ -267,7 +267,7 @@ class DynMo:
         rp = self.config.repack
         # the start chooses the pipeline size too (the smallest within max_slowdown)
         wanted = rp.trigger == "rebalance" or trigger.startswith("event:") or trigger == "start"
-        if self._repacker is None or not rp.enabled or not wanted or self.trainer.layout.has_mtp:
+        if self._repacker is None or not rp.enabled or not wanted or problem.mtp_layers:
             return None  # MTP: forced repacks only (the repack planner does not place the block)
         from dynmo_plugin.balancing.repack import RepackCriteria
         criteria = RepackCriteria.from_config(rp)
