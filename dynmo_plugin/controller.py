@@ -440,12 +440,11 @@ def repack_iteration_model(trainer, bandwidth_Bps: float) -> IterationModel:
 
 
 def _pins_mtp(stage) -> bool:
-    """Whether the MTP block stays on its rank: live moves of it need one chunk per rank,
-    untied embeddings and a stage handle that can feed it on any rank (not Megatron-LM's:
-    `mtp_moves_live`; megatron.migration.mtp_move); decoder layers move around it."""
+    """Whether the MTP block stays on its rank: live moves of it need one chunk per rank
+    and a stage handle that can feed it on any rank (not Megatron-LM's: `mtp_moves_live`;
+    megatron.migration.mtp_move); decoder layers move around it."""
     layout = stage.layout
-    return (not layout.has_mtp or layout.num_chunks > 1 or not getattr(stage, "mtp_moves_live", True)
-            or getattr(stage.chunks[0], "share_embeddings_and_output_weights", True))
+    return not layout.has_mtp or layout.num_chunks > 1 or not getattr(stage, "mtp_moves_live", True)
 
 
 def _cap_bytes(config: DynmoConfig) -> Optional[float]:

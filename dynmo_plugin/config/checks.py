@@ -428,18 +428,17 @@ def _check_mtp_repack(cfg: RunConfig, where: str) -> None:
 
 def _check_mtp_stays(m: ModelArgs, where: str, it: int, text: str, layout: Layout) -> None:
     """A forced layout may move the MTP block to another rank live with one chunk per rank
-    and untied embeddings (megatron.migration.mtp_move); otherwise it keeps the block on
-    the rank it starts on (a checkpoint moves it: save, --load under a new layout)."""
+    (megatron.migration.mtp_move); otherwise it keeps the block on the rank it starts on
+    (a checkpoint moves it: save, --load under a new layout)."""
     if not m.mtp_num_layers:
         return
     pp, v = m.pipeline_model_parallel_size, m.num_virtual_stages_per_pipeline_rank
     start = (Layout.parse(m.pipeline_model_parallel_layout, pp, m.num_layers, v, m.mtp_num_layers)
              .mtp_rank if m.pipeline_model_parallel_layout else pp - 1)
-    why = ("virtual pipeline stages" if v > 1 else
-           None if m.untie_embeddings_and_output_weights else "tied embeddings")
+    why = "virtual pipeline stages" if v > 1 else None
     if layout.mtp_rank != start and why:
         raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: layout {text!r} puts the MTP "
                           f"block on rank {layout.mtp_rank} but it starts on rank {start}; with "
-                          f"{why} live migration moves decoder layers only (untie the "
-                          "embeddings, or move the block through a checkpoint: --save, then "
-                          "--load with the new --pipeline-model-parallel-layout)")
+                          f"{why} live migration moves decoder layers only (move the block "
+                          "through a checkpoint: --save, then --load with the new "
+                          "--pipeline-model-parallel-layout)")

@@ -221,3 +221,15 @@ def test_repack_with_mtp_needs_untied_embeddings_and_a_live_repack():
             _run_config(base + extra)
         assert "\n" not in str(err.value)
     assert _run_config(base + ["--untie-embeddings-and-output-weights"]).dynmo.repack.enabled
+
+
+def test_a_forced_live_block_move_with_virtual_stages_is_refused_in_one_line():
+    """One chunk per rank: the block moves live (tests/megatron/test_mtp_live_moves.py);
+    with virtual stages decoder layers move around it and a layout moving it is refused."""
+    from dynmo_plugin.config import ConfigError
+    with pytest.raises(ConfigError, match="puts the MTP block on rank 2 but it starts on rank 3; "
+                                          "with virtual pipeline stages") as err:
+        _run_config(["--num-layers", "8", "--pipeline-model-parallel-size", "4",
+                     "--num-virtual-stages-per-pipeline-rank", "2", "--mtp-num-layers", "1",
+                     "--dynmo", "--dynmo-forced-layouts", "3:Et|t|t|t|t|t|ttm|L"])
+    assert "\n" not in str(err.value)

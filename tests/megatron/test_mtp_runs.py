@@ -67,18 +67,6 @@ def test_pp4_forced_decoder_moves_around_a_standalone_mtp_block(pp4_mtp_static, 
     assert_same_training(static_dir, static, tmp_path, moved, range(4))
 
 
-def test_a_forced_layout_that_moves_the_block_live_with_tied_embeddings_is_refused_in_one_line(tmp_path):
-    """Untied, the block moves live (test_mtp_live_moves.py); tied, the last rank's output
-    weight is its embedding copy while it holds the block: refused at start."""
-    from launch import torchrun
-    tied = [f for f in PP4 if f != "--untie-embeddings-and-output-weights"]
-    proc = torchrun(4, tied + ["--dynmo-forced-layouts", "3:Ett|ttt|tttm|L"], tmp_path, check=False,
-                    module="workers.train_worker")
-    assert proc.returncode != 0
-    out = proc.stderr + proc.stdout
-    assert "puts the MTP block on rank 2 but it starts on rank 3; with tied embeddings" in out
-
-
 def test_the_block_moves_through_a_checkpoint_bit_exact(pp4_mtp_static, tmp_path):
     """Saved at iteration 4 with the block standalone on rank 2, resumed with it on the
     last rank (and the decoder split changed): iterations 5-6 as the never-moved run."""

@@ -347,6 +347,10 @@ class LayerMigrator:
                 prepared.saved[p] = (tensors.get(f"grad/{name}"), state)
         here.update((number, layer) for number, (layer, _) in staged.items()
                     if number not in mtp_move.UNIT_NAMES)
+        for pair in filter(None, (mtp_move.adopted(u, chunks[0]) for u in leaving)):
+            output, copy = pair  # tied: the output weight takes over the leaving copy
+            prepared.saved[output] = (_main_grad(copy), self._states.get(copy, {}))
+            output.data = copy.data.clone()  # `_undo` puts the old .data back
         try:
             for ddp in t.ddps:
                 _detach_hooks(ddp)  # the new DDPs must hook fresh grad accumulators
@@ -454,16 +458,16 @@ def _moves(old: Layout, headers: list[Header], moves) -> list[dict]:
 def _embedding_groups(trainer, pp_ranks: list[int]):
     """The embedding groups of every rank the MTP block may move to (made at start, by
     every rank: training.mtp.EmbeddingGroups); None where live block moves cannot happen
-    (no MTP, virtual stages, tied embeddings, one candidate rank, a stage handle that
-    cannot feed the block elsewhere: Megatron-LM's)."""
+    (no MTP, virtual stages, one candidate rank, a stage handle that cannot feed the
+    block elsewhere: Megatron-LM's)."""
     layout = trainer.layout
     if (not layout.has_mtp or layout.num_chunks > 1 or layout.num_ranks < 3
-            or trainer.chunks[0].share_embeddings_and_output_weights
             or not getattr(trainer, "mtp_moves_live", True)):
         return None
     from megatron.core import parallel_state
     return EmbeddingGroups(parallel_state.get_embedding_group(check_initialized=False),
-                           layout.mtp_rank, pp_ranks, tied=False)
+                           layout.mtp_rank, pp_ranks,
+                           tied=trainer.chunks[0].share_embeddings_and_output_weights)
 
 
 # ---- Megatron DDP internals (megatron-core 0.16) ------------------------------------------------

@@ -14,8 +14,10 @@ block and the embedding module and `mtp_process = True` (what its forward reads)
 sending one loses both. Rebuilding the GPTModel instead would run its constructor's
 collective (the embedding all-reduce of `setup_embeddings_and_output_layer`) on two
 ranks only. The first rank never holds the block (Megatron's rule), so its embedding
-never moves. Untied embeddings only: with tied ones the last rank's output weight IS
-its embedding copy while it holds the block (`moves_refused`).
+never moves. With tied embeddings the last rank's output weight is its embedding copy
+while it holds the block; when the block leaves, its output weight takes over the
+copy's values and state (`adopted`); equal up to rounding, not bit for bit: the
+embedding all-reduce then adds one more copy's gradient (docs/mtp.md).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import torch
 from dynmo_plugin.layout import Layout
 
 __all__ = ["MTP_UNIT", "FINAL_NORM", "UNIT_NAMES", "moves_refused", "unit_moves", "container",
-           "build", "install", "remove", "Shell"]
+           "build", "install", "remove", "Shell", "adopted"]
 
 # pseudo layer numbers the units travel under (layers are 1-based, a repack's head 0)
 MTP_UNIT, FINAL_NORM = -1, -2
@@ -56,10 +58,6 @@ def moves_refused(trainer, old: Layout, new: Layout) -> Optional[str]:
     if not getattr(trainer, "mtp_moves_live", True):
         return (f"{old} -> {new} moves the MTP block to another rank, which this stage handle "
                 "cannot feed there (Megatron-LM: data on the first, last and MTP ranks only)")
-    if trainer.chunks[0].share_embeddings_and_output_weights:
-        return (f"{old} -> {new} moves the MTP block with tied embeddings (the last rank's "
-                "output weight is its embedding copy while it holds the block); use "
-                "--untie-embeddings-and-output-weights, or move it through a checkpoint")
     return None
 
 
@@ -180,11 +178,14 @@ class Shell:
     mtp_process: bool
     mtp_block_spec: object
     final_layernorm: object
+    output_marks: dict  # the tied output weight's `shared` / `shared_embedding` marks
 
     @classmethod
     def of(cls, chunk) -> "Shell":
+        weight = _tied_output(chunk)
+        marks = {} if weight is None else {k: getattr(weight, k, None) for k in _MARKS}
         return cls(chunk, getattr(chunk, "mtp", None), getattr(chunk, "embedding", None),
-                   chunk.mtp_process, chunk.mtp_block_spec, chunk.decoder.final_layernorm)
+                   chunk.mtp_process, chunk.mtp_block_spec, chunk.decoder.final_layernorm, marks)
 
     def restore(self) -> None:
         c = self.chunk
@@ -196,6 +197,33 @@ class Shell:
                 setattr(c, name, module)
         c.mtp_process, c.mtp_block_spec = self.mtp_process, self.mtp_block_spec
         c.decoder.final_layernorm = self.final_layernorm
+        weight = _tied_output(c)
+        for key, value in self.output_marks.items():
+            if value is None:
+                weight.__dict__.pop(key, None)
+            else:
+                setattr(weight, key, value)
+
+
+_MARKS = ("shared", "shared_embedding")
+
+
+def _tied_output(chunk) -> Optional[torch.nn.Parameter]:
+    """The last stage's output weight with tied embeddings (None elsewhere). While the
+    block is on the last rank the forward uses the embedding copy as the output weight
+    (GPTModel.shared_embedding_or_output_weight) and this one is unused; otherwise it is
+    the output weight, marked as the shared copy."""
+    if chunk.post_process and chunk.share_embeddings_and_output_weights and not chunk.pre_process:
+        return chunk.output_layer.weight
+    return None
+
+
+def adopted(unit: int, chunk):
+    """(output weight, embedding copy) where the block leaves the last rank with tied
+    embeddings: the output weight takes over the copy's values, gradient and optimizer
+    state (the caller moves them), else None."""
+    weight = _tied_output(chunk) if unit == MTP_UNIT else None
+    return None if weight is None else (weight, chunk.embedding.word_embeddings.weight)
 
 
 def install(unit: int, chunk, built: torch.nn.ModuleDict) -> Shell:
@@ -205,6 +233,9 @@ def install(unit: int, chunk, built: torch.nn.ModuleDict) -> Shell:
     if unit == MTP_UNIT:
         chunk.mtp, chunk.embedding = built["mtp"], built["embedding"]
         chunk.mtp_process, chunk.mtp_block_spec = True, built.spec
+        weight = _tied_output(chunk)  # the embedding copy is the output weight now
+        if weight is not None:
+            weight.shared = weight.shared_embedding = False
     else:
         chunk.decoder.final_layernorm = built["final_layernorm"]
     return shell
@@ -222,4 +253,7 @@ def remove(unit: int, chunk) -> Shell:
     delattr(chunk, "mtp")
     delattr(chunk, "embedding")
     chunk.mtp_process, chunk.mtp_block_spec = False, None
+    weight = _tied_output(chunk)  # the output weight is the shared copy again
+    if weight is not None:
+        weight.shared = weight.shared_embedding = True
     return shell
