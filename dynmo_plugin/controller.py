@@ -243,7 +243,7 @@ class DynMo:
         cap = _cap_bytes(self.config)
         try:
             problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches,
-                                           pin_mtp=True)  # live migration moves decoder layers
+                                           pin_mtp=_pins_mtp(t))
         except (InfeasibleError, ProblemError) as e:
             memory = _memory_record(profile, t.layout.num_stages, t.num_microbatches, cap, None)
             return Decision(profile.to_dict(), None, False,
@@ -267,8 +267,8 @@ class DynMo:
         rp = self.config.repack
         # the start chooses the pipeline size too (the smallest within max_slowdown)
         wanted = rp.trigger == "rebalance" or trigger.startswith("event:") or trigger == "start"
-        if self._repacker is None or not rp.enabled or not wanted:
-            return None
+        if self._repacker is None or not rp.enabled or not wanted or problem.mtp_layers:
+            return None  # MTP: forced repacks only (the repack planner does not place the block)
         from dynmo_plugin.balancing.repack import RepackCriteria
         criteria = RepackCriteria.from_config(rp)
         return criteria if repack_considered(problem, criteria) else None
@@ -352,7 +352,7 @@ class DynMo:
         if plan is None or not plan.apply or not decision.apply or self.config.repack.freed == "release":
             return decision, None
         problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches,
-                                       pin_mtp=True)  # as _decide
+                                       pin_mtp=_pins_mtp(t))  # as _decide
         return decision, self._freed_choice(problem, plan)
 
     def _freed_choice(self, problem: BalanceProblem, plan) -> Optional[dict]:
@@ -437,6 +437,14 @@ def repack_iteration_model(trainer, bandwidth_Bps: float) -> IterationModel:
     sends) and the link bandwidth."""
     from dynmo_plugin.sim.problem_model import live_iteration_model
     return live_iteration_model(trainer.args, dp=trainer.dims.dp, bandwidth_Bps=bandwidth_Bps)
+
+
+def _pins_mtp(stage) -> bool:
+    """Whether the MTP block stays on its rank: live moves of it need one chunk per rank
+    and a stage handle that can feed it on any rank (not Megatron-LM's: `mtp_moves_live`;
+    megatron.migration.mtp_move); decoder layers move around it."""
+    layout = stage.layout
+    return not layout.has_mtp or layout.num_chunks > 1 or not getattr(stage, "mtp_moves_live", True)
 
 
 def _cap_bytes(config: DynmoConfig) -> Optional[float]:

@@ -40,9 +40,7 @@ def check_run(cfg: RunConfig, given: dict[str, str], where: str, world_size: Opt
     check_shape(cfg.model, where, world_size)
     _check_precision(cfg, given)
     _check_forced_layouts(cfg, where)
-    if cfg.model.mtp_num_layers and cfg.dynmo.repack.enabled:
-        raise ConfigError(f"{where}: repack.enabled with --mtp-num-layers: repacks do not carry "
-                          "the MTP block yet; rebalance without --dynmo-repack")
+    _check_mtp_repack(cfg, where)
     _check_dynamism(cfg, given)
     _check_repack(cfg, given)
     _check_interleaved_repack(cfg, where, world_size)
@@ -406,19 +404,41 @@ def _check_forced_layouts(cfg: RunConfig, where: str) -> None:
             raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: iteration is past "
                               f"--train-iters ({m.train_iters})")
         _check_mtp_stays(m, where, it, text, layout)
+        if layout.has_mtp and layout.num_stages < pp and layout.mtp_rank != layout.num_ranks - 1:
+            raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: layout {text!r} repacks "
+                              f"with the MTP block on rank {layout.mtp_rank}; a repack lands it on "
+                              f"the last surviving rank ({layout.num_ranks - 1}): end the layout "
+                              "with 'mL'")
+
+
+def _check_mtp_repack(cfg: RunConfig, where: str) -> None:
+    """A repack carries the MTP block onto the last surviving rank, live, as a live move
+    does (one chunk per rank, untied embeddings)."""
+    m = cfg.model
+    if not (m.mtp_num_layers and cfg.dynmo.repack.enabled):
+        return
+    why = ("virtual pipeline stages" if m.num_virtual_stages_per_pipeline_rank > 1 else
+           "tied embeddings" if not m.untie_embeddings_and_output_weights else
+           "--dynmo-repack-mode checkpoint" if cfg.dynmo.repack.mode != "live" else None)
+    if why:
+        raise ConfigError(f"{where}: repack.enabled with --mtp-num-layers and {why}: a repack "
+                          "carries the MTP block live only (one chunk per rank, untied "
+                          "embeddings, --dynmo-repack-mode live); rebalance without --dynmo-repack")
 
 
 def _check_mtp_stays(m: ModelArgs, where: str, it: int, text: str, layout: Layout) -> None:
-    """A forced layout keeps the MTP block on the rank it starts on: live migration moves
-    decoder layers only (a checkpoint moves the block: save, --load under a new layout)."""
+    """A forced layout may move the MTP block to another rank live with one chunk per rank
+    (megatron.migration.mtp_move); otherwise it keeps the block on the rank it starts on
+    (a checkpoint moves it: save, --load under a new layout)."""
     if not m.mtp_num_layers:
         return
     pp, v = m.pipeline_model_parallel_size, m.num_virtual_stages_per_pipeline_rank
     start = (Layout.parse(m.pipeline_model_parallel_layout, pp, m.num_layers, v, m.mtp_num_layers)
              .mtp_rank if m.pipeline_model_parallel_layout else pp - 1)
-    if layout.mtp_rank != start:
+    why = "virtual pipeline stages" if v > 1 else None
+    if layout.mtp_rank != start and why:
         raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: layout {text!r} puts the MTP "
-                          f"block on rank {layout.mtp_rank} but it starts on rank {start}; live "
-                          "migration moves decoder layers only: move the block through a "
-                          "checkpoint (--save, then --load with the new "
+                          f"block on rank {layout.mtp_rank} but it starts on rank {start}; with "
+                          f"{why} live migration moves decoder layers only (move the block "
+                          "through a checkpoint: --save, then --load with the new "
                           "--pipeline-model-parallel-layout)")

@@ -37,6 +37,9 @@ def load_plugin_config(args: argparse.Namespace) -> RunConfig:
     ns = argparse.Namespace(**{k: v for k, v in vars(args).items() if k.startswith("dynmo")})
     for key in _MODEL_KEYS:
         setattr(ns, key, getattr(args, key, None))
+    # tied or not decides whether the MTP block may move live (config.checks)
+    ns.untie_embeddings_and_output_weights = bool(getattr(args, "untie_embeddings_and_output_weights",
+                                                          False))
     layout = getattr(args, "pipeline_model_parallel_layout", None)
     ns.pipeline_model_parallel_layout = None if layout is None else str(layout)
     ns.train_iters = args.train_iters or sys.maxsize  # sample-based runs: not known yet
@@ -65,6 +68,10 @@ def _check_supported(args, cfg: RunConfig) -> None:
         (bool(getattr(args, "mtp_num_layers", None)) and getattr(args, "num_layers_per_virtual_pipeline_stage", None),
          "--mtp-num-layers with virtual pipeline stages (MTP under Megatron-LM: one chunk per rank)"),
         (getattr(args, "optimizer", "adam") not in ("adam", "sgd"), f"--optimizer {args.optimizer}"),
+        (_forced_mtp_move(cfg), "a forced layout that moves the MTP block to another rank "
+         "(pretrain_gpt builds the data iterator on the first, last and MTP ranks only, at "
+         "setup: the new MTP rank would have no batches); decoder layers move around it live, "
+         "and a checkpoint moves it (--save, then --load under the new layout)"),
         (cfg.dynmo.dynamism.kind not in ("none", *SCENARIO_SPECS)
          and not (cfg.dynmo.dynamism.kind == "moe" and getattr(args, "num_experts", None)),
          f"--dynmo-dynamism {cfg.dynmo.dynamism.kind} (its layers exist in the launcher only; "
@@ -79,6 +86,19 @@ def _check_supported(args, cfg: RunConfig) -> None:
         raise ConfigError(f"--dynmo under Megatron-LM does not support: {'; '.join(bad)}. Drop "
                           "them, or run without --dynmo")
     _check_scenario_spec(args, cfg.dynmo.dynamism.kind)
+
+
+def _forced_mtp_move(cfg: RunConfig) -> bool:
+    """Whether a forced layout puts the MTP block on another rank than it starts on."""
+    from dynmo_plugin.layout import Layout
+    m = cfg.model
+    if not m.mtp_num_layers:
+        return False
+    pp, v, k = m.pipeline_model_parallel_size, m.num_virtual_stages_per_pipeline_rank, m.mtp_num_layers
+    start = (Layout.parse(m.pipeline_model_parallel_layout, pp, m.num_layers, v, k).mtp_rank
+             if m.pipeline_model_parallel_layout else pp - 1)
+    return any(Layout.parse(text, None, m.num_layers, v, k).mtp_rank != start
+               for text in cfg.dynmo.rebalance.forced_layouts.values())
 
 
 def _check_scenario_spec(args, kind: str) -> None:

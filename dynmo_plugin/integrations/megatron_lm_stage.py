@@ -18,7 +18,11 @@ class MegatronLMStage:
     `optimizer` (a ChainedOptimizer over all chunks, kept as the same object), `scheduler`
     and the model's TransformerConfig. With --use-distributed-optimizer
     the ChainedOptimizer chains DistributedOptimizers: the migrator finds them through
-    `optimizer` and moves their sharded state with optim_state, as in the launcher."""
+    `optimizer` and moves their sharded state with optim_state, as in the launcher.
+    The MTP block stays on its rank (`mtp_moves_live`): pretrain_gpt builds the data
+    iterator on the first, last and MTP ranks only, at setup."""
+
+    mtp_moves_live = False
 
     def __init__(self, chunks: list, optimizer, scheduler, args):
         from megatron.core.distributed import DistributedDataParallel

@@ -208,8 +208,28 @@ def test_mtp_config_errors_are_one_line(argv, needle):
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
-def test_repack_with_mtp_is_refused_in_one_line():
+def test_repack_with_mtp_needs_untied_embeddings_and_a_live_repack():
+    """A live repack carries the block onto the last surviving rank (untied embeddings,
+    one chunk per rank); tied or in checkpoint mode it is refused in one line."""
     from dynmo_plugin.config import ConfigError
-    with pytest.raises(ConfigError, match="repacks do not carry the MTP block yet"):
-        _run_config(["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--mtp-num-layers",
-                     "1", "--dynmo", "--dynmo-repack"])
+    base = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1",
+            "--dynmo", "--dynmo-repack"]
+    for extra, why in (([], "tied embeddings"),
+                       (["--untie-embeddings-and-output-weights", "--dynmo-repack-mode",
+                         "checkpoint", "--save", "ckpt"], "--dynmo-repack-mode checkpoint")):
+        with pytest.raises(ConfigError, match=f"--mtp-num-layers and {why}: a repack carries") as err:
+            _run_config(base + extra)
+        assert "\n" not in str(err.value)
+    assert _run_config(base + ["--untie-embeddings-and-output-weights"]).dynmo.repack.enabled
+
+
+def test_a_forced_live_block_move_with_virtual_stages_is_refused_in_one_line():
+    """One chunk per rank: the block moves live (tests/megatron/test_mtp_live_moves.py);
+    with virtual stages decoder layers move around it and a layout moving it is refused."""
+    from dynmo_plugin.config import ConfigError
+    with pytest.raises(ConfigError, match="puts the MTP block on rank 2 but it starts on rank 3; "
+                                          "with virtual pipeline stages") as err:
+        _run_config(["--num-layers", "8", "--pipeline-model-parallel-size", "4",
+                     "--num-virtual-stages-per-pipeline-rank", "2", "--mtp-num-layers", "1",
+                     "--dynmo", "--dynmo-forced-layouts", "3:Et|t|t|t|t|t|ttm|L"])
+    assert "\n" not in str(err.value)

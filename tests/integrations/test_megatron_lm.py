@@ -621,3 +621,40 @@ def test_mtp_inside_megatron_lm_train_profiled_and_decoders_moved_bit_exact(tmp_
     profiles = [e["profile"] for e in moved["events"] if e.get("profile")]
     assert profiles and all(p["mtp"]["stage"] == 1 and p["mtp"]["fwd_s"] > 0 for p in profiles)
     assert len(moved_losses) == 6 and moved_losses == static_losses
+
+
+
+def test_a_live_mtp_block_move_inside_megatron_lm_is_refused_in_one_line():
+    """pretrain_gpt builds the data iterator on the first, last and MTP ranks only, at
+    setup (is_dataset_built_on_rank), and get_batch reads the MTP rank from its args: a
+    block moved live to another rank would have no batches. A forced layout that moves it
+    is refused at start; one that moves decoder layers around it is not (the controller
+    pins it there: MegatronLMStage.mtp_moves_live)."""
+    from dynmo_plugin.integrations.megatron_lm_stage import MegatronLMStage
+    mtp = dict(pipeline_model_parallel_layout="Et|t|ttmL", num_layers=4,
+               pipeline_model_parallel_size=3, mtp_num_layers=1,
+               untie_embeddings_and_output_weights=True)
+    with pytest.raises(ConfigError, match="a forced layout that moves the MTP block to another rank"):
+        ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "3:Et|tttm|L"],
+                                             **mtp))
+    assert ml.load_plugin_config(_megatron_like(
+        argv=["--dynmo", "--dynmo-forced-layouts", "3:Ett|t|tmL"], **mtp)).dynmo.enabled
+    assert MegatronLMStage.mtp_moves_live is False
+
+
+@needs_source
+def test_the_final_norm_moves_with_the_last_decoder_layer_inside_megatron_lm(tmp_path):
+    """With MTP Megatron puts the decoder's final norm on the stage of the last decoder
+    layer, not the last stage: a forced layout that moves layers 3-4 off the MTP rank (the
+    block then alone with the output layer) carries the norm with them, bit-exact. (Into a
+    later stage is where a norm left behind changes the numbers, test_mtp_live_moves.py;
+    here that stage would start without decoder layers, whose spec the Megatron-LM stage
+    handle reads from the layers it holds.)"""
+    mtp = ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--dynmo"]
+    moved, moved_losses = _run(tmp_path / "moved", [*mtp, "--dynmo-forced-layouts", "3:Etttt|mL"])
+    static, static_losses = _run(tmp_path / "static", mtp)
+    events = [e for e in moved["events"] if e["kind"] == "rebalance"]
+    assert [(e["applied"], e["layout_after"]) for e in events] == [(True, "Etttt|mL")]
+    assert [(m["layer"], m["src"], m["dst"]) for m in events[0]["moves"]] == [
+        (3, 1, 0), (4, 1, 0), ("final_layernorm", 1, 0)]
+    assert len(moved_losses) == 6 and moved_losses == static_losses

@@ -67,14 +67,6 @@ def test_pp4_forced_decoder_moves_around_a_standalone_mtp_block(pp4_mtp_static, 
     assert_same_training(static_dir, static, tmp_path, moved, range(4))
 
 
-def test_a_forced_layout_that_moves_the_block_live_is_refused_in_one_line(tmp_path):
-    from launch import torchrun
-    proc = torchrun(4, PP4 + ["--dynmo-forced-layouts", "3:Ett|ttt|tttm|L"], tmp_path, check=False,
-                    module="workers.train_worker")
-    assert proc.returncode != 0
-    assert "puts the MTP block on rank 2 but it starts on rank 3" in proc.stderr + proc.stdout
-
-
 def test_the_block_moves_through_a_checkpoint_bit_exact(pp4_mtp_static, tmp_path):
     """Saved at iteration 4 with the block standalone on rank 2, resumed with it on the
     last rank (and the decoder split changed): iterations 5-6 as the never-moved run."""

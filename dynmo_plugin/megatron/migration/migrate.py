@@ -45,9 +45,11 @@ from megatron.core.transformer.spec_utils import build_module
 
 from dynmo_plugin.consensus import ControlPlane, PeerFailure
 from dynmo_plugin.layout import Layout
+from dynmo_plugin.megatron.migration import mtp_move
 from dynmo_plugin.megatron.migration.extra_state import carried_state, loadable_state
 from dynmo_plugin.megatron.migration.optim_state import (carry_optimizer_state, gather_param_states,
                                                put_param_state)
+from dynmo_plugin.megatron.training.mtp import EmbeddingGroups, with_embedding_group
 from dynmo_plugin.migration.exchange import (TIMEOUT_MARK, exchange_buffers, exchange_headers)
 from dynmo_plugin.migration.pool import StagingPool
 from dynmo_plugin.migration.result import MigrationError, MigrationResult
@@ -77,6 +79,7 @@ class _Prepared:
     old_main_grads: dict
     old_data: dict  # param -> its .data (a view of DDP's parameter buffer when sharded)
     saved: dict = field(default_factory=dict)  # param -> (grad, optimizer state)
+    shells: list = field(default_factory=list)  # mtp_move.Shell: units installed or removed
     ddp: object = None
     optimizer: object = None
 
@@ -93,6 +96,7 @@ class LayerMigrator:
         # halve gloo's bandwidth); on CUDA released after each one (device memory has no
         # first-touch cost and the caching allocator recycles it).
         self.pool = StagingPool(trainer.dims.device)
+        self.embedding_groups = _embedding_groups(trainer, self.pp_ranks())
 
     # ---- entry point ------------------------------------------------------------------
     def rebuild(self, reshape=None) -> MigrationResult:
@@ -113,15 +117,14 @@ class LayerMigrator:
         if t.dims.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if t.dims.device.type == "cuda" else 0
-        if old.mtp_layers != new.mtp_layers or old.mtp_moved(new):
-            # every rank sees the same two layouts: all refuse before any collective
-            raise MigrationError(f"{old} -> {new} moves the MTP block to another rank; live "
-                                 "migration moves decoder layers only (move it through a "
-                                 "checkpoint: save, then --load under the new layout)")
+        refused = mtp_move.moves_refused(t, old, new)
+        if refused is not None:  # every rank sees the same two layouts: all refuse here
+            raise MigrationError(refused)
         moves = old.moved_layers(new)
-        # what crosses ranks (for one chunk per rank: every move; stages are ranks)
+        # what crosses ranks (for one chunk per rank: every move; stages are ranks), then
+        # the MTP block and the final norm Megatron keeps beside the last decoder layer
         remote = [(n, old.rank_of(s), new.rank_of(d)) for n, s, d in moves
-                  if old.rank_of(s) != new.rank_of(d)]
+                  if old.rank_of(s) != new.rank_of(d)] + mtp_move.unit_moves(old, new)
         error, headers, prepared = None, [], None
         with self._phase("pack"):
             try:  # the gather inside raises on every DP rank of a stage or on none
@@ -233,7 +236,8 @@ class LayerMigrator:
         for number, src, dst in moves:
             if src != stage:
                 continue
-            layer = by_number[number]
+            layer = (by_number[number] if number in by_number
+                     else mtp_move.container(number, self.trainer.chunks[0]))
             frozen = tuple(n for n, p in layer.named_parameters() if not p.requires_grad)
             header, buffers = pack(number, src, dst, self._layer_tensors(layer),
                                    self.trainer.dims.device, frozen)
@@ -268,7 +272,9 @@ class LayerMigrator:
                     if checksum(buf) != expected:
                         raise MigrationError(f"checksum mismatch for layer {h.layer} from stage {h.src}")
                 tensors = unpack(h, received[h.layer])
-                layer = self._build_layer(h.layer, new, stage, tensors)
+                layer = (mtp_move.build(h.layer, self.trainer, self.trainer.chunks[0], tensors)
+                         if h.layer in mtp_move.UNIT_NAMES else
+                         self._build_layer(h.layer, new, stage, tensors))
                 for name in h.frozen:
                     layer.get_parameter(name).requires_grad_(False)
                 self._extra_bytes += _nbytes(layer.parameters())
@@ -310,7 +316,10 @@ class LayerMigrator:
     def _set_config_layout(self, layout: Layout) -> None:
         cfg = self.trainer.config
         parsed = PipelineParallelLayerLayout(layout.to_megatron(), layout.num_ranks)
-        parsed.validate_layer_layout(num_layers=cfg.num_layers, mtp_num_layers=cfg.mtp_num_layers)
+        # the schedule exchanges activation shapes when the block is standalone (its
+        # output is 1 + k sequences long): Megatron reads that from the config
+        cfg.mtp_standalone = parsed.validate_layer_layout(num_layers=cfg.num_layers,
+                                                          mtp_num_layers=cfg.mtp_num_layers)
         cfg.pipeline_model_parallel_layout = parsed
 
     # ---- prepare: new layer list and DDP beside the old ones ------------------------------
@@ -324,7 +333,9 @@ class LayerMigrator:
         here = {layer.layer_number: layer for c in chunks for layer in c.decoder.layers}
         staying = set(new.rank_layers(stage))  # kept, possibly in another chunk of this rank
         keep = [layer for number, layer in here.items() if number in staying]
+        leaving = [u for u, src, _ in mtp_move.unit_moves(t.layout, new) if src == stage]
         layer_params = {p for layer in here.values() for p in layer.parameters()}
+        layer_params |= {p for u in leaving for p in mtp_move.container(u, chunks[0]).parameters()}
         kept = [p for layer in keep for p in layer.parameters()]
         kept += [p for p in params if p not in layer_params]
         prepared.saved = {p: (_main_grad(p), self._states.get(p, {})) for p in kept}
@@ -334,10 +345,18 @@ class LayerMigrator:
                          if k.startswith(f"optim/{name}/")}
                 self._extra_bytes += _nbytes(state.values())
                 prepared.saved[p] = (tensors.get(f"grad/{name}"), state)
-        here.update((number, layer) for number, (layer, _) in staged.items())
+        here.update((number, layer) for number, (layer, _) in staged.items()
+                    if number not in mtp_move.UNIT_NAMES)
+        for pair in filter(None, (mtp_move.adopted(u, chunks[0]) for u in leaving)):
+            output, copy = pair  # tied: the output weight takes over the leaving copy
+            prepared.saved[output] = (_main_grad(copy), self._states.get(copy, {}))
+            output.data = copy.data.clone()  # `_undo` puts the old .data back
         try:
             for ddp in t.ddps:
                 _detach_hooks(ddp)  # the new DDPs must hook fresh grad accumulators
+            prepared.shells += [mtp_move.remove(u, chunks[0]) for u in leaving]
+            prepared.shells += [mtp_move.install(u, chunks[0], staged[u][0])
+                                for u in mtp_move.UNIT_NAMES if u in staged]
             for c, chunk in enumerate(chunks):
                 numbers = new.layers_of(new.stage_of(stage, c))
                 chunk.decoder.layers = torch.nn.ModuleList(here[n] for n in numbers)
@@ -374,6 +393,9 @@ class LayerMigrator:
         for ddp in t.ddps:
             retire_ddp(ddp)
         t.install_wrappers(prepared.ddp, prepared.optimizer)
+        if self.embedding_groups is not None:  # the embedding all-reduce follows the block
+            t.config.finalize_model_grads_func = with_embedding_group(
+                t.config.finalize_model_grads_func, self.embedding_groups.for_rank(new.mtp_rank))
         t.layout = new
 
     def _abandon(self, prepared: Optional[_Prepared], old: Layout, new: Layout, error: str) -> None:
@@ -392,6 +414,9 @@ class LayerMigrator:
             for ddp in prepared.ddp if isinstance(prepared.ddp, list) else [prepared.ddp]:
                 retire_ddp(ddp)
             prepared.ddp = prepared.optimizer = None
+        for shell in reversed(prepared.shells):
+            shell.restore()
+        prepared.shells = []
         for chunk, layers in zip(t.chunks, prepared.old_layers):
             chunk.decoder.layers = layers
             chunk.decoder.num_layers_per_pipeline_rank = len(layers)
@@ -424,9 +449,25 @@ def _moves(old: Layout, headers: list[Header], moves) -> list[dict]:
     """The report's moves: one per header (src/dst: stages = ranks); interleaved, one per
     moved layer with (virtual) stages, 0 bytes for a move between chunks of a rank."""
     if not old.interleaved:
-        return [{"layer": h.layer, "src": h.src, "dst": h.dst, "bytes": h.nbytes} for h in headers]
+        return [{"layer": mtp_move.UNIT_NAMES.get(h.layer, h.layer), "src": h.src, "dst": h.dst,
+                 "bytes": h.nbytes} for h in headers]
     sent = {h.layer: h.nbytes for h in headers}
     return [{"layer": n, "src": s, "dst": d, "bytes": sent.get(n, 0)} for n, s, d in moves]
+
+
+def _embedding_groups(trainer, pp_ranks: list[int]):
+    """The embedding groups of every rank the MTP block may move to (made at start, by
+    every rank: training.mtp.EmbeddingGroups); None where live block moves cannot happen
+    (no MTP, virtual stages, one candidate rank, a stage handle that cannot feed the
+    block elsewhere: Megatron-LM's)."""
+    layout = trainer.layout
+    if (not layout.has_mtp or layout.num_chunks > 1 or layout.num_ranks < 3
+            or not getattr(trainer, "mtp_moves_live", True)):
+        return None
+    from megatron.core import parallel_state
+    return EmbeddingGroups(parallel_state.get_embedding_group(check_initialized=False),
+                           layout.mtp_rank, pp_ranks,
+                           tied=trainer.chunks[0].share_embeddings_and_output_weights)
 
 
 # ---- Megatron DDP internals (megatron-core 0.16) ------------------------------------------------

@@ -119,9 +119,10 @@ class Repacker:
         try:
             intermediate = layout.padded(dims.pp)
             freed = info.get("freed") or {}
-            if freed.get("choice") == "refuse":
+            refused = _mtp_refusal(layout)
+            if freed.get("choice") == "refuse" or refused:
                 result = RepackResult(False, dims.pp, layout.num_ranks, str(parts.trainer.layout),
-                                      error=freed["reason"], world_size_before=dims.world_size,
+                                      error=refused or freed["reason"], world_size_before=dims.world_size,
                                       world_size_after=dims.world_size, dp_before=dims.dp,
                                       dp_after=dims.dp)
                 rebuilt = None
@@ -309,6 +310,17 @@ class Repacker:
         control = ControlPlane(s.control.timeout_s)
         migrator = LayerMigrator(trainer, control, s.migrator.timeout_s, s.migrator.fault)
         return StageParts(trainer, control, migrator)
+
+
+def _mtp_refusal(layout: Layout) -> Optional[str]:
+    """Why a repack onto `layout` cannot carry the MTP block (None: it can). The block
+    lands on the last surviving rank: the intermediate layout moves it there live
+    (megatron.migration.mtp_move), and the rebuilt world's default embedding group
+    (first and last rank) is then the block's."""
+    if layout.has_mtp and layout.mtp_rank != layout.num_ranks - 1:
+        return (f"a repack onto {layout} leaves the MTP block standalone on rank "
+                f"{layout.mtp_rank}; it lands on the last surviving rank; nothing moved")
+    return None
 
 
 def _release_training_state(old) -> None:
