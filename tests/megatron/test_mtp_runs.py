@@ -99,6 +99,10 @@ def test_decided_rebalance_profiles_the_block_and_keeps_it_while_decoders_move(t
     mtp = first["profile"]["mtp"]
     assert (mtp["layer"], mtp["stage"]) == (1, 1)
     assert mtp["fwd_s"] > 0 and mtp["bwd_s"] > 0 and mtp["param_bytes"] > 0 and mtp["act_bytes"] > 0
+    # its bytes hold its decoder layer and the word-embedding copy it brings to the rank
+    # (vocabulary 256 x hidden 32, fp32), not only its own layer's
+    layer = first["profile"]["layers"][-1]
+    assert mtp["param_bytes"] >= layer["param_bytes"] + 256 * 32 * 4, (mtp, layer)
     assert first["plan"]["notes"] and "MTP block" in " ".join(first["plan"]["notes"])
     assert_same_training(static_dir, static, moved_dir, moved, range(2))
 

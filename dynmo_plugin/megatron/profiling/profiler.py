@@ -284,9 +284,10 @@ class ProfileWindow:
 
     def _mtp_profile(self, probe: StageProbe, chunk, stage: int) -> LayerProfile:
         """The MTP block as one unit: its own spans (`probe._hook_mtp`) and the exact
-        bytes of its parameters, gradients and optimizer state."""
+        bytes of its parameters, gradients and optimizer state, with what moves with it
+        (`_mtp_params`)."""
         fwd, bwd = probe.samples["mtp/fwd"], probe.samples["mtp/bwd"]
-        params = list(chunk.mtp.parameters())
+        params = _mtp_params(chunk)
         return LayerProfile(
             layer=len(chunk.mtp.layers), stage=stage, fwd_s=median(fwd), bwd_s=median(bwd),
             spread=cost_spread(fwd, bwd), span_s=median(fwd) + median(bwd),
@@ -318,7 +319,7 @@ class ProfileWindow:
         params + grads + optimizer state of the embedding, final norm and output layer."""
         layer_params = {id(p) for layer in probe.layers for p in layer.parameters()}
         if getattr(chunk, "mtp_process", False):  # the MTP block is its own unit
-            layer_params |= {id(p) for p in chunk.mtp.parameters()}
+            layer_params |= {id(p) for p in _mtp_params(chunk)}
         extras = [p for p in chunk.parameters() if id(p) not in layer_params]
         grad = sum(_grad_bytes(p) for p in extras)
         return sum(_nbytes(p) + state_nbytes(self.trainer.optimizer, p) for p in extras) + grad, grad
@@ -399,6 +400,22 @@ def choose_costs(record: StageProfile, layers: list[LayerProfile], busy: dict, c
         record.host_waits_s = max(0.0, spans - sum(x.cost_s for x in layers))
         return
     record.cost_source = "span"
+
+
+def _mtp_params(chunk) -> list:
+    """The MTP block's parameters and, off the first stage, the word-embedding copy that
+    exists on its rank only for it (the block's input embedding: it moves with the block,
+    megatron/migration/mtp_move.py), less what the output layer shares (tied embeddings on
+    the last rank: that weight stays). Counted in the stage's extras it was 17.5 of the
+    17.7 MB a block move carried, so the balancer underrated both the move and the rank
+    it left."""
+    params = list(chunk.mtp.parameters())
+    embedding = getattr(chunk, "embedding", None)
+    if embedding is not None and not getattr(chunk, "pre_process", True):
+        output = getattr(chunk, "output_layer", None)
+        shared = {id(p) for p in output.parameters()} if output is not None else set()
+        params += [p for p in embedding.parameters() if id(p) not in shared]
+    return params
 
 
 def prediction_line(stage: StageProfile) -> str:
