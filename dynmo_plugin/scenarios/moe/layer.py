@@ -32,6 +32,8 @@ from megatron.core.utils import get_pg_rank
 from megatron.core.transformer.transformer_layer import (TransformerLayer,
                                                          get_transformer_layer_offset)
 
+from dynmo_plugin.scenarios.moe.grouped import CapacityDispatcher, GroupedExperts, padded_capacity
+
 __all__ = ["MoeTransformerLayer", "moe_layer_spec", "calibrate", "flop_fixed_tokens"]
 
 logger = logging.getLogger(__name__)
@@ -53,17 +55,26 @@ class MoeTransformerLayer(TransformerLayer):
         super().__init__(config, submodules, layer_number, **kwargs)
         if self.layer_number != number:  # the offset above must be Megatron's own
             raise RuntimeError(f"MoE layer numbered {number}, Megatron says {self.layer_number}")
-        self._counts: Optional[torch.Tensor] = None
+        self._counts = None  # a tensor per expert, or an int every expert shares (padded)
         self._kept: Optional[torch.Tensor] = None
         self.micro_batches = 0
         if self.is_moe:
             self.mlp.router.register_forward_hook(self._count_tokens)
+            if isinstance(self.mlp.experts, GroupedExperts):  # dispatch by index when padded
+                self.mlp.token_dispatcher = CapacityDispatcher.replacing(self.mlp.token_dispatcher)
 
     def _count_tokens(self, module, args, output) -> None:
+        """Padded to a capacity, each expert computes its capacity: a number the host knows
+        (no kernel); otherwise the routing map's columns. Kept tokens are the non-zero
+        probabilities (the router zeroes every probability outside its map, and padding
+        rows have none): two small kernels, read only when an event asks (`take_kept`)."""
         probs, routing_map = output
-        routing_map = routing_map.detach()
-        counts = routing_map.sum(0).to(torch.int64)
-        kept = (routing_map & (probs.detach() != 0)).sum(0).to(torch.int64)
+        capacity = padded_capacity(self.config, routing_map.shape[0])
+        if capacity is not None:
+            counts = capacity
+        else:
+            counts = routing_map.detach().sum(0)
+        kept = probs.detach().ne(0).sum(0)
         self._counts = counts if self._counts is None else self._counts + counts
         self._kept = kept if self._kept is None else self._kept + kept
         self.micro_batches += 1
@@ -87,9 +98,12 @@ class MoeTransformerLayer(TransformerLayer):
         dense layer; does not reset (`take_counts` does)."""
         return self._listed(self._kept) if self.is_moe else None
 
-    def _listed(self, counts: Optional[torch.Tensor]) -> list[int]:
+    def _listed(self, counts) -> list[int]:
+        """Per expert: a tensor of counts, a count every expert shares (int), or None."""
         if counts is None:
             return [0] * self.config.num_moe_experts
+        if isinstance(counts, int):
+            return [counts] * self.config.num_moe_experts
         return [int(c) for c in counts.tolist()]
 
 

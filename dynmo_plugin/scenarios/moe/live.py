@@ -50,6 +50,7 @@ for P = number of experts (one expert per rank, the worst case) in its detail.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import statistics
 from dataclasses import asdict, dataclass
@@ -371,8 +372,9 @@ class MixtureOfExperts(Scenario):
 
 
 def _moe_spec(spec, num_experts: int):
-    """The MoE variant of `spec`: Megatron's local MoE layer spec, or Transformer Engine's
-    when `spec` is a TE spec (CUDA)."""
+    """The MoE variant of `spec`: Megatron's local MoE layer spec with `GroupedExperts`
+    (dynmo_plugin.scenarios.moe.grouped; MoeTransformerLayer then swaps in its dispatcher),
+    or Transformer Engine's own when `spec` is a TE spec (CUDA)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     try:
         qkv = spec.submodules.self_attention.submodules.linear_qkv
@@ -382,4 +384,12 @@ def _moe_spec(spec, num_experts: int):
     if te:
         return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts,
                                                                 moe_grouped_gemm=False)
-    return specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
+    from dynmo_plugin.scenarios.moe.grouped import GroupedExperts
+    spec = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
+    mlp = copy.copy(spec.submodules.mlp)  # the local spec's own objects may be shared
+    mlp.submodules = copy.copy(mlp.submodules)
+    mlp.submodules.experts = copy.copy(mlp.submodules.experts)
+    mlp.submodules.experts.module = GroupedExperts
+    spec.submodules = copy.copy(spec.submodules)
+    spec.submodules.mlp = mlp
+    return spec
