@@ -74,18 +74,23 @@ def _hidden(dtype) -> torch.Tensor:
 
 
 def _run(layer, x):
-    """Forward + backward under OpTrace: (output, input grad, {param: grad}, fwd, bwd)."""
+    """Forward + backward under OpTrace: (output, input grad, {param: grad}, fwd, bwd,
+    the router's (probs, routing map))."""
     from dynmo_plugin.profiling.op_trace import OpTrace
     mask = torch.triu(torch.ones(TOKENS, TOKENS, dtype=torch.bool), 1)[None, None]
     x = x.detach().requires_grad_(True)
+    routed = []
+    hook = layer.mlp.router.register_forward_hook(
+        lambda module, args, output: routed.append(tuple(t.detach() for t in output)))
     with OpTrace() as fwd:
         out, _ = layer(hidden_states=x, attention_mask=mask)
+    hook.remove()
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype)
     with OpTrace() as bwd:
         out.backward(grad)
-    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in layer.named_parameters()}
     layer.zero_grad(set_to_none=True)
-    return out.detach(), x.grad, grads, fwd, bwd
+    return out.detach(), x.grad, grads, fwd, bwd, routed[0]
 
 
 def _assert_same(a, b) -> float:
@@ -98,6 +103,9 @@ def _assert_same(a, b) -> float:
     pairs += [(n, a[2][n], b[2][n]) for n in a[2]]
     assert a[2].keys() == b[2].keys()
     for name, x, y in pairs:
+        assert (x is None) == (y is None), f"{name}: gradient {x} against {y}"
+        if x is None:
+            continue
         torch.testing.assert_close(y, x, msg=lambda m, name=name: f"{name}: {m}")
         worst = max(worst, float((x.float() - y.float()).abs().max() / x.float().abs().max().clamp_min(1e-30)))
     return worst
@@ -113,11 +121,13 @@ def _check_equal_to_megatron(args):
             x = _hidden(dtype)
             ref, got = _run(old, x), _run(new, x)
             worst = _assert_same(ref, got)
-            # the counts: every expert computed its capacity; kept = the map's non-padding
-            capacity = scenario.capacity
-            assert old.take_kept() == new.take_kept()
-            assert old.take_counts() == new.take_counts() == [capacity] * EXPERTS
-            print(f"{dtype} capacity {capacity}: kernels Megatron {ref[3].kernels() + ref[4].kernels()}, "
+            # the counts, against the router's output: every expert computed its capacity
+            # (the map's columns), and kept the map's entries with a probability
+            probs, routing_map = ref[5]
+            kept = (routing_map & (probs != 0)).sum(0).tolist()
+            assert routing_map.sum(0).tolist() == [scenario.capacity] * EXPERTS
+            assert new.take_kept() == kept and new.take_counts() == [scenario.capacity] * EXPERTS
+            print(f"{dtype} capacity {scenario.capacity}: kernels Megatron {ref[3].kernels() + ref[4].kernels()}, "
                   f"grouped {got[3].kernels() + got[4].kernels()}; largest relative difference {worst:.2g}")
     # weights re-homed one by one (as a distributed optimizer's buffer would): stacked by a copy
     old, new, _ = _layers(args, 0.5, pad=True, dtype=torch.float32)
@@ -161,7 +171,9 @@ def _check_unpadded_is_megatrons(args):
     ref, got = _run(old, x), _run(new, x)
     _assert_same(ref, got)
     assert got[3].host_reads() == ["aten.masked_select"] * 2
-    assert old.take_kept() == new.take_kept() and old.take_counts() == new.take_counts()
+    probs, routing_map = ref[5]
+    assert new.take_kept() == (routing_map & (probs != 0)).sum(0).tolist()
+    assert new.take_counts() == routing_map.sum(0).tolist()
 
 
 def _check(args):
