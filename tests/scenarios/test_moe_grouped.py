@@ -4,7 +4,7 @@ Megatron-Core 0.16.1's local MoE path (allgather dispatcher + SequentialMLP) ran
 layer of 8 experts as 202 kernels over forward + backward at capacity 0.5, top-2, with
 two `masked_select`s (output sizes the host must wait for) in the forward: host-bound
 on an H200 (scripts/roofline.py: ~35 us of enqueue per kernel). The scheme's
-`CapacityDispatcher` and `GroupedExperts` (dynmo_plugin/scenarios/moe/grouped.py)
+`CapacityDispatcher` and `GroupedExperts` (dynmo_plugin/scenarios/moe/layer.py)
 dispatch by index at the padded capacity and run the experts as batched matmuls over
 their weights lying side by side: 105 kernels, no host read, the same numbers.
 
@@ -112,7 +112,7 @@ def _assert_same(a, b) -> float:
 
 
 def _check_equal_to_megatron(args):
-    from dynmo_plugin.scenarios.moe.grouped import CapacityDispatcher, GroupedExperts
+    from dynmo_plugin.scenarios.moe.layer import CapacityDispatcher, GroupedExperts
     for dtype in (torch.float32, torch.bfloat16):
         for factor in (0.5, 1.0):
             old, new, scenario = _layers(args, factor, pad=True, dtype=dtype)
@@ -160,7 +160,7 @@ def _check_kernels_and_host_reads(args):
     copies = [op for op in bwd.ops if op.name in ("aten.copy_", "aten.clone", "aten.stack")]
     assert copies == [], [(op.name, op.inputs) for op in copies]
     # the weights lie side by side (packed at build and after .to(bfloat16))
-    from dynmo_plugin.scenarios.moe.grouped import _adjacent
+    from dynmo_plugin.scenarios.moe.layer import _adjacent
     assert _adjacent(new.mlp.experts._weights("linear_fc1"))
     assert _adjacent(new.mlp.experts._weights("linear_fc2"))
 

@@ -373,7 +373,7 @@ class MixtureOfExperts(Scenario):
 
 def _moe_spec(spec, num_experts: int):
     """The MoE variant of `spec`: Megatron's local MoE layer spec with `GroupedExperts`
-    (dynmo_plugin.scenarios.moe.grouped; MoeTransformerLayer then swaps in its dispatcher),
+    (dynmo_plugin.scenarios.moe.layer; MoeTransformerLayer then swaps in its dispatcher),
     or Transformer Engine's own when `spec` is a TE spec (CUDA)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     try:
@@ -384,7 +384,7 @@ def _moe_spec(spec, num_experts: int):
     if te:
         return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts,
                                                                 moe_grouped_gemm=False)
-    from dynmo_plugin.scenarios.moe.grouped import GroupedExperts
+    from dynmo_plugin.scenarios.moe.layer import GroupedExperts
     spec = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     mlp = copy.copy(spec.submodules.mlp)  # the local spec's own objects may be shared
     mlp.submodules = copy.copy(mlp.submodules)
