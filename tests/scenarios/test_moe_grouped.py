@@ -1,12 +1,13 @@
 """The MoE scheme's layer at a capacity: batched experts, index dispatch, no host reads.
 
 Megatron-Core 0.16.1's local MoE path (allgather dispatcher + SequentialMLP) ran a
-layer of 8 experts as 202 kernels over forward + backward at capacity 0.5, top-2, with
-two `masked_select`s (output sizes the host must wait for) in the forward: host-bound
-on an H200 (scripts/roofline.py: ~35 us of enqueue per kernel). The scheme's
-`CapacityDispatcher` and `GroupedExperts` (dynmo_plugin/scenarios/moe/layer.py)
-dispatch by index at the padded capacity and run the experts as batched matmuls over
-their weights lying side by side: 105 kernels, no host read, the same numbers.
+layer of 8 experts as 197 kernels over forward + backward here (201 in the roofline's
+h4096 trace) at capacity 0.5, top-2, with two `masked_select`s, a `.cpu()` and a
+`.tolist()` (values the host must wait for) in the forward: host-bound on an H200
+(scripts/roofline.py: ~35 us of enqueue per kernel). The scheme's `CapacityDispatcher`
+and `GroupedExperts` (dynmo_plugin/scenarios/moe/layer.py) dispatch by index at the
+padded capacity and run the experts as batched matmuls over their weights lying side
+by side: 105 kernels (107 in the roofline trace), no host read, the same numbers.
 
 Checked on one real Megatron-Core layer (local spec, 8 experts, top-2), under `OpTrace`
 (counted, never timed), against Megatron's own MoELayer with the same weights:
@@ -16,8 +17,9 @@ Checked on one real Megatron-Core layer (local spec, 8 experts, top-2), under `O
   bitwise equal), ... in bf16), padded at capacity 0.5 and 1.0, and with the expert
   weights re-homed so they no longer lie side by side (the copying fallback);
 * state-dict keys unchanged (checkpoints and migrations read the same tensors);
-* forward + backward kernels of the whole layer <= KERNELS (202 before, 109 after), no
-  host read in the forward, no per-expert matmul and no gradient copy;
+* forward + backward kernels of the whole layer <= KERNELS (197 before, 105 after), no
+  host read in forward or backward (aten's, and `.cpu()`/`.tolist()`, which Megatron's
+  path did), no per-expert matmul and no gradient copy;
 * the counts the scenario reads: each expert's capacity (the host knows it) and the
   tokens kept, equal to what the router's map says;
 * unpadded (`--dynmo-moe-no-pad`): Megatron's path as before (its two host reads).
@@ -30,7 +32,7 @@ import torch
 from launch import in_megatron_process
 
 TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 512, 64, 128, 8, 2
-KERNELS = 115  # forward + backward of the whole layer: 202 with Megatron's path, 109 now
+KERNELS = 115  # forward + backward of the whole layer: 197 with Megatron's path, 105 now
 
 
 def _layers(args, factor: float, pad: bool, dtype):
@@ -152,6 +154,13 @@ def _check_kernels_and_host_reads(args):
     fwd, bwd = after[3], after[4]
     assert fwd.host_reads() == [] and bwd.host_reads() == []
     assert before[3].host_reads() == ["aten.masked_select"] * 2   # what Megatron's path read
+    # reads that never reach aten (`.cpu()`, `.tolist()` of a CPU tensor: on CUDA each waits
+    # for the device), seen by test_scenario_host_sync's TorchFunctionMode
+    from test_scenario_host_sync import _reads
+    mask = torch.triu(torch.ones(TOKENS, TOKENS, dtype=torch.bool), 1)[None, None]
+    assert _reads(new, x.detach().requires_grad_(True), attention_mask=mask) == []
+    assert {"cpu", "tolist", "masked_select"} <= set(
+        _reads(old, x.detach().requires_grad_(True), attention_mask=mask))
     # the experts: one bmm per projection forward, two backward; no per-expert matmul
     expert_mms = [op for op in fwd.matmuls() + bwd.matmuls() if any(FFN in s for s in op.inputs)]
     assert [op.name for op in expert_mms] == ["aten.bmm"] * 6, [op.name for op in expert_mms]

@@ -11,7 +11,9 @@ probabilities go). Megatron takes a factor, not a size: the scenario hands it th
 whose ceiling is exactly C, and every event reports C (`expert_capacity`). Each expert
 then computes exactly C rows per micro-batch, its kept tokens padded (Megatron's
 moe_pad_expert_input_to_capacity): static GEMM shapes, a multiple of `granularity`, so
-the GPU's work is what the capacity says whatever the router does (unpadded, an
+the GPU's work is what the capacity says whatever the router does, dispatched by index
+with nothing read back and the experts run as batched matmuls
+(dynmo_plugin.scenarios.moe.layer: CapacityDispatcher, GroupedExperts) (unpadded, an
 untrained router that sends most tokens to two experts computed 56% of the capacity-1.0
 rows at capacity 1.0 and 0.69x of that at 0.5; `no_pad` restores that behaviour). The
 events' `tokens_per_expert` are rows computed (padding included: the work), `kept` the
