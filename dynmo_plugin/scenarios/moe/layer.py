@@ -32,7 +32,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_utils import get_capacity, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.utils import get_pg_rank
+from megatron.core.utils import get_pg_rank, get_pg_size
 from megatron.core.transformer.transformer_layer import (TransformerLayer,
                                                          get_transformer_layer_offset)
 
@@ -209,7 +209,7 @@ class GroupedExperts(SequentialMLP):
         c = self.config
         return (not c.add_bias_linear and not c.bias_activation_fusion and not c.use_te_activation_func
                 and not (c.fp8 or c.fp4) and not c.moe_apply_probs_on_input
-                and self.tp_group.size() == 1 and self.num_local_experts > 1)
+                and get_pg_size(self.tp_group) == 1 and self.num_local_experts > 1)
 
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
