@@ -67,7 +67,8 @@ SCENARIOS = {
     "early_exit": ["--dynmo", "--dynmo-dynamism", "early_exit", "--dynmo-early-exit-start", "1",
                    "--dynmo-early-exit-interval", "1", "--dynmo-early-exit-min-layer", "2"],
     "moe": ["--dynmo", "--dynmo-dynamism", "moe", "--dynmo-moe-num-experts", "4",
-            "--dynmo-moe-top-k", "2", "--dynmo-moe-every", "2", "--dynmo-moe-start", "1"],
+            "--dynmo-moe-top-k", "2", "--dynmo-moe-every", "2", "--dynmo-moe-start", "1",
+            "--dynmo-moe-capacity-factor", "1.0"],  # padded: no host reads (unpadded: 2)
     "mixture_of_depths": ["--dynmo", "--dynmo-dynamism", "mixture_of_depths", "--dynmo-mod-every", "1",
                           "--dynmo-mod-capacity", "0.5"],
     "sparse_attention": ["--dynmo", "--dynmo-dynamism", "sparse_attention",
@@ -306,9 +307,10 @@ def row_determinism_run() -> str:
     return json.dumps({"losses": losses, "weights": _fingerprint(session.trainer)})
 
 
-# Host reads a layer forward may make by design. Early exit: the number of tokens still
-# active sizes the gather of the ones that go on, once per layer after exits begin
-# (docs/scenarios/early_exit.md); every other scenario: none.
+# Host reads a layer forward may make by design. Early exit: a stage's first layer reads the
+# bound on its active tokens from the carrier, once per micro-batch after exits begin; the
+# stage's later layers wait for a staged copy instead (docs/scenarios/early_exit.md, "Host
+# synchronisation"); every other scenario: none.
 SYNC_BUDGET = {"early_exit": 1}
 # What c10 warns at a synchronizing call in sync-debug "warn" mode. torch also warns once,
 # when the mode is first set, that the mode "is a prototype feature ..." (raised by

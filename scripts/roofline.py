@@ -116,9 +116,10 @@ def early_exit(exited: float, vocab: int = 32000, number: int = 6) -> Callable[[
 
 def moe(capacity_factor: float, pad: bool = True, sdpa: bool = False) -> Callable[[Shape], Case]:
     """The scheme's MoE layer as the scheme configures it (MixtureOfExperts.layer_spec and
-    configure_model: 8 experts, top-2, capacity rounded to 64 tokens, allgather dispatcher,
-    local experts, every expert padded to its capacity unless `pad` is False, the
-    scheme's --dynmo-moe-no-pad), its weights initialised as a model's are (norms 1,
+    configure_model: 8 experts, top-2, capacity rounded to 64 tokens, every expert padded
+    to its capacity: index dispatch and batched experts, scenarios/moe/layer.py; unless
+    `pad` is False, the scheme's --dynmo-moe-no-pad: Megatron's allgather dispatcher and
+    per-expert loop), its weights initialised as a model's are (norms 1,
     others N(0, 0.02)): uninitialised weights (the launcher's config leaves that to
     init_by_global_name) made the router send every token to the same two experts on
     the GPU probe. `sdpa`: the layers' core attention torch's fused causal SDPA
@@ -132,6 +133,10 @@ def moe(capacity_factor: float, pad: bool = True, sdpa: bool = False) -> Callabl
         m = settings.moe
         m.num_experts, m.top_k, m.capacity_factor, m.aux_loss_coeff, m.no_pad = \
             8, 2, capacity_factor, 0.01, not pad
+        # the capacities of these rows are multiples of 64 (the scheme's granularity)
+        # either way; 8 keeps them proportional to s at the short sequences of the
+        # extrapolated trace, where 64 rounded every one to a single granule
+        m.granularity = 8
         scheme = MixtureOfExperts(settings)
         cfg = config_for(shape)
         base = base_spec()
@@ -227,6 +232,9 @@ SCHEMES: list[Scheme] = [
     Scheme("plain sdpa mb4", plain, MOD_SHAPE, "plain sdpa mb4", None, "sdpa"),
     Scheme("mixture_of_depths capacity 0.125 sdpa mb4", mod(0.125), MOD_SHAPE, "plain sdpa mb4", 0.3,
            "sdpa"),
+    # scenario_cost[moe]'s shape: FFN 4h (16384) per expert, about Mixtral 8x7B's (14336)
+    Scheme("moe capacity 1.0" + _SDPA, moe(1.0), SDPA_SHAPE, "plain" + _SDPA, None, "sdpa"),
+    Scheme("moe capacity 0.5" + _SDPA, moe(0.5), SDPA_SHAPE, "moe capacity 1.0" + _SDPA, 0.8, "sdpa"),
     Scheme("early_exit tail (75% exited)" + _SDPA, early_exit(0.75), SDPA_SHAPE, "plain" + _SDPA, 0.6,
            "sdpa", "early_exit75 h4096 s4096 mb2 sdpa"),
     Scheme("sparse_attention dense (1 bucket)", lsh(1), ATTENTION, "sparse_attention dense (1 bucket)", None,

@@ -68,10 +68,17 @@ def _expert_matmuls(trace):
 
 
 def _expert_rows(trace) -> list[int]:
-    """Tokens (rows) of each expert's fc1 forward GEMM, [rows, hidden] x [hidden, ffn]:
-    the first such product of each expert (the forward runs before the backward)."""
-    return [op.inputs[0][0] for op in _expert_matmuls(trace)
-            if op.inputs[0][1:] == (HIDDEN,) and op.inputs[1] == (HIDDEN, FFN)][:EXPERTS]
+    """Tokens (rows) of each expert's fc1 forward GEMM: [rows, hidden] x [hidden, ffn]
+    per expert (Megatron's SequentialMLP, unpadded), or one [experts, rows, hidden] x
+    [experts, hidden, ffn] batched product (the scheme's GroupedExperts, padded); the
+    first such products (the forward runs before the backward)."""
+    rows = []
+    for op in _expert_matmuls(trace):
+        if op.inputs[0][1:] == (HIDDEN,) and op.inputs[1] == (HIDDEN, FFN):
+            rows.append(op.inputs[0][0])
+        elif op.inputs[0][2:] == (HIDDEN,) and op.inputs[1] == (EXPERTS, HIDDEN, FFN):
+            rows += [op.inputs[0][1]] * op.inputs[0][0]
+    return rows[:EXPERTS]
 
 
 def _check(args, pad: bool):

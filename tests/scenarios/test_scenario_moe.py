@@ -279,3 +279,19 @@ def test_one_ranks_failed_calibration_is_noted_not_quiet(tmp_path):
     assert fallback["phase"] == "moe-calibration" and fallback["reason"].startswith("rank 0: ")
     assert "InjectedFault" in fallback["reason"]
     assert all(e["detail"]["cost_model"]["source"] == "calibrated" for e in events.values())
+
+
+@pytest.mark.multiproc
+def test_resumed_padded_moe_trains_on_exactly(half, tmp_path):
+    """A checkpoint of the padded MoE layers (capacity 0.5: batched experts, whose
+    per-expert weights lie side by side in one buffer) saved at iteration 3 and resumed:
+    iterations 4-5 have the uninterrupted run's losses to the last bit (the checkpoint
+    holds each expert's weights under Megatron's keys; loading copies into the packed
+    buffer and keeps it packed)."""
+    ckpt = tmp_path / "ckpt"
+    saved = train(2, MODEL + MOE + HALF + STATIC + ["--save", str(ckpt), "--save-interval", "3",
+                                                     "--train-iters", "3"], tmp_path / "first")
+    assert losses(saved) == losses(half)[:3]
+    resumed = train(2, MODEL + MOE + HALF + STATIC + ["--load", str(ckpt)], tmp_path / "resumed")
+    assert [it["iteration"] for it in resumed["iterations"]] == [4, 5]
+    assert losses(resumed) == losses(half)[3:]

@@ -18,8 +18,8 @@ an H200, host-bound; MoE crashed without Transformer Engine):
 * MoE at capacity factor 0.5 does <= 0.8x the expert FLOPs of capacity 1.0; the expert
   capacity is a multiple of the granularity (64); every matmul dimension is a multiple
   of 8 except the per-expert token counts, which routing decides (a GEMM's rows, not a
-  leading dimension). Host reads: the two `masked_select`s of Megatron's allgather
-  dispatcher (its permute without TE), none from the scenario.
+  leading dimension). Host reads: none (padded to the capacity; unpadded, Megatron's
+  allgather dispatcher reads two `masked_select`s).
 * MoE forward + backward with the local layers and the Transformer Engine names unbound,
   as on a CUDA machine without TE: a NameError without `bind_missing_te_names`, a
   trained step with it.
@@ -158,10 +158,9 @@ def _check_moe_without_te(args):
         capacity[factor] = scenario.capacity
         assert layer.mlp.router.weight.grad is not None and layer.mlp.router.weight.grad.abs().sum() > 0
         print(factor, traces[factor].kernels(), len(traces[factor].host_reads()), end="; ")
-        # Megatron's own allgather dispatcher (permute without TE's fused kernel) selects
-        # the routed tokens and their probabilities by masks: two output sizes the host
-        # must learn; the scenario (router hook) adds none
-        assert traces[factor].host_reads() == ["aten.masked_select"] * 2
+        # padded: the scheme's CapacityDispatcher picks rows by index (Megatron's allgather
+        # dispatcher, unpadded, selects them by masks: two `masked_select`s)
+        assert traces[factor].host_reads() == []
         counts = layer.take_counts()   # per expert, both steps: the GEMMs' rows
         assert max(counts) <= 2 * scenario.capacity
         rows = {d for op in traces[factor].matmuls() for shape in op.inputs for d in shape if d % 8}

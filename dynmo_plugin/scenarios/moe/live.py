@@ -11,7 +11,9 @@ probabilities go). Megatron takes a factor, not a size: the scenario hands it th
 whose ceiling is exactly C, and every event reports C (`expert_capacity`). Each expert
 then computes exactly C rows per micro-batch, its kept tokens padded (Megatron's
 moe_pad_expert_input_to_capacity): static GEMM shapes, a multiple of `granularity`, so
-the GPU's work is what the capacity says whatever the router does (unpadded, an
+the GPU's work is what the capacity says whatever the router does, dispatched by index
+with nothing read back and the experts run as batched matmuls
+(dynmo_plugin.scenarios.moe.layer: CapacityDispatcher, GroupedExperts) (unpadded, an
 untrained router that sends most tokens to two experts computed 56% of the capacity-1.0
 rows at capacity 1.0 and 0.69x of that at 0.5; `no_pad` restores that behaviour). The
 events' `tokens_per_expert` are rows computed (padding included: the work), `kept` the
@@ -50,6 +52,7 @@ for P = number of experts (one expert per rank, the worst case) in its detail.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import statistics
 from dataclasses import asdict, dataclass
@@ -371,8 +374,9 @@ class MixtureOfExperts(Scenario):
 
 
 def _moe_spec(spec, num_experts: int):
-    """The MoE variant of `spec`: Megatron's local MoE layer spec, or Transformer Engine's
-    when `spec` is a TE spec (CUDA)."""
+    """The MoE variant of `spec`: Megatron's local MoE layer spec with `GroupedExperts`
+    (dynmo_plugin.scenarios.moe.layer; MoeTransformerLayer then swaps in its dispatcher),
+    or Transformer Engine's own when `spec` is a TE spec (CUDA)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     try:
         qkv = spec.submodules.self_attention.submodules.linear_qkv
@@ -382,4 +386,12 @@ def _moe_spec(spec, num_experts: int):
     if te:
         return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts,
                                                                 moe_grouped_gemm=False)
-    return specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
+    from dynmo_plugin.scenarios.moe.layer import GroupedExperts
+    spec = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
+    mlp = copy.copy(spec.submodules.mlp)  # the local spec's own objects may be shared
+    mlp.submodules = copy.copy(mlp.submodules)
+    mlp.submodules.experts = copy.copy(mlp.submodules.experts)
+    mlp.submodules.experts.module = GroupedExperts
+    spec.submodules = copy.copy(spec.submodules)
+    spec.submodules.mlp = mlp
+    return spec
