@@ -36,6 +36,7 @@ class Scenario:
     iters: int = 8
     every: int = 4
     extra: list[str] = field(default_factory=list)
+    min_gib: float = 0.0  # GPU memory the run needs (a smaller GPU skips the row, saying so)
 
 
 # The dense schemes judge at a GPU-bound shape with fused attention. The H200 run of
@@ -76,7 +77,7 @@ SCENARIOS = [
         "num_experts": 8, "top_k": 2, "pattern": "1,1,1,1,0,0,0,0", "capacity_factor": 0.5,
         "start": 2, "interval": 1}}, _S8, _HEAD, "moe_capacity", 0.8,
         "MoE layers 1-4 (FFN 16384 per expert) at capacity factor 0.5 vs 1.0 (each over dense "
-        "layers 5-8 of its run)"),
+        "layers 5-8 of its run)", min_gib=120),
     Scenario("sparse_attention", {"kind": "sparse_attention", "sparse_attention": {
         "buckets": 1, "buckets_per_layer": "1:1,2:1,3:1,4:1", "final_buckets": 16, "rounds": 1,
         "start": 2, "interval": 2, "hashes": 1}},
@@ -139,10 +140,18 @@ def _find(tree, key: str):
     return found
 
 
+def gpu_gib() -> float:
+    import torch
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
 def check_scenario(m: Machine, sc: Scenario, out: Path, costs: dict) -> Row:
     name = f"scenario_cost[{sc.kind}]"
     if not m.gpus:
         return Row(name, NO_CUDA)
+    if sc.min_gib and gpu_gib() < sc.min_gib:
+        return Row(name, f"skipped: needs ~{sc.min_gib:.0f} GiB of GPU memory, this GPU has "
+                         f"{gpu_gib():.0f} (an H200 runs it)")
     report = scenario_launch(m, sc, out / f"scenario_{sc.kind}")
     profiles = [e["profile"] for e in timed_profiles(report)]
     if len(profiles) < 2:
