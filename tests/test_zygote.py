@@ -33,13 +33,12 @@ def test_forked_workers_train_like_fresh_interpreters(tmp_path, monkeypatch):
     assert forked["layout"] == fresh["layout"] == "Etttttt|ttL"
 
 
-@needs_zygote
-@pytest.mark.multiproc
-def test_a_launch_past_its_timeout_is_stopped_and_the_next_one_runs(tmp_path):
+def _sleeper(tmp_path):
+    """torchrun arguments (a fresh port each call) for a 2-rank script: each rank prints,
+    then sleeps, or with --fail waits until both ranks printed (a file each) and exits 3.
+    The wait: torchrun stops the other rank at the first failure, which under load came
+    before rank 1 had printed (CI run of 2026-11-28: ['', 'rank 0'])."""
     script = tmp_path / "sleeper.py"
-    # each rank prints, then waits until both have (a file each) before failing: torchrun
-    # stops the other rank at the first failure, which under load came before rank 1 had
-    # printed (CI run of 2026-11-28: ['', 'rank 0'])
     script.write_text("import os, sys, time\nfrom pathlib import Path\n"
                       "print('rank', os.environ['RANK'], flush=True)\n"
                       "if sys.argv[1:] != ['--fail']:\n    time.sleep(600)\n"
@@ -47,11 +46,17 @@ def test_a_launch_past_its_timeout_is_stopped_and_the_next_one_runs(tmp_path):
                       f"while len(list(Path({str(tmp_path)!r}).glob('printed*'))) < 2:\n"
                       "    time.sleep(0.05)\n"
                       "sys.exit(3)\n")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
     def args(*extra):
         return ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
                 str(free_port()), str(script), *extra]
+    return args
+
+
+@needs_zygote
+@pytest.mark.multiproc
+def test_a_launch_past_its_timeout_is_stopped_and_the_next_one_runs(tmp_path):
+    args, env = _sleeper(tmp_path), {**os.environ, "PYTHONWARNINGS": "ignore"}
     with pytest.raises(subprocess.TimeoutExpired):
         run_torchrun(args(), env, timeout=3)
     failed = run_torchrun(args("--fail"), env, timeout=120)
@@ -73,22 +78,7 @@ def test_a_launch_interrupted_by_an_alarm_leaves_the_next_one_in_step(tmp_path):
     """pytest-timeout stops a test with SIGALRM raising in the main thread, which may be
     waiting on a launch: that launch is stopped and its status read, so the next launch
     reads its own (it read the stale one: a wrong pid and exit code)."""
-    script = tmp_path / "sleeper.py"
-    # each rank prints, then waits until both have (a file each) before failing: torchrun
-    # stops the other rank at the first failure, which under load came before rank 1 had
-    # printed (CI run of 2026-11-28: ['', 'rank 0'])
-    script.write_text("import os, sys, time\nfrom pathlib import Path\n"
-                      "print('rank', os.environ['RANK'], flush=True)\n"
-                      "if sys.argv[1:] != ['--fail']:\n    time.sleep(600)\n"
-                      f"Path({str(tmp_path)!r}, 'printed' + os.environ['RANK']).touch()\n"
-                      f"while len(list(Path({str(tmp_path)!r}).glob('printed*'))) < 2:\n"
-                      "    time.sleep(0.05)\n"
-                      "sys.exit(3)\n")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-
-    def args(*extra):
-        return ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-                str(free_port()), str(script), *extra]
+    args, env = _sleeper(tmp_path), {**os.environ, "PYTHONWARNINGS": "ignore"}
     previous = signal.signal(signal.SIGALRM, _interrupt)
     started = time.monotonic()
     pending, _ = signal.setitimer(signal.ITIMER_REAL, 3)  # pytest-timeout's own alarm, if any
