@@ -28,6 +28,7 @@ import concurrent.futures as cf
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import sqlite3
@@ -44,9 +45,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTEST = "-m pytest -x -q -p no:cacheprovider"
 FAST = f"{PYTEST} --noconftest"           # pure tests need no torchrun launcher
 BALANCING = "tests/balancing"
+# the unit tests of a balancing module that live beside its live (torchrun) tests
+_PURE = "-m 'not multiproc'"
+_ALSO = {"memory": f"{_PURE} tests/megatron/test_memory_calibration.py",
+         "grow": f"{_PURE} tests/sim/test_sim_freed.py tests/megatron/test_grow_dp.py"}
 # module (under dynmo_plugin/) -> the tests that cover it
 TARGETS: dict[str, str] = {
-    **{f"balancing.{m}": f"{FAST} {BALANCING}" for m in (
+    **{f"balancing.{m}": f"{FAST} {_ALSO.get(m, '')} {BALANCING}".replace("  ", " ") for m in (
         "exact", "partition", "diffusion", "segments", "problem", "gate", "memory",
         "metrics", "baselines", "decide", "solve", "grow", "plan")},
     "layout": f"{FAST} tests/test_layout.py tests/config/test_config_layout.py {BALANCING}",
@@ -119,12 +124,12 @@ def _first_related(module: str, tests: str, tree: Path) -> str:
     """The test files that name the module, first: `-x` then stops at the first kill sooner
     (a survivor runs them all either way). Read from `tree`, the copy under test: with
     --ref, a test file named here may not exist yet there, and is left out."""
-    words = [w for w in tests.split()
+    words = [w for w in shlex.split(tests)
              if not w.startswith("tests/") or (tree / w.split("::")[0]).exists()]
     paths = [w for w in words if w.startswith("tests/")]
     named = sorted(str(p.relative_to(tree)) for d in paths if (tree / d).is_dir()
                    for p in (tree / d).glob("test_*.py") if f"dynmo_plugin.{module}" in p.read_text())
-    return " ".join([w for w in words if not w.startswith("tests/")] + named + paths)
+    return shlex.join([w for w in words if not w.startswith("tests/")] + named + paths)
 
 
 _BASELINES: dict[tuple[str, str | None], str] = {}
@@ -142,7 +147,7 @@ def _baseline(shared: str, tests: str, ref: str | None, tree: Path, env: dict,
         if key in _BASELINES:
             return _BASELINES[key]
         log = tree / "baseline.log"
-        code = _run_group([sys.executable, *tests.split()], tree, env, timeout, log)
+        code = _run_group([sys.executable, *shlex.split(tests)], tree, env, timeout, log)
         why = (f"tests run past {timeout:.0f} s unmutated" if code is None else "" if code == 0
                else f"tests fail unmutated (exit {code}): "
                + (log.read_text().strip().splitlines() or [""])[-1])

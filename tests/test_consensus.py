@@ -19,6 +19,7 @@ import torch
 from dynmo_plugin.consensus import ControlPlane, DecisionFailed, _non_cpu
 from launch import free_port
 
+pytestmark = pytest.mark.multiproc   # torch.multiprocessing gloo ranks (setup.cfg)
 WORLD = 3
 
 

@@ -2,6 +2,7 @@
 written here by cosmic-ray's own WorkDB (the pinned 8.4.6 stores its outcomes by enum
 name; the script compared with the values and counted every survivor as killed)."""
 import importlib.util
+import shlex
 import sys
 from pathlib import Path
 
@@ -43,3 +44,32 @@ def test_outcomes_are_counted_as_cosmic_ray_stores_them(tmp_path):
     assert result.survivors == [{"operator": "NumberReplacer", "line": 1, "function": "f",
                                  "diff": "-x\n+y"}]
     assert result.survival == 0.5
+
+
+def test_every_target_names_test_files_that_exist():
+    """A test path a target names but the tree lacks is dropped without a word (so that
+    --ref works on older commits): a typo there would measure a module with fewer tests."""
+    mutation = _script()
+    missing = [(module, word) for module, tests in mutation.TARGETS.items()
+               for word in shlex.split(tests) if word.startswith("tests/")
+               and not (ROOT / word.split("::")[0]).exists()]
+    assert missing == []
+
+
+def test_a_quoted_marker_stays_one_argument_and_named_files_run_first(tmp_path):
+    """`-m 'not multiproc'` (the unit tests beside a module's live tests) reaches pytest as
+    one argument in the baseline and in cosmic-ray's command (both split it with shlex);
+    a test file naming the module runs before the rest of its directory."""
+    mutation = _script()
+    (tmp_path / "tests/balancing").mkdir(parents=True)
+    (tmp_path / "tests/megatron").mkdir()
+    (tmp_path / "tests/megatron/test_memory_calibration.py").write_text("")
+    (tmp_path / "tests/balancing/test_a.py").write_text("")
+    (tmp_path / "tests/balancing/test_z.py").write_text("from dynmo_plugin.balancing.memory import calibrate")
+    command = mutation._first_related("balancing.memory", mutation.TARGETS["balancing.memory"], tmp_path)
+    words = shlex.split(command)
+    assert words[words.index("-m", 2) + 1] == "not multiproc"
+    assert [w for w in words if w.startswith("tests/")] == [
+        "tests/balancing/test_z.py", "tests/megatron/test_memory_calibration.py", "tests/balancing"]
+    toml = mutation._config("balancing.memory", command, 60)
+    assert f'test-command = "{sys.executable} {command}"' in toml and '"' not in command
