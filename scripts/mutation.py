@@ -14,7 +14,7 @@ runs (bit-shifts of floats only raise TypeError and teach nothing), fits the
 as not run, never as killed.
 
     .venv/bin/pip install -c constraints.txt -e '.[mutation]'
-    nice -n 15 .venv/bin/python scripts/mutation.py --jobs 1 --sample 4   # every target
+    nice -n 10 .venv/bin/python scripts/mutation.py          # every target, defaults: ~18 min
     .venv/bin/python scripts/mutation.py --only balancing.gate --sample 10 --json
 
 How long depends on the machine's load more than on the code: docs/testing.md has the
@@ -298,7 +298,8 @@ def _table(results: list[ModuleResult]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--budget-s", type=float, default=1080.0, help="wall-clock budget (default %(default)s)")
-    ap.add_argument("--sample", type=int, default=12, help="mutants per module (default %(default)s)")
+    ap.add_argument("--sample", type=int, default=4, help="mutants per module; the default fits "
+                    "--budget-s for every target on this 2-core machine (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="which mutants are sampled, with the module's "
                     "name: --only X samples X's as a full run does (default %(default)s)")
     ap.add_argument("--jobs", type=int, default=2, help="modules mutated at once (default %(default)s)")
