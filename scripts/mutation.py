@@ -42,7 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PYTEST = "-m pytest -x -q -p no:cacheprovider"
+# -p: the plugin written into each copy (_NO_SHRINK) turns hypothesis's shrinking off
+PYTEST = "-m pytest -x -q -p no:cacheprovider -p _mutation_no_shrink"
 FAST = f"{PYTEST} --noconftest"           # pure tests need no torchrun launcher
 BALANCING = "tests/balancing"
 # the unit tests of a balancing module that live beside its live (torchrun) tests
@@ -106,8 +107,20 @@ class ModuleResult:
         return self.survived / done if done else None
 
 
+# A mutant that fails a property test is killed at its first failing example; shrinking
+# that example (minutes on the balancing properties) only makes the kill late enough to
+# count as a timeout. The tests' own settings(...) take `phases` from this profile.
+_NO_SHRINK = (
+    '"""scripts/mutation.py\'s pytest plugin: hypothesis without its shrink phase."""\n'
+    "from hypothesis import Phase, settings\n\n"
+    'settings.register_profile("mutation", phases=[Phase.explicit, Phase.reuse, Phase.generate])\n'
+    'settings.load_profile("mutation")\n')
+
+
 def _copy_tree(dest: Path, ref: str | None) -> None:
-    """The tracked files as they are now, or as committed at `ref` (to compare commits)."""
+    """The tracked files as they are now, or as committed at `ref` (to compare commits);
+    plus the no-shrink plugin. Untracked files are not copied: `git add` a new test first."""
+    (dest / "_mutation_no_shrink.py").write_text(_NO_SHRINK)
     if ref:
         archive = subprocess.run(["git", "archive", ref], cwd=ROOT, check=True, capture_output=True)
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)

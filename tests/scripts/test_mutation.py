@@ -2,7 +2,9 @@
 written here by cosmic-ray's own WorkDB (the pinned 8.4.6 stores its outcomes by enum
 name; the script compared with the values and counted every survivor as killed)."""
 import importlib.util
+import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -73,3 +75,19 @@ def test_a_quoted_marker_stays_one_argument_and_named_files_run_first(tmp_path):
         "tests/balancing/test_z.py", "tests/megatron/test_memory_calibration.py", "tests/balancing"]
     toml = mutation._config("balancing.memory", command, 60)
     assert f'test-command = "{sys.executable} {command}"' in toml and '"' not in command
+
+
+def test_the_pytest_plugin_turns_shrinking_off_for_the_tests_own_settings(tmp_path):
+    """A killed mutant's failing example is not shrunk (minutes on the balancing
+    properties, past --mutant-timeout): the plugin every target's pytest loads takes the
+    shrink phase out of the profile that the tests' settings(...) inherit from."""
+    mutation = _script()
+    (tmp_path / "_mutation_no_shrink.py").write_text(mutation._NO_SHRINK)
+    (tmp_path / "test_x.py").write_text(
+        "from hypothesis import Phase, settings\n"
+        "def test_phases():\n"
+        "    assert Phase.shrink not in settings(max_examples=5, derandomize=True).phases\n")
+    assert "-p _mutation_no_shrink" in mutation.PYTEST
+    run = subprocess.run([sys.executable, *shlex.split(mutation.PYTEST), "test_x.py"], cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
