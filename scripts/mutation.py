@@ -147,21 +147,28 @@ def _first_related(module: str, tests: str, tree: Path) -> str:
 
 
 _BASELINES: dict[tuple[str, str | None], str] = {}
-_BASELINE_LOCK = threading.Lock()
+_BASELINE_LOCKS: dict[tuple[str, str | None], threading.Lock] = {}
+_LOCKS_LOCK = threading.Lock()
 
 
 def _baseline(shared: str, tests: str, ref: str | None, tree: Path, env: dict,
-              timeout: float) -> str:
+              timeout: float, budget_bound: bool = False) -> str:
     """'' when the unmutated tests pass in `tree`, else why not. Without it a test that fails
     anyway (a missing file at --ref, an environment the commit predates) counts every mutant
     as killed. Once per test command (`shared`, as TARGETS names it, before a module's own
-    files are put first) and tree: the balancing modules share theirs."""
+    files are put first) and tree: the balancing modules share theirs, and wait for it;
+    other commands run theirs meanwhile. `budget_bound`: `timeout` is what is left of the
+    budget, so running past it says nothing about the tests (and is not remembered)."""
     key = (shared, ref)
-    with _BASELINE_LOCK:
+    with _LOCKS_LOCK:
+        lock = _BASELINE_LOCKS.setdefault(key, threading.Lock())
+    with lock:
         if key in _BASELINES:
             return _BASELINES[key]
         log = tree / "baseline.log"
         code = _run_group([sys.executable, *shlex.split(tests)], tree, env, timeout, log)
+        if code is None and budget_bound:
+            return "budget ran out during the unmutated run"
         why = (f"tests run past {timeout:.0f} s unmutated" if code is None else "" if code == 0
                else f"tests fail unmutated (exit {code}): "
                + (log.read_text().strip().splitlines() or [""])[-1])
@@ -270,8 +277,9 @@ def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
         # tests/ on the path: --noconftest tests still import its helpers (launch, ...)
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests")])}
-        result.error = _baseline(shared, tests, ref, tree, env,
-                                 max(1.0, min(mutant_timeout, deadline - time.monotonic())))
+        left = deadline - time.monotonic()
+        result.error = _baseline(shared, tests, ref, tree, env, max(1.0, min(mutant_timeout, left)),
+                                 budget_bound=left < mutant_timeout)
         if result.error:
             return result
         (tree / "cr.toml").write_text(_config(module, tests, mutant_timeout))

@@ -91,3 +91,16 @@ def test_the_pytest_plugin_turns_shrinking_off_for_the_tests_own_settings(tmp_pa
     run = subprocess.run([sys.executable, *shlex.split(mutation.PYTEST), "test_x.py"], cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_a_baseline_cut_by_the_budget_is_not_a_verdict_on_the_tests(tmp_path):
+    """The unmutated run stopped because the budget ran out says so, and is not remembered
+    for the modules sharing the command; one past --mutant-timeout is the tests' fault."""
+    mutation = _script()
+    slow = "-c 'import time; time.sleep(30)'"
+    args = (slow, slow, None, tmp_path, dict(os.environ), 0.5)
+    assert mutation._baseline(*args, budget_bound=True) == "budget ran out during the unmutated run"
+    assert (slow, None) not in mutation._BASELINES
+    assert mutation._baseline(*args) == "tests run past 0 s unmutated"
+    assert mutation._BASELINES[(slow, None)] == "tests run past 0 s unmutated"
+    assert mutation._baseline("-c pass", "-c pass", None, tmp_path, dict(os.environ), 30) == ""
