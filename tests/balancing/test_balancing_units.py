@@ -12,6 +12,7 @@ from dynmo_plugin.balancing import (BALANCERS, BalanceProblem, GateConfig, Infea
                                     stage_loads)
 from dynmo_plugin.balancing.baselines import solve_parameters
 from dynmo_plugin.balancing.diffusion import StageState, exchange
+from dynmo_plugin.balancing.mtp import LAST_STAGE_NOTE
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
 
@@ -227,3 +228,15 @@ def test_decide_keeps_the_layout_when_no_plan_can_be_made():
         solve(capped, "exact")
     choice = decide(capped, "exact", gate)
     assert not choice.apply and choice.reason.startswith("no feasible plan: ")
+
+
+@pytest.mark.parametrize("method", ["partition", "diffusion", "uniform"])
+def test_the_heuristics_keep_the_mtp_block_on_the_last_stage_and_say_so(method):
+    """Only the exact balancer places the MTP block (this heavy one gets its stage to itself,
+    'Ett|tttt|mL'); the others fold it into the last stage's extras and the plan's note
+    says so."""
+    pb = BalanceProblem(costs=[1.0] * 6, num_stages=3, mtp_layers=1, mtp_cost=8.0)
+    plan = solve(pb, method)
+    assert plan.layout.mtp_stage == 2 and plan.layout.mtp_layers == 1
+    assert plan.notes[-1] == LAST_STAGE_NOTE
+    assert LAST_STAGE_NOTE not in solve(pb, "exact").notes
