@@ -14,7 +14,7 @@ runs (bit-shifts of floats only raise TypeError and teach nothing), fits the
 as not run, never as killed.
 
     .venv/bin/pip install -c constraints.txt -e '.[mutation]'
-    nice -n 10 .venv/bin/python scripts/mutation.py          # every target, defaults: ~18 min
+    nice -n 10 .venv/bin/python scripts/mutation.py          # every target, 18-min budget (see docs/testing.md)
     .venv/bin/python scripts/mutation.py --only balancing.gate --sample 10 --json
 
 How long depends on the machine's load more than on the code: docs/testing.md has the
