@@ -14,7 +14,7 @@ runs (bit-shifts of floats only raise TypeError and teach nothing), fits the
 as not run, never as killed.
 
     .venv/bin/pip install -c constraints.txt -e '.[mutation]'
-    nice -n 15 .venv/bin/python scripts/mutation.py --jobs 1 --sample 4   # every target
+    nice -n 10 .venv/bin/python scripts/mutation.py          # every target, 18-min budget (see docs/testing.md)
     .venv/bin/python scripts/mutation.py --only balancing.gate --sample 10 --json
 
 How long depends on the machine's load more than on the code: docs/testing.md has the
@@ -28,6 +28,7 @@ import concurrent.futures as cf
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import sqlite3
@@ -41,23 +42,33 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PYTEST = "-m pytest -x -q -p no:cacheprovider"
+# -p: the plugin written into each copy (_NO_SHRINK) turns hypothesis's shrinking off
+PYTEST = "-m pytest -x -q -p no:cacheprovider -p _mutation_no_shrink"
 FAST = f"{PYTEST} --noconftest"           # pure tests need no torchrun launcher
 BALANCING = "tests/balancing"
+# the unit tests of a balancing module that live beside its live (torchrun) tests
+_PURE = "-m 'not multiproc'"
+_ALSO = {"memory": f"{_PURE} tests/megatron/test_memory_calibration.py",
+         "grow": f"{_PURE} tests/sim/test_sim_freed.py tests/megatron/test_grow_dp.py"}
 # module (under dynmo_plugin/) -> the tests that cover it
 TARGETS: dict[str, str] = {
-    **{f"balancing.{m}": f"{FAST} {BALANCING}" for m in (
+    **{f"balancing.{m}": f"{FAST} {_ALSO.get(m, '')} {BALANCING}".replace("  ", " ") for m in (
         "exact", "partition", "diffusion", "segments", "problem", "gate", "memory",
         "metrics", "baselines", "decide", "solve", "grow", "plan")},
     "layout": f"{FAST} tests/test_layout.py tests/config/test_config_layout.py {BALANCING}",
     **{f"config.{m}": f"{FAST} tests/config/test_config.py tests/config/test_config_input.py "
        "tests/config/test_config_layout.py tests/config/test_granularity.py tests/config/test_fields.py "
+       "tests/config/test_config_checks_reference.py "
        "tests/data/test_data_documents.py::test_config_checks"   # the data section's checks
        for m in ("checks", "fields", "load", "schema")},
-    "consensus": f"{PYTEST} tests/megatron/test_nccl_safety.py tests/run/test_reliability.py",
-    "scenarios.gathered_tokens": f"{PYTEST} tests/scenarios/test_gathered_tokens.py "
-                                 "tests/scenarios/test_scenario_mod.py "
-                                 "tests/scenarios/test_scenario_early_exit.py",
+    # three real gloo ranks driving every call (tests/test_consensus.py, ~25 s); the hung and
+    # dead peers of tests/run/test_reliability.py train real models: past any budget here
+    "consensus": f"{FAST} tests/test_consensus.py "
+                 "tests/megatron/test_nccl_safety.py::test_control_plane_refuses_non_cpu_payloads_on_every_rank",
+    # the element-by-element reference and MoD's full masked layer; the live MoD and
+    # early-exit runs (torchrun) cost minutes per surviving mutant
+    "scenarios.gathered_tokens": f"{FAST} {_PURE} tests/scenarios/test_gathered_tokens.py "
+                                 "tests/scenarios/test_scenario_mod.py",
     "scenarios.shapes": f"{FAST} tests/scenarios/test_shapes.py",
 }
 # Operators whose mutants still run: arithmetic among + - * / //, every comparison,
@@ -97,8 +108,20 @@ class ModuleResult:
         return self.survived / done if done else None
 
 
+# A mutant that fails a property test is killed at its first failing example; shrinking
+# that example (minutes on the balancing properties) only makes the kill late enough to
+# count as a timeout. The tests' own settings(...) take `phases` from this profile.
+_NO_SHRINK = (
+    '"""scripts/mutation.py\'s pytest plugin: hypothesis without its shrink phase."""\n'
+    "from hypothesis import Phase, settings\n\n"
+    'settings.register_profile("mutation", phases=[Phase.explicit, Phase.reuse, Phase.generate])\n'
+    'settings.load_profile("mutation")\n')
+
+
 def _copy_tree(dest: Path, ref: str | None) -> None:
-    """The tracked files as they are now, or as committed at `ref` (to compare commits)."""
+    """The tracked files as they are now, or as committed at `ref` (to compare commits);
+    plus the no-shrink plugin. Untracked files are not copied: `git add` a new test first."""
+    (dest / "_mutation_no_shrink.py").write_text(_NO_SHRINK)
     if ref:
         archive = subprocess.run(["git", "archive", ref], cwd=ROOT, check=True, capture_output=True)
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
@@ -116,30 +139,37 @@ def _first_related(module: str, tests: str, tree: Path) -> str:
     """The test files that name the module, first: `-x` then stops at the first kill sooner
     (a survivor runs them all either way). Read from `tree`, the copy under test: with
     --ref, a test file named here may not exist yet there, and is left out."""
-    words = [w for w in tests.split()
+    words = [w for w in shlex.split(tests)
              if not w.startswith("tests/") or (tree / w.split("::")[0]).exists()]
     paths = [w for w in words if w.startswith("tests/")]
     named = sorted(str(p.relative_to(tree)) for d in paths if (tree / d).is_dir()
                    for p in (tree / d).glob("test_*.py") if f"dynmo_plugin.{module}" in p.read_text())
-    return " ".join([w for w in words if not w.startswith("tests/")] + named + paths)
+    return shlex.join([w for w in words if not w.startswith("tests/")] + named + paths)
 
 
 _BASELINES: dict[tuple[str, str | None], str] = {}
-_BASELINE_LOCK = threading.Lock()
+_BASELINE_LOCKS: dict[tuple[str, str | None], threading.Lock] = {}
+_LOCKS_LOCK = threading.Lock()
 
 
 def _baseline(shared: str, tests: str, ref: str | None, tree: Path, env: dict,
-              timeout: float) -> str:
+              timeout: float, budget_bound: bool = False) -> str:
     """'' when the unmutated tests pass in `tree`, else why not. Without it a test that fails
     anyway (a missing file at --ref, an environment the commit predates) counts every mutant
     as killed. Once per test command (`shared`, as TARGETS names it, before a module's own
-    files are put first) and tree: the balancing modules share theirs."""
+    files are put first) and tree: the balancing modules share theirs, and wait for it;
+    other commands run theirs meanwhile. `budget_bound`: `timeout` is what is left of the
+    budget, so running past it says nothing about the tests (and is not remembered)."""
     key = (shared, ref)
-    with _BASELINE_LOCK:
+    with _LOCKS_LOCK:
+        lock = _BASELINE_LOCKS.setdefault(key, threading.Lock())
+    with lock:
         if key in _BASELINES:
             return _BASELINES[key]
         log = tree / "baseline.log"
-        code = _run_group([sys.executable, *tests.split()], tree, env, timeout, log)
+        code = _run_group([sys.executable, *shlex.split(tests)], tree, env, timeout, log)
+        if code is None and budget_bound:
+            return "budget ran out during the unmutated run"
         why = (f"tests run past {timeout:.0f} s unmutated" if code is None else "" if code == 0
                else f"tests fail unmutated (exit {code}): "
                + (log.read_text().strip().splitlines() or [""])[-1])
@@ -248,8 +278,9 @@ def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
         # tests/ on the path: --noconftest tests still import its helpers (launch, ...)
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests")])}
-        result.error = _baseline(shared, tests, ref, tree, env,
-                                 max(1.0, min(mutant_timeout, deadline - time.monotonic())))
+        left = deadline - time.monotonic()
+        result.error = _baseline(shared, tests, ref, tree, env, max(1.0, min(mutant_timeout, left)),
+                                 budget_bound=left < mutant_timeout)
         if result.error:
             return result
         (tree / "cr.toml").write_text(_config(module, tests, mutant_timeout))
@@ -290,7 +321,8 @@ def _table(results: list[ModuleResult]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--budget-s", type=float, default=1080.0, help="wall-clock budget (default %(default)s)")
-    ap.add_argument("--sample", type=int, default=12, help="mutants per module (default %(default)s)")
+    ap.add_argument("--sample", type=int, default=4, help="mutants per module; the default fits "
+                    "--budget-s for every target on this 2-core machine (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="which mutants are sampled, with the module's "
                     "name: --only X samples X's as a full run does (default %(default)s)")
     ap.add_argument("--jobs", type=int, default=2, help="modules mutated at once (default %(default)s)")

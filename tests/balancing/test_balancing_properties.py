@@ -184,8 +184,12 @@ def check_plan_numbers(case: Case, plan) -> Bounds:
     expected = [] if case.current is None else [
         (layer, src, dst, layer_bytes(case)[layer - 1]) for layer, src, dst in moves(case.current, after)]
     assert [(m.layer, m.src, m.dst, m.bytes) for m in plan.moves] == expected
-    if case.current is not None:
-        assert plan.stage_loads_before == pytest.approx(loads(case, case.current), abs=tol)
+    # without a current layout there is nothing "before" to score: None, not a guess
+    cur = case.current
+    assert plan.stage_loads_before == (None if cur is None else pytest.approx(loads(case, cur), abs=tol))
+    assert plan.stage_memory_before == (None if cur is None else pytest.approx(memories(case, cur),
+                                                                             abs=2 * mem_tol(case)))
+    assert plan.bottleneck_before == (None if cur is None else pytest.approx(bottleneck(case, cur), abs=tol))
     return after
 
 

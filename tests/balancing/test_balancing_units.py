@@ -1,6 +1,7 @@
 """Unit tests: problem validation, metrics, each balancer's specifics, plan, gate."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -11,7 +12,10 @@ from dynmo_plugin.balancing import (BALANCERS, BalanceProblem, GateConfig, Infea
                                     optimal_bottleneck, predicted_iteration_s, solve,
                                     stage_loads)
 from dynmo_plugin.balancing.baselines import solve_parameters
+from dynmo_plugin.balancing.memory import StageCalibration
 from dynmo_plugin.balancing.diffusion import StageState, exchange
+from dynmo_plugin.balancing.mtp import LAST_STAGE_NOTE
+from dynmo_plugin.balancing.plan import make_plan
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout
 
@@ -227,3 +231,45 @@ def test_decide_keeps_the_layout_when_no_plan_can_be_made():
         solve(capped, "exact")
     choice = decide(capped, "exact", gate)
     assert not choice.apply and choice.reason.startswith("no feasible plan: ")
+
+
+@pytest.mark.parametrize("method", ["partition", "diffusion", "uniform"])
+def test_the_heuristics_keep_the_mtp_block_on_the_last_stage_and_say_so(method):
+    """Only the exact balancer places the MTP block (this heavy one gets its stage to itself,
+    'Ett|tttt|mL'); the others fold it into the last stage's extras and the plan's note
+    says so."""
+    pb = BalanceProblem(costs=[1.0] * 6, num_stages=3, mtp_layers=1, mtp_cost=8.0)
+    plan = solve(pb, method)
+    assert plan.layout.mtp_stage == 2 and plan.layout.mtp_layers == 1
+    assert plan.notes[-1] == LAST_STAGE_NOTE
+    assert LAST_STAGE_NOTE not in solve(pb, "exact").notes
+
+
+def test_the_calibration_factor_is_measured_over_modelled_unless_either_is_zero():
+    """A measured peak of 1 byte is a measurement (the factor is for the record; 0 means
+    "not measured")."""
+    assert StageCalibration(0, 1.0, 4.0, "accounted").factor == 0.25
+    assert StageCalibration(0, 6.0, 4.0, "measured").factor == 1.5
+    assert StageCalibration(0, 0.0, 4.0, "none").factor == StageCalibration(0, 3.0, 0.0, "none").factor == 1.0
+
+
+@pytest.mark.parametrize("extras, noted", [
+    ([5, 0, 0], False), ([0, 0, 5], False), ([5, 0, 5], False), ([0, 5, 0], True), ([0, 0, 0, 0], False)])
+def test_partition_notes_only_the_middle_stages_extras_it_ignores(extras, noted):
+    """DeepSpeed's partition folds the first and last stage's extras into their layers
+    (deepspeed_partition's weights); only extras on a middle stage are ignored, and noted."""
+    pb = BalanceProblem(costs=[1.0] * 8, num_stages=len(extras), extras_cost=extras)
+    notes = solve(pb, "partition").notes
+    assert ("partition_balanced ignores extras on middle stages" in notes) == noted, notes
+
+
+def test_an_mtp_block_that_changes_rank_moves_its_bytes_whichever_way_it_goes():
+    """Stage 1 -> 2 and 2 -> 1 (v = 1: every stage its own rank): the block's move bytes
+    split over its layers; moves of decoder layers keep theirs."""
+    pb = BalanceProblem(costs=[1.0] * 6, num_stages=3, memory=[2.0] * 6, mtp_layers=2, mtp_cost=1.0,
+                        mtp_memory=3.0, mtp_move_bytes=10.0, allow_empty_stages=True)
+    early, last = Layout((3, 3, 0), 1, 2, 1), Layout((2, 2, 2), 1, 2, 2)
+    for before, after, src, dst in ((early, last, 1, 2), (last, early, 2, 1)):
+        plan = make_plan(dataclasses.replace(pb, current=before), after, "test", 0.0)
+        mtp = [(m.layer, m.src, m.dst, m.bytes) for m in plan.moves if m.kind == "mtp"]
+        assert mtp == [(1, src, dst, 5.0), (2, src, dst, 5.0)]
