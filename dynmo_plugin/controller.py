@@ -441,8 +441,9 @@ def repack_iteration_model(trainer, bandwidth_Bps: float) -> IterationModel:
 
 def _pins_mtp(stage) -> bool:
     """Whether the MTP block stays on its rank: live moves of it need one chunk per rank
-    and a stage handle that can feed it on any rank (not Megatron-LM's: `mtp_moves_live`;
-    megatron.migration.mtp_move); decoder layers move around it."""
+    and a stage handle that can feed it on any rank (`mtp_moves_live`: Megatron-LM's once
+    every rank has batches, integrations/megatron_lm_data; megatron.migration.mtp_move);
+    decoder layers move around it."""
     layout = stage.layout
     return not layout.has_mtp or layout.num_chunks > 1 or not getattr(stage, "mtp_moves_live", True)
 

@@ -9,13 +9,16 @@ or, with Megatron-LM's own script unchanged:
 
 Megatron-LM's `pretrain()` and `train()` look a few functions of
 `megatron.training.training` up as module globals at call time; `enable()` replaces
-four of them with wrappers that call the originals (checked against Megatron-LM tag
+five of them with wrappers that call the originals (checked against Megatron-LM tag
 core_v0.16.1; any other version is refused with a message):
   initialize_megatron       - the plugin's flags join the caller's extra_args_provider
                               (chained, never replaced); the plugin's config is validated
                               once, before any model is built
   setup_model_and_optimizer - the stage handle (`MegatronLMStage`) and the controller
                               are built on what it returns
+  build_train_valid_test_data_iterators
+                            - with MTP on three or more pipeline ranks, batches on every
+                              rank, so the block moves live (megatron_lm_data)
   train_step                - the controller's before_step/after_step around every step
   train                     - the report is completed and the writers flushed at the end
 `train()` keeps `model` (a list of DDP chunks: more than one with virtual pipeline stages)
@@ -31,7 +34,8 @@ This module holds `enable()` / `disable()`, the check of which Megatron-LM is th
 (`use_source`, `check_version`) and the run the hooks drive (`_Run`: the controller,
 scenario and report, built by `assemble()`). Its parts have their own modules:
 `megatron_lm_flags` (the --dynmo* flags in Megatron-LM's parser), `megatron_lm_args`
-(the parsed args checked and read), `megatron_lm_wrappers` (the four wrapped functions,
+(the parsed args checked and read), `megatron_lm_data` (batches on every rank for live
+MTP moves), `megatron_lm_wrappers` (the five wrapped functions,
 train_step's among them), `megatron_lm_stage` (the stage handle over Megatron-LM's model),
 `megatron_lm_checkpoint` (resuming under the saved layout), `megatron_lm_writers`
 (TensorBoard / W&B scalars); their state is `megatron_lm_hooks`'.
@@ -48,7 +52,7 @@ import time
 from typing import Optional
 
 from dynmo_plugin.config import RunConfig
-from dynmo_plugin.integrations.megatron_lm_args import (SCENARIO_SPECS, SPEC_MODULE,
+from dynmo_plugin.integrations.megatron_lm_args import (SCENARIO_SPECS, SPEC_MODULE, forced_mtp_move,
                                                         load_plugin_config, use_native_moe_spec)
 from dynmo_plugin.integrations.megatron_lm_checkpoint import refuse_scenario_resume, restore_saved_layout
 from dynmo_plugin.integrations.megatron_lm_flags import add_args, chain_flags
@@ -81,6 +85,7 @@ _SIGNATURES = {
                             "allow_no_cuda", "skip_mpu_initialization", "get_embedding_ranks",
                             "get_position_embedding_ranks", "parsed_args", "store"),
     "setup_model_and_optimizer": ("model_provider_func", "model_type", "checkpointing_context"),
+    "build_train_valid_test_data_iterators": ("build_train_valid_test_datasets_provider",),
     "train_step": ("forward_step_func", "data_iterator", "model", "optimizer",
                    "opt_param_scheduler", "config", "forward_backward_func", "iteration"),
     "train": ("forward_step_func", "model", "optimizer", "opt_param_scheduler",
@@ -179,7 +184,7 @@ class _Run:
     def __init__(self, cfg: RunConfig, args, chunks: list, optimizer, scheduler):
         from dynmo_plugin.assembly import assemble
 
-        self.args = args
+        self.args, self.cfg = args, cfg
         self.stage = MegatronLMStage(chunks, optimizer, scheduler, args)
         self.writers = Writers()
         self.iteration, self.restart = args.iteration, None
@@ -194,10 +199,27 @@ class _Run:
         self.controller, self.scenario = parts.dynmo, parts.scenario
         self._start = 0.0
 
+    def data_built(self, everywhere: bool) -> None:
+        """After Megatron-LM built its data iterators (every rank alike): the MTP block
+        moves live where every rank has batches (megatron_lm_data); otherwise it stays,
+        and a forced layout that moves it cannot run.
+
+        Raises:
+            MegatronLMError: a forced layout moves the block but some rank has no data.
+        """
+        self.stage.mtp_moves_live = everywhere
+        if not everywhere and forced_mtp_move(self.cfg):
+            raise MegatronLMError(
+                "a forced layout moves the MTP block to another rank, but the dataset provider "
+                "built no data on some pipeline rank of tensor rank 0: build on every such rank "
+                "(pretrain_gpt.py's provider does under --dynmo), or force layouts that keep "
+                "the block where it starts")
+
     def _layout_changed(self) -> None:
-        """Megatron-LM's args (saved with its checkpoints) follow the new layout, as the
-        string its parser gives: the config's PipelineParallelLayerLayout object in the
-        args would make the checkpoint unreadable by Megatron-LM's weights-only loader."""
+        """Megatron-LM's args (saved with its checkpoints; pretrain_gpt.py's get_batch reads
+        the MTP rank from them) follow the new layout, as the string its parser gives: the
+        config's PipelineParallelLayerLayout object in the args would make the checkpoint
+        unreadable by Megatron-LM's weights-only loader."""
         self.args.pipeline_model_parallel_layout = str(self.stage.layout)
 
     def _checkpoint_repack(self, layout: Layout, iteration: int, info: dict):

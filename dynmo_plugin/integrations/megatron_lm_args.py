@@ -12,7 +12,8 @@ from dynmo_plugin.config import ConfigError, RunConfig
 from dynmo_plugin.integrations.megatron_lm_hooks import MegatronLMError
 from dynmo_plugin.megatron.training.machine import load_run_config
 
-__all__ = ["SPEC_MODULE", "SCENARIO_SPECS", "load_plugin_config", "use_native_moe_spec"]
+__all__ = ["SPEC_MODULE", "SCENARIO_SPECS", "load_plugin_config", "use_native_moe_spec",
+           "forced_mtp_move"]
 
 # Scenarios that run inside Megatron-LM's train(): their layer spec, named to Megatron-LM's
 # `--spec` as SPEC_MODULE and the scenario's name (dynmo_plugin.integrations.megatron_lm_specs).
@@ -68,10 +69,6 @@ def _check_supported(args, cfg: RunConfig) -> None:
         (bool(getattr(args, "mtp_num_layers", None)) and getattr(args, "num_layers_per_virtual_pipeline_stage", None),
          "--mtp-num-layers with virtual pipeline stages (MTP under Megatron-LM: one chunk per rank)"),
         (getattr(args, "optimizer", "adam") not in ("adam", "sgd"), f"--optimizer {args.optimizer}"),
-        (_forced_mtp_move(cfg), "a forced layout that moves the MTP block to another rank "
-         "(pretrain_gpt builds the data iterator on the first, last and MTP ranks only, at "
-         "setup: the new MTP rank would have no batches); decoder layers move around it live, "
-         "and a checkpoint moves it (--save, then --load under the new layout)"),
         (cfg.dynmo.dynamism.kind not in ("none", *SCENARIO_SPECS)
          and not (cfg.dynmo.dynamism.kind == "moe" and getattr(args, "num_experts", None)),
          f"--dynmo-dynamism {cfg.dynmo.dynamism.kind} (its layers exist in the launcher only; "
@@ -88,7 +85,7 @@ def _check_supported(args, cfg: RunConfig) -> None:
     _check_scenario_spec(args, cfg.dynmo.dynamism.kind)
 
 
-def _forced_mtp_move(cfg: RunConfig) -> bool:
+def forced_mtp_move(cfg: RunConfig) -> bool:
     """Whether a forced layout puts the MTP block on another rank than it starts on."""
     from dynmo_plugin.layout import Layout
     m = cfg.model

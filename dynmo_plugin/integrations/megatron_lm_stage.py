@@ -19,10 +19,9 @@ class MegatronLMStage:
     and the model's TransformerConfig. With --use-distributed-optimizer
     the ChainedOptimizer chains DistributedOptimizers: the migrator finds them through
     `optimizer` and moves their sharded state with optim_state, as in the launcher.
-    The MTP block stays on its rank (`mtp_moves_live`): pretrain_gpt builds the data
-    iterator on the first, last and MTP ranks only, at setup."""
-
-    mtp_moves_live = False
+    The MTP block moves live (`mtp_moves_live`) once every rank has batches
+    (megatron_lm_data: pretrain_gpt.py builds them on the first, last and MTP ranks only,
+    unless the plugin builds them everywhere); until then it stays on its rank."""
 
     def __init__(self, chunks: list, optimizer, scheduler, args):
         from megatron.core.distributed import DistributedDataParallel
@@ -37,6 +36,7 @@ class MegatronLMStage:
         if not isinstance(optimizer, ChainedOptimizer):
             raise MegatronLMError(f"--dynmo needs Megatron's ChainedOptimizer, got {type(optimizer).__name__}")
         self.model_list, self._optimizer, self.scheduler, self.args = chunks, optimizer, scheduler, args
+        self.mtp_moves_live = False  # set when the data iterators are built (_Run.data_built)
         self.chunks = [unwrap_model(c) for c in chunks]  # the GPTModels: a migration keeps them
         bad = [type(m).__name__ for m in self.chunks if not isinstance(m, GPTModel)]
         if bad:

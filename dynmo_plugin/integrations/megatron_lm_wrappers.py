@@ -1,4 +1,4 @@
-"""The four functions of `megatron.training.training` that `megatron_lm.enable()` wraps
+"""The five functions of `megatron.training.training` that `megatron_lm.enable()` wraps
 (each calls the original; their state is `megatron_lm_hooks.hooks`):
 
   initialize_megatron       - the plugin's flags chained into the caller's provider, the
@@ -6,8 +6,14 @@
                               plugin's config validated once
   setup_model_and_optimizer - the run (`make_run`: `megatron_lm._Run`) built on what it
                               returns
+  build_train_valid_test_data_iterators
+                            - with MTP on three or more pipeline ranks, the datasets
+                              built on every rank (megatron_lm_data), so the block can
+                              move live
   train_step                - the run's before_step/after_step around every step
-  train                     - the run finished (report, writers) when train() ends
+  train                     - its forward step reads in lockstep on every rank where
+                              the data is there (megatron_lm_data); the run finished
+                              (report, writers) when train() ends
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ from typing import Callable
 
 from dynmo_plugin.integrations.megatron_lm_args import load_plugin_config, use_native_moe_spec
 from dynmo_plugin.integrations.megatron_lm_checkpoint import refuse_scenario_resume, restore_saved_layout
+from dynmo_plugin.integrations.megatron_lm_data import (data_everywhere, every_rank_builds,
+                                                        feeds_every_rank, lockstep)
 from dynmo_plugin.integrations.megatron_lm_flags import chain_flags
 from dynmo_plugin.integrations.megatron_lm_hooks import hooks as _hooks
 
@@ -27,6 +35,7 @@ def wrappers(make_run: Callable) -> dict[str, Callable]:
     `make_run(cfg, args, model, optimizer, scheduler)` builds the run the hooks drive."""
     return {"initialize_megatron": _wrap_initialize,
             "setup_model_and_optimizer": lambda original: _wrap_setup(original, make_run),
+            "build_train_valid_test_data_iterators": _wrap_data_iterators,
             "train_step": _wrap_train_step, "train": _wrap_train}
 
 
@@ -64,6 +73,18 @@ def _wrap_setup(original, make_run: Callable):
     return setup_model_and_optimizer
 
 
+def _wrap_data_iterators(original):
+    def build_train_valid_test_data_iterators(provider):
+        run = _hooks.run
+        if run is None or not feeds_every_rank(run.stage):
+            return original(provider)
+        with every_rank_builds(provider):
+            iterators = original(provider)
+        run.data_built(data_everywhere(iterators[0], run.stage.dims.device))
+        return iterators
+    return build_train_valid_test_data_iterators
+
+
 def _wrap_train_step(original):
     def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
                    config, forward_backward_func, iteration=None):
@@ -81,7 +102,15 @@ def _wrap_train_step(original):
 
 
 def _wrap_train(original):
+    signature = inspect.signature(original)
+
     def train(*a, **kw):
+        run = _hooks.run
+        if run is not None and run.stage.mtp_moves_live:
+            bound = signature.bind(*a, **kw)
+            bound.arguments["forward_step_func"] = lockstep(bound.arguments["forward_step_func"],
+                                                            run.stage)
+            a, kw = bound.args, bound.kwargs
         try:
             return original(*a, **kw)
         finally:

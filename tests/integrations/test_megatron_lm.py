@@ -17,12 +17,14 @@ import importlib.util
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
 from dynmo_plugin.config import ConfigError
 from dynmo_plugin.integrations import megatron_lm as ml
+from dynmo_plugin.layout import Layout
 
 SOURCE = os.environ.get(ml.SOURCE_ENV)
 _MISSING = [m for m in ("six", "regex", "triton", "tensorboard") if importlib.util.find_spec(m) is None]
@@ -624,22 +626,79 @@ def test_mtp_inside_megatron_lm_train_profiled_and_decoders_moved_bit_exact(tmp_
 
 
 
-def test_a_live_mtp_block_move_inside_megatron_lm_is_refused_in_one_line():
-    """pretrain_gpt builds the data iterator on the first, last and MTP ranks only, at
-    setup (is_dataset_built_on_rank), and get_batch reads the MTP rank from its args: a
-    block moved live to another rank would have no batches. A forced layout that moves it
-    is refused at start; one that moves decoder layers around it is not (the controller
-    pins it there: MegatronLMStage.mtp_moves_live)."""
-    from dynmo_plugin.integrations.megatron_lm_stage import MegatronLMStage
+# PP=3, the block on the last rank with layer 4: it can move to rank 1 (never rank 0).
+# Untied embeddings: the bit-exact case (docs/mtp.md).
+MTP_PP3 = ["--mtp-num-layers", "1", "--position-embedding-type", "rope",
+           "--untie-embeddings-and-output-weights", "--pipeline-model-parallel-size", "3",
+           "--pipeline-model-parallel-layout", "Ett|t|tmL", "--dynmo"]
+
+
+@needs_source
+def test_the_mtp_block_moves_live_inside_megatron_lm_bit_exact_and_resumes_elsewhere(tmp_path):
+    """pretrain_gpt.py reads batches on the first, last and MTP ranks only: under --dynmo
+    every rank builds the data and reads every micro-batch (megatron_lm_data), and
+    get_batch follows the block through Megatron-LM's args. Forced at iteration 3, the
+    block, layer 4 and the final norm go from rank 2 to rank 1; at 5 layers 3-4 and the
+    norm go on to rank 0, the block standalone on rank 1. Every loss equals the
+    never-moved run's; the checkpoint of iteration 4 (block on rank 1) resumes with it
+    back on rank 2, and continues bit for bit."""
+    ckpt = tmp_path / "ckpt"
+    moved, moved_losses = _run(tmp_path / "moved", [
+        *MTP_PP3, "--dynmo-forced-layouts", "3:Ett|ttm|L;5:Etttt|m|L", "--save", str(ckpt),
+        "--save-interval", "4"], ranks=3)
+    static, static_losses = _run(tmp_path / "static", MTP_PP3, ranks=3)
+    assert static["layout"] == "Ett|t|tmL" and static["events"] == []
+    events = [e for e in moved["events"] if e["kind"] == "rebalance"]
+    assert [(e["iteration"], e["applied"], e["layout_after"]) for e in events] == [
+        (3, True, "Ett|ttm|L"), (5, True, "Etttt|m|L")]
+    assert [[(m["layer"], m["src"], m["dst"]) for m in e["moves"]] for e in events] == [
+        [(4, 2, 1), ("mtp", 2, 1), ("final_layernorm", 2, 1)],
+        [(3, 1, 0), (4, 1, 0), ("final_layernorm", 1, 0)]]
+    assert len(moved_losses) == 6 and moved_losses == static_losses
+    resumed, resumed_losses = _run(tmp_path / "resumed", [
+        *MTP_PP3, "--load", str(ckpt), "--no-load-rng"], ranks=3)
+    assert resumed["initial_layout"] == "Ett|t|tmL" and resumed_losses == static_losses[4:]
+
+
+@needs_source
+def test_a_decided_mtp_block_move_inside_megatron_lm_is_bit_exact(tmp_path):
+    """A large vocabulary makes the last rank (the output layer, run for the main and the
+    MTP loss) the bottleneck whatever else it holds: the controller, the block unpinned
+    once every rank has batches, decides on the measured profile to take the block off
+    it, and every loss equals the never-moved run's."""
+    flags = [*MTP_PP3, "--vocab-size", "16384"]
+    moved, moved_losses = _run(tmp_path / "moved", [
+        *flags, "--dynmo-rebalance-interval", "3", "--dynmo-profile-window", "1",
+        "--dynmo-min-gain", "0", "--dynmo-gate-margin", "0"], ranks=3)
+    static, static_losses = _run(tmp_path / "static", flags, ranks=3)
+    first = [e for e in moved["events"] if e["kind"] == "rebalance"][0]
+    assert first["trigger"] == "rebalance_interval" and first["applied"], first.get("reason")
+    assert Layout.parse(first["layout_after"]).mtp_rank == 1
+    assert ("mtp", 2, 1) in [(m["layer"], m["src"], m["dst"]) for m in first["moves"]]
+    assert len(moved_losses) == 6 and moved_losses == static_losses
+
+
+def test_a_forced_mtp_block_move_without_data_on_every_rank_is_refused_in_one_line():
+    """A dataset provider of the user's own that builds no data on some rank: the block
+    stays where it starts, and a forced layout that moves it stops the run at start in
+    one line (decoder layers still move around it)."""
+    from dynmo_plugin.integrations.megatron_lm import _Run
     mtp = dict(pipeline_model_parallel_layout="Et|t|ttmL", num_layers=4,
                pipeline_model_parallel_size=3, mtp_num_layers=1,
                untie_embeddings_and_output_weights=True)
-    with pytest.raises(ConfigError, match="a forced layout that moves the MTP block to another rank"):
-        ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "3:Et|tttm|L"],
-                                             **mtp))
-    assert ml.load_plugin_config(_megatron_like(
-        argv=["--dynmo", "--dynmo-forced-layouts", "3:Ett|t|tmL"], **mtp)).dynmo.enabled
-    assert MegatronLMStage.mtp_moves_live is False
+    run = object.__new__(_Run)
+    run.stage = types.SimpleNamespace(mtp_moves_live=None)
+    run.cfg = ml.load_plugin_config(_megatron_like(
+        argv=["--dynmo", "--dynmo-forced-layouts", "3:Et|tttm|L"], **mtp))
+    with pytest.raises(ml.MegatronLMError, match="a forced layout moves the MTP block to another rank"):
+        run.data_built(False)
+    assert run.stage.mtp_moves_live is False
+    run.data_built(True)
+    assert run.stage.mtp_moves_live is True
+    run.cfg = ml.load_plugin_config(_megatron_like(
+        argv=["--dynmo", "--dynmo-forced-layouts", "3:Ett|t|tmL"], **mtp))
+    run.data_built(False)
+    assert run.stage.mtp_moves_live is False
 
 
 @needs_source

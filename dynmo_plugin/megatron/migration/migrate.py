@@ -458,11 +458,11 @@ def _moves(old: Layout, headers: list[Header], moves) -> list[dict]:
 def _embedding_groups(trainer, pp_ranks: list[int]):
     """The embedding groups of every rank the MTP block may move to (made at start, by
     every rank: training.mtp.EmbeddingGroups); None where live block moves cannot happen
-    (no MTP, virtual stages, one candidate rank, a stage handle that cannot feed the
-    block elsewhere: Megatron-LM's)."""
+    (no MTP, virtual stages, one candidate rank). Made before the stage handle knows
+    whether it can feed the block elsewhere (Megatron-LM's learns it when its data
+    iterators are built: `mtp_moves_live`)."""
     layout = trainer.layout
-    if (not layout.has_mtp or layout.num_chunks > 1 or layout.num_ranks < 3
-            or not getattr(trainer, "mtp_moves_live", True)):
+    if not layout.has_mtp or layout.num_chunks > 1 or layout.num_ranks < 3:
         return None
     from megatron.core import parallel_state
     return EmbeddingGroups(parallel_state.get_embedding_group(check_initialized=False),

@@ -57,7 +57,7 @@ def moves_refused(trainer, old: Layout, new: Layout) -> Optional[str]:
                 "stages; live MTP moves need one chunk per rank")
     if not getattr(trainer, "mtp_moves_live", True):
         return (f"{old} -> {new} moves the MTP block to another rank, which this stage handle "
-                "cannot feed there (Megatron-LM: data on the first, last and MTP ranks only)")
+                "cannot feed there (Megatron-LM: its data provider left some rank without batches)")
     return None
 
 
