@@ -626,58 +626,64 @@ def test_mtp_inside_megatron_lm_train_profiled_and_decoders_moved_bit_exact(tmp_
 
 
 
-# PP=3, the block on the last rank with layer 4: it can move to rank 1 (never rank 0).
-# Untied embeddings: the bit-exact case (docs/mtp.md).
-MTP_PP3 = ["--mtp-num-layers", "1", "--position-embedding-type", "rope",
-           "--untie-embeddings-and-output-weights", "--pipeline-model-parallel-size", "3",
-           "--pipeline-model-parallel-layout", "Ett|t|tmL", "--dynmo"]
+# PP=4, the block on the last rank with layer 4: it can move to rank 1 or 2 (never rank
+# 0). Untied embeddings: the bit-exact case (docs/mtp.md). A large vocabulary makes the
+# last rank (the output layer, run for the main and the MTP loss) the bottleneck.
+MTP_PP4 = ["--mtp-num-layers", "1", "--position-embedding-type", "rope",
+           "--untie-embeddings-and-output-weights", "--vocab-size", "16384",
+           "--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-layout", "Et|t|t|tmL",
+           "--dynmo"]
+
+
+@pytest.fixture(scope="module")
+def mtp_static(tmp_path_factory):
+    """The never-moved PP=4 MTP run inside Megatron-LM: (report, losses)."""
+    report, losses = _run(tmp_path_factory.mktemp("mtp_static"), MTP_PP4, ranks=4)
+    assert report["layout"] == "Et|t|t|tmL" and report["events"] == []
+    return report, losses
 
 
 @needs_source
-def test_the_mtp_block_moves_live_inside_megatron_lm_bit_exact_and_resumes_elsewhere(tmp_path):
+def test_the_mtp_block_moves_live_inside_megatron_lm_bit_exact_and_resumes_elsewhere(
+        mtp_static, tmp_path):
     """pretrain_gpt.py reads batches on the first, last and MTP ranks only: under --dynmo
     every rank builds the data and reads every micro-batch (megatron_lm_data), and
     get_batch follows the block through Megatron-LM's args. Forced at iteration 3, the
-    block, layer 4 and the final norm go from rank 2 to rank 1; at 5 layers 3-4 and the
-    norm go on to rank 0, the block standalone on rank 1. Every loss equals the
-    never-moved run's; the checkpoint of iteration 4 (block on rank 1) resumes with it
-    back on rank 2, and continues bit for bit."""
+    block, layer 4 and the final norm go from rank 3 to rank 2; at 5 the block stays
+    (standalone) while layers 2-4 and the norm, which Megatron keeps beside the last
+    decoder layer, move to ranks 0-1. Every loss equals the never-moved run's; the
+    checkpoint of iteration 4 (block on rank 2) resumes with it back on rank 3, and
+    continues bit for bit."""
     ckpt = tmp_path / "ckpt"
     moved, moved_losses = _run(tmp_path / "moved", [
-        *MTP_PP3, "--dynmo-forced-layouts", "3:Ett|ttm|L;5:Etttt|m|L", "--save", str(ckpt),
-        "--save-interval", "4"], ranks=3)
-    static, static_losses = _run(tmp_path / "static", MTP_PP3, ranks=3)
-    assert static["layout"] == "Ett|t|tmL" and static["events"] == []
+        *MTP_PP4, "--dynmo-forced-layouts", "3:Et|t|ttm|L;5:Ettt|t|m|L", "--save", str(ckpt),
+        "--save-interval", "4"], ranks=4)
     events = [e for e in moved["events"] if e["kind"] == "rebalance"]
     assert [(e["iteration"], e["applied"], e["layout_after"]) for e in events] == [
-        (3, True, "Ett|ttm|L"), (5, True, "Etttt|m|L")]
+        (3, True, "Et|t|ttm|L"), (5, True, "Ettt|t|m|L")]
     assert [[(m["layer"], m["src"], m["dst"]) for m in e["moves"]] for e in events] == [
-        [(4, 2, 1), ("mtp", 2, 1), ("final_layernorm", 2, 1)],
-        [(3, 1, 0), (4, 1, 0), ("final_layernorm", 1, 0)]]
-    assert len(moved_losses) == 6 and moved_losses == static_losses
+        [(4, 3, 2), ("mtp", 3, 2), ("final_layernorm", 3, 2)],
+        [(2, 1, 0), (3, 2, 0), (4, 2, 1), ("final_layernorm", 2, 1)]]
+    assert len(moved_losses) == 6 and moved_losses == mtp_static[1]
     resumed, resumed_losses = _run(tmp_path / "resumed", [
-        *MTP_PP3, "--load", str(ckpt), "--no-load-rng"], ranks=3)
-    assert resumed["initial_layout"] == "Ett|t|tmL" and resumed_losses == static_losses[4:]
+        *MTP_PP4, "--load", str(ckpt), "--no-load-rng"], ranks=4)
+    assert resumed["initial_layout"] == "Et|t|t|tmL" and resumed_losses == mtp_static[1][4:]
 
 
 @needs_source
-def test_a_decided_mtp_block_move_inside_megatron_lm_is_bit_exact(tmp_path):
-    """PP=4: a large vocabulary makes the last rank (the output layer, run for the main and the
-    MTP loss) the bottleneck whatever else it holds: the controller, the block unpinned
-    once every rank has batches, decides on the measured profile to take the block off
-    it, and every loss equals the never-moved run's."""
-    flags = [*MTP_PP3, "--vocab-size", "16384", "--pipeline-model-parallel-size", "4",
-             "--pipeline-model-parallel-layout", "Et|t|t|tmL"]  # PP=4
+def test_a_decided_mtp_block_move_inside_megatron_lm_is_bit_exact(mtp_static, tmp_path):
+    """The controller, the block unpinned once every rank has batches, decides on the
+    measured profile to take the block off the last rank (the bottleneck whatever else
+    it holds), and every loss equals the never-moved run's."""
     moved, moved_losses = _run(tmp_path / "moved", [
-        *flags, "--dynmo-rebalance-interval", "3", "--dynmo-profile-window", "1",
+        *MTP_PP4, "--dynmo-rebalance-interval", "3", "--dynmo-profile-window", "1",
         "--dynmo-min-gain", "0", "--dynmo-gate-margin", "0"], ranks=4)
-    static, static_losses = _run(tmp_path / "static", flags, ranks=4)
     first = [e for e in moved["events"] if e["kind"] == "rebalance"][0]
     assert first["trigger"] == "rebalance_interval" and first["applied"], first.get("reason")
     rank = Layout.parse(first["layout_after"]).mtp_rank
     assert rank in (1, 2) and ("mtp", 3, rank) in [(m["layer"], m["src"], m["dst"])
                                                    for m in first["moves"]]
-    assert len(moved_losses) == 6 and moved_losses == static_losses
+    assert len(moved_losses) == 6 and moved_losses == mtp_static[1]
 
 
 def test_a_forced_mtp_block_move_without_data_on_every_rank_is_refused_in_one_line():
@@ -701,21 +707,3 @@ def test_a_forced_mtp_block_move_without_data_on_every_rank_is_refused_in_one_li
         argv=["--dynmo", "--dynmo-forced-layouts", "3:Ett|t|tmL"], **mtp))
     run.data_built(False)
     assert run.stage.mtp_moves_live is False
-
-
-@needs_source
-def test_the_final_norm_moves_with_the_last_decoder_layer_inside_megatron_lm(tmp_path):
-    """With MTP Megatron puts the decoder's final norm on the stage of the last decoder
-    layer, not the last stage: a forced layout that moves layers 3-4 off the MTP rank (the
-    block then alone with the output layer) carries the norm with them, bit-exact. (Into a
-    later stage is where a norm left behind changes the numbers, test_mtp_live_moves.py;
-    here that stage would start without decoder layers, whose spec the Megatron-LM stage
-    handle reads from the layers it holds.)"""
-    mtp = ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--dynmo"]
-    moved, moved_losses = _run(tmp_path / "moved", [*mtp, "--dynmo-forced-layouts", "3:Etttt|mL"])
-    static, static_losses = _run(tmp_path / "static", mtp)
-    events = [e for e in moved["events"] if e["kind"] == "rebalance"]
-    assert [(e["applied"], e["layout_after"]) for e in events] == [(True, "Etttt|mL")]
-    assert [(m["layer"], m["src"], m["dst"]) for m in events[0]["moves"]] == [
-        (3, 1, 0), (4, 1, 0), ("final_layernorm", 1, 0)]
-    assert len(moved_losses) == 6 and moved_losses == static_losses
