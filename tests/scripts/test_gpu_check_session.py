@@ -74,10 +74,9 @@ def test_overlapping_turns_are_found():
 def test_a_program_that_dies_stops_the_session_at_once_with_its_reason(tmp_path):
     baton = bt.Baton(tmp_path / "baton", ["a", "b"], rounds=2)
     (baton.folder / "ready-a").write_text("")
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match="b exit 1: Traceback"):
+    with pytest.raises(RuntimeError, match="b exit 1: Traceback") as e:  # not its 60 s timeout
         baton.wait_ready(60, lambda: "b exit 1: Traceback (log: x)")
-    assert time.monotonic() - start < 5
+    assert not isinstance(e.value, bt.BatonTimeout)
     with pytest.raises(bt.BatonTimeout, match="no done-a-0 after 0 s"):
         baton.turns(0.05, lambda: None)  # a program alive but never done: the turn's timeout
 
