@@ -6,10 +6,12 @@
 #   scripts/device_check.sh --prepare [MEGATRON_LM_DIR]   # here, with a registry
 #   scripts/device_check.sh [--total-s S] [--python PY] [-- gpu_check.py flags]  # on the GPU
 #   scripts/device_check.sh --dry-run [-- gpu_check.py flags]  # no GPU: the CPU part, same layout
-#   scripts/device_check.sh --plan                        # estimated seconds, no run
-#   ... -- --only throughput,bf16_vs_fp32_speed   the second call: those two groups do not fit
-#                            one 9-minute call beside the rest (gpu_check_plan.SECOND_CALL)
-#   ... --no-megatron-lm     gpu_check.sh alone (a short call; its line says so)
+#   scripts/device_check.sh --plan [-- gpu_check.py flags]  # estimated seconds, no run
+#   ... -- --set issue34     issue 34's rows only (probe, shape, mlm, throughput): ~180-280 s
+#   ... -- --only scenario_cost,bf16_vs_fp32_speed   the second call: these groups do not
+#                            fit one 9-minute call beside the rest (gpu_check_plan.SECOND_CALL)
+#   ... --no-megatron-lm     gpu_check.sh alone (a short call; its line says so); its
+#                            130 s reserve goes to gpu_check.sh's budget
 #   ... --probe              also scripts/layer_probe.py first (the roofline's layers
 #                            timed: GPU, host, kernels; $OUT/layer_probe.json)
 #
@@ -78,6 +80,7 @@ if [[ -z "$PY" ]]; then
   [[ ($DRY -eq 1 || $MODE == plan) && -x "$ROOT/.venv/bin/python" ]] && PY="$ROOT/.venv/bin/python"
 fi
 [[ $MODE != run ]] || "$PY" -c "import torch" 2>/dev/null || die "$PY cannot import torch: pass --python with one that can (here: make install, then --python .venv/bin/python)"
+[[ $MLM -eq 0 ]] && MLM_RESERVE=0   # --no-megatron-lm: gpu_check.sh gets its reserve too
 GPU_BUDGET=$((TOTAL - INSTALL_S - MLM_RESERVE))
 [[ $GPU_BUDGET -gt 0 ]] || die "--total-s $TOTAL leaves no time for gpu_check.sh (needs > $((INSTALL_S + MLM_RESERVE)))"
 
@@ -98,8 +101,9 @@ if [[ $MODE == prepare ]]; then
 fi
 
 if [[ $MODE == plan ]]; then
+  NO_MLM=(); [[ $MLM -eq 0 ]] && NO_MLM=(--no-megatron-lm)
   PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$ROOT/scripts/gpu_check.py" --cpu --plan \
-    --budget-s "$GPU_BUDGET" --device-check "$TOTAL"
+    --budget-s "$GPU_BUDGET" --device-check "$TOTAL" ${NO_MLM[@]+"${NO_MLM[@]}"} ${EXTRA[@]+"${EXTRA[@]}"}
   exit $?
 fi
 

@@ -34,18 +34,22 @@ the seconds it took (a run shared by several rows counts for the first), in plan
                          within 10% of the median iteration outside windows
   identical_layers[mlm-S], stage_prediction[mlm-S]  the same inside Megatron-LM's
                          pretrain_gpt.py ($DYNMO_MEGATRON_LM) with --dynmo profiling
-  throughput_vs_megatron_lm  host shape, bf16, --rounds (default 4) interleaved rounds of:
-                         the launcher, pretrain_gpt.py, pretrain_gpt.py --dynmo
-                         --dynmo-profile-every 10, like for like (no dropout, clipping or
-                         NaN checks): launcher/Megatron-LM <= 1.0x; plugin/plain <= 1.03x
-                         where the rounds' spread resolves 3% (windows excluded; spread printed)
+  throughput_vs_megatron_lm  host shape, bf16: the launcher, pretrain_gpt.py and pretrain_gpt.py
+                         --dynmo --dynmo-profile-every 10, each started ONCE, take turns on the
+                         GPU for --rounds (default 4) interleaved rounds (gpu_checks/host_session.py,
+                         a file baton), like for like (no dropout, clipping or NaN checks, weight
+                         decay 0.01): launcher/Megatron-LM <= 1.0x; plugin/plain <= 1.03x where the
+                         rounds' spread resolves 3% (warm-up, each round's first iteration and the
+                         windows excluded; spread printed). The --dynmo run also feeds
+                         identical_layers[mlm-host] and stage_prediction[mlm-host]
   scenario_cost[KIND]    each of the six scenarios at PP=1 bf16 at a shape where it
                          should save: the affected layers' cost over the reference's
                          (SCENARIOS below); also written to OUT/scenario_costs.json
                          (docs/gpu.md: the format the simulator reads)
   nccl/...               the rows of scripts/gpu_check_nccl.py --json, where it exists
 --only NAME,...: run only the rows whose name (or row group's name) starts with one of
-these prefixes.
+these prefixes. --set issue34: issue 34's rows (machine, packages, precision_flag, shape,
+mlm, throughput): one device call of ~3-5 minutes by the plan.
 --plan: print the launch plan (row groups, their launches, estimated seconds from the
 constants in scripts/gpu_check_plan.py) and exit; a run prints it to stderr first.
 --budget-s S (default 480, issue 24's 8 minutes): a row group starts only while its
@@ -78,14 +82,15 @@ from typing import Callable, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from gpu_check_plan import (BUDGET_S, IT_S, NCCL_LONGEST_ROW_S, SPARSE_CALIBRATION_S, Group, Launch,  # noqa: E402
-                            Plan, Schedule, render_plan)
+from gpu_check_plan import (BATON_TURN_S, BUDGET_S, IT_S, NCCL_LONGEST_ROW_S, SPARSE_CALIBRATION_S, Group,  # noqa: E402
+                            Launch, Plan, Schedule, render_plan)
 from gpu_checks import common, launching, rows_basic, rows_mlm, rows_scenarios, rows_shapes  # noqa: E402
 from gpu_checks.common import CPU_SIZES, CheckFailed, DETERMINISM_ENV, GPU_SIZES, Machine, NO_CUDA, Row, SKIPPED_BUDGET, Sizes, _log, exit_status, render  # noqa: E402
 from gpu_checks.launching import Budget, BudgetExceeded, Worker, _error_line, timed_out, worker_env  # noqa: E402
 from gpu_checks.rows_basic import check_machine, check_migration, check_packages, check_precision_flag, check_profile_heavy_layer, check_repack, check_speed, check_transformer_engine, probe_machine  # noqa: E402
 from gpu_checks.rows_shapes import Runs, SHAPES, THROUGHPUT_ROUNDS, check_heavy, check_identical, check_overhead, check_prediction  # noqa: E402
 from gpu_checks.rows_mlm import MLM_ENV, MLM_ITERS, check_mlm_identical, check_mlm_prediction, check_throughput  # noqa: E402
+from gpu_checks.host_session import PROGRAMS as SESSION_PROGRAMS, SESSION_ITERS, SESSION_WARMUP  # noqa: E402
 from gpu_checks.rows_scenarios import SCENARIOS, check_scenario, write_scenario_costs  # noqa: E402
 
 
@@ -172,8 +177,8 @@ def plan_checks(m: Machine, sizes: Sizes, out: Path, rounds: int = THROUGHPUT_RO
                    (f"profiling_overhead[{shape}]", lambda s=shape: check_overhead(m, s, out, runs)),
                    (f"stage_prediction[{shape}]", lambda s=shape: check_prediction(m, s, out, runs))]
     for shape in SHAPES:
-        checks += [(f"identical_layers[mlm-{shape}]", lambda s=shape: check_mlm_identical(m, s, out, runs)),
-                   (f"stage_prediction[mlm-{shape}]", lambda s=shape: check_mlm_prediction(m, s, out, runs))]
+        checks += [(f"identical_layers[mlm-{shape}]", lambda s=shape: check_mlm_identical(m, s, out, runs, rounds)),
+                   (f"stage_prediction[mlm-{shape}]", lambda s=shape: check_mlm_prediction(m, s, out, runs, rounds))]
     checks.append(("throughput_vs_megatron_lm", lambda: check_throughput(m, out, runs, rounds)))
     checks += [(f"scenario_cost[{sc.kind}]", lambda sc=sc: check_scenario(m, sc, out, costs))
                for sc in SCENARIOS]
@@ -220,26 +225,22 @@ def build_plan(m: Machine, rounds: int = THROUGHPUT_ROUNDS, mlm: Optional[bool] 
                                                                                "profiling_overhead",
                                                                                "stage_prediction")),
                             **on(why, _w(f"{what} + 3x layer", 12, f"{shape}_heavy"))))
+    # the host shape's three programs (the launcher, pretrain_gpt.py, pretrain_gpt.py --dynmo)
+    # start once, together, then take turns round by round (gpu_checks/host_session.py): the
+    # longest start-up counts once, every program's iterations one after another
+    groups += [Group("mlm[host]", ("identical_layers[mlm-host]", "stage_prediction[mlm-host]",
+                                   "throughput_vs_megatron_lm"), **on(mlm_why, session_launch(rounds))),
+               Group("mlm[gpu]", ("identical_layers[mlm-gpu]", "stage_prediction[mlm-gpu]"),
+                     **on(mlm_why, _mlm("6L h4096 --dynmo", "mlm_gpu")))]
+    # issue 33's rows (resolved) after issue 34's: a run the budget cuts loses them first
     for sc in SCENARIOS:
         runs = 2 if sc.reference == "moe_capacity" else 1
         extra = SPARSE_CALIBRATION_S if sc.kind == "sparse_attention" else 0.0
         groups.append(Group(f"scenario_cost[{sc.kind}]", (f"scenario_cost[{sc.kind}]",), **on(why, *(
             Launch(f"{sc.kind} 8L PP=1", "worker", sc.iters, IT_S[_SCENARIO_MODEL.get(sc.kind, "s8")], extra)
             for _ in range(runs)))))
-    # round 0's profiled pretrain_gpt.py run is mlm[host]'s (shared, `Runs`); the rest of the
-    # rounds are the throughput group, the most expensive: 4 rounds of 3 runs do not fit one
-    # 8-minute call beside the other rows, so the schedule moves it last and a device call of
-    # its own runs it (`--only throughput`, docs/gpu.md)
-    rounds_launches = [x for r in range(rounds) for x in (
-        _w(f"round {r}: launcher 12L h1024, {MLM_ITERS} it.", MLM_ITERS, "host"), _mlm(f"round {r}: host", "mlm_host"),
-        *((_mlm(f"round {r}: host --dynmo", "mlm_host"),) if r else ()))]
-    groups += [Group("mlm[host]", ("identical_layers[mlm-host]", "stage_prediction[mlm-host]"),
-                     **on(mlm_why, _mlm("round 0: host --dynmo", "mlm_host"))),
-               Group("mlm[gpu]", ("identical_layers[mlm-gpu]", "stage_prediction[mlm-gpu]"),
-                     **on(mlm_why, _mlm("6L h4096 --dynmo", "mlm_gpu"))),
-               Group("bf16_vs_fp32_speed", ("bf16_vs_fp32_speed",), **on(why, _w("4L h2048 fp32", 8, "speed_fp32"),
+    groups += [Group("bf16_vs_fp32_speed", ("bf16_vs_fp32_speed",), **on(why, _w("4L h2048 fp32", 8, "speed_fp32"),
                                                                          _w("4L h2048 bf16", 8, "speed_bf16"))),
-               Group("throughput", ("throughput_vs_megatron_lm",), **on(mlm_why, *rounds_launches)),
                Group("transformer_engine", ("transformer_engine",), **on(te_why, _w("8L h1024 TE", 8, "small")))]
     exact = [Launch(f"PP=2 8L h1024 {p}", "torchrun", 6, IT_S["small"]) for p in ("static", "moved")]
     precisions = ("fp32", "bf16") if m.bf16 else ("fp32",)
@@ -253,7 +254,21 @@ def build_plan(m: Machine, rounds: int = THROUGHPUT_ROUNDS, mlm: Optional[bool] 
                 f"TE {'usable' if m.te_problem is None else 'absent'}, {rounds} throughput rounds")
 
 
+def session_launch(rounds: int) -> Launch:
+    """The interleaved session as the plan counts it: one start-up, the longest of its three
+    programs' (two torchrun launches and a launcher-worker run, at once: START_S["torchrun"]
+    32 s > START_S["worker"] 24 s), then every
+    program's warm-up and rounds one after another, and a turn's hand-over each."""
+    iters = SESSION_WARMUP + rounds * SESSION_ITERS
+    turns = (rounds + 1) * len(SESSION_PROGRAMS)
+    return Launch(f"launcher, pretrain_gpt.py, pretrain_gpt.py --dynmo at once; {iters} it. each, "
+                  f"{turns} turns", "torchrun", iters, IT_S["host"] + 2 * IT_S["mlm_host"],
+                  extra_s=turns * BATON_TURN_S, alongside=("torchrun", "worker"))
+
+
 PROBE_ROWS = ("machine", "packages", "precision_flag")
+# Named sets of rows (--set NAME): the rows one device call is for
+SETS = {"issue34": ("machine", "packages", "precision_flag", "shape", "mlm", "throughput")}
 
 
 def start_group(gpus: int) -> Group:
@@ -266,8 +281,8 @@ def start_group(gpus: int) -> Group:
                 *(f"sync_free[{s}]" for s in nccl.SCENARIOS)] if gpus else ["shared rows (CPU)",
                                                                              "control_plane_cuda_state"]
     return Group("start", rows, (Launch("gpu_check.py imports, machine probe", "parent"),
-                                 Launch("launcher worker: torch, Megatron-Core, CUDA", "process"),
-                                 *(Launch(f"nccl child: {c}", "process", extra_s=NCCL_LONGEST_ROW_S)
+                                 Launch("launcher worker: torch, Megatron-Core, CUDA", "process", starts_worker=True),
+                                 *(Launch(f"nccl child: {c}", "process", extra_s=NCCL_LONGEST_ROW_S, feeds=("nccl/",))
                                    for c in children)), parallel=True)
 
 
@@ -280,20 +295,21 @@ def target_plan(rounds: int = THROUGHPUT_ROUNDS) -> Plan:
 MLM_SCRIPT_LAUNCHES = (("20 it. 4L h512, profiled, saved", 20), ("resumed at 10", 10), ("MoE 4 experts", 6))
 
 
-def device_plan(plan: Plan, total_s: float) -> Plan:
+def device_plan(plan: Plan, total_s: float, megatron_lm: bool = True) -> Plan:
     """scripts/device_check.sh's plan: installing the carried wheels, this check's groups
-    (its --budget-s), then megatron_lm_gpu_check.sh's three pretrain_gpt.py launches."""
+    (its --budget-s, --only/--set applied), then megatron_lm_gpu_check.sh's three
+    pretrain_gpt.py launches (not with `megatron_lm` False: --no-megatron-lm)."""
     install = Group("install (device_check.sh)", ("install",), (Launch("pip --no-index --target", "parent"),))
     mlm = Group("megatron_lm_gpu_check.sh", ("megatron_lm_gpu_check",), tuple(
         Launch(f"pretrain_gpt.py {what}", "torchrun", iters, IT_S["small"]) for what, iters in MLM_SCRIPT_LAUNCHES))
-    return Plan([install, *plan.chosen(), mlm], total_s, plan.assumes + f"; device_check.sh, gpu_check.sh "
-                f"--budget-s {plan.budget_s:.0f}", plan.only)
+    only = f", --only {','.join(plan.only)}" if plan.only else ""
+    return Plan([install, *plan.chosen(), *((mlm,) if megatron_lm else ())], total_s, plan.assumes +
+                f"; device_check.sh{'' if megatron_lm else ' --no-megatron-lm'}, gpu_check.sh --budget-s "
+                f"{plan.budget_s:.0f}{only}")
 
 
 def _selected_rows(group: Group, only: tuple[str, ...]) -> list[str]:
-    if not only or group.name.startswith(only):
-        return list(group.rows)
-    return [r for r in group.rows if r.startswith(only)]
+    return group.selected_rows(only)
 
 
 def run_group(group: Group, checks: dict, m: Machine, only: tuple[str, ...], worker: bool,
@@ -334,7 +350,7 @@ def run_checks(m: Machine, sizes: Sizes, out: Path, only: tuple[str, ...] = (), 
     plan = build_plan(m, rounds, budget_s=budget_s or math.inf)
     plan.only = only
     rows, chosen = [], plan.chosen()
-    worker = any(x.kind == "worker" for g in chosen for x in g.launches)
+    worker = any(x.needs_worker for g in chosen for x in g.launches)
     schedule = Schedule(chosen)
     try:
         while (step := schedule.next(launching.BUDGET.left())) is not None:
@@ -361,6 +377,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
     parser.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
     parser.add_argument("--only", default="", help="comma-separated row-name (or row-group) prefixes to run")
+    parser.add_argument("--set", default=None, choices=sorted(SETS),
+                        help="a named set of rows (with --only: both): " + "; ".join(
+                            f"{k}: {','.join(v)}" for k, v in SETS.items()))
     parser.add_argument("--rounds", type=int, default=THROUGHPUT_ROUNDS,
                         help=f"interleaved rounds of throughput_vs_megatron_lm (default {THROUGHPUT_ROUNDS})")
     parser.add_argument("--budget-s", type=float, default=BUDGET_S,
@@ -372,12 +391,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--device-check", type=float, default=None, metavar="TOTAL_S",
                         help="with --plan: the plan of scripts/device_check.sh (the install, this "
                              "check, megatron_lm_gpu_check.sh) against TOTAL_S")
+    parser.add_argument("--no-megatron-lm", action="store_true",
+                        help="with --device-check: device_check.sh --no-megatron-lm (its plan without "
+                             "megatron_lm_gpu_check.sh)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.budget_s <= 0:
         parser.error(f"--budget-s must be > 0, got {args.budget_s:g}")
-    only = tuple(x.strip() for x in args.only.split(",") if x.strip())
+    only = tuple(x.strip() for x in args.only.split(",") if x.strip()) + SETS.get(args.set, ())
     if args.cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch initialises CUDA, here and in children
     machine = probe_machine(args.cpu)
@@ -385,7 +407,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     plan.budget_s, plan.only = args.budget_s, only
     if args.plan:
         if args.device_check:
-            plan = device_plan(plan, args.device_check)
+            plan = device_plan(plan, args.device_check, not args.no_megatron_lm)
         print(json.dumps(plan.to_dict()) if args.json else render_plan(plan))
         return 0
     _log("\n" + render_plan(plan))  # on CPU: the plan of the machines this check is for

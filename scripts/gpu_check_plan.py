@@ -7,7 +7,7 @@ which is how the next GPU run corrects them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 BUDGET_S = 480.0  # issue 24: the whole GPU check in at most 8 minutes on one H100/H200
@@ -15,10 +15,12 @@ BUDGET_S = 480.0  # issue 24: the whole GPU check in at most 8 minutes on one H1
 # Start-up of one launch, seconds, by kind. Re-fitted to the first device_check.sh run
 # on one H200 (../shared/notes/h200-acceptance-1.md, 2026-11-27); the run re-estimates
 # the groups still to come from what the finished ones took (`Schedule`).
-# Groups that a device call of their own runs (`--only throughput,bf16_vs_fp32_speed`):
+# Groups that a device call of their own runs (`--only scenario_cost,bf16_vs_fp32_speed`):
 # with start-up measured on the H200 (2026-11-27: a launcher-worker run 26-42 s, not
-# 6-14), the rest of the rows fill one 9-minute call and these two do not fit beside them.
-SECOND_CALL = ("throughput", "bf16_vs_fp32_speed")
+# 6-14) every row does not fit one 9-minute call beside megatron_lm_gpu_check.sh. Issue 34's
+# rows (`--set issue34`, the interleaved throughput session among them) go first; issue 33's
+# scenario rows (resolved) and the speed row go to a second call.
+SECOND_CALL = ("scenario_cost", "bf16_vs_fp32_speed")
 
 START_S = {
     # h200-acceptance-1: a pretrain_gpt.py torchrun launch ~32 s of start-up (was 40 s)
@@ -73,6 +75,9 @@ IT_S = {
 # child's own work (a collective on a destroyed group waits 20 s; the others train a
 # 4-layer h64 model for 2-4 steps). Estimated, not measured.
 NCCL_LONGEST_ROW_S = 13.0  # h200-acceptance-1: the start group ~33 s in all
+# the interleaved session's hand-over between two programs' turns (gpu_checks/baton.py):
+# a file written and polled every 2 ms, a CUDA synchronisation; estimated, not measured
+BATON_TURN_S = 0.1
 # sparse attention's calibration at its start (h200-acceptance-1: its run took 27 s
 # where the plan said 8 s): seconds the plan adds to that run
 SPARSE_CALIBRATION_S = 20.0
@@ -85,9 +90,20 @@ class Launch:
     iters: int = 0
     it_s: float = 0.0       # work per iteration, a value of IT_S
     extra_s: float = 0.0    # work not in iterations
+    # the rows (name prefixes) it feeds, where not all its group's (the start group's
+    # launches: --only may pick some of its rows); () = every row of the group
+    feeds: tuple[str, ...] = ()
+    starts_worker: bool = False  # the launcher worker's start: needed by any worker run
+    # programs started at the same time as this one (kinds of START_S), their start-ups
+    # overlapping its own (only the launch's START_S counts: give it the longest)
+    alongside: tuple[str, ...] = ()
 
     def estimate_s(self) -> float:
         return START_S[self.kind] + self.iters * self.it_s + self.extra_s
+
+    @property
+    def needs_worker(self) -> bool:
+        return "worker" in (self.kind, *self.alongside)
 
 
 @dataclass(frozen=True)
@@ -108,6 +124,23 @@ class Group:
         """Whether --only (row or group name prefixes) picks any of its rows."""
         return not only or self.name.startswith(only) or any(r.startswith(only) for r in self.rows)
 
+    def selected_rows(self, only: tuple[str, ...]) -> list[str]:
+        if not only or self.name.startswith(only):
+            return list(self.rows)
+        return [r for r in self.rows if r.startswith(only)]
+
+    def trimmed(self, only: tuple[str, ...], worker: bool) -> Optional["Group"]:
+        """The group with only the launches that feed a row --only picks (and the
+        worker's start where a chosen run needs it); None when nothing is left to run."""
+        rows = self.selected_rows(only)
+        keep = tuple(x for x in self.launches if (x.starts_worker and worker) or (
+            not x.starts_worker and (not x.feeds or any(r.startswith(x.feeds) for r in rows))))
+        if not rows and not keep:
+            return None
+        if keep == self.launches and len(rows) == len(self.rows):
+            return self
+        return replace(self, rows=tuple(rows), launches=keep)
+
 
 @dataclass
 class Plan:
@@ -117,11 +150,18 @@ class Plan:
     only: tuple[str, ...] = field(default=())
 
     def chosen(self) -> list[Group]:
-        """The groups --only picks, and a group without rows (the launcher worker's
-        start) where a picked group uses what it starts."""
+        """The groups --only picks, each trimmed to the launches that feed its picked rows,
+        and the launcher worker's start wherever a picked group runs in the worker (the
+        start group then counts it even when none of its own rows is picked)."""
         picked = [g for g in self.groups if g.rows and g.selected(self.only)]
-        kinds = {x.kind for g in picked for x in g.launches}
-        return [g for g in self.groups if g in picked or (not g.rows and "worker" in kinds)]
+        worker = any(x.needs_worker for g in picked for x in g.launches)
+        groups = []
+        for g in self.groups:
+            if g in picked or any(x.starts_worker for x in g.launches):
+                kept = g.trimmed(self.only if g in picked else ("\0",), worker)
+                if kept is not None:
+                    groups.append(kept)
+        return groups
 
     def total_s(self) -> float:
         return sum(g.estimate_s() for g in self.chosen())
@@ -147,9 +187,12 @@ def render_plan(plan: Plan) -> str:
     for g in groups:
         kinds: dict[str, int] = {}
         for x in g.launches:
-            kinds[x.kind] = kinds.get(x.kind, 0) + 1
-        launches = ", ".join(f"{n} {k}" for k, n in kinds.items()) + (" (parallel)" if g.parallel else "")
+            for kind in (x.kind, *x.alongside):
+                kinds[kind] = kinds.get(kind, 0) + 1
+        launches = ", ".join(f"{n} {k}" for k, n in kinds.items()) + (
+            " (parallel)" if g.parallel else " (at once)" if any(x.alongside for x in g.launches) else "")
         rows = ", ".join(g.rows) if len(g.rows) <= 3 else f"{g.rows[0]} ... ({len(g.rows)} rows)"
+        rows = rows or "(the launcher worker's start, for the groups below)"
         lines.append(f"{g.name:<{width}} | {launches or g.note or '-':<32} | {g.estimate_s():>6.0f} | "
                      f"{rows}")
     total = plan.total_s()

@@ -10,7 +10,9 @@ process group (a fresh env:// rendezvous on a free port, destroyed at the run's 
 `dynmo_plugin.train.run`), its own model and optimizer; the process, the imports and the
 CUDA context are shared.
 
-Protocol: one JSON request per line on stdin, {"flags": [...], "output": DIR}; one JSON
+Protocol: one JSON request per line on stdin, {"flags": [...], "output": DIR, and
+optionally "baton": a gpu_checks.baton.BatonSpec as a dict: the run waits for its turns
+(`with_baton`)}; one JSON
 reply per request on the original stdout, {"ok": bool, "error": str, "seconds": float,
 "cuda_allocated": int, "live_parameters": int} (bytes still allocated and parameters
 still alive after the run: a run that leaks its model into the next shows here). Every
@@ -69,10 +71,37 @@ def take_heavy(flags: list[str]) -> tuple[list[str], dict[int, int]]:
     return flags[:at] + flags[at + 2:], {int(a): int(b) for a, b in pairs}
 
 
-def run_one(flags: list[str], output: str) -> dict:
+def with_baton(spec: dict | None):
+    """A context in which every launcher step waits for its turn (scripts/gpu_checks/baton.py):
+    TrainingSession.step is wrapped, outside the step's own timing, for this run only."""
+    import contextlib
+    if not spec:
+        return contextlib.nullcontext()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_checks.baton import BatonClient, BatonSpec
+    from dynmo_plugin.session import TrainingSession
+    client, step = BatonClient(BatonSpec(**spec)), TrainingSession.step
+
+    def baton_step(self, iteration: int) -> None:
+        client.before(iteration)
+        step(self, iteration)
+        client.after(iteration)
+
+    @contextlib.contextmanager
+    def patched():
+        TrainingSession.step = baton_step
+        try:
+            yield
+        finally:
+            TrainingSession.step = step
+    return patched()
+
+
+def run_one(flags: list[str], output: str, baton: dict | None = None) -> dict:
     """One launcher run in this process, as `torchrun --nproc-per-node 1 -m
     workers.train_worker FLAGS --output OUTPUT` would do it (HEAVY_FLAG: several heavy
-    test layers, through the test worker's own switch)."""
+    test layers, through the test worker's own switch; `baton`: in turns with other
+    programs)."""
     import torch
     from workers import train_worker
     flags, heavy = take_heavy(flags)
@@ -85,7 +114,8 @@ def run_one(flags: list[str], output: str) -> dict:
     sys.argv = ["train_worker", *flags, "--output", output]
     start, error = time.perf_counter(), ""
     try:
-        status = train_worker.main()
+        with with_baton(baton):
+            status = train_worker.main()
         error = "" if status == 0 else f"exit {status}"
     except SystemExit as e:  # argparse or a user error: the launcher's status
         error = f"exit {e.code}"
@@ -123,7 +153,7 @@ def main() -> int:
             continue
         request = json.loads(line)
         print(f"[gpu_check_worker] run: {' '.join(request['flags'])}", file=sys.stderr, flush=True)
-        result = run_one(request["flags"], request["output"])
+        result = run_one(request["flags"], request["output"], request.get("baton"))
         print(f"[gpu_check_worker] end of run: {result}", file=sys.stderr, flush=True)
         reply.write(json.dumps(result) + "\n")
         reply.flush()

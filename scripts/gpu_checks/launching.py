@@ -133,26 +133,44 @@ class Worker:
         self.fresh = True
 
     def run(self, flags: list[str], out: Path, timeout_s: float) -> dict:
+        self.submit(flags, out, timeout_s)
+        return self.collect()
+
+    def submit(self, flags: list[str], out: Path, timeout_s: float, baton: Optional[dict] = None) -> None:
+        """Ask for a run and return at once (`collect` waits for it): the run may take its
+        turns with other programs meanwhile (`baton`, scripts/gpu_checks/baton.py)."""
         out.mkdir(parents=True, exist_ok=True)
         if self.proc is None or self.proc.poll() is not None:
             self.start()
         _log(f"worker run: {' '.join(flags)}")
-        offset = self.log_path.stat().st_size
-        limit, by_budget = BUDGET.limit(timeout_s + (self.first_start_s if self.fresh else 0))
-        self.fresh = False
+        self.offset = self.log_path.stat().st_size
+        self.limit, self.by_budget = BUDGET.limit(timeout_s + (self.first_start_s if self.fresh else 0))
+        self.started, self.fresh, self.pending = time.perf_counter(), False, (flags, out)
+        request = {"flags": flags, "output": str(out), **({"baton": baton} if baton else {})}
         try:
-            self.proc.stdin.write((json.dumps({"flags": flags, "output": str(out)}) + "\n").encode())
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
-            reply = self._reply(limit)
         except BrokenPipeError:
-            reply = None
+            pass  # collect() finds the process gone
+
+    def alive(self) -> Optional[str]:
+        """None while the process runs; else why not (for a baton's coordinator)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return f"the launcher worker ended (log: {self.log_path})"
+        return None
+
+    def collect(self) -> dict:
+        """The submitted run's report; CheckFailed / BudgetExceeded as `run` says."""
+        flags, out = self.pending
+        left = max(1.0, self.limit - (time.perf_counter() - self.started))
+        reply = self._reply(left) if self.proc is not None else None
         self.runs, self.last = self.runs + 1, reply
-        log = self.log_path.read_bytes()[offset:].decode(errors="replace")
+        log = self.log_path.read_bytes()[self.offset:].decode(errors="replace")
         (out / "stderr.log").write_text(log)
         if reply is None:
             code = self.stop(kill=True)
             if code is None:
-                raise timed_out(limit, by_budget, " ".join(flags[:6]))
+                raise timed_out(self.limit, self.by_budget, " ".join(flags[:6]))
             raise CheckFailed(f"worker exit {code}: {_error_line(log)} (log: {out}/stderr.log)")
         if not reply["ok"]:
             self.stop()  # a failed run may leave CUDA or NCCL broken: the next run starts afresh

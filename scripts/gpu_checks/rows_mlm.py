@@ -1,5 +1,6 @@
 """Rows inside Megatron-LM's pretrain_gpt.py: identical layers, stage prediction,
-throughput against the launcher."""
+throughput against the launcher. At the host shape all three come from one interleaved
+session (gpu_checks/host_session.py); at the GPU shape from one profiled launch."""
 from __future__ import annotations
 
 import json
@@ -12,9 +13,8 @@ from typing import Optional
 
 from gpu_checks import launching
 from gpu_checks.common import CheckFailed, DETERMINISM_ENV, Machine, NO_CUDA, ROOT, Row, _log
-from gpu_checks.launching import _error_line, _free_port, launch, run_killable, timed_out
-from gpu_checks.rows_basic import _precision
-from gpu_checks.rows_shapes import IDENTICAL_MAX, PLUGIN_OVERHEAD_MAX, PREDICTION_ACCEPT, Runs, SHAPES, THROUGHPUT_MAX, _COMMON, identical_verdict, outside_windows, prediction_verdict, timed_profiles
+from gpu_checks.launching import _error_line, _free_port, run_killable, timed_out
+from gpu_checks.rows_shapes import IDENTICAL_MAX, PLUGIN_OVERHEAD_MAX, PREDICTION_ACCEPT, Runs, SHAPES, THROUGHPUT_MAX, THROUGHPUT_ROUNDS, identical_verdict, prediction_verdict, timed_profiles, window_iterations
 
 
 # ---- inside Megatron-LM's pretrain_gpt.py ---------------------------------------------------------
@@ -92,17 +92,28 @@ def _mlm_skip(name: str, m: Machine) -> Optional[Row]:
     return None
 
 
-def _mlm_profiled(shape: str, out: Path, runs: Runs) -> tuple[dict[int, float], dict]:
-    # the host shape's profiled run is shared with throughput_vs_megatron_lm's first round
-    return runs.get(f"mlm-{shape}-dynmo-0", lambda: mlm_launch(shape, True, out / f"mlm_{shape}_dynmo_0"))
+def _session(m: Machine, out: Path, runs: Runs, rounds: int):
+    from gpu_checks.host_session import run_session
+    return runs.get("host-session", lambda: run_session(m, out, rounds))
 
 
-def check_mlm_identical(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
+def _mlm_profiled(m: Machine, shape: str, out: Path, runs: Runs, rounds: int) -> tuple[dict[int, float], dict]:
+    """(seconds by iteration, report) of the profiled pretrain_gpt.py run at `shape`: at
+    the host shape the interleaved session's --dynmo program (every round's first
+    iteration left out: it follows a wait), else a launch of its own."""
+    if shape == "host":
+        from gpu_checks.host_session import timing_iterations
+        session = _session(m, out, runs, rounds)
+        return timing_iterations(session.dynmo, session.spec), session.report
+    return runs.get(f"mlm-{shape}-dynmo", lambda: mlm_launch(shape, True, out / f"mlm_{shape}_dynmo"))
+
+
+def check_mlm_identical(m: Machine, shape: str, out: Path, runs: Runs, rounds: int = THROUGHPUT_ROUNDS) -> Row:
     name = f"identical_layers[mlm-{shape}]"
     skip = _mlm_skip(name, m)
     if skip:
         return skip
-    _, report = _mlm_profiled(shape, out, runs)
+    _, report = _mlm_profiled(m, shape, out, runs, rounds)
     profile = timed_profiles(report)[-1]["profile"]
     ratio, detail = identical_verdict(profile)
     detail = f"{SHAPES[shape][1]}, inside pretrain_gpt.py: {detail}"
@@ -111,12 +122,12 @@ def check_mlm_identical(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
     return Row(name, "pass", detail)
 
 
-def check_mlm_prediction(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
+def check_mlm_prediction(m: Machine, shape: str, out: Path, runs: Runs, rounds: int = THROUGHPUT_ROUNDS) -> Row:
     name = f"stage_prediction[mlm-{shape}]"
     skip = _mlm_skip(name, m)
     if skip:
         return skip
-    times, report = _mlm_profiled(shape, out, runs)
+    times, report = _mlm_profiled(m, shape, out, runs, rounds)
     worst, detail = prediction_verdict(report, times)
     detail = f"{SHAPES[shape][1]}, inside pretrain_gpt.py: {detail}"
     if abs(worst) > PREDICTION_ACCEPT:
@@ -128,7 +139,8 @@ def _spread(values: list[float]) -> str:
     return f"{min(values):.3f}-{max(values):.3f}"
 
 
-def throughput_verdict(ours: list[float], ratio: list[float], plugin: list[float], what: str) -> tuple[bool, str]:
+def throughput_verdict(ours: list[float], ratio: list[float], plugin: list[float], what: str,
+                       every: int = 10) -> tuple[bool, str]:
     """(passed, detail) of the rounds: launcher/Megatron-LM <= THROUGHPUT_MAX (median of
     the rounds); plugin/plain <= PLUGIN_OVERHEAD_MAX judged only where the rounds' spread
     (max - min of their ratios) resolves it (< 3%), else said not resolved."""
@@ -139,32 +151,55 @@ def throughput_verdict(ours: list[float], ratio: list[float], plugin: list[float
               f"not judged: the rounds spread {spread:.1%}, which does not resolve {PLUGIN_OVERHEAD_MAX - 1:.0%}")
     detail = (f"{what}, {len(ratio)} interleaved rounds, like for like (no dropout, no clipping, weight decay "
               f"0.01, no NaN checks), windows excluded: launcher/Megatron-LM {a:.3f}x (rounds {_spread(ratio)}, "
-              f"<= {THROUGHPUT_MAX}); --dynmo every 10 / plain {b:.3f}x (rounds {_spread(plugin)}, {judged}); "
+              f"<= {THROUGHPUT_MAX}); --dynmo every {every} / plain {b:.3f}x (rounds {_spread(plugin)}, {judged}); "
               f"launcher {1e3 * statistics.median(ours):.1f} ms/iteration (rounds {1e3 * min(ours):.1f}-"
               f"{1e3 * max(ours):.1f})")
     return a <= THROUGHPUT_MAX and (not resolved or b <= PLUGIN_OVERHEAD_MAX), detail
 
 
+def session_ratios(session) -> tuple[list[float], list[float], list[float]]:
+    """Per measured round: (launcher s/iteration, launcher / pretrain_gpt.py, --dynmo /
+    plain), each a round's median without its first iteration; the --dynmo run's
+    profiling windows left out."""
+    from gpu_checks.host_session import round_medians
+    inside = window_iterations(session.report)
+    ours = round_medians(session.launcher_times(), session.spec)
+    plain = round_medians(session.plain, session.spec)
+    dynmo = round_medians(session.dynmo, session.spec, skip=inside)
+    return ours, [a / b for a, b in zip(ours, plain)], [a / b for a, b in zip(dynmo, plain)]
+
+
+def _no_cpu_session() -> Optional[str]:
+    """Why the dry run cannot run the session on CPU, or None: it needs the launcher worker
+    (run_checks starts it; a row called alone has none) and the imports of Megatron-LM's
+    CPU harness (tests/integrations/test_megatron_lm.py)."""
+    import importlib.util
+    if launching.WORKER is None:
+        return "the interleaved session runs on CPU only in the dry run (it needs the launcher worker)"
+    missing = [x for x in ("six", "regex", "triton", "tensorboard") if importlib.util.find_spec(x) is None]
+    return f"the interleaved session's CPU harness needs {', '.join(missing)}" if missing else None
+
+
 def check_throughput(m: Machine, out: Path, runs: Runs, rounds: int) -> Row:
-    """Interleaved rounds of the three runs at the host shape (bf16), each round in the
-    same order; iterations inside profiling windows and the warm-up excluded."""
+    """The interleaved session at the host shape (bf16): the launcher against
+    pretrain_gpt.py, and pretrain_gpt.py --dynmo against plain, round by round. On CPU
+    (the dry run) the session runs with tiny models, when Megatron-LM is given, and is
+    not judged."""
     name = "throughput_vs_megatron_lm"
-    skip = _mlm_skip(name, m)
-    if skip:
-        return skip
-    flags, what = SHAPES["host"]
-    ours, ratio, plugin = [], [], []
-    for r in range(rounds):
-        report = launch(1, [*flags, *_COMMON, "--train-iters", str(MLM_ITERS), *_precision(m)],
-                        out / f"launcher_{r}")
-        launcher = statistics.median(i["time_s"] for i in report["iterations"] if i["iteration"] > MLM_WARMUP)
-        plain, _ = mlm_launch("host", False, out / f"mlm_host_plain_{r}")
-        profiled, dyn = runs.get(f"mlm-host-dynmo-{r}", lambda: mlm_launch("host", True, out / f"mlm_host_dynmo_{r}"))
-        plain_s = statistics.median(outside_windows(plain, None, MLM_WARMUP))
-        ours.append(launcher)
-        ratio.append(launcher / plain_s)
-        plugin.append(statistics.median(outside_windows(profiled, dyn, MLM_WARMUP)) / plain_s)
-    passed, detail = throughput_verdict(ours, ratio, plugin, what)
+    if not os.environ.get(MLM_ENV):
+        return Row(name, NO_CUDA if not m.gpus else f"skipped: {MLM_ENV} not set (a Megatron-LM checkout at core_v0.16.1)")
+    if not m.gpus:
+        why = _no_cpu_session()
+        if why:
+            return Row(name, NO_CUDA, why)
+    session = _session(m, out, runs, rounds)
+    ours, ratio, plugin = session_ratios(session)
+    from gpu_checks.host_session import CPU_SESSION, PROFILE_EVERY
+    what = SHAPES["host"][1] if m.gpus else "tiny models on CPU"
+    passed, detail = throughput_verdict(ours, ratio, plugin, what, PROFILE_EVERY if m.gpus else CPU_SESSION[2])
+    turns = f"; {len(session.turns)} turns in {session.spec.rounds} rounds + warm-up, none overlapping"
+    if not m.gpus:
+        return Row(name, NO_CUDA, f"the interleaved session ran (not judged on CPU): {detail}{turns}")
     if not passed:
-        raise CheckFailed(detail)
-    return Row(name, "pass", detail)
+        raise CheckFailed(detail + turns)
+    return Row(name, "pass", detail + turns)

@@ -85,12 +85,18 @@ def heavy_slope_verdict(profile: dict, heavy: dict[int, int], tolerance: float) 
     return detail
 
 
-def outside_windows(times: dict[int, float], report: Optional[dict], warmup: int) -> list[float]:
-    """Iteration seconds after `warmup`, without the iterations inside profiling windows."""
+def window_iterations(report: Optional[dict]) -> set[int]:
+    """The iterations inside the report's profiling windows."""
     inside = set()
     for e in timed_profiles(report or {"events": []}):
         lo, hi = e.get("window") or [e["iteration"], e["iteration"]]
         inside.update(range(lo, hi + 1))
+    return inside
+
+
+def outside_windows(times: dict[int, float], report: Optional[dict], warmup: int) -> list[float]:
+    """Iteration seconds after `warmup`, without the iterations inside profiling windows."""
+    inside = window_iterations(report)
     return [t for i, t in sorted(times.items()) if i > warmup and i not in inside]
 
 
@@ -115,10 +121,7 @@ def overhead_verdict(report: dict, warmup: int = 2) -> tuple[float, str]:
     plugin's own `dynmo_s`: closing a window stops the CUDA profiler, attributes its
     kernels and decides) over the other iterations'. The closing cost is reported beside
     it: it is paid once per window, after an event or every `--dynmo-profile-every`."""
-    inside = set()
-    for e in timed_profiles(report):
-        lo, hi = e.get("window") or [e["iteration"], e["iteration"]]
-        inside.update(range(lo, hi + 1))
+    inside = window_iterations(report)
     rows = {i["iteration"]: i for i in report["iterations"] if i["iteration"] > warmup}
     a = [r["time_s"] - r.get("dynmo_s", 0.0) for i, r in rows.items() if i in inside]
     b = [r["time_s"] for i, r in rows.items() if i not in inside]

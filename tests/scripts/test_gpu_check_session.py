@@ -1,0 +1,133 @@
+"""The interleaved session of scripts/gpu_check.py (issue 34): programs started once take
+turns round by round through a file baton (scripts/gpu_checks/baton.py), and the timings
+leave out the warm-up, every round's first iteration (it follows a wait) and the --dynmo
+run's profiling windows. The whole session with real programs (the launcher worker and
+Megatron-LM's CPU harness) runs in the dry run (tests/scripts/test_gpu_check.py)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from test_gpu_check import gpu_check  # noqa: F401 - puts scripts/ on the path
+
+from gpu_checks import baton as bt  # noqa: E402
+from gpu_checks import host_session, rows_mlm  # noqa: E402
+
+
+def test_rounds_split_the_iterations():
+    spec = bt.BatonSpec("f", "a", warmup=3, rounds=4, iters=8)
+    assert spec.train_iters == 35
+    assert [list(spec.iterations(r)) for r in (0, 1, 4)] == [[1, 2, 3], list(range(4, 12)), list(range(28, 36))]
+    assert spec.first_iterations() == {1, 4, 12, 20, 28}
+    assert [spec.round_of(i) for i in (1, 3, 4, 11, 12, 35)] == [
+        (0, True, False), (0, False, True), (1, True, False), (1, False, True), (2, True, False), (4, False, True)]
+    every = [i for r in range(5) for i in spec.iterations(r)]
+    assert every == list(range(1, 36))  # each iteration in exactly one round
+
+
+def _program(spec: bt.BatonSpec, record: list, work_s: float = 0.004):
+    """A stand-in training loop (a thread): each iteration is a sleep, timed."""
+    client = bt.BatonClient(spec, timeout_s=30)
+    for it in range(1, spec.train_iters + 1):
+        client.before(it)
+        t0 = time.monotonic()
+        time.sleep(work_s)
+        record.append((spec.name, it, t0, time.monotonic()))
+        client.after(it)
+
+
+def test_programs_take_turns_and_never_run_at_once(tmp_path):
+    names = ["launcher", "mlm", "mlm_dynmo"]
+    baton = bt.Baton(tmp_path / "baton", names, rounds=3)
+    record: list = []
+    threads = [threading.Thread(target=_program, args=(bt.BatonSpec(str(baton.folder), n, 2, 3, 3), record))
+               for n in names]
+    for t in threads:
+        t.start()
+    baton.wait_ready(30, lambda: None)
+    turns = baton.turns(30, lambda: None)
+    for t in threads:
+        t.join(10)
+    assert [(t["round"], t["name"]) for t in turns] == [
+        (0, "launcher"), (0, "mlm"), (0, "mlm_dynmo"), (1, "mlm"), (1, "mlm_dynmo"), (1, "launcher"),
+        (2, "mlm_dynmo"), (2, "launcher"), (2, "mlm"), (3, "launcher"), (3, "mlm"), (3, "mlm_dynmo")]
+    assert bt.overlaps(turns) == []
+    # from the programs' own clocks: no two iterations of different programs overlap
+    spans = sorted(record, key=lambda x: x[2])
+    assert len(spans) == 3 * 11
+    clashes = [(a[:2], b[:2]) for a, b in zip(spans, spans[1:]) if b[2] < a[3] and a[0] != b[0]]
+    assert clashes == []
+    # and each round's iterations ran in the program's turn, in round order
+    order = [(name, bt.BatonSpec("f", name, 2, 3, 3).round_of(it)[0]) for name, it, *_ in spans]
+    assert [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k] == [
+        (t["name"], t["round"]) for t in turns]
+
+
+def test_overlapping_turns_are_found():
+    turns = [{"round": 0, "name": "a", "start": 0.0, "end": 10.0}, {"round": 0, "name": "b", "start": 1.0, "end": 2.0},
+             {"round": 0, "name": "c", "start": 3.0, "end": 4.0}, {"round": 1, "name": "a", "start": 10.0, "end": 11.0}]
+    assert bt.overlaps(turns) == [("a#0", "b#0"), ("a#0", "c#0")]
+
+
+def test_a_program_that_dies_stops_the_session_at_once_with_its_reason(tmp_path):
+    baton = bt.Baton(tmp_path / "baton", ["a", "b"], rounds=2)
+    (baton.folder / "ready-a").write_text("")
+    with pytest.raises(RuntimeError, match="b exit 1: Traceback") as e:  # not its 60 s timeout
+        baton.wait_ready(60, lambda: "b exit 1: Traceback (log: x)")
+    assert not isinstance(e.value, bt.BatonTimeout)
+    with pytest.raises(bt.BatonTimeout, match="no done-a-0 after 0 s"):
+        baton.turns(0.05, lambda: None)  # a program alive but never done: the turn's timeout
+
+
+def test_a_program_without_a_coordinator_gives_up(tmp_path):
+    client = bt.BatonClient(bt.BatonSpec(str(tmp_path), "a", 1, 1, 1), timeout_s=0.05)
+    with pytest.raises(bt.BatonTimeout, match="no go-a-0"):
+        client.before(1)
+    assert (tmp_path / "ready-a").exists()
+
+
+def _session(rounds: int = 4) -> host_session.SessionResult:
+    """Timings as a session records them: every round's first iteration holds the wait for
+    the turn (seconds), the --dynmo run's windows (each round's last iteration) cost more;
+    otherwise the launcher 0.10 s, pretrain_gpt.py 0.20 s, --dynmo 0.21 s per iteration in
+    round r * (1 + r/100). Three iterations a round: a median that kept the wait or a
+    window would move."""
+    spec = bt.BatonSpec("f", "launcher", 3, rounds, 3)
+    windows = (6, 9, 12, 15)
+    firsts = spec.first_iterations()
+
+    def times(base: float, windows=()) -> dict[int, float]:
+        out = {}
+        for r in range(rounds + 1):
+            for i in spec.iterations(r):
+                out[i] = 5.0 if i in firsts else 0.9 if i in windows else base * (1 + r / 100)
+        return out
+    launcher = {"iterations": [{"iteration": i, "time_s": t} for i, t in times(0.10).items()]}
+    report = {"events": [{"kind": "profile", "iteration": i, "window": [i, i], "profile": {"layers": []}}
+                         for i in windows]}
+    return host_session.SessionResult(spec, launcher, times(0.20), times(0.21, windows), report, [])
+
+
+def test_round_ratios_leave_out_waits_warmup_and_windows():
+    ours, ratio, plugin = rows_mlm.session_ratios(_session())
+    assert ours == pytest.approx([0.10 * (1 + r / 100) for r in (1, 2, 3, 4)])
+    assert ratio == pytest.approx([0.5] * 4) and plugin == pytest.approx([1.05] * 4)
+    passed, detail = rows_mlm.throughput_verdict(ours, ratio, plugin, "host")
+    assert not passed and "--dynmo every 10 / plain 1.050x (rounds 1.050-1.050, <= 1.03)" in detail
+    times = host_session.timing_iterations(_session().dynmo, _session().spec)
+    assert max(times.values()) == 0.9 and 5.0 not in times.values() and 1 not in times
+
+
+def test_a_rounds_median_is_of_its_own_iterations_without_the_wait_and_the_windows():
+    spec = bt.BatonSpec("f", "a", 1, 2, 4)              # round 1: 2-5, round 2: 6-9
+    times = {1: 9.0, 2: 5.0, 3: 0.1, 4: 0.2, 5: 0.3, 6: 5.0, 7: 0.1, 8: 0.2, 9: 0.9}
+    assert host_session.round_medians(times, spec) == pytest.approx([0.2, 0.2])
+    assert host_session.round_medians(times, spec, skip={9}) == pytest.approx([0.2, 0.15])
+
+
+def test_a_round_with_nothing_left_to_time_is_a_failure_not_a_crash():
+    spec = bt.BatonSpec("f", "a", 1, 2, 2)
+    with pytest.raises(gpu_check.CheckFailed, match="round 1: no iteration left"):
+        host_session.round_medians({i: 0.1 for i in range(1, 6)}, spec, skip={3})
