@@ -68,7 +68,7 @@ TARGETS: dict[str, str] = {
     "layout": f"{FAST} tests/test_layout.py tests/config/test_config_layout.py {BALANCING}",
     **{f"config.{m}": f"{FAST} tests/config/test_config.py tests/config/test_config_input.py "
        "tests/config/test_config_layout.py tests/config/test_granularity.py tests/config/test_fields.py "
-       "tests/config/test_config_checks_reference.py "
+       "tests/config/test_config_checks_reference.py tests/config/test_layout_mtp.py "
        "tests/data/test_data_documents.py::test_config_checks"   # the data section's checks
        for m in ("checks", "fields", "load", "schema")},
     # three real gloo ranks driving every call (tests/test_consensus.py, ~25 s); the hung and
