@@ -13,6 +13,14 @@ runs (bit-shifts of floats only raise TypeError and teach nothing), fits the
 `--budget-s` on this 2-core machine. Mutants left when the budget runs out are reported
 as not run, never as killed.
 
+Where the seconds go, and what keeps them down (docs/testing.md, "Wave 8"): the unmutated
+run of each test command, once, traced (scripts/mutation_order.py: which tests run which
+lines of the targets); then per mutant, cosmic-ray's own mutation applied and the command
+run with the tests that run the mutated line first, fastest first, `-x`: a kill costs a
+pytest start and a few tests, a survivor still runs every test. Each test may take three
+times its traced time plus 10 s, the whole command twice the traced run plus 30 s: a hang
+costs that, counted apart as a timeout.
+
     .venv/bin/pip install -c constraints.txt -e '.[mutation]'
     nice -n 10 .venv/bin/python scripts/mutation.py          # every target, 18-min budget (see docs/testing.md)
     .venv/bin/python scripts/mutation.py --only balancing.gate --sample 10 --json
@@ -42,8 +50,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# -p: the plugin written into each copy (_NO_SHRINK) turns hypothesis's shrinking off
-PYTEST = "-m pytest -x -q -p no:cacheprovider -p _mutation_no_shrink"
+# -p: the plugins written into each copy: _NO_SHRINK turns hypothesis's shrinking off;
+# scripts/mutation_order.py records which tests run which target lines (the unmutated run)
+# and runs a mutant's covering tests first, fastest first (each mutant's run)
+PYTEST = "-m pytest -x -q -p no:cacheprovider -p _mutation_no_shrink -p _mutation_order"
 FAST = f"{PYTEST} --noconftest"           # pure tests need no torchrun launcher
 BALANCING = "tests/balancing"
 # the unit tests of a balancing module that live beside its live (torchrun) tests
@@ -58,7 +68,7 @@ TARGETS: dict[str, str] = {
     "layout": f"{FAST} tests/test_layout.py tests/config/test_config_layout.py {BALANCING}",
     **{f"config.{m}": f"{FAST} tests/config/test_config.py tests/config/test_config_input.py "
        "tests/config/test_config_layout.py tests/config/test_granularity.py tests/config/test_fields.py "
-       "tests/config/test_config_checks_reference.py "
+       "tests/config/test_config_checks_reference.py tests/config/test_layout_mtp.py "
        "tests/data/test_data_documents.py::test_config_checks"   # the data section's checks
        for m in ("checks", "fields", "load", "schema")},
     # three real gloo ranks driving every call (tests/test_consensus.py, ~25 s); the hung and
@@ -99,6 +109,9 @@ class ModuleResult:
     not_run: int = 0
     incompetent: int = 0
     seconds: float = 0.0
+    baseline_s: float = 0.0   # the command's unmutated (traced) run, wherever it ran
+    timeout_s: float = 0.0    # per mutant, from the baseline
+    mutant_s: list[float] = field(default_factory=list)
     survivors: list[dict] = field(default_factory=list)
     error: str = ""
 
@@ -120,8 +133,9 @@ _NO_SHRINK = (
 
 def _copy_tree(dest: Path, ref: str | None) -> None:
     """The tracked files as they are now, or as committed at `ref` (to compare commits);
-    plus the no-shrink plugin. Untracked files are not copied: `git add` a new test first."""
+    plus the two plugins. Untracked files are not copied: `git add` a new test first."""
     (dest / "_mutation_no_shrink.py").write_text(_NO_SHRINK)
+    shutil.copyfile(Path(__file__).with_name("mutation_order.py"), dest / "_mutation_order.py")
     if ref:
         archive = subprocess.run(["git", "archive", ref], cwd=ROOT, check=True, capture_output=True)
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
@@ -147,34 +161,82 @@ def _first_related(module: str, tests: str, tree: Path) -> str:
     return shlex.join([w for w in words if not w.startswith("tests/")] + named + paths)
 
 
-_BASELINES: dict[tuple[str, str | None], str] = {}
+@dataclass
+class Baseline:
+    """The unmutated run of one test command: why it cannot be used ('' when it passed),
+    its seconds (traced), and {(file relative to the tree, line): [node ids, fastest first]}."""
+    why: str
+    seconds: float = 0.0
+    covering: dict[tuple[str, int], list[str]] = field(default_factory=dict)
+    limits: dict[str, float] = field(default_factory=dict)   # node id -> seconds a mutant may take
+
+
+_BASELINES: dict[tuple[str, str | None], Baseline] = {}
 _BASELINE_LOCKS: dict[tuple[str, str | None], threading.Lock] = {}
 _LOCKS_LOCK = threading.Lock()
 
 
+def _target_files(tree: Path) -> str:
+    """Every target's file in `tree`, for the tracer: one traced run serves every module
+    that shares the command."""
+    return os.pathsep.join(str(tree / ("dynmo_plugin/" + m.replace(".", "/") + ".py")) for m in TARGETS)
+
+
+def per_test_limit(traced_s: float) -> float:
+    """Seconds one test may take under a mutant: three times its traced (so slower)
+    unmutated time plus 10 s. A mutant that hangs a test costs that, not the command's
+    timeout; one that only slows it by less than ~3x is not a hang."""
+    return round(3 * traced_s + 10, 1)
+
+
+def _covering(trace: Path, tree: Path) -> dict[tuple[str, int], list[str]]:
+    """The traced run's {(file relative to tree, line): node ids, fastest test first}."""
+    root, tests = os.path.realpath(tree), json.loads(trace.read_text())
+    covering: dict[tuple[str, int], list[tuple[float, str]]] = {}
+    for nodeid, (seconds, lines) in tests.items():
+        for name, rows in lines.items():
+            rel = os.path.relpath(name, root)
+            for row in rows:
+                covering.setdefault((rel, row), []).append((seconds, nodeid))
+    return {key: [nodeid for _, nodeid in sorted(ids)] for key, ids in covering.items()}
+
+
 def _baseline(shared: str, tests: str, ref: str | None, tree: Path, env: dict,
-              timeout: float, budget_bound: bool = False) -> str:
-    """'' when the unmutated tests pass in `tree`, else why not. Without it a test that fails
-    anyway (a missing file at --ref, an environment the commit predates) counts every mutant
-    as killed. Once per test command (`shared`, as TARGETS names it, before a module's own
-    files are put first) and tree: the balancing modules share theirs, and wait for it;
-    other commands run theirs meanwhile. `budget_bound`: `timeout` is what is left of the
-    budget, so running past it says nothing about the tests (and is not remembered)."""
+              timeout: float, budget_bound: bool = False) -> Baseline:
+    """The unmutated tests in `tree`: `why` is '' when they pass, else why not. Without it a
+    test that fails anyway (a missing file at --ref, an environment the commit predates)
+    counts every mutant as killed. Once per test command (`shared`, as TARGETS names it,
+    before a module's own files are put first) and tree: the balancing modules share theirs,
+    and wait for it; other commands run theirs meanwhile. The run is traced (which tests
+    cover which target lines, for each mutant's order). `budget_bound`: `timeout` is what is
+    left of the budget, so running past it says nothing about the tests (not remembered)."""
     key = (shared, ref)
     with _LOCKS_LOCK:
         lock = _BASELINE_LOCKS.setdefault(key, threading.Lock())
     with lock:
         if key in _BASELINES:
             return _BASELINES[key]
-        log = tree / "baseline.log"
-        code = _run_group([sys.executable, *shlex.split(tests)], tree, env, timeout, log)
+        log, trace = tree / "baseline.log", tree / "baseline-trace.json"
+        traced = {**env, "DYNMO_MUTATION_TRACE": str(trace), "DYNMO_MUTATION_TRACE_FILES": _target_files(tree)}
+        start = time.monotonic()
+        code = _run_group([sys.executable, *shlex.split(tests)], tree, traced, timeout, log)
+        seconds = time.monotonic() - start
         if code is None and budget_bound:
-            return "budget ran out during the unmutated run"
+            return Baseline("budget ran out during the unmutated run", seconds)
         why = (f"tests run past {timeout:.0f} s unmutated" if code is None else "" if code == 0
                else f"tests fail unmutated (exit {code}): "
                + (log.read_text().strip().splitlines() or [""])[-1])
-        _BASELINES[key] = why
-        return why
+        traced = json.loads(trace.read_text()) if not why and trace.exists() else {}
+        _BASELINES[key] = Baseline(why, seconds, _covering(trace, tree) if traced else {},
+                                   {nodeid: per_test_limit(s) for nodeid, (s, _) in traced.items()})
+        return _BASELINES[key]
+
+
+def mutant_timeout_for(baseline_s: float, cap: float) -> float:
+    """Seconds a mutant's tests may run: twice the (traced, so slower) unmutated run plus
+    30 s of start-up and noise, at most `cap`. A mutant that hangs the tests costs that,
+    not the cap; one that only slows them by less than 2x is not a hang."""
+    return min(cap, 2 * baseline_s + 30)
 
 
 def _config(module: str, tests: str, timeout: float) -> str:
@@ -196,6 +258,62 @@ def _sample(db: Path, n: int, seed: int) -> tuple[int, int]:
     con.commit()
     con.close()
     return len(ok), len(keep)
+
+
+_PER_TEST_TIMEOUT = "s) from pytest-timeout."    # pytest-timeout's failure at a test's limit
+
+
+def _first(covering: dict[tuple[str, int], list[str]], spec) -> list[str]:
+    """The node ids that run any line of the mutant, fastest first."""
+    rel = str(spec.module_path)
+    ids: dict[str, None] = {}
+    for row in range(spec.start_pos[0], spec.end_pos[0] + 1):
+        ids.update(dict.fromkeys(covering.get((rel, row), ())))
+    return list(ids)
+
+
+def _exec(tree: Path, db: Path, tests: str, env: dict, base: Baseline, timeout: float,
+          deadline: float, seconds: list[float]) -> bool:
+    """Run each sampled mutant of the session `db` (cosmic-ray's own mutation, its outcomes
+    stored as `cosmic-ray exec` stores them), covering tests first; False if the budget ran
+    out (the mutants left stay not run). Our loop, not `exec`: the order differs per mutant."""
+    from cosmic_ray.mutating import _make_diff, use_mutation
+    from cosmic_ray.plugins import get_operator
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
+
+    cmd = [sys.executable, *shlex.split(tests)]
+    with use_db(str(db), WorkDB.Mode.open) as work:
+        for item in list(work.pending_work_items):
+            left = deadline - time.monotonic()
+            if left <= 1:
+                return False
+            spec = item.mutations[0]
+            path = tree / spec.module_path
+            first = tree / "first.json"
+            first.write_text(json.dumps({"first": _first(base.covering, spec), "limits": base.limits}))
+            start = time.monotonic()
+            with use_mutation(path, get_operator(spec.operator_name)(**spec.operator_args),
+                              spec.occurrence) as (original, mutated):
+                if mutated is None:
+                    work.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.NO_TEST))
+                    continue
+                for pyc in (path.parent / "__pycache__").glob(path.stem + ".*.pyc"):
+                    pyc.unlink()    # never a stale compile of another mutant (same size, same second)
+                log = tree / "mutant.log"
+                code = _run_group(cmd, tree, {**env, "DYNMO_MUTATION_FIRST": str(first)},
+                                  min(timeout, left), log)
+            seconds.append(round(time.monotonic() - start, 1))
+            if code is None and left < timeout:
+                return False
+            outcome = TestOutcome.SURVIVED if code == 0 else TestOutcome.KILLED
+            output = log.read_text()[-4000:] if code is not None else ""
+            if code is None or _PER_TEST_TIMEOUT in output:
+                output = "timeout"      # as cosmic-ray writes a timeout: counted apart
+            work.set_result(item.job_id, WorkResult(
+                output=output, test_outcome=outcome, worker_outcome=WorkerOutcome.NORMAL,
+                diff="\n".join(_make_diff(original, mutated, spec.module_path))))
+    return True
 
 
 def _collect(db: Path, result: ModuleResult) -> None:
@@ -279,11 +397,13 @@ def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests")])}
         left = deadline - time.monotonic()
-        result.error = _baseline(shared, tests, ref, tree, env, max(1.0, min(mutant_timeout, left)),
-                                 budget_bound=left < mutant_timeout)
+        base = _baseline(shared, tests, ref, tree, env, max(1.0, min(mutant_timeout, left)),
+                         budget_bound=left < mutant_timeout)
+        result.error, result.baseline_s = base.why, round(base.seconds, 1)
         if result.error:
             return result
-        (tree / "cr.toml").write_text(_config(module, tests, mutant_timeout))
+        result.timeout_s = mutant_timeout_for(base.seconds, mutant_timeout)
+        (tree / "cr.toml").write_text(_config(module, tests, result.timeout_s))
         cr = [sys.executable, "-m", "cosmic_ray.cli"]
         init = subprocess.run([*cr, "init", "cr.toml", "s.sqlite"], cwd=tree, env=env,
                               capture_output=True, text=True)
@@ -291,8 +411,8 @@ def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
             result.error = (init.stderr.strip().splitlines() or ["init failed"])[-1]
             return result
         result.mutants, result.sampled = _sample(tree / "s.sqlite", sample, seed)
-        if _run_group([*cr, "exec", "cr.toml", "s.sqlite"], tree, env,
-                      max(1.0, deadline - time.monotonic())) is None:
+        if not _exec(tree, tree / "s.sqlite", tests, env, base, result.timeout_s, deadline,
+                     result.mutant_s):
             result.error = "budget ran out"
         _collect(tree / "s.sqlite", result)
         _TREES.discard(tmp)
@@ -300,13 +420,27 @@ def run_module(module: str, tests: str, sample: int, seed: int, deadline: float,
     return result
 
 
+def submission_order(modules: list[str]) -> list[str]:
+    """Modules sharing a test command wait for its one unmutated run: interleave the
+    commands (the largest group first) so that `--jobs` workers start on different ones."""
+    groups: dict[str, list[str]] = {}
+    for m in modules:
+        groups.setdefault(TARGETS[m], []).append(m)
+    queues = sorted(groups.values(), key=len, reverse=True)
+    order: list[str] = []
+    while any(queues):
+        order += [q.pop(0) for q in queues if q]
+    return order
+
+
 def _table(results: list[ModuleResult]) -> str:
-    lines = ["| module | mutants | sampled | killed | survived | timeout | not run | survival | s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| module | mutants | sampled | killed | survived | timeout | not run | survival | s "
+             "| baseline s | mutant s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         rate = "–" if r.survival is None else f"{r.survival:.0%}"
         lines.append(f"| {r.module} | {r.mutants} | {r.sampled} | {r.killed} | {r.survived} | "
-                     f"{r.timeout} | {r.not_run} | {rate} | {r.seconds:.0f} |")
+                     f"{r.timeout} | {r.not_run} | {rate} | {r.seconds:.0f} | {r.baseline_s:.0f} | "
+                     f"{' '.join(f'{x:.0f}' for x in r.mutant_s)} |")
     killed, survived = sum(r.killed for r in results), sum(r.survived for r in results)
     total = f"{survived / (killed + survived):.1%}" if killed + survived else "–"
     lines.append(f"\nsurvival over all run mutants: {total} ({survived} of {killed + survived})")
@@ -326,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="which mutants are sampled, with the module's "
                     "name: --only X samples X's as a full run does (default %(default)s)")
     ap.add_argument("--jobs", type=int, default=2, help="modules mutated at once (default %(default)s)")
-    ap.add_argument("--mutant-timeout", type=float, default=300.0, help="seconds per mutant's tests")
+    ap.add_argument("--mutant-timeout", type=float, default=300.0, help="at most this many seconds per "
+                    "mutant's tests; less where twice the unmutated run plus 30 s is less")
     ap.add_argument("--ref", help="mutate the tree committed at this git ref (default: the working tree)")
     ap.add_argument("--only", nargs="+", choices=sorted(TARGETS), help="these modules only")
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
@@ -342,14 +477,17 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _stop)
     start = time.monotonic()
     deadline = start + args.budget_s
+    from cosmic_ray.plugins import get_operator
+    get_operator("core/NumberReplacer")     # the operator registry loaded once, not in two threads
     with cf.ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run_module, m, TARGETS[m], args.sample,
-                               args.seed + zlib.crc32(m.encode()), deadline,
-                               args.mutant_timeout, args.ref) for m in modules]
-        results = []
-        for m, fut in zip(modules, futures):
-            results.append(fut.result())
-            print(f"mutation: {m} done", file=sys.stderr)
+        futures = {m: pool.submit(run_module, m, TARGETS[m], args.sample,
+                                  args.seed + zlib.crc32(m.encode()), deadline,
+                                  args.mutant_timeout, args.ref) for m in submission_order(modules)}
+        for fut in cf.as_completed(futures.values()):
+            r = fut.result()
+            print(f"mutation: {r.module} done in {r.seconds:.0f} s, {time.monotonic() - start:.0f} s in",
+                  file=sys.stderr)
+        results = [futures[m].result() for m in modules]
     if args.json:
         print(json.dumps([{**asdict(r), "survival": r.survival} for r in results], indent=1))
     else:

@@ -740,12 +740,41 @@ _FLAG_VALUES = {
 }
 
 
+# Values outside the range each flag states (dynmo plan --help, cli/plan.py): whatever else
+# is given, the command must refuse them (exit 2). The rest may plan or be refused for how
+# they combine (a layout of other layers, a cap no split fits): either outcome is checked
+# for its form only.
+_OUT_OF_RANGE = {
+    "--min-stages": {"0", "-1", "x", "99999999"},          # an integer in [1, 100000]
+    "--max-slowdown": {"0", "-1", "nan", "inf", "x"},      # finite, > 0
+    "--objective": {"bogus"},
+    "--memory-margin": {"-0.5", "nan"},                    # finite, >= 0
+    "--rebuild-s": {"-1", "inf"},                          # finite, >= 0
+    "--capacity": {"0"},                                   # a positive byte count
+    "--stages": {"0"},                                     # an integer >= 1
+    "--microbatches": {"0"},                               # an integer >= 1
+}
+
+
+@pytest.mark.parametrize("flag, value", sorted((f, v) for f, bad in _OUT_OF_RANGE.items() for v in bad))
+def test_cli_repack_refuses_each_out_of_range_value_alone(tmp_path, flag, value):
+    """Each value of the fuzzer's out-of-range table, among flags that plan otherwise: exit
+    2 (the fuzzer draws them mixed with others, some never alone)."""
+    argv = {"--stages": "4", flag: value}
+    code, out, err = _cli("plan", _costs_file(tmp_path, {"costs": SHRUNK, "memory": [1] * len(SHRUNK)}),
+                          "--repack", *itertools.chain(*argv.items()))
+    assert code == 2 and out == "", (flag, value, out)
+    assert _cli("plan", _costs_file(tmp_path, {"costs": SHRUNK, "memory": [1] * len(SHRUNK)}),
+                "--repack", "--stages", "4")[0] == 0
+
+
 @given(data=st.data())
 @settings(max_examples=60, derandomize=True, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 def test_cli_repack_fuzz(tmp_path, data):
     """Any mix of flags: exit 0 with output (one JSON document with --json), or exit 2
-    with one line (or argparse's usage + error for a value argparse itself rejects)."""
+    with one line (or argparse's usage + error for a value argparse itself rejects); exit 2
+    whenever a value is outside its flag's stated range."""
     costs = data.draw(st.sampled_from([SHRUNK, [1, 2], [0, 0, 0, 0], [5]]))
     argv = ["plan", _costs_file(tmp_path, {"costs": costs, "memory": [1] * len(costs)}), "--repack"]
     for flag in data.draw(st.lists(st.sampled_from(sorted(_FLAG_VALUES)), unique=True, max_size=5)):
@@ -753,6 +782,9 @@ def test_cli_repack_fuzz(tmp_path, data):
     argv += [f for f in ("--json", "--allow-empty-stages") if data.draw(st.booleans())]
     code, out, err = _cli(*argv)
     assert code in (0, 2), (argv, err)
+    flags = dict(zip(argv[3::2], argv[4::2]))
+    out_of_range = any(flags.get(flag) in bad for flag, bad in _OUT_OF_RANGE.items())
+    assert code == (2 if out_of_range else code), (argv, out)   # either, unless a value is out of range
     if code == 0:
         assert json.loads(out) if "--json" in argv else out.strip()
     elif not err.startswith("usage:"):

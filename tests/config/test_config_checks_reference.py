@@ -64,3 +64,17 @@ def test_a_forced_layout_may_move_the_mtp_block_live_with_one_chunk_per_rank(sta
 ])
 def test_a_forced_layout_may_move_decoder_layers_around_the_mtp_block(start, forced):
     assert _outcome(MTP + start + ["--dynmo-forced-layouts", f"2:{forced}"], world_size=3) == "ok"
+
+
+PP4_REPACK = ["--micro-batch-size", "1", "--global-batch-size", "8", "--dynmo", "--mtp-num-layers", "1",
+              "--pipeline-model-parallel-size", "4", "--untie-embeddings-and-output-weights",
+              "--dynmo-repack"]
+
+
+def test_a_repack_leaving_the_block_off_the_last_surviving_rank_names_that_rank():
+    """A forced repack onto 3 of 4 ranks with the block standalone on rank 1: refused, and
+    the message names the last surviving rank, 2 (= the 3 ranks left - 1), where 'mL'
+    would land it (mutation survivor config.checks:410 printed the rank count, 3)."""
+    got = _outcome(PP4_REPACK + ["--dynmo-forced-layouts", "2:Etttttt|ttttttm|L"], world_size=4)
+    assert "repacks with the MTP block on rank 1; a repack lands it on the last surviving rank (2)" in got
+    assert _outcome(PP4_REPACK + ["--dynmo-forced-layouts", "2:Etttttt|tttt|ttmL"], world_size=4) == "ok"

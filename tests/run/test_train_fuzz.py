@@ -173,6 +173,39 @@ yaml_texts = st.one_of(
                      b"model: {lr: .inf}\n", b"model: {lr: .nan}\n", b"{a: 1\n", b"? [1, 2]\n: 3\n"]))
 
 
+# The fuzzer's fixed texts, each with the outcome its rule gives and a word of the reason:
+# the fuzzer checks the form of any outcome; this says which one is right.
+YAML_WANT = {
+    b"model:\n  num_layers: 4\nmodel:\n  hidden_size: 8\n": ("user", "key 'model' given twice"),
+    b"rebalance:\n\tinterval: 2\n": ("user", "not valid YAML"),       # a tab cannot indent
+    b"rebalance: [\n": ("user", "not valid YAML"),
+    b"rebalance: 5\n": ("user", "rebalance: expected a section"),
+    b"model.num_layers: 4\n": ("user", "dotted key names are not read"),
+    b"\xff\xfemodel: {}\n": ("user", "not UTF-8"),
+    b"- 1\n- 2\n": ("user", "expected a mapping of sections at the top level"),
+    b"profiling: {window: 2, window: 3}\n": ("user", "key 'window' given twice"),
+    b"repack:\n  enabled: yes\n  mode: checkpoint\n": ("user", "give --save"),
+    b"model: {num_layers: 4, pipeline_model_parallel_size: 2, "
+    b"pipeline_model_parallel_layout: 'Et|tttL'}\n": ("ok", ""),      # 4 layers over 2 stages
+    b"dynamism:\n  kind: moe\n  pruning: {start: 2}\n": ("user", "dynamism.pruning.start: set, but"),
+    b"model: {lr: .inf}\n": ("user", "model.lr: expected a finite number"),
+    b"model: {lr: .nan}\n": ("user", "model.lr: expected a finite number"),
+    b"{a: 1\n": ("user", "not valid YAML"),
+    b"? [1, 2]\n: 3\n": ("user", "not valid YAML"),                  # a list as a key
+    b"": ("user", "holds no settings"), b"\n\n": ("user", "holds no settings"),
+    b"# only a comment\n": ("user", "holds no settings"),
+}
+
+
+@pytest.mark.parametrize("text", list(YAML_WANT), ids=range(len(YAML_WANT)))
+def test_each_fixed_yaml_text_gets_the_outcome_its_rule_gives(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(text)
+    outcome, message = _run(["--dynmo-config", str(path)])
+    want, reason = YAML_WANT[text]
+    assert outcome == want and reason in message, (text, outcome, message)
+
+
 @FUZZ
 @given(text=yaml_texts)
 def test_yaml_files_validate_or_fail_in_one_line(tmp_path_factory, text):

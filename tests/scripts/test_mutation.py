@@ -2,10 +2,12 @@
 written here by cosmic-ray's own WorkDB (the pinned 8.4.6 stores its outcomes by enum
 name; the script compared with the values and counted every survivor as killed)."""
 import importlib.util
+import json
 import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,7 @@ def test_the_pytest_plugin_turns_shrinking_off_for_the_tests_own_settings(tmp_pa
     shrink phase out of the profile that the tests' settings(...) inherit from."""
     mutation = _script()
     (tmp_path / "_mutation_no_shrink.py").write_text(mutation._NO_SHRINK)
+    (tmp_path / "_mutation_order.py").write_text((ROOT / "scripts/mutation_order.py").read_text())
     (tmp_path / "test_x.py").write_text(
         "from hypothesis import Phase, settings\n"
         "def test_phases():\n"
@@ -99,8 +102,105 @@ def test_a_baseline_cut_by_the_budget_is_not_a_verdict_on_the_tests(tmp_path):
     mutation = _script()
     slow = "-c 'import time; time.sleep(30)'"
     args = (slow, slow, None, tmp_path, dict(os.environ), 0.5)
-    assert mutation._baseline(*args, budget_bound=True) == "budget ran out during the unmutated run"
+    assert mutation._baseline(*args, budget_bound=True).why == "budget ran out during the unmutated run"
     assert (slow, None) not in mutation._BASELINES
-    assert mutation._baseline(*args) == "tests run past 0 s unmutated"
-    assert mutation._BASELINES[(slow, None)] == "tests run past 0 s unmutated"
-    assert mutation._baseline("-c pass", "-c pass", None, tmp_path, dict(os.environ), 30) == ""
+    assert mutation._baseline(*args).why == "tests run past 0 s unmutated"
+    assert mutation._BASELINES[(slow, None)].why == "tests run past 0 s unmutated"
+    assert mutation._baseline("-c pass", "-c pass", None, tmp_path, dict(os.environ), 30).why == ""
+
+
+def _toy(tmp_path, mutation):
+    """A tree with one target module, its tests and the two plugins, as _copy_tree lays them
+    out: `clamp` is covered by test_clamp only; test_other never runs it."""
+    (tmp_path / "dynmo_plugin").mkdir()
+    (tmp_path / "dynmo_plugin/__init__.py").write_text("")
+    (tmp_path / "dynmo_plugin/toy.py").write_text(
+        "def clamp(x, lo, hi):\n"
+        "    if x < lo:\n"
+        "        return lo\n"
+        "    return min(x, hi)\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/test_toy.py").write_text(
+        "from dynmo_plugin.toy import clamp\n\n"
+        "def test_other():\n"
+        "    assert 1 + 1 == 2\n\n"
+        "def test_clamp():\n"
+        "    assert [clamp(x, 0, 3) for x in (-2, 0, 2, 3, 5)] == [0, 0, 2, 3, 3]\n")
+    (tmp_path / "_mutation_no_shrink.py").write_text(mutation._NO_SHRINK)
+    (tmp_path / "_mutation_order.py").write_text((ROOT / "scripts/mutation_order.py").read_text())
+    return {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"}
+
+
+def test_the_unmutated_run_says_which_tests_cover_which_lines(tmp_path, monkeypatch):
+    """The traced baseline maps each line of the target to the tests that ran it (and only
+    those): a mutant there is tried on them first."""
+    mutation = _script()
+    monkeypatch.setattr(mutation, "TARGETS", {"toy": ""})
+    env = _toy(tmp_path, mutation)
+    tests = f"{mutation.PYTEST} tests/test_toy.py"
+    base = mutation._baseline(tests, tests, "toy-trace", tmp_path, env, 120)
+    assert base.why == ""
+    toy = "dynmo_plugin/toy.py"
+    assert {row: ids for (name, row), ids in base.covering.items() if name == toy} == {
+        row: ["tests/test_toy.py::test_clamp"] for row in (1, 2, 3, 4)}
+    assert set(base.limits) == {"tests/test_toy.py::test_other", "tests/test_toy.py::test_clamp"}
+    assert all(limit >= 10 for limit in base.limits.values())
+
+
+def test_a_mutants_covering_tests_run_first_and_a_hung_test_stops_at_its_limit(tmp_path):
+    """The order plugin puts the listed node ids first (the rest keep their order) and gives
+    each test its own limit: a test past it fails with pytest-timeout's message, which
+    the script counts as a timeout."""
+    mutation = _script()
+    env = _toy(tmp_path, mutation)
+    (tmp_path / "tests/test_toy.py").write_text(
+        (tmp_path / "tests/test_toy.py").read_text()
+        + "\ndef test_hangs():\n    import time\n    time.sleep(60)\n")
+    plan = tmp_path / "first.json"
+    plan.write_text(json.dumps({"first": ["tests/test_toy.py::test_hangs", "tests/test_toy.py::test_clamp"],
+                                "limits": {"tests/test_toy.py::test_hangs": 1}}))
+    run = subprocess.run([sys.executable, *shlex.split(mutation.PYTEST.replace("-x -q", "-v")),
+                          "tests/test_toy.py"], cwd=tmp_path, capture_output=True, text=True,
+                         env={**env, "DYNMO_MUTATION_FIRST": str(plan)}, timeout=50)
+    ran = [line.split(" ")[0] for line in run.stdout.splitlines()
+           if line.startswith("tests/") and line.split(" ")[1:2] in (["PASSED"], ["FAILED"])]
+    assert ran == ["tests/test_toy.py::test_hangs", "tests/test_toy.py::test_clamp",
+                   "tests/test_toy.py::test_other"], run.stdout
+    assert run.returncode == 1 and mutation._PER_TEST_TIMEOUT in run.stdout
+
+
+def test_the_scripts_mutant_loop_gives_cosmic_rays_own_outcomes(tmp_path, monkeypatch):
+    """Every mutant of the toy run by the script's loop (covering tests first, per-test
+    limits) and by `cosmic-ray exec` (the command as given): the same killed and survived
+    mutants, so the order changes only when a kill is found."""
+    mutation = _script()
+    monkeypatch.setattr(mutation, "TARGETS", {"toy": ""})
+    env = _toy(tmp_path, mutation)
+    tests = f"{mutation.PYTEST} tests/test_toy.py"
+    base = mutation._baseline(tests, tests, "toy-exec", tmp_path, env, 120)
+    (tmp_path / "cr.toml").write_text(mutation._config("toy", tests, 120))
+    cr = [sys.executable, "-m", "cosmic_ray.cli"]
+    subprocess.run([*cr, "init", "cr.toml", "ours.sqlite"], cwd=tmp_path, env=env, check=True)
+    _, sampled = mutation._sample(tmp_path / "ours.sqlite", 6, 0)
+    (tmp_path / "theirs.sqlite").write_bytes((tmp_path / "ours.sqlite").read_bytes())
+    seconds: list[float] = []
+    assert mutation._exec(tmp_path, tmp_path / "ours.sqlite", tests, env, base, 120,
+                          time.monotonic() + 600, seconds)
+    subprocess.run([*cr, "exec", "cr.toml", "theirs.sqlite"], cwd=tmp_path, env=env, check=True)
+    ours, theirs = mutation.ModuleResult("toy"), mutation.ModuleResult("toy")
+    mutation._collect(tmp_path / "ours.sqlite", ours)
+    mutation._collect(tmp_path / "theirs.sqlite", theirs)
+    assert len(seconds) == sampled == 6
+    assert (ours.killed, ours.survived, ours.timeout, ours.not_run) == \
+        (theirs.killed, theirs.survived, theirs.timeout, theirs.not_run)
+    assert ours.killed > 0 and ours.not_run == 0
+    assert sorted(s["diff"] for s in ours.survivors) == sorted(s["diff"] for s in theirs.survivors)
+    assert (tmp_path / "dynmo_plugin/toy.py").read_text().startswith("def clamp(x, lo, hi):\n    if x < lo")
+
+
+def test_commands_shared_by_modules_are_interleaved_so_workers_start_on_different_ones():
+    mutation = _script()
+    order = mutation.submission_order(sorted(mutation.TARGETS))
+    assert sorted(order) == sorted(mutation.TARGETS)
+    assert mutation.TARGETS[order[0]] != mutation.TARGETS[order[1]]
+    assert order[0].startswith("balancing.")      # the largest group, whose baseline is longest
