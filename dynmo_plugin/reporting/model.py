@@ -123,7 +123,8 @@ class Event:
         if isinstance(repack, dict) and repack.get("applied") is True:
             kind = "repack"  # a live rebalance that shrank the pipeline
         return cls(
-            iteration=None if it is None else int(it), kind=kind,
+            # a fractional iteration stays as read, for impossible() to name it
+            iteration=None if it is None else int(it) if it == int(it) else it, kind=kind,
             trigger=_opt_text(raw.get("trigger")),
             applied=applied if isinstance(applied, bool) else None,
             layout_before=_opt_text(raw.get("layout_before")),
