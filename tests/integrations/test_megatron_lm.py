@@ -167,7 +167,8 @@ def mtt():
 
 @needs_source
 def test_enable_wraps_and_disable_restores(mtt):
-    names = ("initialize_megatron", "setup_model_and_optimizer", "train_step", "train")
+    names = ("initialize_megatron", "setup_model_and_optimizer",
+             "build_train_valid_test_data_iterators", "train_step", "train")
     before = {n: getattr(mtt, n) for n in names}
     ml.enable()
     ml.enable()  # idempotent: wrapped once
