@@ -248,7 +248,8 @@ _MAX_ITER, _MAX_S = 2**53, 1e150   # the report's stated limits (reporting/model
 
 
 def _finite(value) -> float | None:
-    """A JSON number or numeric string as a finite float; booleans are not numbers."""
+    """A JSON number or numeric string as a finite float; booleans are not numbers. The
+    oracle's own reading of the stated rule, on purpose not reporting/model.py's `_num`."""
     if isinstance(value, bool):
         return None
     try:
