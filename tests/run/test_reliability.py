@@ -126,7 +126,13 @@ def test_dead_peer_does_not_hang_the_others(tmp_path):
                                             "--dynmo-migration-timeout", "30",
                                             "--test-fault", "exit@1:transfer"], tmp_path, timeout=240)
     assert proc.returncode != 0
-    assert any("exitcode" in line and "17" in line for line in proc.stderr.splitlines()), proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()
+    # which failure torchrun's agent observes first depends on its polling order: the dead
+    # rank's exit 17, or a survivor's own exit after a one-line fatal naming the lost peer
+    # (CI run 11: rank 0's exit 1 was the "first observed failure")
+    died = any("exitcode" in line and "17" in line for line in lines)
+    gave_up = [line for line in lines if "dynmo-train: fatal" in line and "failed on rank" in line]
+    assert died or gave_up, proc.stderr[-2000:]
     assert seconds < 200
 
 
