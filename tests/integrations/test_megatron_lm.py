@@ -43,7 +43,9 @@ MODEL_FLAGS = [
     "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
     "--no-rope-fusion", "--distributed-backend", "gloo", "--use-cpu-initialization",
     "--attention-dropout", "0", "--hidden-dropout", "0", "--clip-grad", "0", "--eval-iters", "0",
-    "--eval-interval", "1000", "--rerun-mode", "disabled", "--log-interval", "1", "--seed", "7"]
+    "--eval-interval", "1000", "--rerun-mode", "disabled", "--log-interval", "1", "--seed", "7",
+    # no DataLoader workers: they would be forked from a rank already running gloo's threads
+    "--num-workers", "0"]
 
 
 # ---- everywhere: the plugin's config from Megatron-LM-shaped args, event scalars ----------------
