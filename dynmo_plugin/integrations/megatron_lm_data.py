@@ -43,9 +43,9 @@ def feeds_every_rank(stage) -> bool:
 
 @contextmanager
 def every_rank_builds(provider: Callable):
-    """While Megatron-LM builds the datasets: pretrain_gpt.py's rule of which ranks build
-    them is 'every rank of tensor rank 0' (the script's other rule, tensor rank 0 only,
-    kept). A provider without that rule is left alone."""
+    """While Megatron-LM builds the datasets, pretrain_gpt.py's `is_dataset_built_on_rank`
+    (first, last or MTP rank, and tensor rank 0) reads 'tensor rank 0' only: every pipeline
+    rank builds them. A provider without that function is left alone."""
     fn = provider.func if isinstance(provider, functools.partial) else provider
     names = getattr(fn, "__globals__", {})
     original = names.get(_RULE)
