@@ -1,4 +1,4 @@
-"""Time launches of the Megatron-LM test harness (tests/integrations/test_megatron_lm.py:
+"""Time launches of the Megatron-LM test harness (tests/integrations/megatron_lm_harness.py:
 Megatron-LM's own train(), 2 ranks PP=2, 6 iterations) under the test launcher's three
 ways of starting ranks, interleaved (each repeat runs every way, in a rotated order):
 
@@ -59,13 +59,13 @@ def children_cpu_s() -> float:
 
 def one_launch(zygote, folder: Path) -> tuple[float, float]:
     """(wall s, CPU s) of one harness launch through `zygote` (None: a fresh torchrun)."""
-    import test_megatron_lm
+    import megatron_lm_harness
     launch.ZYGOTE = zygote
 
     def cpu() -> float:
         return launcher_cpu_s() if zygote is not None else children_cpu_s()
     t0, c0 = time.perf_counter(), cpu()
-    test_megatron_lm._run(folder, ["--dynmo"])
+    megatron_lm_harness.train_in_megatron_lm(folder, ["--dynmo"])
     return time.perf_counter() - t0, cpu() - c0
 
 

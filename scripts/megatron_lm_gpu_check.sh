@@ -22,7 +22,7 @@
 # layers 1 and 3, alltoall dispatcher; fp32) with --dynmo for 6 iterations: the plugin's `moe`
 # events every iteration from 2, with each MoE layer's tokens per expert. On one GPU the
 # pipeline is PP=1, so no layer moves here: migrations, saves after them and resumes
-# under other pipeline sizes are tests/integrations/test_megatron_lm.py's (CPU, PP=2).
+# under other pipeline sizes are tests/integrations/test_megatron_lm*.py's (CPU, PP=2).
 # --check-only runs the first check alone on a finished run's OUT_DIR. --run-timeout S:
 # a pretrain_gpt.py run still going after S seconds (default 300) is a failed run.
 # Exit 0: passed; 1: a check failed or a run failed; 2: usage/setup.

@@ -56,7 +56,7 @@ PRELOAD = ("megatron.core.models.gpt.gpt_layer_specs", "dynmo_plugin.train",
            "dynmo_plugin.megatron.migration.repack", "dynmo_plugin.megatron.profiling.profiler",
            "torch.distributed.run")
 # Megatron-LM's training package, where a checkout is given (DYNMO_MEGATRON_LM): its import
-# was ~2.5 s of CPU per rank of each launch of tests/integrations/test_megatron_lm.py's
+# was ~2.5 s of CPU per rank of each launch of tests/integrations/megatron_lm_harness.py's
 # harness. Its root goes on the zygote's sys.path for the import and off the workers'
 # (zygote_worker.PRELOADED_PATHS): the harness puts it there itself, as a fresh one does.
 MEGATRON_LM_PRELOAD = ("dynmo_plugin.integrations.megatron_lm", "megatron.training.training",

@@ -34,7 +34,7 @@ PROGRAMS = ("launcher", "mlm", "mlm_dynmo")
 READY_TIMEOUT_S, TURN_TIMEOUT_S = 240.0, 120.0
 PROGRAM = ROOT / "scripts" / "gpu_checks" / "mlm_program.py"
 # The dry run's models (CPU): the launcher's tiny GPT and the Megatron-LM CPU harness's
-# (tests/integrations/test_megatron_lm.py MODEL_FLAGS, one rank)
+# (tests/integrations/megatron_lm_harness.py MODEL_FLAGS, one rank)
 CPU_LAUNCHER = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
                 "--micro-batch-size", "2", "--global-batch-size", "8", "--vocab-size", "128", "--lr", "1e-3"]
 
@@ -63,7 +63,7 @@ def _mlm_cmd(m: Machine, shape: str, dynmo: bool, out: Path, iters: int) -> list
         cmd += [*flags, "--max-position-embeddings", seq, *MLM_FLAGS, *MLM_LIKE_LAUNCHER]
     else:
         sys.path.insert(0, str(ROOT / "tests" / "integrations"))
-        from test_megatron_lm import MODEL_FLAGS
+        from megatron_lm_harness import MODEL_FLAGS
         cmd += ["--cpu-harness", *MODEL_FLAGS]
     cmd += ["--train-iters", str(iters)]
     if dynmo:

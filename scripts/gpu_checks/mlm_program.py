@@ -10,7 +10,7 @@ train() waits for its turn at each round's first iteration. The wrapper is the o
 one (outside the plugin's before/after_step: a profile window never contains a wait);
 the wait still falls inside Megatron-LM's logged time of that iteration, which is why
 every round's first iteration is left out of the timings (BatonSpec.first_iterations).
---cpu-harness: the same around the CPU harness of tests/integrations/test_megatron_lm.py
+--cpu-harness: the same around the CPU harness of tests/integrations/megatron_lm_harness.py
 (Megatron-LM's real train() on gloo; pretrain() itself asserts CUDA), for the dry run.
 """
 from __future__ import annotations
@@ -60,8 +60,8 @@ def main() -> None:
         del sys.argv[1]
         sys.path.insert(0, str(ROOT / "tests"))
         sys.path.insert(0, str(ROOT / "tests" / "integrations"))
-        import test_megatron_lm
-        test_megatron_lm._harness()
+        import megatron_lm_harness
+        megatron_lm_harness.harness()
         return
     from dynmo_plugin.integrations.pretrain_gpt import main as pretrain_gpt
     pretrain_gpt()

@@ -172,7 +172,7 @@ def session_ratios(session) -> tuple[list[float], list[float], list[float]]:
 def _no_cpu_session() -> Optional[str]:
     """Why the dry run cannot run the session on CPU, or None: it needs the launcher worker
     (run_checks starts it; a row called alone has none) and the imports of Megatron-LM's
-    CPU harness (tests/integrations/test_megatron_lm.py)."""
+    CPU harness (tests/integrations/megatron_lm_harness.py)."""
     import importlib.util
     if launching.WORKER is None:
         return "the interleaved session runs on CPU only in the dry run (it needs the launcher worker)"

@@ -1,100 +1,61 @@
 """The plugin inside Megatron-LM's own pretrain() machinery (dynmo_plugin.integrations.megatron_lm).
 
-Megatron-LM's `megatron.training` is not on PyPI: the tests that need it read the root of
-a Megatron-LM checkout at tag core_v0.16.1 from $DYNMO_MEGATRON_LM and skip without it
-(its imports also need six, regex and triton). On CPU they run Megatron-LM's real
-parse_args, setup_model_and_optimizer (model from pretrain_gpt.py's model_provider),
-mock-data iterators, forward_step and train() loop — only pretrain()'s CUDA-only
-start-up (initialize_megatron's CUDA assert, torch.distributed/MPU set-up, CUDA streams)
-is replaced by the harness below, run as `python tests/integrations/test_megatron_lm.py` under
-torchrun. The pure parts (flag validation, event scalars) run everywhere.
+The pure parts (flag validation, event scalars) run everywhere; the rest needs a
+Megatron-LM checkout ($DYNMO_MEGATRON_LM) and runs its real parse_args and train() under
+torchrun through megatron_lm_harness.py (which says what it replaces on CPU). The
+Multi-Token Prediction runs are in test_megatron_lm_mtp.py.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
-import json
 import os
 import sys
-import types
 from pathlib import Path
 
 import pytest
+from megatron_lm_harness import (MODEL_FLAGS, SKIP_REASON, SOURCE, check_forced_move, megatron_like,
+                                 train_in_megatron_lm)
 
 from dynmo_plugin.config import ConfigError
 from dynmo_plugin.integrations import megatron_lm as ml
-from dynmo_plugin.layout import Layout
 
-SOURCE = os.environ.get(ml.SOURCE_ENV)
-_MISSING = [m for m in ("six", "regex", "triton", "tensorboard") if importlib.util.find_spec(m) is None]
-needs_source = pytest.mark.skipif(
-    not SOURCE or bool(_MISSING),
-    reason=(f"{ml.SOURCE_ENV} is unset: point it at a Megatron-LM checkout at tag "
-            f"{ml.SUPPORTED_TAG} (megatron.training is not on PyPI)") if not SOURCE else
-    f"Megatron-LM's imports (and the writer checks) need {', '.join(_MISSING)}: pip install -e .[megatron_lm]")
-
-# A small GPT that Megatron-LM builds without Transformer Engine or Apex, on CPU.
-MODEL_FLAGS = [
-    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-    "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-    "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
-    "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-    "--no-rope-fusion", "--distributed-backend", "gloo", "--use-cpu-initialization",
-    "--attention-dropout", "0", "--hidden-dropout", "0", "--clip-grad", "0", "--eval-iters", "0",
-    "--eval-interval", "1000", "--rerun-mode", "disabled", "--log-interval", "1", "--seed", "7",
-    # no DataLoader workers: they would be forked from a rank already running gloo's threads
-    "--num-workers", "0"]
+needs_source = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 
 # ---- everywhere: the plugin's config from Megatron-LM-shaped args, event scalars ----------------
-def _megatron_like(**overrides) -> argparse.Namespace:
-    parser = ml.add_args(argparse.ArgumentParser())
-    args = parser.parse_args(overrides.pop("argv", []))
-    base = dict(num_layers=4, pipeline_model_parallel_size=2, tensor_model_parallel_size=1,
-                hidden_size=64, num_attention_heads=4, micro_batch_size=2, global_batch_size=8,
-                save=None, train_iters=10, pipeline_model_parallel_layout=None,
-                virtual_pipeline_model_parallel_size=None, use_distributed_optimizer=False,
-                optimizer="adam")
-    for k, v in {**base, **overrides}.items():
-        setattr(args, k, v)
-    return args
-
-
 def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow():
-    cfg = ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "3:Et|tttL"]))
+    cfg = ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "3:Et|tttL"]))
     assert cfg.dynmo.enabled and cfg.dynmo.rebalance.forced_layouts == {3: "Et|tttL"}
     with pytest.raises(ConfigError, match="past --train-iters"):
-        ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "11:Et|tttL"]))
+        ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "11:Et|tttL"]))
     with pytest.raises(ConfigError, match="support: --overlap-param-gather"):
-        ml.load_plugin_config(_megatron_like(argv=["--dynmo"], use_distributed_optimizer=True,
+        ml.load_plugin_config(megatron_like(argv=["--dynmo"], use_distributed_optimizer=True,
                                              overlap_param_gather=True))
     # repacking restarts from Megatron-LM's checkpoint: checkpoint mode, with --save
     with pytest.raises(ConfigError, match="--dynmo-repack-mode live .* --dynmo-repack-mode checkpoint"):
-        ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-repack"], save="ckpt"))
+        ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-repack"], save="ckpt"))
     with pytest.raises(ConfigError, match="give --save DIR"):
-        ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-repack", "--dynmo-repack-mode",
+        ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-repack", "--dynmo-repack-mode",
                                                    "checkpoint"]))
-    assert ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-repack", "--dynmo-repack-mode",
+    assert ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-repack", "--dynmo-repack-mode",
                                                       "checkpoint"], save="ckpt")).dynmo.repack.enabled
     # virtual pipeline stages and the distributed optimizer are followed (the migration
     # test runs them): a forced layout then has pp x v stages
     interleaved = dict(use_distributed_optimizer=True, virtual_pipeline_model_parallel_size=2)
-    cfg = ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "4:Et|t|tt|L"],
+    cfg = ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "4:Et|t|tt|L"],
                                                **interleaved))
     assert cfg.model.num_virtual_stages_per_pipeline_rank == 2
     with pytest.raises(ConfigError, match="has 2 stages but the pipeline has 4"):
-        ml.load_plugin_config(_megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "4:Et|tttL"],
+        ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "4:Et|tttL"],
                                              **interleaved))
     # without --dynmo nothing is refused, not even a layout that does not fit the flags
     # (an MTP layer without --mtp-num-layers): the hooks pass every call through
     mtp = dict(pipeline_model_parallel_layout="Ett|tt|mL", num_layers=4, pipeline_model_parallel_size=3)
-    assert not ml.load_plugin_config(_megatron_like(use_distributed_optimizer=True, **mtp)).dynmo.enabled
+    assert not ml.load_plugin_config(megatron_like(use_distributed_optimizer=True, **mtp)).dynmo.enabled
     with pytest.raises(ConfigError, match=r"holds 1 MTP layers \('m'\) but --mtp-num-layers is 0"):
-        ml.load_plugin_config(_megatron_like(argv=["--dynmo"], **mtp))
+        ml.load_plugin_config(megatron_like(argv=["--dynmo"], **mtp))
     # with it, MTP is followed (one chunk per rank)
-    assert ml.load_plugin_config(_megatron_like(argv=["--dynmo"], mtp_num_layers=1, **mtp)).dynmo.enabled
+    assert ml.load_plugin_config(megatron_like(argv=["--dynmo"], mtp_num_layers=1, **mtp)).dynmo.enabled
 
 
 def test_event_scalars_for_the_writers():
@@ -242,22 +203,6 @@ def test_flags_parse_inside_megatron_lm_parse_args_chained_with_the_callers(mtt,
 
 
 # ---- with the source, under torchrun: Megatron-LM's train() with the plugin ------------------------
-def _run(tmp: Path, extra: list[str], ranks: int = 2) -> tuple[dict, dict]:
-    """torchrun of this file (the Megatron-LM harness below) as launch.torchrun does it:
-    torch's launcher forked by tests/zygote.py (DYNMO_TEST_FORK_TORCHRUN=0: a fresh one)."""
-    from launch import ROOT, free_port, run_torchrun
-    out = tmp / "out"
-    args = ["--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            __file__, *MODEL_FLAGS, "--train-iters", "6", "--pipeline-model-parallel-size", "2",
-            "--dynmo-output", str(out), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DYNMO_TEST_LOSSES": str(tmp),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = run_torchrun(args, env, timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    report = json.loads((out / "report.json").read_text())
-    return report, json.loads((tmp / "losses.json").read_text())
-
-
 @needs_source
 def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp_path):
     """PP=2 on gloo: Megatron-LM's own loop, profiled every 2 iterations; before iteration
@@ -269,20 +214,20 @@ def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp
     the two DP ranks, gathered and re-sharded through optim_state as in the launcher)."""
     tb, ckpt = tmp_path / "tb", tmp_path / "ckpt"
     forced = ["--dynmo", "--dynmo-profile-every", "2", "--dynmo-forced-layouts"]
-    moved, moved_losses = _run(tmp_path / "moved", [*forced, "4:Et|tttL", "--tensorboard-dir", str(tb),
+    moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", [*forced, "4:Et|tttL", "--tensorboard-dir", str(tb),
                                                     "--save", str(ckpt), "--save-interval", "4"])
-    static, static_losses = _run(tmp_path / "static", ["--dynmo"])
-    _check_forced_move(moved, "Et|tttL", 4)
+    static, static_losses = train_in_megatron_lm(tmp_path / "static", ["--dynmo"])
+    check_forced_move(moved, "Et|tttL", 4)
     assert static["layout"] == "Ett|ttL" and static["events"] == []
     assert len(moved_losses) == 6 and moved_losses == static_losses
     _check_resume_after_the_move(tmp_path, ckpt, moved_losses)
     vp = ["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2",
           "--use-distributed-optimizer"]
-    vp_moved, vp_moved_losses = _run(tmp_path / "vp_moved", [*vp, *forced, "4:Et|ttt|tt|ttL"], ranks=4)
-    vp_static, vp_static_losses = _run(tmp_path / "vp_static", [*vp, "--dynmo"], ranks=4)
+    vp_moved, vp_moved_losses = train_in_megatron_lm(tmp_path / "vp_moved", [*vp, *forced, "4:Et|ttt|tt|ttL"], ranks=4)
+    vp_static, vp_static_losses = train_in_megatron_lm(tmp_path / "vp_static", [*vp, "--dynmo"], ranks=4)
     assert vp_moved["config"]["megatron_lm"]["use_distributed_optimizer"] is True
     assert vp_moved["world"]["dp"] == 2
-    _check_forced_move(vp_moved, "Et|ttt|tt|ttL", 8)
+    check_forced_move(vp_moved, "Et|ttt|tt|ttL", 8)
     assert vp_static["layout"] == "Ett|tt|tt|ttL" and vp_static["events"] == []
     assert len(vp_moved_losses) == 6 and vp_moved_losses == vp_static_losses
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -299,10 +244,10 @@ def _check_resume_after_the_move(tmp: Path, ckpt: Path, losses: list) -> None:
     has no CUDA RNG tracker states to restore; no random numbers are drawn after start-up.)"""
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     resume = ["--dynmo", "--load", str(ckpt), "--no-load-rng"]
-    same, same_losses = _run(tmp / "resumed_pp2", resume)
+    same, same_losses = train_in_megatron_lm(tmp / "resumed_pp2", resume)
     assert (same["initial_layout"], same["layout"]) == ("Et|tttL", "Et|tttL")
     assert same_losses == losses[4:]
-    other, other_losses = _run(tmp / "resumed_pp1", [*resume, "--pipeline-model-parallel-size", "1"],
+    other, other_losses = train_in_megatron_lm(tmp / "resumed_pp1", [*resume, "--pipeline-model-parallel-size", "1"],
                                ranks=1)
     assert other["initial_layout"] == "EttttL" and other_losses == losses[4:]
     # the saved layout is restored only where it fits, and an explicit layout wins
@@ -387,8 +332,8 @@ def test_layer_freezing_through_spec_and_yaml_rebalances_bit_exact_with_static(t
     yaml_path.write_text(FREEZING_YAML)
     flags = ["--spec", ml.SPEC_MODULE, "layer_freezing", "--dynmo", "--dynmo-config", str(yaml_path),
              "--vocab-size", "16384", "--train-iters", "9", "--tensorboard-dir", str(tmp_path / "tb")]
-    moved, moved_losses = _run(tmp_path / "moved", flags)
-    static, static_losses = _run(tmp_path / "static", [*flags[:-2], "--dynmo-balancer", "uniform"])
+    moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", flags)
+    static, static_losses = train_in_megatron_lm(tmp_path / "static", [*flags[:-2], "--dynmo-balancer", "uniform"])
     for report in (moved, static):
         freezes = [e for e in report["events"] if e["kind"] == "dynamism"]
         assert [(e["iteration"], e["detail"]["frozen_layers"]) for e in freezes] == [(6, [1, 2])]
@@ -430,8 +375,8 @@ def test_structured_pruning_through_spec_moves_pruned_layers_bit_exact_with_stat
     yaml_path = tmp_path / "pruning.yaml"
     yaml_path.write_text(PRUNING_YAML)
     flags = ["--spec", ml.SPEC_MODULE, "gradual_pruning", "--dynmo", "--dynmo-config", str(yaml_path)]
-    moved, moved_losses = _run(tmp_path / "moved", [*flags, "--dynmo-forced-layouts", "5:Et|tttL"])
-    static, static_losses = _run(tmp_path / "static", [*flags, "--dynmo-balancer", "uniform"])
+    moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", [*flags, "--dynmo-forced-layouts", "5:Et|tttL"])
+    static, static_losses = train_in_megatron_lm(tmp_path / "static", [*flags, "--dynmo-balancer", "uniform"])
     for report in (moved, static):
         rounds = [e for e in report["events"] if e["kind"] == "dynamism"]
         assert [(e["iteration"], e["detail"]["unit"]) for e in rounds] == [(4, "ffn_neurons"), (6, "ffn_neurons")]
@@ -456,8 +401,8 @@ def test_native_moe_rebalanced_from_router_counts_bit_exact_with_a_never_moved_r
     of the same run whose layout never moves (balancer uniform), to the last bit. Bias-free
     linears: Megatron's expert MLP adds its bias in place on a view, which autograd refuses."""
     flags = [*NATIVE_MOE, "--dynmo", "--dynmo-min-gain", "0", "--tensorboard-dir", str(tmp_path / "tb")]
-    moved, moved_losses = _run(tmp_path / "moved", flags)
-    static, static_losses = _run(tmp_path / "static", [*flags[:-2], "--dynmo-balancer", "uniform"])
+    moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", flags)
+    static, static_losses = train_in_megatron_lm(tmp_path / "static", [*flags[:-2], "--dynmo-balancer", "uniform"])
     events = [e for e in moved["events"] if e["kind"] == "dynamism"]
     assert [e["iteration"] for e in events] == [2, 3, 4, 5, 6]
     for e in events:
@@ -486,8 +431,8 @@ def test_checkpoint_repack_4_to_2_ranks_resumes_bit_exact(tmp_path):
     never stopped, to the last bit (its first four equal the stopped run's)."""
     ckpt = tmp_path / "ckpt"
     pp4 = ["--pipeline-model-parallel-size", "4", "--dynmo"]
-    _, full = _run(tmp_path / "pp4", pp4, ranks=4)
-    stopped, first = _run(tmp_path / "stopped", [*pp4, "--dynmo-repack", "--dynmo-repack-mode", "checkpoint",
+    _, full = train_in_megatron_lm(tmp_path / "pp4", pp4, ranks=4)
+    stopped, first = train_in_megatron_lm(tmp_path / "stopped", [*pp4, "--dynmo-repack", "--dynmo-repack-mode", "checkpoint",
                                                   "--dynmo-forced-layouts", "4:Et|tttL", "--save", str(ckpt),
                                                   "--save-interval", "1000"], ranks=4)
     assert [it["iteration"] for it in stopped["iterations"]] == [1, 2, 3, 4] and first == full[:4]
@@ -495,218 +440,5 @@ def test_checkpoint_repack_4_to_2_ranks_resumes_bit_exact(tmp_path):
     assert (repack["mode"], repack["next_layout"], repack["world_size_after"]) == ("checkpoint", "Et|tttL", 2)
     assert f"--pipeline-model-parallel-size 2 --load {ckpt}" in repack["restart"]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    resumed, second = _run(tmp_path / "resumed", ["--dynmo", "--load", str(ckpt), "--no-load-rng"])
+    resumed, second = train_in_megatron_lm(tmp_path / "resumed", ["--dynmo", "--load", str(ckpt), "--no-load-rng"])
     assert resumed["initial_layout"] == "Et|tttL" and second == full[4:]
-
-
-def _check_forced_move(report: dict, after: str, num_layers: int) -> None:
-    """Layer 2 moved from stage 0 to 1 at iteration 4, and the profiles (2, 4, 6) timed
-    every layer where it was: first on the uniform split (2 layers per stage, virtual
-    stages included), then with layer 2 on stage 1."""
-    events = [e for e in report["events"] if e["kind"] == "rebalance"]
-    assert [(e["iteration"], e["applied"], e["layout_after"]) for e in events] == [(4, True, after)]
-    assert [(m["layer"], m["src"], m["dst"]) for m in events[0]["moves"]] == [(2, 0, 1)]
-    assert report["layout"] == after
-    profiles = [e for e in report["events"] if e["kind"] == "profile"]
-    assert [e["iteration"] for e in profiles] == [2, 4, 6]
-    before = [(n, (n - 1) // 2) for n in range(1, num_layers + 1)]
-    moved = [(n, 1 if n == 2 else s) for n, s in before]
-    stages = [[(x["layer"], x["stage"]) for x in e["profile"]["layers"]] for e in profiles]
-    assert stages == [before, moved, moved]
-
-
-# ---- the harness torchrun runs ------------------------------------------------------------------
-def _cpu_streams() -> None:
-    """get_model wraps DDP construction in CUDA streams; on CPU they are no-ops."""
-    import torch
-
-    class _Stream:
-        def wait_stream(self, other):
-            pass
-    torch.cuda.Stream = _Stream
-    torch.cuda.current_stream = lambda *a, **k: _Stream()
-    torch.cuda.stream = lambda s: contextlib.nullcontext()
-    # Megatron-LM's checkpoints save and restore the CUDA generator's state next to the CPU one's
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda *a, **k: None
-
-
-def _gloo_interleaved_p2p(config) -> None:
-    """Interleaved 1F1B on 2 pipeline ranks over gloo: Megatron-LM sets batch_p2p_comm =
-    not overlap_p2p_comm, and both choices break on gloo here (the batched exchange pairs
-    the activation and gradient sent to the one peer by posting order, swapping them; the
-    overlapped one gave NaN losses that changed from run to run). Megatron's unbatched,
-    non-overlapped path (what the launcher uses, dynmo_plugin/megatron/training/model.py) is exact."""
-    config.batch_p2p_comm = config.overlap_p2p_comm = False
-
-
-def _record_losses(mtt, folder: str) -> None:
-    """Every iteration's loss as Megatron-LM's train_step returns it (last stage), exact."""
-    inner, losses = mtt.train_step, []
-
-    def train_step(*a, **kw):
-        result = inner(*a, **kw)
-        if "lm loss" in result[0]:
-            losses.append(float(result[0]["lm loss"]))
-            Path(folder, "losses.json").write_text(json.dumps(losses))
-        return result
-    mtt.train_step = train_step
-
-
-def _harness() -> None:
-    """pretrain() without its CUDA-only start-up: Megatron-LM's parse/validate (through
-    the hooked initialize_megatron), gloo and MPU groups, the CPU compatibility layer,
-    then Megatron-LM's setup_model_and_optimizer, data iterators and train()."""
-    from functools import partial
-
-    import torch
-    import torch.distributed as dist
-    ml.use_source(SOURCE)
-    ml.enable()
-    import megatron.training.training as mtt
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.enums import ModelType
-    from megatron.core.utils import get_model_config
-    from megatron.training import get_args
-    mtt.initialize_megatron(allow_no_cuda=True, skip_mpu_initialization=True)
-    args = get_args()
-    dist.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
-                                             args.pipeline_model_parallel_size,
-                                             args.virtual_pipeline_model_parallel_size)
-    from dynmo_plugin.megatron.training import cpu_compat
-    cpu_compat.apply()
-    _cpu_streams()
-    torch.set_num_threads(1)
-    from megatron.training.initialize import _set_random_seed
-    _set_random_seed(args.seed, args.data_parallel_random_init)  # as finish_mpu_init does
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    _record_losses(mtt, os.environ["DYNMO_TEST_LOSSES"])
-    import runpy
-    pretrain_gpt = runpy.run_path(os.path.join(SOURCE, "pretrain_gpt.py"), run_name="pretrain_gpt")
-    from gpt_builders import gpt_builder
-    from model_provider import model_provider
-    model, optimizer, scheduler = mtt.setup_model_and_optimizer(
-        partial(model_provider, gpt_builder), ModelType.encoder_or_decoder)
-    if args.virtual_pipeline_model_parallel_size is not None:
-        _gloo_interleaved_p2p(get_model_config(model[0]))
-    provider = pretrain_gpt["train_valid_test_datasets_provider"]
-    provider.is_distributed = True
-    if args.virtual_pipeline_model_parallel_size is None:
-        train_iter, valid_iter, _ = mtt.build_train_valid_test_data_iterators(provider)
-    else:  # one iterator per model chunk, as pretrain() builds them
-        train_iter, valid_iter = [], []
-        for vp_stage in range(len(model)):
-            chunk_provider = partial(provider, vp_stage=vp_stage)
-            chunk_provider.is_distributed = True
-            iterators = mtt.build_train_valid_test_data_iterators(chunk_provider)
-            train_iter.append(iterators[0])
-            valid_iter.append(iterators[1])
-    mtt.train(pretrain_gpt["forward_step"], model, optimizer, scheduler, train_iter, valid_iter,
-              None, get_model_config(model[0]), {}, None)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    _harness()
-
-
-@needs_source
-def test_mtp_inside_megatron_lm_train_profiled_and_decoders_moved_bit_exact(tmp_path):
-    """--mtp-num-layers 1 under Megatron-LM's own train() (its gpt_builders build the MTP
-    block, pretrain_gpt's get_embedding_ranks add the MTP rank): the stage handle reads
-    the block's place ('m' on the last rank), profiles hold it as its own unit, a forced
-    layout moves a decoder layer around it, and every loss equals the never-moved run's."""
-    mtp = ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--dynmo"]  # Megatron-LM: MTP needs rope
-    moved, moved_losses = _run(tmp_path / "moved", [*mtp, "--dynmo-profile-every", "2",
-                                                    "--dynmo-forced-layouts", "4:Et|tttmL"])
-    static, static_losses = _run(tmp_path / "static", mtp)
-    assert static["layout"] == "Ett|ttmL" and static["events"] == []
-    _check_forced_move(moved, "Et|tttmL", 4)
-    profiles = [e["profile"] for e in moved["events"] if e.get("profile")]
-    assert profiles and all(p["mtp"]["stage"] == 1 and p["mtp"]["fwd_s"] > 0 for p in profiles)
-    assert len(moved_losses) == 6 and moved_losses == static_losses
-
-
-
-# PP=4, the block on the last rank with layer 4: it can move to rank 1 or 2 (never rank
-# 0). Untied embeddings: the bit-exact case (docs/mtp.md). A large vocabulary makes the
-# last rank (the output layer, run for the main and the MTP loss) the bottleneck.
-MTP_PP4 = ["--mtp-num-layers", "1", "--position-embedding-type", "rope",
-           "--untie-embeddings-and-output-weights", "--vocab-size", "16384",
-           "--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-layout", "Et|t|t|tmL",
-           "--dynmo"]
-
-
-@pytest.fixture(scope="module")
-def mtp_static(tmp_path_factory):
-    """The never-moved PP=4 MTP run inside Megatron-LM: (report, losses)."""
-    report, losses = _run(tmp_path_factory.mktemp("mtp_static"), MTP_PP4, ranks=4)
-    assert report["layout"] == "Et|t|t|tmL" and report["events"] == []
-    return report, losses
-
-
-@needs_source
-def test_the_mtp_block_moves_live_inside_megatron_lm_bit_exact_and_resumes_elsewhere(
-        mtp_static, tmp_path):
-    """pretrain_gpt.py reads batches on the first, last and MTP ranks only: under --dynmo
-    every rank builds the data and reads every micro-batch (megatron_lm_data), and
-    get_batch follows the block through Megatron-LM's args. Forced at iteration 3, the
-    block, layer 4 and the final norm go from rank 3 to rank 2; at 5 the block stays
-    (standalone) while layers 2-4 and the norm, which Megatron keeps beside the last
-    decoder layer, move to ranks 0-1. Every loss equals the never-moved run's; the
-    checkpoint of iteration 4 (block on rank 2) resumes with it back on rank 3, and
-    continues bit for bit."""
-    ckpt = tmp_path / "ckpt"
-    moved, moved_losses = _run(tmp_path / "moved", [
-        *MTP_PP4, "--dynmo-forced-layouts", "3:Et|t|ttm|L;5:Ettt|t|m|L", "--save", str(ckpt),
-        "--save-interval", "4"], ranks=4)
-    events = [e for e in moved["events"] if e["kind"] == "rebalance"]
-    assert [(e["iteration"], e["applied"], e["layout_after"]) for e in events] == [
-        (3, True, "Et|t|ttm|L"), (5, True, "Ettt|t|m|L")]
-    assert [[(m["layer"], m["src"], m["dst"]) for m in e["moves"]] for e in events] == [
-        [(4, 3, 2), ("mtp", 3, 2), ("final_layernorm", 3, 2)],
-        [(2, 1, 0), (3, 2, 0), (4, 2, 1), ("final_layernorm", 2, 1)]]
-    assert len(moved_losses) == 6 and moved_losses == mtp_static[1]
-    resumed, resumed_losses = _run(tmp_path / "resumed", [
-        *MTP_PP4, "--load", str(ckpt), "--no-load-rng"], ranks=4)
-    assert resumed["initial_layout"] == "Et|t|t|tmL" and resumed_losses == mtp_static[1][4:]
-
-
-@needs_source
-def test_a_decided_mtp_block_move_inside_megatron_lm_is_bit_exact(mtp_static, tmp_path):
-    """The controller, the block unpinned once every rank has batches, decides on the
-    measured profile to take the block off the last rank (the bottleneck whatever else
-    it holds), and every loss equals the never-moved run's."""
-    moved, moved_losses = _run(tmp_path / "moved", [
-        *MTP_PP4, "--dynmo-rebalance-interval", "3", "--dynmo-profile-window", "1",
-        "--dynmo-min-gain", "0", "--dynmo-gate-margin", "0"], ranks=4)
-    first = [e for e in moved["events"] if e["kind"] == "rebalance"][0]
-    assert first["trigger"] == "rebalance_interval" and first["applied"], first.get("reason")
-    rank = Layout.parse(first["layout_after"]).mtp_rank
-    assert rank in (1, 2) and ("mtp", 3, rank) in [(m["layer"], m["src"], m["dst"])
-                                                   for m in first["moves"]]
-    assert len(moved_losses) == 6 and moved_losses == mtp_static[1]
-
-
-def test_a_forced_mtp_block_move_without_data_on_every_rank_is_refused_in_one_line():
-    """A dataset provider of the user's own that builds no data on some rank: the block
-    stays where it starts, and a forced layout that moves it stops the run at start in
-    one line (decoder layers still move around it)."""
-    from dynmo_plugin.integrations.megatron_lm import _Run
-    mtp = dict(pipeline_model_parallel_layout="Et|t|ttmL", num_layers=4,
-               pipeline_model_parallel_size=3, mtp_num_layers=1,
-               untie_embeddings_and_output_weights=True)
-    run = object.__new__(_Run)
-    run.stage = types.SimpleNamespace(mtp_moves_live=None)
-    run.cfg = ml.load_plugin_config(_megatron_like(
-        argv=["--dynmo", "--dynmo-forced-layouts", "3:Et|tttm|L"], **mtp))
-    with pytest.raises(ml.MegatronLMError, match="a forced layout moves the MTP block to another rank"):
-        run.data_built(False)
-    assert run.stage.mtp_moves_live is False
-    run.data_built(True)
-    assert run.stage.mtp_moves_live is True
-    run.cfg = ml.load_plugin_config(_megatron_like(
-        argv=["--dynmo", "--dynmo-forced-layouts", "3:Ett|t|tmL"], **mtp))
-    run.data_built(False)
-    assert run.stage.mtp_moves_live is False
