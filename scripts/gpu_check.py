@@ -414,6 +414,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     sizes = CPU_SIZES if not machine.gpus else GPU_SIZES
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         out = Path(args.out) if args.out else Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)  # the JSON is written even where no row ran
         rows = run_checks(machine, sizes, out, only, args.rounds, args.budget_s)
         status = exit_status(rows)
         result = json.dumps({"ok": status == 0, "machine": asdict(machine),

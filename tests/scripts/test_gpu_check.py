@@ -68,6 +68,15 @@ def test_no_cuda_fails_the_machine_check_unless_dry_run():
     assert row.result == gpu_check.NO_CUDA
 
 
+def test_the_json_is_written_even_where_no_row_ran(tmp_path, capsys):
+    """On the 2026-11-28 rehearsal every row of `--set issue34` skipped on CPU, no row made
+    --out, and the JSON write raised (on a GPU: a budget that skips every group)."""
+    out = tmp_path / "not" / "made"
+    assert gpu_check.main(["--cpu", "--only", "machine", "--out", str(out), "--json"]) == 0
+    assert json.loads((out / "gpu_check.json").read_text())["rows"][0]["check"] == "machine"
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--bogus"], "gpu_check.sh: error: unknown argument --bogus (see --help)"),
     (["--wheels", "/nonexistent-wheels"], "gpu_check.sh: error: --wheels /nonexistent-wheels: no such directory"),
@@ -76,6 +85,14 @@ def test_usage_errors_exit_2_with_one_line(argv, message):
     proc = subprocess.run(["bash", str(SCRIPT), *argv], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == message
+
+
+def _ran_on_cpu(rows: dict, name: str, *figures: str) -> None:
+    """The row ran in the dry run and printed its figures (a verdict that found data
+    missing prints 'no figures: ...' instead, and fails this)."""
+    detail = rows[name]["detail"]
+    assert rows[name]["result"] == gpu_check.NO_CUDA and detail.startswith("ran on CPU (not judged): "), detail
+    assert "no figures" not in detail and all(f in detail for f in figures), detail
 
 
 @pytest.mark.multiproc
@@ -102,6 +119,15 @@ def test_dry_run_on_cpu_runs_what_it_can_and_skips_the_gpu_checks():
             "CPU harness needs" in detail, detail
         if "CPU harness needs" not in detail:
             assert "15 turns in 4 rounds + warm-up, none overlapping" in detail, detail
+            _ran_on_cpu(rows, "identical_layers[mlm-host]", "inside pretrain_gpt.py: max/min ")
+            _ran_on_cpu(rows, "stage_prediction[mlm-host]", "inside pretrain_gpt.py: predicted ", "vs measured")
+    # issue 34's launcher rows: the host shape's run at the CPU size, each verdict computed
+    # from the real report (not judged); the GPU shape's rows are not run
+    _ran_on_cpu(rows, "identical_layers[host]", "launcher: max/min ", "span constant")
+    _ran_on_cpu(rows, "heavy_layer[host]", "layer 3 ", "layer 5 ", "fit cost = ")
+    _ran_on_cpu(rows, "profiling_overhead[host]", "profiled ", "unprofiled ", "closing a window")
+    _ran_on_cpu(rows, "stage_prediction[host]", "launcher: predicted ", "vs measured")
+    assert all(rows[f"{r}[gpu]"]["detail"] == "" for r in ("identical_layers", "heavy_layer", "stage_prediction"))
     heavy = rows["profile_heavy_layer"]  # a real PP=1 run with the 3x layer (CPU thread time)
     assert heavy["result"] in ("pass", "FAIL") and "layer 3: " in heavy["detail"], heavy
     failed = [r for r in result["rows"] if r["result"] == "FAIL"]
