@@ -17,7 +17,7 @@
 #
 # --prepare fills runs/device/ (git-ignored; carry it with the call): wheels/ holds the
 # Python 3.12 manylinux wheels the GPU machines lack (megatron-core 0.16.1, pydantic and
-# what it needs, pyyaml, six, regex), megatron-lm/ Megatron-LM's training package at
+# what it needs, pyyaml, six, regex, psutil), megatron-lm/ Megatron-LM's training package at
 # core_v0.16.1 from MEGATRON_LM_DIR (default $DYNMO_MEGATRON_LM). That is the recipe that
 # worked on the H200 (../shared/notes/h200-measured.md): install the wheels with
 # --no-index --no-deps --target, the repository from source.
@@ -91,7 +91,9 @@ if [[ $MODE == prepare ]]; then
   fetch() { "$PY" -m pip download -q --disable-pip-version-check --only-binary=:all: \
       --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 -d "$DEV/wheels" "$@"; }
-  fetch --no-deps megatron-core==0.16.1 pyyaml six regex || die "pip download failed"
+  # psutil: megatron-core's torch_dist writer (Megatron-LM's --save) imports it in each forked
+  # writer; without it the writers die and the save waits for them for ever (seen on CPU)
+  fetch --no-deps megatron-core==0.16.1 pyyaml six regex psutil || die "pip download failed"
   fetch pydantic || die "pip download pydantic failed"  # with its exact pydantic-core
   (cd "$MLM_SRC" && tar --exclude .git -cf - pretrain_gpt.py gpt_builders.py model_provider.py \
       megatron/training megatron/legacy megatron/rl megatron/post_training megatron/core/package_info.py) |
