@@ -209,3 +209,22 @@ def test_an_interpreter_without_torch_is_one_line_and_exit_2(tmp_path):
         "device_check.sh: error: /bin/false cannot import torch: pass --python with one that can "
         "(here: make install, then --python .venv/bin/python)"]
     assert not (tmp_path / "out").exists()
+
+
+# ---- scripts/device_rehearsal.sh: the call on the machines' Python and torch, on CPU ----------
+@pytest.mark.parametrize("argv, py312, message", [
+    (["--bogus"], None, "device_rehearsal.sh: error: unknown argument --bogus (see --help)"),
+    (["--torch"], None, "device_rehearsal.sh: error: --torch needs a version, e.g. 2.11.0"),
+    ([], "/nonexistent/python3.12", "device_rehearsal.sh: error: PY312=/nonexistent/python3.12 is not a "
+                                    "Python 3.12 interpreter (the lent machines run 3.12)"),
+])
+def test_device_rehearsal_usage_errors_exit_2_with_one_line(argv, py312, message):
+    """Refused before anything is downloaded (the rehearsal itself needs a registry and
+    ~4 GB: docs/gpu.md, run by hand)."""
+    import os
+    import subprocess
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[2] / "scripts" / "device_rehearsal.sh"
+    env = {**os.environ, **({"PY312": py312} if py312 else {})}
+    proc = subprocess.run(["bash", str(script), *argv], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [message], proc.stderr
