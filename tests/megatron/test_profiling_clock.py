@@ -301,7 +301,7 @@ def test_kernel_timer_is_a_no_op_on_cpu_and_reads_real_profiler_ranges():
     assert [r.name for r in ranges] == ["dynmo:0:fwd/3:0", "dynmo:0:fwd/3:1"] and kernels == []
     mm = [e for e in prof.profiler.kineto_results.events() if e.name() == "aten::mm"]
     for r, op in zip(ranges, mm):  # each matmul's launch lies inside its range
-        thread, at = launches[op.correlation_id()]
+        thread, at = launches[("op", op.correlation_id())]
         assert thread == r.thread and r.start_ns <= at <= r.end_ns
 
 
@@ -365,11 +365,32 @@ def test_cuda_kernels_are_linked_to_the_op_that_launched_them():
               E("Stream Sync", "CUDA", 0, 3200, 700, 14, linked=5, activity="cuda_sync")]
     ranges, launches, kernels = from_kineto(events)
     assert [r.name for r in ranges] == ["dynmo:0:fwd/1:0", "dynmo:0:bwd/1:0"]
-    assert kernels == [(2, 2000), (5, 300), (6, 999)]
+    assert kernels == [(("op", 2), 2000), (("op", 5), 300), (("op", 6), 999)]
     busy = samples_by_key(attribute(ranges, launches, kernels))
     assert busy == {"fwd/1": [2000e-9], "bwd/1": [300e-9]}  # the optimizer's kernel is nobody's
     # torch 2.11 (the lent GPUs): no activity_type, no is_user_annotation on its events
-    assert from_kineto([_Torch211Event(e) for e in events])[2] == [(2, 2000), (5, 300), (6, 999), (5, 700)]
+    assert from_kineto([_Torch211Event(e) for e in events])[2] == [
+        (("op", 2), 2000), (("op", 5), 300), (("op", 6), 999), (("op", 5), 700)]
+
+
+def test_a_runtime_call_never_stands_for_an_op_with_the_same_id():
+    """A range's correlation id is torch's, a runtime call's is CUPTI's: both count from
+    small numbers. Here range fwd/1 has id 1 and the launch inside fwd/2 has CUPTI id 1
+    (and the other way round): keyed by the bare number, the later one overwrote the
+    other and fwd/1's kernel went to fwd/2 (fwd/2 1100 ns, fwd/1 none). A kernel whose
+    linked op was not recorded is placed by its runtime call's time."""
+    from dynmo_plugin.megatron.profiling.kernels import attribute, from_kineto, samples_by_key
+    E = _KinetoEventStandIn
+    events = [E("dynmo:0:fwd/1:0", "CPU", 7, 1000, 500, 1),
+              E("cudaLaunchKernel", "CPU", 7, 1100, 5, 2, activity="cuda_runtime"),
+              E("cudaLaunchKernel", "CPU", 7, 1200, 5, 5, activity="cuda_runtime"),
+              E("dynmo:0:fwd/2:0", "CPU", 7, 2000, 500, 2),
+              E("cuLaunchKernel", "CPU", 7, 2100, 5, 1, activity="cuda_driver"),
+              E("gemm", "CUDA", 0, 1300, 400, 2, linked=1), E("gemm", "CUDA", 0, 2200, 700, 1, linked=2),
+              E("copy", "CUDA", 0, 1400, 60, 5, linked=0)]
+    for variant in (events, [_Torch211Event(e) for e in events]):  # torch 2.11: by the API's names
+        busy = samples_by_key(attribute(*from_kineto(variant)))
+        assert busy == {"fwd/1": [460e-9], "fwd/2": [700e-9]}
 
 
 class _Torch211Event:

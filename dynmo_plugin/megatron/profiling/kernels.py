@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import defaultdict
-from typing import NamedTuple, Optional
+from typing import Hashable, NamedTuple, Optional
 
 __all__ = ["KernelBusy", "Range", "attribute", "range_name", "parse_range", "start_profiler", "stop_profiler"]
 
@@ -47,11 +47,11 @@ def parse_range(name: str) -> tuple[int, str, int]:
     return int(iteration), key, int(mb)
 
 
-def attribute(ranges: list[Range], launches: dict[int, tuple[int, int]],
-              kernels: list[tuple[int, int]]) -> dict[str, int]:
-    """Kernel nanoseconds per range name. `launches`: correlation id -> (host thread,
-    host time in ns) of the event that launched it; `kernels`: (correlation id,
-    duration in ns). A kernel whose launch is in no range (optimizer, outside spans) is
+def attribute(ranges: list[Range], launches: dict[Hashable, tuple[int, int]],
+              kernels: list[tuple[Hashable, int]]) -> dict[str, int]:
+    """Kernel nanoseconds per range name. `launches`: launch key -> (host thread, host
+    time in ns) of the event that launched it (`from_kineto`: ("op" | "runtime", id));
+    `kernels`: (launch key, duration in ns). A kernel whose launch is in no range (optimizer, outside spans) is
     not attributed; in nested ranges the innermost (latest start) holds it."""
     by_thread: dict[int, list[Range]] = defaultdict(list)
     for r in ranges:
@@ -76,19 +76,46 @@ def attribute(ranges: list[Range], launches: dict[int, tuple[int, int]],
     return dict(busy)
 
 
-def from_kineto(events) -> tuple[list[Range], dict[int, tuple[int, int]], list[tuple[int, int]]]:
-    """(ranges, launches, kernels) from a profiler's kineto events (`stop_profiler`)."""
-    ranges, launches, kernels = [], {}, []
+def from_kineto(events) -> tuple[list[Range], dict[tuple[str, int], tuple[int, int]], list[tuple[tuple[str, int], int]]]:
+    """(ranges, launches, kernels) from a profiler's kineto events (`stop_profiler`).
+
+    Two id spaces meet here: a host op's correlation id (our ranges; every op with
+    `every_op`) is torch's, and a kernel's `linked_correlation_id` names the innermost
+    recorded op at its launch; a CUDA runtime call's id is CUPTI's, and the kernel's own
+    `correlation_id` is the call that launched it. Both count up from small numbers, so
+    one dict keyed by the number let a runtime call overwrite a range with the same id
+    and charge its kernels to another layer. Launches are keyed ("op", id) or
+    ("runtime", id); a kernel is placed by its linked op when that op was recorded, else
+    by its runtime call (whose time lies inside the range on the launching thread)."""
+    ranges, launches, gpu = [], {}, []
     for ev in events:
         device = str(ev.device_type())
         if device.endswith("CPU"):
             if ev.name().startswith(PREFIX):
                 ranges.append(Range(ev.name(), ev.start_thread_id(), ev.start_ns(), ev.end_ns()))
             if ev.correlation_id():
-                launches[ev.correlation_id()] = (ev.start_thread_id(), ev.start_ns())
+                kind = "runtime" if is_runtime_call(ev) else "op"
+                launches[(kind, ev.correlation_id())] = (ev.start_thread_id(), ev.start_ns())
         elif device.endswith("CUDA") and is_gpu_work(ev):
-            kernels.append((ev.linked_correlation_id() or ev.correlation_id(), ev.duration_ns()))
+            gpu.append(ev)
+    kernels = []
+    for ev in gpu:
+        linked = ("op", ev.linked_correlation_id())
+        kernels.append((linked if linked in launches else ("runtime", ev.correlation_id()), ev.duration_ns()))
     return ranges, launches, kernels
+
+
+RUNTIME_ACTIVITIES = frozenset({"cuda_runtime", "cuda_driver"})
+
+
+def is_runtime_call(ev) -> bool:
+    """A CUDA runtime or driver API call (CUPTI's id space), not a torch op. torch 2.11
+    has no `activity_type`; the API's names do: cudaLaunchKernel, cuLaunchKernel, ..."""
+    activity = getattr(ev, "activity_type", None)
+    if activity is not None:
+        return str(activity()).split(".")[-1] in RUNTIME_ACTIVITIES
+    name = ev.name()
+    return name.startswith("cuda") or (name.startswith("cu") and name[2:3].isupper())
 
 
 # Device-side records that are not GPU work: kineto mirrors every record_function range
@@ -138,7 +165,7 @@ def start_profiler(device: str, every_op: bool = False):
         autograd_profiler._run_on_profiler_start()
         autograd_profiler._enable_profiler(prof.config(), prof.kineto_activities, {RecordScope.USER_SCOPE})
         return prof
-    except (AttributeError, TypeError) as e:
+    except (AttributeError, TypeError, RuntimeError) as e:  # RuntimeError: refused by the C++ side
         logger.warning("dynmo: user-scope profiling unavailable (%s: %s); recording every host op",
                        type(e).__name__, e)
     from torch.profiler import ProfilerActivity, profile
