@@ -98,7 +98,7 @@ def _ran_on_cpu(rows: dict, name: str, *figures: str) -> None:
 @pytest.mark.multiproc
 def test_dry_run_on_cpu_runs_what_it_can_and_skips_the_gpu_checks():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--", "--json"], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--python", sys.executable, "--", "--json"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)
     result = json.loads(proc.stdout)  # exactly one JSON document on stdout
     rows = {r["check"]: r for r in result["rows"] if not r["check"].startswith("nccl")}  # its own test
