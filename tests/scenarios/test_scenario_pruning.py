@@ -16,8 +16,13 @@ from launch import ROOT, in_megatron_process, losses, train, worker
 
 pytestmark = pytest.mark.multiproc
 
+# --dynmo-min-gain 0: the DynMo runs must move on their predicted gain, not wait on the
+# gate's noise floor, which follows this loaded machine's dispersion (a CI run of
+# 2026-11-28 read gains of 5.5-9.6% under floors of 10.3-13.6% and never moved); the floor
+# has its own tests (tests/balancing). Kept in test_physical_pruning.py's FLAGS too: the
+# structured DynMo run is shared with it.
 FLAGS = ["--dynmo", "--dynmo-config", str(ROOT / "configs" / "gradual_pruning.yaml"),
-         "--vocab-size", "8192", "--dynmo-profile-every", "4", "--test-dump-params",
+         "--vocab-size", "8192", "--dynmo-profile-every", "4", "--test-dump-params", "--dynmo-min-gain", "0",
          "--dynmo-pruning-final-sparsity", "0.98"]
 FINAL = 0.98
 LINEARS = ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
