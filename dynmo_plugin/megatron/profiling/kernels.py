@@ -51,8 +51,9 @@ def attribute(ranges: list[Range], launches: dict[Hashable, tuple[int, int]],
               kernels: list[tuple[Hashable, int]]) -> dict[str, int]:
     """Kernel nanoseconds per range name. `launches`: launch key -> (host thread, host
     time in ns) of the event that launched it (`from_kineto`: ("op" | "runtime", id));
-    `kernels`: (launch key, duration in ns). A kernel whose launch is in no range (optimizer, outside spans) is
-    not attributed; in nested ranges the innermost (latest start) holds it."""
+    `kernels`: (launch key, duration in ns). A kernel whose launch is in no range
+    (optimizer, outside spans) is not attributed; in nested ranges the innermost (latest
+    start) holds it."""
     by_thread: dict[int, list[Range]] = defaultdict(list)
     for r in ranges:
         by_thread[r.thread].append(r)
