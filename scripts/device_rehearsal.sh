@@ -12,7 +12,7 @@
 #     --tests   also the tests of the call's code under that interpreter (~20 min here)
 #   e.g. scripts/device_rehearsal.sh -- --set issue34
 #
-# Needs: python3.12 (PATH, or $PY312), a registry (the first run downloads ~4 GB into
+# Needs: python3.12 (PATH, or $PY312), a registry (the first run installs 5 GB into
 # runs/rehearsal/venv, reused after), runs/device from `device_check.sh --prepare`.
 # Writes runs/rehearsal/{venv,tree,out}; exit status: device_check.sh's (or pytest's).
 set -euo pipefail

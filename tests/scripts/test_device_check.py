@@ -220,7 +220,7 @@ def test_an_interpreter_without_torch_is_one_line_and_exit_2(tmp_path):
 ])
 def test_device_rehearsal_usage_errors_exit_2_with_one_line(argv, py312, message):
     """Refused before anything is downloaded (the rehearsal itself needs a registry and
-    ~4 GB: docs/gpu.md, run by hand)."""
+    5 GB: docs/gpu.md, run by hand)."""
     import os
     import subprocess
     from pathlib import Path
