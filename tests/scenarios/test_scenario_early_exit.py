@@ -26,8 +26,11 @@ MODEL = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4
 SCENARIO = ["--dynmo-dynamism", "early_exit", "--dynmo-early-exit-threshold", "0.2",
             "--dynmo-early-exit-loss-weight", "0.5", "--dynmo-early-exit-start", str(START),
             "--dynmo-early-exit-interval", "4", "--dynmo-early-exit-min-layer", "4",
-            "--dynmo", "--dynmo-profile-every", "5", "--dynmo-min-gain", "0.02",
-            "--dynmo-early-exit-token-multiple", "8"]  # s = 64: the default 64 would gather all
+            "--dynmo", "--dynmo-profile-every", "5",
+            "--dynmo-early-exit-token-multiple", "8",  # s = 64: the default 64 would gather all
+            # the gate's floor off: the move's predicted gain (~12-16%) is within the noise
+            # floor a busy machine measures (10-14%); the floor has its own tests
+            "--dynmo-min-gain", "0"]
 
 
 @pytest.fixture(scope="module")
