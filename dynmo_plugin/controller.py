@@ -136,6 +136,8 @@ class DynMo:
                 self._apply_forced(iteration, forced)
             if self._open is None:
                 self._maybe_open_window(iteration)
+        if self._open is not None:
+            self._open.window.before_iteration()
         self._step_started = time.perf_counter()
 
     def after_step(self, iteration: int) -> None:

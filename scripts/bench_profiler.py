@@ -17,6 +17,11 @@ stage 1 should spend more of each iteration blocked in receives than stage 0 doe
 profile's per-stage `wait_s` is wall-clock time, so this relation is a measurement, not
 a unit test (tests/megatron/test_profiler.py only checks that the receiving stage records a wait):
 it prints stage 1's wait over stage 0's for each round.
+Part 4 (thread CPU time, one process): the stage prediction (`StageProfile.predicted_s`)
+against the same trainer's unprofiled step, each round 3 plain steps then a 3-step
+window (`ProfileWindow`, as the controller drives it), at three model sizes; printed
+with and without the rest of the step (`rest_s`: the step's time outside every span),
+the median and range of the rounds' ratios.
 Usage: python scripts/bench_profiler.py [--rounds 3] [--iters 40] [--every 5] [--part N]
 """
 from __future__ import annotations
@@ -137,6 +142,56 @@ def cpu_overhead(steps: int, rounds: int) -> None:
         print(f"  {label:32s} {1e3 * res[name]:7.1f} ms  {res[name] / res['off']:.3f} x{close}")
 
 
+PREDICTION_SHAPES = ((2, 64), (8, 64), (6, 256))  # (layers, hidden): rest large to small
+
+
+def _prediction_worker(rounds: int) -> None:
+    import time
+
+    from dynmo_plugin.config import ModelArgs
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.profiling.profiler import ProfileWindow
+    from dynmo_plugin.megatron.training.parallel import destroy_parallel, init_parallel
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
+
+    out = {}
+    for layers, hidden in PREDICTION_SHAPES:
+        args = ModelArgs(num_layers=layers, hidden_size=hidden, num_attention_heads=4, seq_length=64,
+                         micro_batch_size=2, global_batch_size=8)
+        trainer = StageTrainer(args, init_parallel(args), Layout.uniform(layers, 1))
+        it = 1
+        trainer.train_step(it)
+        rows = []
+        for _ in range(rounds):
+            plain = []
+            for it in range(it + 1, it + 4):
+                start = time.thread_time()
+                trainer.train_step(it)
+                plain.append(time.thread_time() - start)
+            window = ProfileWindow(trainer)
+            for it in range(it + 1, it + 4):
+                window.before_iteration()
+                trainer.train_step(it)
+                window.after_iteration()
+            (stage,) = window.close().stages
+            rows.append((stage.predicted_s, stage.rest_s, statistics.median(plain)))
+        out[f"{layers}L h{hidden}"] = rows
+        destroy_parallel()
+    print_result(out)
+
+
+def prediction(rounds: int) -> None:
+    res = read_result(torchrun(1, [__file__, "--prediction-worker", "--rounds", str(rounds)]))
+    print(f"Part 4: one process, thread CPU time, m = 4; predicted stage time / plain step ({rounds} rounds)")
+    print(f"  {'model':10s} {'plain ms':>9s} {'rest ms':>8s}  {'with rest':>22s}  {'without rest':>22s}")
+    for name, rows in res.items():
+        with_rest = [p / plain for p, _, plain in rows]
+        without = [(p - r) / plain for p, r, plain in rows]
+        cells = [f"{statistics.median(v):.3f}x ({min(v):.3f}-{max(v):.3f})" for v in (with_rest, without)]
+        print(f"  {name:10s} {1e3 * statistics.median(r[2] for r in rows):9.1f} "
+              f"{1e3 * statistics.median(r[1] for r in rows):8.1f}  {cells[0]:>22s}  {cells[1]:>22s}")
+
+
 def wait_relation(rounds: int) -> None:
     flags = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "4",
              "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -163,11 +218,15 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--part", type=int, choices=(1, 2, 3), help="run one part only")
+    ap.add_argument("--part", type=int, choices=(1, 2, 3, 4), help="run one part only")
     ap.add_argument("--cpu-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--prediction-worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.cpu_worker:
         _cpu_worker(a.steps, a.rounds)
+        return 0
+    if a.prediction_worker:
+        _prediction_worker(a.rounds)
         return 0
     print(f"load average at start: {os.getloadavg()[0]:.1f}")
     if a.part in (None, 1):
@@ -176,6 +235,8 @@ def main() -> int:
         cpu_overhead(a.steps, a.rounds)
     if a.part in (None, 3):
         wait_relation(a.rounds)
+    if a.part in (None, 4):
+        prediction(max(a.rounds, 4))
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     return 0
 

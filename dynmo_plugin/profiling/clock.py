@@ -20,6 +20,12 @@ the host is. Each mark also keeps the host's `perf_counter`, so a profile holds 
 host's time to launch the layer beside it (`host_seconds`), and the thread's CPU time
 (`host_cpu_seconds`: the launch work without the time the thread waited). These clocks are only used
 inside profiling windows: outside them nothing syncs.
+
+The host timeline (`now()`, `occupied(start, end)`): what a span took of the thread's
+time, its drain included, so that the time of an iteration that no span holds (the
+schedule, data, the loss's reduction, gradient clipping: the stage's `rest_s`,
+megatron/profiling/profiler.py) is the iteration's `now()` difference less the spans'
+occupancy. On CPU that timeline is the thread's CPU time, on CUDA the host's wall time.
 """
 from __future__ import annotations
 
@@ -47,6 +53,10 @@ class Clock(Protocol):
 
     def host_cpu_seconds(self, start: Any, end: Any) -> float: ...
 
+    def now(self) -> float: ...
+
+    def occupied(self, start: Any, end: Any) -> float: ...
+
 
 class CpuThreadClock:
     """`time.thread_time()`: CPU seconds of this thread (host and device time coincide)."""
@@ -69,6 +79,12 @@ class CpuThreadClock:
         return end - start
 
     def host_cpu_seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def now(self) -> float:
+        return self.mark()
+
+    def occupied(self, start: float, end: float) -> float:
         return end - start
 
 
@@ -105,6 +121,7 @@ class CudaMark(NamedTuple):
     event: Any          # torch.cuda.Event, recorded on the current stream
     host: float         # time.perf_counter() when it was recorded
     cpu: float = 0.0    # time.thread_time() then: the recording thread's CPU time
+    since: float = -1.0  # begin(): perf_counter() before the drain (-1.0: `host`, no drain)
 
 
 class CudaEventClock:
@@ -125,8 +142,9 @@ class CudaEventClock:
         return CudaMark(event, time.perf_counter(), time.thread_time())
 
     def begin(self) -> CudaMark:
+        since = time.perf_counter()
         self.cuda.synchronize()
-        return self.mark()
+        return self.mark()._replace(since=since)
 
     def resolve(self) -> None:
         self.cuda.synchronize()
@@ -143,6 +161,13 @@ class CudaEventClock:
         OS): both marks of a span are taken on the same thread (forward: the training
         thread; backward: autograd's device thread)."""
         return end.cpu - start.cpu
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def occupied(self, start: CudaMark, end: CudaMark) -> float:
+        """The host's wall time from before the span's drain to its end mark."""
+        return end.host - (start.since if start.since >= 0 else start.host)
 
 
 def clock_for(device: torch.device) -> Clock:

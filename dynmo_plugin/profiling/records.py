@@ -109,7 +109,12 @@ class StageProfile:
     gpu_s: float = 0.0      # per iteration: the layers' GPU kernel time (CUDA only)
     step_s: float = 0.0     # per iteration: the optimizer step
     host_waits_s: float = 0.0  # per micro-batch: the layers' spans beyond their CPU time ("host_cpu")
-    predicted_s: float = 0.0  # per iteration: (layers + extras + host waits) x micro-batches + step
+    # per iteration: the step's host time that no span holds (the schedule, data, loss
+    # reduction, gradient clipping, scenario hooks; on CPU also blocked p2p is left out)
+    rest_s: float = 0.0
+    # per iteration: (layers + extras + host waits) x micro-batches + step + rest (rest
+    # only where the host bounds the stage: not "gpu_kernels")
+    predicted_s: float = 0.0
     measured_s: float = 0.0   # per iteration: median outside profiling windows (0: unknown)
 
 

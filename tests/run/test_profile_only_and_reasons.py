@@ -59,6 +59,8 @@ def test_a_profile_only_run_gives_a_plan_a_picture_and_a_table(tmp_path):
     # iteration outside windows (iteration 3): both there, the controller's measure passed in
     (last,) = [e for e in report["events"] if e["iteration"] == 4 and e.get("profile")]
     assert all(s["predicted_s"] > 0 and s["measured_s"] > 0 for s in last["profile"]["stages"]), last
+    # the rest of the step (the schedule, data, loss, zeroing gradients) measured in the window
+    assert all(s["rest_s"] > 0 for s in last["profile"]["stages"]), last
     assert _dynmo("report", str(out)).returncode == 0
     assert (out / "stage_loads.png").stat().st_size > 0
     summary = (out / "summary.md").read_text()

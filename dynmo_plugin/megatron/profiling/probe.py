@@ -90,6 +90,10 @@ class _Spans:
         return [clock.host_seconds(self.start[mb], self.end[mb])
                 for mb in sorted(self.start) if mb in self.end]
 
+    def occupied(self, clock: Clock) -> float:
+        """What the spans took of the host timeline, drains included (`Clock.occupied`)."""
+        return sum(clock.occupied(self.start[mb], self.end[mb]) for mb in self.start if mb in self.end)
+
 
 class _EmptyLayer(torch.nn.Module):
     """A layer with no work: what a span costs when the layer inside it costs nothing."""
@@ -150,6 +154,14 @@ class StageProbe:
         self._ends_at_weights: set[tuple[int, int]] = set()  # (layer, mb) with no input grad
         self._bwd_running: dict[int, int] = {}  # layer -> micro-batch whose backward started last
         self._mtp_saved: dict[int, SavedBytes] = {}
+
+    def occupied_s(self) -> float:
+        """This iteration's spans on the host timeline so far (before `end_iteration`: its
+        empty spans are the window's, not the step's); nested MTP spans count once, in
+        the head's."""
+        nested = set(self._mtp_nested())
+        return sum(spans.occupied(self.clock) for key, spans in self._spans.items()
+                   if key not in ("fwd/0", "bwd/0") and not (nested and key.startswith("mtp/")))
 
     def end_iteration(self) -> float:
         """Resolve marks into seconds (one device sync); returns the iteration's profiled

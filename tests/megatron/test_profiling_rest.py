@@ -1,0 +1,115 @@
+"""The rest of the step (issue 34: a prediction the check can hold the profile to): the
+step's time that no span holds is measured in the window, on the clock's host timeline,
+and counted in the stage's prediction where the host bounds the stage. Inside
+pretrain_gpt.py on CPU it was 15-17 ms of a 67-70 ms step the prediction missed."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+
+import torch
+
+from launch import in_megatron_process
+from test_profiling_clock import RecordingCudaStandIn
+
+from dynmo_plugin.config import ModelArgs
+from dynmo_plugin.megatron.profiling.profiler import stage_prediction
+from dynmo_plugin.profiling.clock import CudaEventClock
+from dynmo_plugin.profiling.records import LayerProfile, StageProfile
+
+BURN_S = 0.04  # CPU seconds of work inside the step, outside every span
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def _window_stage(trainer, burn: float) -> StageProfile:
+    from dynmo_plugin.megatron.profiling.profiler import ProfileWindow
+    window = ProfileWindow(trainer, outside_s=[0.5])
+    for it in (2, 3, 4):
+        window.before_iteration()
+        _burn(burn)  # e.g. a batch built, a loss reduced: the step's, in no span
+        trainer.train_step(it)
+        window.after_iteration()
+    profile = window.close()
+    (stage,) = profile.stages
+    m = trainer.num_microbatches
+    layers = sum(x.cost_s for x in profile.layers)
+    assert stage.cost_source == "span"
+    assert stage.predicted_s == pytest.approx(m * (layers + stage.extra_s) + stage.step_s + stage.rest_s)
+    return stage
+
+
+def _check_rest_holds_the_work_outside_spans(args):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.training.parallel import ParallelDims
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
+    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
+                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
+    trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1))
+    trainer.train_step(1)  # warm-up outside the windows
+    outside = []
+    for it in (2, 3, 4):
+        start = time.thread_time()
+        trainer.train_step(it)
+        outside.append(time.thread_time() - start)
+    plain, burnt = _window_stage(trainer, 0.0), _window_stage(trainer, BURN_S)
+    # the schedule's own Python, zeroing gradients: real CPU work, but not the spans'
+    # (3-5 ms of a 15-19 ms step here)
+    assert 0 < plain.rest_s < 0.5 * statistics.median(outside), (outside, plain)
+    assert burnt.rest_s - plain.rest_s == pytest.approx(BURN_S, abs=0.3 * BURN_S), (plain, burnt)
+    # the layers and the step did not absorb it
+    assert burnt.predicted_s - burnt.rest_s == pytest.approx(plain.predicted_s - plain.rest_s, rel=0.5)
+
+
+def test_the_rest_of_the_step_is_measured_and_predicted():
+    in_megatron_process(_check_rest_holds_the_work_outside_spans,
+                        ModelArgs(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                                  micro_batch_size=2, global_batch_size=4))
+
+
+class _SlowDrainCuda(RecordingCudaStandIn):
+    """A fault, named as such: every drain takes `drain_s` of the host's wall time."""
+
+    def __init__(self, drain_s: float):
+        super().__init__()
+        self.drain_s = drain_s
+
+    def synchronize(self) -> None:
+        time.sleep(self.drain_s)
+        super().synchronize()
+
+
+def test_a_span_occupies_the_host_from_before_its_drain():
+    """On CUDA the host timeline is wall time: a span's drain is the window's, not the
+    step's rest, so `occupied` starts before it while `host_seconds` (the layer's launch
+    time) starts after it."""
+    clock = CudaEventClock(cuda=_SlowDrainCuda(0.02))
+    start = clock.begin()
+    end = clock.mark()
+    assert clock.host_seconds(start, end) < 0.01
+    assert clock.occupied(start, end) >= 0.02
+    plain = clock.mark()  # a mark without a drain occupies from its own time
+    assert clock.occupied(plain, end) == pytest.approx(end.host - plain.host)
+
+
+def _record(source: str) -> StageProfile:
+    return StageProfile(stage=0, extra_s=0.001, wait_s=0.0, peak_bytes=0, cost_source=source,
+                        step_s=0.003, host_waits_s=0.0005, rest_s=0.010)
+
+
+def test_the_rest_counts_where_the_host_bounds_the_stage_only():
+    layers = [LayerProfile(layer=n, stage=0, fwd_s=0.002, bwd_s=0.004, param_bytes=0, grad_bytes=0,
+                           optim_bytes=0, act_bytes=0) for n in (1, 2)]
+    base = 4 * (0.012 + 0.001 + 0.0005) + 0.003
+    assert stage_prediction(_record("span"), layers, 4) == pytest.approx(base + 0.010)
+    assert stage_prediction(_record("host_cpu"), layers, 4) == pytest.approx(base + 0.010)
+    # GPU-bound: the host's rest runs while the queued kernels do
+    assert stage_prediction(_record("gpu_kernels"), layers, 4) == pytest.approx(base)
