@@ -120,7 +120,19 @@ def prediction_verdict(report: dict, times: dict[int, float], warmup: int = 3) -
     detail = (f"predicted {' '.join(f'{1e3 * p:.1f}' for p in predicted)} ms/iteration vs measured "
               f"{1e3 * outside:.1f} ms outside windows (median of {len(measured)}): worst {worst:+.1%} "
               f"(<= +-{PREDICTION_ACCEPT:.0%})")
-    return worst, detail
+    return worst, detail + _step_figures(report)
+
+
+def _step_figures(report: dict) -> str:
+    """What the prediction is made of and the step the controller timed around train_step
+    (`measured_s`): a gap to the row's iterations that the step does not show is the loop
+    between steps (Megatron-LM's logging), not the stage."""
+    stages = [e["profile"]["stages"][0] for e in timed_profiles(report)]
+    if not stages or "rest_s" not in stages[0]:
+        return ""
+    ms = lambda key: " ".join(f"{1e3 * s.get(key, 0.0):.1f}" for s in stages)  # noqa: E731
+    return (f"; per profile: rest of the step {ms('rest_s')} ms, optimizer step {ms('step_s')} ms, "
+            f"the step as timed around train_step {ms('measured_s')} ms")
 
 
 def overhead_verdict(report: dict, warmup: int = 2) -> tuple[float, str]:

@@ -100,6 +100,48 @@ def test_a_span_occupies_the_host_from_before_its_drain():
     assert clock.occupied(plain, end) == pytest.approx(end.host - plain.host)
 
 
+DRAIN_S = 0.004  # each span's drain on the stand-in device
+
+
+def _check_drains_stay_out_of_the_rest(args):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.profiling.profiler import ProfileWindow
+    from dynmo_plugin.megatron.training.parallel import ParallelDims
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
+    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
+                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
+    trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1))
+    trainer.train_step(1)
+    cuda = _SlowDrainCuda(DRAIN_S)
+    window = ProfileWindow(trainer, clock=CudaEventClock(cuda=cuda), outside_s=[0.5])
+    for it in (2, 3):
+        window.before_iteration()
+        syncs = cuda.log.count("sync")
+        start = time.perf_counter()
+        trainer.train_step(it)
+        step = time.perf_counter() - start
+        drains = DRAIN_S * (cuda.log.count("sync") - syncs)
+        window.after_iteration()
+        assert drains > 0.5 * step  # the drains are most of the step here
+    profile = window.close()
+    (stage,) = profile.stages
+    assert stage.cost_source == "host_cpu"  # the host paces a stage with no kernel times
+    assert 0 < stage.rest_s < 0.5 * drains, (stage.rest_s, drains)
+    layers, m = sum(x.cost_s for x in profile.layers), trainer.num_microbatches
+    assert stage.predicted_s == pytest.approx(
+        m * (layers + stage.extra_s + stage.host_waits_s) + stage.step_s + stage.rest_s)
+
+
+def test_on_cuda_the_drains_before_spans_stay_out_of_the_rest():
+    """The CUDA clock's path on a real stage (a stand-in device whose every drain takes
+    4 ms of wall time): the rest holds the step's own host time, not the drains."""
+    in_megatron_process(_check_drains_stay_out_of_the_rest,
+                        ModelArgs(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                                  micro_batch_size=2, global_batch_size=4))
+
+
 def _record(source: str) -> StageProfile:
     return StageProfile(stage=0, extra_s=0.001, wait_s=0.0, peak_bytes=0, cost_source=source,
                         step_s=0.003, host_waits_s=0.0005, rest_s=0.010)

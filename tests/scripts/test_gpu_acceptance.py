@@ -72,6 +72,12 @@ def test_stage_prediction_is_held_to_iterations_outside_windows():
     assert worst == pytest.approx(-0.15) and abs(worst) > gpu_check.PREDICTION_ACCEPT
     with pytest.raises(gpu_check.CheckFailed, match="predicted stage times"):
         gpu_check.prediction_verdict(_stage_report([0.0], times, [[4, 4]]), times)
+    # what the prediction holds and the step as the controller timed it are printed beside
+    report = _stage_report([0.104], times, [[4, 4]])
+    report["events"][0]["profile"]["stages"][0] |= {"rest_s": 0.012, "step_s": 0.003, "measured_s": 0.093}
+    _, detail = gpu_check.prediction_verdict(report, times)
+    assert detail.endswith("rest of the step 12.0 ms, optimizer step 3.0 ms, the step as timed "
+                           "around train_step 93.0 ms"), detail
 
 
 def test_throughput_overhead_is_judged_only_where_the_rounds_resolve_three_percent():
