@@ -112,8 +112,9 @@ class StageProfile:
     # per iteration: the step's host time that no span holds (the schedule, data, loss
     # reduction, gradient clipping, scenario hooks; on CPU also blocked p2p is left out)
     rest_s: float = 0.0
-    # per iteration: (layers + extras + host waits) x micro-batches + step + rest (rest
-    # only where the host bounds the stage: not "gpu_kernels")
+    rest_gpu_s: float = 0.0  # per iteration: the kernels launched there (CUDA only)
+    # per iteration: (layers + extras + host waits) x micro-batches + step + rest (the
+    # GPU's, rest_gpu_s, where the GPU bounds the stage: "gpu_kernels")
     predicted_s: float = 0.0
     measured_s: float = 0.0   # per iteration: median outside profiling windows (0: unknown)
 

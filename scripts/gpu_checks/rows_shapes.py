@@ -131,7 +131,8 @@ def _step_figures(report: dict) -> str:
     if not stages or "rest_s" not in stages[0]:
         return ""
     ms = lambda key: " ".join(f"{1e3 * s.get(key, 0.0):.1f}" for s in stages)  # noqa: E731
-    return (f"; per profile: rest of the step {ms('rest_s')} ms, optimizer step {ms('step_s')} ms, "
+    return (f"; per profile: rest of the step {ms('rest_s')} ms (host) {ms('rest_gpu_s')} ms (GPU), "
+            f"optimizer step {ms('step_s')} ms, "
             f"the step as timed around train_step {ms('measured_s')} ms")
 
 

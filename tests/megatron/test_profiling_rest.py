@@ -144,14 +144,72 @@ def test_on_cuda_the_drains_before_spans_stay_out_of_the_rest():
 
 def _record(source: str) -> StageProfile:
     return StageProfile(stage=0, extra_s=0.001, wait_s=0.0, peak_bytes=0, cost_source=source,
-                        step_s=0.003, host_waits_s=0.0005, rest_s=0.010)
+                        step_s=0.003, host_waits_s=0.0005, rest_s=0.010, rest_gpu_s=0.002)
 
 
-def test_the_rest_counts_where_the_host_bounds_the_stage_only():
+def test_the_rest_is_the_hosts_or_the_gpus_by_what_paces_the_stage():
     layers = [LayerProfile(layer=n, stage=0, fwd_s=0.002, bwd_s=0.004, param_bytes=0, grad_bytes=0,
                            optim_bytes=0, act_bytes=0) for n in (1, 2)]
     base = 4 * (0.012 + 0.001 + 0.0005) + 0.003
     assert stage_prediction(_record("span"), layers, 4) == pytest.approx(base + 0.010)
     assert stage_prediction(_record("host_cpu"), layers, 4) == pytest.approx(base + 0.010)
-    # GPU-bound: the host's rest runs while the queued kernels do
-    assert stage_prediction(_record("gpu_kernels"), layers, 4) == pytest.approx(base)
+    # GPU-bound: the host's rest runs while the queued kernels do; the step's kernels
+    # outside its spans count instead
+    assert stage_prediction(_record("gpu_kernels"), layers, 4) == pytest.approx(base + 0.002)
+
+
+class _RecordingBusy:
+    """A stand-in for `kernels.KernelBusy` (no CUDA profiler on CPU), named as such: it
+    logs the ranges opened and closed, in order."""
+
+    def __init__(self):
+        self.log: list[tuple[str, str]] = []
+
+    def open(self, key: str, mb: int) -> None:
+        self.log.append(("open", key))
+
+    def close(self, key: str, mb: int) -> None:
+        self.log.append(("close", key))
+
+    def next_iteration(self) -> None:
+        pass
+
+    def stop(self):
+        return None
+
+
+def _check_the_step_is_a_range_around_its_spans(args):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.profiling.profiler import ProfileWindow
+    from dynmo_plugin.megatron.training.parallel import ParallelDims
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
+    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
+                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
+    trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1))
+    window = ProfileWindow(trainer, outside_s=[0.5])
+    busy = window.busy = window._step.busy = _RecordingBusy()
+    for probe in window.probes:
+        probe.busy = busy
+    window.before_iteration()
+    trainer.train_step(1)
+    window.after_iteration()
+    window.close()
+    log = busy.log
+    end = log.index(("close", "iteration"))
+    assert log[0] == ("open", "iteration"), log[:3]
+    assert {key for _, key in log[end + 1:]} == {"fwd/0", "bwd/0"}  # then the window's empty spans
+    assert log.count(("open", "step")) == log.count(("close", "step")) == 1
+    inside = log[1:end]
+    assert ("open", "fwd/1") in inside and ("close", "bwd/2") in inside  # every span within it
+    step = inside.index(("open", "step"))
+    assert inside[step + 1] == ("close", "step")  # the optimizer's own range, nothing inside
+
+
+def test_on_cuda_the_step_is_a_profiler_range_around_its_spans_and_the_optimizer_step():
+    """Where kernels are timed the step's range gathers what its spans do not hold, the
+    optimizer step's range keeps the step's kernels (its own span) out of the rest."""
+    in_megatron_process(_check_the_step_is_a_range_around_its_spans,
+                        ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                                  micro_batch_size=2, global_batch_size=4))

@@ -76,7 +76,7 @@ def test_stage_prediction_is_held_to_iterations_outside_windows():
     report = _stage_report([0.104], times, [[4, 4]])
     report["events"][0]["profile"]["stages"][0] |= {"rest_s": 0.012, "step_s": 0.003, "measured_s": 0.093}
     _, detail = gpu_check.prediction_verdict(report, times)
-    assert detail.endswith("rest of the step 12.0 ms, optimizer step 3.0 ms, the step as timed "
+    assert detail.endswith("rest of the step 12.0 ms (host) 0.0 ms (GPU), optimizer step 3.0 ms, the step as timed "
                            "around train_step 93.0 ms"), detail
 
 

@@ -47,7 +47,9 @@ and the optimizer step took of it, drains included (`Clock.occupied`): the sched
 own Python, the batch, the loss's reduction, zeroing and clipping the gradients,
 scenario hooks. Inside pretrain_gpt.py on CPU it was 15-17 ms of a 67-70 ms step,
 missing from the prediction before (0.76-0.78x). Where the GPU bounds the stage
-("gpu_kernels") the host's rest overlaps the queued kernels and is reported, not added.
+("gpu_kernels") the host's rest overlaps the queued kernels: the rest is then the GPU's,
+the kernels the training thread launched in the step outside every span (the step is a
+profiler range, `rest_gpu_s`).
 """
 from __future__ import annotations
 
@@ -155,19 +157,24 @@ class _DevicePeak:
 
 class _StepTimer:
     """The optimizer step's time per iteration, a calibrated span like a layer's
-    (global optimizer hooks, so a rebuilt optimizer is timed too)."""
+    (global optimizer hooks, so a rebuilt optimizer is timed too); with a `KernelBusy`
+    also a profiler range, so its kernels are not the rest of the step's."""
 
-    def __init__(self, clock):
+    def __init__(self, clock, busy=None):
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-        self.clock, self.marks, self._start = clock, [], None
+        self.clock, self.busy, self.marks, self._start = clock, busy, [], None
         self._handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
 
     def _pre(self, optimizer, args, kwargs) -> None:
         if self._start is None:
             self._start = self.clock.begin()
+            if self.busy is not None:
+                self.busy.open("step", 0)
 
     def _post(self, optimizer, args, kwargs) -> None:
         if self._start is not None:
+            if self.busy is not None:
+                self.busy.close("step", 0)
             self.marks.append((self._start, self.clock.mark()))
             self._start = None
 
@@ -207,7 +214,7 @@ class ProfileWindow:
         self._busy_samples: dict | None = None
         self.probes = [StageProbe(chunk, self.clock, span_constant=SPAN_CONSTANT_SAMPLES, busy=self.busy)
                        for chunk in trainer.chunks]
-        self._step = _StepTimer(self.clock)
+        self._step = _StepTimer(self.clock, self.busy)
         self._steps: list[float] = []
         for probe in self.probes:
             probe.attach()
@@ -220,11 +227,16 @@ class ProfileWindow:
         self._peak = _DevicePeak() if trainer.dims.device.type == "cuda" else None
 
     def before_iteration(self) -> None:
-        """The step starts now (the controller calls it right before each window step)."""
+        """The step starts now (the controller calls it right before each window step).
+        On CUDA the step is also a profiler range: the kernels the training thread
+        launches in it outside every span (loss, zeroing and clipping the gradients, the
+        optimizer's copies around its step) are the rest of the step on the GPU."""
         self._started = self.clock.now()
+        self.busy.open("iteration", 0)
 
     def after_iteration(self) -> None:
         ended = self.clock.now()
+        self.busy.close("iteration", 0)
         spans = sum(probe.occupied_s() for probe in self.probes) + self._step.occupied()
         # resolves the clock first
         self._profiled.append(sum(probe.end_iteration() for probe in self.probes))
@@ -341,6 +353,7 @@ class ProfileWindow:
         choose_costs(record, layers, busy, cpu, extra_gpu, m)
         record.step_s = median(self._steps) / len(self.probes)  # one optimizer per rank
         record.rest_s = median(self._rest) / len(self.probes)
+        record.rest_gpu_s = median(busy.get("iteration", [])) / len(self.probes)
         record.predicted_s = stage_prediction(record, layers, m)
         record.measured_s = median(self.outside_s) / len(self.probes)
 
@@ -434,10 +447,11 @@ def choose_costs(record: StageProfile, layers: list[LayerProfile], busy: dict, c
 
 def stage_prediction(record: StageProfile, layers: list[LayerProfile], m: int) -> float:
     """The stage's time per iteration as profiled (module docstring): its layers, extras
-    and the host's waits per micro-batch, the optimizer step, and the rest of the step
-    where the host bounds the stage; where the GPU does ("gpu_kernels") the host's rest
-    runs while the queued kernels do and adds nothing."""
-    rest = record.rest_s if record.cost_source != "gpu_kernels" else 0.0
+    and the host's waits per micro-batch, the optimizer step, and the rest of the step:
+    the host's where the host bounds the stage; where the GPU does ("gpu_kernels") the
+    host's rest runs while the queued kernels do, and the rest is the kernels the step
+    launched outside its spans (`rest_gpu_s`)."""
+    rest = record.rest_gpu_s if record.cost_source == "gpu_kernels" else record.rest_s
     return m * (sum(x.cost_s for x in layers) + record.extra_s + record.host_waits_s) + record.step_s + rest
 
 
@@ -463,10 +477,10 @@ def prediction_line(stage: StageProfile) -> str:
     measured = (f"measured {1e3 * stage.measured_s:.1f} ms outside windows "
                 f"({stage.predicted_s / stage.measured_s:.3f}x)" if stage.measured_s > 0
                 else "no iteration outside windows measured yet")
-    rest = "" if stage.cost_source != "gpu_kernels" else " not counted: the GPU bounds the stage"
+    rest = f"host {1e3 * stage.rest_s:.1f} ms, GPU kernels {1e3 * stage.rest_gpu_s:.1f} ms"
     return (f"stage {stage.stage}: predicted {1e3 * stage.predicted_s:.1f} ms/iteration ({stage.num_microbatches} "
             f"micro-batches, extras {1e3 * stage.extra_s:.2f} ms, step {1e3 * stage.step_s:.1f} ms, rest of the "
-            f"step {1e3 * stage.rest_s:.1f} ms{rest}) vs {measured}; "
+            f"step: {rest}) vs {measured}; "
             f"layers cost {stage.cost_source} (host {1e3 * stage.host_s:.1f} ms, of it waits "
             f"{1e3 * stage.num_microbatches * stage.host_waits_s:.1f} ms, GPU kernels "
             f"{1e3 * stage.gpu_s:.1f} ms per iteration; span constant {1e3 * stage.span_constant_s:.3f} ms removed)")
