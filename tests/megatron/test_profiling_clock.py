@@ -329,8 +329,14 @@ def test_window_profiler_records_our_ranges_and_not_every_host_op():
     assert busy.stop() == {} and busy._prof is None
 
 
+STOPPING_THREAD = 1  # torch's own id of the thread that stopped the profiler
+
+
 class _KinetoEventStandIn:
-    """Stand-in for torch's _KinetoEvent (no CUDA here): the accessors `from_kineto` reads."""
+    """Stand-in for torch's _KinetoEvent (no CUDA here): the accessors `from_kineto` reads.
+    `thread` is the OS thread (`device_resource_id`); `start_thread_id` is torch's, and a
+    runtime call without a parent (user-scope ranges only: always) gets the one of the
+    thread that stopped the profiler (torch's `setKinetoTID`)."""
 
     def __init__(self, name, device, thread, start, duration, corr, linked=0, activity=None):
         activity = activity or ("user_annotation" if name.startswith("dynmo:") else
@@ -339,7 +345,11 @@ class _KinetoEventStandIn:
 
     def name(self): return self._v[0]  # noqa: E704
     def device_type(self): return f"DeviceType.{self._v[1]}"  # noqa: E704
-    def start_thread_id(self): return self._v[2]  # noqa: E704
+    def device_resource_id(self): return self._v[2]  # noqa: E704
+
+    def start_thread_id(self):
+        runtime = self._v[7] in ("cuda_runtime", "cuda_driver") or self._v[0].startswith("cu")
+        return STOPPING_THREAD if runtime else 100 + self._v[2]
     def start_ns(self): return self._v[3]  # noqa: E704
     def end_ns(self): return self._v[3] + self._v[4]  # noqa: E704
     def duration_ns(self): return self._v[4]  # noqa: E704
@@ -391,6 +401,27 @@ def test_a_runtime_call_never_stands_for_an_op_with_the_same_id():
     for variant in (events, [_Torch211Event(e) for e in events]):  # torch 2.11: by the API's names
         busy = samples_by_key(attribute(*from_kineto(variant)))
         assert busy == {"fwd/1": [460e-9], "fwd/2": [700e-9]}
+
+
+def test_a_backward_kernel_goes_to_the_range_of_the_thread_that_launched_it():
+    """With user-scope ranges every runtime call reads `start_thread_id` of the thread
+    that stopped the profiler (the training thread, 7 here), so a backward range on
+    autograd's device thread (OS thread 9) held no launch: its kernels went to nobody,
+    or to the training thread's outer step range that was open meanwhile. Launches are
+    placed by the OS thread that made them."""
+    from dynmo_plugin.megatron.profiling.kernels import attribute, from_kineto, samples_by_key
+    E = _KinetoEventStandIn
+    events = [E("dynmo:0:iteration:0", "CPU", 7, 0, 10000, 1),
+              E("dynmo:0:fwd/1:0", "CPU", 7, 1000, 500, 2),
+              E("cudaLaunchKernel", "CPU", 7, 1100, 5, 11, activity="cuda_runtime"),
+              E("dynmo:0:bwd/1:0", "CPU", 9, 3000, 400, 3),
+              E("cudaLaunchKernel", "CPU", 9, 3100, 5, 12, activity="cuda_runtime"),
+              E("cudaLaunchKernel", "CPU", 7, 5000, 5, 13, activity="cuda_runtime"),  # the loss
+              E("gemm", "CUDA", 0, 1200, 700, 11), E("gemm_bwd", "CUDA", 0, 3200, 1400, 12),
+              E("nll", "CUDA", 0, 5100, 30, 13)]
+    for variant in (events, [_Torch211Event(e) for e in events]):
+        busy = samples_by_key(attribute(*from_kineto(variant)))
+        assert busy == {"fwd/1": [700e-9], "bwd/1": [1400e-9], "iteration": [30e-9]}, busy
 
 
 class _Torch211Event:

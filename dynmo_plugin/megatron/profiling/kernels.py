@@ -15,6 +15,17 @@ each kernel to the host event that launched it (`linked_correlation_id`: the inn
 recorded range; else its own `correlation_id`: the runtime's launch call); the kernel
 belongs to the innermost range that holds that launch on the same host thread
 (`attribute`, pure, tested on CPU with real profiler events and with synthetic ones).
+
+The host thread is the OS thread (`device_resource_id`), never `start_thread_id`. With
+user-scope ranges only, torch pushes their ids on kineto's *user* correlation flow,
+while kineto links kernels and runtime calls through the default one: every kernel's
+linked id is 0 and no runtime call has a parent, and a parentless kineto event takes
+the `start_thread_id` of the thread that stops the profiler (torch's `setKinetoTID`).
+Every launch, autograd's device thread's included, would read as the training
+thread's, and no backward range (recorded on the device thread) could hold one. A
+runtime call's `device_resource_id` is CUPTI's thread mapped to the OS thread id by
+kineto (`recordThreadInfo`, which torch calls for each thread that records a range),
+the same id our ranges carry.
 """
 from __future__ import annotations
 
@@ -93,10 +104,10 @@ def from_kineto(events) -> tuple[list[Range], dict[tuple[str, int], tuple[int, i
         device = str(ev.device_type())
         if device.endswith("CPU"):
             if ev.name().startswith(PREFIX):
-                ranges.append(Range(ev.name(), ev.start_thread_id(), ev.start_ns(), ev.end_ns()))
+                ranges.append(Range(ev.name(), ev.device_resource_id(), ev.start_ns(), ev.end_ns()))
             if ev.correlation_id():
                 kind = "runtime" if is_runtime_call(ev) else "op"
-                launches[(kind, ev.correlation_id())] = (ev.start_thread_id(), ev.start_ns())
+                launches[(kind, ev.correlation_id())] = (ev.device_resource_id(), ev.start_ns())
         elif device.endswith("CUDA") and is_gpu_work(ev):
             gpu.append(ev)
     kernels = []
