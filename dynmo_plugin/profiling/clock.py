@@ -26,6 +26,8 @@ time, its drain included, so that the time of an iteration that no span holds (t
 schedule, data, the loss's reduction, gradient clipping: the stage's `rest_s`,
 megatron/profiling/profiler.py) is the iteration's `now()` difference less the spans'
 occupancy. On CPU that timeline is the thread's CPU time, on CUDA the host's wall time.
+Every clock also counts the host seconds it spent draining the device (`drained_s`, 0
+on CPU), so drains outside any span (the schedule timers' own) are not the step's rest.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ __all__ = ["Clock", "CpuThreadClock", "CudaEventClock", "CudaMark", "WallClock",
 
 class Clock(Protocol):
     name: str
+    drained_s: float  # host seconds spent in synchronize so far (grows; 0 on CPU)
 
     def begin(self) -> Any: ...
 
@@ -62,6 +65,7 @@ class CpuThreadClock:
     """`time.thread_time()`: CPU seconds of this thread (host and device time coincide)."""
 
     name = "cpu_thread_time"
+    drained_s = 0.0
 
     def mark(self) -> float:
         return time.thread_time()
@@ -111,10 +115,14 @@ class SyncedWallClock(WallClock):
 
     def __init__(self, cuda: Any = None):
         self.cuda = cuda if cuda is not None else torch.cuda
+        self.drained_s = 0.0
 
     def mark(self) -> float:
+        since = time.perf_counter()
         self.cuda.synchronize()
-        return time.perf_counter()
+        now = time.perf_counter()
+        self.drained_s += now - since
+        return now
 
 
 class CudaMark(NamedTuple):
@@ -135,6 +143,7 @@ class CudaEventClock:
 
     def __init__(self, cuda: Any = None):
         self.cuda = cuda if cuda is not None else torch.cuda
+        self.drained_s = 0.0
 
     def mark(self) -> CudaMark:
         event = self.cuda.Event(enable_timing=True)
@@ -144,10 +153,14 @@ class CudaEventClock:
     def begin(self) -> CudaMark:
         since = time.perf_counter()
         self.cuda.synchronize()
-        return self.mark()._replace(since=since)
+        mark = self.mark()._replace(since=since)
+        self.drained_s += mark.host - since
+        return mark
 
     def resolve(self) -> None:
+        since = time.perf_counter()
         self.cuda.synchronize()
+        self.drained_s += time.perf_counter() - since
 
     def seconds(self, start: CudaMark, end: CudaMark) -> float:
         return start.event.elapsed_time(end.event) / 1e3

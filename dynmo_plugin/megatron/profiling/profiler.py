@@ -237,7 +237,8 @@ class ProfileWindow:
     def after_iteration(self) -> None:
         ended = self.clock.now()
         self.busy.close("iteration", 0)
-        spans = sum(probe.occupied_s() for probe in self.probes) + self._step.occupied()
+        spans = (sum(probe.occupied_s() for probe in self.probes) + self._step.occupied()
+                 + self.tap.take_drains())
         # resolves the clock first
         self._profiled.append(sum(probe.end_iteration() for probe in self.probes))
         self._steps.append(self._step.take())

@@ -26,17 +26,26 @@ COMPUTE_TIMERS = ("forward-compute", "backward-compute")
 
 
 class _TapTimer:
-    def __init__(self, name: str, clock: Clock, inner, sink: list):
-        self.name, self._clock, self._inner, self._sink = name, clock, inner, sink
+    """One timer name; `drains` collects the host seconds its own marks spent draining
+    the device outside its interval (the start's, and the stop's where the interval is
+    not a wait the profile subtracts whole: not a receive)."""
+
+    def __init__(self, name: str, clock: Clock, inner, sink: list, drains: list):
+        self.name, self._clock, self._inner, self._sink, self._drains = name, clock, inner, sink, drains
         self._start = None
 
     def start(self, barrier: bool = False) -> None:
         if self._inner is not None:
             self._inner.start(barrier=barrier)
+        before = self._clock.drained_s
         self._start = self._clock.begin()
+        self._drains.append(self._clock.drained_s - before)
 
     def stop(self, barrier: bool = False) -> None:
+        before = self._clock.drained_s
         self._sink.append((self._start, self._clock.mark()))
+        if "recv" not in self.name:
+            self._drains.append(self._clock.drained_s - before)
         if self._inner is not None:
             self._inner.stop(barrier=barrier)
 
@@ -54,19 +63,27 @@ class TimerTap:
     def __init__(self, inner, clock: Clock):
         self.inner, self.clock, self.wall = inner, clock, comm_clock_for(clock)
         self._intervals: dict[str, list] = defaultdict(list)
+        self._drains: list[float] = []
         self._timers: dict[str, _TapTimer] = {}
 
     def __call__(self, name: str, log_level: int | None = None) -> _TapTimer:
         if name not in self._timers:
             inner = self.inner(name, log_level=log_level) if self.inner is not None else None
             clock = self.clock if name in COMPUTE_TIMERS else self.wall
-            self._timers[name] = _TapTimer(name, clock, inner, self._intervals[name])
+            self._timers[name] = _TapTimer(name, clock, inner, self._intervals[name], self._drains)
         return self._timers[name]
 
     def __getattr__(self, attr: str) -> Any:  # log(), write(), ... of the user's Timers
         if self.inner is None:
             raise AttributeError(attr)
         return getattr(self.inner, attr)
+
+    def take_drains(self) -> float:
+        """Host seconds the timers' own marks drained the device outside their
+        intervals since the last call (0 on CPU): the step's time, not its rest."""
+        seconds = sum(self._drains)
+        self._drains.clear()
+        return seconds
 
     def take_totals(self) -> dict[str, float]:
         """Seconds per timer name since the last call (call after clock.resolve())."""
