@@ -78,6 +78,13 @@ def _check_every_span_starts_after_a_sync(args):
     assert all(_preceded_by_sync(cuda.log, i) for i in starts)
     assert not any(_preceded_by_sync(cuda.log, i) for i in ends)
     assert cuda.log.count("sync") == len(starts)  # no sync anywhere else
+    # no two spans overlap: where one backward span ends the next begins (one tensor),
+    # and the end is marked before the next span's drain (else the open span held it)
+    at = {entry[1]: k for k, entry in enumerate(cuda.log) if entry != "sync"}  # event id -> position
+    intervals = sorted((at[s.start[mb].event.id], at[s.end[mb].event.id], key)
+                       for key, s in spans.items() for mb in s.start)
+    for (_, end, a), (start, _, b) in zip(intervals, intervals[1:]):
+        assert end < start, f"{a} still open when {b} began: {intervals}"
     total = probe.end_iteration()  # the one sync that resolves the events
     assert cuda.log[-1] == "sync" and total > 0
     for key in layers:

@@ -250,6 +250,26 @@ class StageProbe:
                 spans.end[mb] = self.clock.mark()
         return hook
 
+    @staticmethod
+    def _at_grad(tensor: torch.Tensor, hook: Callable, ends_a_span: bool) -> None:
+        """Run `hook` when `tensor`'s gradient arrives, every span's end before any
+        span's start. One tensor is where a backward span ends and the next begins (a
+        layer's input is the previous layer's output, the embedding's, the final norm's
+        input the last layer's), and tensor hooks run in registration order: the next
+        span's start, registered first (in the earlier module's forward), drained the
+        device inside the span still open, which then held that drain (on a GPU the wait
+        for its own kernels' tail) in its host time. So each tensor gets one hook that
+        runs the ends, then the starts."""
+        hooks = getattr(tensor, "_dynmo_grad_hooks", None)
+        if hooks is None:
+            hooks = tensor._dynmo_grad_hooks = ([], [])
+
+            def run(grad):
+                for h in hooks[0] + hooks[1]:
+                    h(grad)
+            tensor.register_hook(run)
+        hooks[0 if ends_a_span else 1].append(hook)
+
     def _range(self, key, mb: int, opening: bool) -> None:
         """The span's profiler range (`profiling.kernels`), where kernels are timed."""
         if self.busy is None or key is None:
@@ -264,7 +284,7 @@ class StageProbe:
             mb = self._next_mb(f"layer/{number}")
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             if torch.is_tensor(hidden) and hidden.requires_grad:
-                hidden.register_hook(self._grad_mark(bwd_key, "end", mb))
+                self._at_grad(hidden, self._grad_mark(bwd_key, "end", mb), True)
             else:  # e.g. after a frozen prefix: the last weight gradient ends the backward
                 self._ends_at_weights.add((number, mb))
             if self.count_activations:
@@ -282,8 +302,8 @@ class StageProbe:
                 self._saved[(number, mb)].__exit__(None, None, None)
             out = output[0] if isinstance(output, tuple) else output
             if torch.is_tensor(out) and out.requires_grad:
-                out.register_hook(self._grad_mark(bwd_key, "start", mb))
-                out.register_hook(lambda grad: self._bwd_running.__setitem__(number, mb))
+                self._at_grad(out, self._grad_mark(bwd_key, "start", mb), False)
+                self._at_grad(out, lambda grad: self._bwd_running.__setitem__(number, mb), False)
 
         def accumulated(param):
             mb = self._bwd_running.get(number)
@@ -308,7 +328,7 @@ class StageProbe:
             self._range("emb_fwd", mb, False)
             self._spans["emb_fwd"].end[mb] = self.clock.mark()
             if output.requires_grad:
-                output.register_hook(self._grad_mark("emb_bwd", "start", mb))
+                self._at_grad(output, self._grad_mark("emb_bwd", "start", mb), False)
 
         def accumulated(param):  # the last embedding weight grad ends the stage backward
             spans = self._spans["emb_bwd"]
@@ -338,7 +358,7 @@ class StageProbe:
             mb = self._next_mb("mtp")
             hidden = kwargs.get("hidden_states")
             if torch.is_tensor(hidden) and hidden.requires_grad:
-                hidden.register_hook(self._grad_mark("mtp/bwd", "end", mb))
+                self._at_grad(hidden, self._grad_mark("mtp/bwd", "end", mb), True)
             if self.count_activations:
                 saved = SavedBytes(self._param_ptrs)
                 self._mtp_saved[mb] = saved
@@ -351,7 +371,7 @@ class StageProbe:
             if self.count_activations:
                 self._mtp_saved[mb].__exit__(None, None, None)
             if torch.is_tensor(output) and output.requires_grad:
-                output.register_hook(self._grad_mark("mtp/bwd", "start", mb))
+                self._at_grad(output, self._grad_mark("mtp/bwd", "start", mb), False)
 
         self._handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(block.register_forward_hook(post, with_kwargs=True))
@@ -366,14 +386,14 @@ class StageProbe:
             self._range("head_fwd", mb, True)
             hidden = args[0] if args else None
             if torch.is_tensor(hidden) and hidden.requires_grad:
-                hidden.register_hook(self._grad_mark("head_bwd", "end", mb))
+                self._at_grad(hidden, self._grad_mark("head_bwd", "end", mb), True)
 
         def post(module, args, output):
             mb = self._counters["head"] - 1
             self._range("head_fwd", mb, False)
             self._spans["head_fwd"].end[mb] = self.clock.mark()
             if torch.is_tensor(output) and output.requires_grad:
-                output.register_hook(self._grad_mark("head_bwd", "start", mb))
+                self._at_grad(output, self._grad_mark("head_bwd", "start", mb), False)
 
         self._handles.append(start_module.register_forward_pre_hook(pre))
         self._handles.append(self.model.register_forward_hook(post))
