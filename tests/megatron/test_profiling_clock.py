@@ -431,6 +431,24 @@ def test_a_backward_kernel_goes_to_the_range_of_the_thread_that_launched_it():
         assert busy == {"fwd/1": [700e-9], "bwd/1": [1400e-9], "iteration": [30e-9]}, busy
 
 
+def test_the_steps_gpu_rest_leaves_out_collectives_that_wait_on_peers():
+    """An NCCL kernel runs until its peer arrives: launched outside every layer (p2p, the
+    gradients' reduction) it holds the pipeline's bubble, not this stage's work, and the
+    step's range leaves it out; one inside a layer (tensor parallel) stays the layer's."""
+    from dynmo_plugin.megatron.profiling.kernels import busy_by_range, samples_by_key
+    E = _KinetoEventStandIn
+    events = [E("dynmo:0:iteration:0", "CPU", 7, 0, 10000, 1),
+              E("dynmo:0:fwd/1:0", "CPU", 7, 1000, 500, 2),
+              E("cudaLaunchKernel", "CPU", 7, 1100, 5, 11, activity="cuda_runtime"),
+              E("cudaLaunchKernel", "CPU", 7, 1200, 5, 12, activity="cuda_runtime"),
+              E("cudaLaunchKernel", "CPU", 7, 4000, 5, 13, activity="cuda_runtime"),
+              E("cudaLaunchKernel", "CPU", 7, 5000, 5, 14, activity="cuda_runtime"),
+              E("gemm", "CUDA", 0, 1200, 700, 11), E("ncclDevKernel_AllReduce_Sum_bf16", "CUDA", 0, 1900, 90, 12),
+              E("ncclDevKernel_SendRecv", "CUDA", 0, 4100, 9000, 13), E("nll", "CUDA", 0, 5100, 30, 14)]
+    assert samples_by_key(busy_by_range(events, ("iteration",))) == {"fwd/1": [790e-9], "iteration": [30e-9]}
+    assert samples_by_key(busy_by_range(events)) == {"fwd/1": [790e-9], "iteration": [9030e-9]}
+
+
 class _Torch211Event:
     """An event as torch 2.11's _KinetoEvent offers it: without `activity_type` nor
     `is_user_annotation` (the second H200 run: AttributeError, no kernel times at all)."""

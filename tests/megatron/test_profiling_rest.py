@@ -146,15 +146,16 @@ def test_on_cuda_the_drains_before_spans_stay_out_of_the_rest():
 
 def test_the_timer_taps_drains_are_counted_outside_its_intervals_only():
     """The schedule's timers drain too (compute: before the start; communication: at
-    both ends). Those drains are the window's, not the step's rest, except a receive's
-    closing one: it lies inside the wait, which the rest loses whole."""
+    both ends). Those drains are the window's, not the step's rest, except a send's or
+    receive's closing one: it lies inside the p2p wait, which the rest loses whole."""
     from dynmo_plugin.megatron.profiling.timers import TimerTap
     tap = TimerTap(None, CudaEventClock(cuda=_SlowDrainCuda(0.005)))
-    for name in ("forward-compute", "forward-recv", "all-grads-sync"):
+    for name in ("forward-compute", "forward-recv", "backward-send", "all-grads-sync"):
         tap(name).start()
         tap(name).stop()
-    # compute start 1, recv start 1 (its stop is in the wait), grads sync start + stop 2
-    assert tap.take_drains() == pytest.approx(4 * 0.005, abs=0.004)
+    # compute start 1, recv and send starts 1 + 1 (their stops are in the p2p wait the
+    # rest loses whole), grads sync start + stop 2
+    assert tap.take_drains() == pytest.approx(5 * 0.005, abs=0.004)
     assert tap.take_drains() == 0.0
     cpu = TimerTap(None, CpuThreadClock())
     cpu("forward-compute").start()
@@ -233,3 +234,59 @@ def test_on_cuda_the_step_is_a_profiler_range_around_its_spans_and_the_optimizer
     in_megatron_process(_check_the_step_is_a_range_around_its_spans,
                         ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                                   micro_batch_size=2, global_batch_size=4))
+
+
+KERNEL_S = {"fwd": 1e-3, "bwd": 2e-3, "mtp/fwd": 5e-4, "mtp/bwd": 1e-3, "emb_fwd": 1e-4, "emb_bwd": 1e-4,
+            "head_fwd": 2e-4, "head_bwd": 4e-4, "iteration": 5e-5, "step": 3e-4}
+
+
+class _SyntheticBusy(_RecordingBusy):
+    """A stand-in for `kernels.KernelBusy` on a GPU-bound stage, named as such: every
+    range it saw opened holds a fixed kernel time (KERNEL_S by span key)."""
+
+    def stop(self):
+        samples: dict[str, list[float]] = {}
+        for what, key in self.log:
+            if what == "open" and key not in ("fwd/0", "bwd/0"):
+                samples.setdefault(key, []).append(KERNEL_S[key] if key in KERNEL_S else KERNEL_S[key.split("/")[0]])
+        return samples
+
+
+def _check_a_gpu_bound_mtp_stage_counts_each_kernel_once(args):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.profiling.profiler import ProfileWindow
+    from dynmo_plugin.megatron.training.parallel import ParallelDims
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
+    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
+                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
+    trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1, mtp_layers=1))
+    window = ProfileWindow(trainer, outside_s=[0.5])
+    busy = window.busy = window._step.busy = _SyntheticBusy()
+    for probe in window.probes:
+        probe.busy = busy
+    window.before_iteration()
+    trainer.train_step(1)
+    window.after_iteration()
+    log = list(busy.log)
+    profile = window.close()
+    (stage,), m = profile.stages, trainer.num_microbatches
+    assert stage.cost_source == "gpu_kernels"
+    head = log.index(("open", "head_fwd"))
+    assert log.index(("open", "mtp/fwd")) > head and log.index(("close", "mtp/fwd")) < log.index(("close", "head_fwd"))
+    # the block costs its own kernels, the head's extras no longer hold them
+    assert profile.mtp.fwd_s == KERNEL_S["mtp/fwd"] and profile.mtp.bwd_s == KERNEL_S["mtp/bwd"]
+    extras = sum(KERNEL_S[k] for k in ("emb_fwd", "emb_bwd", "head_fwd", "head_bwd"))
+    assert stage.extra_s == pytest.approx(extras) and stage.rest_gpu_s == KERNEL_S["iteration"]
+    layers = args.num_layers * (KERNEL_S["fwd"] + KERNEL_S["bwd"])
+    assert stage.predicted_s == pytest.approx(
+        m * (layers + extras + KERNEL_S["mtp/fwd"] + KERNEL_S["mtp/bwd"]) + stage.step_s + KERNEL_S["iteration"])
+
+
+def test_a_gpu_bound_stage_with_an_mtp_block_counts_each_kernel_once():
+    """The block's forward runs inside the head's span: without a range of its own its
+    kernels were the head's extras and the block's cost again (GPU-bound stages only)."""
+    in_megatron_process(_check_a_gpu_bound_mtp_stage_counts_each_kernel_once,
+                        ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                                  micro_batch_size=2, global_batch_size=4, mtp_num_layers=1))

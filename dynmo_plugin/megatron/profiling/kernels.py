@@ -34,7 +34,8 @@ import logging
 from collections import defaultdict
 from typing import Hashable, NamedTuple, Optional
 
-__all__ = ["KernelBusy", "Range", "attribute", "range_name", "parse_range", "start_profiler", "stop_profiler"]
+__all__ = ["KernelBusy", "Range", "attribute", "busy_by_range", "range_name", "parse_range", "start_profiler",
+           "stop_profiler"]
 
 logger = logging.getLogger(__name__)
 PREFIX = "dynmo:"
@@ -88,7 +89,8 @@ def attribute(ranges: list[Range], launches: dict[Hashable, tuple[int, int]],
     return dict(busy)
 
 
-def from_kineto(events) -> tuple[list[Range], dict[tuple[str, int], tuple[int, int]], list[tuple[tuple[str, int], int]]]:
+def from_kineto(events, keep=None) -> tuple[list[Range], dict[tuple[str, int], tuple[int, int]],
+                                           list[tuple[tuple[str, int], int]]]:
     """(ranges, launches, kernels) from a profiler's kineto events (`stop_profiler`).
 
     Two id spaces meet here: a host op's correlation id (our ranges; every op with
@@ -98,7 +100,8 @@ def from_kineto(events) -> tuple[list[Range], dict[tuple[str, int], tuple[int, i
     one dict keyed by the number let a runtime call overwrite a range with the same id
     and charge its kernels to another layer. Launches are keyed ("op", id) or
     ("runtime", id); a kernel is placed by its linked op when that op was recorded, else
-    by its runtime call (whose time lies inside the range on the launching thread)."""
+    by its runtime call (whose time lies inside the range on the launching thread).
+    `keep(name)`: only the GPU work whose name it accepts (e.g. `is_collective`)."""
     ranges, launches, gpu = [], {}, []
     for ev in events:
         device = str(ev.device_type())
@@ -108,13 +111,32 @@ def from_kineto(events) -> tuple[list[Range], dict[tuple[str, int], tuple[int, i
             if ev.correlation_id():
                 kind = "runtime" if is_runtime_call(ev) else "op"
                 launches[(kind, ev.correlation_id())] = (ev.device_resource_id(), ev.start_ns())
-        elif device.endswith("CUDA") and is_gpu_work(ev):
+        elif device.endswith("CUDA") and is_gpu_work(ev) and (keep is None or keep(ev.name())):
             gpu.append(ev)
     kernels = []
     for ev in gpu:
         linked = ("op", ev.linked_correlation_id())
         kernels.append((linked if linked in launches else ("runtime", ev.correlation_id()), ev.duration_ns()))
     return ranges, launches, kernels
+
+
+def is_collective(name: str) -> bool:
+    """An NCCL kernel: on the GPU it runs until its peer arrives, so its duration holds
+    the other rank's lateness (a pipeline bubble, a data-parallel straggler)."""
+    return name.startswith("nccl")
+
+
+def busy_by_range(events, collective_free: tuple[str, ...] = ()) -> dict[str, int]:
+    """Kernel nanoseconds per range name; ranges whose span key is in `collective_free`
+    leave out the NCCL kernels they hold directly (the step's rest: p2p and gradient
+    reductions launched outside every layer wait on peers; a layer's tensor-parallel
+    collectives stay its own)."""
+    busy = attribute(*from_kineto(events))
+    if collective_free:
+        for name, ns in attribute(*from_kineto(events, keep=is_collective)).items():
+            if parse_range(name)[1] in collective_free:
+                busy[name] -= ns
+    return busy
 
 
 RUNTIME_ACTIVITIES = frozenset({"cuda_runtime", "cuda_driver"})
@@ -200,8 +222,9 @@ class KernelBusy:
     """The CUDA profiler over one profiling window (module docstring). `device` "cpu"
     runs the same profiler with host activity only (tests: ranges, no kernels)."""
 
-    def __init__(self, enabled: bool, device: str = "cuda", every_op: bool = False):
-        self.enabled = enabled
+    def __init__(self, enabled: bool, device: str = "cuda", every_op: bool = False,
+                 collective_free: tuple[str, ...] = ()):
+        self.enabled, self.collective_free = enabled, collective_free
         self.iteration = 0
         self._prof = None
         self._open: dict[tuple[str, int], object] = {}
@@ -238,7 +261,7 @@ class KernelBusy:
             handle.__exit__(None, None, None)
         self._open.clear()
         try:
-            busy = attribute(*from_kineto(stop_profiler(prof)))
+            busy = busy_by_range(stop_profiler(prof), self.collective_free)
         except Exception as e:  # noqa: BLE001 - the span clock still stands; say why once
             logger.warning("dynmo: no GPU kernel times in this window (%s: %s)", type(e).__name__, e)
             return None

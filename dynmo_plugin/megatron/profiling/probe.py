@@ -364,9 +364,11 @@ class StageProbe:
                 self._mtp_saved[mb] = saved
                 saved.__enter__()
             self._spans["mtp/fwd"].start[mb] = self.clock.begin()
+            self._range("mtp/fwd", mb, True)  # its kernels are the block's, not the head's
 
         def post(module, args, kwargs, output):
             mb = self._counters["mtp"] - 1
+            self._range("mtp/fwd", mb, False)
             self._spans["mtp/fwd"].end[mb] = self.clock.mark()
             if self.count_activations:
                 self._mtp_saved[mb].__exit__(None, None, None)

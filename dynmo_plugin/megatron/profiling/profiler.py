@@ -60,7 +60,7 @@ import torch
 from dynmo_plugin.megatron.migration.optim_state import state_nbytes
 from dynmo_plugin.megatron.profiling.kernels import KernelBusy
 from dynmo_plugin.megatron.profiling.probe import SavedBytes, StageProbe
-from dynmo_plugin.megatron.profiling.timers import COMPUTE_TIMERS, TimerTap
+from dynmo_plugin.megatron.profiling.timers import COMPUTE_TIMERS, TimerTap, is_p2p
 from dynmo_plugin.profiling.clock import CudaEventClock, clock_for
 from dynmo_plugin.profiling.gather import gather_profile
 from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile, cost_spread, median
@@ -210,7 +210,7 @@ class ProfileWindow:
         self._saved_timers = trainer.config.timers
         self.tap = TimerTap(self._saved_timers, self.clock)
         trainer.config.timers = self.tap
-        self.busy = KernelBusy(enabled=trainer.dims.device.type == "cuda")
+        self.busy = KernelBusy(enabled=trainer.dims.device.type == "cuda", collective_free=("iteration",))
         self._busy_samples: dict | None = None
         self.probes = [StageProbe(chunk, self.clock, span_constant=SPAN_CONSTANT_SAMPLES, busy=self.busy)
                        for chunk in trainer.chunks]
@@ -248,15 +248,16 @@ class ProfileWindow:
         self._compute.append(sum(totals.get(n, 0.0) for n in COMPUTE_TIMERS))
         self._wait.append(sum(v for n, v in totals.items() if "recv" in n))
         if self._started is not None:
-            self._rest.append(self._rest_of(ended - self._started - spans, self._wait[-1]))
+            p2p = sum(v for n, v in totals.items() if is_p2p(n))
+            self._rest.append(self._rest_of(ended - self._started - spans, p2p))
             self._started = None
 
-    def _rest_of(self, outside: float, wait: float) -> float:
+    def _rest_of(self, outside: float, p2p: float) -> float:
         """The step's own time outside every span: on CUDA the host timeline is wall time,
-        which also holds the pipeline's p2p waits (`wait_s`); on CPU it is the thread's
-        CPU time, which a blocked receive does not use."""
+        which also holds the pipeline's sends and receives (the host blocked on a peer);
+        on CPU it is the thread's CPU time, which a blocked transfer does not use."""
         if isinstance(self.clock, CudaEventClock):
-            outside -= wait
+            outside -= p2p
         return max(0.0, outside)
 
     def close(self, perturb=None) -> PipelineProfile:
@@ -317,23 +318,27 @@ class ProfileWindow:
                    in zip(stages, self.probes, extras, extra_act, in_flight)]
         for record, probe, chunk in zip(records, self.probes, layers):
             self._choose_cost(record, probe, chunk)
-        mtp = next((self._mtp_profile(probe, chunk, stage) for chunk, probe, stage
-                    in zip(t.chunks, self.probes, stages) if getattr(chunk, "mtp_process", False)),
-                   None)
+        mtp = next((self._mtp_profile(probe, chunk, stage, records[stages.index(stage)].cost_source)
+                    for chunk, probe, stage in zip(t.chunks, self.probes, stages)
+                    if getattr(chunk, "mtp_process", False)), None)
         if mtp is not None:  # the block's time left the head's extras: the stage still runs it
             record = records[stages.index(mtp.stage)]
             record.predicted_s += t.num_microbatches * mtp.cost_s
         return PipelineProfile([x for chunk in layers for x in chunk], records, v, mtp)
 
-    def _mtp_profile(self, probe: StageProbe, chunk, stage: int) -> LayerProfile:
-        """The MTP block as one unit: its own spans (`probe._hook_mtp`) and the exact
-        bytes of its parameters, gradients and optimizer state, with what moves with it
-        (`_mtp_params`)."""
-        fwd, bwd = probe.samples["mtp/fwd"], probe.samples["mtp/bwd"]
+    def _mtp_profile(self, probe: StageProbe, chunk, stage: int, cost_source: str) -> LayerProfile:
+        """The MTP block as one unit: its own spans (`probe._hook_mtp`), or where the GPU
+        paces the stage its kernels (its ranges hold them, so the head's extras do not),
+        and the exact bytes of its parameters, gradients and optimizer state, with what
+        moves with it (`_mtp_params`)."""
+        spans = fwd, bwd = probe.samples["mtp/fwd"], probe.samples["mtp/bwd"]
+        if cost_source == "gpu_kernels":
+            busy = self._busy_samples or {}
+            fwd, bwd = busy.get("mtp/fwd", []), busy.get("mtp/bwd", [])
         params = _mtp_params(chunk)
         return LayerProfile(
             layer=len(chunk.mtp.layers), stage=stage, fwd_s=median(fwd), bwd_s=median(bwd),
-            spread=cost_spread(fwd, bwd), span_s=median(fwd) + median(bwd),
+            spread=cost_spread(fwd, bwd), span_s=median(spans[0]) + median(spans[1]),
             param_bytes=sum(_nbytes(p) for p in params),
             grad_bytes=sum(_grad_bytes(p) for p in params),
             optim_bytes=sum(state_nbytes(self.trainer.optimizer, p) for p in params),

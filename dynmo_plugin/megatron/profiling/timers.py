@@ -20,15 +20,22 @@ from typing import Any
 
 from dynmo_plugin.profiling.clock import Clock, comm_clock_for
 
-__all__ = ["TimerTap", "COMPUTE_TIMERS"]
+__all__ = ["TimerTap", "COMPUTE_TIMERS", "is_p2p"]
 
 COMPUTE_TIMERS = ("forward-compute", "backward-compute")
+
+
+def is_p2p(name: str) -> bool:
+    """A pipeline send or receive timer ('forward-recv', 'backward-send-forward-recv',
+    ...): on CUDA its interval is the host blocked on the peer, a wait, not the step's
+    own work."""
+    return "recv" in name or "send" in name
 
 
 class _TapTimer:
     """One timer name; `drains` collects the host seconds its own marks spent draining
     the device outside its interval (the start's, and the stop's where the interval is
-    not a wait the profile subtracts whole: not a receive)."""
+    not a wait the profile subtracts whole: not a send or receive)."""
 
     def __init__(self, name: str, clock: Clock, inner, sink: list, drains: list):
         self.name, self._clock, self._inner, self._sink, self._drains = name, clock, inner, sink, drains
@@ -44,7 +51,7 @@ class _TapTimer:
     def stop(self, barrier: bool = False) -> None:
         before = self._clock.drained_s
         self._sink.append((self._start, self._clock.mark()))
-        if "recv" not in self.name:
+        if not is_p2p(self.name):
             self._drains.append(self._clock.drained_s - before)
         if self._inner is not None:
             self._inner.stop(barrier=barrier)
