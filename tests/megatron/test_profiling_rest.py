@@ -290,3 +290,40 @@ def test_a_gpu_bound_stage_with_an_mtp_block_counts_each_kernel_once():
     in_megatron_process(_check_a_gpu_bound_mtp_stage_counts_each_kernel_once,
                         ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                                   micro_batch_size=2, global_batch_size=4, mtp_num_layers=1))
+
+
+class _ForwardOnlyBusy(_SyntheticBusy):
+    """A fault, named as such: kernels reach forward ranges only (what keying launches by
+    the profiler-stopping thread did to every backward range on a GPU)."""
+
+    def stop(self):
+        return {k: v for k, v in super().stop().items() if not k.startswith("bwd/")}
+
+
+def _check_forward_only_kernels_are_not_trusted(args):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.profiling.profiler import ProfileWindow
+    from dynmo_plugin.megatron.training.parallel import ParallelDims
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
+    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
+                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
+    trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1))
+    costs = {}
+    for fault in (_SyntheticBusy, _ForwardOnlyBusy):
+        window = ProfileWindow(trainer, clock=CudaEventClock(cuda=RecordingCudaStandIn()), outside_s=[0.5])
+        busy = window.busy = window._step.busy = fault()
+        for probe in window.probes:
+            probe.busy = busy
+        window.before_iteration()
+        trainer.train_step(1)
+        window.after_iteration()
+        costs[fault.__name__] = window.close().stages[0].cost_source
+    assert costs == {"_SyntheticBusy": "gpu_kernels", "_ForwardOnlyBusy": "host_cpu"}, costs
+
+
+def test_kernel_times_without_any_backward_fall_back_to_the_host():
+    in_megatron_process(_check_forward_only_kernels_are_not_trusted,
+                        ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                                  micro_batch_size=2, global_batch_size=4))
