@@ -296,8 +296,8 @@ class _ForwardOnlyBusy(_SyntheticBusy):
     """A fault, named as such: kernels reach forward ranges only (what keying launches by
     the profiler-stopping thread did to every backward range on a GPU)."""
 
-    def stop(self):
-        return {k: v for k, v in super().stop().items() if not k.startswith("bwd/")}
+    def stop(self):  # forward kernels long enough to pace the stage on their own
+        return {k: [10 * x for x in v] for k, v in super().stop().items() if not k.startswith("bwd/")}
 
 
 def _check_forward_only_kernels_are_not_trusted(args):

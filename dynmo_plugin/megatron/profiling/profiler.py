@@ -356,7 +356,7 @@ class ProfileWindow:
             cpu = {x.layer: (median(probe.samples[f"cpu/fwd/{x.layer}"]), median(probe.samples[f"cpu/bwd/{x.layer}"]))
                    for x in layers}
         extra_gpu = sum(median(busy.get(k, [])) for k in ("emb_fwd", "emb_bwd", "head_fwd", "head_bwd"))
-        trainable = [x.layer for x in layers if x.bwd_s > 0]
+        trainable = [x.layer for x in layers if probe.samples.get(f"bwd/{x.layer}")]  # spans were timed
         if busy and trainable and not any(f"bwd/{n}" in busy for n in trainable):
             logger.warning("dynmo: stage %d: GPU kernels were attributed to forward spans only (no "
                            "backward range held a launch): the kernel clock is not trusted here",
