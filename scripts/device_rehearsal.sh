@@ -78,4 +78,4 @@ say "the call's tests under $VENV/bin/python (test tools added to the venv)"
 cd "$TREE"
 PYTHONPATH="$TREE:$TREE/runs/device/site" DYNMO_MEGATRON_LM="$TREE/runs/device/megatron-lm" OMP_NUM_THREADS=1 \
   "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/profiling tests/megatron/test_profiler.py \
-  tests/megatron/test_profiling_clock.py tests/scripts tests/integrations
+  tests/megatron/test_profiling_clock.py tests/megatron/test_profiling_rest.py tests/scripts tests/integrations
