@@ -22,6 +22,28 @@ from dynmo_plugin.profiling.records import LayerProfile, StageProfile
 BURN_S = 0.04  # CPU seconds of work inside the step, outside every span
 
 
+def _one_rank_trainer(args, mtp_layers: int = 0):
+    """A real one-rank stage (call inside `in_megatron_process`)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.training.parallel import ParallelDims
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
+    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
+                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
+    return StageTrainer(args, dims, Layout.uniform(args.num_layers, 1, mtp_layers=mtp_layers))
+
+
+def _window_with(trainer, busy, clock=None):
+    """A window whose kernel timer (the probes', the optimizer step's) is `busy`."""
+    from dynmo_plugin.megatron.profiling.profiler import ProfileWindow
+    window = ProfileWindow(trainer, clock=clock, outside_s=[0.5])
+    window.busy = window._step.busy = busy
+    for probe in window.probes:
+        probe.busy = busy
+    return window
+
+
 def _burn(seconds: float) -> None:
     end = time.thread_time() + seconds
     while time.thread_time() < end:
@@ -46,14 +68,7 @@ def _window_stage(trainer, burn: float) -> StageProfile:
 
 
 def _check_rest_holds_the_work_outside_spans(args):
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.training.parallel import ParallelDims
-    from dynmo_plugin.megatron.training.trainer import StageTrainer
-    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
-                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
-    trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1))
+    trainer = _one_rank_trainer(args)
     trainer.train_step(1)  # warm-up outside the windows
     outside = []
     for it in (2, 3, 4):
@@ -104,15 +119,8 @@ DRAIN_S = 0.008  # each drain on the stand-in device
 
 
 def _check_drains_stay_out_of_the_rest(args):
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from dynmo_plugin.layout import Layout
     from dynmo_plugin.megatron.profiling.profiler import ProfileWindow
-    from dynmo_plugin.megatron.training.parallel import ParallelDims
-    from dynmo_plugin.megatron.training.trainer import StageTrainer
-    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
-                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
-    trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1))
+    trainer = _one_rank_trainer(args)
     trainer.train_step(1)
     cuda = _SlowDrainCuda(DRAIN_S)
     window = ProfileWindow(trainer, clock=CudaEventClock(cuda=cuda), outside_s=[0.5])
@@ -200,19 +208,9 @@ class _RecordingBusy:
 
 
 def _check_the_step_is_a_range_around_its_spans(args):
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.profiling.profiler import ProfileWindow
-    from dynmo_plugin.megatron.training.parallel import ParallelDims
-    from dynmo_plugin.megatron.training.trainer import StageTrainer
-    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
-                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
-    trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1))
-    window = ProfileWindow(trainer, outside_s=[0.5])
-    busy = window.busy = window._step.busy = _RecordingBusy()
-    for probe in window.probes:
-        probe.busy = busy
+    trainer = _one_rank_trainer(args)
+    busy = _RecordingBusy()
+    window = _window_with(trainer, busy)
     window.before_iteration()
     trainer.train_step(1)
     window.after_iteration()
@@ -253,19 +251,9 @@ class _SyntheticBusy(_RecordingBusy):
 
 
 def _check_a_gpu_bound_mtp_stage_counts_each_kernel_once(args):
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.profiling.profiler import ProfileWindow
-    from dynmo_plugin.megatron.training.parallel import ParallelDims
-    from dynmo_plugin.megatron.training.trainer import StageTrainer
-    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
-                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
-    trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1, mtp_layers=1))
-    window = ProfileWindow(trainer, outside_s=[0.5])
-    busy = window.busy = window._step.busy = _SyntheticBusy()
-    for probe in window.probes:
-        probe.busy = busy
+    trainer = _one_rank_trainer(args, mtp_layers=1)
+    busy = _SyntheticBusy()
+    window = _window_with(trainer, busy)
     window.before_iteration()
     trainer.train_step(1)
     window.after_iteration()
@@ -301,21 +289,10 @@ class _ForwardOnlyBusy(_SyntheticBusy):
 
 
 def _check_forward_only_kernels_are_not_trusted(args):
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from dynmo_plugin.layout import Layout
-    from dynmo_plugin.megatron.profiling.profiler import ProfileWindow
-    from dynmo_plugin.megatron.training.parallel import ParallelDims
-    from dynmo_plugin.megatron.training.trainer import StageTrainer
-    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
-                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
-    trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1))
+    trainer = _one_rank_trainer(args)
     costs = {}
     for fault in (_SyntheticBusy, _ForwardOnlyBusy):
-        window = ProfileWindow(trainer, clock=CudaEventClock(cuda=RecordingCudaStandIn()), outside_s=[0.5])
-        busy = window.busy = window._step.busy = fault()
-        for probe in window.probes:
-            probe.busy = busy
+        window = _window_with(trainer, fault(), CudaEventClock(cuda=RecordingCudaStandIn()))
         window.before_iteration()
         trainer.train_step(1)
         window.after_iteration()
