@@ -109,7 +109,7 @@ def outside_windows(times: dict[int, float], report: Optional[dict], warmup: int
 
 def prediction_verdict(report: dict, times: dict[int, float], warmup: int = 3) -> tuple[float, str]:
     """(worst predicted/measured - 1 over the timed profiles, detail): each profile's
-    predicted stage time per iteration (layers + extras + optimizer step) against the
+    predicted stage time per iteration (layers + extras + optimizer step + rest of the step) against the
     median iteration outside windows."""
     measured = outside_windows(times, report, warmup)
     predicted = [e["profile"]["stages"][0].get("predicted_s", 0.0) for e in timed_profiles(report)]
