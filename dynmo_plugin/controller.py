@@ -5,6 +5,7 @@
     for iteration in range(1, train_iters + 1):
         dynmo.before_step(iteration)          # may migrate layers or open a window
         loss = stage.train_step(iteration)
+        dynmo.step_done()                     # optional: the step ends here, not at after_step
         dynmo.after_step(iteration)           # feeds the window; closing it may rebalance
 
 `stage` is a `dynmo_plugin.stage.StageHandle` (the launcher's StageTrainer or the
@@ -91,6 +92,7 @@ class DynMo:
         self._recent = deque(maxlen=_MEASURE_ITERS)  # step seconds outside windows
         self._awaiting_after: list[tuple[RebalanceEvent, list[float]]] = []
         self._step_started = 0.0
+        self._step_ended: Optional[float] = None
         self._work_now: dict[int, float] = {}          # latest work reported by the scenario
         self._work_base: Optional[dict[int, float]] = None  # work during the last timed window
         self._estimated = 0                             # estimated decisions since that window
@@ -140,8 +142,18 @@ class DynMo:
             self._open.window.before_iteration()
         self._step_started = time.perf_counter()
 
+    def step_done(self) -> None:
+        """Optional, right after the training step: what the loop does between it and
+        `after_step` (a scenario's hooks, a freezing check's rebuild, data fitting) is
+        then not the step's time, neither in a window's rest of the step nor in the
+        iterations a profile's prediction is held to."""
+        self._step_ended = time.perf_counter()
+        if self._open is not None:
+            self._open.window.step_done()
+
     def after_step(self, iteration: int) -> None:
-        seconds = time.perf_counter() - self._step_started
+        ended, self._step_ended = self._step_ended, None
+        seconds = (ended if ended is not None else time.perf_counter()) - self._step_started
         if self._open is None:
             self._recent.append(seconds)
             self._feed_measurements(seconds)

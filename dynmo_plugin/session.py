@@ -294,6 +294,7 @@ class TrainingSession:
             self.data_fit.before_step(self.trainer, iteration)
         step_start = time.perf_counter()
         loss = self.trainer.train_step(iteration)
+        self.dynmo.step_done()
         self._completed = iteration
         step_end = time.perf_counter()
         if self.data_fit is not None:

@@ -259,6 +259,7 @@ class _Run:
     def after_step(self, iteration: int, result) -> None:
         """As the launcher's step: the scenario's event (reported, and the controller
         told: it profiles and rebalances), then the controller's own step end."""
+        self.controller.step_done()
         event = self.scenario.after_step(iteration) if self.scenario is not None else None
         if event is not None:
             self.report.add_event(event)

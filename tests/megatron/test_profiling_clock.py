@@ -139,6 +139,7 @@ def _check_window_summary(args):
     trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1))
     window = ProfileWindow(trainer)
     for it in (1, 2):
+        window.before_iteration()
         trainer.train_step(it)
         window.after_iteration()
     probe = window.probes[0]
@@ -244,6 +245,7 @@ def _check_span_constant_calibrated_away(args):
     trainer.train_step(1)  # warm-up outside the window
     window = ProfileWindow(trainer, clock=ConstantCostClock(SPAN_CONSTANT), outside_s=[0.5, 0.7, 0.6])
     for it in (2, 3):
+        window.before_iteration()
         trainer.train_step(it)
         window.after_iteration()
     profile = window.close()
@@ -257,8 +259,9 @@ def _check_span_constant_calibrated_away(args):
     assert all(x.host_s == pytest.approx(x.span_s, rel=1e-6) and x.gpu_s == 0.0 for x in profile.layers)
     m = trainer.num_microbatches
     layers = sum(costs.values())
-    assert stage.predicted_s == pytest.approx(m * (layers + stage.extra_s) + stage.step_s)
+    assert stage.predicted_s == pytest.approx(m * (layers + stage.extra_s) + stage.step_s + stage.rest_s)
     assert 0 < stage.extra_s < 4 * SPAN_CONSTANT and stage.step_s > 0
+    assert stage.rest_s == 0.0  # the fault's constant makes every span hold more than the step took
     assert stage.measured_s == 0.6
 
 

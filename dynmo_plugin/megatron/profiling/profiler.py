@@ -2,7 +2,8 @@
 
 Usage from a training loop (the controller does this):
     window = ProfileWindow(trainer)       # attaches hooks, installs the timer tap
-    for it in ...: trainer.train_step(it); window.after_iteration()
+    for it in ...:
+        window.before_iteration(); trainer.train_step(it); window.after_iteration()
     profile = window.close()              # detaches; same PipelineProfile on every rank
 
 Memory per stage (`StageProfile.peak_bytes`): on CUDA the allocator's peak over the
@@ -224,6 +225,8 @@ class ProfileWindow:
         self._wait: list[float] = []
         self._rest: list[float] = []
         self._started: float | None = None
+        self._ended: float | None = None
+        self._unbracketed = False  # said once: an iteration came without before_iteration()
         self._peak = _DevicePeak() if trainer.dims.device.type == "cuda" else None
 
     def before_iteration(self) -> None:
@@ -234,9 +237,21 @@ class ProfileWindow:
         self._started = self.clock.now()
         self.busy.open("iteration", 0)
 
+    def step_done(self) -> None:
+        """The step ended now (`DynMo.step_done`): the loop's own work until
+        `after_iteration` is not the step's rest."""
+        if self._ended is None:
+            self._ended = self.clock.now()
+            self.busy.close("iteration", 0)
+
     def after_iteration(self) -> None:
-        ended = self.clock.now()
+        ended = self._ended if self._ended is not None else self.clock.now()
+        self._ended = None
         self.busy.close("iteration", 0)
+        if self._started is None and not self._unbracketed:
+            self._unbracketed = True
+            logger.warning("dynmo: a window iteration without before_iteration(): the rest of "
+                           "the step is not measured (0 in the prediction)")
         spans = (sum(probe.occupied_s() for probe in self.probes) + self._step.occupied()
                  + self.tap.take_drains())
         # resolves the clock first
