@@ -129,7 +129,7 @@ class CudaMark(NamedTuple):
     event: Any          # torch.cuda.Event, recorded on the current stream
     host: float         # time.perf_counter() when it was recorded
     cpu: float = 0.0    # time.thread_time() then: the recording thread's CPU time
-    since: float = -1.0  # begin(): perf_counter() before the drain (-1.0: `host`, no drain)
+    since: float = 0.0  # perf_counter() before begin()'s drain; `host` for a plain mark
 
 
 class CudaEventClock:
@@ -148,7 +148,8 @@ class CudaEventClock:
     def mark(self) -> CudaMark:
         event = self.cuda.Event(enable_timing=True)
         event.record()
-        return CudaMark(event, time.perf_counter(), time.thread_time())
+        host = time.perf_counter()
+        return CudaMark(event, host, time.thread_time(), host)
 
     def begin(self) -> CudaMark:
         since = time.perf_counter()
@@ -180,7 +181,7 @@ class CudaEventClock:
 
     def occupied(self, start: CudaMark, end: CudaMark) -> float:
         """The host's wall time from before the span's drain to its end mark."""
-        return end.host - (start.since if start.since >= 0 else start.host)
+        return end.host - start.since
 
 
 def clock_for(device: torch.device) -> Clock:
