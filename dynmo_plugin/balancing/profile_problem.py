@@ -6,12 +6,15 @@ Megatron-LM user is told to pass is the layout the live run chose.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dynmo_plugin.balancing.memory import MemoryCalibration, calibrate, modelled_stage_bytes
 from dynmo_plugin.balancing.problem import BalanceProblem, ProblemError
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.profiling.records import PipelineProfile
 
-__all__ = ["CHECKSUM_TRANSIENT_BYTES", "memory_calibration", "problem_from_profile"]
+__all__ = ["CHECKSUM_TRANSIENT_BYTES", "IterationShares", "iteration_shares", "memory_calibration",
+           "problem_from_profile"]
 
 # What the device checksum of one migration buffer allocates beside it at most
 # (migration.wire.checksum_transient_bytes of a buffer of one chunk or more: two int64
@@ -50,8 +53,49 @@ def memory_calibration(profile: PipelineProfile, num_stages: int,
     return layer_bytes, calibration
 
 
+@dataclass(frozen=True)
+class IterationShares:
+    """What a stage does once per iteration, spread over its m micro-batches so that the
+    balancer's stage load is the profile's prediction (`StageProfile.predicted_s` =
+    m x load on the layout profiled): per layer its share of the optimizer step, per
+    stage the fixed part (the rest of the step, the extras' share of the step and the
+    host's waits). Seconds per micro-batch."""
+
+    layers: tuple[float, ...]
+    stages: tuple[float, ...]
+    mtp: float = 0.0
+
+
+def iteration_shares(profile: PipelineProfile, m: int) -> IterationShares:
+    """The optimizer step is elementwise over the rank's trainable parameters, so each
+    layer's share moves with it: the rank's step time x the layer's gradient bytes over
+    the rank's (layers, extras and MTP block; a frozen layer has none, and no share).
+    The rest of the step (`StageProfile.counted_rest_s`: schedule, batch, loss reduction,
+    clipping) stays with the stage, as do the host's waits. A rank with nothing
+    trainable keeps its whole step as fixed."""
+    v, stages = profile.num_chunks, profile.stages
+    ranks = len(stages) // v
+    rate = [0.0] * ranks  # seconds of optimizer step per gradient byte, per rank
+    for r in range(ranks):
+        chunk_ids = {s.stage for s in stages[r::ranks]}
+        grad = (sum(x.grad_bytes for x in profile.layers if x.stage in chunk_ids)
+                + sum(s.extra_grad_bytes for s in stages[r::ranks])
+                + (profile.mtp.grad_bytes if profile.mtp is not None and profile.mtp.stage in chunk_ids else 0))
+        rate[r] = sum(s.step_s for s in stages[r::ranks]) / grad if grad > 0 else 0.0
+    index = {s.stage: i for i, s in enumerate(stages)}
+
+    def step_share(x) -> float:
+        return rate[index[x.stage] % ranks] * x.grad_bytes / m
+
+    fixed = [s.host_waits_s + (s.counted_rest_s + (rate[i % ranks] * s.extra_grad_bytes
+                                                  if rate[i % ranks] > 0 else s.step_s)) / m
+             for i, s in enumerate(stages)]
+    return IterationShares(tuple(step_share(x) for x in profile.layers), tuple(fixed),
+                           step_share(profile.mtp) if profile.mtp is not None else 0.0)
+
+
 def _mtp_fields(profile: PipelineProfile, current: Layout, num_microbatches: int,
-                pin_mtp: bool) -> dict:
+                pin_mtp: bool, step_share: float) -> dict:
     """The MTP block's problem fields: its measured cost and state + the activations of
     the micro-batches a stage may hold (as a layer's); pinned to its current stage when
     `pin_mtp` (live migration moves decoder layers only)."""
@@ -62,29 +106,33 @@ def _mtp_fields(profile: PipelineProfile, current: Layout, num_microbatches: int
     block = profile.mtp
     if block is not None:
         depth = min(current.num_stages, num_microbatches)
-        out.update(mtp_cost=block.cost_s, mtp_memory=float(block.state_bytes + depth * block.act_bytes),
+        out.update(mtp_cost=block.cost_s + step_share, mtp_memory=float(block.state_bytes + depth * block.act_bytes),
                    mtp_move_bytes=float(block.state_bytes))
     return out
 
 
 def problem_from_profile(profile: PipelineProfile, current: Layout, config,
                          num_microbatches: int, pin_mtp: bool = False) -> BalanceProblem:
-    """Per-layer cost = median fwd+bwd per micro-batch; memory as `memory_calibration`
-    models and calibrates it; a migration rebuilds each stage's gradient buffers
-    (`rebuild_bytes`). Interleaved: extras per virtual stage, memory overhead and the
-    cap per rank (`num_chunks` from the current layout). `config`: a `config.DynmoConfig`
-    (only `rebalance.memory_cap_gb` and `rebalance.allow_empty_stages` are read)."""
+    """Per-layer cost = median fwd+bwd per micro-batch and the layer's share of the
+    optimizer step; per-stage extras = the embedding's or head's fwd+bwd and the stage's
+    once-per-iteration rest (`iteration_shares`): the stage load is the profile's
+    predicted stage time over m. Memory as `memory_calibration` models and calibrates
+    it; a migration rebuilds each stage's gradient buffers (`rebuild_bytes`).
+    Interleaved: extras per virtual stage, memory overhead and the cap per rank
+    (`num_chunks` from the current layout). `config`: a `config.DynmoConfig` (only
+    `rebalance.memory_cap_gb` and `rebalance.allow_empty_stages` are read)."""
     p = current.num_stages
     layer_bytes, calibration = memory_calibration(profile, p, num_microbatches)
     cap = config.rebalance.memory_cap_gb
+    shares = iteration_shares(profile, num_microbatches)
     return BalanceProblem(
-        costs=[x.cost_s for x in profile.layers],
+        costs=[x.cost_s + share for x, share in zip(profile.layers, shares.layers)],
         num_stages=p,
         memory=layer_bytes,
         move_bytes=[x.state_bytes for x in profile.layers],
         capacity=cap * 1e9 if cap > 0 else None,
         memory_overhead=calibration.overhead,
-        extras_cost=[s.extra_s for s in profile.stages],
+        extras_cost=[s.extra_s + fixed for s, fixed in zip(profile.stages, shares.stages)],
         extras_memory=[s.extra_bytes for s in profile.stages],
         current=current,
         allow_empty_stages=config.rebalance.allow_empty_stages,
@@ -95,5 +143,5 @@ def problem_from_profile(profile: PipelineProfile, current: Layout, config,
         num_chunks=current.num_chunks,
         transfer_transient_bytes=(CHECKSUM_TRANSIENT_BYTES
                                   if any(s.clock == "cuda_event" for s in profile.stages) else 0.0),
-        **_mtp_fields(profile, current, num_microbatches, pin_mtp),
+        **_mtp_fields(profile, current, num_microbatches, pin_mtp, shares.mtp),
     )

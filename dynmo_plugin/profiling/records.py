@@ -19,7 +19,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field, fields
 
-__all__ = ["LayerProfile", "StageProfile", "PipelineProfile", "median", "spread", "cost_spread"]
+__all__ = ["LayerProfile", "StageProfile", "PipelineProfile", "median", "spread", "cost_spread",
+           "stage_prediction"]
 
 # MAD x 1.4826 estimates the standard deviation of normally distributed samples.
 _MAD_TO_SIGMA = 1.4826
@@ -117,6 +118,23 @@ class StageProfile:
     # GPU's, rest_gpu_s, where the GPU bounds the stage: "gpu_kernels")
     predicted_s: float = 0.0
     measured_s: float = 0.0   # per iteration: median outside profiling windows (0: unknown)
+
+    @property
+    def counted_rest_s(self) -> float:
+        """The rest of the step the stage's time holds: the host's where the host bounds
+        the stage; where the GPU does ("gpu_kernels") the host's rest runs while the
+        queued kernels do, and the rest is the kernels the step launched outside its
+        spans (`rest_gpu_s`). The one rule for the prediction and the balancer."""
+        return self.rest_gpu_s if self.cost_source == "gpu_kernels" else self.rest_s
+
+
+def stage_prediction(record: StageProfile, layers: list[LayerProfile], m: int) -> float:
+    """The stage's time per iteration as profiled (megatron/profiling/profiler.py's
+    docstring): its layers, extras and the host's waits per micro-batch, the optimizer
+    step, and the rest of the step (`StageProfile.counted_rest_s`). The balancer's stage
+    load is this over m (`balancing.profile_problem.iteration_shares`)."""
+    return (m * (sum(x.cost_s for x in layers) + record.extra_s + record.host_waits_s)
+            + record.step_s + record.counted_rest_s)
 
 
 @dataclass

@@ -15,9 +15,8 @@ from launch import in_megatron_process
 from test_profiling_clock import RecordingCudaStandIn
 
 from dynmo_plugin.config import ModelArgs
-from dynmo_plugin.megatron.profiling.profiler import stage_prediction
 from dynmo_plugin.profiling.clock import CpuThreadClock, CudaEventClock
-from dynmo_plugin.profiling.records import LayerProfile, StageProfile
+from dynmo_plugin.profiling.records import LayerProfile, StageProfile, stage_prediction
 
 BURN_S = 0.04  # CPU seconds of work inside the step, outside every span
 

@@ -64,10 +64,11 @@ from dynmo_plugin.megatron.profiling.probe import SavedBytes, StageProbe
 from dynmo_plugin.megatron.profiling.timers import COMPUTE_TIMERS, TimerTap, is_p2p
 from dynmo_plugin.profiling.clock import CudaEventClock, clock_for
 from dynmo_plugin.profiling.gather import gather_profile
-from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile, cost_spread, median
+from dynmo_plugin.profiling.records import (LayerProfile, PipelineProfile, StageProfile, cost_spread, median,
+                                            stage_prediction)
 from dynmo_plugin.sim.schedule import FORWARD, rank_orders
 
-__all__ = ["ProfileWindow", "choose_costs", "prediction_line", "stage_prediction"]
+__all__ = ["ProfileWindow", "choose_costs", "prediction_line"]
 
 logger = logging.getLogger(__name__)
 
@@ -470,16 +471,6 @@ def choose_costs(record: StageProfile, layers: list[LayerProfile], busy: dict, c
         record.host_waits_s = max(0.0, spans - sum(x.cost_s for x in layers))
         return
     record.cost_source = "span"
-
-
-def stage_prediction(record: StageProfile, layers: list[LayerProfile], m: int) -> float:
-    """The stage's time per iteration as profiled (module docstring): its layers, extras
-    and the host's waits per micro-batch, the optimizer step, and the rest of the step:
-    the host's where the host bounds the stage; where the GPU does ("gpu_kernels") the
-    host's rest runs while the queued kernels do, and the rest is the kernels the step
-    launched outside its spans (`rest_gpu_s`)."""
-    rest = record.rest_gpu_s if record.cost_source == "gpu_kernels" else record.rest_s
-    return m * (sum(x.cost_s for x in layers) + record.extra_s + record.host_waits_s) + record.step_s + rest
 
 
 def _mtp_params(chunk) -> list:

@@ -1,0 +1,131 @@
+"""The balancer's stage load is the profile's prediction (balancing/profile_problem.py):
+m x load = `StageProfile.predicted_s` on the layout profiled, the optimizer step's share
+moves with each trainable layer, the rest of the step stays with its stage."""
+from __future__ import annotations
+
+import pytest
+
+from dynmo_plugin.balancing.metrics import stage_loads
+from dynmo_plugin.balancing.profile_problem import iteration_shares, problem_from_profile
+from dynmo_plugin.balancing.solve import solve
+from dynmo_plugin.config import DynmoConfig
+from dynmo_plugin.layout import Layout
+from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile, stage_prediction
+
+M = 4
+MB = 10**6
+
+
+def _layer(n: int, stage: int, cost: float = 0.010, grad: int = MB) -> LayerProfile:
+    return LayerProfile(layer=n, stage=stage, fwd_s=cost / 3, bwd_s=2 * cost / 3, param_bytes=MB,
+                        grad_bytes=grad, optim_bytes=2 * grad, act_bytes=10**4)
+
+
+def _stage(s: int, *, source: str = "span", step: float = 0.0, rest: float = 0.0, rest_gpu: float = 0.0,
+           waits: float = 0.0, extra_grad: int = 0, extra_s: float = 0.002) -> StageProfile:
+    return StageProfile(stage=s, extra_s=extra_s, wait_s=0.0, peak_bytes=0, num_microbatches=M,
+                        cost_source=source, step_s=step, rest_s=rest, rest_gpu_s=rest_gpu,
+                        host_waits_s=waits, extra_grad_bytes=extra_grad)
+
+
+def _predicted(profile: PipelineProfile) -> list[float]:
+    """Each stage's prediction as the profiler makes it (`stage_prediction`, the MTP
+    block's micro-batches added on its stage)."""
+    out = []
+    for s in profile.stages:
+        p = stage_prediction(s, [x for x in profile.layers if x.stage == s.stage], M)
+        if profile.mtp is not None and profile.mtp.stage == s.stage:
+            p += M * profile.mtp.cost_s
+        out.append(p)
+    return out
+
+
+def _profile(frozen: int = 0) -> PipelineProfile:
+    """3 stages x 3 layers: costs, steps, rests and sources that all differ; the first
+    `frozen` layers have no gradient (no optimizer state)."""
+    costs = [0.010, 0.012, 0.008, 0.011, 0.009, 0.013, 0.010, 0.007, 0.012]
+    layers = [_layer(n, (n - 1) // 3, c, 0 if n <= frozen else MB) for n, c in enumerate(costs, 1)]
+    stages = [_stage(0, source="span", step=0.006, rest=0.020, waits=0.0003, extra_grad=2 * MB),
+              _stage(1, source="host_cpu", step=0.003, rest=0.008, rest_gpu=0.001),
+              _stage(2, source="gpu_kernels", step=0.005, rest=0.030, rest_gpu=0.004, extra_grad=3 * MB)]
+    return PipelineProfile(layers, stages)
+
+
+@pytest.mark.parametrize("frozen", [0, 2, 3])
+def test_m_times_the_stage_load_is_the_profiles_prediction(frozen):
+    profile = _profile(frozen)
+    current = Layout((3, 3, 3))
+    problem = problem_from_profile(profile, current, DynmoConfig(), M)
+    assert [M * x for x in stage_loads(problem, current)] == pytest.approx(_predicted(profile), rel=1e-12)
+
+
+def test_the_prediction_holds_with_an_mtp_block_on_its_stage():
+    profile = _profile()
+    profile.mtp = _layer(1, 2, cost=0.006, grad=MB // 2)
+    current = Layout((3, 3, 3), mtp_layers=1, mtp_stage=2)
+    problem = problem_from_profile(profile, current, DynmoConfig(), M)
+    assert [M * x for x in stage_loads(problem, current)] == pytest.approx(_predicted(profile), rel=1e-12)
+    rate = 0.005 / (3 * MB + 3 * MB + MB // 2)  # stage 2's step over its gradient bytes
+    assert problem.mtp_cost == pytest.approx(0.006 + rate * (MB // 2) / M)
+
+
+def test_a_layer_carries_its_share_of_the_step_and_a_frozen_one_none():
+    """Stage 0: 6 ms of optimizer step over 1 + 1 + 1 (layers) + 2 (embedding) MB of
+    gradients: 1.2 ms per trainable layer per iteration, 2.4 ms stays with the stage."""
+    for frozen, share in ((0, 0.0012), (1, 0.0)):
+        shares = iteration_shares(_profile(frozen), M)
+        assert shares.layers[0] == pytest.approx(share / M)
+        assert shares.layers[1] == pytest.approx(0.006 / (2 + 3 - frozen) / M)
+    shares = iteration_shares(_profile(), M)
+    assert shares.stages[0] == pytest.approx(0.0003 + (0.020 + 0.0024) / M)
+
+
+def test_a_rank_with_nothing_trainable_keeps_its_step_as_its_own():
+    profile = _profile(frozen=3)
+    profile.stages[0].extra_grad_bytes = 0
+    shares = iteration_shares(profile, M)
+    assert shares.layers[:3] == (0.0, 0.0, 0.0)
+    assert shares.stages[0] == pytest.approx(0.0003 + (0.020 + 0.006) / M)
+
+
+def test_the_rest_counted_is_the_one_that_paces_the_stage():
+    shares = iteration_shares(_profile(), M)
+    assert shares.stages[1] == pytest.approx(0.008 / M)  # host_cpu: the host's rest
+    assert shares.stages[2] == pytest.approx((0.004 + 0.005 * 3 / 6) / M)  # gpu_kernels: the GPU's
+
+
+def test_a_profile_without_step_or_rest_is_balanced_on_its_layers_and_extras_alone():
+    """Simulated profiles and reports written before the rest was measured."""
+    profile = PipelineProfile([_layer(n, (n - 1) // 3) for n in range(1, 7)], [_stage(0), _stage(1)])
+    problem = problem_from_profile(profile, Layout((3, 3)), DynmoConfig(), M)
+    assert problem.costs == tuple(x.cost_s for x in profile.layers)
+    assert problem.extras_cost == (0.002, 0.002)
+
+
+def test_a_stage_with_more_rest_gets_fewer_layers():
+    """Identical layers: balanced on layers alone; 60 ms of per-iteration rest on stage 1
+    (its data and loss work, 15 ms per micro-batch: 1.5 layers' worth) moves a layer off
+    it (stage loads 32 / 47 ms per micro-batch before, 42 / 37 after)."""
+    layers = [_layer(n, (n - 1) // 3) for n in range(1, 7)]
+    current = Layout((3, 3))
+    plain = problem_from_profile(PipelineProfile(layers, [_stage(0), _stage(1)]), current, DynmoConfig(), M)
+    assert solve(plain, "exact").layout == current
+    rested = PipelineProfile(layers, [_stage(0), _stage(1, rest=0.060)])
+    problem = problem_from_profile(rested, current, DynmoConfig(), M)
+    assert solve(problem, "exact").layout == Layout((4, 2))
+
+
+def test_interleaved_the_step_is_shared_over_the_ranks_chunks():
+    """pp = 2, v = 2: the profiler records each chunk's step as the rank's over v; the
+    per-byte rate is the rank's, so each rank's chunks sum to its prediction."""
+    sizes = {0: MB, 1: 3 * MB, 2: 2 * MB, 3: MB}  # virtual stage -> a layer's gradient bytes
+    layers = [_layer(n, (n - 1) // 2, grad=sizes[(n - 1) // 2]) for n in range(1, 9)]
+    stages = [_stage(s, step=0.004, rest=0.002, extra_grad=MB if s in (0, 3) else 0) for s in range(4)]
+    profile = PipelineProfile(layers, stages, num_chunks=2)
+    current = Layout((2, 2, 2, 2), num_chunks=2)
+    problem = problem_from_profile(profile, current, DynmoConfig(), M)
+    loads, predicted = stage_loads(problem, current), _predicted(profile)
+    for rank in (0, 1):
+        assert M * sum(loads[rank::2]) == pytest.approx(sum(predicted[rank::2]), rel=1e-12)
+    rate0 = 0.008 / (2 * MB + 2 * 2 * MB + MB)  # rank 0: virtual stages 0 and 2
+    assert iteration_shares(profile, M).layers[0] == pytest.approx(rate0 * MB / M)
