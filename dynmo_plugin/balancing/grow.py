@@ -67,7 +67,13 @@ def grow_iteration_s(problem: BalanceProblem, layout: Layout, dp: int,
     the problem shrunk to K stages (as the repack planner times it) with the global
     batch's micro-batches split over the grown replicas, timed by `model_at(dp')` (the
     iteration model at that DP: the all-reduce grows with it). None: cannot grow.
-    `problem.num_microbatches` is per replica at the current `dp`."""
+    `problem.num_microbatches` is per replica at the current `dp`.
+
+    A profiled problem holds the stage's once-per-iteration work spread over the m
+    micro-batches it was profiled with (`profile_problem.iteration_shares`); at m' it
+    counts as per-micro-batch work. Right for the rest's per-micro-batch part (the
+    schedule, the batch) and for the step with the distributed optimizer (its shard
+    shrinks by dp / dp'); m / m' short for the per-iteration part (zeroing, clipping)."""
     k = layout.num_ranks
     if grow_refusal(problem.num_ranks, k, dp, problem.num_microbatches) is not None:
         return None
