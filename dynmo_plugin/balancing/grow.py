@@ -69,11 +69,10 @@ def grow_iteration_s(problem: BalanceProblem, layout: Layout, dp: int,
     iteration model at that DP: the all-reduce grows with it). None: cannot grow.
     `problem.num_microbatches` is per replica at the current `dp`.
 
-    A profiled problem holds the stage's once-per-iteration work spread over the m
-    micro-batches it was profiled with (`profile_problem.iteration_shares`); at m' it
-    counts as per-micro-batch work. Right for the rest's per-micro-batch part (the
-    schedule, the batch) and for the step with the distributed optimizer (its shard
-    shrinks by dp / dp'); m / m' short for the per-iteration part (zeroing, clipping)."""
+    A profiled problem holds the optimizer step spread over the m micro-batches it was
+    profiled with (`profile_problem.step_shares`); at m' it counts m'/m of it: right
+    with the distributed optimizer (each replica's shard shrinks by dp / dp'), m / m'
+    short with the plain one (every replica steps over all its parameters)."""
     k = layout.num_ranks
     if grow_refusal(problem.num_ranks, k, dp, problem.num_microbatches) is not None:
         return None

@@ -84,7 +84,7 @@ class BalanceProblem:
             cap on the sum of the rank's chunks.
         extras_cost / extras_memory: per-stage fixed cost / bytes (embedding on the
             first stage, output layer + loss on the last; from a profile also the
-            stage's once-per-iteration work over m, `profile_problem.iteration_shares`);
+            extras' share of the optimizer step, `profile_problem.step_shares`);
             default 0.
         current: the layout running now (moves and "before" numbers refer to it).
         allow_empty_stages: whether a stage may hold zero decoder layers (Megatron

@@ -13,7 +13,7 @@ from dynmo_plugin.balancing.problem import BalanceProblem, ProblemError
 from dynmo_plugin.layout import Layout
 from dynmo_plugin.profiling.records import PipelineProfile
 
-__all__ = ["CHECKSUM_TRANSIENT_BYTES", "IterationShares", "iteration_shares", "memory_calibration",
+__all__ = ["CHECKSUM_TRANSIENT_BYTES", "StepShares", "step_shares", "memory_calibration",
            "problem_from_profile"]
 
 # What the device checksum of one migration buffer allocates beside it at most
@@ -54,25 +54,22 @@ def memory_calibration(profile: PipelineProfile, num_stages: int,
 
 
 @dataclass(frozen=True)
-class IterationShares:
-    """What a stage does once per iteration, spread over its m micro-batches so that the
-    balancer's stage load is the profile's prediction (`StageProfile.predicted_s` =
-    m x load on the layout profiled): per layer its share of the optimizer step, per
-    stage the fixed part (the rest of the step, the extras' share of the step and the
-    host's waits). Seconds per micro-batch."""
+class StepShares:
+    """The optimizer step spread over the m micro-batches by what it works on: per layer
+    its share, per stage the extras' share (or the whole step of a rank with nothing
+    trainable), per the MTP block its share. Seconds per micro-batch."""
 
     layers: tuple[float, ...]
     stages: tuple[float, ...]
     mtp: float = 0.0
 
 
-def iteration_shares(profile: PipelineProfile, m: int) -> IterationShares:
+def step_shares(profile: PipelineProfile, m: int) -> StepShares:
     """The optimizer step is elementwise over the rank's trainable parameters, so each
     layer's share moves with it: the rank's step time x the layer's gradient bytes over
-    the rank's (layers, extras and MTP block; a frozen layer has none, and no share).
-    The rest of the step (`StageProfile.counted_rest_s`: schedule, batch, loss reduction,
-    clipping) stays with the stage, as do the host's waits. A rank with nothing
-    trainable keeps its whole step as fixed."""
+    the rank's (layers, extras and MTP block). A frozen layer has no gradient and no
+    share; a rank with nothing trainable keeps its whole step as its own. Interleaved,
+    the rate is the rank's (the profiler splits the rank's step evenly over its chunks)."""
     v, stages = profile.num_chunks, profile.stages
     ranks = len(stages) // v
     rate = [0.0] * ranks  # seconds of optimizer step per gradient byte, per rank
@@ -84,14 +81,13 @@ def iteration_shares(profile: PipelineProfile, m: int) -> IterationShares:
         rate[r] = sum(s.step_s for s in stages[r::ranks]) / grad if grad > 0 else 0.0
     index = {s.stage: i for i, s in enumerate(stages)}
 
-    def step_share(x) -> float:
+    def share(x) -> float:
         return rate[index[x.stage] % ranks] * x.grad_bytes / m
 
-    fixed = [s.host_waits_s + (s.counted_rest_s + (rate[i % ranks] * s.extra_grad_bytes
-                                                  if rate[i % ranks] > 0 else s.step_s)) / m
+    fixed = [(rate[i % ranks] * s.extra_grad_bytes if rate[i % ranks] > 0 else s.step_s) / m
              for i, s in enumerate(stages)]
-    return IterationShares(tuple(step_share(x) for x in profile.layers), tuple(fixed),
-                           step_share(profile.mtp) if profile.mtp is not None else 0.0)
+    return StepShares(tuple(share(x) for x in profile.layers), tuple(fixed),
+                      share(profile.mtp) if profile.mtp is not None else 0.0)
 
 
 def _mtp_fields(profile: PipelineProfile, current: Layout, num_microbatches: int,
@@ -114,17 +110,18 @@ def _mtp_fields(profile: PipelineProfile, current: Layout, num_microbatches: int
 def problem_from_profile(profile: PipelineProfile, current: Layout, config,
                          num_microbatches: int, pin_mtp: bool = False) -> BalanceProblem:
     """Per-layer cost = median fwd+bwd per micro-batch and the layer's share of the
-    optimizer step; per-stage extras = the embedding's or head's fwd+bwd and the stage's
-    once-per-iteration rest (`iteration_shares`): the stage load is the profile's
-    predicted stage time over m. Memory as `memory_calibration` models and calibrates
-    it; a migration rebuilds each stage's gradient buffers (`rebuild_bytes`).
-    Interleaved: extras per virtual stage, memory overhead and the cap per rank
-    (`num_chunks` from the current layout). `config`: a `config.DynmoConfig` (only
+    optimizer step (`step_shares`); per-stage extras = the embedding's or head's fwd+bwd
+    and the extras' share of the step. The stage's prediction less what stays with the
+    stage however layers move (its rest of the step, its host waits: docs/profiling.md,
+    "What the balancer takes"). Memory as `memory_calibration` models and calibrates it;
+    a migration rebuilds each stage's gradient buffers (`rebuild_bytes`). Interleaved:
+    extras per virtual stage, memory overhead and the cap per rank (`num_chunks` from
+    the current layout). `config`: a `config.DynmoConfig` (only
     `rebalance.memory_cap_gb` and `rebalance.allow_empty_stages` are read)."""
     p = current.num_stages
     layer_bytes, calibration = memory_calibration(profile, p, num_microbatches)
     cap = config.rebalance.memory_cap_gb
-    shares = iteration_shares(profile, num_microbatches)
+    shares = step_shares(profile, num_microbatches)
     return BalanceProblem(
         costs=[x.cost_s + share for x, share in zip(profile.layers, shares.layers)],
         num_stages=p,

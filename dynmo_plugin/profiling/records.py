@@ -124,7 +124,7 @@ class StageProfile:
         """The rest of the step the stage's time holds: the host's where the host bounds
         the stage; where the GPU does ("gpu_kernels") the host's rest runs while the
         queued kernels do, and the rest is the kernels the step launched outside its
-        spans (`rest_gpu_s`). The one rule for the prediction and the balancer."""
+        spans (`rest_gpu_s`)."""
         return self.rest_gpu_s if self.cost_source == "gpu_kernels" else self.rest_s
 
 
@@ -132,7 +132,8 @@ def stage_prediction(record: StageProfile, layers: list[LayerProfile], m: int) -
     """The stage's time per iteration as profiled (megatron/profiling/profiler.py's
     docstring): its layers, extras and the host's waits per micro-batch, the optimizer
     step, and the rest of the step (`StageProfile.counted_rest_s`). The balancer's stage
-    load is this over m (`balancing.profile_problem.iteration_shares`)."""
+    load is this less the rest and the host's waits, over m
+    (`balancing.profile_problem.problem_from_profile`)."""
     return (m * (sum(x.cost_s for x in layers) + record.extra_s + record.host_waits_s)
             + record.step_s + record.counted_rest_s)
 

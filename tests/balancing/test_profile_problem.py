@@ -1,12 +1,12 @@
-"""The balancer's stage load is the profile's prediction (balancing/profile_problem.py):
-m x load = `StageProfile.predicted_s` on the layout profiled, the optimizer step's share
-moves with each trainable layer, the rest of the step stays with its stage."""
+"""What the balancer takes of the profile's prediction (balancing/profile_problem.py):
+m x load = `StageProfile.predicted_s` less the rest of the step and the host's waits on
+the layout profiled; the optimizer step's share moves with each trainable layer."""
 from __future__ import annotations
 
 import pytest
 
 from dynmo_plugin.balancing.metrics import stage_loads
-from dynmo_plugin.balancing.profile_problem import iteration_shares, problem_from_profile
+from dynmo_plugin.balancing.profile_problem import problem_from_profile, step_shares
 from dynmo_plugin.balancing.solve import solve
 from dynmo_plugin.config import DynmoConfig
 from dynmo_plugin.layout import Layout
@@ -30,13 +30,14 @@ def _stage(s: int, *, source: str = "span", step: float = 0.0, rest: float = 0.0
 
 def _predicted(profile: PipelineProfile) -> list[float]:
     """Each stage's prediction as the profiler makes it (`stage_prediction`, the MTP
-    block's micro-batches added on its stage)."""
+    block's micro-batches added on its stage), less what stays with the stage: its rest
+    of the step and its host's waits."""
     out = []
     for s in profile.stages:
         p = stage_prediction(s, [x for x in profile.layers if x.stage == s.stage], M)
         if profile.mtp is not None and profile.mtp.stage == s.stage:
             p += M * profile.mtp.cost_s
-        out.append(p)
+        out.append(p - s.counted_rest_s - M * s.host_waits_s)
     return out
 
 
@@ -52,7 +53,7 @@ def _profile(frozen: int = 0) -> PipelineProfile:
 
 
 @pytest.mark.parametrize("frozen", [0, 2, 3])
-def test_m_times_the_stage_load_is_the_profiles_prediction(frozen):
+def test_m_times_the_stage_load_is_the_prediction_less_what_stays_with_the_stage(frozen):
     profile = _profile(frozen)
     current = Layout((3, 3, 3))
     problem = problem_from_profile(profile, current, DynmoConfig(), M)
@@ -73,51 +74,52 @@ def test_a_layer_carries_its_share_of_the_step_and_a_frozen_one_none():
     """Stage 0: 6 ms of optimizer step over 1 + 1 + 1 (layers) + 2 (embedding) MB of
     gradients: 1.2 ms per trainable layer per iteration, 2.4 ms stays with the stage."""
     for frozen, share in ((0, 0.0012), (1, 0.0)):
-        shares = iteration_shares(_profile(frozen), M)
+        shares = step_shares(_profile(frozen), M)
         assert shares.layers[0] == pytest.approx(share / M)
         assert shares.layers[1] == pytest.approx(0.006 / (2 + 3 - frozen) / M)
-    shares = iteration_shares(_profile(), M)
-    assert shares.stages[0] == pytest.approx(0.0003 + (0.020 + 0.0024) / M)
+    shares = step_shares(_profile(), M)
+    assert shares.stages[0] == pytest.approx(0.0024 / M)
+    assert shares.stages[1] == 0.0  # no extras
 
 
 def test_a_rank_with_nothing_trainable_keeps_its_step_as_its_own():
     profile = _profile(frozen=3)
     profile.stages[0].extra_grad_bytes = 0
-    shares = iteration_shares(profile, M)
+    shares = step_shares(profile, M)
     assert shares.layers[:3] == (0.0, 0.0, 0.0)
-    assert shares.stages[0] == pytest.approx(0.0003 + (0.020 + 0.006) / M)
+    assert shares.stages[0] == pytest.approx(0.006 / M)
 
 
-def test_the_rest_counted_is_the_one_that_paces_the_stage():
-    shares = iteration_shares(_profile(), M)
-    assert shares.stages[1] == pytest.approx(0.008 / M)  # host_cpu: the host's rest
-    assert shares.stages[2] == pytest.approx((0.004 + 0.005 * 3 / 6) / M)  # gpu_kernels: the GPU's
-
-
-def test_a_profile_without_step_or_rest_is_balanced_on_its_layers_and_extras_alone():
-    """Simulated profiles and reports written before the rest was measured."""
-    profile = PipelineProfile([_layer(n, (n - 1) // 3) for n in range(1, 7)], [_stage(0), _stage(1)])
+def test_a_profile_without_a_step_is_balanced_on_its_layers_and_extras_alone():
+    """Simulated profiles and reports written before the step was profiled; the rest of
+    the step and the host's waits stay with the stage."""
+    profile = PipelineProfile([_layer(n, (n - 1) // 3) for n in range(1, 7)],
+                              [_stage(0, rest=0.030, waits=0.001), _stage(1)])
     problem = problem_from_profile(profile, Layout((3, 3)), DynmoConfig(), M)
     assert problem.costs == tuple(x.cost_s for x in profile.layers)
     assert problem.extras_cost == (0.002, 0.002)
 
 
-def test_a_stage_with_more_rest_gets_fewer_layers():
-    """Identical layers: balanced on layers alone; 60 ms of per-iteration rest on stage 1
-    (its data and loss work, 15 ms per micro-batch: 1.5 layers' worth) moves a layer off
-    it (stage loads 32 / 47 ms per micro-batch before, 42 / 37 after)."""
-    layers = [_layer(n, (n - 1) // 3) for n in range(1, 7)]
-    current = Layout((3, 3))
-    plain = problem_from_profile(PipelineProfile(layers, [_stage(0), _stage(1)]), current, DynmoConfig(), M)
-    assert solve(plain, "exact").layout == current
-    rested = PipelineProfile(layers, [_stage(0), _stage(1, rest=0.060)])
-    problem = problem_from_profile(rested, current, DynmoConfig(), M)
-    assert solve(problem, "exact").layout == Layout((4, 2))
+def test_the_step_moves_with_the_trainable_layers_and_the_split_follows():
+    """Twelve layers of equal fwd+bwd, 6 | 6, the first six frozen (no gradient, no
+    step): balanced on their costs alone (62 / 62 ms per micro-batch). Stage 1's 120 ms
+    optimizer step is its six layers' (5 ms each per micro-batch): 62 / 92, and the
+    exact split moves one trainable layer with its share (7 | 5: 77 / 77)."""
+    def profile(step: float) -> PipelineProfile:
+        layers = [_layer(n, (n - 1) // 6, grad=0 if n <= 6 else MB) for n in range(1, 13)]
+        return PipelineProfile(layers, [_stage(0), _stage(1, step=step)])
+    current = Layout((6, 6))
+    assert solve(problem_from_profile(profile(0.0), current, DynmoConfig(), M), "exact").layout == current
+    problem = problem_from_profile(profile(0.120), current, DynmoConfig(), M)
+    assert problem.costs[:6] == (0.010,) * 6
+    assert problem.costs[6] == pytest.approx(0.015)
+    assert solve(problem, "exact").layout == Layout((7, 5))
 
 
 def test_interleaved_the_step_is_shared_over_the_ranks_chunks():
     """pp = 2, v = 2: the profiler records each chunk's step as the rank's over v; the
-    per-byte rate is the rank's, so each rank's chunks sum to its prediction."""
+    per-byte rate is the rank's, so each rank's chunks sum to its prediction less its
+    rest."""
     sizes = {0: MB, 1: 3 * MB, 2: 2 * MB, 3: MB}  # virtual stage -> a layer's gradient bytes
     layers = [_layer(n, (n - 1) // 2, grad=sizes[(n - 1) // 2]) for n in range(1, 9)]
     stages = [_stage(s, step=0.004, rest=0.002, extra_grad=MB if s in (0, 3) else 0) for s in range(4)]
@@ -128,4 +130,4 @@ def test_interleaved_the_step_is_shared_over_the_ranks_chunks():
     for rank in (0, 1):
         assert M * sum(loads[rank::2]) == pytest.approx(sum(predicted[rank::2]), rel=1e-12)
     rate0 = 0.008 / (2 * MB + 2 * 2 * MB + MB)  # rank 0: virtual stages 0 and 2
-    assert iteration_shares(profile, M).layers[0] == pytest.approx(rate0 * MB / M)
+    assert step_shares(profile, M).layers[0] == pytest.approx(rate0 * MB / M)
