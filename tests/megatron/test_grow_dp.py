@@ -207,14 +207,14 @@ def test_released_path_is_unchanged(pp4_static, tmp_path, freed):
 
 
 @pytest.mark.multiproc
-def test_demo_config_auto_grows_by_the_planner_and_trains_like_the_never_grown_run(tmp_path):
+def test_demo_config_auto_grows_by_the_planner_and_trains_like_the_never_grown_run(tmp_path, shared_run):
     """configs/repack_demo.yaml under `min_stages` with `freed: auto`: after the freezing
     event the planner repacks 4 -> 2 and, the simulated grown iteration promising more
     tokens/s, keeps ranks 2-3 as DP replicas. Measured here: losses equal to the last
     bit until a few iterations after the grow, then within 1.2e-7 (the regrouped DP sum)."""
     config = str(ROOT / "configs" / "repack_demo.yaml")
     flags = ["--pipeline-model-parallel-size", "4", "--dynmo-config", config, "--train-iters", "30"]
-    grown, static = tmp_path / "grown", tmp_path / "static"
+    grown = tmp_path / "grown"
     report = train(4, flags + ["--dynmo", "--dynmo-repack-freed", "auto",
                                "--dynmo-repack-objective", "min_stages"], grown)
     (event,) = [e for e in report["events"] if e.get("repack")]
@@ -225,6 +225,6 @@ def test_demo_config_auto_grows_by_the_planner_and_trains_like_the_never_grown_r
     grew_at = event["iteration"]
     assert [(h["iteration"], h["pp"], h["dp"]) for h in report["world"]["history"]] == [
         (0, 4, 1), (grew_at, 2, 2)]
-    never = train(4, flags, static)
+    _, never = shared_run(4, flags, module="dynmo_plugin.train")  # test_repack.py's too: once per session
     assert losses(report)[:grew_at] == losses(never)[:grew_at]
     assert max(abs(a - b) for a, b in zip(losses(report), losses(never))) <= TOLERANCE

@@ -113,12 +113,12 @@ def test_failed_repack_migration_keeps_every_rank(pp4_static, tmp_path):
     _same_params(tmp_path, range(4), pp4_static[0], range(4))
 
 
-def test_repack_demo_config_shrinks_4_to_2_like_a_run_that_never_did(tmp_path):
+def test_repack_demo_config_shrinks_4_to_2_like_a_run_that_never_did(tmp_path, shared_run):
     """configs/repack_demo.yaml through the real launcher, as the README runs it."""
     config = str(ROOT / "configs" / "repack_demo.yaml")
     flags = ["--pipeline-model-parallel-size", "4", "--dynmo", "--dynmo-config", config,
              "--train-iters", "30"]
-    repacked, static = tmp_path / "repacked", tmp_path / "static"
+    repacked = tmp_path / "repacked"
     proc = torchrun(4, flags, repacked)
     assert "leaving the job (exit 0)" in proc.stderr
     report = _report(repacked)
@@ -131,6 +131,7 @@ def test_repack_demo_config_shrinks_4_to_2_like_a_run_that_never_did(tmp_path):
     assert (repacked / "gpus.png").stat().st_size > 0
     assert "GPUs in use: 4 → 2" in (repacked / "summary.md").read_text()
     # without --dynmo: the same freezing on the static 4-stage split, never repacked
-    never = train(4, ["--pipeline-model-parallel-size", "4", "--dynmo-config", config,
-                      "--train-iters", "30"], static)
+    # (launched once per session: test_grow_dp.py compares against it too)
+    _, never = shared_run(4, ["--pipeline-model-parallel-size", "4", "--dynmo-config", config,
+                              "--train-iters", "30"], module="dynmo_plugin.train")
     assert losses(report) == losses(never)
