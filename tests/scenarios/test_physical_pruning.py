@@ -22,7 +22,8 @@ from launch import ROOT, in_megatron_process, losses, worker
 from test_scenario_pruning import _fwd_bwd, seeded_layer  # one layer: shared helpers
 
 FLAGS = ["--dynmo", "--dynmo-config", str(ROOT / "configs" / "gradual_pruning.yaml"),
-         "--vocab-size", "8192", "--dynmo-profile-every", "4", "--test-dump-params", "--dynmo-min-gain", "0",
+         "--vocab-size", "8192", "--micro-batch-size", "2", "--global-batch-size", "8",  # as test_scenario_pruning.py
+         "--dynmo-profile-every", "4", "--test-dump-params", "--dynmo-min-gain", "0",
          "--dynmo-pruning-granularity", "structured", "--dynmo-pruning-final-sparsity", "0.8"]
 HIDDEN, FFN, LAYERS = 256, 1024, 8
 FC = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight")

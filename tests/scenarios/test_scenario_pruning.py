@@ -21,8 +21,12 @@ pytestmark = pytest.mark.multiproc
 # 2026-11-28 read gains of 5.5-9.6% under floors of 10.3-13.6% and never moved); the floor
 # has its own tests (tests/balancing). Kept in test_physical_pruning.py's FLAGS too: the
 # structured DynMo run is shared with it.
+# --micro-batch-size 2: the config's 4 micro-batches of 4 sequences are 4 of 2 here, half
+# the compute of each of these long runs (the schedule, the pipeline's micro-batch count and
+# the head-heavy last stage are the config's); also in test_physical_pruning.py's FLAGS.
 FLAGS = ["--dynmo", "--dynmo-config", str(ROOT / "configs" / "gradual_pruning.yaml"),
-         "--vocab-size", "8192", "--dynmo-profile-every", "4", "--test-dump-params", "--dynmo-min-gain", "0",
+         "--vocab-size", "8192", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--dynmo-profile-every", "4", "--test-dump-params", "--dynmo-min-gain", "0",
          "--dynmo-pruning-final-sparsity", "0.98"]
 FINAL = 0.98
 LINEARS = ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
