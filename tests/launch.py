@@ -178,12 +178,31 @@ def _megatron_process(rank: int, port: int, check, args) -> None:
         del dims
 
 
-def in_megatron_process(check, args=None) -> None:
-    """Run `check(model_args)` in ONE spawned gloo rank with Megatron's groups and the CPU
-    compatibility layer — which patches torch, so it must never run inside pytest's own
-    process. `check` must be a module-level function (it is pickled)."""
-    import torch.multiprocessing as mp
+def spawn(fn, args: tuple = (), nprocs: int = 1, timeout: int = 600) -> None:
+    """`torch.multiprocessing.spawn(fn, args, nprocs)` for the tests: `fn(rank, *args)` in
+    `nprocs` processes (`fn` module-level: it is pickled), as the ranks of a torchrun of
+    tests/workers/spawn_worker.py forked by the zygote, their imports done (a spawned
+    interpreter spent ~3-5 s of CPU importing torch and Megatron-Core, ~5-10 s on the
+    loaded CI machine, per process); without the zygote (DYNMO_TEST_FORK_TORCHRUN=0),
+    spawned. A rank that raises fails the launch: AssertionError with its traceback."""
+    if ZYGOTE is None:
+        import torch.multiprocessing as mp
+        mp.spawn(fn, args=args, nprocs=nprocs)
+        return
+    import pickle
+    import tempfile
+    tests = str(ROOT / "tests")
+    paths = [p for p in sys.path if p == tests or p.startswith(tests + os.sep)]  # pytest's rootdirs
+    with tempfile.TemporaryDirectory(prefix="dynmo-spawn-") as folder:
+        job = Path(folder) / "job.pkl"
+        job.write_bytes(pickle.dumps((paths, pickle.dumps((fn, args)))))
+        torchrun(nprocs, [str(job)], Path(folder), timeout=timeout, module="workers.spawn_worker")
 
+
+def in_megatron_process(check, args=None) -> None:
+    """Run `check(model_args)` in ONE gloo rank of its own (`spawn`) with Megatron's groups
+    and the CPU compatibility layer — which patches torch, so it must never run inside
+    pytest's own process. `check` must be a module-level function (it is pickled)."""
     from dynmo_plugin.config import ModelArgs
     args = args or ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
-    mp.spawn(_megatron_process, args=(free_port(), check, args), nprocs=1)
+    spawn(_megatron_process, (free_port(), check, args))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dynmo_plugin.consensus import ControlPlane, DecisionFailed, _non_cpu
-from launch import free_port
+from launch import free_port, spawn
 
 pytestmark = pytest.mark.multiproc   # torch.multiprocessing gloo ranks (setup.cfg)
 WORLD = 3
@@ -88,9 +88,8 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
     out = tmp_path_factory.mktemp("consensus")
-    mp.spawn(_rank, args=(free_port(), str(out)), nprocs=WORLD)
+    spawn(_rank, (free_port(), str(out)), nprocs=WORLD)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from launch import free_port, losses, train, worker
+from launch import free_port, losses, spawn, train, worker
 
 MODEL = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -58,8 +58,7 @@ def _control_plane_rank(rank: int, port: int, out: str) -> None:
 
 
 def test_control_plane_refuses_non_cpu_payloads_on_every_rank(tmp_path):
-    import torch.multiprocessing as mp
-    mp.spawn(_control_plane_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    spawn(_control_plane_rank, (free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         kind, message = seen["all_gather"]
