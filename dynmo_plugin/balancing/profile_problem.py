@@ -70,22 +70,21 @@ def step_shares(profile: PipelineProfile, m: int) -> StepShares:
     the rank's (layers, extras and MTP block). A frozen layer has no gradient and no
     share; a rank with nothing trainable keeps its whole step as its own. Interleaved,
     the rate is the rank's (the profiler splits the rank's step evenly over its chunks)."""
-    v, stages = profile.num_chunks, profile.stages
-    ranks = len(stages) // v
-    rate = [0.0] * ranks  # seconds of optimizer step per gradient byte, per rank
-    for r in range(ranks):
-        chunk_ids = {s.stage for s in stages[r::ranks]}
-        grad = (sum(x.grad_bytes for x in profile.layers if x.stage in chunk_ids)
-                + sum(s.extra_grad_bytes for s in stages[r::ranks])
-                + (profile.mtp.grad_bytes if profile.mtp is not None and profile.mtp.stage in chunk_ids else 0))
-        rate[r] = sum(s.step_s for s in stages[r::ranks]) / grad if grad > 0 else 0.0
-    index = {s.stage: i for i, s in enumerate(stages)}
+    ranks = len(profile.stages) // profile.num_chunks  # virtual stage s runs on rank s % ranks
+    units = [*profile.layers, *([profile.mtp] if profile.mtp is not None else [])]
+    grad, step = [0] * ranks, [0.0] * ranks
+    for x in units:
+        grad[x.stage % ranks] += x.grad_bytes
+    for s in profile.stages:
+        grad[s.stage % ranks] += s.extra_grad_bytes
+        step[s.stage % ranks] += s.step_s
+    rate = [t / g if g > 0 else 0.0 for t, g in zip(step, grad)]  # seconds per gradient byte
 
     def share(x) -> float:
-        return rate[index[x.stage] % ranks] * x.grad_bytes / m
+        return rate[x.stage % ranks] * x.grad_bytes / m
 
-    fixed = [(rate[i % ranks] * s.extra_grad_bytes if rate[i % ranks] > 0 else s.step_s) / m
-             for i, s in enumerate(stages)]
+    fixed = [(rate[s.stage % ranks] * s.extra_grad_bytes if rate[s.stage % ranks] > 0 else s.step_s) / m
+             for s in profile.stages]
     return StepShares(tuple(share(x) for x in profile.layers), tuple(fixed),
                       share(profile.mtp) if profile.mtp is not None else 0.0)
 
