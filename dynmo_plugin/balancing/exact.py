@@ -59,24 +59,29 @@ numpy DP's O(p n log n), which takes over for wide bands). Measured on this proj
 fast"): about a millisecond or less per decision (solve + plan + gate) at 48 or 256
 layers on 16 stages.
 
-Interleaved pipelines (`problem.num_chunks` = v > 1; `solve_interleaved`). The objective
-is the bottleneck over virtual stages, which are contiguous segments like stages, so
-steps 0-3 apply unchanged; only two things differ. (a) Moves: a layer that changes chunk
+Interleaved pipelines (`problem.num_chunks` = v > 1; `solve_interleaved`). The gate
+scores a layout by Megatron's interleaved iteration, m x the busiest rank's chunks +
+(p - 1) x the busiest virtual stage; minimising that is NP-hard, so the solver first
+finds the optimal bottleneck over virtual stages (`bottleneck_layout`, below), then
+descends on the iteration time from that layout and from the current one
+(balancing/interleaved.py), and says in its notes whether the result is proven optimal.
+The first step: virtual stages are contiguous segments like stages, so steps 0-3 apply
+unchanged; only two things differ. (a) Moves: a layer that changes chunk
 but stays on its rank costs nothing, so the tie-break keeps layers on their RANK (the
 DP's A_s sums the reference segments of s's rank: still prefix sums). (b) Memory: a
 rank's cap bounds the SUM of its v chunks, which couples non-adjacent segments and
 breaks the segment DP. What is done, precisely:
   1. relaxation: every chunk alone may use its rank's whole capacity. Its optimum T_r
      is a lower bound on the true optimum. If the layout found at T_r fits every rank,
-     it is optimal (and moves the fewest bytes among the relaxation's optima that the
-     tie-break saw): returned, note "exact".
+     its bottleneck is optimal (and it moves the fewest bytes among the relaxation's
+     optima that the tie-break saw): note "exact: optimal over virtual stages".
   2. otherwise, a restriction: each rank's free capacity (cap minus its chunks' fixed
      extras) split evenly over its chunks, each chunk capped at its extras plus its
      share. Every layout admissible there fits every rank, so the layout returned is
      sound, with bottleneck T_s >= optimum >= T_r; the plan's notes give both bounds.
      If the restriction has no layout, InfeasibleError, although a layout with uneven
      chunks may exist (say so: the caller keeps the current layout).
-Without memory caps, step 1 always succeeds: the result is optimal.
+Without memory caps, step 1 always succeeds: the start's bottleneck is optimal.
 
 `solve_exact_reference` keeps the implementation before the warm start and the bitset
 oracle (cold bounds, plain binary search, `NumpySegmentModel`); it returns the same
@@ -89,17 +94,19 @@ import logging
 
 import numpy as np
 
-from dynmo_plugin.balancing.metrics import memory_violations
+from dynmo_plugin.balancing.interleaved import descend
+from dynmo_plugin.balancing.metrics import feasibility_problems, memory_violations
 from dynmo_plugin.balancing.problem import BalanceProblem, InfeasibleError
 from dynmo_plugin.balancing.segments import NumpySegmentModel, SegmentModel
 from dynmo_plugin.layout import Layout
 
-__all__ = ["solve_exact", "solve_exact_reference", "solve_interleaved", "optimal_bottleneck",
-           "ENUMERATE_BELOW"]
+__all__ = ["solve_exact", "solve_exact_reference", "solve_interleaved", "bottleneck_layout",
+           "optimal_bottleneck", "ENUMERATE_BELOW", "BOTTLENECK_OPTIMAL"]
 
 log = logging.getLogger(__name__)
 
 ENUMERATE_BELOW = 65_536
+BOTTLENECK_OPTIMAL = "exact: optimal over virtual stages"
 
 
 class _Candidates:
@@ -308,9 +315,11 @@ def _even_split(problem: BalanceProblem) -> np.ndarray:
     return extras + free[problem.stage_rank] / problem.num_chunks
 
 
-def solve_interleaved(problem: BalanceProblem) -> tuple[Layout, list[str]]:
-    """Layout over virtual stages (min bottleneck, then fewest bytes leaving their rank)
-    and notes saying whether it is proven optimal; module docstring, "Interleaved".
+def bottleneck_layout(problem: BalanceProblem) -> tuple[Layout, float, list[str]]:
+    """Interleaved: the layout with the smallest bottleneck over virtual stages (fewest
+    bytes leaving their rank among them), the relaxation's optimum T_r (a lower bound on
+    every layout's bottleneck) and notes saying whether the layout's bottleneck is
+    optimal; module docstring, "Interleaved".
 
     Raises:
         InfeasibleError: the relaxation has no layout (then none exists), or the
@@ -319,7 +328,7 @@ def solve_interleaved(problem: BalanceProblem) -> tuple[Layout, list[str]]:
     relaxed = _flat(problem, None if problem.capacity is None else problem.capacity_arr)
     lower, layout = _at_optimum(relaxed, problem)
     if not memory_violations(problem, layout):
-        return layout, ["exact: optimal over virtual stages"]
+        return layout, lower, [BOTTLENECK_OPTIMAL]
     try:
         upper, layout = _at_optimum(_flat(problem, _even_split(problem)), problem)
     except InfeasibleError as e:
@@ -327,6 +336,27 @@ def solve_interleaved(problem: BalanceProblem) -> tuple[Layout, list[str]]:
             f"per-rank memory caps bind and no layout fits an even split of each rank's "
             f"capacity over its {problem.num_chunks} chunks ({e}); a layout with uneven chunks "
             "may exist but this solver does not search for it: raise the capacity") from e
-    return layout, [f"exact: per-rank memory caps bind; bottleneck {upper:.6g} is within "
-                    f"[{lower:.6g}, {upper:.6g}] (relaxation bound, even split of each rank's "
-                    "capacity over its chunks): not proven optimal"]
+    return layout, lower, [f"exact: per-rank memory caps bind; bottleneck {upper:.6g} is within "
+                           f"[{lower:.6g}, {upper:.6g}] (relaxation bound, even split of each rank's "
+                           "capacity over its chunks): not proven optimal"]
+
+
+def solve_interleaved(problem: BalanceProblem) -> tuple[Layout, list[str]]:
+    """Interleaved: the layout of least predicted iteration time that descent reaches
+    from `bottleneck_layout`'s and the current one (`interleaved`), with notes saying
+    what is proven. Never predicted slower than the current layout when that fits.
+
+    Raises:
+        InfeasibleError: as `bottleneck_layout`.
+    """
+    start, lower, notes = bottleneck_layout(problem)
+    current = problem.current
+    starts = [start] if current is None or feasibility_problems(problem, current) else [start, current]
+    found = descend(problem, starts, lower)
+    said = (f"exact: interleaved iteration {found.iteration_s:.6g} s is optimal (meets the lower "
+            f"bound)" if found.proven else
+            f"exact: interleaved iteration {found.iteration_s:.6g} s by descent is within "
+            f"[{found.bound:.6g}, {found.iteration_s:.6g}]: not proven optimal")
+    start_note = ("from the optimal bottleneck over virtual stages" if notes == [BOTTLENECK_OPTIMAL]
+                  else notes[0])
+    return found.layout, [said, start_note]

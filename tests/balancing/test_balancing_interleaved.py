@@ -1,7 +1,8 @@
-"""The exact balancer on interleaved (virtual) pipelines against brute force, with
-per-rank memory caps that bind.
+"""The exact balancer's first step on interleaved (virtual) pipelines against brute
+force, with per-rank memory caps that bind.
 
-`solve_interleaved` (balancing/exact.py, "Interleaved") promises: every layout it
+`bottleneck_layout` (balancing/exact.py, "Interleaved"; the start of the descent on the
+iteration time, tests/run/test_interleaved_layout.py) promises: every layout it
 returns fits each rank's cap (the SUM of the rank's chunks); the note "optimal" only
 when the bottleneck is the optimum; otherwise the note's bounds [lower, upper] with
 lower = the optimum of the relaxation (each chunk alone under its rank's whole cap) and
@@ -26,12 +27,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dynmo_plugin.balancing import BalanceProblem, InfeasibleError, solve
-from dynmo_plugin.balancing.exact import solve_interleaved
+from dynmo_plugin.balancing.exact import BOTTLENECK_OPTIMAL, bottleneck_layout
 from dynmo_plugin.layout import Layout
 
 SETTINGS = settings(max_examples=150, derandomize=True, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
-OPTIMAL = "exact: optimal over virtual stages"
+OPTIMAL = BOTTLENECK_OPTIMAL
 REL_TOL = 1e-9  # balancing/problem.py's floating-point policy, restated
 Bounds = tuple[int, ...]
 
@@ -207,7 +208,7 @@ def test_interleaved_exact_against_brute_force_with_binding_rank_caps(case):
     upper, _ = optimum(case, even_split)
     relaxation_fits = all(fits_ranks(case, b) for b in relaxed_optimal)
     try:
-        layout, notes = solve_interleaved(pb)
+        layout, _, notes = bottleneck_layout(pb)
     except InfeasibleError:
         # only where no layout exists, or the documented even-split limitation applies:
         # the relaxation's optima do not all fit the ranks and the even split has none
@@ -244,7 +245,7 @@ def test_the_binding_example_binds():
     uncapped = Case(**{**BINDING.__dict__, "capacity": None})
     assert optimum(uncapped, relaxed)[0] == 3 and optimum(BINDING, relaxed)[0] == 4
     assert optimum(BINDING, fits_ranks)[0] == 4
-    layout, notes = solve_interleaved(BINDING.problem())
-    assert notes == [OPTIMAL]
-    plan = solve(BINDING.problem(), "exact")
-    assert plan.notes == notes and plan.layout == layout
+    layout, lower, notes = bottleneck_layout(BINDING.problem())
+    assert notes == [OPTIMAL] and lower == 4
+    plan = solve(BINDING.problem(), "exact")  # the descent starts there, and says so
+    assert plan.notes[1] == "from the optimal bottleneck over virtual stages"
