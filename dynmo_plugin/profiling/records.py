@@ -128,6 +128,10 @@ class StageProfile:
         return self.rest_gpu_s if self.cost_source == "gpu_kernels" else self.rest_s
 
 
+# StageProfile's labels and the number each describes (`PipelineProfile.elementwise_max`)
+_LABELLED_BY = {"clock": "predicted_s", "cost_source": "predicted_s", "peak_source": "peak_bytes"}
+
+
 def stage_prediction(record: StageProfile, layers: list[LayerProfile], m: int) -> float:
     """The stage's time per iteration as profiled (megatron/profiling/profiler.py's
     docstring): its layers, extras and the host's waits per micro-batch, the optimizer
@@ -194,15 +198,22 @@ class PipelineProfile:
     @staticmethod
     def elementwise_max(parts: list["PipelineProfile"]) -> "PipelineProfile":
         """Max over replicas of the same stage (data- and tensor-parallel ranks): the
-        slowest sets the pace."""
+        slowest sets the pace. A label goes with the number it describes (`_LABELLED_BY`):
+        the clock and the cost source with the slowest replica's stage prediction, the
+        peak's source with the largest peak, so that e.g. `counted_rest_s` reads the rest
+        of the regime the prediction came from."""
         def fold(items):
-            out = items[0]
-            for other in items[1:]:
-                out = type(out)(**{f.name: (max(getattr(out, f.name), getattr(other, f.name))
-                                            if isinstance(getattr(out, f.name), (int, float))
-                                            and f.name not in ("layer", "stage") else getattr(out, f.name))
-                                   for f in fields(out)})
-            return out
+            out = {}
+            for f in fields(items[0]):
+                values = [getattr(x, f.name) for x in items]
+                if f.name in _LABELLED_BY:
+                    by = [getattr(x, _LABELLED_BY[f.name]) for x in items]
+                    out[f.name] = values[by.index(max(by))]
+                elif isinstance(values[0], (int, float)) and f.name not in ("layer", "stage"):
+                    out[f.name] = max(values)
+                else:
+                    out[f.name] = values[0]
+            return type(items[0])(**out)
         layers = [fold([p.layers[i] for p in parts]) for i in range(len(parts[0].layers))]
         stages = [fold([p.stages[i] for p in parts]) for i in range(len(parts[0].stages))]
         mtp = [p.mtp for p in parts if p.mtp is not None]
