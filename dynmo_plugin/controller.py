@@ -64,8 +64,11 @@ class _OpenWindow:
 
 def scale_profile(profile: PipelineProfile, base: dict, now: dict) -> PipelineProfile:
     """`profile` with each layer's fwd/bwd time scaled by now[layer] / base[layer]: the
-    cost a scenario's work predictor implies, anchored to a measurement. Memory and the
-    stages' extras stay as measured."""
+    cost a scenario's work predictor implies, anchored to a measurement. Memory (gradient
+    bytes too, so each layer's share of the optimizer step), the step and the stages'
+    extras stay as measured: the scenarios that pass work (MoE, MoD, sparse attention)
+    change how much a layer computes, not what it holds; a freeze or a prune changes
+    what it holds and is timed in a window instead (`DynamismEvent.work` is None)."""
     layers = [dataclasses.replace(x, fwd_s=x.fwd_s * now[x.layer] / base[x.layer],
                                   bwd_s=x.bwd_s * now[x.layer] / base[x.layer])
               for x in profile.layers]
