@@ -365,20 +365,26 @@ class DynMo:
     def _decide_with_freed(self, profile: PipelineProfile, trigger: str) -> tuple[Decision, Optional[dict]]:
         """Rank 0: the decision and, for a repack, what its freed ranks do (None: release)."""
         decision = self._decide(profile, trigger)
-        plan, t = decision.repack, self.trainer
+        plan = decision.repack
         if plan is None or not plan.apply or not decision.apply or self.config.repack.freed == "release":
             return decision, None
-        problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches,
-                                       pin_mtp=_pins_mtp(t))  # as _decide
-        return decision, self._freed_choice(problem, plan)
+        return decision, self._freed_choice(profile, plan)
 
-    def _freed_choice(self, problem: BalanceProblem, plan) -> Optional[dict]:
+    def _freed_choice(self, profile: PipelineProfile, plan) -> Optional[dict]:
         """Rank 0: what the ranks a planned repack frees do (`balancing.grow`), timed by
         the repack's own iteration model: release as planned, grow as the same layout
-        at the larger DP with the micro-batches split over its replicas."""
-        from dynmo_plugin.balancing.grow import grow_iteration_s
+        at the larger DP with the micro-batches split over its replicas. The optimizer
+        step goes with them: with the plain optimizer each replica still steps all its
+        parameters, so the profiled step is spread over the fewer micro-batches a
+        grown replica runs; the distributed one's shard shrinks as they do."""
+        from dynmo_plugin.balancing.grow import grow_iteration_s, grown_dp
         from dynmo_plugin.sim.problem_model import live_iteration_model
         t, k = self.trainer, plan.stages_after
+        m, new_dp = t.num_microbatches, grown_dp(t.dims.pp, k, t.dims.dp)
+        sharded = getattr(t.args, "use_distributed_optimizer", False)
+        step_m = m if sharded or new_dp is None else m * t.dims.dp // new_dp
+        problem = problem_from_profile(profile, t.layout, self.config, m, pin_mtp=_pins_mtp(t),
+                                       step_microbatches=max(step_m, 1))  # as _decide
         iter_grow = grow_iteration_s(problem, plan.layout_after, t.dims.dp, lambda dp: live_iteration_model(
             t.args, dp=dp, bandwidth_Bps=self.bandwidth))
         return self._log_freed(k, plan.predicted_iter_s_after, iter_grow)

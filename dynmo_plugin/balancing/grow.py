@@ -69,10 +69,11 @@ def grow_iteration_s(problem: BalanceProblem, layout: Layout, dp: int,
     iteration model at that DP: the all-reduce grows with it). None: cannot grow.
     `problem.num_microbatches` is per replica at the current `dp`.
 
-    A profiled problem holds the optimizer step spread over the m micro-batches it was
-    profiled with (`profile_problem.step_shares`); at m' it counts m'/m of it: right
-    with the distributed optimizer (each replica's shard shrinks by dp / dp'), m / m'
-    short with the plain one (every replica steps over all its parameters)."""
+    A profiled problem holds the optimizer step spread over micro-batches
+    (`profile_problem.step_shares`), and at m' this counts m' of them: the caller spreads
+    it over m' with the plain optimizer (every replica still steps all its parameters)
+    and over the profiled m with the distributed one (each replica's shard shrinks by
+    dp / dp' = m' / m): `controller.DynMo._freed_choice`."""
     k = layout.num_ranks
     if grow_refusal(problem.num_ranks, k, dp, problem.num_microbatches) is not None:
         return None

@@ -7,6 +7,7 @@ Megatron-LM user is told to pass is the layout the live run chose.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from dynmo_plugin.balancing.memory import MemoryCalibration, calibrate, modelled_stage_bytes
 from dynmo_plugin.balancing.problem import BalanceProblem, ProblemError
@@ -107,7 +108,8 @@ def _mtp_fields(profile: PipelineProfile, current: Layout, num_microbatches: int
 
 
 def problem_from_profile(profile: PipelineProfile, current: Layout, config,
-                         num_microbatches: int, pin_mtp: bool = False) -> BalanceProblem:
+                         num_microbatches: int, pin_mtp: bool = False,
+                         step_microbatches: Optional[int] = None) -> BalanceProblem:
     """Per-layer cost = median fwd+bwd per micro-batch and the layer's share of the
     optimizer step (`step_shares`); per-stage extras = the embedding's or head's fwd+bwd
     and the extras' share of the step. The stage's prediction less what stays with the
@@ -116,11 +118,14 @@ def problem_from_profile(profile: PipelineProfile, current: Layout, config,
     a migration rebuilds each stage's gradient buffers (`rebuild_bytes`). Interleaved:
     extras per virtual stage, memory overhead and the cap per rank (`num_chunks` from
     the current layout). `config`: a `config.DynmoConfig` (only
-    `rebalance.memory_cap_gb` and `rebalance.allow_empty_stages` are read)."""
+    `rebalance.memory_cap_gb` and `rebalance.allow_empty_stages` are read).
+    `step_microbatches`: the micro-batches the profiled step is spread over (default
+    `num_microbatches`; a grow with the plain optimizer keeps the step and runs fewer,
+    `DynMo._freed_choice`)."""
     p = current.num_stages
     layer_bytes, calibration = memory_calibration(profile, p, num_microbatches)
     cap = config.rebalance.memory_cap_gb
-    shares = step_shares(profile, num_microbatches)
+    shares = step_shares(profile, step_microbatches or num_microbatches)
     return BalanceProblem(
         costs=[x.cost_s + share for x, share in zip(profile.layers, shares.layers)],
         num_stages=p,

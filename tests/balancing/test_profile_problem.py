@@ -131,3 +131,16 @@ def test_interleaved_the_step_is_shared_over_the_ranks_chunks():
         assert M * sum(loads[rank::2]) == pytest.approx(sum(predicted[rank::2]), rel=1e-12)
     rate0 = 0.008 / (2 * MB + 2 * 2 * MB + MB)  # rank 0: virtual stages 0 and 2
     assert step_shares(profile, M).layers[0] == pytest.approx(rate0 * MB / M)
+
+
+def test_a_step_spread_over_fewer_micro_batches_weighs_more_on_each():
+    """A grow with the plain optimizer: each replica keeps the whole step and runs M / 2
+    micro-batches, so each one carries twice the step's share; layers and extras
+    otherwise as profiled (controller.DynMo._freed_choice)."""
+    profile = _profile()
+    base = problem_from_profile(profile, Layout((3, 3, 3)), DynmoConfig(), M)
+    grown = problem_from_profile(profile, Layout((3, 3, 3)), DynmoConfig(), M, step_microbatches=M // 2)
+    shares = step_shares(profile, M)  # at M: the difference M / 2 adds
+    assert [b - a for a, b in zip(base.costs, grown.costs)] == pytest.approx(list(shares.layers), rel=1e-9)
+    assert grown.extras_cost[0] - base.extras_cost[0] == pytest.approx(shares.stages[0])
+    assert grown.num_microbatches == M
