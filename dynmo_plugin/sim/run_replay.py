@@ -16,7 +16,18 @@ it should have cost and sets that beside what it measured. From the report:
   of the layers that were training then. A frozen layer costs its forward only
   (freezing is front to back, so nothing before it needs a gradient). The stages'
   extras (embedding on the first stage, output layer + loss on the last) go to the
-  first and last stage of every layout, split 1 : 2 into forward and backward.
+  first and last stage of every layout, split 1 : 2 into forward and backward;
+* the optimizer step from the same profile (`step_s` per stage): elementwise over the
+  trainable parameters, so it costs the profile's seconds per trainable gradient byte
+  times the gradient bytes a stage trains in the segment (a layer frozen at the
+  profile counts its parameter bytes x the training layers' gradient / parameter
+  ratio while it still trains), times dp at the profile / dp with the distributed
+  optimizer (each replica steps its shard); the simulator runs it after the flush;
+* the rest of the step (`rest_s`: the schedule's own host work, data, loss reduction,
+  what no layer span holds) as seconds per micro-batch, the mean over the profiled
+  stages, added to every stage's micro-batches split 1 : 2 like the extras: on the
+  CPU runs this checks most of it is the schedule's work per micro-batch, and it
+  stays with the rank, not with the layers.
 
 Each segment (iterations with one layout, one data parallelism and one frozen set) is
 one simulated iteration: `sim.iteration` on dedicated devices, and with `cores` given
@@ -28,8 +39,7 @@ it from /proc), each measured iteration is predicted on the cores they left duri
 and the segment's prediction is the median of those, as its measurement is the median
 of the iterations' times: like with like, iteration by iteration. Links: the run's configured migration bandwidth (`rebalance.bandwidth_gbps`),
 100 us per message on gloo (loopback TCP, scripts/validate_sim.py's assumption).
-Not modelled: the optimizer step (0.1-4 ms per stage on the CPU runs this checks,
-profiled as `step_s`), Python and gloo work outside the layers.
+A report written before the profile held `step_s` and `rest_s` replays without them.
 
 Measured: the median of `time_s - dynmo_s` over the segment's clean iterations: after
 the first `warmup`, outside every profiling window, and not an iteration at which an
@@ -139,9 +149,13 @@ class _LayerCosts:
     fwd: dict[int, float]
     bwd_dense: dict[int, float]
     param_bytes: dict[int, float]
+    grad_dense: dict[int, float]   # gradient bytes while the layer trains
     embed_s: float
     head_s: float
+    embed_grad_bytes: float
     head_grad_bytes: float
+    step_per_byte: float           # optimizer step seconds per trainable gradient byte
+    rest_per_microbatch: float
 
 
 def _changes(report: dict) -> tuple[list[tuple[int, str]], list[tuple[int, int, int]],
@@ -193,27 +207,46 @@ def _layer_costs(profile: dict, frozen_then: tuple[int, ...]) -> _LayerCosts:
     training = [x for i, x in layers.items() if i not in frozen_then and x["fwd_s"] > 0]
     ratio = statistics.median(x["bwd_s"] / x["fwd_s"] for x in training) if training else 2.0
     bwd = {i: (ratio * x["fwd_s"] if i in frozen_then else x["bwd_s"]) for i, x in layers.items()}
+    params = {i: float(x.get("param_bytes", 0)) for i, x in layers.items()}
+    with_grads = [x for x in training if x.get("grad_bytes") and x.get("param_bytes")]
+    grad_ratio = statistics.median(x["grad_bytes"] / x["param_bytes"] for x in with_grads) if with_grads else 1.0
+    grads = {i: (grad_ratio * params[i] if i in frozen_then else float(x.get("grad_bytes", 0)))
+             for i, x in layers.items()}
     stages = sorted(profile["stages"], key=lambda s: s["stage"])
     embed = 0.0 if len(stages) == 1 else float(stages[0]["extra_s"])
+    trained = sum(grads[i] for i in layers if i not in frozen_then) \
+        + sum(float(s.get("extra_grad_bytes", 0)) for s in stages)
+    step = sum(float(s.get("step_s", 0.0)) for s in stages)
+    rest = statistics.fmean(float(s.get("rest_s", 0.0)) / max(int(s.get("num_microbatches") or 1), 1)
+                            for s in stages)
     return _LayerCosts(fwd={i: float(x["fwd_s"]) for i, x in layers.items()}, bwd_dense=bwd,
-                       param_bytes={i: float(x.get("param_bytes", 0)) for i, x in layers.items()},
-                       embed_s=embed, head_s=float(stages[-1]["extra_s"]),
-                       head_grad_bytes=float(stages[-1].get("extra_grad_bytes", 0)))
+                       param_bytes=params, grad_dense=grads, embed_s=embed,
+                       head_s=float(stages[-1]["extra_s"]),
+                       embed_grad_bytes=0.0 if len(stages) == 1 else float(stages[0].get("extra_grad_bytes", 0)),
+                       head_grad_bytes=float(stages[-1].get("extra_grad_bytes", 0)),
+                       step_per_byte=step / trained if trained > 0 else 0.0,
+                       rest_per_microbatch=rest)
 
 
 def _pipeline_costs(c: _LayerCosts, layout: Layout, frozen: tuple[int, ...], dp: int, m: int,
-                    act_bytes: float, link: Link) -> PipelineCosts:
-    fwd, bwd, grads = [], [], []
+                    act_bytes: float, link: Link, step_scale: float) -> PipelineCosts:
+    """The segment's costs; `step_scale`: the step per byte at this dp over the profile's
+    (dp at the profile / dp with the distributed optimizer, else 1)."""
+    fwd, bwd, grads, steps = [], [], [], []
+    last = layout.num_stages - 1
     for s in range(layout.num_stages):
         layers = layout.layers_of(s)
-        extra = (c.embed_s if s == 0 else 0.0) + (c.head_s if s == layout.num_stages - 1 else 0.0)
+        extra = (c.embed_s if s == 0 else 0.0) + (c.head_s if s == last else 0.0) + c.rest_per_microbatch
         fwd.append(sum(c.fwd[i] for i in layers) + EXTRA_FORWARD_SHARE * extra)
         bwd.append(sum(c.bwd_dense[i] for i in layers if i not in frozen)
                    + (1 - EXTRA_FORWARD_SHARE) * extra)
         grads.append(sum(c.param_bytes[i] for i in layers if i not in frozen)
-                     + (c.head_grad_bytes if s == layout.num_stages - 1 else 0.0))
+                     + (c.head_grad_bytes if s == last else 0.0))
+        trained = (sum(c.grad_dense[i] for i in layers if i not in frozen)
+                   + (c.embed_grad_bytes if s == 0 else 0.0) + (c.head_grad_bytes if s == last else 0.0))
+        steps.append(c.step_per_byte * trained * step_scale)
     return PipelineCosts(fwd_s=fwd, bwd_s=bwd, num_microbatches=m, act_bytes=act_bytes, p2p=link,
-                         dp=dp, grad_bytes=grads, dp_link=link)
+                         dp=dp, grad_bytes=grads, dp_link=link, tail_s=steps)
 
 
 def _clean(report: dict) -> set[int]:
@@ -243,6 +276,8 @@ def replay_report(report: dict, run_dir: str = "", cores: float | None = None,
     start, profile = _profile(report, None if grow is None else int(grow["iteration"]), run_dir)
     costs = _layer_costs(profile, _at(frozen, start)[1])
     model = report["config"]["model"]
+    profile_dp = _at(worlds, start)[2]
+    distributed = bool(model.get("use_distributed_optimizer"))
     element = 2 if model.get("bf16") or model.get("fp16") else 4
     act = float(model["seq_length"] * model["micro_batch_size"] * model["hidden_size"] * element)
     gbps = float(((report["config"].get("dynmo") or {}).get("rebalance") or {}).get("bandwidth_gbps", 1.0))
@@ -265,7 +300,8 @@ def replay_report(report: dict, run_dir: str = "", cores: float | None = None,
                             "models the non-interleaved 1F1B schedule only")
         m = int(model["global_batch_size"]) // (int(model["micro_batch_size"]) * dp)
         counted = [(it, s) for it, s in group if it not in skip]
-        pc = _pipeline_costs(costs, layout, frozen_set, dp, m, act, link)
+        pc = _pipeline_costs(costs, layout, frozen_set, dp, m, act, link,
+                             profile_dp / dp if distributed else 1.0)
         dedicated = simulate_iteration(pc).iteration_s
         lefts = [_cores_left(cores, foreign_cores, it) for it, _ in counted or group]
         predicted = statistics.median(dedicated if c is None else shared_iteration_s(pc, c) for c in lefts)

@@ -78,6 +78,35 @@ def test_predictions_count_the_work_of_each_segment():
     assert dedicated.segments[1].predicted_s == pytest.approx(2 * MS + 8 * 6 * MS)
 
 
+def _with_step_and_rest(report: dict, distributed: bool = False) -> dict:
+    """The profile with an optimizer step and a rest of the step: layers 3-4 train with
+    1000 gradient bytes each (500 parameter bytes: ratio 2; frozen layers 1-2 hold 500
+    parameter bytes and no gradient), stage 1 steps them in 4 ms (2 us a byte), stage 0
+    has nothing to step; the rest is 8 ms on stage 0 and 16 ms on stage 1 over 8
+    micro-batches: 1.5 ms a micro-batch on the mean."""
+    profile = report["events"][1]["profile"]
+    for x in profile["layers"]:
+        x["param_bytes"], x["grad_bytes"] = 500, (0 if x["layer"] in (1, 2) else 1000)
+    for st, step, rest in zip(profile["stages"], (0.0, 4 * MS), (8 * MS, 16 * MS)):
+        st["step_s"], st["rest_s"] = step, rest
+    report["config"]["model"]["use_distributed_optimizer"] = distributed
+    return report
+
+
+def test_the_step_goes_with_the_trained_bytes_and_the_rest_with_each_micro_batch():
+    """Per micro-batch the rest adds 0.5 ms forward, 1 ms backward to every stage.
+    Frozen (segment 2): stage 0 2.5 + 1, stage 1 2.5 + 5 ms; stage 1 never waits:
+    2.5 + 8 x 7.5 = 62.5 ms, then its 4 ms step. Dense (segment 1): both stages 7.5 ms,
+    stage 0's last backward ends at 67.5 ms, then its step: layers 1-2 train 2 x 1000
+    bytes (500 x the ratio 2) at 2 us a byte, 4 ms. Grown (segment 3, one stage, 4
+    micro-batches): 4 x 9.5 + 4 ms of step; with the distributed optimizer each of the
+    2 replicas steps half: 2 ms."""
+    replay = replay_report(_with_step_and_rest(_report()))
+    assert [s.predicted_s for s in replay.segments] == pytest.approx([71.5 * MS, 66.5 * MS, 42 * MS])
+    sharded = replay_report(_with_step_and_rest(_report(), distributed=True))
+    assert sharded.segments[2].predicted_s == pytest.approx(40 * MS)
+
+
 def test_the_grow_ratio_and_its_error():
     replay = replay_report(_report(), cores=1.0)
     g = replay.grow
