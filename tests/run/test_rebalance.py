@@ -6,6 +6,12 @@ from launch import train
 
 pytestmark = pytest.mark.multiproc
 
+# The gate's noise floor follows the dispersion the profile measures: ~10% idle, up to
+# 25.6% at load ~9, where it refused this start's 24.5% predicted gain (1 of 4 loaded
+# runs, 2026-11-28). The floor has its own tests (tests/balancing/test_gate_dispersion.py);
+# here the decision is judged on the prediction alone.
+FLOOR_OFF = ["--dynmo-min-gain", "0"]
+
 
 def test_interval_trigger_balances_an_unbalanced_start(tmp_path):
     report = train(2, ["--num-layers", "8", "--hidden-size", "64", "--seq-length", "32",
@@ -13,7 +19,7 @@ def test_interval_trigger_balances_an_unbalanced_start(tmp_path):
                        "--pipeline-model-parallel-size", "2",
                        "--pipeline-model-parallel-layout", "Ettttttt|tL",
                        "--dynmo", "--dynmo-balancer", "exact", "--dynmo-rebalance-interval", "4",
-                       "--dynmo-profile-window", "2"],
+                       "--dynmo-profile-window", "2", *FLOOR_OFF],
                    tmp_path)
     # Windows: iterations 4-5 (rebalance), 8-9, 12-13 (re-profile the new layout).
     first, second, third = [e for e in report["events"] if e["kind"] == "rebalance"]
