@@ -16,10 +16,11 @@ Interleaved pipelines (`num_chunks` = v > 1): `num_stages` counts virtual stages
 (pp * v, in layer order; virtual stage s runs on rank s % pp, see `layout`), costs and
 extras are per virtual stage; the contiguous solvers' min-max objective is over
 virtual stages (every chunk is one step of the pipeline), and the exact solver then
-lowers the interleaved iteration the gate predicts (`exact`, `interleaved`). Memory is a property of the rank: `capacity` is per rank and caps the SUM of
-the rank's chunks; `capacity_arr` (per virtual stage) is the rank's whole capacity, the
-relaxation the contiguous solvers work with, and `metrics.memory_violations` checks
-the per-rank sums.
+lowers the interleaved iteration the gate predicts (`exact`, `interleaved`). Memory
+is a property of the rank: `capacity` is per rank and caps the SUM of the rank's
+chunks; `capacity_arr` (per virtual stage) is the rank's whole capacity, the relaxation
+the contiguous solvers work with, and `metrics.memory_violations` checks the per-rank
+sums.
 """
 from __future__ import annotations
 
