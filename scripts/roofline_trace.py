@@ -4,6 +4,7 @@ depend on values, for real at short sequences extrapolated in s, or at a narrow 
 size widened to the real one. docs/roofline.md."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -19,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from dynmo_plugin.profiling.op_trace import OpRecord, OpTrace  # noqa: E402
 
@@ -125,14 +128,36 @@ def _drop_global_buffers() -> None:
     parallel_state.get_global_memory_buffer().buffer.clear()
 
 
+_MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
+
+
+class Bf16MatmulInFp32(TorchDispatchMode):
+    """Real CPU traces only: a bf16 matrix product computed in fp32 and rounded to bf16
+    once, as a GPU's bf16 GEMM accumulates. A CPU without native bf16 (no AVX512-BF16 or
+    AMX, e.g. AMD Zen 3) runs torch's bf16 GEMM ~150x slower than fp32 (512x2048 @
+    2048x2048: 13 s against 91 ms, one thread, 2026-11-28), and the real traces then
+    outlast --calibrate's 10 minutes. Entered outside OpTrace, so the trace records the
+    bf16 op as the layer dispatched it, not the fp32 one computed here."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket in _MATMULS and any(
+                isinstance(t, torch.Tensor) and t.dtype is BF16 for t in args):
+            up = [t.float() if isinstance(t, torch.Tensor) and t.dtype is BF16 else t for t in args]
+            return func(*up, **kwargs).to(BF16)
+        return func(*args, **kwargs)
+
+
 def _traced(case: Case, x: torch.Tensor, shape: Shape) -> list[OpRecord]:
-    with OpTrace() as forward:
-        out = case.run(case.layer, x, shape)
-    if not case.backward:
-        return forward.ops
-    grad = torch.ones_like(out)  # outside the traces: the harness's, not the layer's
-    with OpTrace() as backward:
-        torch.autograd.backward(out, grad)
+    real = not isinstance(x, FakeTensor)
+    with Bf16MatmulInFp32() if real else contextlib.nullcontext():
+        with OpTrace() as forward:
+            out = case.run(case.layer, x, shape)
+        if not case.backward:
+            return forward.ops
+        grad = torch.ones_like(out)  # outside the traces: the harness's, not the layer's
+        with OpTrace() as backward:
+            torch.autograd.backward(out, grad)
     return forward.ops + backward.ops
 
 

@@ -209,3 +209,30 @@ def test_a_scheme_that_fails_to_build_is_a_row_and_json_is_one_document():
     plain = rows["plain"]
     assert plain["ratio"] == 1.0 and plain["gpu_ms"] > plain["host_ms"] > 0   # GPU-bound shape
     assert plain["kernels"] == 50 and plain["misaligned_matmuls"] == 0
+
+
+def test_real_traces_record_the_bf16_matmul_computed_in_fp32():
+    """scripts/roofline_trace.py's Bf16MatmulInFp32: the trace keeps the layer's bf16 op
+    (name, dtype, FLOPs, bytes); the value is the fp32 product rounded once."""
+    import importlib.util
+
+    import torch
+
+    from dynmo_plugin.profiling.op_trace import OpTrace
+    spec = importlib.util.spec_from_file_location("roofline_trace_for_test", ROOT / "scripts" / "roofline_trace.py")
+    rt = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = rt  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(rt)
+    finally:
+        sys.modules.pop(spec.name)
+    torch.manual_seed(0)
+    a, b = torch.randn(16, 32, dtype=torch.bfloat16), torch.randn(32, 8, dtype=torch.bfloat16)
+    bias = torch.zeros(8, dtype=torch.bfloat16)
+    with rt.Bf16MatmulInFp32(), OpTrace() as trace:
+        out = torch.addmm(bias, a, b)
+    assert out.dtype is torch.bfloat16
+    assert torch.equal(out, (a.float() @ b.float()).to(torch.bfloat16))
+    (op,) = trace.ops
+    assert (op.name, op.dtype, op.flops, op.bytes) == ("aten.addmm", "bfloat16", 2 * 16 * 32 * 8,
+                                                       2 * (8 + 16 * 32 + 32 * 8 + 16 * 8))
