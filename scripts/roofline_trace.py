@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensor  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from dynmo_plugin.profiling.op_trace import OpRecord, OpTrace  # noqa: E402
+from dynmo_plugin.profiling.op_trace import MATMULS, OpRecord, OpTrace  # noqa: E402
 
 log = logging.getLogger("roofline")
 BF16 = torch.bfloat16
@@ -128,9 +128,6 @@ def _drop_global_buffers() -> None:
     parallel_state.get_global_memory_buffer().buffer.clear()
 
 
-_MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
-
-
 class Bf16MatmulInFp32(TorchDispatchMode):
     """Real CPU traces only: a bf16 matrix product computed in fp32 and rounded to bf16
     once, as a GPU's bf16 GEMM accumulates. A CPU without native bf16 (no AVX512-BF16 or
@@ -141,7 +138,7 @@ class Bf16MatmulInFp32(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.overloadpacket in _MATMULS and any(
+        if func.overloadpacket in MATMULS and any(
                 isinstance(t, torch.Tensor) and t.dtype is BF16 for t in args):
             up = [t.float() if isinstance(t, torch.Tensor) and t.dtype is BF16 else t for t in args]
             return func(*up, **kwargs).to(BF16)

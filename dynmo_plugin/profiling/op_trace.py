@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["OpRecord", "OpTrace"]
+__all__ = ["MATMULS", "OpRecord", "OpTrace"]
 
 _aten = torch.ops.aten
 # Ops that allocate or describe memory without running a kernel on its values.
@@ -34,7 +34,7 @@ _NO_KERNEL = {_aten.empty, _aten.empty_like, _aten.empty_strided, _aten.new_empt
 HOST_READS = {_aten._local_scalar_dense, _aten.nonzero, _aten.masked_select, _aten.unique_dim,
               _aten._unique, _aten._unique2, _aten.unique_consecutive, _aten.equal}
 # Matrix products, with the (M, N, K)-style dimensions their kernels tile.
-_MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten._scaled_mm}
+MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten._scaled_mm}
 # Fused attention kernels (one launch for a whole softmax(QK^T)V and its backward).
 ATTENTION = {"aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
              "aten._scaled_dot_product_cudnn_attention", "aten._flash_attention_forward",
@@ -75,7 +75,7 @@ class OpRecord:
 
     @property
     def is_matmul(self) -> bool:
-        return self.name in {str(m) for m in _MATMULS}
+        return self.name in {str(m) for m in MATMULS}
 
     def leading_dims(self) -> list[int]:
         """Leading dimension of each 2-D+ operand and result of this op (from `strides`):
@@ -140,7 +140,7 @@ class OpTrace(TorchDispatchMode):
             dtype=str(first.dtype).removeprefix("torch.") if first is not None else "",
             flops=flops, bytes=sum(map(_nbytes, ins + outs)) if kernel else 0, kernel=kernel,
             host_read=packet in HOST_READS, causal=_is_causal(func, args, kwargs),
-            strides=tuple(tuple(t.stride()) for t in ins + outs) if packet in _MATMULS else ()))
+            strides=tuple(tuple(t.stride()) for t in ins + outs) if packet in MATMULS else ()))
         return out
 
     def flops(self) -> int:
