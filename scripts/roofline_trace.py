@@ -131,7 +131,7 @@ def _drop_global_buffers() -> None:
 class Bf16MatmulInFp32(TorchDispatchMode):
     """Real CPU traces only: a bf16 matrix product computed in fp32 and rounded to bf16
     once, as a GPU's bf16 GEMM accumulates. A CPU without native bf16 (no AVX512-BF16 or
-    AMX, e.g. AMD Zen 3) runs torch's bf16 GEMM ~150x slower than fp32 (512x2048 @
+    AMX, e.g. AMD Zen 3) runs torch's bf16 GEMM ~145x slower than fp32 (512x2048 @
     2048x2048: 13 s against 91 ms, one thread, 2026-11-28), and the real traces then
     outlast --calibrate's 10 minutes. Entered outside OpTrace, so the trace records the
     bf16 op as the layer dispatched it, not the fp32 one computed here."""
