@@ -114,6 +114,10 @@ class StageProfile:
     # reduction, gradient clipping, scenario hooks; on CPU also blocked p2p is left out)
     rest_s: float = 0.0
     rest_gpu_s: float = 0.0  # per iteration: the kernels launched there (CUDA only)
+    # per iteration: CPU seconds of the rank's other threads during the step (gloo's
+    # transport, a pin-memory thread): on a CPU the ranks share, cores the ranks do not get
+    # (sim.run_replay); not in predicted_s (another core's work)
+    threads_s: float = 0.0
     # per iteration: (layers + extras + host waits) x micro-batches + step + rest (the
     # GPU's, rest_gpu_s, where the GPU bounds the stage: "gpu_kernels")
     predicted_s: float = 0.0

@@ -27,7 +27,14 @@ it should have cost and sets that beside what it measured. From the report:
   what no layer span holds) as seconds per micro-batch, the mean over the profiled
   stages, added to every stage's micro-batches split 1 : 2 like the extras: on the
   CPU runs this checks most of it is the schedule's work per micro-batch, and it
-  stays with the rank, not with the layers.
+  stays with the rank, not with the layers;
+* the CPU of each rank's other threads (`threads_s`: gloo's transport beside the step),
+  the mean over the profiled stages: on shared cores they take threads_s x ranks / T
+  of them (`_shared_s`), as another process's load does; a device per rank is not
+  slowed by them. Not serial work on a stage, which would lengthen the path the last
+  stage paces before a grow: cores taken slow the ranks only where they compete for
+  cores, most after the grow, when every core is busy (docs/simulator.md, "The ranks'
+  other threads").
 
 Each segment (iterations with one layout, one data parallelism and one frozen set) is
 one simulated iteration: `sim.iteration` on dedicated devices, and with `cores` given
@@ -69,6 +76,7 @@ MIN_CORES = 0.1
 """Iterations not measured at the start (allocation, first-touch, the profiler's warm-up)."""
 EXTRA_FORWARD_SHARE = 1.0 / 3.0
 GLOO_LATENCY_S = 1e-4
+FIXED_POINT_ROUNDS = 8
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,7 @@ class _LayerCosts:
     head_grad_bytes: float
     step_per_byte: float           # optimizer step seconds per trainable gradient byte
     rest_per_microbatch: float
+    threads_s: float               # per rank and iteration: CPU of its other threads
 
 
 def _changes(report: dict) -> tuple[list[tuple[int, str]], list[tuple[int, int, int]],
@@ -225,7 +234,8 @@ def _layer_costs(profile: dict, frozen_then: tuple[int, ...]) -> _LayerCosts:
                        embed_grad_bytes=0.0 if len(stages) == 1 else float(stages[0].get("extra_grad_bytes", 0)),
                        head_grad_bytes=float(stages[-1].get("extra_grad_bytes", 0)),
                        step_per_byte=step / trained if trained > 0 else 0.0,
-                       rest_per_microbatch=rest)
+                       rest_per_microbatch=rest,
+                       threads_s=statistics.fmean(float(s.get("threads_s", 0.0)) for s in stages))
 
 
 def _pipeline_costs(c: _LayerCosts, layout: Layout, frozen: tuple[int, ...], dp: int, m: int,
@@ -304,7 +314,8 @@ def replay_report(report: dict, run_dir: str = "", cores: float | None = None,
                              profile_dp / dp if distributed else 1.0)
         dedicated = simulate_iteration(pc).iteration_s
         lefts = [_cores_left(cores, foreign_cores, it) for it, _ in counted or group]
-        predicted = statistics.median(dedicated if c is None else shared_iteration_s(pc, c) for c in lefts)
+        threads = costs.threads_s * pp * dp
+        predicted = statistics.median(dedicated if c is None else _shared_s(pc, c, threads) for c in lefts)
         measured = statistics.median(s for _, s in counted) if counted else None
         left = None if cores is None else statistics.fmean(lefts)  # type: ignore[arg-type]
         segments.append(Segment(group[0][0], group[-1][0], left, layout_text, pp, dp, m, frozen_set,
@@ -318,6 +329,17 @@ def replay_report(report: dict, run_dir: str = "", cores: float | None = None,
         if before and after:
             check = GrowCheck(g, before[0], after[0])
     return RunReplay(run_dir, cores, start, segments, check)
+
+
+def _shared_s(pc: PipelineCosts, cores: float, threads_s: float) -> float:
+    """Seconds per iteration T on `cores` shared cores while the ranks' other threads use
+    `threads_s` CPU seconds per iteration: they take threads_s / T cores, as another
+    process's load does (`_cores_left`). T from a few fixed-point rounds: each shrinks
+    the error by about threads_s / (the ranks' own work), a tenth here."""
+    t = shared_iteration_s(pc, cores)
+    for _ in range(FIXED_POINT_ROUNDS if threads_s > 0 else 0):
+        t = shared_iteration_s(pc, max(cores - threads_s / t, MIN_CORES))
+    return t
 
 
 def _cores_left(cores: float | None, foreign: Mapping[int, float] | None, iteration: int) -> float | None:

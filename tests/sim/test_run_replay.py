@@ -142,6 +142,20 @@ def test_each_iteration_is_predicted_on_its_own_cores():
     assert after.predicted_s == pytest.approx(48 * MS) and after.cores == pytest.approx(1.5)
 
 
+def test_the_ranks_other_threads_take_cores_from_them():
+    """Each rank's other threads (gloo's transport) used 8 ms of CPU per iteration in the
+    window (`threads_s`). On one core, always busy, every segment is its work plus the
+    2 ranks' 16 ms; on two cores the grown stretch (two replicas, 32 ms each) is
+    (2 x 32 + 16) / 2. One device per rank (dedicated) does not share: unchanged."""
+    report = _report()
+    for stage in report["events"][1]["profile"]["stages"]:
+        stage["threads_s"] = 8 * MS
+    one = replay_report(report, cores=1.0)
+    assert [s.predicted_s for s in one.segments] == pytest.approx([112 * MS, 80 * MS, 80 * MS], rel=1e-4)
+    assert replay_report(report, cores=2.0).segments[2].predicted_s == pytest.approx(40 * MS, rel=1e-4)
+    assert [s.dedicated_s for s in one.segments] == [s.dedicated_s for s in replay_report(_report(), cores=1.0).segments]
+
+
 def test_replicas_split_the_cores():
     costs = PipelineCosts(fwd_s=[0.002, 0.003], bwd_s=[0.004, 0.005], num_microbatches=4, dp=2)
     assert shared_iteration_s(costs, 2.0) == pytest.approx(simulate_shared(costs, 1.0).iteration_s)

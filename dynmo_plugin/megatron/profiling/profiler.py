@@ -58,6 +58,7 @@ profiler range, `rest_gpu_s`).
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -230,6 +231,8 @@ class ProfileWindow:
         self._profiled: list[float] = []
         self._wait: list[float] = []
         self._rest: list[float] = []
+        self._threads: list[float] = []
+        self._cpu_started: tuple[float, float] | None = None  # (process, thread) CPU time
         self._started: float | None = None
         self._ended: float | None = None
         self._unbracketed = False  # said once: an iteration came without before_iteration()
@@ -241,6 +244,7 @@ class ProfileWindow:
         launches in it outside every span (loss, zeroing and clipping the gradients, the
         optimizer's copies around its step) are the rest of the step on the GPU."""
         self._started = self.clock.now()
+        self._cpu_started = (time.process_time(), time.thread_time())
         self.busy.open("iteration", 0)
 
     def step_done(self) -> None:
@@ -249,11 +253,21 @@ class ProfileWindow:
         if self._ended is None:
             self._ended = self.clock.now()
             self.busy.close("iteration", 0)
+            self._take_threads()
+
+    def _take_threads(self) -> None:
+        """The CPU the rank's other threads used during the step: the process's CPU time
+        less the training thread's."""
+        if self._cpu_started is not None:
+            process, thread = self._cpu_started
+            self._threads.append(max(0.0, (time.process_time() - process) - (time.thread_time() - thread)))
+            self._cpu_started = None
 
     def after_iteration(self) -> None:
         ended = self._ended if self._ended is not None else self.clock.now()
         self._ended = None
         self.busy.close("iteration", 0)
+        self._take_threads()
         if self._started is None and not self._unbracketed:
             self._unbracketed = True
             logger.warning("dynmo: a window iteration without before_iteration(): the rest of "
@@ -388,6 +402,7 @@ class ProfileWindow:
         record.step_s = median(self._steps) / len(self.probes)  # one optimizer per rank
         record.rest_s = median(self._rest) / len(self.probes)
         record.rest_gpu_s = median(busy.get("iteration", [])) / len(self.probes)
+        record.threads_s = median(self._threads) / len(self.probes)
         record.predicted_s = stage_prediction(record, layers, m)
         record.measured_s = median(self.outside_s) / len(self.probes)
 
