@@ -3,11 +3,11 @@
 A generation-2 collection walks every object the collector tracks, and the allocation
 count decides which iteration it lands in, not the program. In grow_check's ranks
 (configs/grow_check.yaml; about 420k tracked objects after the grow) one took 190-260 ms
-of CPU, a third of an iteration. Inside a window it lands in whatever span or
-rest of the step is running: the window at iteration 18 of that run measured one forward of layer 8 at
-258.6 ms against about 10 ms for its other micro-batches, and the stage's summed spans
-(`profiled_s`) at 529.6 ms on one replica against 265.5 ms on the other (2026-11-28,
-this CPU). A layer's median over its micro-batches hides one such span; a stage's sums,
+of CPU, a third of an iteration. Inside a window it lands in whatever span or rest
+of the step is running: profiled every 9 iterations, that run's window at iteration 18
+measured one forward of layer 8 at 258.6 ms against about 10 ms for its other
+micro-batches; in another run the stage's summed spans (`profiled_s`) read 529.6 ms on
+one replica against 265.5 ms on the other (2026-11-28, this CPU). A layer's median over its micro-batches hides one such span; a stage's sums,
 its extras over few micro-batches and the rest of the step (one sample per window
 iteration) do not. The window's own hooks and samples allocate too, which brings a
 collection closer.

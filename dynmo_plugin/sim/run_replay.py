@@ -72,8 +72,8 @@ from dynmo_plugin.sim.shared import shared_iteration_s
 __all__ = ["GrowCheck", "RunReplay", "Segment", "WARMUP", "replay_report", "replay_run"]
 
 WARMUP = 2
-MIN_CORES = 0.1
 """Iterations not measured at the start (allocation, first-touch, the profiler's warm-up)."""
+MIN_CORES = 0.1
 EXTRA_FORWARD_SHARE = 1.0 / 3.0
 GLOO_LATENCY_S = 1e-4
 FIXED_POINT_ROUNDS = 8
