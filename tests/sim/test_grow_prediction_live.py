@@ -12,7 +12,7 @@ TOLERANCE (25%, scripts/grow_check.py): CPU timing on this shared 2-core machine
 scatters by +-20% per measurement, and the ratio holds two medians of 5 and 9
 iterations taken a few seconds apart; the per-operation CPU cost of this VM moves
 between the two stretches, which the one profile before the grow cannot know (the
-grown stretch used 2-12% more CPU per iteration than the model in five runs of
+grown stretch used -5% to +13% more CPU per iteration than the model in eight runs of
 2026-11-28, docs/simulator.md "The ranks' other threads"). Measured while writing this (load average 43-97): predicted / measured - 1
 between -14% and +7% load-corrected in five runs, -37% to +105% without the
 correction (docs/simulator.md). A ratio, not a time: a load that slows both stretches
