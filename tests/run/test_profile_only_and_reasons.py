@@ -24,7 +24,9 @@ HEAVY_HEAD = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads
 LOPSIDED = ["--pipeline-model-parallel-layout", "Et|tttL"]
 # one layer on stage 0, five and the head on stage 1: a split that moves one is better even
 # when layer 1 reads 2.7x its neighbours (a fresh CI machine of 2026-11-28, first windows:
-# 6.9 against 2.3-2.8 ms; with LOPSIDED the exact split then kept Et|tttL)
+# 6.9 against 2.3-2.8 ms; with LOPSIDED the exact split then kept Et|tttL). Layer 1 is the
+# first layer after stage 0's gradient receive, which on CPU reads 0.8-2.1x at hidden 16
+# (docs/profiling.md, "On CPU, the first layer after a pipeline receive reads more")
 VERY_LOPSIDED = ["--num-layers", "6", "--pipeline-model-parallel-layout", "Et|tttttL"]
 
 
