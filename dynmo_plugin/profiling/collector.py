@@ -7,10 +7,10 @@ of CPU, a third of an iteration. Inside a window it lands in whatever span or re
 of the step is running: profiled every 9 iterations, that run's window at iteration 18
 measured one forward of layer 8 at 258.6 ms against about 10 ms for its other
 micro-batches; in another run the stage's summed spans (`profiled_s`) read 529.6 ms on
-one replica against 265.5 ms on the other (2026-11-28, this CPU). A layer's median over its micro-batches hides one such span; a stage's sums,
-its extras over few micro-batches and the rest of the step (one sample per window
-iteration) do not. The window's own hooks and samples allocate too, which brings a
-collection closer.
+one replica against 265.5 ms on the other (2026-11-28, this CPU). A layer's median
+over its micro-batches hides one such span; a stage's sums, its extras over few
+micro-batches and the rest of the step (one sample per window iteration) do not. The
+window's own hooks and samples allocate too, which brings a collection closer.
 
 So a window turns the collector off from its start to its close. What it would have
 collected waits for the first collection after: outside the window, in an iteration
@@ -26,7 +26,9 @@ __all__ = ["CollectorPause"]
 
 class CollectorPause:
     """Turns the cyclic collector off now; `release()` turns it back on if it was on.
-    Reference counting still frees everything not in a cycle, autograd graphs included."""
+    Reference counting still frees everything not in a cycle: autograd graphs, and a
+    migration's moved-away layers, retired DDP and old optimizer (checked with the
+    collector off on a 2-rank `Ett|ttL -> Et|tttL` move: all freed before any collection)."""
 
     def __init__(self) -> None:
         self._resume = gc.isenabled()
