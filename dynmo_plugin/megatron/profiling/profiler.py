@@ -211,7 +211,6 @@ class ProfileWindow:
     `outside_s`: recent iteration seconds outside windows, for the prediction check."""
 
     def __init__(self, trainer, clock=None, outside_s=None):
-        self._collector = CollectorPause()  # no collection inside the window (profiling.collector)
         self.trainer = trainer
         self.clock = clock if clock is not None else clock_for(trainer.dims.device)
         self.outside_s = list(outside_s or [])
@@ -237,6 +236,8 @@ class ProfileWindow:
         self._ended: float | None = None
         self._unbracketed = False  # said once: an iteration came without before_iteration()
         self._peak = _DevicePeak() if trainer.dims.device.type == "cuda" else None
+        # last: a constructor that raised above leaves no window to release it
+        self._collector = CollectorPause()  # no collection inside the window (profiling.collector)
 
     def before_iteration(self) -> None:
         """The step starts now (the controller calls it right before each window step).
