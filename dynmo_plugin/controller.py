@@ -137,7 +137,7 @@ class DynMo:
             forced = self.config.rebalance.forced_layouts.get(iteration)
             if forced is not None:
                 if self._open is not None:
-                    self._cancel_window(iteration, f"forced layout at iteration {iteration}")
+                    self._cancel_window(iteration, iteration - 1, f"forced layout at iteration {iteration}")
                 self._apply_forced(iteration, forced)
             if self._open is None:
                 self._maybe_open_window(iteration)
@@ -204,11 +204,22 @@ class DynMo:
         estimate = scale_profile(self._timed_profile, self._work_base, self._work_now)
         self._rebalance(iteration, trigger, None, estimate, start, source="estimated")
 
-    def _cancel_window(self, iteration: int, why: str) -> None:
-        """Drop an open window without gathering: what it measured is about to move."""
+    def finish(self, last_iteration: int) -> None:
+        """The run ends (normally or on an exception): a window still open, opened fewer
+        than `profiling.window` iterations before the end or left by a failed step, is
+        dropped and recorded as cancelled. That ends its hooks, its CUDA profiler and its
+        collector pause with the run, not after it: Megatron-LM evaluates and saves after
+        train(), and scripts/gpu_check_worker.py trains again in the same process.
+        Local, no collective; idempotent."""
+        if self._open is not None:
+            self._cancel_window(last_iteration, last_iteration, "the run ended inside the window")
+
+    def _cancel_window(self, at: int, last: int, why: str) -> None:
+        """Drop an open window without gathering, at iteration `at`: what it measured is
+        about to move, or the run ends. `last`: the last iteration the window ran over."""
         opened, self._open = self._open, None
         opened.window.cancel()
-        self._record(ProfileEvent(iteration, opened.trigger, [opened.opened_at, iteration - 1],
+        self._record(ProfileEvent(at, opened.trigger, [opened.opened_at, last],
                                   str(self.trainer.layout), {"profiling": 0.0}, cancelled=why))
         if opened.rebalance and opened.trigger.startswith("event:"):
             self._pending_events.append(opened.trigger.removeprefix("event:"))

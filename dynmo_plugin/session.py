@@ -77,15 +77,18 @@ class TrainingSession:
         self._completed = self.start_iteration
         self._interval: list[tuple[float, float]] = []  # (loss, seconds) since the last log line
         self.signal_received = 0
-        self._signal_handlers: dict = {}   # the ones this session replaced, for release_signals
+        self._signal_handlers: dict = {}   # the ones this session replaced, for close
         if threading.current_thread() is threading.main_thread():
             self._signal_handlers = {sig: signal.signal(sig, self._on_signal)
                                      for sig in (signal.SIGINT, signal.SIGTERM)}
 
-    def release_signals(self) -> None:
-        """Give SIGINT/SIGTERM back to the handlers this session replaced: its own handler
-        holds the session (and so the model), which would otherwise outlive the run in a
-        process that trains again (scripts/gpu_check_worker.py runs scenario after scenario)."""
+    def close(self) -> None:
+        """On every way out of the run, as a process that trains again needs it
+        (scripts/gpu_check_worker.py runs scenario after scenario): a profiling window a
+        failed step left open ends (its hooks, CUDA profiler and collector pause), and
+        SIGINT/SIGTERM go back to the handlers this session replaced, as its own handler
+        holds the session and so the model."""
+        self.dynmo.finish(self._completed)
         for sig, handler in self._signal_handlers.items():
             signal.signal(sig, handler)
         self._signal_handlers = {}
@@ -263,6 +266,7 @@ class TrainingSession:
         """After the last iteration: a checkpoint repack's retirees leave and the leader
         releases them; outstanding releases end; the report is final."""
         from dynmo_plugin.releases import mark_retired
+        self.dynmo.finish(self._completed)
         if self.stop_after is not None:
             record, result = self._checkpoint_result
             if self.trainer.dims.rank in result.ranks_released:

@@ -77,7 +77,7 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
         return session.report.to_dict()
     finally:
         if session is not None:
-            session.release_signals()
+            session.close()
         destroy_parallel()
 
 

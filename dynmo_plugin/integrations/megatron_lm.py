@@ -272,6 +272,7 @@ class _Run:
                                   time.perf_counter() - self._start)
 
     def finish(self) -> None:
+        self.controller.finish(self.iteration)
         self.report.layout = str(self.stage.layout)
         self.report.close()
         self.writers.flush()

@@ -244,9 +244,13 @@ def _check_resume_after_the_move(tmp: Path, ckpt: Path, losses: list) -> None:
     has no CUDA RNG tracker states to restore; no random numbers are drawn after start-up.)"""
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     resume = ["--dynmo", "--load", str(ckpt), "--no-load-rng"]
-    same, same_losses = train_in_megatron_lm(tmp / "resumed_pp2", resume)
+    # a 2-iteration window opened at 6, the last: train()'s end cancels it (DynMo.finish)
+    same, same_losses = train_in_megatron_lm(tmp / "resumed_pp2", [*resume, "--dynmo-profile-every", "3",
+                                                                   "--dynmo-profile-window", "2"])
     assert (same["initial_layout"], same["layout"]) == ("Et|tttL", "Et|tttL")
     assert same_losses == losses[4:]
+    assert [(e["window"], e.get("cancelled")) for e in same["events"]] == [
+        ([6, 6], "the run ended inside the window")]
     other, other_losses = train_in_megatron_lm(tmp / "resumed_pp1", [*resume, "--pipeline-model-parallel-size", "1"],
                                ranks=1)
     assert other["initial_layout"] == "EttttL" and other_losses == losses[4:]
