@@ -76,7 +76,8 @@ WARMUP = 2
 MIN_CORES = 0.1
 EXTRA_FORWARD_SHARE = 1.0 / 3.0
 GLOO_LATENCY_S = 1e-4
-FIXED_POINT_ROUNDS = 8
+BISECTION_TOLERANCE = 1e-6
+"""Relative width at which `_shared_s` stops: ~25 rounds from a 10x bracket."""
 
 
 @dataclass(frozen=True)
@@ -334,12 +335,23 @@ def replay_report(report: dict, run_dir: str = "", cores: float | None = None,
 def _shared_s(pc: PipelineCosts, cores: float, threads_s: float) -> float:
     """Seconds per iteration T on `cores` shared cores while the ranks' other threads use
     `threads_s` CPU seconds per iteration: they take threads_s / T cores, as another
-    process's load does (`_cores_left`). T from a few fixed-point rounds: each shrinks
-    the error by about threads_s / (the ranks' own work), a tenth here."""
-    t = shared_iteration_s(pc, cores)
-    for _ in range(FIXED_POINT_ROUNDS if threads_s > 0 else 0):
-        t = shared_iteration_s(pc, max(cores - threads_s / t, MIN_CORES))
-    return t
+    process's load does (`_cores_left`), so T = f(max(cores - threads_s / T, MIN_CORES))
+    with f = shared_iteration_s. f falls as cores grow, so T - f(...) rises with T: one
+    root, bracketed by f(cores) (the threads take nothing) and f(MIN_CORES) (they take
+    all), found by bisection. (A fixed-point iteration of T = f(...) oscillates once the
+    threads' CPU nears the ranks' own: 1 core, 96 ms of work and 96 ms of threads gave
+    107 ms where 192 ms is the answer.)"""
+    low = shared_iteration_s(pc, cores)
+    if threads_s <= 0 or low <= 0:
+        return low
+    high = shared_iteration_s(pc, MIN_CORES)
+    while high - low > BISECTION_TOLERANCE * low:
+        mid = (low + high) / 2
+        if mid < shared_iteration_s(pc, max(cores - threads_s / mid, MIN_CORES)):
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
 
 
 def _cores_left(cores: float | None, foreign: Mapping[int, float] | None, iteration: int) -> float | None:

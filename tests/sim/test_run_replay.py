@@ -154,6 +154,11 @@ def test_the_ranks_other_threads_take_cores_from_them():
     assert [s.predicted_s for s in one.segments] == pytest.approx([112 * MS, 80 * MS, 80 * MS], rel=1e-4)
     assert replay_report(report, cores=2.0).segments[2].predicted_s == pytest.approx(40 * MS, rel=1e-4)
     assert [s.dedicated_s for s in one.segments] == [s.dedicated_s for s in replay_report(_report(), cores=1.0).segments]
+    # threads as heavy as the ranks' own work (48 ms a rank, 96 ms in all, on the 96 ms
+    # segment): 96 / (1 - 96 / T) = T at T = 192 ms, where a fixed-point iteration oscillated
+    for stage in report["events"][1]["profile"]["stages"]:
+        stage["threads_s"] = 48 * MS
+    assert replay_report(report, cores=1.0).segments[0].predicted_s == pytest.approx(192 * MS, rel=1e-4)
 
 
 def test_replicas_split_the_cores():
