@@ -116,7 +116,8 @@ class StageProfile:
     rest_gpu_s: float = 0.0  # per iteration: the kernels launched there (CUDA only)
     # per iteration: CPU seconds of the rank's other threads during the step (gloo's
     # transport, a pin-memory thread): on a CPU the ranks share, cores the ranks do not get
-    # (sim.run_replay); not in predicted_s (another core's work)
+    # (sim.run_replay); not in predicted_s (another core's work). CPU runs only: 0 on CUDA,
+    # where autograd's device thread runs the backward's launches (the stage's own time)
     threads_s: float = 0.0
     # per iteration: (layers + extras + host waits) x micro-batches + step + rest (the
     # GPU's, rest_gpu_s, where the GPU bounds the stage: "gpu_kernels")

@@ -94,18 +94,21 @@ def test_the_rest_of_the_step_is_measured_and_predicted():
                                   micro_batch_size=2, global_batch_size=4))
 
 
-def _threads_window(trainer, burn: float) -> StageProfile:
+def _threads_window(trainer, burn: float, step_done: bool = True, clock=None) -> StageProfile:
     """A window whose every step runs beside another thread of the rank burning `burn`
-    CPU seconds (as gloo's transport thread works beside a step)."""
+    CPU seconds (as gloo's transport thread works beside a step); without `step_done`
+    the loop calls only after_iteration() (Megatron-LM's, and any loop's that does not
+    call DynMo.step_done)."""
     from dynmo_plugin.megatron.profiling.profiler import ProfileWindow
-    window = ProfileWindow(trainer, outside_s=[0.5])
+    window = ProfileWindow(trainer, clock=clock, outside_s=[0.5])
     for it in (2, 3, 4):
         window.before_iteration()
         worker = threading.Thread(target=_burn, args=(burn,))
         worker.start()
         trainer.train_step(it)
         worker.join()
-        window.step_done()
+        if step_done:
+            window.step_done()
         window.after_iteration()
     (stage,) = window.close().stages
     return stage
@@ -119,6 +122,11 @@ def _check_other_threads_are_measured(args):
     assert busy.threads_s - plain.threads_s == pytest.approx(BURN_S, abs=0.3 * BURN_S), (plain, busy)
     # another core's work: not the stage's time (the shared-core replay counts it)
     assert busy.predicted_s - busy.rest_s == pytest.approx(plain.predicted_s - plain.rest_s, rel=0.5)
+    # taken at after_iteration() when the loop gives no step_done()
+    unended = _threads_window(trainer, BURN_S, step_done=False)
+    assert unended.threads_s - plain.threads_s == pytest.approx(BURN_S, abs=0.3 * BURN_S), (plain, unended)
+    # not on CUDA (a stand-in device here): autograd's device thread is the stage's own work
+    assert _threads_window(trainer, BURN_S, clock=CudaEventClock(cuda=RecordingCudaStandIn())).threads_s == 0
 
 
 def test_the_ranks_other_threads_cpu_is_measured_beside_the_step():

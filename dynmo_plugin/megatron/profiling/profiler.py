@@ -245,7 +245,8 @@ class ProfileWindow:
         launches in it outside every span (loss, zeroing and clipping the gradients, the
         optimizer's copies around its step) are the rest of the step on the GPU."""
         self._started = self.clock.now()
-        self._cpu_started = (time.process_time(), time.thread_time())
+        if not isinstance(self.clock, CudaEventClock):  # `_take_threads`: CPU runs only
+            self._cpu_started = (time.process_time(), time.thread_time())
         self.busy.open("iteration", 0)
 
     def step_done(self) -> None:
@@ -258,7 +259,9 @@ class ProfileWindow:
 
     def _take_threads(self) -> None:
         """The CPU the rank's other threads used during the step: the process's CPU time
-        less the training thread's."""
+        less the training thread's. CPU runs only (0 on CUDA): there autograd's device
+        thread runs the backward's host work, the launches, which is the stage's own
+        time, not another core's load, and cores are not what the ranks share."""
         if self._cpu_started is not None:
             process, thread = self._cpu_started
             self._threads.append(max(0.0, (time.process_time() - process) - (time.thread_time() - thread)))
