@@ -7,6 +7,7 @@ in the smaller world (`rebind`).
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -81,14 +82,19 @@ class TrainingSession:
         if threading.current_thread() is threading.main_thread():
             self._signal_handlers = {sig: signal.signal(sig, self._on_signal)
                                      for sig in (signal.SIGINT, signal.SIGTERM)}
+        # last: a constructor that raised above leaves the collector as it found it
+        self._manual_gc = _ManualCollection(args.manual_gc_interval) if args.manual_gc else None
 
     def close(self) -> None:
         """On every way out of the run, as a process that trains again needs it
         (scripts/gpu_check_worker.py runs scenario after scenario): a profiling window a
-        failed step left open ends (its hooks, CUDA profiler and collector pause), and
-        SIGINT/SIGTERM go back to the handlers this session replaced, as its own handler
-        holds the session and so the model."""
+        failed step left open ends (its hooks, CUDA profiler and collector pause), the
+        collector --manual-gc turned off is back on, and SIGINT/SIGTERM go back to the
+        handlers this session replaced, as its own handler holds the session and so the
+        model."""
         self.dynmo.finish(self._completed)
+        if self._manual_gc is not None:
+            self._manual_gc.release()
         for sig, handler in self._signal_handlers.items():
             signal.signal(sig, handler)
         self._signal_handlers = {}
@@ -313,11 +319,13 @@ class TrainingSession:
                     self.dynmo.notify_event(event.name, event.work)
         scenario_end = time.perf_counter()
         self.dynmo.after_step(iteration)
+        collected_s = self._manual_gc.after_step(iteration) if self._manual_gc is not None else 0.0
         elapsed = time.perf_counter() - start
         # dynmo_s: the controller's own time (windows, decisions, migration); scenario_s:
-        # the dynamism scheme's own work (pruning rounds, freezing checks), paid by static too
+        # the dynamism scheme's own work (pruning rounds, freezing checks), paid by static
+        # too; a --manual-gc collection is neither (the iteration's, as in Megatron-LM)
         self.report.add_iteration(iteration, loss, elapsed,
-                                  dynmo_s=elapsed - (scenario_end - step_start),
+                                  dynmo_s=elapsed - (scenario_end - step_start) - collected_s,
                                   scenario_s=scenario_end - step_end)
         self._interval.append((loss, elapsed))
         args = self.cfg.model
@@ -329,6 +337,33 @@ class TrainingSession:
         self._check_signal(iteration)
         if self.stop_after is not None:
             raise StopTraining(f"checkpoint repack after iteration {iteration}")
+
+
+class _ManualCollection:
+    """--manual-gc, as Megatron-LM's train(): the cyclic collector off for the run, one
+    collection now and then one every `interval` iterations (0: none) between steps, so
+    every rank collects at the same iteration rather than where its own allocations
+    decide (a generation-2 collection took 190-260 ms of CPU in grow_check's ranks:
+    dynmo_plugin/profiling/collector.py). Profiling windows find it off and leave it off."""
+
+    def __init__(self, interval: int):
+        self.interval, self._resume = interval, gc.isenabled()
+        gc.disable()
+        gc.collect()
+
+    def after_step(self, iteration: int) -> float:
+        """Collect if this iteration is due; the seconds it took."""
+        if not (self.interval and iteration % self.interval == 0):
+            return 0.0
+        start = time.perf_counter()
+        gc.collect()
+        return time.perf_counter() - start
+
+    def release(self) -> None:
+        """The collector back as the run found it (idempotent)."""
+        if self._resume:
+            self._resume = False
+            gc.enable()
 
 
 def _clock(seconds: float) -> str:

@@ -39,6 +39,7 @@ def check_run(cfg: RunConfig, given: dict[str, str], where: str, world_size: Opt
     """
     check_shape(cfg.model, where, world_size)
     _check_precision(cfg, given)
+    _check_manual_gc(cfg.model, given)
     _check_forced_layouts(cfg, where)
     _check_mtp_repack(cfg, where)
     _check_dynamism(cfg, given)
@@ -278,6 +279,14 @@ def _check_precision(cfg: RunConfig, given: dict[str, str]) -> None:
     if m.loss_scale is not None and not m.fp16:
         raise ConfigError(f"{given.get('model.loss_scale', 'command line')}: --loss-scale "
                           f"{m.loss_scale} needs --fp16 (bf16 and fp32 train unscaled)")
+
+
+def _check_manual_gc(m: ModelArgs, given: dict[str, str]) -> None:
+    """A collection interval only where the run, not the allocations, collects."""
+    if m.manual_gc_interval and not m.manual_gc:
+        raise ConfigError(f"{given.get('model.manual_gc_interval', 'command line')}: "
+                          f"--manual-gc-interval {m.manual_gc_interval} does nothing without "
+                          "--manual-gc (Megatron-LM ignores it there too): add --manual-gc")
 
 
 def _check_data(cfg: RunConfig, given: dict[str, str]) -> None:

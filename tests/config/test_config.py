@@ -82,6 +82,14 @@ def test_repack_and_cluster_sections(tmp_path):
     assert (cl.strategy, cl.namespace, cl.retries, cl.fallback) == ("statefulset-scale", "ml", 2, "none")
 
 
+def test_manual_gc_interval_needs_manual_gc():
+    with pytest.raises(ConfigError, match="--manual-gc-interval 5 does nothing without --manual-gc"):
+        _parse(["--manual-gc-interval", "5"])
+    m = _parse(["--manual-gc", "--manual-gc-interval", "5"]).model
+    assert (m.manual_gc, m.manual_gc_interval) == (True, 5)
+    assert not _parse([]).model.manual_gc
+
+
 def test_world_shape_checked():
     with pytest.raises(ConfigError, match="not a multiple of TP"):
         _parse(["--pipeline-model-parallel-size", "3"], world_size=4)
