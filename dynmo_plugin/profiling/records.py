@@ -135,6 +135,9 @@ class StageProfile:
 
 # StageProfile's labels and the number each describes (`PipelineProfile.elementwise_max`)
 _LABELLED_BY = {"clock": "predicted_s", "cost_source": "predicted_s", "peak_source": "peak_bytes"}
+# loads that add over the ranks rather than pace them: a replica fold keeps their mean, so
+# that the mean x the ranks is the machine's total (sim.run_replay's cores taken)
+_MEAN_OVER_REPLICAS = ("threads_s",)
 
 
 def stage_prediction(record: StageProfile, layers: list[LayerProfile], m: int) -> float:
@@ -206,7 +209,8 @@ class PipelineProfile:
         slowest sets the pace. A label goes with the number it describes (`_LABELLED_BY`):
         the clock and the cost source with the slowest replica's stage prediction, the
         peak's source with the largest peak, so that e.g. `counted_rest_s` reads the rest
-        of the regime the prediction came from."""
+        of the regime the prediction came from. The rank's other threads' CPU
+        (`threads_s`) is a load the ranks add up, not a pace: its mean."""
         def fold(items):
             out = {}
             for f in fields(items[0]):
@@ -214,6 +218,8 @@ class PipelineProfile:
                 if f.name in _LABELLED_BY:
                     by = [getattr(x, _LABELLED_BY[f.name]) for x in items]
                     out[f.name] = values[by.index(max(by))]
+                elif f.name in _MEAN_OVER_REPLICAS:
+                    out[f.name] = sum(values) / len(values)
                 elif isinstance(values[0], (int, float)) and f.name not in ("layer", "stage"):
                     out[f.name] = max(values)
                 else:

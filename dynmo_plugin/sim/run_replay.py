@@ -29,7 +29,8 @@ it should have cost and sets that beside what it measured. From the report:
   CPU runs this checks most of it is the schedule's work per micro-batch, and it
   stays with the rank, not with the layers;
 * the CPU of each rank's other threads (`threads_s`: gloo's transport beside the step),
-  the mean over the profiled stages: on shared cores they take threads_s x ranks / T
+  the mean over the profiled stages, each the mean of its replicas
+  (`PipelineProfile.elementwise_max`): on shared cores they take threads_s x ranks / T
   of them (`_shared_s`), as another process's load does; a device per rank is not
   slowed by them. Not serial work on a stage, which would lengthen the path the last
   stage paces before a grow: cores taken slow the ranks only where they compete for

@@ -28,3 +28,12 @@ def test_a_label_goes_with_the_number_it_describes_whatever_the_replica_order():
         assert (stage.cost_source, stage.clock) == ("host_cpu", "clock of host_cpu")
         assert (stage.predicted_s, stage.peak_bytes, stage.peak_source) == (12.0, 700, "measured")
         assert stage.counted_rest_s == 4.0  # the host's rest (the larger of the two replicas')
+
+
+def test_the_other_threads_cpu_is_averaged_over_replicas_not_maxed():
+    """`threads_s` takes cores from every rank (sim.run_replay: mean x ranks): two DP
+    replicas' 10 and 30 ms fold to 20 ms, where the max would count 60 ms for 40."""
+    a, b = (_replica("host_cpu", 1.0, 0, "measured", 0.0, 0.0) for _ in range(2))
+    a.stages[0].threads_s, b.stages[0].threads_s = 0.010, 0.030
+    [stage] = PipelineProfile.elementwise_max([a, b]).stages
+    assert stage.threads_s == 0.020
