@@ -41,6 +41,7 @@ from dynmo_plugin.balancing.repack import IterationModel
 from dynmo_plugin.balancing.profile_problem import memory_calibration, problem_from_profile
 from dynmo_plugin.config import DynmoConfig
 from dynmo_plugin.consensus import ControlPlane, DecisionFailed
+from dynmo_plugin.decision_lines import describe, explain, repack_considered_record
 from dynmo_plugin.events import Decision, ProfileEvent, RebalanceEvent
 from dynmo_plugin.layout import Layout, LayoutError
 from dynmo_plugin.profiling.records import PipelineProfile
@@ -210,9 +211,17 @@ class DynMo:
         dropped and recorded as cancelled. That ends its hooks, its CUDA profiler and its
         collector pause with the run, not after it: Megatron-LM evaluates and saves after
         train(), and scripts/gpu_check_worker.py trains again in the same process.
-        Local, no collective; idempotent."""
-        if self._open is not None:
-            self._cancel_window(last_iteration, last_iteration, "the run ended inside the window")
+        `last_iteration`: the last one completed; a window opened after it (at an
+        iteration whose step never ran or never ended) measured nothing and is dropped
+        unrecorded. Local, no collective; idempotent."""
+        if self._open is None:
+            return
+        if self._open.opened_at > last_iteration:
+            opened, self._open = self._open, None
+            opened.window.cancel()
+            self._requeue(opened)
+            return
+        self._cancel_window(last_iteration, last_iteration, "the run ended inside the window")
 
     def _cancel_window(self, at: int, last: int, why: str) -> None:
         """Drop an open window without gathering, at iteration `at`: what it measured is
@@ -221,6 +230,10 @@ class DynMo:
         opened.window.cancel()
         self._record(ProfileEvent(at, opened.trigger, [opened.opened_at, last],
                                   str(self.trainer.layout), {"profiling": 0.0}, cancelled=why))
+        self._requeue(opened)
+
+    def _requeue(self, opened: _OpenWindow) -> None:
+        """An event trigger a dropped window carried waits for the next window."""
         if opened.rebalance and opened.trigger.startswith("event:"):
             self._pending_events.append(opened.trigger.removeprefix("event:"))
 
@@ -322,7 +335,7 @@ class DynMo:
                                measured_iter_s_before=self._measured_before(),
                                memory=decision.memory)
         if decision.repack is not None and not (decision.repack.apply and decision.apply):
-            event.repack_considered = _repack_considered(decision.repack, decision.apply)
+            event.repack_considered = repack_considered_record(decision.repack, decision.apply)
         if decision.repack is not None and decision.repack.apply and decision.apply:
             r = decision.repack
             info = {"method": r.method, "predicted_iter_s_before": r.predicted_iter_s_before,
@@ -455,7 +468,7 @@ class DynMo:
             self.report.layout = str(self.trainer.layout)
             self.report.add_event(event)
         logger.info("dynmo: iteration %d %s [%s]%s", event.iteration, event.kind, event.trigger,
-                    _describe(event))
+                    describe(event))
 
 
 _GROW_PACKED = ("cannot grow data parallelism with packed documents (--data): their stream "
@@ -516,77 +529,6 @@ def _memory_hint(reason: str, memory: Optional[dict]) -> str:
             and reason.startswith(("no feasible plan", "already balanced")):
         return reason + " (each stage's cap less its measured memory overhead: see the event's memory)"
     return reason
-
-
-# What the user changes to get another verdict: a reason's words -> the flags that move it.
-_REASON_FLAGS = (("noise floor", "--dynmo-min-gain"),
-                 ("does not pay", "--dynmo-gate-margin, --dynmo-event-gap"),
-                 ("no feasible plan", "--dynmo-memory-cap-gb, --dynmo-allow-empty-stages"),
-                 ("above its cap", "--dynmo-memory-cap-gb"),
-                 ("balancer failed", "--dynmo-balancer"),
-                 ("too slow", "--dynmo-repack-max-slowdown"),
-                 ("min_stages", "--dynmo-repack-min-stages"),
-                 ("rebuild", "--dynmo-repack-rebuild-s, --dynmo-repack-memory-margin"))
-_NAMES = (("min_relative_gain", "--dynmo-min-gain"), ("max_slowdown", "--dynmo-repack-max-slowdown"),
-          ("min_stages", "--dynmo-repack-min-stages"), ("x margin", "x --dynmo-gate-margin"))
-
-
-def explain(reason: str) -> str:
-    """A decision's reason in the user's words: settings named by the flag that sets them
-    (`--dynmo-min-gain`, not the gate's `min_relative_gain`) and, for a refusal, which
-    flags change the verdict. Applied decisions ("pays: ...") keep their numbers only."""
-    if not reason or "(change:" in reason:
-        return reason
-    flags = [f for words, f in _REASON_FLAGS if words in reason]
-    for name, flag in _NAMES:
-        reason = reason.replace(name, flag)
-    return f"{reason} (change: {flags[0]})" if flags and not reason.startswith("pays") else reason
-
-
-def _repack_considered(plan, rebalance_applied: bool) -> dict:
-    """A repack the decision weighed and did not apply: what was weighed, and why not."""
-    why = plan.reason  # a refused plan's reason says why
-    if plan.apply and not rebalance_applied:
-        why = f"{plan.reason}; not applied: the rebalance it rides on was not"
-    return {"stages": plan.stages_before, "candidates": [c.stages for c in plan.candidates],
-            "predicted_iter_s_before": plan.predicted_iter_s_before,
-            "reason": explain(why)}
-
-
-def _predicted(plan) -> str:
-    if plan is None or plan.predicted_iter_s_before is None or plan.imbalance_before is None:
-        return ""
-    return (f"predicted {plan.predicted_iter_s_before:.4g} -> {plan.predicted_iter_s_after:.4g} "
-            f"s/iter, imbalance {plan.imbalance_before:.2f} -> {plan.imbalance_after:.2f}")
-
-
-def _describe(event) -> str:
-    """The console line's tail: what was considered, the numbers, what happened and why."""
-    if isinstance(event, ProfileEvent):
-        if event.cancelled:
-            return f": cancelled ({event.cancelled})"
-        p = event.plan
-        if p is None:
-            return f": {event.reason}" if event.reason else ""
-        loads = ", ".join(f"{x:.4g}" for x in p.stage_loads_before or [])
-        return (f": stage loads {loads} s; the exact split {event.layout} -> {p.layout} "
-                f"({_predicted(p)}); {event.reason}")
-    tail = ""
-    if event.repack_considered is not None:
-        tail = f"; repack from {event.repack_considered['stages']} stages considered: " \
-               f"{event.repack_considered['reason']}"
-    if event.applied:
-        moved = sum(m["bytes"] for m in event.moves) / 1e6
-        numbers = f"; {_predicted(event.plan)}" if _predicted(event.plan) else ""
-        return (f": {event.layout_before} -> {event.layout_after} "
-                f"({len(event.moves)} layers, {moved:.1f} MB){numbers}; {event.reason}{tail}")
-    considered = ""
-    if event.plan is not None and str(event.plan.layout) == event.layout_before:
-        considered = f" considered {event.plan.method}: {event.layout_before} is its best split;"
-    elif event.plan is not None and event.plan.layout is not None:
-        considered = (f" considered {event.plan.method} {event.layout_before} -> "
-                      f"{event.plan.layout} ({_predicted(event.plan)});")
-    return f":{considered} kept {event.layout_before}: {event.error or event.reason}{tail}"
 
 
 def _per_rank(stage_bytes: list, pp: int) -> list:

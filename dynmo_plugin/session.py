@@ -92,12 +92,14 @@ class TrainingSession:
         collector --manual-gc turned off is back on, and SIGINT/SIGTERM go back to the
         handlers this session replaced, as its own handler holds the session and so the
         model."""
-        self.dynmo.finish(self._completed)
-        if self._manual_gc is not None:
-            self._manual_gc.release()
-        for sig, handler in self._signal_handlers.items():
-            signal.signal(sig, handler)
-        self._signal_handlers = {}
+        try:
+            self.dynmo.finish(self._completed)
+        finally:
+            if self._manual_gc is not None:
+                self._manual_gc.release()
+            for sig, handler in self._signal_handlers.items():
+                signal.signal(sig, handler)
+            self._signal_handlers = {}
 
     def _on_signal(self, signum, frame) -> None:
         """Note it; the run stops at the end of the iteration (`_check_signal`). Repeats

@@ -66,6 +66,7 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
         except StopTraining:
             pass         # a checkpoint repack: every rank ends here, the job restarts smaller
         except Stopped as stop:  # SIGINT/SIGTERM: the report as it stands, then one line
+            session.close()  # a window the stop cut is in the report as cancelled
             session.report.layout = str(session.trainer.layout)
             session.report.write()
             raise SignalStop(stop.signum, stop.iteration, stop.checkpoint) from None
@@ -76,9 +77,11 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
             logger.info("report written to %s", session.report.path)
         return session.report.to_dict()
     finally:
-        if session is not None:
-            session.close()
-        destroy_parallel()
+        try:
+            if session is not None:
+                session.close()
+        finally:
+            destroy_parallel()
 
 
 class SignalStop(Exception):

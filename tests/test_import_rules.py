@@ -29,7 +29,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
                     "dynmo_plugin.config*", "dynmo_plugin.scenarios.*.cost", "dynmo_plugin.data*",
                     "dynmo_plugin.cluster*")),
     ("runtime", ("dynmo_plugin.megatron*", "dynmo_plugin.consensus", "dynmo_plugin.releases",
-                 "dynmo_plugin.events")),
+                 "dynmo_plugin.events", "dynmo_plugin.decision_lines")),
     ("scenario parts", ("dynmo_plugin.scenarios.*.live", "dynmo_plugin.scenarios.*.layer",
                         "dynmo_plugin.scenarios.*")),
     ("run", ("dynmo_plugin.controller", "dynmo_plugin.session", "dynmo_plugin.assembly",

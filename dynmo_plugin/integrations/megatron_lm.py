@@ -188,6 +188,7 @@ class _Run:
         self.stage = MegatronLMStage(chunks, optimizer, scheduler, args)
         self.writers = Writers()
         self.iteration, self.restart = args.iteration, None
+        self._completed = args.iteration  # the last step that ended (a resumed run: the loaded one)
         new_report = functools.partial(
             WritersReport, path=os.path.join(args.dynmo_output, "report.json"),
             config={"dynmo": dataclasses.asdict(cfg.dynmo), "megatron_lm": _run_settings(args)},
@@ -259,6 +260,7 @@ class _Run:
     def after_step(self, iteration: int, result) -> None:
         """As the launcher's step: the scenario's event (reported, and the controller
         told: it profiles and rebalances), then the controller's own step end."""
+        self._completed = iteration
         self.controller.step_done()
         event = self.scenario.after_step(iteration) if self.scenario is not None else None
         if event is not None:
@@ -272,10 +274,12 @@ class _Run:
                                   time.perf_counter() - self._start)
 
     def finish(self) -> None:
-        self.controller.finish(self.iteration)
-        self.report.layout = str(self.stage.layout)
-        self.report.close()
-        self.writers.flush()
+        try:
+            self.controller.finish(self._completed)
+        finally:
+            self.report.layout = str(self.stage.layout)
+            self.report.close()
+            self.writers.flush()
         if self.restart is not None:  # the line a torchrun / StatefulSet / Job restart follows
             from megatron.training.utils import print_rank_0
             print_rank_0(f" dynmo: checkpoint repack after iteration {self.iteration}; restart with: "
