@@ -128,6 +128,31 @@ def mtt():
     ml.disable()
 
 
+class _FinishedWandb:
+    """A stand-in, named as such, for Megatron-LM's W&B writer (the wandb module) after its
+    exit path ran wandb.finish(): `run` is None and log() raises, as wandb's pre-init stub
+    does (wandb is not installed here)."""
+    run = None
+
+    def log(self, *args, **kwargs):
+        raise RuntimeError("You must call wandb.init() before wandb.log()")
+
+
+@needs_source
+def test_an_event_after_megatron_lms_exit_path_finished_wandb_is_not_logged_there(mtt, capsys):
+    """Megatron-LM's train() calls wandb.finish() then sys.exit() when an exit condition
+    holds (--exit-interval, --exit-signal-handler, a checkpoint repack); the wrapper's
+    finally then ends a window still open (DynMo.finish), whose cancelled event reaches
+    the writers: it must not replace the exit with wandb's error."""
+    from dynmo_plugin.integrations.megatron_lm_writers import Writers
+    writers = Writers()
+    writers.wandb = _FinishedWandb()
+    writers.event({"iteration": 6, "kind": "profile", "trigger": "profile_interval", "window": [6, 6],
+                   "layout": "Et|tttL", "overhead_s": {"profiling": 0.0}, "profile": None,
+                   "cancelled": "the run ended inside the window"})
+    assert "dynmo: iteration 6 profile [profile_interval] layout Et|tttL" in capsys.readouterr().out
+
+
 @needs_source
 def test_enable_wraps_and_disable_restores(mtt):
     names = ("initialize_megatron", "setup_model_and_optimizer",
