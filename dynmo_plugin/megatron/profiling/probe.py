@@ -51,6 +51,7 @@ class SavedBytes:
         self._seen: set[int] = set()
         self.nbytes = 0
         self._ctx = None
+        self.active = False  # entered, not yet exited: its hooks are on torch's stack
 
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
@@ -63,10 +64,13 @@ class SavedBytes:
     def __enter__(self):
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._ctx.__enter__()
+        self.active = True
         return self
 
     def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
+        if self.active:
+            self.active = False
+            self._ctx.__exit__(*exc)
 
 
 class _Spans:
@@ -143,6 +147,11 @@ class StageProbe:
             self._hook_layer(self._empty)
 
     def detach(self) -> None:
+        """Remove the hooks; a forward that raised (its post-hook never ran) left its
+        saved-tensor hooks on torch's stack, which would count every later tensor saved
+        in the process: popped here, last entered first."""
+        for saved in reversed([*self._saved.values(), *self._mtp_saved.values()]):
+            saved.__exit__(None, None, None)
         for h in self._handles:
             h.remove()
         self._handles.clear()
