@@ -101,15 +101,18 @@ class StageCosts:
     profiled_step_s: float = float("nan")  # measured step of the profiled iterations
 
 
-def profile_windows(report: dict) -> list[tuple[int, int]]:
-    return [tuple(e["window"]) for e in report.get("events", []) if e.get("kind") == "profile"]
+def profile_windows(report: dict, measured_only: bool = False) -> list[tuple[int, int]]:
+    """Every profiling window's iterations; `measured_only`: those of windows that gave a
+    profile (not the cancelled ones)."""
+    return [tuple(e["window"]) for e in report.get("events", [])
+            if e.get("kind") == "profile" and (e.get("profile") or not measured_only)]
 
 
 def measured_steps(report: dict, warmup: int) -> list[float]:
     """Training-step seconds (time_s - dynmo_s) of iterations after warm-up and outside
-    every profiling window. The iteration a window would open at (and the ones after it
-    that the run ended before closing) are profiled too but have no event: drop every
-    iteration from the first multiple of `every` past the last closed window."""
+    every profiling window, a cancelled one included (a window the run ended inside is one
+    since DynMo.finish; older reports have no event for it: every iteration from the
+    first multiple of `every` past the last window is dropped too)."""
     windows = profile_windows(report)
     every = report.get("config", {}).get("dynmo", {}).get("profiling", {}).get("every", 0)
     last = max((r["iteration"] for r in report["iterations"]), default=0)
@@ -128,7 +131,8 @@ def measured_steps(report: dict, warmup: int) -> list[float]:
 def profiled_step_s(report: dict, warmup: int) -> float:
     """Median training-step seconds of the profiled iterations after warm-up (the ones
     whose compute_s and wait_s the profile reports)."""
-    windows = [w for w in profile_windows(report) if w[0] > warmup] or profile_windows(report)
+    measured = profile_windows(report, measured_only=True)
+    windows = [w for w in measured if w[0] > warmup] or measured
     steps = [r["time_s"] - r.get("dynmo_s", 0.0) for r in report["iterations"]
              if any(lo <= r["iteration"] <= hi for lo, hi in windows)]
     return float(statistics.median(steps)) if steps else float("nan")
@@ -136,7 +140,7 @@ def profiled_step_s(report: dict, warmup: int) -> float:
 
 def stage_costs(report: dict, pp: int, warmup: int) -> StageCosts:
     """Medians over the profile events after warm-up (all events if none is)."""
-    events = [e for e in report.get("events", []) if e.get("kind") == "profile"]
+    events = [e for e in report.get("events", []) if e.get("kind") == "profile" and e.get("profile")]
     late = [e for e in events if e["window"][0] > warmup] or events
     if not late:
         raise SystemExit("report.json has no profile events: was the launcher run with "

@@ -80,6 +80,19 @@ def test_measured_steps_skip_warmup_windows_and_unclosed_window(vs):
     assert steps == [2.5, 5.5, 6.5, 9.5, 10.5]
 
 
+def _ended_inside_a_window() -> dict:
+    """As a run since DynMo.finish: the window opened at 12 is recorded as cancelled."""
+    report = _report()
+    report["events"].append({"kind": "profile", "iteration": 13, "window": [12, 13], "profile": None,
+                             "cancelled": "the run ended inside the window"})
+    return report
+
+
+def test_a_window_the_run_ended_inside_is_not_measured_and_has_no_costs(vs):
+    assert vs.measured_steps(_ended_inside_a_window(), warmup=2) == [2.5, 5.5, 6.5, 9.5, 10.5]
+    assert vs.stage_costs(_ended_inside_a_window(), pp=2, warmup=2) == vs.stage_costs(_report(), pp=2, warmup=2)
+
+
 def test_stage_costs_split_extras_in_layer_ratio(vs):
     sc = vs.stage_costs(_report(), pp=2, warmup=2)
     assert sc.num_microbatches == 8 and sc.profile_events == 2
