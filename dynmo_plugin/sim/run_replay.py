@@ -317,7 +317,8 @@ def replay_report(report: dict, run_dir: str = "", cores: float | None = None,
         dedicated = simulate_iteration(pc).iteration_s
         lefts = [_cores_left(cores, foreign_cores, it) for it, _ in counted or group]
         threads = costs.threads_s * pp * dp
-        predicted = statistics.median(dedicated if c is None else _shared_s(pc, c, threads) for c in lefts)
+        on = {c: _shared_s(pc, c, threads) for c in set(lefts) if c is not None}  # ~25 simulations each
+        predicted = statistics.median(dedicated if c is None else on[c] for c in lefts)
         measured = statistics.median(s for _, s in counted) if counted else None
         left = None if cores is None else statistics.fmean(lefts)  # type: ignore[arg-type]
         segments.append(Segment(group[0][0], group[-1][0], left, layout_text, pp, dp, m, frozen_set,
@@ -343,9 +344,9 @@ def _shared_s(pc: PipelineCosts, cores: float, threads_s: float) -> float:
     threads' CPU nears the ranks' own: 1 core, 96 ms of work and 96 ms of threads gave
     107 ms where 192 ms is the answer.)"""
     low = shared_iteration_s(pc, cores)
-    if threads_s <= 0 or low <= 0:
-        return low
     high = shared_iteration_s(pc, MIN_CORES)
+    if threads_s <= 0 or low <= 0 or high <= low:  # no threads, no work, or cores <= MIN_CORES
+        return low
     while high - low > BISECTION_TOLERANCE * low:
         mid = (low + high) / 2
         if mid < shared_iteration_s(pc, max(cores - threads_s / mid, MIN_CORES)):

@@ -16,7 +16,7 @@ import pytest
 from dynmo_plugin.cli import main as dynmo
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.sim import PipelineCosts
-from dynmo_plugin.sim.run_replay import replay_report, replay_run
+from dynmo_plugin.sim.run_replay import MIN_CORES, _shared_s, replay_report, replay_run
 from dynmo_plugin.sim.shared import shared_iteration_s, simulate_shared
 
 MS = 1e-3
@@ -159,6 +159,14 @@ def test_the_ranks_other_threads_take_cores_from_them():
     for stage in report["events"][1]["profile"]["stages"]:
         stage["threads_s"] = 48 * MS
     assert replay_report(report, cores=1.0).segments[0].predicted_s == pytest.approx(192 * MS, rel=1e-4)
+
+
+def test_threads_never_make_fewer_cores_than_the_floor_faster():
+    """Below MIN_CORES the threads cannot take cores (the floor would give more): the
+    prediction is the cores' own, never faster."""
+    costs = PipelineCosts(fwd_s=[0.002, 0.003], bwd_s=[0.004, 0.005], num_microbatches=4)
+    few = MIN_CORES / 2
+    assert _shared_s(costs, few, threads_s=0.05) == shared_iteration_s(costs, few)
 
 
 def test_replicas_split_the_cores():
