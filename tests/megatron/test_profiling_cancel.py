@@ -16,6 +16,7 @@ from launch import in_megatron_process
 from test_profiling_rest import _one_rank_trainer
 
 from dynmo_plugin.config import ModelArgs
+from dynmo_plugin.megatron.profiling.probe import SavedBytes
 
 
 class _ForwardFails(Exception):
@@ -56,3 +57,49 @@ def test_a_window_cancelled_after_a_failed_forward_leaves_no_saved_tensor_hooks(
     in_megatron_process(_check_a_failed_forward_leaves_no_hooks,
                         ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                                   micro_batch_size=1, global_batch_size=2))
+
+
+class _RecomputeFails(torch.nn.Module):
+    """A layer under activation checkpointing (Megatron-LM's --recompute-granularity full
+    re-runs each layer inside backward) whose pre-hook's SavedBytes is entered in every
+    forward and whose recomputed forward raises (test-only fault; an out-of-memory in
+    recompute is the real case) before the exit."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.entered, self.calls = torch.nn.Linear(4, 4), [], 0
+
+    def forward(self, x):
+        saved = SavedBytes(set()).__enter__()
+        self.entered.append(saved)
+        self.calls += 1
+        if self.calls == 2:
+            raise _ForwardFails("test-only: the recomputed forward raises")
+        out = self.linear(x).relu()
+        saved.__exit__(None, None, None)
+        return out
+
+
+def test_a_saved_bytes_left_open_inside_a_backward_pops_nothing_at_abandon():
+    """Torch drops the hooks a backward node pushed when the node ends: abandoning that
+    SavedBytes must not pop the main thread's stack (empty: torch's internal assert; a
+    user's hook on it: taken away), while one left open in a plain forward is popped."""
+    layer = _RecomputeFails()
+    x = torch.ones(2, 4, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # the user's
+        out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True)
+        try:
+            out.sum().backward()
+            raise AssertionError("the recompute did not raise")
+        except _ForwardFails:
+            pass
+        inside = layer.entered[-1]
+        assert inside.active and inside.in_backward
+        inside.abandon()
+        assert _saved_tensor_hooks_on_the_stack()  # the user's hook is still there
+        assert not inside.active
+    assert not _saved_tensor_hooks_on_the_stack()
+    plain = SavedBytes(set()).__enter__()
+    assert not plain.in_backward
+    plain.abandon()
+    assert not _saved_tensor_hooks_on_the_stack() and not plain.active

@@ -64,8 +64,19 @@ class SavedBytes:
     def __enter__(self):
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._ctx.__enter__()
+        # entered inside a backward (a forward recomputed by activation checkpointing):
+        # torch keeps that stack per graph task and drops it when the node ends
+        self.in_backward = torch._C._current_graph_task_id() != -1
         self.active = True
         return self
+
+    def abandon(self) -> None:
+        """Its forward raised before the exit: pop its hooks from the stack they are still
+        on (the main thread's; one left inside a backward went with its graph task, and
+        a pop there would take another's hook, or assert on an empty stack)."""
+        if self.active and self.in_backward:
+            self.active = False
+        self.__exit__(None, None, None)
 
     def __exit__(self, *exc):
         if self.active:
@@ -149,12 +160,12 @@ class StageProbe:
     def detach(self) -> None:
         """Remove the hooks; a forward that raised (its post-hook never ran) left its
         saved-tensor hooks on torch's stack, which would count every later tensor saved
-        in the process: popped here, last entered first."""
-        for saved in reversed([*self._saved.values(), *self._mtp_saved.values()]):
-            saved.__exit__(None, None, None)
+        in the process: popped here (`SavedBytes.abandon`), last entered first."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for saved in reversed([*self._saved.values(), *self._mtp_saved.values()]):
+            saved.abandon()
 
     def _reset_iteration(self) -> None:
         self._spans: dict[str, _Spans] = defaultdict(_Spans)

@@ -126,12 +126,12 @@ class _ExtraActivations:
             self._open = None
 
     def detach(self) -> None:
-        if self._open is not None:  # cancelled inside a forward
-            self._open.__exit__(None, None, None)
-            self._open = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._open is not None:  # cancelled inside a forward
+            self._open.abandon()
+            self._open = None
 
 
 class _DevicePeak:
@@ -317,16 +317,19 @@ class ProfileWindow:
         return gather_profile(local, groups.pp, groups.dp, groups.tp)
 
     def cancel(self) -> None:
-        """Detach hooks and restore the timers without summarising (local, no collective)."""
-        for probe, extra_act in zip(self.probes, self.extra_acts):
-            probe.detach()
-            extra_act.detach()
-        if self._peak is not None:
-            self._peak.close()
-        self._step.close()
-        self.busy.stop()  # no-op after close()'s; a cancelled window's kernels are dropped
-        self.trainer.config.timers = self._saved_timers
-        self._collector.release()
+        """Detach hooks and restore the timers without summarising (local, no collective).
+        The timers and the collector come back whatever a detach raises."""
+        try:
+            for probe, extra_act in zip(self.probes, self.extra_acts):
+                probe.detach()
+                extra_act.detach()
+            if self._peak is not None:
+                self._peak.close()
+            self._step.close()
+            self.busy.stop()  # no-op after close()'s; a cancelled window's kernels are dropped
+        finally:
+            self.trainer.config.timers = self._saved_timers
+            self._collector.release()
 
     # ---- summary ------------------------------------------------------------------------
     def _local_profile(self) -> PipelineProfile:
