@@ -273,8 +273,13 @@ class TrainingSession:
     def finish(self) -> None:
         """After the last iteration: a checkpoint repack's retirees leave and the leader
         releases them; outstanding releases end; the report is final."""
+        try:
+            self.dynmo.finish(self._completed)
+        finally:
+            self._release_and_close()
+
+    def _release_and_close(self) -> None:
         from dynmo_plugin.releases import mark_retired
-        self.dynmo.finish(self._completed)
         if self.stop_after is not None:
             record, result = self._checkpoint_result
             if self.trainer.dims.rank in result.ranks_released:

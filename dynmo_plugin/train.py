@@ -66,9 +66,11 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
         except StopTraining:
             pass         # a checkpoint repack: every rank ends here, the job restarts smaller
         except Stopped as stop:  # SIGINT/SIGTERM: the report as it stands, then one line
-            session.close()  # a window the stop cut is in the report as cancelled
-            session.report.layout = str(session.trainer.layout)
-            session.report.write()
+            try:
+                session.close()  # a window the stop cut is in the report as cancelled
+            finally:
+                session.report.layout = str(session.trainer.layout)
+                session.report.write()
             raise SignalStop(stop.signum, stop.iteration, stop.checkpoint) from None
         session.finish()
         if on_finish is not None:

@@ -75,8 +75,10 @@ class Writers:
         if self.tensorboard is not None:
             for name, value in scalars.items():
                 self.tensorboard.add_scalar(name, value, it)
-        if self.wandb is not None and getattr(self.wandb, "run", None) is not None:
-            self.wandb.log(scalars, it)  # not after Megatron-LM's exit path ran wandb.finish()
+        # Megatron-LM's writer is the wandb module: its `run` is None once the exit path ran
+        # wandb.finish(), and log() raises then (a wandb.Run writer is its own run)
+        if self.wandb is not None and getattr(self.wandb, "run", self.wandb) is not None:
+            self.wandb.log(scalars, it)
         from megatron.training.utils import print_rank_last
         layout = record.get("layout_after") or record.get("layout")
         cause = record.get("trigger") or record.get("scenario")

@@ -344,8 +344,10 @@ def _shared_s(pc: PipelineCosts, cores: float, threads_s: float) -> float:
     threads' CPU nears the ranks' own: 1 core, 96 ms of work and 96 ms of threads gave
     107 ms where 192 ms is the answer.)"""
     low = shared_iteration_s(pc, cores)
+    if threads_s <= 0 or low <= 0:
+        return low
     high = shared_iteration_s(pc, MIN_CORES)
-    if threads_s <= 0 or low <= 0 or high <= low:  # no threads, no work, or cores <= MIN_CORES
+    if high <= low:  # cores <= MIN_CORES: the threads can take none
         return low
     while high - low > BISECTION_TOLERANCE * low:
         mid = (low + high) / 2

@@ -128,14 +128,18 @@ def mtt():
     ml.disable()
 
 
-class _FinishedWandb:
-    """A stand-in, named as such, for Megatron-LM's W&B writer (the wandb module) after its
-    exit path ran wandb.finish(): `run` is None and log() raises, as wandb's pre-init stub
-    does (wandb is not installed here)."""
-    run = None
+class _StandInWandb:
+    """A stand-in, named as such, for Megatron-LM's W&B writer (the wandb module; wandb is
+    not installed here): while `run` is set, log() records; once the exit path ran
+    wandb.finish(), `run` is None and log() raises, as wandb's pre-init stub does."""
 
-    def log(self, *args, **kwargs):
-        raise RuntimeError("You must call wandb.init() before wandb.log()")
+    def __init__(self, run):
+        self.run, self.logged = run, []
+
+    def log(self, scalars, step):
+        if self.run is None:
+            raise RuntimeError("You must call wandb.init() before wandb.log()")
+        self.logged.append(step)
 
 
 @needs_source
@@ -146,11 +150,15 @@ def test_an_event_after_megatron_lms_exit_path_finished_wandb_is_not_logged_ther
     the writers: it must not replace the exit with wandb's error."""
     from dynmo_plugin.integrations.megatron_lm_writers import Writers
     writers = Writers()
-    writers.wandb = _FinishedWandb()
-    writers.event({"iteration": 6, "kind": "profile", "trigger": "profile_interval", "window": [6, 6],
-                   "layout": "Et|tttL", "overhead_s": {"profiling": 0.0}, "profile": None,
-                   "cancelled": "the run ended inside the window"})
+    event = {"iteration": 6, "kind": "profile", "trigger": "profile_interval", "window": [6, 6],
+             "layout": "Et|tttL", "overhead_s": {"profiling": 0.0}, "profile": None,
+             "cancelled": "the run ended inside the window"}
+    writers.wandb = _StandInWandb(run=None)
+    writers.event(event)
     assert "dynmo: iteration 6 profile [profile_interval] layout Et|tttL" in capsys.readouterr().out
+    writers.wandb = _StandInWandb(run=object())  # during the run: logged
+    writers.event(event)
+    assert writers.wandb.logged == [6]
 
 
 @needs_source

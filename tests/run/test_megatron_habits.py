@@ -98,9 +98,11 @@ def test_ctrl_c_stops_at_an_iteration_boundary_then_another_model_is_refused(tmp
     """Ctrl-C printed ~176 lines, three tracebacks, exit 1. Now: the terminal's SIGINT to
     torchrun's process group; the run saves (--exit-signal-handler), prints one line with
     the last checkpoint and the resume command, and exits 130. Then that checkpoint under
-    another --num-layers: one line naming the setting (it was ~50 lines, every rank)."""
+    another --num-layers: one line naming the setting (it was ~50 lines, every rank). A
+    profiling window open since iteration 1 is in the report, cancelled at the stop."""
     ck, out = tmp_path / "ck", tmp_path / "run"
-    line = _one_line(*_stopped_run(tmp_path, ["--save", str(ck), "--exit-signal-handler",
+    window = ["--dynmo", "--dynmo-profile-every", "1", "--dynmo-profile-window", "1000"]
+    line = _one_line(*_stopped_run(tmp_path, [*window, "--save", str(ck), "--exit-signal-handler",
                                               "--output", str(out)], 3, signal.SIGINT), signal.SIGINT)
     stopped = int(re.search(r"stopped by SIGINT after iteration (\d+); last checkpoint ", line).group(1))
     assert line.endswith(f"--output {out} --load {ck}") and "--train-iters 100000" in line
@@ -108,6 +110,8 @@ def test_ctrl_c_stops_at_an_iteration_boundary_then_another_model_is_refused(tmp
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
     report = json.loads((out / "report.json").read_text())
     assert report["iterations"][-1]["iteration"] == stopped and report["complete"] is False
+    assert [(e["window"], e.get("cancelled")) for e in report["events"]] == [
+        ([1, stopped], "the run ended inside the window")]
     # the same checkpoint under another model
     other = [*TINY, "--num-layers", "4", "--train-iters", "2", "--load", str(ck)]
     (tmp_path / "x").mkdir()
