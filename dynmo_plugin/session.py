@@ -18,6 +18,7 @@ from typing import Optional
 
 from dynmo_plugin.config import ConfigError, RunConfig
 from dynmo_plugin.layout import Layout
+from dynmo_plugin.profiling.collector import CollectorPause
 
 __all__ = ["TrainingSession", "StopTraining", "Stopped"]
 
@@ -354,8 +355,7 @@ class _ManualCollection:
     dynmo_plugin/profiling/collector.py). Profiling windows find it off and leave it off."""
 
     def __init__(self, interval: int):
-        self.interval, self._resume = interval, gc.isenabled()
-        gc.disable()
+        self.interval, self._pause = interval, CollectorPause()
         gc.collect()
 
     def after_step(self, iteration: int) -> float:
@@ -368,9 +368,7 @@ class _ManualCollection:
 
     def release(self) -> None:
         """The collector back as the run found it (idempotent)."""
-        if self._resume:
-            self._resume = False
-            gc.enable()
+        self._pause.release()
 
 
 def _clock(seconds: float) -> str:
