@@ -52,6 +52,7 @@ class SavedBytes:
         self.nbytes = 0
         self._ctx = None
         self.active = False  # entered, not yet exited: its hooks are on torch's stack
+        self.in_backward = False  # entered inside a backward (`__enter__`)
 
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
