@@ -161,6 +161,36 @@ def test_an_event_after_megatron_lms_exit_path_finished_wandb_is_not_logged_ther
     assert writers.wandb.logged == [6]
 
 
+class _FinishFails:
+    """A test-only fault, named as such: a controller whose end-of-run raises (a real one
+    cannot be made to on demand)."""
+
+    def finish(self, last_iteration):
+        raise RuntimeError(f"test-only: finish({last_iteration}) failed")
+
+
+@needs_source
+def test_the_report_is_closed_when_ending_the_controller_raises(mtt, tmp_path):
+    """train()'s wrapper calls _Run.finish in its finally: if ending the controller raises,
+    the error still propagates, and report.json is still written complete with the final
+    layout (what the run measured is not lost)."""
+    import json
+    import types
+
+    from dynmo_plugin.integrations.megatron_lm_writers import Writers, WritersReport
+    run = object.__new__(ml._Run)
+    run.controller, run._completed, run.restart = _FinishFails(), 4, None
+    run.stage, run.writers = types.SimpleNamespace(layout="Ett|tL"), Writers()
+    run.report = WritersReport(str(tmp_path / "report.json"), config={}, world={},
+                               initial_layout="Et|ttL")
+    run.report.add_iteration(4, 5.0, 0.1)
+    with pytest.raises(RuntimeError, match=r"test-only: finish\(4\) failed"):
+        run.finish()
+    summary = json.loads((tmp_path / "report.json").read_text())
+    assert summary["layout"] == "Ett|tL"
+    assert [row["iteration"] for row in summary["iterations"]] == [4]
+
+
 @needs_source
 def test_enable_wraps_and_disable_restores(mtt):
     names = ("initialize_megatron", "setup_model_and_optimizer",
