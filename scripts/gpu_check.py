@@ -127,8 +127,8 @@ def collect_nccl(proc: subprocess.Popen, start: float, limit: float, by_budget: 
         stdout, stderr = proc.communicate(timeout=max(1.0, limit - (time.perf_counter() - start)))
         rows = json.loads(stdout)["rows"]
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
+        launching.kill_tree(proc)
+        launching._drain(proc)
         failed = timed_out(limit, by_budget, NCCL_SCRIPT.name)
         result = SKIPPED_BUDGET if isinstance(failed, BudgetExceeded) else "FAIL"
         return [Row("nccl", result, str(failed), time.perf_counter() - start)]

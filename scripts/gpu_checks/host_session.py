@@ -105,7 +105,7 @@ class _Torchrun:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 9)
+            launching.kill_tree(self.proc)
             self.proc.wait()
         self.log.close()
 

@@ -56,17 +56,58 @@ def launch(nproc: int, flags: list[str], out: Path, timeout_s: int = 180, determ
 
 
 def run_killable(cmd: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
-    """subprocess.run in a session of its own: at the timeout the whole session is killed
-    (torchrun's workers too, which would otherwise hold the GPU after their agent died)."""
+    """subprocess.run in a session of its own, every process below it killed at the
+    timeout (`kill_tree`)."""
     with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, start_new_session=True) as proc:
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.communicate()
+            kill_tree(proc)
+            _drain(proc)
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, children first (Linux /proc). torchrun starts each
+    rank in a session of its own (torch's SubprocessHandler: start_new_session), so a kill
+    of the agent's process group does not reach the ranks: a hung rank would hold the GPU
+    and the output pipes it inherited, and the caller would wait on them for ever."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path("/proc", entry, "stat").read_text() if entry.isdigit() else ""
+        except OSError:  # it ended meanwhile
+            continue
+        if stat:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(0), [])
+        found += below
+        todo += below
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc`, its process group and every process below it (listed before the
+    kill: once `proc` dies its children are re-parented and cannot be found from it)."""
+    below = descendants(proc.pid) if os.path.isdir("/proc") else []
+    for kill, target in [(os.killpg, proc.pid), *((os.kill, pid) for pid in below)]:
+        try:
+            kill(target, 9)
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+def _drain(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """Wait for a killed process's pipes to close, never for ever: a process the kill did
+    not see (started after the listing) may still hold them; its output is then lost."""
+    try:
+        proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.wait(timeout=timeout_s)
 
 
 def worker_env(deterministic: bool = False) -> dict:
@@ -197,7 +238,7 @@ class Worker:
                 proc.stdin.close()
                 proc.wait(timeout=1 if kill else 30)
             except (OSError, subprocess.TimeoutExpired):
-                os.killpg(proc.pid, 9)
+                kill_tree(proc)
                 proc.wait()
         self.log.close()
         return code

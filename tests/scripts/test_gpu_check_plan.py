@@ -233,15 +233,31 @@ def test_runs_in_one_worker_equal_separate_launches(tmp_path, monkeypatch):
 
 
 def test_a_launch_past_its_timeout_is_killed_with_its_children(tmp_path):
-    """A fault: a parent whose child would outlive it (as torchrun's workers would)."""
+    """A fault: a parent whose child would outlive it and keep the output pipes open, as
+    torchrun's ranks would: torch starts each in a session of its own, which a kill of the
+    agent's process group does not reach (the caller then waited on the pipes for ever)."""
+    import os
+    import threading
+    import time
     pid_file = tmp_path / "child.pid"
     code = (f"import subprocess, sys, time\np = subprocess.Popen([sys.executable, '-c', 'import time; "
-            f"time.sleep(600)'])\nopen({str(pid_file)!r}, 'w').write(str(p.pid))\ntime.sleep(600)\n")
-    with pytest.raises(subprocess.TimeoutExpired):
-        gpu_check.run_killable([sys.executable, "-c", code], {}, 3)
-    import os
-    import time
+            f"time.sleep(600)'], start_new_session=True)\nopen({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+            f"time.sleep(600)\n")
+    raised: list = []
+
+    def launch() -> None:
+        try:
+            gpu_check.run_killable([sys.executable, "-c", code], {}, 3)
+        except subprocess.TimeoutExpired as e:
+            raised.append(e)
+    caller = threading.Thread(target=launch, daemon=True)
+    caller.start()
+    caller.join(60)
     child = int(pid_file.read_text())
+    if caller.is_alive():
+        os.kill(child, 9)
+        raise AssertionError("run_killable still waits 60 s after its 3 s timeout (the child holds its pipes)")
+    assert len(raised) == 1
     for _ in range(50):  # SIGKILL is asynchronous: the child goes within moments
         try:
             os.kill(child, 0)
