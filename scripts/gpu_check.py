@@ -71,6 +71,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -126,6 +127,9 @@ def collect_nccl(proc: subprocess.Popen, start: float, limit: float, by_budget: 
     try:
         stdout, stderr = proc.communicate(timeout=max(1.0, limit - (time.perf_counter() - start)))
         rows = json.loads(stdout)["rows"]
+    except Stopped:
+        launching.kill_tree(proc)
+        raise
     except subprocess.TimeoutExpired:
         launching.kill_tree(proc)
         launching._drain(proc)
@@ -312,6 +316,20 @@ def _selected_rows(group: Group, only: tuple[str, ...]) -> list[str]:
     return group.selected_rows(only)
 
 
+SKIPPED_STOPPED = "skipped: stopped"
+
+
+class Stopped(BaseException):
+    """SIGTERM: scripts/device_check.sh's hard limit on this script (or a user's kill).
+    Not an Exception, so no row's guard takes it for that row's failure: the run stops,
+    its runs are killed, and the rows done so far still make the table and the JSON."""
+
+
+def _stop(signum: int, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the table is being written
+    raise Stopped("stopped by SIGTERM (device_check.sh's time limit?)")
+
+
 def run_group(group: Group, checks: dict, m: Machine, only: tuple[str, ...], worker: bool,
               run: bool = True, estimate_s: Optional[float] = None) -> list[Row]:
     """The group's rows; all 'skipped: budget' when the schedule says it no longer fits."""
@@ -352,17 +370,24 @@ def run_checks(m: Machine, sizes: Sizes, out: Path, only: tuple[str, ...] = (), 
     rows, chosen = [], plan.chosen()
     worker = any(x.needs_worker for g in chosen for x in g.launches)
     schedule = Schedule(chosen)
+    group, stopped = None, False
     try:
         while (step := schedule.next(launching.BUDGET.left())) is not None:
             group, run = step
             start = time.perf_counter()
             rows += run_group(group, checks, m, only, worker, run, schedule.estimate_s(group))
+            group = None
             if run:
-                schedule.done(group, time.perf_counter() - start)
-                _log(f"group {group.name}: {time.perf_counter() - start:.0f} s (estimated "
-                     f"{group.estimate_s():.0f} s); later estimates x{schedule.scale:.2f}")
+                schedule.done(step[0], time.perf_counter() - start)
+                _log(f"group {step[0].name}: {time.perf_counter() - start:.0f} s (estimated "
+                     f"{step[0].estimate_s():.0f} s); later estimates x{schedule.scale:.2f}")
+    except Stopped as e:
+        stopped = True
+        _log(f"{e}: the rows not run say so")
+        rows += [Row(n, SKIPPED_STOPPED, str(e)) for g in ([group] if group else []) + schedule.pending
+                 for n in _selected_rows(g, only)]
     finally:
-        launching.WORKER.stop()
+        launching.WORKER.stop(kill=stopped)
         launching.WORKER = None
     path = write_scenario_costs(m, costs, out)
     if path is not None:
@@ -410,12 +435,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             plan = device_plan(plan, args.device_check, not args.no_megatron_lm)
         print(json.dumps(plan.to_dict()) if args.json else render_plan(plan))
         return 0
+    signal.signal(signal.SIGTERM, _stop)
     _log("\n" + render_plan(plan))  # on CPU: the plan of the machines this check is for
     sizes = CPU_SIZES if not machine.gpus else GPU_SIZES
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         out = Path(args.out) if args.out else Path(tmp)
         out.mkdir(parents=True, exist_ok=True)  # the JSON is written even where no row ran
         rows = run_checks(machine, sizes, out, only, args.rounds, args.budget_s)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # what ran is written, whatever comes
         status = exit_status(rows)
         result = json.dumps({"ok": status == 0, "machine": asdict(machine),
                              "env": {"bit_exact_rows": DETERMINISM_ENV, "timing_rows": {k: worker_env().get(k) for k in DETERMINISM_ENV}},

@@ -62,7 +62,7 @@ def run_killable(cmd: list[str], env: dict, timeout_s: float) -> subprocess.Comp
                           text=True, start_new_session=True) as proc:
         try:
             out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        except BaseException:  # the timeout, or gpu_check.py stopped: nothing of it outlives this
             kill_tree(proc)
             _drain(proc)
             raise

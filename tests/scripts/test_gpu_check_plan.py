@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -265,6 +266,40 @@ def test_a_launch_past_its_timeout_is_killed_with_its_children(tmp_path):
             return
         time.sleep(0.1)
     raise AssertionError(f"child {child} of the timed-out launch is still alive")
+
+
+@pytest.mark.multiproc
+def test_a_sigterm_stops_the_check_kills_its_runs_and_still_writes_the_table(tmp_path):
+    """device_check.sh's hard limit on gpu_check.sh is a SIGTERM: the run in progress and
+    every process below the script end, and the rows done so far still make the JSON,
+    the rest saying "skipped: stopped" (before, the table and the JSON were lost)."""
+    import os
+    import signal
+    import time
+    out, log = tmp_path / "out", tmp_path / "stderr.log"
+    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--cpu", "--only",
+           "machine,identical_layers[host]", "--out", str(out), "--json"]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "worker run:" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        below = gpu_check.launching.descendants(proc.pid)
+        assert "worker run:" in log.read_text() and below, "the shape run never started"
+        proc.send_signal(signal.SIGTERM)
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        gpu_check.launching.kill_tree(proc)
+    rows = {r["check"]: r for r in json.loads(stdout)["rows"]}
+    assert rows["machine"]["result"] == gpu_check.NO_CUDA
+    assert rows["identical_layers[host]"]["result"] == "skipped: stopped", rows
+    assert json.loads((out / "gpu_check.json").read_text())["rows"] == json.loads(stdout)["rows"]
+    time.sleep(0.5)
+    alive = [pid for pid in below if os.path.exists(f"/proc/{pid}") and
+             "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+    assert not alive, f"processes of the stopped check still run: {alive}"
 
 
 # ---- the plan from this run's seconds (issue 34) ------------------------------------------------
