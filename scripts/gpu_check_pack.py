@@ -7,7 +7,7 @@
 Why: a lent GPU machine brings back at most 8 files of $OUT (16 MiB each, no more than two
 folders down; /work/.library/device/README.md), and the first H200 run lost every
 stderr.log, train.log and report.json that way (../shared/notes/h200-acceptance-1.md).
-scripts/device_check.sh keeps its runs outside $OUT and calls this once at the end.
+scripts/device_check.sh keeps its runs outside $OUT and calls this after each part.
 
 What goes in: every file under each ROOT, named `<ROOT's name>/<path>`, except
 checkpoints (a folder named `ckpt*`, `iter_<digits>` or `*checkpoint*`; a file ending in
@@ -16,12 +16,14 @@ of small models stay). A file over --file-cap-mib keeps its first and last halve
 cap with a line saying how much was cut. If the compressed archive is still over
 --limit-mib, the biggest files are dropped one by one until it fits. `MANIFEST.txt` in the
 archive (and --listing, if given) lists every file: its bytes and "kept", "truncated",
-"dropped: over the archive limit" or "excluded: checkpoint". Exit 0; 2 on a usage error.
+"dropped: over the archive limit", "vanished while packing" or "excluded: checkpoint".
+The archive is written under a hidden name beside ARCHIVE and renamed onto it. Exit 0; 2 on a usage error.
 """
 from __future__ import annotations
 
 import argparse
 import io
+import os
 import re
 import sys
 import tarfile
@@ -58,15 +60,25 @@ def is_checkpoint(rel: Path, size: int) -> bool:
     return rel.suffix in CHECKPOINT_SUFFIXES and size > SMALL_DUMP_BYTES
 
 
+def _files(root: Path) -> list[Path]:
+    """The plain files under `root`, sorted; os.walk skips a folder removed while it is
+    listed (Path.rglob raises there)."""
+    found = [Path(top, name) for top, _, names in os.walk(root) for name in names]
+    return sorted(p for p in found if not p.is_symlink() and p.is_file())
+
+
 def collect(roots: list[Path]) -> list[Entry]:
     """Every file under the roots, in name order, checkpoints marked excluded."""
     entries = []
     for root in roots:
         if not root.is_dir():
             continue
-        for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink()):
+        for path in _files(root):
             rel = path.relative_to(root)
-            size = path.stat().st_size
+            try:
+                size = path.stat().st_size
+            except OSError:  # removed meanwhile (a run still writing: a save's temporary file)
+                continue
             entry = Entry(f"{root.name}/{rel.as_posix()}", path, size)
             if is_checkpoint(rel, size):
                 entry.status = "excluded: checkpoint"
@@ -85,9 +97,13 @@ def _write(archive: Path, entries: list[Entry], cap: int) -> int:
         for e in entries:
             if e.status != "kept" and not e.status.startswith("truncated"):
                 continue
-            data = e.data(cap)
+            try:
+                data, mtime = e.data(cap), int(e.path.stat().st_mtime)
+            except OSError as err:  # removed or unreadable since it was listed
+                e.status = f"vanished while packing: {type(err).__name__}"
+                continue
             info = tarfile.TarInfo(e.name)
-            info.size, info.mtime = len(data), int(e.path.stat().st_mtime)
+            info.size, info.mtime = len(data), mtime
             tar.addfile(info, io.BytesIO(data))
         text = manifest(entries).encode()
         info = tarfile.TarInfo("MANIFEST.txt")
@@ -98,14 +114,18 @@ def _write(archive: Path, entries: list[Entry], cap: int) -> int:
 
 def pack(archive: Path, roots: list[Path], limit: int = 16 * MIB, cap: int = 4 * MIB,
          listing: Optional[Path] = None) -> list[Entry]:
-    """Write the archive (at most `limit` bytes); returns every entry with its status."""
+    """Write the archive (at most `limit` bytes); returns every entry with its status.
+    Written beside `archive` and renamed onto it: a kill while packing (device_check.sh
+    packs after each part) leaves the previous archive whole, never a cut one."""
     entries = collect(roots)
     archive.parent.mkdir(parents=True, exist_ok=True)
-    while _write(archive, entries, cap) > limit:
+    partial = archive.with_name(f".{archive.name}.partial")
+    while _write(partial, entries, cap) > limit:
         packed = [e for e in entries if e.status == "kept" or e.status.startswith("truncated")]
         if not packed:
             break
         max(packed, key=lambda e: e.size).status = "dropped: over the archive limit"
+    partial.replace(archive)
     if listing is not None:
         listing.write_text(manifest(entries))
     return entries

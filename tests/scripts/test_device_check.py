@@ -162,6 +162,28 @@ def test_pack_keeps_logs_cuts_huge_ones_excludes_checkpoints_and_drops_the_bigge
     assert "big.log  dropped: over the archive limit" in _members(tmp_path / "small.tar.gz")["MANIFEST.txt"].decode()
 
 
+def test_pack_survives_files_removed_while_it_packs_and_replaces_the_archive_whole(tmp_path):
+    """device_check.sh packs after each part, maybe while a killed run's save is still
+    removing files: such a file is named in the manifest, the rest is packed, and the
+    archive is renamed into place only when whole (a kill mid-write left a cut one)."""
+    pack = _pack_module()
+    root = tmp_path / "megatron_lm"
+    (root / "ckpt_tmp").mkdir(parents=True)
+    (root / "train.log").write_text("iteration 1\n")
+    (root / "going.log").write_text("soon removed\n")
+    archive = tmp_path / "logs.tar.gz"
+    archive.write_bytes(b"the previous archive")
+    entries = pack.collect([root])
+    (root / "going.log").unlink()
+    pack._write(tmp_path / "direct.tar.gz", entries, 1 << 20)
+    status = {e.name: e.status for e in entries}
+    assert status["megatron_lm/going.log"] == "vanished while packing: FileNotFoundError"
+    assert _members(tmp_path / "direct.tar.gz")["megatron_lm/train.log"] == b"iteration 1\n"
+    pack.pack(archive, [root])
+    assert sorted(_members(archive)) == ["MANIFEST.txt", "megatron_lm/train.log"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["direct.tar.gz", "logs.tar.gz", "megatron_lm"]
+
+
 @pytest.mark.multiproc
 def test_dry_run_lays_out_out_as_the_gpu_call_would(tmp_path):
     """`OUT=DIR device_check.sh --dry-run` on this machine (no GPU): the CPU part runs (here
