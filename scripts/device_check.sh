@@ -23,8 +23,10 @@
 # --no-index --no-deps --target, the repository from source.
 # On the GPU machine: installs runs/device/wheels into runs/device/site, runs
 # gpu_check.sh with --budget-s (what --total-s leaves after the install and the reserve
-# of megatron_lm_gpu_check.sh), then megatron_lm_gpu_check.sh under `timeout` for what
-# is left. The runs are written to runs/device/work; $OUT (what the device tool brings
+# of megatron_lm_gpu_check.sh; SIGTERM 60 s past it: gpu_check.py then kills its runs and
+# writes the rows done, the rest "skipped: stopped"), packs, then megatron_lm_gpu_check.sh
+# with --deadline-s and under `timeout` for what is left, and packs again: whatever
+# stops the call, $OUT holds the last whole archive. The runs are written to runs/device/work; $OUT (what the device tool brings
 # back: at most 8 files, none deeper than two folders) gets, all at its top
 # (else runs/device/out):
 #   device_check.txt   each part's exit status and seconds, and the archive's summary
@@ -45,7 +47,11 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEV="$ROOT/runs/device"
 TOTAL=540
-MLM_RESERVE=130   # megatron_lm_gpu_check.sh: 3 torchrun launches at 40 s + their work
+MLM_RESERVE=170   # megatron_lm_gpu_check.sh: 3 torchrun launches + their work (138 s on the
+                  # H200 on 2026-11-27, with its MoE run failing at the first iteration)
+GPU_GRACE=60      # gpu_check.sh's hard limit is its budget plus this (its imports and probe
+                  # run before its budget clock starts), then a SIGTERM (it writes its table)
+PACK_S=15         # what the last archive and the summary get
 INSTALL_S=10      # what the plan counts for the install below
 PY=
 MODE=run
@@ -69,7 +75,7 @@ while [[ $# -gt 0 ]]; do
     --) shift; EXTRA=("$@"); break ;;
     --total-s) [[ $# -ge 2 && "$2" =~ ^[0-9]+$ ]] || die "--total-s needs a whole number of seconds"; TOTAL="$2"; shift 2 ;;
     --python) [[ $# -ge 2 ]] || die "--python needs an interpreter"; PY="$2"; shift 2 ;;
-    -h|--help) sed -n '2,35p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,45p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
@@ -114,7 +120,7 @@ OUT="${OUT:-$DEV/out}"
 WORK="$DEV/work"   # the runs; only what is listed above goes to $OUT
 mkdir -p "$OUT"
 rm -rf "$WORK"; mkdir -p "$WORK"
-START=$SECONDS
+START=0   # SECONDS counts from this script's start: the torch check above is spent too
 SITE="$DEV/site"
 if [[ $DRY -eq 0 ]] && compgen -G "$DEV/wheels/*.whl" >/dev/null; then
   "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --upgrade --target "$SITE" \
@@ -129,16 +135,25 @@ if [[ $PROBE -eq 1 && $DRY -eq 0 ]]; then
 fi
 GPU_ARGS=(--python "$PY")
 [[ $DRY -eq 1 ]] && GPU_ARGS+=(--dry-run)
-say "gpu_check.sh ${GPU_ARGS[*]} --budget-s $GPU_BUDGET (after $((SECONDS - START)) s of install)"
+pack() {  # every log, report and profile so far in $OUT/logs.tar.gz (checkpoints excluded):
+  # the device tool brings back 8 files at most, so nothing else of the runs would come
+  # back; packed after each part, each archive whole (gpu_check_pack.py renames it in)
+  mkdir -p "$WORK/gpu_check"; cp "$OUT/gpu_check.log" "$WORK/gpu_check/gpu_check.log" 2>/dev/null
+  PACKED="$(timeout -k 5 60 "$PY" "$ROOT/scripts/gpu_check_pack.py" "$OUT/logs.tar.gz" "$WORK/gpu_check" \
+    "$WORK/megatron_lm" --limit-mib "$ARCHIVE_MIB" 2>&1)" || PACKED="packing failed: $PACKED"
+}
+GPU_CAP=$((GPU_BUDGET + GPU_GRACE))
+say "gpu_check.sh ${GPU_ARGS[*]} --budget-s $GPU_BUDGET (after $((SECONDS - START)) s of install; stopped at $GPU_CAP s)"
 set +e
-bash "$ROOT/scripts/gpu_check.sh" "${GPU_ARGS[@]}" -- --budget-s "$GPU_BUDGET" --out "$WORK/gpu_check" \
-  ${EXTRA[@]+"${EXTRA[@]}"} 2> "$OUT/gpu_check.log" | tee "$OUT/gpu_check.txt"
+timeout -k 20 "$GPU_CAP" bash "$ROOT/scripts/gpu_check.sh" "${GPU_ARGS[@]}" -- --budget-s "$GPU_BUDGET" \
+  --out "$WORK/gpu_check" ${EXTRA[@]+"${EXTRA[@]}"} 2> "$OUT/gpu_check.log" | tee "$OUT/gpu_check.txt"
 GPU_RC=${PIPESTATUS[0]}
 GPU_S=$((SECONDS - START))
-LEFT=$((TOTAL - GPU_S))
 for f in gpu_check.json scenario_costs.json; do
   [[ -f "$WORK/gpu_check/$f" ]] && cp "$WORK/gpu_check/$f" "$OUT/$f"
 done
+pack
+LEFT=$((TOTAL - (SECONDS - START) - PACK_S))
 MLM_RC=2
 if [[ $DRY -eq 1 ]]; then
   MLM_RC=0
@@ -152,18 +167,15 @@ elif [[ $LEFT -lt 30 ]]; then
 else
   say "megatron_lm_gpu_check.sh with $LEFT s left"
   DYNMO_CHECK_PORT=$((29500 + RANDOM % 1000)) timeout -k 5 "$LEFT" bash "$ROOT/scripts/megatron_lm_gpu_check.sh" \
-    "$DYNMO_MEGATRON_LM" --python "$PY" --no-install --out "$WORK/megatron_lm" > "$OUT/megatron_lm.txt" 2>&1
+    "$DYNMO_MEGATRON_LM" --python "$PY" --no-install --out "$WORK/megatron_lm" --deadline-s "$((LEFT - 5))" \
+    > "$OUT/megatron_lm.txt" 2>&1
   MLM_RC=$?
   cat "$OUT/megatron_lm.txt"
 fi
-# every log, report and profile in one archive (checkpoints excluded): the device tool
-# brings back 8 files at most, so nothing else of the runs would come back
-mkdir -p "$WORK/gpu_check"; cp "$OUT/gpu_check.log" "$WORK/gpu_check/gpu_check.log" 2>/dev/null
-PACKED="$("$PY" "$ROOT/scripts/gpu_check_pack.py" "$OUT/logs.tar.gz" "$WORK/gpu_check" "$WORK/megatron_lm" \
-  --limit-mib "$ARCHIVE_MIB" 2>&1)" || PACKED="packing failed: $PACKED"
+[[ -d "$WORK/megatron_lm" ]] && pack
 set -e
 {
-  echo "gpu_check.sh: exit $GPU_RC, $GPU_S s (budget $GPU_BUDGET s)$([[ $DRY -eq 1 ]] && echo ', --dry-run')"
+  echo "gpu_check.sh: exit $GPU_RC$([[ $GPU_RC -eq 124 || $GPU_RC -eq 137 ]] && echo " (stopped at its hard limit, $GPU_CAP s: the rows not run say 'skipped: stopped')"), $GPU_S s (budget $GPU_BUDGET s)$([[ $DRY -eq 1 ]] && echo ', --dry-run')"
   echo "megatron_lm_gpu_check.sh: exit $MLM_RC$([[ $MLM_RC -eq 124 ]] && echo ' (stopped by the total budget)'), $((SECONDS - START - GPU_S)) s"
   echo "total: $((SECONDS - START)) s of $TOTAL s"
   echo "$PACKED"

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 BUDGET_S = 480.0  # issue 24: the whole GPU check in at most 8 minutes on one H100/H200
+START_GROUP = "start"  # the group that starts the probe, the launcher worker, the NCCL children
 
 # Start-up of one launch, seconds, by kind. Re-fitted to the first device_check.sh run
 # on one H200 (../shared/notes/h200-acceptance-1.md, 2026-11-27); the run re-estimates
@@ -215,6 +216,7 @@ class Schedule:
         self.pending = list(groups)
         self.deferred: set[str] = set()
         self.estimated = self.actual = 0.0
+        self.carried = (0.0, 0.0)  # the start group's (estimate, seconds), for the next group
 
     @property
     def scale(self) -> float:
@@ -241,7 +243,18 @@ class Schedule:
         return None
 
     def done(self, group: Group, seconds: float) -> None:
-        """A group ran in `seconds`: the later estimates follow."""
-        if group.launches:
-            self.estimated += group.estimate_s()
-            self.actual += seconds
+        """A group ran in `seconds`: the later estimates follow. The start group only
+        starts processes (the launcher worker's start-up is paid inside the first run in
+        it; gpu_check.py's imports, `parent`, before the budget's clock): its estimate
+        less the imports is weighed with the next group's seconds, not its own ~0 s,
+        which alone would halve every later estimate (the 0.5 clamp)."""
+        if not group.launches:
+            return
+        if group.name == START_GROUP:
+            rest = [x.estimate_s() for x in group.launches if x.kind != "parent"]
+            estimate = (max(rest, default=0.0) if group.parallel else sum(rest))
+            self.carried = (self.carried[0] + estimate, self.carried[1] + seconds)
+            return
+        (estimate, taken), self.carried = self.carried, (0.0, 0.0)
+        self.estimated += group.estimate_s() + estimate
+        self.actual += seconds + taken

@@ -3,7 +3,7 @@
 #
 #   scripts/megatron_lm_gpu_check.sh [MEGATRON_LM_DIR] [--python PY] [--iters N]
 #                                    [--profile-every N] [--out DIR] [--no-install]
-#                                    [--run-timeout S]
+#                                    [--run-timeout S] [--deadline-s S]
 #   scripts/megatron_lm_gpu_check.sh --check-only OUT_DIR ITERS PROFILE_EVERY LAYERS
 #
 # MEGATRON_LM_DIR: a Megatron-LM checkout at tag core_v0.16.1 (default $DYNMO_MEGATRON_LM;
@@ -25,6 +25,10 @@
 # under other pipeline sizes are tests/integrations/test_megatron_lm*.py's (CPU, PP=2).
 # --check-only runs the first check alone on a finished run's OUT_DIR. --run-timeout S:
 # a pretrain_gpt.py run still going after S seconds (default 300) is a failed run.
+# --deadline-s S: the whole script's time (scripts/device_check.sh passes what its total
+# leaves): each run's limit is also cut to what is left of S, so a run never outlives
+# the caller's own `timeout` (GNU timeout puts a nested timeout in a process group of
+# its own, which the outer one's kill does not reach); a run with under 20 s left fails.
 # Exit 0: passed; 1: a check failed or a run failed; 2: usage/setup.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,6 +36,7 @@ TAG=core_v0.16.1
 SRC="${DYNMO_MEGATRON_LM:-}"
 PY=""; ITERS=20; EVERY=5; LAYERS=4; OUT="$ROOT/runs/megatron_lm_gpu_check"; INSTALL=1
 RUN_TIMEOUT=300  # seconds per pretrain_gpt.py run: a hang ends as a failed run (exit 124)
+DEADLINE=""      # --deadline-s: seconds for the whole script (SECONDS counts from its start)
 
 die() { echo "megatron_lm_gpu_check.sh: error: $*" >&2; exit 2; }
 say() { echo "[megatron_lm_gpu_check.sh] $*" >&2; }
@@ -69,8 +74,9 @@ while [[ $# -gt 0 ]]; do
     --out) [[ $# -ge 2 ]] || die "--out needs a directory"; OUT="$2"; shift 2 ;;
     --no-install) INSTALL=0; shift ;;
     --run-timeout) [[ $# -ge 2 && "$2" =~ ^[0-9]+$ ]] || die "--run-timeout needs seconds"; RUN_TIMEOUT="$2"; shift 2 ;;
+    --deadline-s) [[ $# -ge 2 && "$2" =~ ^[0-9]+$ ]] || die "--deadline-s needs seconds"; DEADLINE="$2"; shift 2 ;;
     --check-only) [[ $# -eq 5 ]] || die "--check-only OUT_DIR ITERS PROFILE_EVERY LAYERS"; ARGS=("$2" "$3" "$4" "$5"); shift 5 ;;
-    -h|--help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown argument $1 (see --help)" ;;
     *) SRC="$1"; shift ;;
   esac
@@ -114,10 +120,20 @@ fi
 # ---- the runs --------------------------------------------------------------------------------
 rm -rf "$OUT"; mkdir -p "$OUT"
 HALF=$((ITERS / 2))
+run_limit() {  # seconds the next run may take: --run-timeout, cut to what --deadline-s leaves
+  local limit=$RUN_TIMEOUT left
+  if [[ -n "$DEADLINE" ]]; then
+    left=$((DEADLINE - SECONDS - 10))  # 10 s for the kill (-k 5) and the checks after it
+    [[ $left -lt $limit ]] && limit=$left
+  fi
+  echo "$limit"
+}
 run() {  # run LOG FLAGS...: pretrain_gpt.py through the wrapper on one GPU; exit 1 if it fails
   local log="$1"; shift
+  local limit; limit="$(run_limit)"
+  if [[ $limit -lt 20 ]]; then say "no time left for $log (--deadline-s $DEADLINE, $SECONDS s gone)"; exit 1; fi
   set +e
-  DYNMO_MEGATRON_LM="$SRC" CUDA_DEVICE_MAX_CONNECTIONS=1 timeout -k 5 "$RUN_TIMEOUT" "$PY" -m torch.distributed.run \
+  DYNMO_MEGATRON_LM="$SRC" CUDA_DEVICE_MAX_CONNECTIONS=1 timeout -k 5 "$limit" "$PY" -m torch.distributed.run \
     --nproc-per-node 1 --master-addr 127.0.0.1 --master-port "${DYNMO_CHECK_PORT:-29561}" \
     -m dynmo_plugin.integrations.pretrain_gpt \
     --hidden-size 512 --num-attention-heads 8 --seq-length 512 \

@@ -76,7 +76,7 @@ def _device_check(*argv, after=()):
 @pytest.mark.parametrize("argv, message", [
     (["--bogus"], "device_check.sh: error: unknown argument --bogus (see --help)"),
     (["--total-s", "nine"], "device_check.sh: error: --total-s needs a whole number of seconds"),
-    (["--total-s", "100"], "device_check.sh: error: --total-s 100 leaves no time for gpu_check.sh (needs > 140)"),
+    (["--total-s", "100"], "device_check.sh: error: --total-s 100 leaves no time for gpu_check.sh (needs > 180)"),
 ])
 def test_device_check_usage_errors_exit_2_with_one_line(argv, message):
     proc = _device_check(*argv)
@@ -87,7 +87,7 @@ def test_device_check_plan_is_within_nine_minutes():
     proc = _device_check("--plan")
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
-    assert "device_check.sh, gpu_check.sh --budget-s 400" in lines[0]
+    assert "device_check.sh, gpu_check.sh --budget-s 360" in lines[0]
     assert lines[3].startswith("install (device_check.sh)") and lines[-2].startswith("megatron_lm_gpu_check.sh")
     total = int(lines[-1].split()[1])
     second = sum(int(x.split("|")[2]) for x in lines  # gpu_check_plan.SECOND_CALL's groups

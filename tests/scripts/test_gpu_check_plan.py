@@ -339,6 +339,23 @@ def test_estimates_follow_what_the_finished_groups_took():
     assert schedule.scale == 0.5
 
 
+def test_the_start_groups_near_zero_seconds_do_not_halve_the_later_estimates():
+    """The start group only starts the launcher worker (its start-up is paid inside the
+    first run in it) after gpu_check.py's imports (before the budget's clock): its ~0 s
+    against its estimate clamped the scale to 0.5, and a group that could not fit would
+    then start. Its estimate, less the imports, goes with the next group's seconds."""
+    plan = gpu_check.target_plan()
+    plan.only = gpu_check.SETS["issue34"]
+    start, host = plan.chosen()[:2]
+    assert start.name == gpu_check_plan.START_GROUP and any(x.starts_worker for x in start.launches)
+    schedule = gpu_check_plan.Schedule(plan.chosen())
+    schedule.done(start, 0.0)
+    assert schedule.scale == 1.0
+    worker_start = gpu_check_plan.START_S["process"]
+    schedule.done(host, host.estimate_s() + worker_start)  # the first worker run pays the start-up
+    assert schedule.scale == pytest.approx(1.0)
+
+
 def test_the_plans_constants_are_the_h200_runs():
     """h200-acceptance-1.md: torchrun ~32 s, start group ~33 s, sparse attention's
     calibration ~20 s more; the H200 runs of 2026-11-27: a launcher-worker run 26-42 s
