@@ -39,7 +39,8 @@ the seconds it took (a run shared by several rows counts for the first), in plan
                          GPU for --rounds (default 4) interleaved rounds (gpu_checks/host_session.py,
                          a file baton), like for like (no dropout, clipping or NaN checks, weight
                          decay 0.01): launcher/Megatron-LM <= 1.0x; plugin/plain <= 1.03x where the
-                         rounds' spread resolves 3% (warm-up, each round's first iteration and the
+                         rounds resolve it: all over fails, all under passes, both sides by the
+                         median where they spread < 3% (warm-up, each round's first iteration and the
                          windows excluded; spread printed). The --dynmo run also feeds
                          identical_layers[mlm-host] and stage_prediction[mlm-host]
   scenario_cost[KIND]    each of the six scenarios at PP=1 bf16 at a shape where it

@@ -138,19 +138,27 @@ def _spread(values: list[float]) -> str:
 def throughput_verdict(ours: list[float], ratio: list[float], plugin: list[float], what: str,
                        every: int = 10) -> tuple[bool, str]:
     """(passed, detail) of the rounds: launcher/Megatron-LM <= THROUGHPUT_MAX (median of
-    the rounds); plugin/plain <= PLUGIN_OVERHEAD_MAX judged only where the rounds' spread
-    (max - min of their ratios) resolves it (< 3%), else said not resolved."""
+    the rounds); plugin/plain <= PLUGIN_OVERHEAD_MAX judged where the rounds resolve it:
+    every round on one side of the bound (all over it fails, whatever their spread: the
+    H200's 1.192-1.268 is an overhead, not noise), or, where they straddle it, a spread
+    under 3% (the median decides); else "not judged", the spread printed."""
     a, b = statistics.median(ratio), statistics.median(plugin)
     spread = max(plugin) - min(plugin)
-    resolved = spread < PLUGIN_OVERHEAD_MAX - 1
-    judged = (f"<= {PLUGIN_OVERHEAD_MAX}" if resolved else
-              f"not judged: the rounds spread {spread:.1%}, which does not resolve {PLUGIN_OVERHEAD_MAX - 1:.0%}")
+    if min(plugin) > PLUGIN_OVERHEAD_MAX:
+        plugin_ok, judged = False, f"every round over {PLUGIN_OVERHEAD_MAX}"
+    elif max(plugin) <= PLUGIN_OVERHEAD_MAX:
+        plugin_ok, judged = True, f"every round <= {PLUGIN_OVERHEAD_MAX}"
+    elif spread < PLUGIN_OVERHEAD_MAX - 1:
+        plugin_ok, judged = b <= PLUGIN_OVERHEAD_MAX, f"median <= {PLUGIN_OVERHEAD_MAX}, spread {spread:.1%}"
+    else:
+        plugin_ok, judged = True, (f"not judged: the rounds straddle {PLUGIN_OVERHEAD_MAX} and spread "
+                                   f"{spread:.1%}, which does not resolve {PLUGIN_OVERHEAD_MAX - 1:.0%}")
     detail = (f"{what}, {len(ratio)} interleaved rounds, like for like (no dropout, no clipping, weight decay "
               f"0.01, no NaN checks), windows excluded: launcher/Megatron-LM {a:.3f}x (rounds {_spread(ratio)}, "
               f"<= {THROUGHPUT_MAX}); --dynmo every {every} / plain {b:.3f}x (rounds {_spread(plugin)}, {judged}); "
               f"launcher {1e3 * statistics.median(ours):.1f} ms/iteration (rounds {1e3 * min(ours):.1f}-"
               f"{1e3 * max(ours):.1f})")
-    return a <= THROUGHPUT_MAX and (not resolved or b <= PLUGIN_OVERHEAD_MAX), detail
+    return a <= THROUGHPUT_MAX and plugin_ok, detail
 
 
 def session_ratios(session) -> tuple[list[float], list[float], list[float]]:
