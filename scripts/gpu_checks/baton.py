@@ -21,6 +21,7 @@ train_step); the coordinator is `Baton.turns`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -84,6 +85,11 @@ def _wait_for(path: Path, timeout_s: float, alive: Callable[[], Optional[str]] =
         time.sleep(POLL_S)
 
 
+def _until(timeout_s: float, deadline: float) -> float:
+    """`timeout_s`, cut to what is left before `deadline` (time.monotonic())."""
+    return max(0.0, min(timeout_s, deadline - time.monotonic()))
+
+
 def _write(path: Path, text: str = "") -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -135,20 +141,25 @@ class Baton:
         k = r % len(self.names)
         return self.names[k:] + self.names[:k]
 
-    def wait_ready(self, timeout_s: float, alive: Callable[[], Optional[str]]) -> None:
+    def wait_ready(self, timeout_s: float, alive: Callable[[], Optional[str]],
+                   deadline: float = math.inf) -> None:
+        """Every program ready within `timeout_s` in all (they start at once) and before
+        `deadline` (time.monotonic())."""
+        deadline = min(deadline, time.monotonic() + timeout_s)
         for name in self.names:
-            _wait_for(self.folder / f"ready-{name}", timeout_s, alive)
+            _wait_for(self.folder / f"ready-{name}", _until(timeout_s, deadline), alive)
 
     def turns(self, turn_timeout_s: float, alive: Callable[[], Optional[str]],
-              log: Callable[[str], None] = lambda _: None) -> list[dict]:
-        """Rounds 0..rounds (0: the warm-up), one program at a time; the turns as the
+              log: Callable[[str], None] = lambda _: None, deadline: float = math.inf) -> list[dict]:
+        """Rounds 0..rounds (0: the warm-up), one program at a time, each turn within
+        `turn_timeout_s` and all before `deadline` (time.monotonic()); the turns as the
         programs timed them: [{"round", "name", "start", "end"}] in order."""
         turns = []
         for r in range(self.rounds + 1):
             for name in self.order(r):
                 _write(self.folder / f"go-{name}-{r}")
                 done = self.folder / f"done-{name}-{r}"
-                _wait_for(done, turn_timeout_s, alive)
+                _wait_for(done, _until(turn_timeout_s, deadline), alive)
                 turns.append({"round": r, "name": name, **json.loads(done.read_text())})
                 log(f"round {r}: {name} {turns[-1]['end'] - turns[-1]['start']:.2f} s")
         (self.folder / "turns.json").write_text(json.dumps(turns))

@@ -124,8 +124,12 @@ def run_session(m: Machine, out: Path, rounds: int) -> SessionResult:
     if worker is None:
         raise CheckFailed("the interleaved session needs the launcher worker (run through run_checks)")
     total = spec("launcher").train_iters
-    limit, by_budget = launching.BUDGET.limit(READY_TIMEOUT_S + (rounds + 1) * len(PROGRAMS) * TURN_TIMEOUT_S)
+    limit, _ = launching.BUDGET.limit(READY_TIMEOUT_S + (rounds + 1) * len(PROGRAMS) * TURN_TIMEOUT_S)
     start = time.perf_counter()
+    deadline = time.monotonic() + limit  # one for the whole session: every wait is cut to it
+
+    def left() -> float:
+        return max(1.0, deadline - time.monotonic())
     worker.submit([*launcher_flags, "--train-iters", str(total), *_precision(m)], folder / "launcher",
                   limit, baton=vars(spec("launcher")))
     programs = [_Torchrun(name, _mlm_cmd(m, "host", name == "mlm_dynmo", folder / name, total), folder / name,
@@ -135,16 +139,16 @@ def run_session(m: Machine, out: Path, rounds: int) -> SessionResult:
         return worker.alive() or next((why for p in programs if (why := p.alive())), None)
     try:
         try:
-            baton.wait_ready(min(READY_TIMEOUT_S, limit), alive)
+            baton.wait_ready(READY_TIMEOUT_S, alive, deadline)
             _log(f"session: all {len(PROGRAMS)} programs ready after {time.perf_counter() - start:.1f} s")
-            turns = baton.turns(min(TURN_TIMEOUT_S, max(1.0, launching.BUDGET.left())), alive, _log)
-        except BatonTimeout as e:  # a hang, or the budget spent
-            raise timed_out(limit, by_budget, f"interleaved session: {e}") from e
+            turns = baton.turns(TURN_TIMEOUT_S, alive, _log, deadline)
+        except BatonTimeout as e:  # the budget spent, or a hang (a wait's own limit)
+            spent = launching.BUDGET.left() <= 1.0
+            raise timed_out(time.perf_counter() - start, spent, f"interleaved session: {e}") from e
         except RuntimeError as e:
             raise CheckFailed(f"interleaved session: {e}") from e
         launcher = worker.collect()
-        left = max(1.0, limit - (time.perf_counter() - start))
-        plain, dynmo = (p.finish(left) for p in programs)
+        plain, dynmo = (p.finish(left()) for p in programs)
     except BaseException:
         for p in programs:
             p.kill()

@@ -169,8 +169,8 @@ class Runs:
             except Exception as e:  # noqa: BLE001 - every row sharing the run fails with it
                 self._done[key] = CheckFailed(f"{type(e).__name__}: {e}"[:300])
         value = self._done[key]
-        if isinstance(value, CheckFailed):
-            raise CheckFailed(f"(shared run {key}) {value}")
+        if isinstance(value, CheckFailed):  # its kind kept: a run the budget stopped is "skipped: budget"
+            raise type(value)(f"(shared run {key}) {value}")
         return value
 
 

@@ -96,6 +96,20 @@ def test_throughput_overhead_is_judged_only_where_the_rounds_resolve_three_perce
     assert not ok  # launcher slower than Megatron-LM
 
 
+def test_a_shared_run_the_budget_stopped_is_skipped_for_every_row_that_shares_it():
+    """Runs.get re-raised every stored failure as a plain CheckFailed: a run the budget
+    stopped read FAIL in each row sharing it, not "skipped: budget"."""
+    runs = gpu_check.Runs()
+
+    def stopped():
+        raise gpu_check.BudgetExceeded("stopped after 3 s: the budget (--budget-s) was spent")
+    rows = [gpu_check._guard(name, lambda: runs.get("shape-host", stopped)) for name in ("a", "b")]
+    assert [r.result for r in rows] == [gpu_check.SKIPPED_BUDGET] * 2
+    assert rows[1].detail.startswith("(shared run shape-host) stopped after 3 s")
+    failed = gpu_check._guard("c", lambda: runs.get("other", lambda: 1 / 0))
+    assert failed.result == "FAIL" and "ZeroDivisionError" in failed.detail
+
+
 def _report(times: dict[int, float], windows: list[list[int]]) -> dict:
     return {"iterations": [{"iteration": i, "time_s": t} for i, t in times.items()],
             "events": [{"kind": "profile", "iteration": w[-1], "window": w, "profile": _profile({1: 1.0})}

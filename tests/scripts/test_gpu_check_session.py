@@ -81,6 +81,22 @@ def test_a_program_that_dies_stops_the_session_at_once_with_its_reason(tmp_path)
         baton.turns(0.05, lambda: None)  # a program alive but never done: the turn's timeout
 
 
+def test_the_session_waits_end_at_one_deadline_not_at_each_waits_own_limit(tmp_path):
+    """Each wait used to get its full limit (the programs' readiness 240 s each in turn,
+    every turn 120 s), so a session could outlast the budget several times over."""
+    import time
+    baton = bt.Baton(tmp_path / "baton", ["a", "b", "c"], rounds=1)
+    start = time.monotonic()
+    with pytest.raises(bt.BatonTimeout, match="no ready-a after 0 s"):
+        baton.wait_ready(60, lambda: None, deadline=start + 0.2)
+    for name in "abc":
+        (baton.folder / f"ready-{name}").write_text("")
+    (baton.folder / "done-a-0").write_text('{"start": 0, "end": 1}')
+    with pytest.raises(bt.BatonTimeout, match="no done-b-0 after 0 s"):
+        baton.turns(60, lambda: None, deadline=time.monotonic() + 0.2)
+    assert time.monotonic() - start < 30  # not the waits' own 60 s
+
+
 def test_a_program_without_a_coordinator_gives_up(tmp_path):
     client = bt.BatonClient(bt.BatonSpec(str(tmp_path), "a", 1, 1, 1), timeout_s=0.05)
     with pytest.raises(bt.BatonTimeout, match="no go-a-0"):
@@ -115,7 +131,7 @@ def test_round_ratios_leave_out_waits_warmup_and_windows():
     assert ours == pytest.approx([0.10 * (1 + r / 100) for r in (1, 2, 3, 4)])
     assert ratio == pytest.approx([0.5] * 4) and plugin == pytest.approx([1.05] * 4)
     passed, detail = rows_mlm.throughput_verdict(ours, ratio, plugin, "host")
-    assert not passed and "--dynmo every 10 / plain 1.050x (rounds 1.050-1.050, <= 1.03)" in detail
+    assert not passed and "--dynmo every 10 / plain 1.050x (rounds 1.050-1.050, every round over 1.03)" in detail
     times = host_session.timing_iterations(_session().dynmo, _session().spec)
     assert max(times.values()) == 0.9 and 5.0 not in times.values() and 1 not in times
 
