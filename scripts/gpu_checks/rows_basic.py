@@ -34,16 +34,23 @@ def check_machine(m: Machine, _sizes: Sizes, _out: Path) -> Row:
 
 
 def check_packages(m: Machine, _sizes: Sizes, _out: Path) -> Row:
+    """megatron-core imports (not only its metadata: the carried wheel installed with
+    --no-deps may lack a dependency), and Transformer Engine's state."""
     from importlib.metadata import version
+    try:
+        import megatron.core  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure is this row's verdict
+        raise CheckFailed(f"megatron-core does not import: {type(e).__name__}: {e}"[:300]) from e
     te = ("transformer_engine imports: default --transformer-impl transformer_engine"
           if m.te_problem is None else f"Transformer Engine not usable ({m.te_problem}): local layers")
-    return Row("packages", "pass", f"megatron-core {version('megatron-core')}; {te}")
+    return Row("packages", "pass", f"megatron-core {version('megatron-core')} imports; {te}")
 
 
 def check_precision_flag(m: Machine, _sizes: Sizes, _out: Path) -> Row:
     if m.bf16:
         return Row("precision_flag", "pass", "the launcher takes --bf16")
-    return Row("precision_flag", "pass", "the launcher has no --bf16 yet: every check runs fp32")
+    raise CheckFailed("the launcher's parser has no --bf16: every timing row would run fp32, "
+                      "which no row's bound is for")
 
 
 def _precision(m: Machine) -> list[str]:

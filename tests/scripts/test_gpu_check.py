@@ -68,6 +68,16 @@ def test_no_cuda_fails_the_machine_check_unless_dry_run():
     assert row.result == gpu_check.NO_CUDA
 
 
+def test_precision_flag_fails_where_the_launcher_has_no_bf16_and_packages_imports_megatron_core():
+    """docs/gpu.md: precision_flag passes when the launcher takes --bf16 (it passed without),
+    packages when megatron-core imports (it read the metadata only)."""
+    assert gpu_check.check_precision_flag(gpu_check.Machine(bf16=True), None, None).result == "pass"
+    with pytest.raises(gpu_check.CheckFailed, match="no --bf16"):
+        gpu_check.check_precision_flag(gpu_check.Machine(bf16=False), None, None)
+    row = gpu_check.check_packages(gpu_check.Machine(te_problem="no CUDA"), None, None)
+    assert row.result == "pass" and " imports; Transformer Engine not usable (no CUDA)" in row.detail
+
+
 def test_the_json_is_written_even_where_no_row_ran(tmp_path, capsys):
     """On the 2026-11-28 rehearsal every row of `--set issue34` skipped on CPU, no row made
     --out, and the JSON write raised (on a GPU: a budget that skips every group)."""
