@@ -353,3 +353,42 @@ def test_kernel_times_without_any_backward_fall_back_to_the_host():
     in_megatron_process(_check_forward_only_kernels_are_not_trusted,
                         ModelArgs(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                                   micro_batch_size=2, global_batch_size=4))
+
+
+def _interleaved_rank(rank: int, port: int, args) -> None:
+    """One of two ranks of PP=2 with two virtual stages each, a real interleaved step."""
+    import os
+
+    import torch.distributed as dist
+
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.training.parallel import destroy_parallel, init_parallel
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    dims = init_parallel(args)
+    try:
+        trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 4, num_chunks=2))
+        window = _window_with(trainer, _SyntheticBusy())
+        window.before_iteration()
+        trainer.train_step(1)
+        window.after_iteration()
+        profile = window.close()
+        extras = {s.stage: s.extra_s for s in profile.stages if s.stage % 2 == rank}
+        emb, head = (KERNEL_S[f"{k}_fwd"] + KERNEL_S[f"{k}_bwd"] for k in ("emb", "head"))
+        want = {0: emb, 2: 0.0} if rank == 0 else {1: 0.0, 3: head}
+        assert extras == pytest.approx(want), (rank, extras)
+    finally:
+        if dist.is_initialized():
+            destroy_parallel()
+
+
+@pytest.mark.multiproc
+def test_on_a_gpu_bound_interleaved_rank_each_chunk_has_only_its_own_extras():
+    """Kernel ranges are named per rank (emb_fwd, head_fwd, ...), not per chunk: every
+    virtual stage of a rank read the rank's embedding and output-layer kernels as its
+    extras, in its cost and its predicted time (GPU-bound stages only)."""
+    from launch import free_port, spawn
+    args = ModelArgs(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=1,
+                     global_batch_size=4, pipeline_model_parallel_size=2, num_virtual_stages_per_pipeline_rank=2)
+    spawn(_interleaved_rank, (free_port(), args), nprocs=2)

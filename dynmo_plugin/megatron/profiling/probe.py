@@ -158,6 +158,15 @@ class StageProbe:
         if self._empty is not None:
             self._hook_layer(self._empty)
 
+    @property
+    def extra_keys(self) -> tuple[str, ...]:
+        """The extras' span names this chunk times (the embedding's on the first virtual
+        stage, the output layer's on the last): also the names of their kernel ranges,
+        which are per rank, not per chunk, so another chunk of the rank must not read
+        them as its own."""
+        return ((("emb_fwd", "emb_bwd") if getattr(self.model, "pre_process", False) else ())
+                + (("head_fwd", "head_bwd") if getattr(self.model, "post_process", False) else ()))
+
     def detach(self) -> None:
         """Remove the hooks; a forward that raised (its post-hook never ran) left its
         saved-tensor hooks on torch's stack, which would count every later tensor saved

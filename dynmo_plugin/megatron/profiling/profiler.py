@@ -398,7 +398,7 @@ class ProfileWindow:
         if isinstance(self.clock, CudaEventClock):  # CPU time differs from wall time only there
             cpu = {x.layer: (median(probe.samples[f"cpu/fwd/{x.layer}"]), median(probe.samples[f"cpu/bwd/{x.layer}"]))
                    for x in layers}
-        extra_gpu = sum(median(busy.get(k, [])) for k in ("emb_fwd", "emb_bwd", "head_fwd", "head_bwd"))
+        extra_gpu = sum(median(busy.get(k, [])) for k in probe.extra_keys)  # this chunk's, not the rank's
         trainable = [x.layer for x in layers if probe.samples.get(f"bwd/{x.layer}")]  # spans were timed
         if busy and trainable and not any(f"bwd/{n}" in busy for n in trainable):
             logger.warning("dynmo: stage %d: GPU kernels were attributed to forward spans only (no "
