@@ -14,7 +14,7 @@ from typing import Optional
 from gpu_checks import launching
 from gpu_checks.common import CheckFailed, DETERMINISM_ENV, Machine, NO_CUDA, ROOT, Row, _log
 from gpu_checks.launching import _error_line, _free_port, run_killable, timed_out
-from gpu_checks.rows_shapes import IDENTICAL_MAX, PLUGIN_OVERHEAD_MAX, PREDICTION_ACCEPT, Runs, SHAPES, THROUGHPUT_MAX, THROUGHPUT_ROUNDS, identical_verdict, prediction_verdict, shape_row, timed_profiles, window_iterations
+from gpu_checks.rows_shapes import IDENTICAL_MAX, PLUGIN_OVERHEAD_MAX, PREDICTION_ACCEPT, Runs, SHAPES, THROUGHPUT_MAX, THROUGHPUT_ROUNDS, identical_verdict, prediction_verdict, shape_row, timed_profiles, window_iterations, with_kernel_clock
 
 
 # ---- inside Megatron-LM's pretrain_gpt.py ---------------------------------------------------------
@@ -118,8 +118,10 @@ def _mlm_shape_text(m: Machine, shape: str) -> str:
 def check_mlm_identical(m: Machine, shape: str, out: Path, runs: Runs, rounds: int = THROUGHPUT_ROUNDS) -> Row:
     def judge() -> tuple[bool, str]:
         _, report = _mlm_profiled(m, shape, out, runs, rounds)
-        ratio, detail = identical_verdict(timed_profiles(report)[-1]["profile"])
-        return ratio <= IDENTICAL_MAX, f"{_mlm_shape_text(m, shape)}, inside pretrain_gpt.py: {detail}"
+        profile = timed_profiles(report)[-1]["profile"]
+        ratio, detail = identical_verdict(profile)
+        return with_kernel_clock(m, shape, [profile], ratio <= IDENTICAL_MAX,
+                                 f"{_mlm_shape_text(m, shape)}, inside pretrain_gpt.py: {detail}")
     return _mlm_row(f"identical_layers[mlm-{shape}]", m, shape, judge)
 
 
@@ -127,7 +129,9 @@ def check_mlm_prediction(m: Machine, shape: str, out: Path, runs: Runs, rounds: 
     def judge() -> tuple[bool, str]:
         times, report = _mlm_profiled(m, shape, out, runs, rounds)
         worst, detail = prediction_verdict(report, times)
-        return abs(worst) <= PREDICTION_ACCEPT, f"{_mlm_shape_text(m, shape)}, inside pretrain_gpt.py: {detail}"
+        return with_kernel_clock(m, shape, [e["profile"] for e in timed_profiles(report)],
+                                 abs(worst) <= PREDICTION_ACCEPT,
+                                 f"{_mlm_shape_text(m, shape)}, inside pretrain_gpt.py: {detail}")
     return _mlm_row(f"stage_prediction[mlm-{shape}]", m, shape, judge)
 
 

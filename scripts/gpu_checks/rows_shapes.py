@@ -92,6 +92,26 @@ def heavy_slope_verdict(profile: dict, heavy: dict[int, int], tolerance: float) 
     return detail
 
 
+def kernel_clock_problem(profile: dict, shape: str) -> Optional[str]:
+    """On a GPU: why the profile's kernel clock cannot stand behind a row, or None. Every
+    layer needs kernel time attributed (`gpu_s` > 0; a window whose backward ranges got no
+    kernel records none), and the GPU-bound shape its costs from the kernels: without this
+    a row passed on the host's launch time, which scales with the work too."""
+    missing = [x["layer"] for x in profile["layers"] if not x.get("gpu_s")]
+    if missing:
+        return f"no GPU kernel time attributed to layers {missing} (the kernel clock failed: gpu_check.log)"
+    source = profile["stages"][0].get("cost_source")
+    if shape.endswith("gpu") and source != "gpu_kernels":
+        return f"costs from {source}, not the GPU kernels, at the GPU-bound shape"
+    return None
+
+
+def with_kernel_clock(m: Machine, shape: str, profiles: list[dict], passed: bool, detail: str) -> tuple[bool, str]:
+    """(passed, detail) of a row, failed where a profile's kernel clock fails (GPU only)."""
+    problem = next((p for p in (kernel_clock_problem(x, shape) for x in profiles) if p), None) if m.gpus else None
+    return (False, f"{detail}; kernel clock: {problem}") if problem else (passed, detail)
+
+
 def window_iterations(report: Optional[dict]) -> set[int]:
     """The iterations inside the report's profiling windows."""
     inside = set()
@@ -211,7 +231,8 @@ def check_identical(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
     def judge() -> tuple[bool, str]:
         profile = timed_profiles(shape_run(m, shape, out, runs))[-1]["profile"]
         ratio, detail = identical_verdict(profile, exclude=tuple(HEAVY_LAYERS))
-        return ratio <= IDENTICAL_MAX, f"{_shape_text(m, shape)}, launcher: {detail}"
+        return with_kernel_clock(m, shape, [profile], ratio <= IDENTICAL_MAX,
+                                 f"{_shape_text(m, shape)}, launcher: {detail}")
     return shape_row(f"identical_layers[{shape}]", m, shape, judge)
 
 
@@ -219,9 +240,10 @@ def check_heavy(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
     def judge() -> tuple[bool, str]:
         profile = timed_profiles(shape_run(m, shape, out, runs))[-1]["profile"]
         try:
-            return True, f"{_shape_text(m, shape)}: " + heavy_slope_verdict(profile, HEAVY_LAYERS, HEAVY_ACCEPT)
+            passed, detail = True, heavy_slope_verdict(profile, HEAVY_LAYERS, HEAVY_ACCEPT)
         except CheckFailed as e:
-            return False, f"{_shape_text(m, shape)}: {e}"
+            passed, detail = False, str(e)
+        return with_kernel_clock(m, shape, [profile], passed, f"{_shape_text(m, shape)}: {detail}")
     return shape_row(f"heavy_layer[{shape}]", m, shape, judge)
 
 
@@ -237,5 +259,6 @@ def check_prediction(m: Machine, shape: str, out: Path, runs: Runs) -> Row:
     def judge() -> tuple[bool, str]:
         report = shape_run(m, shape, out, runs)
         worst, detail = prediction_verdict(report, {i["iteration"]: i["time_s"] for i in report["iterations"]})
-        return abs(worst) <= PREDICTION_ACCEPT, f"{_shape_text(m, shape)}, launcher: {detail}"
+        return with_kernel_clock(m, shape, [e["profile"] for e in timed_profiles(report)],
+                                 abs(worst) <= PREDICTION_ACCEPT, f"{_shape_text(m, shape)}, launcher: {detail}")
     return shape_row(f"stage_prediction[{shape}]", m, shape, judge)

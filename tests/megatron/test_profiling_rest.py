@@ -339,14 +339,18 @@ class _ForwardOnlyBusy(_SyntheticBusy):
 
 def _check_forward_only_kernels_are_not_trusted(args):
     trainer = _one_rank_trainer(args)
-    costs = {}
+    costs, kernels = {}, {}
     for fault in (_SyntheticBusy, _ForwardOnlyBusy):
         window = _window_with(trainer, fault(), CudaEventClock(cuda=RecordingCudaStandIn()))
         window.before_iteration()
         trainer.train_step(1)
         window.after_iteration()
-        costs[fault.__name__] = window.close().stages[0].cost_source
+        profile = window.close()
+        costs[fault.__name__] = profile.stages[0].cost_source
+        kernels[fault.__name__] = [x.gpu_s for x in profile.layers] + [profile.stages[0].gpu_s]
     assert costs == {"_SyntheticBusy": "gpu_kernels", "_ForwardOnlyBusy": "host_cpu"}, costs
+    # not trusted, so not recorded: the forward's kernels alone read as the layer's
+    assert all(k > 0 for k in kernels["_SyntheticBusy"]) and kernels["_ForwardOnlyBusy"] == [0.0] * 3
 
 
 def test_kernel_times_without_any_backward_fall_back_to_the_host():

@@ -57,6 +57,26 @@ def test_heavy_layers_at_two_factors_check_the_slope_not_just_a_ratio():
         gpu_check.heavy_slope_verdict(_profile(wrong), heavy, accept)
 
 
+def test_a_row_on_a_gpu_fails_where_no_kernel_time_was_attributed():
+    """Review 2026-11-29: with no kernel attributed the costs fall back to the host's launch
+    time, which also reads 3x for a 3x layer (its launches are 3x): the GPU rows passed
+    with the GPU's busy time never measured. Each layer needs kernel time, and the
+    GPU-bound shape its costs from the kernels; the dry run (no GPU) is not held to it."""
+    def profile(gpu_s: float, source: str) -> dict:
+        return {"layers": [{"layer": n, "fwd_s": 1.0, "bwd_s": 2.0, "gpu_s": gpu_s} for n in (1, 2)],
+                "stages": [{"cost_source": source}]}
+    gpu, cpu = gpu_check.Machine(gpus=["H200"]), gpu_check.Machine(cpu_mode=True)
+    check = gpu_check.with_kernel_clock
+    assert check(gpu, "gpu", [profile(3e-3, "gpu_kernels")], True, "d") == (True, "d")
+    assert check(gpu, "host", [profile(3e-3, "host_cpu")], True, "d") == (True, "d")
+    passed, detail = check(gpu, "host", [profile(3e-3, "host_cpu"), profile(0.0, "host_cpu")], True, "d")
+    assert not passed and "no GPU kernel time attributed to layers [1, 2]" in detail
+    passed, detail = check(gpu, "gpu", [profile(3e-3, "host_cpu")], True, "d")
+    assert not passed and "costs from host_cpu, not the GPU kernels, at the GPU-bound shape" in detail
+    assert check(cpu, "host", [profile(0.0, "span")], True, "d") == (True, "d")
+    assert check(gpu, "gpu", [profile(3e-3, "gpu_kernels")], False, "d") == (False, "d")
+
+
 def _stage_report(predicted: list[float], times: dict[int, float], windows: list[list[int]]) -> dict:
     return {"iterations": [{"iteration": i, "time_s": t} for i, t in times.items()],
             "events": [{"kind": "profile", "iteration": w[-1], "window": w,

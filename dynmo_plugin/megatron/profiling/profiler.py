@@ -405,6 +405,8 @@ class ProfileWindow:
                            "backward range held a launch): the kernel clock is not trusted here",
                            record.stage)
             busy = {}
+            for x in layers:  # recorded as not measured, not as half the layer
+                x.gpu_s = 0.0
         choose_costs(record, layers, busy, cpu, extra_gpu, m)
         record.step_s = median(self._steps) / len(self.probes)  # one optimizer per rank
         record.rest_s = median(self._rest) / len(self.probes)
