@@ -159,7 +159,9 @@ def throughput_verdict(ours: list[float], ratio: list[float], plugin: list[float
                                    f"{spread:.1%}, which does not resolve {PLUGIN_OVERHEAD_MAX - 1:.0%}")
     detail = (f"{what}, {len(ratio)} interleaved rounds, like for like (no dropout, no clipping, weight decay "
               f"0.01, no NaN checks), windows excluded: launcher/Megatron-LM {a:.3f}x (rounds {_spread(ratio)}, "
-              f"<= {THROUGHPUT_MAX}); --dynmo every {every} / plain {b:.3f}x (rounds {_spread(plugin)}, {judged}); "
+              f"<= {THROUGHPUT_MAX}); --dynmo every {every} / plain {b:.3f}x (rounds {_spread(plugin)}, {judged}; "
+              f"by round {' '.join(f'{x:.3f}' for x in plugin)}: a cost the first window, at iteration "
+              f"{every}, leaves behind shows in the rounds after it); "
               f"launcher {1e3 * statistics.median(ours):.1f} ms/iteration (rounds {1e3 * min(ours):.1f}-"
               f"{1e3 * max(ours):.1f})")
     return a <= THROUGHPUT_MAX and plugin_ok, detail

@@ -169,9 +169,13 @@ def overhead_verdict(report: dict, warmup: int = 2) -> tuple[float, str]:
         raise CheckFailed(f"need profiled and unprofiled iterations after warm-up: {sorted(inside)}")
     closing = statistics.median([r.get("dynmo_s", 0.0) for i, r in rows.items() if i in inside])
     ratio = statistics.median(a) / statistics.median(b)
+    # each unprofiled iteration in order: one before the first window against those after
+    # it shows a cost the profiler leaves behind (CUPTI kept attached after the window)
+    order = " ".join(f"{i}:{1e3 * r['time_s']:.1f}" for i, r in rows.items() if i not in inside)
     return ratio, (f"profiled {1e3 * statistics.median(a):.1f} ms / unprofiled "
                    f"{1e3 * statistics.median(b):.1f} ms = {ratio:.3f}x (<= {OVERHEAD_MAX}x); "
-                   f"closing a window {1e3 * closing:.1f} ms once (profiler stop, kernel attribution, decision)")
+                   f"closing a window {1e3 * closing:.1f} ms once (profiler stop, kernel attribution, decision); "
+                   f"unprofiled ms by iteration {order}")
 
 
 class Runs:

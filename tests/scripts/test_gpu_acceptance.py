@@ -140,6 +140,8 @@ def test_profiling_overhead_compares_window_iterations_with_the_others_after_war
     times = {1: 9.0, 2: 9.0, 3: 1.0, 4: 1.25, 5: 1.0, 6: 1.0, 7: 1.0, 8: 1.25}
     ratio, detail = gpu_check.overhead_verdict(_report(times, [[4, 4], [8, 8]]))
     assert ratio == pytest.approx(1.25) and "1.250x" in detail
+    # in order, the one before the first window beside those after it
+    assert detail.endswith("unprofiled ms by iteration 3:1000.0 5:1000.0 6:1000.0 7:1000.0")
     report = _report(times, [[4, 4], [8, 8]])  # closing a window: the plugin's own time, apart
     for it in report["iterations"]:
         it["dynmo_s"] = 0.5 if it["iteration"] in (4, 8) else 0.001
