@@ -510,3 +510,18 @@ def test_cuda_marks_keep_the_threads_cpu_time():
     sum(range(200000))
     end = clock.mark()
     assert 0 < clock.host_cpu_seconds(start, end) <= clock.host_seconds(start, end) + 1e-3
+
+
+def test_cupti_is_detached_after_each_window_where_the_user_and_cuda_allow(monkeypatch):
+    """Kineto leaves CUPTI attached after a profiler stops unless TEARDOWN_CUPTI=1, which
+    slows every later iteration (pytorch#144455): set on CUDA >= 12.6 where nobody set it;
+    a value already there (the user's, torch.compile's 0 with CUDA graphs) stands."""
+    import os
+
+    from dynmo_plugin.megatron.profiling.kernels import TEARDOWN_ENV, release_cupti_after_windows
+    monkeypatch.delenv(TEARDOWN_ENV, raising=False)
+    for version in (None, "", "12.4", "11.8", "cpu"):
+        assert not release_cupti_after_windows(version) and TEARDOWN_ENV not in os.environ
+    assert release_cupti_after_windows("13.0") and os.environ[TEARDOWN_ENV] == "1"
+    monkeypatch.setenv(TEARDOWN_ENV, "0")
+    assert not release_cupti_after_windows("12.6") and os.environ[TEARDOWN_ENV] == "0"

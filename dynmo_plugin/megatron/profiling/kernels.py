@@ -26,16 +26,24 @@ thread's, and no backward range (recorded on the device thread) could hold one. 
 runtime call's `device_resource_id` is CUPTI's thread mapped to the OS thread id by
 kineto (`recordThreadInfo`, which torch calls for each thread that records a range),
 the same id our ranges carry.
+
+Detached after each window: kineto leaves CUPTI attached when a profiler stops unless
+TEARDOWN_CUPTI=1 (its default in torch 2.11), and an attached CUPTI slows every later
+iteration by 10-20% (pytorch#144455; the H200 call's plugin/plain 1.19-1.27x fits it).
+`release_cupti_after_windows` sets it where the user has not, on CUDA 12.6 or newer
+(before, a teardown crashed CUDA graphs' next CUPTI start; torch sets it to 0 itself
+where it needs that).
 """
 from __future__ import annotations
 
 import bisect
 import logging
+import os
 from collections import defaultdict
 from typing import Hashable, NamedTuple, Optional
 
-__all__ = ["KernelBusy", "Range", "attribute", "busy_by_range", "range_name", "parse_range", "start_profiler",
-           "stop_profiler"]
+__all__ = ["KernelBusy", "Range", "attribute", "busy_by_range", "range_name", "parse_range",
+           "release_cupti_after_windows", "start_profiler", "stop_profiler"]
 
 logger = logging.getLogger(__name__)
 PREFIX = "dynmo:"
@@ -175,6 +183,29 @@ def is_gpu_work(ev) -> bool:
     return activity is None or str(activity()) not in NOT_WORK
 
 
+TEARDOWN_ENV = "TEARDOWN_CUPTI"
+TEARDOWN_MIN_CUDA = (12, 6)
+
+
+def release_cupti_after_windows(cuda_version: Optional[str]) -> bool:
+    """Ask kineto to detach CUPTI (cuptiFinalize) when each window's profiler stops (the
+    module docstring): sets TEARDOWN_CUPTI=1 unless it is set already (the user's or
+    torch's own choice stands) or CUDA is older than 12.6. Kineto reads it at each stop,
+    so it takes effect from the first window. Whether it was set by this call."""
+    if TEARDOWN_ENV in os.environ or not cuda_version:
+        return False
+    try:
+        version = tuple(int(x) for x in cuda_version.split(".")[:2])
+    except ValueError:
+        return False
+    if version < TEARDOWN_MIN_CUDA:
+        return False
+    os.environ[TEARDOWN_ENV] = "1"
+    logger.info("dynmo: %s=1: CUPTI is detached after each profiling window (else it slows "
+                "every later iteration); set %s=0 to keep it attached", TEARDOWN_ENV, TEARDOWN_ENV)
+    return True
+
+
 def start_profiler(device: str, every_op: bool = False):
     """A started CUDA profiler (CPU activity too, for the launches and our ranges) that
     records only user-scope ranges on the host, i.e. ours, not every aten op.
@@ -189,8 +220,11 @@ def start_profiler(device: str, every_op: bool = False):
     drives `torch.autograd.profiler.profile` one step lower; if that private path is not
     there (another torch), the public profiler with every scope stands in, said once;
     `every_op` asks for that one (the benchmark's comparison)."""
+    import torch
     from torch.autograd import profiler as autograd_profiler
     from torch._C._profiler import RecordScope
+    if device == "cuda":
+        release_cupti_after_windows(torch.version.cuda)
     prof = autograd_profiler.profile(use_device=device if device != "cpu" else None)
     try:
         if every_op:
