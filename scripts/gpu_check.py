@@ -332,31 +332,64 @@ class Stopped(BaseException):
     its runs are killed, and the rows done so far still make the table and the JSON."""
 
 
+# SIGTERM raises Stopped only while the groups run (`armed`); elsewhere (the table and
+# the JSON being written, the worker stopping) it is only recorded (`seen`)
+_SIGTERM = {"armed": False, "seen": False}
+
+
 def _stop(signum: int, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the table is being written
-    raise Stopped("stopped by SIGTERM (device_check.sh's time limit?)")
+    _SIGTERM["seen"] = True
+    if _SIGTERM["armed"]:
+        _SIGTERM["armed"] = False  # once
+        raise Stopped("stopped by SIGTERM (device_check.sh's time limit?)")
+
+
+def _with_sigterm(fn: Callable[[], int]) -> int:
+    """`fn()` with SIGTERM handled by `_stop` (main thread only): it stops the groups, and
+    only is recorded while the table and the JSON are written; the caller's handler is
+    restored after (a test calling main() must not leave pytest ignoring SIGTERM)."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return fn()
+    _SIGTERM.update(armed=False, seen=False)
+    old = signal.signal(signal.SIGTERM, _stop)
+    try:
+        return fn()
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def run_group(group: Group, checks: dict, m: Machine, only: tuple[str, ...], worker: bool,
-              run: bool = True, estimate_s: Optional[float] = None) -> list[Row]:
-    """The group's rows; all 'skipped: budget' when the schedule says it no longer fits."""
+              run: bool = True, estimate_s: Optional[float] = None, done: Optional[list] = None) -> list[Row]:
+    """The group's rows, each also appended to `done` as it is judged (a stop keeps
+    them); all 'skipped: budget' when the schedule says it no longer fits."""
+    done = [] if done is None else done
     names = _selected_rows(group, only)
     left = launching.BUDGET.left()
     estimate_s = group.estimate_s() if estimate_s is None else estimate_s
     if not run or (group.launches and left < estimate_s):
         _log(f"group {group.name}: estimated {estimate_s:.0f} s, {max(0.0, left):.0f} s left: skipped")
-        return [Row(n, SKIPPED_BUDGET, f"estimated {estimate_s:.0f} s (re-estimated from the groups run), "
+        rows = [Row(n, SKIPPED_BUDGET, f"estimated {estimate_s:.0f} s (re-estimated from the groups run), "
                                        f"{max(0.0, left):.0f} s left of --budget-s {launching.BUDGET.seconds:.0f}") for n in names]
+        done += rows
+        return rows
+    first = len(done)
     if group.name != START_GROUP:
-        return [_run_row(name, checks[name]) for name in names]
+        done += (_run_row(name, checks[name]) for name in names)
+        return done[first:]
     nccl = [n for n in names if n.startswith("nccl/")]
     started = start_nccl(m.cpu_mode) if nccl else None  # all at once: see start_group
-    if worker:
-        launching.WORKER.start()
-    rows = [_run_row(name, checks[name]) for name in names if name in PROBE_ROWS]
-    if started is not None:
-        rows += [r for r in collect_nccl(*started) if r.check == "nccl" or r.check in nccl]
-    return rows
+    try:
+        if worker:
+            launching.WORKER.start()
+        done += (_run_row(name, checks[name]) for name in names if name in PROBE_ROWS)
+        if started is not None:
+            done += [r for r in collect_nccl(*started) if r.check == "nccl" or r.check in nccl]
+    except BaseException:  # stopped: gpu_check_nccl.py (a session of its own) goes too
+        if started is not None:
+            launching.kill_tree(started[0])
+        raise
+    return done[first:]
 
 
 def _run_row(name: str, fn: Callable[[], Row]) -> Row:
@@ -377,24 +410,28 @@ def run_checks(m: Machine, sizes: Sizes, out: Path, only: tuple[str, ...] = (), 
     rows, chosen = [], plan.chosen()
     worker = any(x.needs_worker for g in chosen for x in g.launches)
     schedule = Schedule(chosen)
-    group, stopped = None, False
+    group = None
     try:
+        _SIGTERM["armed"] = True
+        if _SIGTERM["seen"]:  # it came before the groups began
+            raise Stopped("stopped by SIGTERM (device_check.sh's time limit?)")
         while (step := schedule.next(launching.BUDGET.left())) is not None:
             group, run = step
             start = time.perf_counter()
-            rows += run_group(group, checks, m, only, worker, run, schedule.estimate_s(group))
+            run_group(group, checks, m, only, worker, run, schedule.estimate_s(group), done=rows)
             group = None
             if run:
                 schedule.done(step[0], time.perf_counter() - start)
                 _log(f"group {step[0].name}: {time.perf_counter() - start:.0f} s (estimated "
                      f"{step[0].estimate_s():.0f} s); later estimates x{schedule.scale:.2f}")
     except Stopped as e:
-        stopped = True
         _log(f"{e}: the rows not run say so")
+        judged = {r.check for r in rows}
         rows += [Row(n, SKIPPED_STOPPED, str(e)) for g in ([group] if group else []) + schedule.pending
-                 for n in _selected_rows(g, only)]
+                 for n in _selected_rows(g, only) if n not in judged]
     finally:
-        launching.WORKER.stop(kill=stopped)
+        _SIGTERM["armed"] = False
+        launching.WORKER.stop(kill=_SIGTERM["seen"])
         launching.WORKER = None
     path = write_scenario_costs(m, costs, out)
     if path is not None:
@@ -442,14 +479,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             plan = device_plan(plan, args.device_check, not args.no_megatron_lm)
         print(json.dumps(plan.to_dict()) if args.json else render_plan(plan))
         return 0
-    signal.signal(signal.SIGTERM, _stop)
     _log("\n" + render_plan(plan))  # on CPU: the plan of the machines this check is for
+    return _with_sigterm(lambda: _run_and_report(args, machine, plan, only))
+
+
+def _run_and_report(args: argparse.Namespace, machine: Machine, plan: Plan, only: tuple[str, ...]) -> int:
+    """The rows, then the JSON (in --out) and the table or JSON on stdout; the status."""
     sizes = CPU_SIZES if not machine.gpus else GPU_SIZES
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         out = Path(args.out) if args.out else Path(tmp)
         out.mkdir(parents=True, exist_ok=True)  # the JSON is written even where no row ran
         rows = run_checks(machine, sizes, out, only, args.rounds, args.budget_s)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # what ran is written, whatever comes
         status = exit_status(rows)
         result = json.dumps({"ok": status == 0, "machine": asdict(machine),
                              "env": {"bit_exact_rows": DETERMINISM_ENV, "timing_rows": {k: worker_env().get(k) for k in DETERMINISM_ENV}},

@@ -109,6 +109,7 @@ export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 # ones (issue 34): nothing to export here.
 ARGS=()
 [[ $DRY -eq 1 ]] && ARGS+=(--cpu)
-set +e
-"$PY" "$ROOT/scripts/gpu_check.py" ${ARGS[@]+"${ARGS[@]}"} ${EXTRA[@]+"${EXTRA[@]}"}
-exit $?
+# exec: a `timeout` around this script (device_check.sh's hard limit) signals the check
+# itself, and its -k SIGKILL still reaches it (a bash parent died at the SIGTERM, and
+# timeout then returned without the kill while the check went on)
+exec "$PY" "$ROOT/scripts/gpu_check.py" ${ARGS[@]+"${ARGS[@]}"} ${EXTRA[@]+"${EXTRA[@]}"}

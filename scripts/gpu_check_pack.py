@@ -120,12 +120,15 @@ def pack(archive: Path, roots: list[Path], limit: int = 16 * MIB, cap: int = 4 *
     entries = collect(roots)
     archive.parent.mkdir(parents=True, exist_ok=True)
     partial = archive.with_name(f".{archive.name}.partial")
-    while _write(partial, entries, cap) > limit:
-        packed = [e for e in entries if e.status == "kept" or e.status.startswith("truncated")]
-        if not packed:
-            break
-        max(packed, key=lambda e: e.size).status = "dropped: over the archive limit"
-    partial.replace(archive)
+    try:
+        while _write(partial, entries, cap) > limit:
+            packed = [e for e in entries if e.status == "kept" or e.status.startswith("truncated")]
+            if not packed:
+                break
+            max(packed, key=lambda e: e.size).status = "dropped: over the archive limit"
+        partial.replace(archive)
+    finally:
+        partial.unlink(missing_ok=True)  # a failed write's: never a file beside the archive
     if listing is not None:
         listing.write_text(manifest(entries))
     return entries

@@ -28,7 +28,8 @@
 # --deadline-s S: the whole script's time (scripts/device_check.sh passes what its total
 # leaves): each run's limit is also cut to what is left of S, so a run never outlives
 # the caller's own `timeout` (GNU timeout puts a nested timeout in a process group of
-# its own, which the outer one's kill does not reach); a run with under 20 s left fails.
+# its own, which the outer one's kill does not reach); with under 20 s left for a run the
+# script exits 124, as a run stopped by its limit does.
 # Exit 0: passed; 1: a check failed or a run failed; 2: usage/setup.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -131,7 +132,9 @@ run_limit() {  # seconds the next run may take: --run-timeout, cut to what --dea
 run() {  # run LOG FLAGS...: pretrain_gpt.py through the wrapper on one GPU; exit 1 if it fails
   local log="$1"; shift
   local limit; limit="$(run_limit)"
-  if [[ $limit -lt 20 ]]; then say "no time left for $log (--deadline-s $DEADLINE, $SECONDS s gone)"; exit 1; fi
+  if [[ $limit -lt 20 ]]; then  # 124, as a run `timeout` stopped: the caller's budget, not a failure
+    say "no time left for $log (--deadline-s $DEADLINE, $SECONDS s gone)"; exit 124
+  fi
   set +e
   DYNMO_MEGATRON_LM="$SRC" CUDA_DEVICE_MAX_CONNECTIONS=1 timeout -k 5 "$limit" "$PY" -m torch.distributed.run \
     --nproc-per-node 1 --master-addr 127.0.0.1 --master-port "${DYNMO_CHECK_PORT:-29561}" \

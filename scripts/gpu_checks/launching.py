@@ -93,8 +93,10 @@ def descendants(pid: int) -> list[int]:
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL `proc`, its process group and every process below it (listed before the
     kill: once `proc` dies its children are re-parented and cannot be found from it)."""
+    if proc.poll() is not None:  # reaped: its pid (and group) may be another process's now
+        return
     below = descendants(proc.pid) if os.path.isdir("/proc") else []
-    for kill, target in [(os.killpg, proc.pid), *((os.kill, pid) for pid in below)]:
+    for kill, target in [(os.kill, proc.pid), (os.killpg, proc.pid), *((os.kill, pid) for pid in below)]:
         try:
             kill(target, 9)
         except (ProcessLookupError, PermissionError):
@@ -240,6 +242,10 @@ class Worker:
             except (OSError, subprocess.TimeoutExpired):
                 kill_tree(proc)
                 proc.wait()
+            except BaseException:  # gpu_check.py stopped meanwhile: nothing of the worker stays
+                kill_tree(proc)
+                proc.wait()
+                raise
         self.log.close()
         return code
 

@@ -519,7 +519,8 @@ def test_cupti_is_detached_after_each_window_where_the_user_and_cuda_allow(monke
     import os
 
     from dynmo_plugin.megatron.profiling.kernels import TEARDOWN_ENV, release_cupti_after_windows
-    monkeypatch.delenv(TEARDOWN_ENV, raising=False)
+    monkeypatch.setenv(TEARDOWN_ENV, "as found")  # recorded, so teardown restores what was there
+    monkeypatch.delenv(TEARDOWN_ENV)
     for version in (None, "", "12.4", "11.8", "cpu"):
         assert not release_cupti_after_windows(version) and TEARDOWN_ENV not in os.environ
     assert release_cupti_after_windows("13.0") and os.environ[TEARDOWN_ENV] == "1"

@@ -81,8 +81,10 @@ def test_precision_flag_fails_where_the_launcher_has_no_bf16_and_packages_import
 def test_the_json_is_written_even_where_no_row_ran(tmp_path, capsys):
     """On the 2026-11-28 rehearsal every row of `--set issue34` skipped on CPU, no row made
     --out, and the JSON write raised (on a GPU: a budget that skips every group)."""
-    out = tmp_path / "not" / "made"
+    import signal
+    out, before = tmp_path / "not" / "made", signal.getsignal(signal.SIGTERM)
     assert gpu_check.main(["--cpu", "--only", "machine", "--out", str(out), "--json"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before  # main's SIGTERM handling ends with it
     assert json.loads((out / "gpu_check.json").read_text())["rows"][0]["check"] == "machine"
     assert json.loads(capsys.readouterr().out)["ok"] is True
 
