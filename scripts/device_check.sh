@@ -135,15 +135,17 @@ if [[ $PROBE -eq 1 && $DRY -eq 0 ]]; then
 fi
 GPU_ARGS=(--python "$PY")
 [[ $DRY -eq 1 ]] && GPU_ARGS+=(--dry-run)
-pack() {  # every log, report and profile so far in $OUT/logs.tar.gz (checkpoints excluded):
-  # the device tool brings back 8 files at most, so nothing else of the runs would come
-  # back; packed after each part, each archive whole (gpu_check_pack.py renames it in)
+pack() {  # pack LIMIT_S: every log, report and profile so far in $OUT/logs.tar.gz (checkpoints
+  # excluded): the device tool brings back 8 files at most, so nothing else of the runs
+  # would come back; packed after each part, each archive whole (gpu_check_pack.py renames it in)
   mkdir -p "$WORK/gpu_check"; cp "$OUT/gpu_check.log" "$WORK/gpu_check/gpu_check.log" 2>/dev/null
-  PACKED="$(timeout -k 5 60 "$PY" "$ROOT/scripts/gpu_check_pack.py" "$OUT/logs.tar.gz" "$WORK/gpu_check" \
+  PACKED="$(timeout -k 2 "$1" "$PY" "$ROOT/scripts/gpu_check_pack.py" "$OUT/logs.tar.gz" "$WORK/gpu_check" \
     "$WORK/megatron_lm" --limit-mib "$ARCHIVE_MIB" 2>&1)" || PACKED="packing failed: $PACKED"
   rm -f "$OUT/.logs.tar.gz.partial"  # a killed pack's: the tool brings back 8 files at most
 }
 GPU_CAP=$((GPU_BUDGET + GPU_GRACE))
+CAP_LEFT=$((TOTAL - (SECONDS - START) - 80))  # a slow install or probe comes off the cap
+[[ $CAP_LEFT -lt $GPU_CAP ]] && GPU_CAP=$((CAP_LEFT > 30 ? CAP_LEFT : 30))
 say "gpu_check.sh ${GPU_ARGS[*]} --budget-s $GPU_BUDGET (after $((SECONDS - START)) s of install; stopped at $GPU_CAP s)"
 set +e
 timeout -k 20 "$GPU_CAP" bash "$ROOT/scripts/gpu_check.sh" "${GPU_ARGS[@]}" -- --budget-s "$GPU_BUDGET" \
@@ -153,7 +155,7 @@ GPU_S=$((SECONDS - START))
 for f in gpu_check.json scenario_costs.json; do
   [[ -f "$WORK/gpu_check/$f" ]] && cp "$WORK/gpu_check/$f" "$OUT/$f"
 done
-pack
+pack 60
 LEFT=$((TOTAL - (SECONDS - START) - PACK_S))
 MLM_RC=2
 if [[ $DRY -eq 1 ]]; then
@@ -163,7 +165,7 @@ elif [[ $MLM -eq 0 ]]; then
   echo "megatron_lm_gpu_check.sh: not run: --no-megatron-lm" | tee "$OUT/megatron_lm.txt"
 elif [[ -z "${DYNMO_MEGATRON_LM:-}" ]]; then
   echo "megatron_lm_gpu_check.sh: not run: no Megatron-LM (run --prepare first)" | tee "$OUT/megatron_lm.txt"
-elif [[ $LEFT -lt 60 ]]; then  # not even its first run (~46 s on the H200)
+elif [[ $LEFT -lt 70 ]]; then  # not its first run: 45 s at least (~46 s on the H200) + margins
   echo "megatron_lm_gpu_check.sh: skipped: budget ($LEFT s left of $TOTAL)" | tee "$OUT/megatron_lm.txt"
 else
   say "megatron_lm_gpu_check.sh with $LEFT s left"
@@ -173,7 +175,7 @@ else
   MLM_RC=$?
   cat "$OUT/megatron_lm.txt"
 fi
-[[ -d "$WORK/megatron_lm" ]] && pack
+[[ -d "$WORK/megatron_lm" ]] && pack $((PACK_S - 3))
 set -e
 {
   echo "gpu_check.sh: exit $GPU_RC$([[ $GPU_RC -eq 124 || $GPU_RC -eq 137 ]] && echo " (stopped at its hard limit, $GPU_CAP s: the rows not run say 'skipped: stopped')"), $GPU_S s (budget $GPU_BUDGET s)$([[ $DRY -eq 1 ]] && echo ', --dry-run')"

@@ -410,16 +410,15 @@ def run_checks(m: Machine, sizes: Sizes, out: Path, only: tuple[str, ...] = (), 
     rows, chosen = [], plan.chosen()
     worker = any(x.needs_worker for g in chosen for x in g.launches)
     schedule = Schedule(chosen)
-    group = None
     try:
         _SIGTERM["armed"] = True
-        if _SIGTERM["seen"]:  # it came before the groups began
+        if _SIGTERM["seen"]:  # it came before the groups began (armed first: none is lost)
+            _SIGTERM["armed"] = False
             raise Stopped("stopped by SIGTERM (device_check.sh's time limit?)")
         while (step := schedule.next(launching.BUDGET.left())) is not None:
             group, run = step
             start = time.perf_counter()
             run_group(group, checks, m, only, worker, run, schedule.estimate_s(group), done=rows)
-            group = None
             if run:
                 schedule.done(step[0], time.perf_counter() - start)
                 _log(f"group {step[0].name}: {time.perf_counter() - start:.0f} s (estimated "
@@ -427,8 +426,8 @@ def run_checks(m: Machine, sizes: Sizes, out: Path, only: tuple[str, ...] = (), 
     except Stopped as e:
         _log(f"{e}: the rows not run say so")
         judged = {r.check for r in rows}
-        rows += [Row(n, SKIPPED_STOPPED, str(e)) for g in ([group] if group else []) + schedule.pending
-                 for n in _selected_rows(g, only) if n not in judged]
+        rows += [Row(n, SKIPPED_STOPPED, str(e)) for g in chosen for n in _selected_rows(g, only)
+                 if n not in judged]
     finally:
         _SIGTERM["armed"] = False
         launching.WORKER.stop(kill=_SIGTERM["seen"])

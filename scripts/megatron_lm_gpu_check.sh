@@ -28,8 +28,9 @@
 # --deadline-s S: the whole script's time (scripts/device_check.sh passes what its total
 # leaves): each run's limit is also cut to what is left of S, so a run never outlives
 # the caller's own `timeout` (GNU timeout puts a nested timeout in a process group of
-# its own, which the outer one's kill does not reach); with under 20 s left for a run the
-# script exits 124, as a run stopped by its limit does.
+# its own, which the outer one's kill does not reach); a run that would get under 45 s is
+# not started, and one its deadline stopped ends the script, both with exit 124 (the
+# caller's budget; 1 where a check had already failed).
 # Exit 0: passed; 1: a check failed or a run failed; 2: usage/setup.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,6 +39,7 @@ SRC="${DYNMO_MEGATRON_LM:-}"
 PY=""; ITERS=20; EVERY=5; LAYERS=4; OUT="$ROOT/runs/megatron_lm_gpu_check"; INSTALL=1
 RUN_TIMEOUT=300  # seconds per pretrain_gpt.py run: a hang ends as a failed run (exit 124)
 DEADLINE=""      # --deadline-s: seconds for the whole script (SECONDS counts from its start)
+MIN_RUN_S=45     # a run given less is not started (a launch took ~46 s on the H200)
 
 die() { echo "megatron_lm_gpu_check.sh: error: $*" >&2; exit 2; }
 say() { echo "[megatron_lm_gpu_check.sh] $*" >&2; }
@@ -121,6 +123,7 @@ fi
 # ---- the runs --------------------------------------------------------------------------------
 rm -rf "$OUT"; mkdir -p "$OUT"
 HALF=$((ITERS / 2))
+FAIL=0
 run_limit() {  # seconds the next run may take: --run-timeout, cut to what --deadline-s leaves
   local limit=$RUN_TIMEOUT left
   if [[ -n "$DEADLINE" ]]; then
@@ -132,8 +135,8 @@ run_limit() {  # seconds the next run may take: --run-timeout, cut to what --dea
 run() {  # run LOG FLAGS...: pretrain_gpt.py through the wrapper on one GPU; exit 1 if it fails
   local log="$1"; shift
   local limit; limit="$(run_limit)"
-  if [[ $limit -lt 20 ]]; then  # 124, as a run `timeout` stopped: the caller's budget, not a failure
-    say "no time left for $log (--deadline-s $DEADLINE, $SECONDS s gone)"; exit 124
+  if [[ $limit -lt $MIN_RUN_S ]]; then  # the caller's budget, not a failure: 124 (a failed check still 1)
+    say "no time left for $log (--deadline-s $DEADLINE, $SECONDS s gone)"; exit $((FAIL ? 1 : 124))
   fi
   set +e
   DYNMO_MEGATRON_LM="$SRC" CUDA_DEVICE_MAX_CONNECTIONS=1 timeout -k 5 "$limit" "$PY" -m torch.distributed.run \
@@ -148,9 +151,13 @@ run() {  # run LOG FLAGS...: pretrain_gpt.py through the wrapper on one GPU; exi
     --eval-iters 0 --eval-interval 1000 --log-interval 1 "$@" >"$log" 2>&1
   local rc=$?
   set -e
-  if [[ $rc -ne 0 ]]; then tail -n 30 "$log" >&2; say "the run failed (exit $rc): $log"; exit 1; fi
+  [[ $rc -eq 0 ]] && return 0
+  tail -n 30 "$log" >&2
+  if [[ ($rc -eq 124 || $rc -eq 137) && $limit -lt $RUN_TIMEOUT ]]; then  # cut by --deadline-s
+    say "stopped at the deadline after $limit s (exit $rc): $log"; exit $((FAIL ? 1 : 124))
+  fi
+  say "the run failed (exit $rc): $log"; exit 1
 }
-FAIL=0
 say "1/3 pretrain_gpt.py from $SRC, $ITERS iterations, profiled every $EVERY, saved at $HALF and $ITERS; log: $OUT/train.log"
 run "$OUT/train.log" --bf16 --num-layers "$LAYERS" --train-iters "$ITERS" --tensorboard-dir "$OUT/tb" \
   --save "$OUT/ckpt" --save-interval "$HALF" \

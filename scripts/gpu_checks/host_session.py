@@ -132,12 +132,14 @@ def run_session(m: Machine, out: Path, rounds: int) -> SessionResult:
         return max(1.0, deadline - time.monotonic())
     worker.submit([*launcher_flags, "--train-iters", str(total), *_precision(m)], folder / "launcher",
                   limit, baton=vars(spec("launcher")))
-    programs = [_Torchrun(name, _mlm_cmd(m, "host", name == "mlm_dynmo", folder / name, total), folder / name,
-                          spec(name)) for name in PROGRAMS[1:]]
+    programs: list[_Torchrun] = []
 
     def alive() -> Optional[str]:
         return worker.alive() or next((why for p in programs if (why := p.alive())), None)
     try:
+        for name in PROGRAMS[1:]:  # inside the try: a stop after the first start kills it
+            programs.append(_Torchrun(name, _mlm_cmd(m, "host", name == "mlm_dynmo", folder / name, total),
+                                      folder / name, spec(name)))
         try:
             baton.wait_ready(READY_TIMEOUT_S, alive, deadline)
             _log(f"session: all {len(PROGRAMS)} programs ready after {time.perf_counter() - start:.1f} s")

@@ -93,7 +93,7 @@ def descendants(pid: int) -> list[int]:
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL `proc`, its process group and every process below it (listed before the
     kill: once `proc` dies its children are re-parented and cannot be found from it)."""
-    if proc.poll() is not None:  # reaped: its pid (and group) may be another process's now
+    if proc.returncode is not None:  # reaped: its pid (and group) may be another process's now
         return
     below = descendants(proc.pid) if os.path.isdir("/proc") else []
     for kill, target in [(os.kill, proc.pid), (os.killpg, proc.pid), *((os.kill, pid) for pid in below)]:
@@ -233,19 +233,18 @@ class Worker:
         `kill` or when it does not leave; its exit status if it had ended by itself."""
         if self.proc is None:
             return None
-        proc, self.proc = self.proc, None
+        proc = self.proc  # forgotten only once it has ended: a stop in between kills it again
         code = proc.poll()
         if code is None:
             try:
                 proc.stdin.close()
-                proc.wait(timeout=1 if kill else 30)
-            except (OSError, subprocess.TimeoutExpired):
+                proc.wait(timeout=1 if kill else 10)
+            except BaseException as e:  # OSError, the timeout, or gpu_check.py stopped meanwhile
                 kill_tree(proc)
-                proc.wait()
-            except BaseException:  # gpu_check.py stopped meanwhile: nothing of the worker stays
-                kill_tree(proc)
-                proc.wait()
-                raise
+                proc.wait(timeout=10)
+                if not isinstance(e, (OSError, subprocess.TimeoutExpired)):
+                    raise
+        self.proc = None
         self.log.close()
         return code
 
