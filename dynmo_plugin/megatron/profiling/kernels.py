@@ -28,8 +28,10 @@ kineto (`recordThreadInfo`, which torch calls for each thread that records a ran
 the same id our ranges carry.
 
 Detached after each window: kineto leaves CUPTI attached when a profiler stops unless
-TEARDOWN_CUPTI=1 (its default in torch 2.11), and an attached CUPTI slows every later
-iteration by 10-20% (pytorch#144455; the H200 call's plugin/plain 1.19-1.27x fits it).
+TEARDOWN_CUPTI=1 (kineto's `cuptiTearDown_` reads the variable each time and is false
+when it is unset, the default still in 2026: kineto#1539 is open), and an attached CUPTI
+slows every later iteration by 10-20% (pytorch#144455; the H200 call's plugin/plain
+1.19-1.27x fits it).
 `release_cupti_after_windows` sets it where the user has not, on CUDA 12.6 or newer
 (before, a teardown crashed CUDA graphs' next CUPTI start; torch sets it to 0 itself
 where it needs that).
@@ -190,8 +192,8 @@ TEARDOWN_MIN_CUDA = (12, 6)
 def release_cupti_after_windows(cuda_version: Optional[str]) -> bool:
     """Ask kineto to detach CUPTI (cuptiFinalize) when each window's profiler stops (the
     module docstring): sets TEARDOWN_CUPTI=1 unless it is set already (the user's or
-    torch's own choice stands) or CUDA is older than 12.6. Kineto reads it at each stop,
-    so it takes effect from the first window. Whether it was set by this call."""
+    torch's own choice stands) or CUDA is older than 12.6. Kineto reads it when a profiler
+    stops, so it takes effect from the first window. Whether it was set by this call."""
     if TEARDOWN_ENV in os.environ or not cuda_version:
         return False
     try:
