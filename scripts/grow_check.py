@@ -30,6 +30,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _procs import descendants  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "grow_check.yaml"
 TOLERANCE = 0.25
@@ -41,21 +44,6 @@ def machine_busy_s() -> float:
     """CPU seconds every core spent busy since boot (/proc/stat: all but idle, iowait)."""
     fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     return (sum(fields[:8]) - fields[3] - fields[4]) / _TICK
-
-
-def _descendants(pid: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(text.rsplit(")", 1)[1].split()[1])
-    out, frontier = set(), {pid}
-    while frontier:
-        frontier = {c for c, p in parents.items() if p in frontier} - out
-        out |= frontier
-    return out
 
 
 def _cpu_s(pids: set[int]) -> float:
@@ -97,7 +85,7 @@ class LoadSampler:
         me, own, scanned = os.getpid(), set(), -1.0
         while True:
             if time.monotonic() - scanned >= 1.0:  # a /proc scan: ~4 ms CPU; ranks come rarely
-                own, scanned = _descendants(me) | {me}, time.monotonic()
+                own, scanned = {*descendants(me), me}, time.monotonic()
             self.samples.append((time.monotonic(), machine_busy_s(), _cpu_s(own), self._iteration()))
             if self._stop.wait(period_s):
                 return

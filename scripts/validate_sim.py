@@ -76,6 +76,9 @@ from dynmo_plugin.layout import Layout
 from dynmo_plugin.sim import Link, PipelineCosts, simulate_iteration
 from dynmo_plugin.sim.shared import SharedResult, simulate_shared
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _procs import descendants  # noqa: E402
+
 # gloo over loopback TCP on this machine: ~100 us per message, ~1 GB/s (assumed, not
 # fitted; at the default shapes one activation is 0.5 MB, ~0.6 ms per transfer).
 P2P = Link(latency_s=1e-4, bandwidth_Bps=1e9)
@@ -202,26 +205,6 @@ def optimizer_step_s(param_counts: list[int], repeats: int = 7) -> float:
 
 
 # ---- running the launcher ----------------------------------------------------------------
-def _children(pid: int) -> set[int]:
-    """`pid` and its descendants (from /proc/*/stat parent links)."""
-    parent: dict[int, int] = {}
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        parent[int(d.name)] = int(fields[1])
-    out, frontier = {pid}, [pid]
-    while frontier:
-        kids = [c for c, pp in parent.items() if pp == frontier[-1]]
-        frontier.pop()
-        for c in kids:
-            if c not in out:
-                out.add(c)
-                frontier.append(c)
-    return out
-
-
 def _is_kernel_thread(proc: Path) -> bool:
     """Kernel threads (kworker, rcu, ...) have an empty command line."""
     try:
@@ -294,7 +277,7 @@ class ForeignLoad:
     def _loop(self, period_s: float) -> None:
         own = {os.getpid()}
         while not self._stop.wait(period_s):
-            own |= _children(self.launcher_pid)
+            own |= {self.launcher_pid, *descendants(self.launcher_pid)}
             self.samples.append(foreign_runnable(own))
 
     def stop(self) -> tuple[float, float]:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from _procs import descendants
 from gpu_checks.common import CheckFailed, DETERMINISM_ENV, ROOT, _log
 
 
@@ -69,33 +70,14 @@ def run_killable(cmd: list[str], env: dict, timeout_s: float) -> subprocess.Comp
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid`, children first (Linux /proc). torchrun starts each
-    rank in a session of its own (torch's SubprocessHandler: start_new_session), so a kill
-    of the agent's process group does not reach the ranks: a hung rank would hold the GPU
-    and the output pipes it inherited, and the caller would wait on them for ever."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        try:
-            stat = Path("/proc", entry, "stat").read_text() if entry.isdigit() else ""
-        except OSError:  # it ended meanwhile
-            continue
-        if stat:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(0), [])
-        found += below
-        todo += below
-    return found
-
-
 def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL `proc`, its process group and every process below it (listed before the
-    kill: once `proc` dies its children are re-parented and cannot be found from it)."""
+    """SIGKILL `proc`, its process group and every process below it (`_procs.descendants`:
+    torchrun's ranks run in sessions of their own, which a group kill does not reach, and
+    a surviving rank held the pipes the caller then waited on for ever), listed before the
+    kill: once `proc` dies its children are re-parented and cannot be found from it."""
     if proc.returncode is not None:  # reaped: its pid (and group) may be another process's now
         return
-    below = descendants(proc.pid) if os.path.isdir("/proc") else []
+    below = descendants(proc.pid)
     for kill, target in [(os.kill, proc.pid), (os.killpg, proc.pid), *((os.kill, pid) for pid in below)]:
         try:
             kill(target, 9)
