@@ -128,9 +128,6 @@ def collect_nccl(proc: subprocess.Popen, start: float, limit: float, by_budget: 
     try:
         stdout, stderr = proc.communicate(timeout=max(1.0, limit - (time.perf_counter() - start)))
         rows = json.loads(stdout)["rows"]
-    except Stopped:
-        launching.kill_tree(proc)
-        raise
     except subprocess.TimeoutExpired:
         launching.kill_tree(proc)
         launching._drain(proc)
@@ -324,6 +321,7 @@ def _selected_rows(group: Group, only: tuple[str, ...]) -> list[str]:
 
 
 SKIPPED_STOPPED = "skipped: stopped"
+STOPPED_WHY = "stopped by SIGTERM (device_check.sh's time limit?)"
 
 
 class Stopped(BaseException):
@@ -341,7 +339,7 @@ def _stop(signum: int, frame) -> None:
     _SIGTERM["seen"] = True
     if _SIGTERM["armed"]:
         _SIGTERM["armed"] = False  # once
-        raise Stopped("stopped by SIGTERM (device_check.sh's time limit?)")
+        raise Stopped(STOPPED_WHY)
 
 
 def _with_sigterm(fn: Callable[[], int]) -> int:
@@ -359,24 +357,21 @@ def _with_sigterm(fn: Callable[[], int]) -> int:
         signal.signal(signal.SIGTERM, old)
 
 
-def run_group(group: Group, checks: dict, m: Machine, only: tuple[str, ...], worker: bool,
-              run: bool = True, estimate_s: Optional[float] = None, done: Optional[list] = None) -> list[Row]:
-    """The group's rows, each also appended to `done` as it is judged (a stop keeps
+def run_group(group: Group, checks: dict, m: Machine, only: tuple[str, ...], worker: bool, done: list[Row],
+              run: bool = True, estimate_s: Optional[float] = None) -> None:
+    """The group's rows, appended to `done` one by one as they are judged (a stop keeps
     them); all 'skipped: budget' when the schedule says it no longer fits."""
-    done = [] if done is None else done
     names = _selected_rows(group, only)
     left = launching.BUDGET.left()
     estimate_s = group.estimate_s() if estimate_s is None else estimate_s
     if not run or (group.launches and left < estimate_s):
         _log(f"group {group.name}: estimated {estimate_s:.0f} s, {max(0.0, left):.0f} s left: skipped")
-        rows = [Row(n, SKIPPED_BUDGET, f"estimated {estimate_s:.0f} s (re-estimated from the groups run), "
-                                       f"{max(0.0, left):.0f} s left of --budget-s {launching.BUDGET.seconds:.0f}") for n in names]
-        done += rows
-        return rows
-    first = len(done)
+        done += [Row(n, SKIPPED_BUDGET, f"estimated {estimate_s:.0f} s (re-estimated from the groups run), "
+                                        f"{max(0.0, left):.0f} s left of --budget-s {launching.BUDGET.seconds:.0f}") for n in names]
+        return
     if group.name != START_GROUP:
         done += (_run_row(name, checks[name]) for name in names)
-        return done[first:]
+        return
     nccl = [n for n in names if n.startswith("nccl/")]
     started = start_nccl(m.cpu_mode) if nccl else None  # all at once: see start_group
     try:
@@ -389,7 +384,6 @@ def run_group(group: Group, checks: dict, m: Machine, only: tuple[str, ...], wor
         if started is not None:
             launching.kill_tree(started[0])
         raise
-    return done[first:]
 
 
 def _run_row(name: str, fn: Callable[[], Row]) -> Row:
@@ -414,15 +408,15 @@ def run_checks(m: Machine, sizes: Sizes, out: Path, only: tuple[str, ...] = (), 
         _SIGTERM["armed"] = True
         if _SIGTERM["seen"]:  # it came before the groups began (armed first: none is lost)
             _SIGTERM["armed"] = False
-            raise Stopped("stopped by SIGTERM (device_check.sh's time limit?)")
+            raise Stopped(STOPPED_WHY)
         while (step := schedule.next(launching.BUDGET.left())) is not None:
             group, run = step
             start = time.perf_counter()
-            run_group(group, checks, m, only, worker, run, schedule.estimate_s(group), done=rows)
+            run_group(group, checks, m, only, worker, rows, run, schedule.estimate_s(group))
             if run:
-                schedule.done(step[0], time.perf_counter() - start)
-                _log(f"group {step[0].name}: {time.perf_counter() - start:.0f} s (estimated "
-                     f"{step[0].estimate_s():.0f} s); later estimates x{schedule.scale:.2f}")
+                schedule.done(group, time.perf_counter() - start)
+                _log(f"group {group.name}: {time.perf_counter() - start:.0f} s (estimated "
+                     f"{group.estimate_s():.0f} s); later estimates x{schedule.scale:.2f}")
     except Stopped as e:
         _log(f"{e}: the rows not run say so")
         judged = {r.check for r in rows}
