@@ -140,7 +140,7 @@ def _spread(values: list[float]) -> str:
 
 
 def throughput_verdict(ours: list[float], ratio: list[float], plugin: list[float], what: str,
-                       every: int = 10) -> tuple[bool, str]:
+                       every: int) -> tuple[bool, str]:
     """(passed, detail) of the rounds: launcher/Megatron-LM <= THROUGHPUT_MAX (median of
     the rounds); plugin/plain <= PLUGIN_OVERHEAD_MAX judged where the rounds resolve it:
     every round on one side of the bound (all over it fails, whatever their spread: the
@@ -160,8 +160,7 @@ def throughput_verdict(ours: list[float], ratio: list[float], plugin: list[float
     detail = (f"{what}, {len(ratio)} interleaved rounds, like for like (no dropout, no clipping, weight decay "
               f"0.01, no NaN checks), windows excluded: launcher/Megatron-LM {a:.3f}x (rounds {_spread(ratio)}, "
               f"<= {THROUGHPUT_MAX}); --dynmo every {every} / plain {b:.3f}x (rounds {_spread(plugin)}, {judged}; "
-              f"by round {' '.join(f'{x:.3f}' for x in plugin)}: a cost the first window, at iteration "
-              f"{every}, leaves behind shows in the rounds after it); "
+              f"by round {' '.join(f'{x:.3f}' for x in plugin)}); "
               f"launcher {1e3 * statistics.median(ours):.1f} ms/iteration (rounds {1e3 * min(ours):.1f}-"
               f"{1e3 * max(ours):.1f})")
     return a <= THROUGHPUT_MAX and plugin_ok, detail

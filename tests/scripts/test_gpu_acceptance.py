@@ -102,17 +102,17 @@ def test_stage_prediction_is_held_to_iterations_outside_windows():
 
 def test_throughput_overhead_is_judged_only_where_the_rounds_resolve_three_percent():
     ours = [0.20, 0.21, 0.20, 0.20]
-    ok, detail = gpu_check.throughput_verdict(ours, [0.95, 0.96, 0.97, 0.95], [1.01, 1.02, 1.00, 1.01], "host")
+    ok, detail = gpu_check.throughput_verdict(ours, [0.95, 0.96, 0.97, 0.95], [1.01, 1.02, 1.00, 1.01], "host", 8)
     assert ok and "4 interleaved rounds" in detail and "every round <= 1.03" in detail
-    ok, detail = gpu_check.throughput_verdict(ours, [0.95] * 4, [1.04, 1.05, 1.04, 1.05], "host")
+    ok, detail = gpu_check.throughput_verdict(ours, [0.95] * 4, [1.04, 1.05, 1.04, 1.05], "host", 8)
     assert not ok and "every round over 1.03" in detail
-    ok, detail = gpu_check.throughput_verdict(ours, [0.95] * 4, [1.19, 1.27, 1.23, 1.20], "host")
+    ok, detail = gpu_check.throughput_verdict(ours, [0.95] * 4, [1.19, 1.27, 1.23, 1.20], "host", 8)
     assert not ok and "every round over 1.03" in detail  # the H200's 1.192-1.268: an overhead, not noise
-    ok, detail = gpu_check.throughput_verdict(ours, [0.95] * 4, [0.97, 1.08, 1.01, 1.00], "host")
+    ok, detail = gpu_check.throughput_verdict(ours, [0.95] * 4, [0.97, 1.08, 1.01, 1.00], "host", 8)
     assert ok and "not judged: the rounds straddle 1.03 and spread 11.0%" in detail
-    ok, detail = gpu_check.throughput_verdict(ours, [0.95] * 4, [1.02, 1.04, 1.045, 1.04], "host")
+    ok, detail = gpu_check.throughput_verdict(ours, [0.95] * 4, [1.02, 1.04, 1.045, 1.04], "host", 8)
     assert not ok and "median <= 1.03, spread 2.5%" in detail  # straddling, resolved: the median over
-    ok, _ = gpu_check.throughput_verdict(ours, [1.05] * 4, [1.0] * 4, "host")
+    ok, _ = gpu_check.throughput_verdict(ours, [1.05] * 4, [1.0] * 4, "host", 8)
     assert not ok  # launcher slower than Megatron-LM
 
 
