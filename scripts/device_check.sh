@@ -42,6 +42,9 @@
 #                            the device copy's .git is not the tree sent: the 2026-11-27 run
 #                            recorded the session's starting commit) names the source in
 #                            scenario_costs.json and the simulator's GPU cost model.
+# DEVICE_SETUP_S=<s>         (default 120) the limit of the first `import torch` and of the
+#                            wheels' install, each; a setup failure's line also goes to
+#                            $OUT/device_check.txt (exit 2).
 # Exit status: 0 when both passed, 1 when either failed, 2 on a usage or setup problem.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -62,7 +65,14 @@ PROBE=0
 EXTRA=()
 ARCHIVE_MIB=16   # the device tool brings back files of at most 16 MiB
 
-die() { echo "device_check.sh: error: $*" >&2; exit 2; }
+SETUP_S="${DEVICE_SETUP_S:-120}"  # the first `import torch` and the wheels' install, each: a hung
+                                  # one ends the call with its line (also in device_check.txt)
+OUT_READY=0
+die() {  # once $OUT is made (on the GPU machine) the line goes to device_check.txt too
+  echo "device_check.sh: error: $*" >&2
+  [[ $OUT_READY -eq 1 ]] && echo "device_check.sh: error: $*" >> "$OUT/device_check.txt"
+  exit 2
+}
 say() { echo "[device_check.sh] $*" >&2; }
 
 while [[ $# -gt 0 ]]; do
@@ -85,7 +95,8 @@ if [[ -z "$PY" ]]; then
   PY=python3
   [[ ($DRY -eq 1 || $MODE == plan) && -x "$ROOT/.venv/bin/python" ]] && PY="$ROOT/.venv/bin/python"
 fi
-[[ $MODE != run ]] || "$PY" -c "import torch" 2>/dev/null || die "$PY cannot import torch: pass --python with one that can (here: make install, then --python .venv/bin/python)"
+[[ $MODE != run ]] || timeout -k 5 "$SETUP_S" "$PY" -c "import torch" 2>/dev/null ||
+  die "$PY cannot import torch within $SETUP_S s: pass --python with one that can (here: make install, then --python .venv/bin/python)"
 [[ $MLM -eq 0 ]] && MLM_RESERVE=0   # --no-megatron-lm: gpu_check.sh gets its reserve too
 GPU_BUDGET=$((TOTAL - INSTALL_S - MLM_RESERVE))
 [[ $GPU_BUDGET -gt 0 ]] || die "--total-s $TOTAL leaves no time for gpu_check.sh (needs > $((INSTALL_S + MLM_RESERVE)))"
@@ -118,13 +129,13 @@ fi
 # ---- on the GPU machine (or --dry-run here) ------------------------------------------------
 OUT="${OUT:-$DEV/out}"
 WORK="$DEV/work"   # the runs; only what is listed above goes to $OUT
-mkdir -p "$OUT"
+mkdir -p "$OUT"; OUT_READY=1
 rm -rf "$WORK"; mkdir -p "$WORK"
 START=0   # SECONDS counts from this script's start: the torch check above is spent too
 SITE="$DEV/site"
 if [[ $DRY -eq 0 ]] && compgen -G "$DEV/wheels/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --upgrade --target "$SITE" \
-    "$DEV"/wheels/*.whl || die "installing $DEV/wheels failed"
+  timeout -k 5 "$SETUP_S" "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --upgrade \
+    --target "$SITE" "$DEV"/wheels/*.whl || die "installing $DEV/wheels failed or took over $SETUP_S s"
 fi
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 [[ -f "$DEV/megatron-lm/pretrain_gpt.py" ]] && export DYNMO_MEGATRON_LM="$DEV/megatron-lm"

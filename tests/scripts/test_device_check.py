@@ -228,9 +228,48 @@ def test_an_interpreter_without_torch_is_one_line_and_exit_2(tmp_path):
                           timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "device_check.sh: error: /bin/false cannot import torch: pass --python with one that can "
+        "device_check.sh: error: /bin/false cannot import torch within 120 s: pass --python with one that can "
         "(here: make install, then --python .venv/bin/python)"]
     assert not (tmp_path / "out").exists()
+
+
+def test_an_import_of_torch_that_hangs_ends_the_call_at_its_limit(tmp_path):
+    """The first `import torch` on the GPU machine has a limit (DEVICE_SETUP_S, default
+    120 s): a hung one is one line and exit 2, not the whole device call spent."""
+    import os
+    import subprocess
+    import time
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[2] / "scripts" / "device_check.sh"
+    hangs = tmp_path / "python3"
+    hangs.write_text("#!/bin/sh\nexec sleep 60\n")
+    hangs.chmod(0o755)
+    start = time.monotonic()
+    proc = subprocess.run(["bash", str(script), "--python", str(hangs)], capture_output=True, text=True,
+                          env={**os.environ, "OUT": str(tmp_path / "out"), "DEVICE_SETUP_S": "2"}, timeout=60)
+    assert proc.returncode == 2 and time.monotonic() - start < 20
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"device_check.sh: error: {hangs} cannot import torch within 2 s")
+
+
+def test_a_failed_install_of_the_carried_wheels_is_written_beside_the_table(tmp_path):
+    """On the GPU machine only $OUT comes back: an install that fails (here a real pip on a
+    wheel that is not one) leaves its line in OUT/device_check.txt, exit 2."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    shutil.copy(Path(__file__).resolve().parents[2] / "scripts" / "device_check.sh", tree / "scripts")
+    (tree / "runs" / "device" / "wheels").mkdir(parents=True)
+    (tree / "runs" / "device" / "wheels" / "broken-1.0-py3-none-any.whl").write_bytes(b"not a zip")
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(tree / "scripts" / "device_check.sh"), "--python", sys.executable],
+                          env={**os.environ, "OUT": str(out)}, capture_output=True, text=True, timeout=120)
+    line = f"device_check.sh: error: installing {tree}/runs/device/wheels failed or took over 120 s"
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == line, proc.stderr[-2000:]
+    assert (out / "device_check.txt").read_text() == line + "\n"
 
 
 # ---- scripts/device_rehearsal.sh: the call on the machines' Python and torch, on CPU ----------
