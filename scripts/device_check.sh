@@ -85,7 +85,7 @@ while [[ $# -gt 0 ]]; do
     --) shift; EXTRA=("$@"); break ;;
     --total-s) [[ $# -ge 2 && "$2" =~ ^[0-9]+$ ]] || die "--total-s needs a whole number of seconds"; TOTAL="$2"; shift 2 ;;
     --python) [[ $# -ge 2 ]] || die "--python needs an interpreter"; PY="$2"; shift 2 ;;
-    -h|--help) sed -n '2,45p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done

@@ -29,7 +29,7 @@ while [[ $# -gt 0 ]]; do
     --torch) [[ $# -ge 2 ]] || die "--torch needs a version, e.g. 2.11.0"; TORCH_VERSION="$2"; shift 2 ;;
     --tests) TESTS=1; shift ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done

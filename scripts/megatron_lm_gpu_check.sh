@@ -79,7 +79,7 @@ while [[ $# -gt 0 ]]; do
     --run-timeout) [[ $# -ge 2 && "$2" =~ ^[0-9]+$ ]] || die "--run-timeout needs seconds"; RUN_TIMEOUT="$2"; shift 2 ;;
     --deadline-s) [[ $# -ge 2 && "$2" =~ ^[0-9]+$ ]] || die "--deadline-s needs seconds"; DEADLINE="$2"; shift 2 ;;
     --check-only) [[ $# -eq 5 ]] || die "--check-only OUT_DIR ITERS PROFILE_EVERY LAYERS"; ARGS=("$2" "$3" "$4" "$5"); shift 5 ;;
-    -h|--help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) die "unknown argument $1 (see --help)" ;;
     *) SRC="$1"; shift ;;
   esac
