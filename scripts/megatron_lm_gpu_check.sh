@@ -30,7 +30,7 @@
 # the caller's own `timeout` (GNU timeout puts a nested timeout in a process group of
 # its own, which the outer one's kill does not reach); a run that would get under 45 s is
 # not started, and one its deadline stopped ends the script, both with exit 124 (the
-# caller's budget; 1 where a check had already failed).
+# caller's budget; 1 where a check had already failed). DYNMO_MLM_MIN_RUN_S: that 45 s.
 # Exit 0: passed; 1: a check failed or a run failed; 2: usage/setup.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,7 +39,7 @@ SRC="${DYNMO_MEGATRON_LM:-}"
 PY=""; ITERS=20; EVERY=5; LAYERS=4; OUT="$ROOT/runs/megatron_lm_gpu_check"; INSTALL=1
 RUN_TIMEOUT=300  # seconds per pretrain_gpt.py run: a hang ends as a failed run (exit 124)
 DEADLINE=""      # --deadline-s: seconds for the whole script (SECONDS counts from its start)
-MIN_RUN_S=45     # a run given less is not started (a launch took ~46 s on the H200)
+MIN_RUN_S="${DYNMO_MLM_MIN_RUN_S:-45}"  # a run given less is not started (a launch took ~46 s on the H200)
 
 die() { echo "megatron_lm_gpu_check.sh: error: $*" >&2; exit 2; }
 say() { echo "[megatron_lm_gpu_check.sh] $*" >&2; }
