@@ -1,0 +1,82 @@
+"""scripts/device_readout.py: what one device call brought back, read in one place (the
+session that gets a GPU has one call and little time to read it). The OUT here is laid
+out as device_check.sh lays it out, its archive packed by the real gpu_check_pack.py."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+STDERR = """[gpu_check_worker] run shape_gpu
+dynmo: stage 0: GPU kernels were attributed to forward spans only (no backward kernels)
+kernels: set TEARDOWN_CUPTI=1 (CUDA 13.0)
+Traceback (most recent call last):
+  File "train.py", line 3, in <module>
+    step()
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB
+after the error
+"""
+
+
+def _out(tmp_path: Path) -> Path:
+    runs, out = tmp_path / "work" / "gpu_check", tmp_path / "out"
+    (runs / "shape_gpu" / "ckpt").mkdir(parents=True)
+    (runs / "shape_gpu" / "stderr.log").write_text(STDERR)
+    (runs / "shape_gpu" / "ckpt" / "model.pt").write_bytes(b"0" * (2 << 20))
+    out.mkdir()
+    _module("gpu_check_pack").pack(out / "logs.tar.gz", [runs])
+    rows = [{"check": "machine", "result": "pass", "detail": "NVIDIA H200", "seconds": 0.1},
+            {"check": "heavy_layer[gpu]", "result": "fail", "detail": "layer 3 2.7x (expected 3x)", "seconds": 40},
+            {"check": "repack_2_to_1", "result": "skipped: needs 2 GPUs", "detail": "", "seconds": 0}]
+    (out / "gpu_check.json").write_text(json.dumps({"ok": False, "rows": rows}))
+    (out / "device_check.txt").write_text("gpu_check.sh: exit 1, 300 s (budget 300 s)\ntotal: 420 s of 480 s\n")
+    (out / "megatron_lm.txt").write_text("[x] 1/3 ...\nprofile events at [5, 10] (want [5, 10]): PASS\n")
+    return out
+
+
+def test_the_readout_puts_failed_rows_first_and_finds_the_lines_to_read(tmp_path, capsys):
+    readout = _module("device_readout")
+    out = _out(tmp_path)
+    assert readout.main([str(out), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["check"] for r in data["rows"]] == ["heavy_layer[gpu]", "repack_2_to_1", "machine"]
+    assert data["archive"]["manifest"] == {"kept": 1, "excluded": 1}  # the log; the checkpoint
+    signals = data["archive"]["signals"]
+    assert [(s["file"], s["line"]) for s in signals["forward_only"]] == [("gpu_check/shape_gpu/stderr.log", 2)]
+    assert [s["line"] for s in signals["teardown_cupti"]] == [3]
+    assert [s["text"] for s in signals["errors"]] == [
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"]
+    assert data["megatron_lm"] == ["profile events at [5, 10] (want [5, 10]): PASS"]
+    assert readout.main([str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "== rows (gpu_check.json): 1 pass, 1 fail, 1 skipped" in text
+    assert "-- errors: 1\n   gpu_check/shape_gpu/stderr.log:7  torch.OutOfMemoryError" in text
+
+
+def test_a_call_cut_before_its_summary_still_reads_and_an_empty_folder_is_exit_2(tmp_path, capsys):
+    readout = _module("device_readout")
+    out = _out(tmp_path)
+    (out / "device_check.txt").unlink()
+    (out / "logs.tar.gz").unlink()
+    assert readout.main([str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "device_check.txt: missing" in text and "== logs.tar.gz: missing" in text
+    with pytest.raises(SystemExit):
+        readout.main([])
+    assert readout.main([str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"device_readout.py: error: {tmp_path / 'nothing'} holds none of device_check.sh's files")
