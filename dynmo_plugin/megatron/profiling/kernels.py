@@ -30,8 +30,8 @@ the same id our ranges carry.
 Detached after each window: kineto leaves CUPTI attached when a profiler stops unless
 TEARDOWN_CUPTI=1 (kineto's `cuptiTearDown_` reads the variable each time and is false
 when it is unset, the default still in 2026: kineto#1539 is open), and an attached CUPTI
-slows every later iteration by 10-20% (pytorch#144455; the H200 call's plugin/plain
-1.19-1.27x fits it).
+slows every later iteration by 10-20% (pytorch#144455). (The H200 call's plugin/plain
+1.19-1.27x was not this: it ran at ea03802, before the plugin had any CUDA profiler.)
 `release_cupti_after_windows` sets it where the user has not, on CUDA 12.6 or newer
 (before, a teardown crashed CUDA graphs' next CUPTI start; torch sets it to 0 itself
 where it needs that).
