@@ -23,7 +23,8 @@ STAND_IN = """#!/bin/bash
 case "$1" in
   -c) exit 0 ;;  # the CUDA, dynmo_plugin and package probes
   -) cat >/dev/null; exit 1 ;;  # a check on the run's files: there are none
-  -m) args=("$@"); save=""; half=""
+  -m) [[ -z ${STAND_IN_RUNS_FAIL:-} ]] || exit 1
+      args=("$@"); save=""; half=""
       for ((i = 0; i < ${#args[@]}; i++)); do
         [[ ${args[i]} == --save ]] && save="${args[i+1]}"
         [[ ${args[i]} == --save-interval ]] && half="${args[i+1]}"
@@ -38,14 +39,15 @@ exit 3
 """
 
 
-def _run(tmp_path, deadline_s: int, first_run_hangs: bool):
+def _run(tmp_path, deadline_s: int, first_run_hangs: bool, runs_fail: bool = False):
     stand_in = tmp_path / "python"
     stand_in.write_text(STAND_IN)
     stand_in.chmod(0o755)
     source = tmp_path / "megatron-lm"
     source.mkdir()
     (source / "pretrain_gpt.py").write_text("")
-    env = {**os.environ, "DYNMO_MLM_MIN_RUN_S": "5", **({"STAND_IN_FIRST_RUN_HANGS": "1"} if first_run_hangs else {})}
+    env = {**os.environ, "DYNMO_MLM_MIN_RUN_S": "5", **({"STAND_IN_FIRST_RUN_HANGS": "1"} if first_run_hangs else {}),
+           **({"STAND_IN_RUNS_FAIL": "1"} if runs_fail else {})}
     start = time.monotonic()
     proc = subprocess.run(["bash", str(SCRIPT), str(source), "--python", str(stand_in), "--no-install",
                            "--out", str(tmp_path / "out"), "--deadline-s", str(deadline_s)],
@@ -68,3 +70,12 @@ def test_a_run_that_would_get_less_than_the_minimum_is_not_started(tmp_path):
     proc, took = _run(tmp_path, 14, True)  # 14 - 10 s for the kill and checks: 4 s < 5
     assert proc.returncode == 124 and took < 5, (took, proc.stderr[-2000:])
     assert "no time left for" in proc.stderr and not (tmp_path / "out" / "ckpt").exists()
+
+
+def test_a_failed_run_does_not_stop_the_runs_after_it(tmp_path):
+    """One device call is all there is: the MoE run (3/3) is tried after 1/3 failed; 2/3,
+    which resumes 1/3's checkpoint, is not run without it."""
+    proc, _ = _run(tmp_path, 60, False, runs_fail=True)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.count("the run failed (exit 1)") == 2
+    assert "2/3 not run" in proc.stderr and "3/3 Megatron-LM's own MoE" in proc.stderr
