@@ -39,6 +39,7 @@ class BatonSpec:
     warmup: int
     rounds: int
     iters: int
+    alternate: int = 0  # the --dynmo program's on/off comparison: its profile interval (plugin_runs)
 
     @property
     def train_iters(self) -> int:
@@ -50,6 +51,15 @@ class BatonSpec:
             return 0, iteration == 1, iteration == self.warmup
         r, k = divmod(iteration - self.warmup - 1, self.iters)
         return r + 1, k == 0, k == self.iters - 1
+
+    def plugin_runs(self, iteration: int) -> bool:
+        """Whether the plugin runs at `iteration` of this program. With `alternate` (the
+        --dynmo program) it is bypassed on the odd iterations after the warm-up that are
+        not multiples of `alternate` (its profiling windows): Megatron-LM's own train_step
+        runs those, so the plugin's cost per step is timed on against off in ONE process
+        (two processes of the same program differed by up to 25% on the H200)."""
+        return (not self.alternate or iteration <= self.warmup or iteration % 2 == 0
+                or iteration % self.alternate == 0)
 
     def first_iterations(self) -> set[int]:
         """The first iteration of every round: it follows a wait (excluded from timings)."""

@@ -27,13 +27,14 @@ from gpu_checks.launching import _error_line, _free_port, timed_out
 from gpu_checks.rows_basic import _precision
 
 SESSION_WARMUP = 3   # round 0: iterations before any timing
-SESSION_ITERS = 8    # iterations per program per round (the first of each left out)
+SESSION_ITERS = 10   # iterations per program per round (the first of each left out); in the
+                     # --dynmo program 3 with the plugin, 5 without, 1 window (plugin_runs)
 # The --dynmo run's profiling windows (left out of its timings), one per round: with the
 # interval equal to the round's length (and the warm-up not a multiple of it) a window
 # never falls on a round's first iteration, which runs cold after another program's turn
 # and would give stage_prediction[mlm-host] its worst profile (at 10, iteration 20 did)
 PROFILE_EVERY = SESSION_ITERS
-CPU_SESSION = (2, 3, 5)  # the dry run's warm-up, iterations per round, profile interval
+CPU_SESSION = (2, 4, 6)  # the dry run's warm-up, iterations per round, profile interval
 PROGRAMS = ("launcher", "mlm", "mlm_dynmo")
 # hang thresholds, under what the budget leaves at the session (~210 s of --set issue34's
 # 300 s): a program not ready in 150 s (a healthy start: ~46 s) hung, and says so, rather
@@ -49,6 +50,7 @@ CPU_LAUNCHER = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-hea
 @dataclass
 class SessionResult:
     spec: BatonSpec                 # rounds, iterations (name and folder: the launcher's)
+    dynmo_spec: BatonSpec           # the --dynmo program's: where its plugin ran (plugin_runs)
     launcher: dict                  # the launcher's report
     plain: dict[int, float]         # pretrain_gpt.py: seconds by iteration (Megatron-LM's log)
     dynmo: dict[int, float]         # pretrain_gpt.py --dynmo: the same
@@ -124,8 +126,9 @@ def run_session(m: Machine, out: Path, rounds: int) -> SessionResult:
     baton = Baton(folder / "baton", list(PROGRAMS), rounds)
     warmup, iters = (SESSION_WARMUP, SESSION_ITERS) if m.gpus else CPU_SESSION[:2]
 
-    def spec(name: str) -> BatonSpec:
-        return BatonSpec(str(baton.folder), name, warmup, rounds, iters)
+    def spec(name: str) -> BatonSpec:  # the --dynmo program: its plugin on and off by turns
+        alternate = (PROFILE_EVERY if m.gpus else CPU_SESSION[2]) if name == "mlm_dynmo" else 0
+        return BatonSpec(str(baton.folder), name, warmup, rounds, iters, alternate)
     launcher_flags = ([*SHAPES["host"][0], *_COMMON] if m.gpus else [*CPU_LAUNCHER, "--transformer-impl", "local"])
     worker = launching.WORKER
     if worker is None:
@@ -168,7 +171,7 @@ def run_session(m: Machine, out: Path, rounds: int) -> SessionResult:
     clash = overlaps(turns)
     if clash:
         raise CheckFailed(f"interleaved session: turns overlapped in time: {clash[:3]}")
-    return SessionResult(spec("launcher"), launcher, plain, dynmo, report, turns)
+    return SessionResult(spec("launcher"), spec("mlm_dynmo"), launcher, plain, dynmo, report, turns)
 
 
 def round_medians(times: dict[int, float], spec: BatonSpec, skip: set[int] = frozenset()) -> list[float]:

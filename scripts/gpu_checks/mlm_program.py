@@ -6,7 +6,9 @@
 Runs what `python -m dynmo_plugin.integrations.pretrain_gpt` runs (Megatron-LM's own
 script, the plugin hooked in by `megatron_lm.enable`), with one addition: right after
 `enable()`, Megatron-LM's `train_step` is wrapped by the baton of $DYNMO_CHECK_BATON, so
-train() waits for its turn at each round's first iteration. The wrapper is the outermost
+train() waits for its turn at each round's first iteration. In the --dynmo program the
+baton's `alternate` has the plugin bypassed on alternate iterations (Megatron-LM's own
+train_step runs them: BatonSpec.plugin_runs), its cost per step timed within one process. The wrapper is the outermost
 one (outside the plugin's before/after_step: a profile window never contains a wait);
 the wait still falls inside Megatron-LM's logged time of that iteration, which is why
 every round's first iteration is left out of the timings (BatonSpec.first_iterations).
@@ -29,14 +31,18 @@ from gpu_checks.baton import ENV, BatonClient, BatonSpec  # noqa: E402
 
 
 def wrap_train_step(mtt, client: BatonClient) -> None:
-    """Megatron-LM's train_step(…, iteration=k) runs iteration k + 1 (k counts those done)."""
+    """Megatron-LM's train_step(…, iteration=k) runs iteration k + 1 (k counts those done).
+    Where the plugin does not run (BatonSpec.plugin_runs), the step is Megatron-LM's own:
+    `enable()` wrapped it with functools.wraps, which keeps it as `__wrapped__`."""
     inner = mtt.train_step
+    bare = getattr(inner, "__wrapped__", inner)
 
     @functools.wraps(inner)
     def train_step(*args, **kwargs):
         iteration = kwargs["iteration"] + 1
         client.before(iteration)
-        result = inner(*args, **kwargs)
+        step = inner if client.spec.plugin_runs(iteration) else bare
+        result = step(*args, **kwargs)
         client.after(iteration)
         return result
     mtt.train_step = train_step

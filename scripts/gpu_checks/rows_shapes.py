@@ -78,6 +78,8 @@ def heavy_slope_verdict(profile: dict, heavy: dict[int, int], tolerance: float) 
     if not others or any(n not in costs for n in heavy):
         raise CheckFailed(f"layers {sorted(heavy)} or their neighbours missing from the profile ({sorted(costs)})")
     base = statistics.median(others)
+    if base <= 0:
+        raise CheckFailed(f"the neighbours' median cost is {base} s: no figures (layers {sorted(costs)})")
     ks = [1.0] * len(others) + [float(heavy[n]) for n in heavy]
     ys = [c / base for c in others] + [costs[n] / base for n in heavy]
     mk, my = statistics.fmean(ks), statistics.fmean(ys)

@@ -55,6 +55,10 @@ def test_heavy_layers_at_two_factors_check_the_slope_not_just_a_ratio():
     wrong = _work(0.0, 1e-3, heavy) | {5: 3e-3}  # layer 5 measured 3x for 2x of work
     with pytest.raises(gpu_check.CheckFailed, match="layer 5 3.000x"):
         gpu_check.heavy_slope_verdict(_profile(wrong), heavy, accept)
+    # neighbours that cost nothing (a clock that read zero): a failure with a reason, not
+    # a ZeroDivisionError with no figures
+    with pytest.raises(gpu_check.CheckFailed, match="neighbours' median cost is 0"):
+        gpu_check.heavy_slope_verdict(_profile(_work(0.0, 0.0, heavy)), heavy, accept)
 
 
 def test_a_row_on_a_gpu_fails_where_no_kernel_time_was_attributed():
@@ -101,18 +105,22 @@ def test_stage_prediction_is_held_to_iterations_outside_windows():
 
 
 def test_throughput_overhead_is_judged_only_where_the_rounds_resolve_three_percent():
-    ours = [0.20, 0.21, 0.20, 0.20]
-    ok, detail = gpu_check.throughput_verdict(ours, [0.95, 0.96, 0.97, 0.95], [1.01, 1.02, 1.00, 1.01], "host", 8)
+    def verdict(ratio, plugin):
+        return gpu_check.throughput_verdict(gpu_check.SessionRatios([0.20, 0.21, 0.20, 0.20], ratio, plugin,
+                                                                    [1.10, 0.92, 1.05, 1.0]), "host", 10)
+    ok, detail = verdict([0.95, 0.96, 0.97, 0.95], [1.01, 1.02, 1.00, 1.01])
     assert ok and "4 interleaved rounds" in detail and "every round <= 1.03" in detail
-    ok, detail = gpu_check.throughput_verdict(ours, [0.95] * 4, [1.04, 1.05, 1.04, 1.05], "host", 8)
+    assert "plugin on/off in one process 1.010x" in detail
+    assert "the same code in two processes (--dynmo's steps without the plugin / plain) 1.025x (rounds 0.920-1.100)" in detail
+    ok, detail = verdict([0.95] * 4, [1.04, 1.05, 1.04, 1.05])
     assert not ok and "every round over 1.03" in detail
-    ok, detail = gpu_check.throughput_verdict(ours, [0.95] * 4, [1.19, 1.27, 1.23, 1.20], "host", 8)
-    assert not ok and "every round over 1.03" in detail  # the H200's 1.192-1.268: an overhead, not noise
-    ok, detail = gpu_check.throughput_verdict(ours, [0.95] * 4, [0.97, 1.08, 1.01, 1.00], "host", 8)
+    ok, detail = verdict([0.95] * 4, [1.19, 1.27, 1.23, 1.20])
+    assert not ok and "every round over 1.03" in detail  # rounds that agree over the bound: an overhead
+    ok, detail = verdict([0.95] * 4, [0.97, 1.08, 1.01, 1.00])
     assert ok and "not judged: the rounds straddle 1.03 and spread 11.0%" in detail
-    ok, detail = gpu_check.throughput_verdict(ours, [0.95] * 4, [1.02, 1.04, 1.045, 1.04], "host", 8)
-    assert not ok and "median <= 1.03, spread 2.5%" in detail  # straddling, resolved: the median over
-    ok, _ = gpu_check.throughput_verdict(ours, [1.05] * 4, [1.0] * 4, "host", 8)
+    ok, detail = verdict([0.95] * 4, [1.02, 1.04, 1.045, 1.04])
+    assert not ok and "by the median vs 1.03, spread 2.5%" in detail  # straddling, resolved: the median over
+    ok, _ = verdict([1.05] * 4, [1.0] * 4)
     assert not ok  # launcher slower than Megatron-LM
 
 

@@ -108,9 +108,10 @@ def _ran_on_cpu(rows: dict, name: str, *figures: str) -> None:
 
 
 @pytest.mark.multiproc
-def test_dry_run_on_cpu_runs_what_it_can_and_skips_the_gpu_checks():
+def test_dry_run_on_cpu_runs_what_it_can_and_skips_the_gpu_checks(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--python", sys.executable, "--", "--json"], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--python", sys.executable, "--", "--json",
+                           "--out", str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)
     result = json.loads(proc.stdout)  # exactly one JSON document on stdout
     rows = {r["check"]: r for r in result["rows"] if not r["check"].startswith("nccl")}  # its own test
@@ -133,6 +134,11 @@ def test_dry_run_on_cpu_runs_what_it_can_and_skips_the_gpu_checks():
             "CPU harness needs" in detail, detail
         if "CPU harness needs" not in detail:
             assert "15 turns in 4 rounds + warm-up, none overlapping" in detail, detail
+            assert "plugin on/off in one process" in detail, detail
+            # the --dynmo program's plugin ran in the warm-up, on even iterations and in its
+            # windows (every 6th); Megatron-LM's own train_step ran the others
+            report = json.loads((tmp_path / "session" / "mlm_dynmo" / "dynmo" / "report.json").read_text())
+            assert [i["iteration"] for i in report["iterations"]] == [1, 2, *range(4, 19, 2)]
             _ran_on_cpu(rows, "identical_layers[mlm-host]", "inside pretrain_gpt.py: max/min ")
             _ran_on_cpu(rows, "stage_prediction[mlm-host]", "inside pretrain_gpt.py: predicted ", "vs measured")
     # issue 34's launcher rows: the host shape's run at the CPU size, each verdict computed
