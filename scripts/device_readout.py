@@ -9,7 +9,8 @@ A lent GPU gives one call per session, and the session that gets it has little t
 to read: this prints each part's exit and seconds, every row's verdict and detail (the
 failed first), megatron_lm_gpu_check.sh's PASS/FAIL lines, the archive's manifest counts,
 and the lines of every packed log that docs/gpu.md ("The next device call") says to read
-first: kernels attributed to forward spans only, TEARDOWN_CUPTI, and the error line
+first: kernels attributed to forward spans only, TEARDOWN_CUPTI, kernel records CUPTI
+dropped (kernels.kernel_coverage), and the error line
 that ends each traceback. --json: the same as one JSON document on stdout. Exit 0; 2 when
 OUT_DIR holds none of the call's files.
 """
@@ -27,6 +28,7 @@ from typing import Optional
 SIGNALS = {
     "forward_only": re.compile(r"GPU kernels were attributed to forward spans only"),
     "teardown_cupti": re.compile(r"TEARDOWN_CUPTI"),
+    "kernel_records_lost": re.compile(r"kernel records for [0-9.]+% of the window's kernel launches"),
 }
 ORDER = {"fail": 0, "pass": 2}  # failed rows first, then skipped, then passed
 DETAIL_CHARS = 600

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field, fields
+from typing import Optional
 
 __all__ = ["LayerProfile", "StageProfile", "PipelineProfile", "median", "spread", "cost_spread",
            "stage_prediction"]
@@ -123,6 +124,8 @@ class StageProfile:
     # GPU's, rest_gpu_s, where the GPU bounds the stage: "gpu_kernels")
     predicted_s: float = 0.0
     measured_s: float = 0.0   # per iteration: median outside profiling windows (0: unknown)
+    # CUDA: the share of the window's kernel launches with a kernel record (kernels.kernel_coverage)
+    kernel_coverage: Optional[float] = None
 
     @property
     def counted_rest_s(self) -> float:
@@ -138,6 +141,8 @@ _LABELLED_BY = {"clock": "predicted_s", "cost_source": "predicted_s", "peak_sour
 # loads that add over the ranks rather than pace them: a replica fold keeps their mean, so
 # that the mean x the ranks is the machine's total (sim.run_replay's cores taken)
 _MEAN_OVER_REPLICAS = ("threads_s",)
+# a share where the worst replica tells: any one losing kernel records shorts the stage
+_MIN_OVER_REPLICAS = ("kernel_coverage",)
 
 
 def stage_prediction(record: StageProfile, layers: list[LayerProfile], m: int) -> float:
@@ -210,7 +215,8 @@ class PipelineProfile:
         the clock and the cost source with the slowest replica's stage prediction, the
         peak's source with the largest peak, so that e.g. `counted_rest_s` reads the rest
         of the regime the prediction came from. The rank's other threads' CPU
-        (`threads_s`) is a load the ranks add up, not a pace: its mean."""
+        (`threads_s`) is a load the ranks add up, not a pace: its mean. The kernel
+        records' coverage is the worst replica's."""
         def fold(items):
             out = {}
             for f in fields(items[0]):
@@ -220,6 +226,8 @@ class PipelineProfile:
                     out[f.name] = values[by.index(max(by))]
                 elif f.name in _MEAN_OVER_REPLICAS:
                     out[f.name] = sum(values) / len(values)
+                elif f.name in _MIN_OVER_REPLICAS:
+                    out[f.name] = min((v for v in values if v is not None), default=None)
                 elif isinstance(values[0], (int, float)) and f.name not in ("layer", "stage"):
                     out[f.name] = max(values)
                 else:

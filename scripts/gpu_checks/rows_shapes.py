@@ -15,6 +15,7 @@ from gpu_checks.rows_basic import _precision
 # ---- the product's GPU acceptance (issues 24, 34) -----------------------------------------------
 IDENTICAL_MAX, HEAVY_ACCEPT, OVERHEAD_MAX = 1.10, 0.10, 1.3
 PREDICTION_ACCEPT = 0.10  # a stage's predicted time per iteration within 10% of the measured
+KERNEL_COVERAGE_MIN = 0.98  # a GPU row fails where CUPTI dropped more kernel records (kernels.kernel_coverage)
 THROUGHPUT_MAX, PLUGIN_OVERHEAD_MAX = 1.0, 1.03
 THROUGHPUT_ROUNDS = 4     # interleaved rounds of throughput_vs_megatron_lm (issue 34: >= 4)
 # Two heavy test layers at different factors: the cost of work k is c + k*w, so with
@@ -64,9 +65,11 @@ def _times(profile: dict) -> str:
     stage = (profile.get("stages") or [{}])[0]
     if "cost_source" not in stage:
         return ""
+    coverage = stage.get("kernel_coverage")
     return (f"; cost from {stage['cost_source']}, per iteration host {1e3 * stage.get('host_s', 0):.1f} ms, "
-            f"GPU kernels {1e3 * stage.get('gpu_s', 0):.1f} ms, span constant "
-            f"{1e3 * stage.get('span_constant_s', 0):.3f} ms removed")
+            f"GPU kernels {1e3 * stage.get('gpu_s', 0):.1f} ms"
+            + (f" (records for {coverage:.2%} of launches)" if coverage is not None else "")
+            + f", span constant {1e3 * stage.get('span_constant_s', 0):.3f} ms removed")
 
 
 def heavy_slope_verdict(profile: dict, heavy: dict[int, int], tolerance: float) -> str:
@@ -102,6 +105,10 @@ def kernel_clock_problem(profile: dict, shape: str) -> Optional[str]:
     missing = [x["layer"] for x in profile["layers"] if not x.get("gpu_s")]
     if missing:
         return f"no GPU kernel time attributed to layers {missing} (the kernel clock failed: gpu_check.log)"
+    coverage = profile["stages"][0].get("kernel_coverage")
+    if coverage is not None and coverage < KERNEL_COVERAGE_MIN:
+        return (f"kernel records for {coverage:.1%} of the kernel launches (under {KERNEL_COVERAGE_MIN:.0%}): "
+                "CUPTI dropped the others")
     source = profile["stages"][0].get("cost_source")
     if shape.endswith("gpu") and source != "gpu_kernels":
         return f"costs from {source}, not the GPU kernels, at the GPU-bound shape"

@@ -453,6 +453,35 @@ def test_the_steps_gpu_rest_leaves_out_collectives_that_wait_on_peers():
     assert samples_by_key(busy_by_range(events)) == {"fwd/1": [790e-9], "iteration": [9030e-9]}
 
 
+def test_kernel_records_cupti_dropped_are_counted_against_the_launches():
+    """pytorch#192021 (CUPTI 13.0): kernel records lost at a session's start, silently.
+    Each kernel launch (runtime or driver) should have a kernel record with its
+    correlation id; the share that has one is the window's coverage (a range, a host op
+    and our GPU mirrors are not launches or kernels)."""
+    from dynmo_plugin.megatron.profiling.kernels import kernel_coverage
+    E = _KinetoEventStandIn
+    events = [E("dynmo:0:fwd/1:0", "CPU", 7, 1000, 500, 1), E("aten::mm", "CPU", 7, 1010, 90, 2),
+              E("cudaLaunchKernel", "CPU", 7, 1100, 5, 11, activity="cuda_runtime"),
+              E("cuLaunchKernelEx", "CPU", 7, 1200, 5, 12, activity="cuda_driver"),
+              E("cudaLaunchKernelExC", "CPU", 9, 3100, 5, 13, activity="cuda_runtime"),
+              E("cudaLaunchKernel", "CPU", 9, 3200, 5, 14, activity="cuda_runtime"),
+              E("cudaStreamSynchronize", "CPU", 7, 4000, 5, 15, activity="cuda_runtime"),
+              E("gemm", "CUDA", 0, 1200, 700, 11), E("triton_", "CUDA", 0, 1900, 90, 12),
+              E("gemm_bwd", "CUDA", 0, 3300, 900, 14),
+              E("dynmo:0:fwd/1:0", "CUDA", 0, 1200, 800, 13, activity="gpu_user_annotation")]
+    for variant in (events, [_Torch211Event(e) for e in events]):
+        assert kernel_coverage(variant) == pytest.approx(3 / 4)  # launch 13's kernel was lost
+    assert kernel_coverage(events[:2]) is None  # no launch: nothing to say
+
+
+def test_the_worst_replicas_kernel_coverage_is_the_stages():
+    from dynmo_plugin.profiling.records import PipelineProfile, StageProfile
+    def part(coverage):
+        return PipelineProfile([], [StageProfile(0, 0.0, 0.0, 0, kernel_coverage=coverage)])
+    assert PipelineProfile.elementwise_max([part(1.0), part(0.9)]).stages[0].kernel_coverage == 0.9
+    assert PipelineProfile.elementwise_max([part(None), part(None)]).stages[0].kernel_coverage is None  # CPU
+
+
 class _Torch211Event:
     """An event as torch 2.11's _KinetoEvent offers it: without `activity_type` nor
     `is_user_annotation` (the second H200 run: AttributeError, no kernel times at all)."""

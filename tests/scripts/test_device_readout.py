@@ -24,6 +24,7 @@ def _module(name: str):
 STDERR = """[gpu_check_worker] run shape_gpu
 dynmo: stage 0: GPU kernels were attributed to forward spans only (no backward kernels)
 kernels: set TEARDOWN_CUPTI=1 (CUDA 13.0)
+dynmo: kernel records for 97.50% of the window's kernel launches: CUPTI dropped the others
 Traceback (most recent call last):
   File "train.py", line 3, in <module>
     step()
@@ -58,13 +59,14 @@ def test_the_readout_puts_failed_rows_first_and_finds_the_lines_to_read(tmp_path
     signals = data["archive"]["signals"]
     assert [(s["file"], s["line"]) for s in signals["forward_only"]] == [("gpu_check/shape_gpu/stderr.log", 2)]
     assert [s["line"] for s in signals["teardown_cupti"]] == [3]
+    assert [s["line"] for s in signals["kernel_records_lost"]] == [4]
     assert [s["text"] for s in signals["errors"]] == [
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"]
     assert data["megatron_lm"] == ["profile events at [5, 10] (want [5, 10]): PASS"]
     assert readout.main([str(out)]) == 0
     text = capsys.readouterr().out
     assert "== rows (gpu_check.json): 1 pass, 1 fail, 1 skipped" in text
-    assert "-- errors: 1\n   gpu_check/shape_gpu/stderr.log:7  torch.OutOfMemoryError" in text
+    assert "-- errors: 1\n   gpu_check/shape_gpu/stderr.log:8  torch.OutOfMemoryError" in text
 
 
 def test_a_call_cut_before_its_summary_still_reads_and_an_empty_folder_is_exit_2(tmp_path, capsys):

@@ -41,6 +41,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import re
 from collections import defaultdict
 from typing import Hashable, NamedTuple, Optional
 
@@ -130,6 +131,22 @@ def from_kineto(events, keep=None) -> tuple[list[Range], dict[tuple[str, int], t
     return ranges, launches, kernels
 
 
+def kernel_coverage(events) -> Optional[float]:
+    """The share of the window's kernel launches (CUDA runtime or driver calls named
+    *LaunchKernel*) that have a kernel record with their correlation id; None where none
+    was recorded. Under 1, CUPTI dropped records and the layers' kernel times are short
+    by them: nothing else would show it (pytorch#192021: CUPTI 13.0, which torch's cu130
+    wheels bundle, loses kernels at a session's start after GPU idle time)."""
+    launched, recorded = set(), set()
+    for ev in events:
+        device = str(ev.device_type())
+        if device.endswith("CPU") and ev.correlation_id() and LAUNCH.match(ev.name()):
+            launched.add(ev.correlation_id())
+        elif device.endswith("CUDA") and is_gpu_work(ev):
+            recorded.add(ev.correlation_id())
+    return len(launched & recorded) / len(launched) if launched else None
+
+
 def is_collective(name: str) -> bool:
     """An NCCL kernel: on the GPU it runs until its peer arrives, so its duration holds
     the other rank's lateness (a pipeline bubble, a data-parallel straggler)."""
@@ -150,6 +167,7 @@ def busy_by_range(events, collective_free: tuple[str, ...] = ()) -> dict[str, in
 
 
 RUNTIME_ACTIVITIES = frozenset({"cuda_runtime", "cuda_driver"})
+LAUNCH = re.compile(r"^cu(da)?LaunchKernel")  # cudaLaunchKernel(ExC), cuLaunchKernel(Ex)
 
 
 def is_runtime_call(ev) -> bool:
@@ -262,6 +280,7 @@ class KernelBusy:
                  collective_free: tuple[str, ...] = ()):
         self.enabled, self.collective_free = enabled, collective_free
         self.iteration = 0
+        self.coverage: Optional[float] = None  # of the last stop (kernel_coverage)
         self._prof = None
         self._open: dict[tuple[str, int], object] = {}
         if enabled:
@@ -297,10 +316,16 @@ class KernelBusy:
             handle.__exit__(None, None, None)
         self._open.clear()
         try:
-            busy = busy_by_range(stop_profiler(prof), self.collective_free)
+            events = stop_profiler(prof)
+            busy = busy_by_range(events, self.collective_free)
+            self.coverage = kernel_coverage(events)
         except Exception as e:  # noqa: BLE001 - the span clock still stands; say why once
             logger.warning("dynmo: no GPU kernel times in this window (%s: %s)", type(e).__name__, e)
             return None
+        if self.coverage is not None and self.coverage < 1.0:
+            logger.warning("dynmo: kernel records for %.2f%% of the window's kernel launches: CUPTI "
+                           "dropped the others, and the layers' kernel times are short by them",
+                           100 * self.coverage)
         return samples_by_key(busy)
 
 

@@ -411,6 +411,7 @@ class ProfileWindow:
         record.step_s = median(self._steps) / len(self.probes)  # one optimizer per rank
         record.rest_s = median(self._rest) / len(self.probes)
         record.rest_gpu_s = median(busy.get("iteration", [])) / len(self.probes)
+        record.kernel_coverage = self.busy.coverage
         record.threads_s = median(self._threads) / len(self.probes)
         record.predicted_s = stage_prediction(record, layers, m)
         record.measured_s = median(self.outside_s) / len(self.probes)
