@@ -472,6 +472,14 @@ def test_kernel_records_cupti_dropped_are_counted_against_the_launches():
     for variant in (events, [_Torch211Event(e) for e in events]):
         assert kernel_coverage(variant) == pytest.approx(3 / 4)  # launch 13's kernel was lost
     assert kernel_coverage(events[:2]) is None  # no launch: nothing to say
+    # a driver call recorded inside the runtime's launch is the same launch: its kernel
+    # carries one of the two ids, and it is not a second launch without a record
+    nested = [E("cuLaunchKernel", "CPU", 7, 1101, 3, 21, activity="cuda_driver"),
+              E("cuLaunchKernel", "CPU", 9, 3201, 3, 22, activity="cuda_driver")]
+    assert kernel_coverage(events + nested) == pytest.approx(3 / 4)
+    inner_id = [e for e in events if e.name() != "gemm_bwd"] + [E("gemm_bwd", "CUDA", 0, 3300, 900, 22)]
+    assert kernel_coverage(inner_id + nested) == pytest.approx(3 / 4)  # 14's kernel under the driver's id 22
+    assert kernel_coverage(inner_id) == pytest.approx(2 / 4)  # without the driver call, 14 has no record
 
 
 def test_the_worst_replicas_kernel_coverage_is_the_stages():

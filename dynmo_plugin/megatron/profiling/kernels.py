@@ -136,15 +136,27 @@ def kernel_coverage(events) -> Optional[float]:
     *LaunchKernel*) that have a kernel record with their correlation id; None where none
     was recorded. Under 1, CUPTI dropped records and the layers' kernel times are short
     by them: nothing else would show it (pytorch#192021: CUPTI 13.0, which torch's cu130
-    wheels bundle, loses kernels at a session's start after GPU idle time)."""
-    launched, recorded = set(), set()
+    wheels bundle, loses kernels at a session's start after GPU idle time). A launch call
+    made inside another on the same thread (a driver call under the runtime's, where both
+    are recorded) is one launch with the outer one: either id's record counts for it."""
+    calls: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    recorded = set()
     for ev in events:
         device = str(ev.device_type())
         if device.endswith("CPU") and ev.correlation_id() and LAUNCH.match(ev.name()):
-            launched.add(ev.correlation_id())
+            calls[ev.device_resource_id()].append((ev.start_ns(), ev.end_ns(), ev.correlation_id()))
         elif device.endswith("CUDA") and is_gpu_work(ev):
             recorded.add(ev.correlation_id())
-    return len(launched & recorded) / len(launched) if launched else None
+    launches: list[set[int]] = []
+    for items in calls.values():
+        end = None
+        for start_ns, end_ns, corr in sorted(items, key=lambda c: (c[0], -c[1])):
+            if end is not None and end_ns <= end:  # inside the launch before it
+                launches[-1].add(corr)
+                continue
+            launches.append({corr})
+            end = end_ns
+    return sum(bool(ids & recorded) for ids in launches) / len(launches) if launches else None
 
 
 def is_collective(name: str) -> bool:
