@@ -70,8 +70,8 @@ SETUP_S="${DEVICE_SETUP_S:-120}"  # the first `import torch` and the wheels' ins
 OUT_READY=0
 die() {  # once $OUT is made (on the GPU machine) the line goes to device_check.txt too
   echo "device_check.sh: error: $*" >&2
-  [[ $OUT_READY -eq 1 ]] && echo "device_check.sh: error: $*" >> "$OUT/device_check.txt"
-  exit 2
+  [[ $OUT_READY -eq 0 ]] || { echo "device_check.sh: error: $*" >> "$OUT/device_check.txt"; } 2>/dev/null || true
+  exit 2  # whether or not the line could be written there
 }
 say() { echo "[device_check.sh] $*" >&2; }
 
@@ -95,8 +95,6 @@ if [[ -z "$PY" ]]; then
   PY=python3
   [[ ($DRY -eq 1 || $MODE == plan) && -x "$ROOT/.venv/bin/python" ]] && PY="$ROOT/.venv/bin/python"
 fi
-[[ $MODE != run ]] || timeout -k 5 "$SETUP_S" "$PY" -c "import torch" 2>/dev/null ||
-  die "$PY cannot import torch within $SETUP_S s: pass --python with one that can (here: make install, then --python .venv/bin/python)"
 [[ $MLM -eq 0 ]] && MLM_RESERVE=0   # --no-megatron-lm: gpu_check.sh gets its reserve too
 GPU_BUDGET=$((TOTAL - INSTALL_S - MLM_RESERVE))
 [[ $GPU_BUDGET -gt 0 ]] || die "--total-s $TOTAL leaves no time for gpu_check.sh (needs > $((INSTALL_S + MLM_RESERVE)))"
@@ -130,8 +128,10 @@ fi
 OUT="${OUT:-$DEV/out}"
 WORK="$DEV/work"   # the runs; only what is listed above goes to $OUT
 mkdir -p "$OUT"; OUT_READY=1
+timeout -k 5 "$SETUP_S" "$PY" -c "import torch" 2>/dev/null ||
+  die "$PY cannot import torch within $SETUP_S s: pass --python with one that can (here: make install, then --python .venv/bin/python)"
 rm -rf "$WORK"; mkdir -p "$WORK"
-START=0   # SECONDS counts from this script's start: the torch check above is spent too
+START=0   # SECONDS counts from this script's start: the torch check is spent too
 SITE="$DEV/site"
 if [[ $DRY -eq 0 ]] && compgen -G "$DEV/wheels/*.whl" >/dev/null; then
   timeout -k 5 "$SETUP_S" "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --upgrade \

@@ -30,7 +30,9 @@ SIGNALS = {
     "teardown_cupti": re.compile(r"TEARDOWN_CUPTI"),
     "kernel_records_lost": re.compile(r"kernel records for [0-9.]+% of the window's kernel launches"),
 }
-ORDER = {"fail": 0, "pass": 2}  # failed rows first, then skipped, then passed
+ORDER = {"FAIL": 0, "pass": 2}  # failed rows first, then skipped, then passed (gpu_checks.common.Row)
+# megatron_lm_gpu_check.sh's verdict lines and why a run ended
+MLM_LINES = re.compile(r"PASS|FAIL|not run|skipped|error|failed|deadline|no time left|no checkpoint", re.I)
 DETAIL_CHARS = 600
 
 
@@ -80,7 +82,7 @@ def readout(out: Path) -> Optional[dict]:
     return {
         "parts": parts.splitlines() if parts else ["device_check.txt: missing (the call was cut before it)"],
         "rows": [{k: r.get(k) for k in ("check", "result", "detail", "seconds")} for r in rows],
-        "megatron_lm": [x for x in (mlm or "").splitlines() if re.search(r"PASS|FAIL|not run|skipped|error", x)],
+        "megatron_lm": [x for x in (mlm or "").splitlines() if MLM_LINES.search(x)],
         "archive": read_archive(archive) if archive.is_file() else None,
     }
 
@@ -88,8 +90,8 @@ def readout(out: Path) -> Optional[dict]:
 def render(data: dict) -> str:
     lines = ["== parts (device_check.txt)", *data["parts"]]
     rows = data["rows"]
-    tally = {k: sum(r["result"].startswith(k) for r in rows) for k in ("pass", "fail", "skipped")}
-    lines.append(f"== rows (gpu_check.json): {tally['pass']} pass, {tally['fail']} fail, {tally['skipped']} skipped")
+    tally = {k: sum(r["result"].startswith(k) for r in rows) for k in ("pass", "FAIL", "skipped")}
+    lines.append(f"== rows (gpu_check.json): {tally['pass']} pass, {tally['FAIL']} FAIL, {tally['skipped']} skipped")
     for r in rows:
         detail = (r["detail"] or "")[:DETAIL_CHARS]
         lines.append(f"{r['result'][:24]:<24} {r['check']:<28} {detail}")

@@ -31,7 +31,7 @@
 # the caller's own `timeout` (GNU timeout puts a nested timeout in a process group of
 # its own, which the outer one's kill does not reach); a run that would get under 45 s is
 # not started, and one its deadline stopped ends the script, both with exit 124 (the
-# caller's budget; 1 where a check had already failed). DYNMO_MLM_MIN_RUN_S: that 45 s.
+# caller's budget; 1 where a check or a run had already failed). DYNMO_MLM_MIN_RUN_S: that 45 s.
 # Exit 0: passed; 1: a check failed or a run failed; 2: usage/setup.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -173,8 +173,9 @@ fi
 say "2/3 resumed from the checkpoint at iteration $HALF (--load); log: $OUT/resume.log"
 if [[ ! -d "$OUT/ckpt/iter_$(printf %07d "$HALF")" ]]; then
   say "no checkpoint at iteration $HALF: 2/3 not run"; FAIL=1
-elif echo "$HALF" > "$OUT/ckpt/latest_checkpointed_iteration.txt" &&
-    run "$OUT/resume.log" --bf16 --num-layers "$LAYERS" --train-iters "$ITERS" --load "$OUT/ckpt" \
+elif ! echo "$HALF" > "$OUT/ckpt/latest_checkpointed_iteration.txt"; then
+  say "cannot point the tracker file at iteration $HALF: 2/3 not run"; FAIL=1
+elif run "$OUT/resume.log" --bf16 --num-layers "$LAYERS" --train-iters "$ITERS" --load "$OUT/ckpt" \
       --dynmo --dynmo-output "$OUT/resumed"; then
 "$PY" - "$OUT" "$HALF" <<'EOF' || FAIL=1
 import json, os, sys

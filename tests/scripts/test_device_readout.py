@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,12 @@ after the error
 """
 
 
+def _common():
+    sys.path.insert(0, str(SCRIPTS))
+    from gpu_checks import common
+    return common
+
+
 def _out(tmp_path: Path) -> Path:
     runs, out = tmp_path / "work" / "gpu_check", tmp_path / "out"
     (runs / "shape_gpu" / "ckpt").mkdir(parents=True)
@@ -40,12 +47,14 @@ def _out(tmp_path: Path) -> Path:
     (runs / "shape_gpu" / "ckpt" / "model.pt").write_bytes(b"0" * (2 << 20))
     out.mkdir()
     _module("gpu_check_pack").pack(out / "logs.tar.gz", [runs])
-    rows = [{"check": "machine", "result": "pass", "detail": "NVIDIA H200", "seconds": 0.1},
-            {"check": "heavy_layer[gpu]", "result": "fail", "detail": "layer 3 2.7x (expected 3x)", "seconds": 40},
-            {"check": "repack_2_to_1", "result": "skipped: needs 2 GPUs", "detail": "", "seconds": 0}]
-    (out / "gpu_check.json").write_text(json.dumps({"ok": False, "rows": rows}))
+    common = _common()  # the rows as gpu_check writes them
+    rows = [common.Row("machine", "pass", "NVIDIA H200", 0.1),
+            common.Row("heavy_layer[gpu]", "FAIL", "layer 3 2.7x (expected 3x)", 40.0),
+            common.Row("repack_2_to_1", "skipped: needs 2 GPUs", "", 0.0)]
+    (out / "gpu_check.json").write_text(json.dumps({"ok": False, "rows": [asdict(r) for r in rows]}))
     (out / "device_check.txt").write_text("gpu_check.sh: exit 1, 300 s (budget 300 s)\ntotal: 420 s of 480 s\n")
-    (out / "megatron_lm.txt").write_text("[x] 1/3 ...\nprofile events at [5, 10] (want [5, 10]): PASS\n")
+    (out / "megatron_lm.txt").write_text("[x] 1/3 ...\nprofile events at [5, 10] (want [5, 10]): PASS\n"
+                                         "[megatron_lm_gpu_check.sh] the run failed (exit 1): moe.log\n")
     return out
 
 
@@ -62,10 +71,11 @@ def test_the_readout_puts_failed_rows_first_and_finds_the_lines_to_read(tmp_path
     assert [s["line"] for s in signals["kernel_records_lost"]] == [4]
     assert [s["text"] for s in signals["errors"]] == [
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"]
-    assert data["megatron_lm"] == ["profile events at [5, 10] (want [5, 10]): PASS"]
+    assert data["megatron_lm"] == ["profile events at [5, 10] (want [5, 10]): PASS",
+                                   "[megatron_lm_gpu_check.sh] the run failed (exit 1): moe.log"]
     assert readout.main([str(out)]) == 0
     text = capsys.readouterr().out
-    assert "== rows (gpu_check.json): 1 pass, 1 fail, 1 skipped" in text
+    assert "== rows (gpu_check.json): 1 pass, 1 FAIL, 1 skipped" in text
     assert "-- errors: 1\n   gpu_check/shape_gpu/stderr.log:8  torch.OutOfMemoryError" in text
 
 

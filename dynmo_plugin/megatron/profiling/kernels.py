@@ -330,10 +330,14 @@ class KernelBusy:
         try:
             events = stop_profiler(prof)
             busy = busy_by_range(events, self.collective_free)
-            self.coverage = kernel_coverage(events)
         except Exception as e:  # noqa: BLE001 - the span clock still stands; say why once
             logger.warning("dynmo: no GPU kernel times in this window (%s: %s)", type(e).__name__, e)
             return None
+        try:  # a check of the records: its failure costs the check, never the kernel times
+            self.coverage = kernel_coverage(events)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("dynmo: kernel records not counted in this window (%s: %s)", type(e).__name__, e)
+            self.coverage = None
         if self.coverage is not None and self.coverage < 1.0:
             logger.warning("dynmo: kernel records for %.2f%% of the window's kernel launches: CUPTI "
                            "dropped the others, and the layers' kernel times are short by them",
