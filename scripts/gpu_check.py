@@ -35,13 +35,13 @@ the seconds it took (a run shared by several rows counts for the first), in plan
   identical_layers[mlm-S], stage_prediction[mlm-S]  the same inside Megatron-LM's
                          pretrain_gpt.py ($DYNMO_MEGATRON_LM) with --dynmo profiling
   throughput_vs_megatron_lm  host shape, bf16: the launcher, pretrain_gpt.py and pretrain_gpt.py
-                         --dynmo --dynmo-profile-every 10, each started ONCE, take turns on the
+                         --dynmo --dynmo-profile-every 14, each started ONCE, take turns on the
                          GPU for --rounds (default 4) interleaved rounds (gpu_checks/host_session.py,
                          a file baton), like for like (no dropout, clipping or NaN checks, weight
                          decay 0.01): launcher/Megatron-LM <= 1.0x; the plugin on/off inside the
                          --dynmo process (bypassed on alternate iterations) <= 1.03x where the
                          rounds resolve it: all over fails, all under passes, both sides by the
-                         median where they spread < 3% (warm-up, each round's first iteration and the
+                         median where they spread < 3% (warm-up, each round's first and last iteration and the
                          windows excluded; spread printed). The --dynmo run also feeds
                          identical_layers[mlm-host] and stage_prediction[mlm-host]
   scenario_cost[KIND]    each of the six scenarios at PP=1 bf16 at a shape where it

@@ -65,6 +65,11 @@ class BatonSpec:
         """The first iteration of every round: it follows a wait (excluded from timings)."""
         return {1, *(self.warmup + (r - 1) * self.iters + 1 for r in range(1, self.rounds + 1))}
 
+    def edges(self) -> set[int]:
+        """The first and last iteration of every round, left out of every timing: the
+        first follows the wait for the turn, the last holds the hand-over's GPU sync."""
+        return self.first_iterations() | {self.warmup, *(self.warmup + r * self.iters for r in range(1, self.rounds + 1))}
+
     def iterations(self, r: int) -> range:
         if r == 0:
             return range(1, self.warmup + 1)

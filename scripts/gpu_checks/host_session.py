@@ -27,14 +27,15 @@ from gpu_checks.launching import _error_line, _free_port, timed_out
 from gpu_checks.rows_basic import _precision
 
 SESSION_WARMUP = 3   # round 0: iterations before any timing
-SESSION_ITERS = 10   # iterations per program per round (the first of each left out); in the
-                     # --dynmo program 3 with the plugin, 5 without, 1 window (plugin_runs)
+SESSION_ITERS = 14   # iterations per program per round (the first and last left out: edges); in
+                     # the --dynmo program 5 timed with the plugin, 5 without, 1 window (plugin_runs)
 # The --dynmo run's profiling windows (left out of its timings), one per round: with the
 # interval equal to the round's length (and the warm-up not a multiple of it) a window
 # never falls on a round's first iteration, which runs cold after another program's turn
-# and would give stage_prediction[mlm-host] its worst profile (at 10, iteration 20 did)
+# and would give stage_prediction[mlm-host] its worst profile (every 10 in rounds of 8:
+# iteration 20 did); nor on its last, nor right before it (rows_mlm.plugin_side)
 PROFILE_EVERY = SESSION_ITERS
-CPU_SESSION = (2, 4, 6)  # the dry run's warm-up, iterations per round, profile interval
+CPU_SESSION = (2, 6, 6)  # the dry run's warm-up, iterations per round, profile interval
 PROGRAMS = ("launcher", "mlm", "mlm_dynmo")
 # hang thresholds, under what the budget leaves at the session (~210 s of --set issue34's
 # 300 s): a program not ready in 150 s (a healthy start: ~46 s) hung, and says so, rather
@@ -176,18 +177,19 @@ def run_session(m: Machine, out: Path, rounds: int) -> SessionResult:
 
 def round_medians(times: dict[int, float], spec: BatonSpec, skip: set[int] = frozenset()) -> list[float]:
     """Per measured round (1..rounds): the median seconds of its iterations, without the
-    round's first iteration and without `skip` (profiling windows)."""
-    firsts = spec.first_iterations()
+    round's first and last (BatonSpec.edges) and without `skip` (e.g. profiling windows)."""
+    edges = spec.edges()
     medians = []
     for r in range(1, spec.rounds + 1):
-        kept = [times[i] for i in spec.iterations(r) if i in times and i not in firsts and i not in skip]
+        kept = [times[i] for i in spec.iterations(r) if i in times and i not in edges and i not in skip]
         if not kept:
-            raise CheckFailed(f"round {r}: no iteration left to time (first, windows: {sorted(skip)})")
+            raise CheckFailed(f"round {r}: no iteration left to time (first, last, skipped: {sorted(skip)})")
         medians.append(statistics.median(kept))
     return medians
 
 
 def timing_iterations(times: dict[int, float], spec: BatonSpec) -> dict[int, float]:
-    """The iterations a row may time: every round's first (after a wait) left out."""
-    firsts = spec.first_iterations()
-    return {i: t for i, t in times.items() if i not in firsts}
+    """The iterations a row may time: every round's first (after a wait) and last (the
+    hand-over's sync) left out."""
+    edges = spec.edges()
+    return {i: t for i, t in times.items() if i not in edges}

@@ -11,7 +11,8 @@ baton's `alternate` has the plugin bypassed on alternate iterations (Megatron-LM
 train_step runs them: BatonSpec.plugin_runs), its cost per step timed within one process. The wrapper is the outermost
 one (outside the plugin's before/after_step: a profile window never contains a wait);
 the wait still falls inside Megatron-LM's logged time of that iteration, which is why
-every round's first iteration is left out of the timings (BatonSpec.first_iterations).
+every round's first iteration (and its last, which holds the hand-over's sync) is left out
+of the timings (BatonSpec.edges).
 --cpu-harness: the same around the CPU harness of tests/integrations/megatron_lm_harness.py
 (Megatron-LM's real train() on gloo; pretrain() itself asserts CUDA), for the dry run.
 """
@@ -35,7 +36,10 @@ def wrap_train_step(mtt, client: BatonClient) -> None:
     Where the plugin does not run (BatonSpec.plugin_runs), the step is Megatron-LM's own:
     `enable()` wrapped it with functools.wraps, which keeps it as `__wrapped__`."""
     inner = mtt.train_step
-    bare = getattr(inner, "__wrapped__", inner)
+    bare = getattr(inner, "__wrapped__", None)
+    if client.spec.alternate and bare is None:
+        raise RuntimeError("the plugin's train_step wrapper keeps no __wrapped__: its on/off "
+                           "comparison cannot bypass it (dynmo_plugin.integrations.megatron_lm.enable)")
 
     @functools.wraps(inner)
     def train_step(*args, **kwargs):

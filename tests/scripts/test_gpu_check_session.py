@@ -21,6 +21,7 @@ def test_rounds_split_the_iterations():
     assert spec.train_iters == 35
     assert [list(spec.iterations(r)) for r in (0, 1, 4)] == [[1, 2, 3], list(range(4, 12)), list(range(28, 36))]
     assert spec.first_iterations() == {1, 4, 12, 20, 28}
+    assert spec.edges() == {1, 3, 4, 11, 12, 19, 20, 27, 28, 35}  # firsts (a wait) and lasts (the sync)
     assert [spec.round_of(i) for i in (1, 3, 4, 11, 12, 35)] == [
         (0, True, False), (0, False, True), (1, True, False), (1, False, True), (2, True, False), (4, False, True)]
     every = [i for r in range(5) for i in spec.iterations(r)]
@@ -31,10 +32,12 @@ def test_rounds_split_the_iterations():
 def test_no_profiling_window_of_the_gpu_session_falls_on_a_rounds_first_iteration(rounds):
     """A round's first iteration runs cold after another program's turn: a window there
     gave stage_prediction[mlm-host] a profile unlike the iterations it is judged against
-    (the plugin profiles every PROFILE_EVERY-th iteration, each window one iteration)."""
+    (the plugin profiles every PROFILE_EVERY-th iteration, each window one iteration);
+    nor on its last (the hand-over's sync), nor right before it (the iteration after a
+    window is timed on neither side of the plugin's on/off)."""
     spec = bt.BatonSpec("f", "a", host_session.SESSION_WARMUP, rounds, host_session.SESSION_ITERS)
     windows = set(range(host_session.PROFILE_EVERY, spec.train_iters + 1, host_session.PROFILE_EVERY))
-    assert len(windows) == rounds and not windows & spec.first_iterations()
+    assert len(windows) == rounds and not (windows | {w + 1 for w in windows}) & spec.edges()
     assert [spec.round_of(i)[0] for i in sorted(windows)] == list(range(1, rounds + 1))  # one in each
 
 
@@ -115,68 +118,89 @@ def test_a_program_without_a_coordinator_gives_up(tmp_path):
     assert (tmp_path / "ready-a").exists()
 
 
-def _session(rounds: int = 4) -> host_session.SessionResult:
-    """Timings as a session records them: every round's first iteration holds the wait for
-    the turn (seconds), the --dynmo run's windows (multiples of 5) cost more; otherwise,
-    in round r, times (1 + r/100): the launcher 0.10 s, pretrain_gpt.py 0.20 s, and the
-    --dynmo program (another process: 10% slower) 0.22 s without the plugin and 0.231 s
-    with it (BatonSpec.plugin_runs: even iterations and windows). Five iterations a round:
-    a median that kept the wait, a window or the other arm would move."""
-    spec = bt.BatonSpec("f", "launcher", 3, rounds, 5)
-    ab = bt.BatonSpec("f", "mlm_dynmo", 3, rounds, 5, alternate=5)
-    windows = set(range(5, spec.train_iters + 1, 5))
-    firsts = spec.first_iterations()
+def _session(rounds: int = 4, lasting: float = 1.0, strays: tuple = ()) -> host_session.SessionResult:
+    """Timings as a session records them at the GPU settings (3 warm-up iterations, rounds
+    of 14, a window every 14th): a round's first and last iteration hold the wait and the
+    sync (seconds), a window 0.9 s, the iteration after a window 1.5x (a teardown);
+    otherwise, in round r, times (1 + r/100): the launcher 0.10 s, pretrain_gpt.py 0.20 s,
+    the --dynmo process (another process: 10% slower) 0.22 s without the plugin and 5%
+    more with it (BatonSpec.plugin_runs), after round 1 times `lasting` on both sides (a
+    cost the first window left). A median that kept any of these would move."""
+    spec = bt.BatonSpec("f", "launcher", 3, rounds, 14)
+    ab = bt.BatonSpec("f", "mlm_dynmo", 3, rounds, 14, alternate=14)
+    windows = set(range(14, spec.train_iters + 1, 14))
 
-    def times(base: float, plugin: float = 1.0) -> dict[int, float]:
+    def times(base: float, plugin: float = 1.0, after: float = 1.0) -> dict[int, float]:
         out = {}
         for r in range(rounds + 1):
             for i in spec.iterations(r):
                 on = ab.plugin_runs(i) and plugin != 1.0
-                out[i] = (5.0 if i in firsts else 0.9 if on and i in windows
-                          else base * (plugin if on else 1.0) * (1 + r / 100))
+                out[i] = (5.0 if i in spec.edges() else 0.9 if on and i in windows
+                          else 1.5 * base if plugin != 1.0 and i - 1 in windows
+                          else base * (plugin if on else 1.0) * (1 + r / 100) * (after if r > 1 else 1.0))
         return out
+    dynmo = times(0.22, plugin=1.05, after=lasting)
     launcher = {"iterations": [{"iteration": i, "time_s": t} for i, t in times(0.10).items()]}
-    report = {"events": [{"kind": "profile", "iteration": i, "window": [i, i], "profile": {"layers": []}}
+    report = {"iterations": [{"iteration": i} for i in sorted(dynmo) if ab.plugin_runs(i) or i in strays],
+              "events": [{"kind": "profile", "iteration": i, "window": [i, i], "profile": {"layers": []}}
                          for i in sorted(windows)]}
-    return host_session.SessionResult(spec, ab, launcher, times(0.20), times(0.22, plugin=1.05), report, [])
+    return host_session.SessionResult(spec, ab, launcher, times(0.20), dynmo, report, [])
 
 
 def test_the_plugin_is_timed_on_against_off_in_one_process_not_against_another_process():
     """The --dynmo program's own iterations without the plugin are the plugin's reference:
     the other process's level (here 10% off, as launches of one program differed on the
-    H200) is printed as the draw, and does not enter the plugin's ratio."""
+    H200) is printed as the draw, and does not enter the plugin's ratio; the iteration
+    after a window is on neither side."""
     r = rows_mlm.session_ratios(_session())
     assert r.ours == pytest.approx([0.10 * (1 + k / 100) for k in (1, 2, 3, 4)])
     assert r.ratio == pytest.approx([0.5] * 4) and r.plugin == pytest.approx([1.05] * 4)
-    assert r.draw == pytest.approx([1.10] * 4)
-    passed, detail = rows_mlm.throughput_verdict(r, "host", 5)
-    assert not passed and ("--dynmo (every 5) plugin on/off in one process 1.050x (rounds 1.050-1.050, every "
+    assert r.draw == pytest.approx([1.10] * 4) and r.lasting == pytest.approx(1.0)
+    passed, detail = rows_mlm.throughput_verdict(r, "host", 14)
+    assert not passed and ("--dynmo (every 14) plugin on/off in one process 1.050x (rounds 1.050-1.050, every "
                            "round over 1.03; by round 1.050 1.050 1.050 1.050)") in detail
+    assert "a cost windows leave in later steps (without the plugin, rounds 2+ over round 1" in detail
     times = host_session.timing_iterations(_session().dynmo, _session().spec)
     assert max(times.values()) == 0.9 and 5.0 not in times.values() and 1 not in times
+    on, off = rows_mlm.plugin_side(_session())
+    assert sorted(i for i in on if i <= 17) == [6, 8, 10, 12, 16] and sorted(i for i in off if i <= 17) == [5, 7, 9, 11, 13]
+
+
+def test_a_cost_the_first_window_leaves_in_every_later_step_shows_beside_the_on_off_ratio():
+    """CUPTI left attached after a window slows on and off steps alike: on/off cannot see
+    it. The --dynmo process's steps without the plugin, rounds 2+ over round 1 (before
+    the first window), over the plain process's same ratio: 1.15 here."""
+    r = rows_mlm.session_ratios(_session(lasting=1.15))
+    assert r.plugin == pytest.approx([1.05] * 4) and r.lasting == pytest.approx(1.15)
+    assert "over the plain process's same) 1.150x (not judged)" in rows_mlm.throughput_verdict(r, "host", 14)[1]
+
+
+def test_a_plugin_that_ran_where_it_was_to_be_bypassed_voids_the_comparison():
+    with pytest.raises(gpu_check.CheckFailed, match=r"ran on iterations \[5\] it was to skip"):
+        rows_mlm.session_ratios(_session(strays=(5,)))
 
 
 def test_the_plugin_runs_in_the_warm_up_on_even_iterations_and_in_every_window():
-    ab = bt.BatonSpec("f", "mlm_dynmo", 3, 4, 10, alternate=10)
-    assert [i for i in range(1, ab.train_iters + 1) if not ab.plugin_runs(i)] == [
-        i for i in range(5, 44, 2)]
-    assert all(ab.plugin_runs(i) for i in range(10, ab.train_iters + 1, 10))
-    assert all(bt.BatonSpec("f", "mlm", 3, 4, 10).plugin_runs(i) for i in range(1, 44))  # no alternate: always
+    ab = bt.BatonSpec("f", "mlm_dynmo", 3, 4, 14, alternate=14)
+    assert [i for i in range(1, ab.train_iters + 1) if not ab.plugin_runs(i)] == list(range(5, 60, 2))
+    assert all(ab.plugin_runs(i) for i in range(14, ab.train_iters + 1, 14))
+    assert all(bt.BatonSpec("f", "mlm", 3, 4, 14).plugin_runs(i) for i in range(1, 60))  # no alternate: always
     warmup, iters, every = host_session.CPU_SESSION
     cpu = bt.BatonSpec("f", "mlm_dynmo", warmup, 4, iters, alternate=every)
+    windows = set(range(every, cpu.train_iters + 1, every))
     for r in range(1, 5):  # the dry run's rounds: each keeps an iteration on and one off to time
-        kept = [i for i in cpu.iterations(r) if i not in cpu.first_iterations() and i % cpu.alternate]
+        kept = [i for i in cpu.iterations(r) if i not in cpu.edges() | windows | {w + 1 for w in windows}]
         assert {cpu.plugin_runs(i) for i in kept} == {True, False}, (r, kept)
 
 
 def test_a_rounds_median_is_of_its_own_iterations_without_the_wait_and_the_windows():
-    spec = bt.BatonSpec("f", "a", 1, 2, 4)              # round 1: 2-5, round 2: 6-9
-    times = {1: 9.0, 2: 5.0, 3: 0.1, 4: 0.2, 5: 0.3, 6: 5.0, 7: 0.1, 8: 0.2, 9: 0.9}
-    assert host_session.round_medians(times, spec) == pytest.approx([0.2, 0.2])
-    assert host_session.round_medians(times, spec, skip={9}) == pytest.approx([0.2, 0.15])
+    spec = bt.BatonSpec("f", "a", 1, 2, 5)              # round 1: 2-6, round 2: 7-11
+    times = {1: 9.0, 2: 5.0, 3: 0.1, 4: 0.2, 5: 0.3, 6: 4.0, 7: 5.0, 8: 0.1, 9: 0.2, 10: 0.9, 11: 4.0}
+    assert host_session.round_medians(times, spec) == pytest.approx([0.2, 0.2])  # no wait, no sync
+    assert host_session.round_medians(times, spec, skip={10}) == pytest.approx([0.2, 0.15])
 
 
 def test_a_round_with_nothing_left_to_time_is_a_failure_not_a_crash():
-    spec = bt.BatonSpec("f", "a", 1, 2, 2)
+    spec = bt.BatonSpec("f", "a", 1, 2, 3)              # round 1: 2-4 (2, 4: its edges)
     with pytest.raises(gpu_check.CheckFailed, match="round 1: no iteration left"):
-        host_session.round_medians({i: 0.1 for i in range(1, 6)}, spec, skip={3})
+        host_session.round_medians({i: 0.1 for i in range(1, 8)}, spec, skip={3})
