@@ -7,11 +7,13 @@ The scratch layer must compute as the stage's layers do: with --bf16/--fp16 Mega
 builds weights in `params_dtype` and Float16Module then casts the whole stage (norms
 included) and its input to that dtype, so a scratch layer fed fp32 inputs fails
 ("expected m1 and m2 to have the same dtype") or times the wrong kernels. Everything
-here is private to the calibration: no live parameter, gradient or RNG stream is used —
-Megatron initialises a new module from the run's streams (torch's CPU generator under
---use-cpu-initialization, the CUDA RNG tracker's model-parallel and expert streams on a
-GPU), so the build puts every one of them back as it was (`_rng_kept`): else a --dynmo
-run's dropout masks would differ from the same run's without the plugin.
+here is private to the calibration: no live parameter, gradient or RNG stream is used.
+The run's random streams are drawn from by Megatron when it builds a module (torch's CPU
+generator under --use-cpu-initialization, the CUDA RNG tracker's model-parallel and
+expert streams on a GPU) and by a scratch layer's dropout (Megatron-LM's default 0.1:
+torch's generator, the tracker's stream in attention), so each calibration runs inside
+`rng_streams_kept`: else a --dynmo run's dropout masks would differ from the same run's
+without the plugin.
 """
 from __future__ import annotations
 
@@ -40,18 +42,33 @@ def init_scratch_(layer: torch.nn.Module, gen: torch.Generator, std: float = 0.0
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
-@contextlib.contextmanager
-def _rng_kept():
-    """Torch's CPU and CUDA generators and Megatron's CUDA RNG tracker as they were."""
+def _tracker():
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    tracker = get_cuda_rng_tracker()
-    states = tracker.get_states() if tracker.is_initialized() else None
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    return get_cuda_rng_tracker()
+
+
+@contextlib.contextmanager
+def rng_streams_kept():
+    """Torch's CPU generator, the current CUDA device's (only where CUDA is up: a CPU run
+    on a GPU machine must not make a context) and Megatron's CUDA RNG tracker's streams,
+    put back as they were. The tracker's states are copied: Megatron's own tracker
+    replaces a stream's state tensor, a CUDA-graph-safe one advances its generators in
+    place. Also a decorator."""
+    tracker = _tracker()
+    kept = ({name: state.clone() if isinstance(state, torch.Tensor) else state.get_state()
+             for name, state in tracker.get_states().items()} if tracker.is_initialized() else {})
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         try:
             yield
         finally:
-            if states is not None:
+            if kept:
+                states = tracker.get_states()
+                for name, state in kept.items():
+                    if isinstance(states.get(name), torch.Tensor) or name not in states:
+                        states[name] = state
+                    else:
+                        states[name].set_state(state)
                 tracker.set_states(states)
 
 
@@ -61,7 +78,7 @@ def build_scratch_layer(spec, config, layer_number: int, pg_collection, vp_stage
     process groups, initialised from `gen`, on `device`, cast as Float16Module casts the
     stage's layers."""
     from megatron.core.transformer.spec_utils import build_module
-    with _rng_kept():
+    with rng_streams_kept():
         layer = build_module(spec, config=config, layer_number=layer_number,
                              pg_collection=pg_collection, vp_stage=vp_stage)
     init_scratch_(layer, gen)

@@ -53,6 +53,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from dynmo_plugin.megatron.training.scratch import rng_streams_kept
 from dynmo_plugin.scenarios.gathered_tokens import gather_mask, is_arbitrary_mask
 from dynmo_plugin.scenarios.mixture_of_depths.routing import PredictorGrad, RouteIn, RouteOut
 from dynmo_plugin.scenarios.shapes import round_nearest
@@ -275,7 +276,7 @@ def time_scratch_layers(trainer, clock, capacities, repeats: int) -> dict:
         layer.mod_context = ModContext(predictor_loss_weight=1.0, grad_scale=1.0)
         return layer
 
-    with torch.random.fork_rng(devices=[]):
+    with rng_streams_kept():  # the scratch layers' dropout draws from the run's streams
         plain, routed = scratch(False), scratch(True)
         mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None].to(device)
         x0 = scratch_input((s, b, cfg.hidden_size), cfg, device, gen)

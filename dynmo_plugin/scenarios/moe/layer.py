@@ -36,6 +36,8 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 from megatron.core.transformer.transformer_layer import (TransformerLayer,
                                                          get_transformer_layer_offset)
 
+from dynmo_plugin.megatron.training.scratch import rng_streams_kept
+
 
 __all__ = ["MoeTransformerLayer", "moe_layer_spec", "calibrate", "flop_fixed_tokens",
            "CapacityDispatcher", "GroupedExperts", "padded_capacity"]
@@ -361,6 +363,7 @@ def flop_fixed_tokens(cfg, seq_length: int) -> float:
     return (8 * h * h + 4 * seq_length * h + 2 * h * cfg.num_moe_experts) / expert
 
 
+@rng_streams_kept()
 def calibrate(trainer, moe_layers: tuple[int, ...], repeats: int = 3, rounds: int = 3,
               seed: int = 0) -> dict:
     """Time a throw-away MoE layer (and a dense one when some layer is dense) of this run's spec

@@ -33,6 +33,7 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from dynmo_plugin.megatron.training.scratch import rng_streams_kept
 from dynmo_plugin.megatron.attention.core import CausalCoreAttention
 from dynmo_plugin.scenarios.sparse_attention.kernels import (CHUNK_MULTIPLE, dense_causal_attention,
                                                              hash_rotation, lsh_attention)
@@ -208,6 +209,7 @@ def time_attention(s: int, b: int, heads: int, head_dim: int, buckets: int, hash
     return _median_seconds({0: step}, repeats, device)[0]
 
 
+@rng_streams_kept()
 def time_layer(spec: ModuleSpec, config, pg_collection, vp_stage, s: int, b: int,
                buckets: list[int], repeats: int = 5, device: torch.device | str = "cpu",
                seed: int = 0) -> dict[int, float]:
