@@ -127,7 +127,7 @@ fi
 # ---- on the GPU machine (or --dry-run here) ------------------------------------------------
 OUT="${OUT:-$DEV/out}"
 WORK="$DEV/work"   # the runs; only what is listed above goes to $OUT
-mkdir -p "$OUT"; OUT_READY=1
+mkdir -p "$OUT"; rm -f "$OUT/device_check.txt"; OUT_READY=1  # a setup failure's line alone in it
 timeout -k 5 "$SETUP_S" "$PY" -c "import torch" 2>/dev/null ||
   die "$PY cannot import torch within $SETUP_S s: pass --python with one that can (here: make install, then --python .venv/bin/python)"
 rm -rf "$WORK"; mkdir -p "$WORK"

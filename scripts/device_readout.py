@@ -32,7 +32,8 @@ SIGNALS = {
 }
 ORDER = {"FAIL": 0, "pass": 2}  # failed rows first, then skipped, then passed (gpu_checks.common.Row)
 # megatron_lm_gpu_check.sh's verdict lines and why a run ended
-MLM_LINES = re.compile(r"PASS|FAIL|not run|skipped|error|failed|deadline|no time left|no checkpoint", re.I)
+MLM_LINES = re.compile(r"PASS|FAIL|not run|skipped|error:|failed \(exit|deadline|no time left|no checkpoint|"
+                       r"\b[123]/3 ")
 DETAIL_CHARS = 600
 
 

@@ -62,7 +62,7 @@ class BatonSpec:
                 or iteration % self.alternate == 0)
 
     def first_iterations(self) -> set[int]:
-        """The first iteration of every round: it follows a wait (excluded from timings)."""
+        """The first iteration of every round: it follows a wait (one of the `edges`)."""
         return {1, *(self.warmup + (r - 1) * self.iters + 1 for r in range(1, self.rounds + 1))}
 
     def edges(self) -> set[int]:

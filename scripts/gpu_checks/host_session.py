@@ -28,14 +28,14 @@ from gpu_checks.rows_basic import _precision
 
 SESSION_WARMUP = 3   # round 0: iterations before any timing
 SESSION_ITERS = 14   # iterations per program per round (the first and last left out: edges); in
-                     # the --dynmo program 5 timed with the plugin, 5 without, 1 window (plugin_runs)
+                     # the --dynmo program 4 timed with the plugin, 4 without, 1 window (plugin_side)
 # The --dynmo run's profiling windows (left out of its timings), one per round: with the
 # interval equal to the round's length (and the warm-up not a multiple of it) a window
 # never falls on a round's first iteration, which runs cold after another program's turn
 # and would give stage_prediction[mlm-host] its worst profile (every 10 in rounds of 8:
 # iteration 20 did); nor on its last, nor right before it (rows_mlm.plugin_side)
 PROFILE_EVERY = SESSION_ITERS
-CPU_SESSION = (2, 6, 6)  # the dry run's warm-up, iterations per round, profile interval
+CPU_SESSION = (2, 8, 8)  # the dry run's warm-up, iterations per round, profile interval
 PROGRAMS = ("launcher", "mlm", "mlm_dynmo")
 # hang thresholds, under what the budget leaves at the session (~210 s of --set issue34's
 # 300 s): a program not ready in 150 s (a healthy start: ~46 s) hung, and says so, rather

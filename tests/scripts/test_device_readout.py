@@ -53,7 +53,9 @@ def _out(tmp_path: Path) -> Path:
             common.Row("repack_2_to_1", "skipped: needs 2 GPUs", "", 0.0)]
     (out / "gpu_check.json").write_text(json.dumps({"ok": False, "rows": [asdict(r) for r in rows]}))
     (out / "device_check.txt").write_text("gpu_check.sh: exit 1, 300 s (budget 300 s)\ntotal: 420 s of 480 s\n")
-    (out / "megatron_lm.txt").write_text("[x] 1/3 ...\nprofile events at [5, 10] (want [5, 10]): PASS\n"
+    (out / "megatron_lm.txt").write_text("[megatron_lm_gpu_check.sh] 1/3 pretrain_gpt.py, 20 iterations\n"
+                                         "  iteration 20/20 | elapsed time per iteration (ms): 212.0\n"
+                                         "profile events at [5, 10] (want [5, 10]): PASS\n"
                                          "[megatron_lm_gpu_check.sh] the run failed (exit 1): moe.log\n")
     return out
 
@@ -71,7 +73,8 @@ def test_the_readout_puts_failed_rows_first_and_finds_the_lines_to_read(tmp_path
     assert [s["line"] for s in signals["kernel_records_lost"]] == [4]
     assert [s["text"] for s in signals["errors"]] == [
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"]
-    assert data["megatron_lm"] == ["profile events at [5, 10] (want [5, 10]): PASS",
+    assert data["megatron_lm"] == ["[megatron_lm_gpu_check.sh] 1/3 pretrain_gpt.py, 20 iterations",
+                                   "profile events at [5, 10] (want [5, 10]): PASS",
                                    "[megatron_lm_gpu_check.sh] the run failed (exit 1): moe.log"]
     assert readout.main([str(out)]) == 0
     text = capsys.readouterr().out
