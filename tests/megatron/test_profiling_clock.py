@@ -469,17 +469,17 @@ def test_kernel_records_cupti_dropped_are_counted_against_the_launches():
               E("gemm", "CUDA", 0, 1200, 700, 11), E("triton_", "CUDA", 0, 1900, 90, 12),
               E("gemm_bwd", "CUDA", 0, 3300, 900, 14),
               E("dynmo:0:fwd/1:0", "CUDA", 0, 1200, 800, 13, activity="gpu_user_annotation")]
-    for variant in (events, [_Torch211Event(e) for e in events]):
-        assert kernel_coverage(variant) == pytest.approx(3 / 4)  # launch 13's kernel was lost
+    for variant in (events, [_Torch211Event(e) for e in events]):  # launch 13's kernel was lost: the 3rd
+        assert kernel_coverage(variant) == (pytest.approx(3 / 4), 4, [2])
     assert kernel_coverage(events[:2]) is None  # no launch: nothing to say
     # a driver call recorded inside the runtime's launch is the same launch: its kernel
     # carries one of the two ids, and it is not a second launch without a record
     nested = [E("cuLaunchKernel", "CPU", 7, 1101, 3, 21, activity="cuda_driver"),
               E("cuLaunchKernel", "CPU", 9, 3201, 3, 22, activity="cuda_driver")]
-    assert kernel_coverage(events + nested) == pytest.approx(3 / 4)
+    assert kernel_coverage(events + nested).share == pytest.approx(3 / 4)
     inner_id = [e for e in events if e.name() != "gemm_bwd"] + [E("gemm_bwd", "CUDA", 0, 3300, 900, 22)]
-    assert kernel_coverage(inner_id + nested) == pytest.approx(3 / 4)  # 14's kernel under the driver's id 22
-    assert kernel_coverage(inner_id) == pytest.approx(2 / 4)  # without the driver call, 14 has no record
+    assert kernel_coverage(inner_id + nested).share == pytest.approx(3 / 4)  # 14's kernel under the driver's id 22
+    assert kernel_coverage(inner_id) == (pytest.approx(2 / 4), 4, [2, 3])  # without the driver call, 14 has none
 
 
 def test_the_worst_replicas_kernel_coverage_is_the_stages():

@@ -131,10 +131,17 @@ def from_kineto(events, keep=None) -> tuple[list[Range], dict[tuple[str, int], t
     return ranges, launches, kernels
 
 
-def kernel_coverage(events) -> Optional[float]:
+class Coverage(NamedTuple):
+    share: float        # of the window's kernel launches, those with a kernel record
+    launches: int
+    lost_at: list[int]  # the launches without one, by their order in the window (0: its first)
+
+
+def kernel_coverage(events) -> Optional[Coverage]:
     """The share of the window's kernel launches (CUDA runtime or driver calls named
-    *LaunchKernel*) that have a kernel record with their correlation id; None where none
-    was recorded. Under 1, CUPTI dropped records and the layers' kernel times are short
+    *LaunchKernel*) that have a kernel record with their correlation id, and where the
+    others sit (a loss at the window's head, as pytorch#192021 describes, or scattered);
+    None where no launch was recorded. Under 1, CUPTI dropped records and the layers' kernel times are short
     by them: nothing else would show it (pytorch#192021: CUPTI 13.0, which torch's cu130
     wheels bundle, loses kernels at a session's start after GPU idle time). A launch call
     made inside another on the same thread (a driver call under the runtime's, where both
@@ -147,16 +154,19 @@ def kernel_coverage(events) -> Optional[float]:
             calls[ev.device_resource_id()].append((ev.start_ns(), ev.end_ns(), ev.correlation_id()))
         elif device.endswith("CUDA") and is_gpu_work(ev):
             recorded.add(ev.correlation_id())
-    launches: list[set[int]] = []
+    launches: list[tuple[int, set[int]]] = []  # (start, the ids of one launch)
     for items in calls.values():
         end = None
         for start_ns, end_ns, corr in sorted(items, key=lambda c: (c[0], -c[1])):
             if end is not None and end_ns <= end:  # inside the launch before it
-                launches[-1].add(corr)
+                launches[-1][1].add(corr)
                 continue
-            launches.append({corr})
+            launches.append((start_ns, {corr}))
             end = end_ns
-    return sum(bool(ids & recorded) for ids in launches) / len(launches) if launches else None
+    if not launches:
+        return None
+    lost = [i for i, (_, ids) in enumerate(sorted(launches, key=lambda x: x[0])) if not ids & recorded]
+    return Coverage(1 - len(lost) / len(launches), len(launches), lost)
 
 
 def is_collective(name: str) -> bool:
@@ -334,14 +344,16 @@ class KernelBusy:
             logger.warning("dynmo: no GPU kernel times in this window (%s: %s)", type(e).__name__, e)
             return None
         try:  # a check of the records: its failure costs the check, never the kernel times
-            self.coverage = kernel_coverage(events)
+            coverage = kernel_coverage(events)
         except Exception as e:  # noqa: BLE001
             logger.warning("dynmo: kernel records not counted in this window (%s: %s)", type(e).__name__, e)
-            self.coverage = None
-        if self.coverage is not None and self.coverage < 1.0:
+            coverage = None
+        self.coverage = coverage.share if coverage is not None else None
+        if coverage is not None and coverage.lost_at:
             logger.warning("dynmo: kernel records for %.2f%% of the window's kernel launches: CUPTI "
-                           "dropped the others, and the layers' kernel times are short by them",
-                           100 * self.coverage)
+                           "dropped %d of %d (launches %s in the window's order), and the layers' "
+                           "kernel times are short by them", 100 * coverage.share, len(coverage.lost_at),
+                           coverage.launches, coverage.lost_at[:8])
         return samples_by_key(busy)
 
 
