@@ -37,7 +37,7 @@ SESSION_ITERS = 14   # iterations per program per round (the first and last left
 PROFILE_EVERY = SESSION_ITERS
 CPU_SESSION = (2, 8, 8)  # the dry run's warm-up, iterations per round, profile interval
 PROGRAMS = ("launcher", "mlm", "mlm_dynmo")
-# hang thresholds, under what the budget leaves at the session (~210 s of --set issue34's
+# hang thresholds, under what the budget leaves at the session (~225 s of --set issue34's
 # 300 s): a program not ready in 150 s (a healthy start: ~46 s) hung, and says so, rather
 # than the budget ending the wait and every session row reading "skipped: budget"
 READY_TIMEOUT_S, TURN_TIMEOUT_S = 150.0, 120.0
@@ -77,9 +77,13 @@ def _mlm_cmd(m: Machine, shape: str, dynmo: bool, out: Path, iters: int) -> list
         cmd += ["--cpu-harness", *MODEL_FLAGS]
     cmd += ["--train-iters", str(iters)]
     if dynmo:
-        every = PROFILE_EVERY if m.gpus else CPU_SESSION[2]
-        cmd += ["--dynmo", "--dynmo-profile-every", str(every), "--dynmo-output", str(out / "dynmo")]
+        cmd += ["--dynmo", "--dynmo-profile-every", str(_settings(m)[2]), "--dynmo-output", str(out / "dynmo")]
     return cmd
+
+
+def _settings(m: Machine) -> tuple[int, int, int]:
+    """(warm-up, iterations per round, the --dynmo run's profile interval) on this machine."""
+    return (SESSION_WARMUP, SESSION_ITERS, PROFILE_EVERY) if m.gpus else CPU_SESSION
 
 
 class _Torchrun:
@@ -125,11 +129,10 @@ def run_session(m: Machine, out: Path, rounds: int) -> SessionResult:
     from gpu_checks.rows_shapes import SHAPES, _COMMON
     folder = out / "session"
     baton = Baton(folder / "baton", list(PROGRAMS), rounds)
-    warmup, iters = (SESSION_WARMUP, SESSION_ITERS) if m.gpus else CPU_SESSION[:2]
+    warmup, iters, every = _settings(m)
 
     def spec(name: str) -> BatonSpec:  # the --dynmo program: its plugin on and off by turns
-        alternate = (PROFILE_EVERY if m.gpus else CPU_SESSION[2]) if name == "mlm_dynmo" else 0
-        return BatonSpec(str(baton.folder), name, warmup, rounds, iters, alternate)
+        return BatonSpec(str(baton.folder), name, warmup, rounds, iters, every if name == "mlm_dynmo" else 0)
     launcher_flags = ([*SHAPES["host"][0], *_COMMON] if m.gpus else [*CPU_LAUNCHER, "--transformer-impl", "local"])
     worker = launching.WORKER
     if worker is None:

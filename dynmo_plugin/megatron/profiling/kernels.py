@@ -140,12 +140,12 @@ class Coverage(NamedTuple):
 def kernel_coverage(events) -> Optional[Coverage]:
     """The share of the window's kernel launches (CUDA runtime or driver calls named
     *LaunchKernel*) that have a kernel record with their correlation id, and where the
-    others sit (a loss at the window's head, as pytorch#192021 describes, or scattered);
-    None where no launch was recorded. Under 1, CUPTI dropped records and the layers' kernel times are short
-    by them: nothing else would show it (pytorch#192021: CUPTI 13.0, which torch's cu130
-    wheels bundle, loses kernels at a session's start after GPU idle time). A launch call
-    made inside another on the same thread (a driver call under the runtime's, where both
-    are recorded) is one launch with the outer one: either id's record counts for it."""
+    others sit; None where no launch was recorded. Under 1, CUPTI dropped records and the
+    layers' kernel times are short by them, which nothing else would show (pytorch#192021:
+    CUPTI 13.0, which torch's cu130 wheels bundle, loses kernels at a session's head after
+    GPU idle time). A launch call made inside another on the same thread (a driver call
+    under the runtime's, where both are recorded) is one launch with the outer one: either
+    id's record counts for it."""
     calls: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
     recorded = set()
     for ev in events:
