@@ -4,6 +4,7 @@ determinism settings gpu_check.sh forces. The GPU runs themselves need CUDA."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -111,24 +112,29 @@ def test_stage_prediction_is_held_to_iterations_outside_windows():
                            "around train_step 93.0 ms"), detail
 
 
-def test_throughput_overhead_is_judged_only_where_the_rounds_resolve_three_percent():
-    def verdict(ratio, plugin):
-        return gpu_check.throughput_verdict(gpu_check.SessionRatios([0.20, 0.21, 0.20, 0.20], ratio, plugin,
-                                                                    [1.10, 0.92, 1.05, 1.0], 1.01), "host", 14)
-    ok, detail = verdict([0.95, 0.96, 0.97, 0.95], [1.01, 1.02, 1.00, 1.01])
-    assert ok and "4 interleaved rounds" in detail and "every round <= 1.03" in detail
-    assert "plugin on/off in one process 1.010x" in detail
+def test_throughput_overhead_is_judged_only_where_the_pairs_resolve_three_percent():
+    """The plugin's on/off is judged from the interval over every pair (gpu_checks/paired.py),
+    the rounds' medians printed beside: an interval wholly over 1.03 fails, wholly at or
+    under passes, across it is "not judged", whatever the rounds alone would say."""
+    def verdict(pairs, plugin=(1.0,) * 4, ratio=(0.95,) * 4):
+        return gpu_check.throughput_verdict(gpu_check.SessionRatios([0.20, 0.21, 0.20, 0.20], list(ratio), list(plugin),
+                                                                    [1.10, 0.92, 1.05, 1.0], 1.01, pairs), "host", 20)
+    tight = [1.0 + 0.004 * (k % 5 - 2) for k in range(28)]  # 0.992-1.008
+    ok, detail = verdict(tight, plugin=(1.01, 1.02, 1.00, 1.01))
+    assert ok and "4 interleaved rounds" in detail and "over 28 pairs), at or under 1.03" in detail
+    assert "plugin on/off in one process 1.000x (95% interval 0.9" in detail
+    assert "by round 1.010 1.020 1.000 1.010 (rounds 1.000-1.020)" in detail
     assert "the --dynmo process's steps without the plugin / the plain process's 1.025x (rounds 0.920-1.100)" in detail
     assert "over the plain process's same) 1.010x (printed, no verdict)" in detail
-    ok, detail = verdict([0.95] * 4, [1.04, 1.05, 1.04, 1.05])
-    assert not ok and "every round over 1.03" in detail
-    ok, detail = verdict([0.95] * 4, [1.19, 1.27, 1.23, 1.20])
-    assert not ok and "every round over 1.03" in detail  # rounds that agree over the bound: an overhead
-    ok, detail = verdict([0.95] * 4, [0.97, 1.08, 1.01, 1.00])
-    assert ok and "not judged: the rounds straddle 1.03 and spread 11.0%" in detail
-    ok, detail = verdict([0.95] * 4, [1.02, 1.04, 1.045, 1.04])
-    assert not ok and "by the median vs 1.03, spread 2.5%" in detail  # straddling, resolved: the median over
-    ok, _ = verdict([1.05] * 4, [1.0] * 4)
+    ok, detail = verdict([1.05 * x for x in tight], plugin=(0.97, 1.08, 1.01, 1.00))
+    assert not ok and "), over 1.03" in detail  # rounds that straddled (once "not judged"): the pairs resolve it
+    ok, detail = verdict([1.19 * x for x in tight])
+    assert not ok and "1.190x" in detail
+    wide = [1.04 * math.exp(0.1 * (k - 13.5) / 13.5) for k in range(28)]  # +-10% around 1.04
+    ok, detail = verdict(wide, plugin=(1.04, 1.05, 1.04, 1.05))
+    assert ok and "1.040x" in detail and "not judged: the interval spans 1.03" in detail  # its estimate over 1.03,
+    # every round over: neither fails alone
+    ok, _ = verdict(tight, ratio=(1.05,) * 4)
     assert not ok  # launcher slower than Megatron-LM
 
 

@@ -128,12 +128,13 @@ def test_issue34_set_fits_one_device_call_by_the_plans_constants():
             "stage_prediction[mlm-gpu]", "throughput_vs_megatron_lm"} <= set(rows)
     assert not any(r.startswith(("nccl/", "scenario_cost")) for r in rows)
     (session,) = _group_of(plan, "throughput_vs_megatron_lm").launches
-    iters = gpu_check.SESSION_WARMUP + gpu_check.THROUGHPUT_ROUNDS * gpu_check.SESSION_ITERS
-    turns = (gpu_check.THROUGHPUT_ROUNDS + 1) * 3
-    start = gpu_check_plan.START_S
+    s, rounds = gpu_check.GPU_SESSION, gpu_check.THROUGHPUT_ROUNDS
+    iters, dynmo = s.warmup + rounds * s.iters, s.warmup + rounds * s.dynmo_iters  # the --dynmo program's longer
+    turns = (rounds + 1) * 3
+    start, it_s = gpu_check_plan.START_S, gpu_check_plan.IT_S
     assert start["torchrun"] >= start["worker"] and session.alongside == ("torchrun", "worker")
     assert session.estimate_s() == pytest.approx(
-        start["torchrun"] + iters * (gpu_check_plan.IT_S["host"] + 2 * gpu_check_plan.IT_S["mlm_host"])
+        start["torchrun"] + iters * (it_s["host"] + it_s["mlm_host"]) + dynmo * it_s["mlm_host"]
         + turns * gpu_check_plan.BATON_TURN_S)
     # the structure it replaced: per round a launcher-worker run and two torchrun launches
     # (round 0's profiled one shared with mlm[host]): 4 + 7 launches, 370 s by the same constants

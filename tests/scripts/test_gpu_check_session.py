@@ -36,7 +36,7 @@ def test_no_profiling_window_of_the_gpu_session_falls_on_a_rounds_first_iteratio
     (the plugin profiles every PROFILE_EVERY-th iteration, each window one iteration);
     nor on its last (the hand-over's sync), nor right before it (the iteration after a
     window is timed on neither side of the plugin's on/off)."""
-    spec = bt.BatonSpec("f", "a", host_session.SESSION_WARMUP, rounds, host_session.SESSION_ITERS)
+    spec = bt.BatonSpec("f", "a", host_session.SESSION_WARMUP, rounds, host_session.DYNMO_ITERS)  # the --dynmo program's
     windows = set(range(host_session.PROFILE_EVERY, spec.train_iters + 1, host_session.PROFILE_EVERY))
     assert len(windows) == rounds and not (windows | {w + 1 for w in windows}) & spec.edges()
     assert [spec.round_of(i)[0] for i in sorted(windows)] == list(range(1, rounds + 1))  # one in each
@@ -121,31 +121,34 @@ def test_a_program_without_a_coordinator_gives_up(tmp_path):
 
 def _session(rounds: int = 4, lasting: float = 1.0, strays: tuple = ()) -> host_session.SessionResult:
     """Timings as a session records them at the GPU settings (3 warm-up iterations, rounds
-    of 14, a window every 14th): a round's first and last iteration hold the wait and the
+    of 12, the --dynmo program's of 20 with a window every 20th): a round's first and last
+    iteration hold the wait and the
     sync (seconds), a window 0.9 s, the iteration after a window 1.5x (a teardown);
     otherwise, in round r, times (1 + r/100): the launcher 0.10 s, pretrain_gpt.py 0.20 s,
     the --dynmo process (another process: 10% slower) 0.22 s without the plugin and 5%
     more with it (BatonSpec.plugin_runs), after round 1 times `lasting` on both sides (a
     cost the first window left). A median that kept any of these would move."""
-    spec = bt.BatonSpec("f", "launcher", 3, rounds, 14)
-    ab = bt.BatonSpec("f", "mlm_dynmo", 3, rounds, 14, alternate=14)
-    windows = set(range(14, spec.train_iters + 1, 14))
+    s = host_session.GPU_SESSION
+    assert (s.warmup, s.iters, s.dynmo_iters, s.every) == (3, 12, 20, 20)  # the figures below
+    spec = bt.BatonSpec("f", "launcher", s.warmup, rounds, s.iters)
+    ab = bt.BatonSpec("f", "mlm_dynmo", s.warmup, rounds, s.dynmo_iters, alternate=s.every)
+    windows = set(range(s.every, ab.train_iters + 1, s.every))
 
-    def times(base: float, plugin: float = 1.0, after: float = 1.0) -> dict[int, float]:
+    def times(of: bt.BatonSpec, base: float, plugin: float = 1.0, after: float = 1.0) -> dict[int, float]:
         out = {}
         for r in range(rounds + 1):
-            for i in spec.iterations(r):
-                on = ab.plugin_runs(i) and plugin != 1.0
-                out[i] = (5.0 if i in spec.edges() else 0.9 if on and i in windows
-                          else 1.5 * base if plugin != 1.0 and i - 1 in windows
+            for i in of.iterations(r):
+                on = of.alternate and of.plugin_runs(i)
+                out[i] = (5.0 if i in of.edges() else 0.9 if on and i in windows
+                          else 1.5 * base if of.alternate and i - 1 in windows
                           else base * (plugin if on else 1.0) * (1 + r / 100) * (after if r > 1 else 1.0))
         return out
-    dynmo = times(0.22, plugin=1.05, after=lasting)
-    launcher = {"iterations": [{"iteration": i, "time_s": t} for i, t in times(0.10).items()]}
+    dynmo = times(ab, 0.22, plugin=1.05, after=lasting)
+    launcher = {"iterations": [{"iteration": i, "time_s": t} for i, t in times(spec, 0.10).items()]}
     report = {"iterations": [{"iteration": i} for i in sorted(dynmo) if ab.plugin_runs(i) or i in strays],
               "events": [{"kind": "profile", "iteration": i, "window": [i, i], "profile": {"layers": []}}
                          for i in sorted(windows)]}
-    return host_session.SessionResult(spec, ab, launcher, times(0.20), dynmo, report, [])
+    return host_session.SessionResult(spec, ab, launcher, times(spec, 0.20), dynmo, report, [])
 
 
 def test_the_plugin_is_timed_on_against_off_in_one_process_not_against_another_process():
@@ -157,14 +160,15 @@ def test_the_plugin_is_timed_on_against_off_in_one_process_not_against_another_p
     assert r.ours == pytest.approx([0.10 * (1 + k / 100) for k in (1, 2, 3, 4)])
     assert r.ratio == pytest.approx([0.5] * 4) and r.plugin == pytest.approx([1.05] * 4)
     assert r.draw == pytest.approx([1.10] * 4) and r.lasting == pytest.approx(1.0)
-    passed, detail = rows_mlm.throughput_verdict(r, "host", 14)
-    assert not passed and ("--dynmo (every 14) plugin on/off in one process 1.050x (rounds 1.050-1.050, every "
-                           "round over 1.03; by round 1.050 1.050 1.050 1.050)") in detail
+    assert r.pairs == pytest.approx([1.05] * 28)
+    passed, detail = rows_mlm.throughput_verdict(r, "host", 20)
+    assert not passed and ("--dynmo (every 20) plugin on/off in one process 1.050x (95% interval 1.050-1.050 over "
+                           "28 pairs), over 1.03; by round 1.050 1.050 1.050 1.050 (rounds 1.050-1.050)") in detail
     assert "a cost windows leave in later steps (without the plugin, rounds 2+ over round 1" in detail
-    times = host_session.timing_iterations(_session().dynmo, _session().spec)
+    times = host_session.timing_iterations(_session().dynmo, _session().dynmo_spec)
     assert max(times.values()) == 0.9 and 5.0 not in times.values() and 1 not in times
-    on, off = rows_mlm.plugin_side(_session())  # round 1 (4-17): 4 pairs, neighbours
-    assert sorted(i for i in on if i <= 17) == [6, 8, 10, 12] and sorted(i for i in off if i <= 17) == [7, 9, 11, 13]
+    on, off = rows_mlm.plugin_side(_session())  # round 1 (4-23, window 20): 7 pairs, neighbours
+    assert sorted(i for i in on if i <= 23) == list(range(6, 19, 2)) and sorted(i for i in off if i <= 23) == list(range(7, 20, 2))
 
 
 def test_a_cost_the_first_window_leaves_in_every_later_step_shows_beside_the_on_off_ratio():
@@ -173,7 +177,7 @@ def test_a_cost_the_first_window_leaves_in_every_later_step_shows_beside_the_on_
     the first window), over the plain process's same ratio: 1.15 here."""
     r = rows_mlm.session_ratios(_session(lasting=1.15))
     assert r.plugin == pytest.approx([1.05] * 4) and r.lasting == pytest.approx(1.15)
-    assert "over the plain process's same) 1.150x (printed, no verdict)" in rows_mlm.throughput_verdict(r, "host", 14)[1]
+    assert "over the plain process's same) 1.150x (printed, no verdict)" in rows_mlm.throughput_verdict(r, "host", 20)[1]
 
 
 def test_a_plugin_that_ran_where_it_was_to_be_bypassed_voids_the_comparison():
@@ -186,9 +190,9 @@ def test_the_plugin_runs_in_the_warm_up_on_even_iterations_and_in_every_window()
     assert [i for i in range(1, ab.train_iters + 1) if not ab.plugin_runs(i)] == list(range(5, 60, 2))
     assert all(ab.plugin_runs(i) for i in range(14, ab.train_iters + 1, 14))
     assert all(bt.BatonSpec("f", "mlm", 3, 4, 14).plugin_runs(i) for i in range(1, 60))  # no alternate: always
-    warmup, iters, every = host_session.CPU_SESSION
-    cpu = bt.BatonSpec("f", "mlm_dynmo", warmup, 4, iters, alternate=every)
-    windows = list(range(every, cpu.train_iters + 1, every))
+    c = host_session.CPU_SESSION
+    cpu = bt.BatonSpec("f", "mlm_dynmo", c.warmup, 4, c.dynmo_iters, alternate=c.every)
+    windows = list(range(c.every, cpu.train_iters + 1, c.every))
     on, off = rows_mlm.plugin_side(SimpleNamespace(  # the dry run's rounds: each times both sides
         dynmo_spec=cpu, dynmo=dict.fromkeys(range(1, cpu.train_iters + 1), 0.1),
         report={"iterations": [{"iteration": i} for i in range(1, cpu.train_iters + 1) if cpu.plugin_runs(i)],
