@@ -299,6 +299,26 @@ def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp
     assert [e.value for e in acc.Scalars("dynmo/rebalance_applied")] == [1.0]
 
 
+@needs_source
+def test_full_activation_recompute_inside_megatron_lm_is_profiled_and_moves_bit_exact(tmp_path):
+    """Megatron-LM's --recompute-granularity full (each layer's forward run again inside
+    its backward, `tensor_parallel.checkpoint`) under the plugin: profiled every 2
+    iterations and layer 2 moved to stage 1 before iteration 4, every loss equal to the
+    never-moved run's under the same recompute. What each layer holds between forward and
+    backward is the input the checkpoint keeps, one fp32 hidden state (32 x 2 x 64 x 4
+    bytes), not the recomputed forward's activations (the recomputed forward is timed into
+    the backward: tests/megatron/test_profiling_recompute.py)."""
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", [*recompute, "--dynmo", "--dynmo-profile-every", "2",
+                                                                     "--dynmo-forced-layouts", "4:Et|tttL"])
+    static, static_losses = train_in_megatron_lm(tmp_path / "static", [*recompute, "--dynmo"])
+    check_forced_move(moved, "Et|tttL", 4)
+    assert static["layout"] == "Ett|ttL" and static["events"] == []
+    assert len(moved_losses) == 6 and moved_losses == static_losses
+    profiles = [e["profile"] for e in moved["events"] if e["kind"] == "profile"]
+    assert {x["act_bytes"] for p in profiles for x in p["layers"]} == {32 * 2 * 64 * 4}
+
+
 def _check_resume_after_the_move(tmp: Path, ckpt: Path, losses: list) -> None:
     """Megatron-LM's own save_checkpoint wrote iteration 4 (after the move) in torch_dist;
     resumed with --load under the same pipeline size, the moved layout is restored; under

@@ -14,6 +14,19 @@ the gradient of the model's output to the gradient of the final norm's input.
 Activation bytes: `saved_tensors_hooks` around each layer forward, counting the
 distinct storages autograd keeps that are not parameters.
 
+Activation recompute (Megatron's `--recompute-granularity full`: `tensor_parallel.checkpoint`
+runs a layer's forward without autograd, keeps its input, and runs the forward again
+inside the backward): the first forward is the layer's forward span; the recomputed one
+is part of its backward, a segment of the backward span of the same micro-batch (the
+k-th recompute of a layer is its k-th micro-batch: each chunk's backwards run in forward
+order), timed and calibrated like a span, never a forward of another micro-batch. What
+the layer holds between its forward and backward is then its kept input, not what the
+recomputed forward saves for the moment of its own backward: counted for every layer
+whose forward runs without autograd on an input that needs gradients, exact at
+`--recompute-num-layers 1`; in larger chunks the inner layers' inputs count too, though
+only the chunk's is kept (their outputs still say they need gradients): one hidden state
+per inner layer over, against a whole layer's activations without recompute.
+
 Every span opens with `clock.begin()` (on CUDA: the device is drained first, so the span
 holds that region's work only; `profiling.clock`) and closes with `clock.mark()`; the
 host's time between the same marks is kept beside it ("host/fwd/7").
@@ -54,12 +67,16 @@ class SavedBytes:
         self.active = False  # entered, not yet exited: its hooks are on torch's stack
         self.in_backward = False  # entered inside a backward (`__enter__`)
 
-    def _pack(self, t: torch.Tensor):
+    def count(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage once, unless it is a parameter's."""
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in self._param_ptrs and ptr not in self._seen:
             self._seen.add(ptr)
             self.nbytes += storage.nbytes()
+
+    def _pack(self, t: torch.Tensor):
+        self.count(t)
         return t
 
     def __enter__(self):
@@ -91,24 +108,32 @@ class _Spans:
     def __init__(self):
         self.start: dict[int, object] = {}
         self.end: dict[int, object] = {}
+        # (start, end) marks of earlier segments of a micro-batch's span: a backward's
+        # recomputed forward (module docstring), which ran before its gradients arrived
+        self.before: dict[int, list[tuple[object, object]]] = defaultdict(list)
+
+    def _each(self, between: Callable[[object, object], float]) -> list[float]:
+        return [between(self.start[mb], self.end[mb]) + sum(between(a, b) for a, b in self.before.get(mb, ()))
+                for mb in sorted(self.start) if mb in self.end]
+
+    def segments(self) -> list[int]:
+        """Marked intervals per micro-batch (each pays the span constant once)."""
+        return [1 + len(self.before.get(mb, ())) for mb in sorted(self.start) if mb in self.end]
 
     def seconds(self, clock: Clock) -> list[float]:
-        return [clock.seconds(self.start[mb], self.end[mb])
-                for mb in sorted(self.start) if mb in self.end]
+        return self._each(clock.seconds)
 
     def host_cpu_seconds(self, clock: Clock) -> list[float]:
         """The thread's CPU time between the same marks (waits for the GIL left out)."""
-        return [clock.host_cpu_seconds(self.start[mb], self.end[mb])
-                for mb in sorted(self.start) if mb in self.end]
+        return self._each(clock.host_cpu_seconds)
 
     def host_seconds(self, clock: Clock) -> list[float]:
         """The host's time between the same marks (on CUDA: launching the region)."""
-        return [clock.host_seconds(self.start[mb], self.end[mb])
-                for mb in sorted(self.start) if mb in self.end]
+        return self._each(clock.host_seconds)
 
     def occupied(self, clock: Clock) -> float:
         """What the spans took of the host timeline, drains included (`Clock.occupied`)."""
-        return sum(clock.occupied(self.start[mb], self.end[mb]) for mb in self.start if mb in self.end)
+        return sum(self._each(clock.occupied))
 
 
 class _EmptyLayer(torch.nn.Module):
@@ -120,8 +145,14 @@ class _EmptyLayer(torch.nn.Module):
         return hidden_states * 1.0, None
 
 
-def _calibrated(values: list[float], constant: float) -> list[float]:
-    return [max(0.0, v - constant) for v in values]
+def _calibrated(values: list[float], constant: float, segments: list[int]) -> list[float]:
+    """`values` less the span constant once per marked interval, clamped at 0."""
+    return [max(0.0, v - n * constant) for v, n in zip(values, segments)]
+
+
+def _in_backward() -> bool:
+    """Inside autograd's backward (a forward here is a recompute)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class StageProbe:
@@ -183,6 +214,8 @@ class StageProbe:
         self._saved: dict[tuple[int, int], SavedBytes] = {}
         self._ends_at_weights: set[tuple[int, int]] = set()  # (layer, mb) with no input grad
         self._bwd_running: dict[int, int] = {}  # layer -> micro-batch whose backward started last
+        # layer -> (micro-batch, the segment's start mark) of a forward being recomputed
+        self._recomputing: dict[int, tuple[int, object]] = {}
         self._mtp_saved: dict[int, SavedBytes] = {}
 
     def occupied_s(self) -> float:
@@ -206,7 +239,8 @@ class StageProbe:
             way = "bwd" if "bwd" in key else "fwd"
             if key in ("fwd/0", "bwd/0"):
                 continue
-            secs = _calibrated(spans.seconds(self.clock), const[way])
+            n = spans.segments()
+            secs = _calibrated(spans.seconds(self.clock), const[way], n)
             if key in ("head_fwd", "head_bwd"):  # the MTP block ran inside: its own unit
                 mtp = dict(zip(sorted(nested[key].start), nested[key].seconds(self.clock))) \
                     if key in nested else {}
@@ -217,9 +251,9 @@ class StageProbe:
             elif key.startswith(("fwd/", "bwd/")):
                 self.samples[key].extend(secs)
                 self.samples[f"host/{key}"].extend(_calibrated(spans.host_seconds(self.clock),
-                                                               const[f"host/{way}"]))
+                                                               const[f"host/{way}"], n))
                 self.samples[f"cpu/{key}"].extend(_calibrated(spans.host_cpu_seconds(self.clock),
-                                                              const[f"cpu/{way}"]))
+                                                              const[f"cpu/{way}"], n))
             else:
                 for mb, s in zip(sorted(spans.start), secs):
                     extras[mb] += s
@@ -311,27 +345,37 @@ class StageProbe:
         fwd_key, bwd_key = f"fwd/{number}", f"bwd/{number}"
 
         def pre(module, args, kwargs):
-            mb = self._next_mb(f"layer/{number}")
             hidden = kwargs.get("hidden_states", args[0] if args else None)
-            if torch.is_tensor(hidden) and hidden.requires_grad:
-                self._at_grad(hidden, self._grad_mark(bwd_key, "end", mb), True)
-            else:  # e.g. after a frozen prefix: the last weight gradient ends the backward
-                self._ends_at_weights.add((number, mb))
+            if _in_backward():
+                self._recompute_begins(number, hidden)
+                return
+            mb = self._next_mb(f"layer/{number}")
+            if torch.is_grad_enabled():  # else a checkpoint's first pass: its recompute marks the backward
+                self._backward_ends(number, mb, hidden)
             if self.count_activations:
                 saved = SavedBytes(self._param_ptrs)
                 self._saved[(number, mb)] = saved
+                if torch.is_tensor(hidden) and hidden.requires_grad and not torch.is_grad_enabled():
+                    saved.count(hidden)  # checkpointed: what it keeps is its input (docstring)
                 saved.__enter__()
             self._spans[fwd_key].start[mb] = self.clock.begin()
             self._range(fwd_key, mb, True)
 
         def post(module, args, kwargs, output):
-            mb = self._counters[f"layer/{number}"] - 1
-            self._range(fwd_key, mb, False)
-            self._spans[fwd_key].end[mb] = self.clock.mark()
-            if self.count_activations:
-                self._saved[(number, mb)].__exit__(None, None, None)
+            if _in_backward():
+                mb = self._recompute_ends(number)
+                if mb is None:
+                    return
+            else:
+                mb = self._counters[f"layer/{number}"] - 1
+                self._range(fwd_key, mb, False)
+                self._spans[fwd_key].end[mb] = self.clock.mark()
+                if self.count_activations:
+                    self._saved[(number, mb)].__exit__(None, None, None)
             out = output[0] if isinstance(output, tuple) else output
-            if torch.is_tensor(out) and out.requires_grad:
+            # not after a checkpoint's first pass: its output, marked as needing gradients
+            # (make_viewless_tensor), becomes the checkpoint's own and loses the hooks on it
+            if torch.is_tensor(out) and out.requires_grad and torch.is_grad_enabled():
                 self._at_grad(out, self._grad_mark(bwd_key, "start", mb), False)
                 self._at_grad(out, lambda grad: self._bwd_running.__setitem__(number, mb), False)
 
@@ -345,6 +389,39 @@ class StageProbe:
         self._handles.append(layer.register_forward_hook(post, with_kwargs=True))
         self._handles += [p.register_post_accumulate_grad_hook(accumulated)
                           for p in layer.parameters() if p.requires_grad]
+
+    def _backward_ends(self, number: int, mb: int, hidden) -> None:
+        """Mark where the layer's backward of `mb` ends: its input's gradient, or, where
+        the input needs none (after a frozen prefix), its last weight gradient."""
+        if torch.is_tensor(hidden) and hidden.requires_grad:
+            self._ends_at_weights.discard((number, mb))
+            self._at_grad(hidden, self._grad_mark(f"bwd/{number}", "end", mb), True)
+        else:
+            self._ends_at_weights.add((number, mb))
+
+    def _recompute_begins(self, number: int, hidden) -> None:
+        """A layer's forward run again inside the backward (module docstring): the next
+        segment of its micro-batch's backward span, unless that span is already open (a
+        recompute started by the backward itself, inside the span)."""
+        bwd_key = f"bwd/{number}"
+        mb = self._next_mb(f"recompute/{number}")
+        spans = self._spans[bwd_key]
+        if mb in spans.start and mb not in spans.end:  # counted in the span; its end is marked
+            return
+        self._backward_ends(number, mb, hidden)
+        self._recomputing[number] = (mb, self.clock.begin())
+        self._range(bwd_key, mb, True)
+
+    def _recompute_ends(self, number: int):
+        """Close a recompute's segment; its micro-batch, or None where it opened none (a
+        recompute inside the span, which torch may also stop before the layer's end)."""
+        started = self._recomputing.pop(number, None)
+        if started is None:
+            return None
+        mb, start = started
+        self._range(f"bwd/{number}", mb, False)
+        self._spans[f"bwd/{number}"].before[mb].append((start, self.clock.mark()))
+        return mb
 
     def _hook_embedding(self, embedding: torch.nn.Module) -> None:
         # Spans are looked up on each call: _reset_iteration replaces the dict.

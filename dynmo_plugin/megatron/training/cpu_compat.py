@@ -107,6 +107,11 @@ def _patch_megatron() -> None:
 
     # The tracker's add()/fork() become no-ops; the CPU generator is seeded by the caller.
     mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # Activation recompute (`tensor_parallel.checkpoint`) keeps and restores the CUDA
+    # generator's state around each recomputed forward: there is none; the CPU one, which
+    # it keeps too, is what dropout draws from here.
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    mp_random._set_cuda_rng_state = lambda *a, **k: None
     # Megatron without Transformer Engine reads an unbound name in the MoE router; the
     # same binding runs on CUDA machines without TE (build_stage_model).
     bind_missing_te_names()

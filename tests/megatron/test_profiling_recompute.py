@@ -1,0 +1,158 @@
+"""Activation recompute under the probe (Megatron's --recompute-granularity full): the
+forward `tensor_parallel.checkpoint` runs again inside the backward is the layer's
+backward cost, not a forward of another micro-batch, and what the layer holds between its
+forward and backward is its kept input. Real Megatron-Core stage and schedule (one gloo
+rank); the clock is a fault, named as such, that reads only the work the test counts."""
+from __future__ import annotations
+
+import pytest
+
+import torch
+
+from launch import in_megatron_process
+
+from dynmo_plugin.config import ModelArgs
+from dynmo_plugin.profiling.clock import CpuThreadClock
+
+ARGS = ModelArgs(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
+                 global_batch_size=4)
+
+
+class WorkClock(CpuThreadClock):
+    """A fault, named as such: time is the work the test counts, 1 per forward of a layer's
+    first MLP projection and 2 per backward of it, nothing else; so a span reads exactly
+    the passes inside it."""
+
+    name = "work"
+
+    def __init__(self):
+        self.work = 0.0
+
+    def mark(self) -> float:
+        return self.work
+
+
+def _count_work(trainer, clock: WorkClock) -> None:
+    def add(amount: float):
+        def hook(*_):
+            clock.work += amount
+        return hook
+
+    def forward(module, args, output):
+        add(1.0)()
+        out = output[0] if isinstance(output, tuple) else output
+        if out.requires_grad:  # not in a forward without autograd (the first under recompute)
+            out.register_hook(add(2.0))
+    for chunk in trainer.chunks:
+        for layer in chunk.decoder.layers:
+            layer.mlp.linear_fc1.register_forward_hook(forward)
+
+
+def _profile(args, recompute):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.megatron.profiling.profiler import ProfileWindow
+    from dynmo_plugin.megatron.training.parallel import ParallelDims
+    from dynmo_plugin.megatron.training.trainer import StageTrainer
+    dims = ParallelDims(rank=0, world_size=1, tp=1, pp=1, dp=1, pp_rank=0, dp_rank=0,
+                        device=torch.device("cpu"), groups=ProcessGroupCollection.use_mpu_process_groups())
+    trainer = StageTrainer(args, dims, Layout.uniform(args.num_layers, 1))
+    if recompute:  # what Megatron-LM's --recompute-* flags set on the config TransformerBlock reads
+        cfg = trainer.config
+        cfg.recompute_granularity, (cfg.recompute_method, cfg.recompute_num_layers) = "full", recompute
+    clock = WorkClock()
+    _count_work(trainer, clock)
+    trainer.train_step(1)
+    window = ProfileWindow(trainer, clock=clock, outside_s=[1.0, 1.0])
+    for it in (2, 3):
+        window.before_iteration()
+        trainer.train_step(it)
+        window.after_iteration()
+    (probe,) = window.probes
+    return window.close(), probe, trainer.num_microbatches
+
+
+def _check(args):
+    hidden = args.seq_length * args.micro_batch_size * args.hidden_size * 4  # one fp32 hidden state
+    plain, plain_probe, m = _profile(args, None)
+    assert [(x.fwd_s, x.bwd_s) for x in plain.layers] == [(1.0, 2.0)] * 4
+    assert all(x.act_bytes > 4 * hidden for x in plain.layers)  # the layer's activations
+    full, probe, _ = _profile(args, ("uniform", 1))
+    # the recomputed forward is part of the backward: 1 + 2, each micro-batch once
+    assert [(x.fwd_s, x.bwd_s) for x in full.layers] == [(1.0, 3.0)] * 4
+    assert all(len(probe.samples[f"{way}/{n}"]) == 2 * m for way in ("fwd", "bwd", "cpu/bwd") for n in range(1, 5))
+    assert [x.act_bytes for x in full.layers] == [hidden] * 4  # what the checkpoint keeps
+    assert full.stages[0].predicted_s > plain.stages[0].predicted_s
+    # only the first 2 layers recomputed: the balancer sees them dearer than the rest
+    block, _, _ = _profile(args, ("block", 2))
+    assert [(x.fwd_s, x.bwd_s) for x in block.layers] == [(1.0, 3.0)] * 2 + [(1.0, 2.0)] * 2
+    assert [x.act_bytes for x in block.layers[:2]] == [hidden] * 2
+    assert all(x.act_bytes > 4 * hidden for x in block.layers[2:])
+
+
+def test_a_recomputed_forward_is_its_layers_backward_cost_and_the_kept_input_its_memory():
+    in_megatron_process(_check, ARGS)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, number: int, clock: WorkClock):
+        super().__init__()
+        self.layer_number, self.linear, self.clock = number, torch.nn.Linear(4, 4), clock
+
+    def forward(self, hidden_states, **_):
+        self.clock.work += 1.0
+        inner = self.linear(hidden_states)
+        if inner.requires_grad:  # its gradient arrives inside the layer's backward
+            inner.register_hook(lambda g: setattr(self.clock, "work", self.clock.work + 2.0))
+        return inner.relu(), None
+
+
+class _Model(torch.nn.Module):
+    """What StageProbe reads of a stage: `decoder.layers`, numbered."""
+
+    def __init__(self, clock: WorkClock):
+        super().__init__()
+        self.decoder = torch.nn.Module()
+        self.decoder.layers = torch.nn.ModuleList(_Layer(n, clock) for n in (1, 2))
+
+
+@pytest.mark.parametrize("reentrant,early_stop", [(True, True), (False, True), (False, False)])
+def test_torchs_checkpoint_of_either_kind_counts_the_recompute_once_in_the_backward(reentrant, early_stop):
+    """torch's reentrant checkpoint recomputes before the layer's gradients arrive (a
+    segment of its own, as Megatron's); the non-reentrant one when the backward first
+    needs a saved tensor, inside the span already open (not a second segment), and by
+    default stops it once it has what it needs (the layer's post-hook never runs). Without
+    activation counting: SavedBytes' hooks, inner to the non-reentrant checkpoint's,
+    would keep the tensors and leave nothing to recompute (docs/profiling.md)."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    from dynmo_plugin.megatron.profiling.probe import StageProbe
+    clock = WorkClock()
+    model = _Model(clock)
+    probe = StageProbe(model, clock, count_activations=False)
+    probe.attach()
+    for _ in range(2):  # micro-batches
+        h = torch.ones(3, 4, requires_grad=True)
+        with set_checkpoint_early_stop(early_stop):
+            for layer in model.decoder.layers:
+                h, _ = checkpoint(layer, h, use_reentrant=reentrant)
+            h.sum().backward()
+    probe.end_iteration()
+    probe.detach()
+    for n in (1, 2):
+        assert probe.samples[f"fwd/{n}"] == [1.0, 1.0] and probe.samples[f"bwd/{n}"] == [3.0, 3.0], dict(probe.samples)
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_recompute_the_backward_starts_itself_stays_inside_its_span(inside):
+    """torch's non-reentrant checkpoint recomputes when the backward first needs a saved
+    tensor, inside the span already open: no second segment (counted once)."""
+    from dynmo_plugin.megatron.profiling.probe import _Spans
+    spans = _Spans()
+    spans.start[0], spans.end[0] = 10.0, 13.0
+    if not inside:
+        spans.before[0].append((4.0, 5.0))
+    clock = CpuThreadClock()
+    assert spans.seconds(clock) == [3.0 if inside else 4.0] and spans.segments() == [1 if inside else 2]
+    assert spans.occupied(clock) == (3.0 if inside else 4.0)
