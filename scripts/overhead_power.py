@@ -6,7 +6,9 @@ before it judged the 4 rounds' medians (every round over fails, every round unde
 rounds on both sides by their median where they spread under 3%). This prints, for
 simulated sessions, the share of pass / not judged / fail of both, by the per-iteration
 variation (lognormal sigma), the number of pairs and the true overhead, so a GPU run's
-"not judged" can be read as what its noise allowed. A fixed seed: the same table each run.
+"not judged" can be read as what its noise allowed; and, under a drift within a round or
+an effect of an iteration's parity, the pairs' verdict with the plugin always first in
+its pair against first and second by turns. Fixed seeds: the same tables each run.
 
     python scripts/overhead_power.py [--trials 1000] [--json]
 """
@@ -63,6 +65,41 @@ def session(rng: random.Random, sigma: float, true: float, per_round: int) -> tu
     return medians, pairs
 
 
+def ordered_session(rng: random.Random, sigma: float, true: float, per_round: int, effect: tuple[str, float],
+                    flip: bool) -> list[float]:
+    """Every pair's on/off where iterations carry an order effect besides their noise:
+    ("drift", d) scales a round's k-th iteration by 1 + d k, ("parity", e) by 1 + e on
+    even and 1 - e on odd ones. Pair p is the round's iterations 2p and 2p + 1, the
+    plugin on the first, or (`flip`) on the second in every other round (as
+    BatonSpec.plugin_runs does)."""
+    kind, size = effect
+    pairs = []
+    for r in range(ROUNDS):
+        times = []
+        for k in range(2 * per_round):
+            order = 1 + size * k if kind == "drift" else 1 + size * (1 if k % 2 == 0 else -1)
+            stall = STALL[1] if rng.random() < STALL[0] else 1.0
+            times.append(order * math.exp(rng.gauss(0.0, sigma)) * stall)
+        second = flip and r % 2 == 1
+        for p in range(per_round):
+            on, off = (times[2 * p + 1], times[2 * p]) if second else (times[2 * p], times[2 * p + 1])
+            pairs.append(true * on / off)
+    return pairs
+
+
+def order_table(trials: int) -> list[dict]:
+    """The pairs' verdict under order effects, the plugin always first against flipped."""
+    rng = random.Random(35)
+    rows = []
+    for effect in (("none", 0.0), ("drift", -0.003), ("parity", 0.005)):
+        for true in (1.00, 1.03):
+            for flip in (False, True):
+                said = [pairs_rule(ordered_session(rng, 0.02, true, 7, effect, flip)) for _ in range(trials)]
+                rows.append({"effect": f"{effect[0]} {effect[1]:+g}" if effect[1] else "none", "true": true,
+                             "flip": flip, **{k: said.count(k) / trials for k in ("pass", "not judged", "fail")}})
+    return rows
+
+
 def table(trials: int) -> list[dict]:
     rng = random.Random(34)
     rows = []
@@ -86,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.trials < 1:
         print("overhead_power.py: --trials must be at least 1 (e.g. --trials 1000)", file=sys.stderr)
         return 2
-    rows = table(args.trials)
+    rows, order = table(args.trials), order_table(args.trials)
     if args.json:
-        print(json.dumps(rows))
+        print(json.dumps({"table": rows, "order": order}))
         return 0
     print(f"share pass / not judged / fail of {args.trials} simulated sessions ({ROUNDS} rounds); "
           f"bound {PLUGIN_OVERHEAD_MAX}; 'rounds': the rounds' medians (before), 'pairs': the interval")
@@ -96,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         cells = [" ".join(f"{100 * r[k][v]:5.0f}" for v in ("pass", "not judged", "fail")) for k in ("rounds", "pairs")]
         print(f"{r['n_pairs']:5d} {r['sigma']:6.3f} {r['true']:5.2f} | {cells[0]} | {cells[1]}")
+    print("\norder effects, 28 pairs, sigma 0.02: the pairs' share pass / not judged / fail, the plugin "
+          "always first in its pair against first and second by turns (BatonSpec.plugin_runs)")
+    print(f"{'effect':>14} {'true':>5} | {'always first':^17} | {'by turns':^17}")
+    for a, b in zip(order[::2], order[1::2]):
+        cells = [" ".join(f"{100 * x[v]:5.0f}" for v in ("pass", "not judged", "fail")) for x in (a, b)]
+        print(f"{a['effect']:>14} {a['true']:5.2f} | {cells[0]} | {cells[1]}")
     return 0
 
 

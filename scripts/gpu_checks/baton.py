@@ -54,12 +54,17 @@ class BatonSpec:
 
     def plugin_runs(self, iteration: int) -> bool:
         """Whether the plugin runs at `iteration` of this program. With `alternate` (the
-        --dynmo program) it is bypassed on the odd iterations after the warm-up that are
-        not multiples of `alternate` (its profiling windows): Megatron-LM's own train_step
-        runs those, so the plugin's cost per step is timed on against off in ONE process
-        (two processes of the same program differed by up to 25% on the H200)."""
-        return (not self.alternate or iteration <= self.warmup or iteration % 2 == 0
-                or iteration % self.alternate == 0)
+        --dynmo program) it is bypassed on every other iteration after the warm-up, the
+        odd ones in odd rounds and the even ones in even rounds, except multiples of
+        `alternate` (its profiling windows): Megatron-LM's own train_step runs those, so
+        the plugin's cost per step is timed on against off in ONE process (two processes
+        of the same program differed by up to 25% on the H200), and in neighbouring pairs
+        whose order flips from round to round, so a drift within a round or an effect of
+        an iteration's parity does not read as the plugin's."""
+        if not self.alternate or iteration <= self.warmup or iteration % self.alternate == 0:
+            return True
+        r, _, _ = self.round_of(iteration)
+        return (iteration + r) % 2 == 1
 
     def first_iterations(self) -> set[int]:
         """The first iteration of every round: it follows a wait (one of the `edges`)."""

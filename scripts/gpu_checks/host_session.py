@@ -5,8 +5,9 @@ rows of the profiled Megatron-LM run (identical_layers[mlm-host], stage_predicti
 
 Four rounds used to cost eleven launches (4 launcher-worker runs, 7 torchrun launches,
 370 s by the plan); now they cost one worker run and two torchrun launches started
-together (the longest start-up counts) and 3 x (warm-up + rounds x iterations) iterations
-run one program at a time. Timings leave out round 0 (the warm-up), every round's first
+together (the longest start-up counts) and warm-up + rounds x iterations of each program
+(51, 51 and 83 at the GPU settings: the --dynmo program's rounds are longer) run one
+program at a time. Timings leave out round 0 (the warm-up), every round's first
 iteration (it follows a wait) and, in the --dynmo run, the profiling windows.
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ class Settings:
 
 
 GPU_SESSION = Settings(SESSION_WARMUP, SESSION_ITERS, DYNMO_ITERS, PROFILE_EVERY)
-CPU_SESSION = Settings(2, 8, 8, 8)  # the dry run's
+CPU_SESSION = Settings(2, 6, 8, 8)  # the dry run's: unequal lengths there too
 PROGRAMS = ("launcher", "mlm", "mlm_dynmo")
 # hang thresholds, under what the budget leaves at the session (~225 s of --set issue34's
 # 300 s): a program not ready in 150 s (a healthy start: ~46 s) hung, and says so, rather
@@ -140,17 +141,19 @@ class _Torchrun:
         self.log.close()
 
 
+def program_spec(folder: Path, name: str, s: Settings, rounds: int) -> BatonSpec:
+    """A program's rounds: the --dynmo program's longer, its plugin on and off by turns."""
+    dynmo = name == "mlm_dynmo"
+    return BatonSpec(str(folder), name, s.warmup, rounds, s.dynmo_iters if dynmo else s.iters,
+                     s.every if dynmo else 0)
+
+
 def run_session(m: Machine, out: Path, rounds: int) -> SessionResult:
     """Start the three programs at once, let them take turns, collect their timings."""
     from gpu_checks.rows_shapes import SHAPES, _COMMON
     folder = out / "session"
     baton = Baton(folder / "baton", list(PROGRAMS), rounds)
-    s = _settings(m)
-
-    def spec(name: str) -> BatonSpec:  # the --dynmo program: its plugin on and off by turns, longer rounds
-        dynmo = name == "mlm_dynmo"
-        return BatonSpec(str(baton.folder), name, s.warmup, rounds, s.dynmo_iters if dynmo else s.iters,
-                         s.every if dynmo else 0)
+    spec = lambda name: program_spec(baton.folder, name, _settings(m), rounds)  # noqa: E731
     launcher_flags = ([*SHAPES["host"][0], *_COMMON] if m.gpus else [*CPU_LAUNCHER, "--transformer-impl", "local"])
     worker = launching.WORKER
     if worker is None:

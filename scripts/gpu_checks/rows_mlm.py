@@ -35,7 +35,7 @@ MLM_LIKE_LAUNCHER = ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "-
                      "--weight-decay", "0.01", "--no-check-for-nan-in-loss-and-grad"]
 MLM_ITERS = 20
 # a hang's threshold (a healthy run: a 32-46 s launch and ~5 s of work on the H200), kept
-# well under what the budget leaves at this group (~150-160 s of --set issue34's 300 s): a
+# under what the budget leaves at this group by the plan (~148 s of --set issue34's 300 s): a
 # limit above it would let the budget, not the run, end a hang, and the row read "skipped: budget"
 MLM_TIMEOUT_S = 120
 MLM_WARMUP = 3
@@ -156,6 +156,7 @@ class SessionRatios:
     draw: list[float]    # the --dynmo process's steps without the plugin / the plain process's
     lasting: float       # a cost windows leave in later steps (lasting_cost)
     pairs: list[float]   # on / off of each neighbouring pair of iterations (plugin_pairs), all rounds
+    summed: float        # the pairs' summed on over summed off (plugin_pairs)
 
 
 def overhead_verdict(pairs: list[float]) -> tuple[bool, str]:
@@ -188,7 +189,8 @@ def throughput_verdict(r: SessionRatios, what: str, every: int) -> tuple[bool, s
     detail = (f"{what}, {len(r.ratio)} interleaved rounds, like for like (no dropout, no clipping, weight decay "
               f"0.01, no NaN checks), windows excluded: launcher/Megatron-LM {a:.3f}x (rounds {_spread(r.ratio)}, "
               f"<= {THROUGHPUT_MAX}); --dynmo (every {every}) plugin on/off in one process {judged}; "
-              f"by round {' '.join(f'{x:.3f}' for x in plugin)} (rounds {_spread(plugin)}); "
+              f"the pairs summed {r.summed:.3f}x; by round {' '.join(f'{x:.3f}' for x in plugin)} "
+              f"(rounds {_spread(plugin)}); "
               f"the --dynmo process's steps without the plugin / the plain process's "
               f"{statistics.median(r.draw):.3f}x (rounds {_spread(r.draw)}); a cost windows leave in later steps "
               f"(without the plugin, rounds 2+ over round 1, over the plain process's same) {r.lasting:.3f}x "
@@ -201,9 +203,10 @@ def plugin_side(session) -> tuple[set[int], set[int]]:
     """(iterations timed with the plugin, without it) of the --dynmo program, alike on both
     sides: neither a window nor the iteration after one (a window's teardown may land
     there), nor a round's first or last (host_session.round_medians), nor the second or
-    the next-to-last (the second follows the cold first and is always off, the
-    next-to-last on): at the GPU settings 7 pairs a round, (6, 7) (8, 9) ... (18, 19) in
-    round 1 (4-23, its window 20)."""
+    the next-to-last (the second follows the cold first, the next-to-last precedes the
+    hand-over): at the GPU settings 7 pairs a round, (6, 7) (8, 9) ... (18, 19) in round 1
+    (4-23, its window 20, the plugin on the even iterations), (26, 27) ... (38, 39) in
+    round 2 (on the odd ones: BatonSpec.plugin_runs)."""
     ab = session.dynmo_spec
     windows = window_iterations(session.report)
     ran = {i["iteration"] for i in session.report["iterations"]}
@@ -212,20 +215,30 @@ def plugin_side(session) -> tuple[set[int], set[int]]:
         raise CheckFailed(f"the --dynmo program's plugin ran on iterations {strays[:5]} it was to skip: "
                           "the on/off comparison is void")
     inner = {i + 1 for i in ab.first_iterations()} | {i - 1 for i in ab.edges() - ab.first_iterations()}
-    timed = {i for i in session.dynmo if i > ab.warmup} - ab.edges() - inner
-    on = {i for i in timed if ab.plugin_runs(i) and i not in windows}
-    off = {i for i in timed if not ab.plugin_runs(i) and i - 1 not in windows}
-    return on, off
+    timed = {i for i in session.dynmo if i > ab.warmup and i not in windows and i - 1 not in windows} - ab.edges() - inner
+    on = {i for i in timed if ab.plugin_runs(i)}
+    return on, timed - on
 
 
-def plugin_pairs(session, on: set[int], off: set[int]) -> list[float]:
-    """On / off of each neighbouring pair (i with the plugin, i + 1 without: plugin_side's
-    sets), in order; neighbours, so the drift within a round cancels in each."""
-    pairs = [session.dynmo[i] / session.dynmo[i + 1] for i in sorted(on) if i + 1 in off]
+def plugin_pairs(session, on: set[int], off: set[int]) -> tuple[list[float], float]:
+    """(on / off of each pair of neighbouring iterations, one with the plugin and one
+    without, in either order; the pairs' summed on over summed off): neighbours, so the
+    drift within a round cancels in each; the sums weigh an occasional large cost by its
+    size, as throughput does, where the interval's centre would not."""
+    pairs, totals, taken = [], [0.0, 0.0], set()
+    for i in sorted(on | off):
+        j = i + 1
+        if i in taken or j not in on | off or (i in on) == (j in on):
+            continue
+        taken |= {i, j}
+        a, b = (i, j) if i in on else (j, i)
+        pairs.append(session.dynmo[a] / session.dynmo[b])
+        totals[0] += session.dynmo[a]
+        totals[1] += session.dynmo[b]
     if not pairs:
         raise CheckFailed(f"the --dynmo program has no on/off pair to time (with the plugin {sorted(on)}, "
                           f"without {sorted(off)})")
-    return pairs
+    return pairs, totals[0] / totals[1]
 
 
 def lasting_cost(without: list[float], plain: list[float]) -> float:
@@ -248,8 +261,9 @@ def session_ratios(session) -> SessionRatios:
     with_plugin = round_medians(session.dynmo, session.dynmo_spec, skip=everything - on)
     without = round_medians(session.dynmo, session.dynmo_spec, skip=everything - off)
     over = lambda xs, ys: [x / y for x, y in zip(xs, ys)]  # noqa: E731
+    pairs, summed = plugin_pairs(session, on, off)
     return SessionRatios(ours, over(ours, plain), over(with_plugin, without), over(without, plain),
-                         lasting_cost(without, plain), plugin_pairs(session, on, off))
+                         lasting_cost(without, plain), pairs, summed)
 
 
 def _no_cpu_session() -> Optional[str]:

@@ -118,12 +118,13 @@ def test_throughput_overhead_is_judged_only_where_the_pairs_resolve_three_percen
     under passes, across it is "not judged", whatever the rounds alone would say."""
     def verdict(pairs, plugin=(1.0,) * 4, ratio=(0.95,) * 4):
         return gpu_check.throughput_verdict(gpu_check.SessionRatios([0.20, 0.21, 0.20, 0.20], list(ratio), list(plugin),
-                                                                    [1.10, 0.92, 1.05, 1.0], 1.01, pairs), "host", 20)
+                                                                    [1.10, 0.92, 1.05, 1.0], 1.01, pairs, 1.004),
+                                            "host", 20)
     tight = [1.0 + 0.004 * (k % 5 - 2) for k in range(28)]  # 0.992-1.008
     ok, detail = verdict(tight, plugin=(1.01, 1.02, 1.00, 1.01))
     assert ok and "4 interleaved rounds" in detail and "over 28 pairs), at or under 1.03" in detail
     assert "plugin on/off in one process 1.000x (95% interval 0.9" in detail
-    assert "by round 1.010 1.020 1.000 1.010 (rounds 1.000-1.020)" in detail
+    assert "the pairs summed 1.004x; by round 1.010 1.020 1.000 1.010 (rounds 1.000-1.020)" in detail
     assert "the --dynmo process's steps without the plugin / the plain process's 1.025x (rounds 0.920-1.100)" in detail
     assert "over the plain process's same) 1.010x (printed, no verdict)" in detail
     ok, detail = verdict([1.05 * x for x in tight], plugin=(0.97, 1.08, 1.01, 1.00))

@@ -135,10 +135,15 @@ def test_dry_run_on_cpu_runs_what_it_can_and_skips_the_gpu_checks(tmp_path):
         if "CPU harness needs" not in detail:
             assert "15 turns in 4 rounds + warm-up, none overlapping" in detail, detail
             assert "plugin on/off in one process" in detail, detail
-            # the --dynmo program's plugin ran in the warm-up, on even iterations and in its
-            # windows (every 8th); Megatron-LM's own train_step ran the others
+            # the --dynmo program's plugin ran in the warm-up, on every other iteration (the
+            # even ones in odd rounds, the odd ones in even rounds) and in its windows (every
+            # 8th); Megatron-LM's own train_step ran the others. Its rounds (8) are longer than
+            # the other programs' (6): 34 iterations, theirs 26
             report = json.loads((tmp_path / "session" / "mlm_dynmo" / "dynmo" / "report.json").read_text())
-            assert [i["iteration"] for i in report["iterations"]] == [1, 2, *range(4, 35, 2)]
+            assert [i["iteration"] for i in report["iterations"]] == [
+                1, 2, 4, 6, 8, 10, 11, 13, 15, 16, 17, 20, 22, 24, 26, 27, 29, 31, 32, 33]
+            launcher = json.loads((tmp_path / "session" / "launcher" / "report.json").read_text())
+            assert len(launcher["iterations"]) == 26, [i["iteration"] for i in launcher["iterations"]]
             _ran_on_cpu(rows, "identical_layers[mlm-host]", "inside pretrain_gpt.py: max/min ")
             _ran_on_cpu(rows, "stage_prediction[mlm-host]", "inside pretrain_gpt.py: predicted ", "vs measured")
     # issue 34's launcher rows: the host shape's run at the CPU size, each verdict computed

@@ -62,3 +62,20 @@ def test_the_estimate_is_the_pairs_centre_and_a_stall_moves_it_by_a_rank_not_its
 def test_a_ratio_that_is_not_positive_is_refused(bad):
     with pytest.raises(ValueError, match="positive"):
         paired.paired_ratio_interval(bad)
+
+
+def test_the_estimate_is_the_median_of_the_walsh_averages_not_of_the_pairs():
+    """log ratios 0, 1, 5: Walsh averages 0, .5, 1, 2.5, 3, 5, their median 1.75 (the
+    pairs' own median is 1)."""
+    iv = paired.paired_ratio_interval([1.0, math.e, math.e ** 5])
+    assert iv.estimate == pytest.approx(math.exp(1.75))
+
+
+@pytest.mark.parametrize("lo,hi,passed,said", [(1.0, 1.03, True, "at or under 1.03"),
+                                               (1.03, 1.05, True, "not judged"),
+                                               (1.0301, 1.05, False, "over 1.03")])
+def test_the_bound_itself_passes_and_only_an_interval_wholly_over_it_fails(monkeypatch, lo, hi, passed, said):
+    from gpu_checks import rows_mlm
+    monkeypatch.setattr(rows_mlm, "paired_ratio_interval", lambda pairs: paired.Interval(lo, 1.03, hi, 28, 0.95))
+    ok, how = rows_mlm.overhead_verdict([1.0] * 28)
+    assert ok is passed and said in how

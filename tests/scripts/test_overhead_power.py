@@ -17,7 +17,8 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_the_table_is_one_json_document_and_the_pairs_rule_never_fails_no_overhead():
     proc = _run("--trials", "40", "--json")
     assert proc.returncode == 0, proc.stderr
-    rows = json.loads(proc.stdout)
+    doc = json.loads(proc.stdout)
+    rows = doc["table"]
     assert {r["n_pairs"] for r in rows} == {16, 28} and len(rows) == 2 * 3 * 7
     for r in rows:
         for rule in ("rounds", "pairs"):
@@ -26,7 +27,11 @@ def test_the_table_is_one_json_document_and_the_pairs_rule_never_fails_no_overhe
             assert r["pairs"]["fail"] == 0.0, r
         if r["true"] == 1.08 and r["sigma"] == 0.02:
             assert r["pairs"]["fail"] > 0.8, r  # a clear overhead at low noise is found
-    assert rows == json.loads(_run("--trials", "40", "--json").stdout)  # seeded: the same table
+    assert doc == json.loads(_run("--trials", "40", "--json").stdout)  # seeded: the same tables
+    order = {(r["effect"], r["true"], r["flip"]): r for r in doc["order"]}
+    assert len(order) == 3 * 2 * 2
+    # a parity effect reads as the plugin's cost when it is always first, not by turns
+    assert order[("parity +0.005", 1.03, False)]["fail"] > 2 * order[("parity +0.005", 1.03, True)]["fail"]
 
 
 def test_a_bad_trial_count_is_one_line_and_exit_2():
