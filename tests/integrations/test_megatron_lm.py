@@ -307,7 +307,8 @@ def test_full_activation_recompute_inside_megatron_lm_is_profiled_and_moves_bit_
     never-moved run's under the same recompute. What each layer holds between forward and
     backward is the input the checkpoint keeps, one fp32 hidden state (32 x 2 x 64 x 4
     bytes), not the recomputed forward's activations (the recomputed forward is timed into
-    the backward: tests/megatron/test_profiling_recompute.py)."""
+    the backward: tests/megatron/test_profiling_recompute.py). With dropout 0.1 the
+    recomputed run's losses equal those of the same run without recompute, bit for bit."""
     recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", [*recompute, "--dynmo", "--dynmo-profile-every", "2",
                                                                      "--dynmo-forced-layouts", "4:Et|tttL"])
@@ -317,6 +318,12 @@ def test_full_activation_recompute_inside_megatron_lm_is_profiled_and_moves_bit_
     assert len(moved_losses) == 6 and moved_losses == static_losses
     profiles = [e["profile"] for e in moved["events"] if e["kind"] == "profile"]
     assert {x["act_bytes"] for p in profiles for x in p["layers"]} == {32 * 2 * 64 * 4}
+    # with dropout the recomputed forward must draw the first pass's masks: the checkpoint
+    # restores the CPU generator's state (cpu_compat answers for the CUDA one it also keeps)
+    dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--dynmo", "--dynmo-profile-every", "2"]
+    _, plain_losses = train_in_megatron_lm(tmp_path / "dropout", dropout)
+    _, recomputed_losses = train_in_megatron_lm(tmp_path / "dropout_recomputed", [*recompute, *dropout])
+    assert recomputed_losses == plain_losses != static_losses  # dropout drew: not the losses without it
 
 
 def _check_resume_after_the_move(tmp: Path, ckpt: Path, losses: list) -> None:

@@ -21,15 +21,36 @@ ARGS = ModelArgs(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length
 class WorkClock(CpuThreadClock):
     """A fault, named as such: time is the work the test counts, 1 per forward of a layer's
     first MLP projection and 2 per backward of it, nothing else; so a span reads exactly
-    the passes inside it."""
+    the passes inside it, plus `constant` for every span (its start reads that much early,
+    as a span's fixed cost does on a GPU)."""
 
     name = "work"
 
-    def __init__(self):
-        self.work = 0.0
+    def __init__(self, constant: float = 0.0):
+        self.work, self.constant = 0.0, constant
 
     def mark(self) -> float:
         return self.work
+
+    def begin(self) -> float:
+        return self.work - self.constant
+
+
+class RangeRecorder:
+    """A stand-in for `kernels.KernelBusy` (no CUDA profiler here): the spans' ranges in
+    the order the probe opens and closes them."""
+
+    def __init__(self):
+        self.log: list[tuple[str, str, int]] = []
+
+    def open(self, key: str, mb: int) -> None:
+        self.log.append(("open", key, mb))
+
+    def close(self, key: str, mb: int) -> None:
+        self.log.append(("close", key, mb))
+
+    def next_iteration(self) -> None:
+        pass
 
 
 def _count_work(trainer, clock: WorkClock) -> None:
@@ -128,9 +149,9 @@ def test_torchs_checkpoint_of_either_kind_counts_the_recompute_once_in_the_backw
     from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
     from dynmo_plugin.megatron.profiling.probe import StageProbe
-    clock = WorkClock()
+    clock, ranges = WorkClock(constant=10.0), RangeRecorder()
     model = _Model(clock)
-    probe = StageProbe(model, clock, count_activations=False)
+    probe = StageProbe(model, clock, count_activations=False, span_constant=3, busy=ranges)
     probe.attach()
     for _ in range(2):  # micro-batches
         h = torch.ones(3, 4, requires_grad=True)
@@ -138,10 +159,23 @@ def test_torchs_checkpoint_of_either_kind_counts_the_recompute_once_in_the_backw
             for layer in model.decoder.layers:
                 h, _ = checkpoint(layer, h, use_reentrant=reentrant)
             h.sum().backward()
+    model.eval()  # an evaluation inside the window: not a training step's cost
+    with torch.no_grad():
+        model.decoder.layers[0](torch.ones(3, 4))
+    model.train()
     probe.end_iteration()
     probe.detach()
+    # every span 10 over its work, every segment calibrated once: the work is left
     for n in (1, 2):
-        assert probe.samples[f"fwd/{n}"] == [1.0, 1.0] and probe.samples[f"bwd/{n}"] == [3.0, 3.0], dict(probe.samples)
+        for clock_ in ("", "host/", "cpu/"):
+            assert probe.samples[f"{clock_}fwd/{n}"] == [1.0, 1.0], dict(probe.samples)
+            assert probe.samples[f"{clock_}bwd/{n}"] == [3.0, 3.0], dict(probe.samples)
+    # the recompute's kernels go to the layer's backward: a range of its own where it is a
+    # segment (reentrant), none inside the backward's own range (non-reentrant)
+    opened = [(k, mb) for what, k, mb in ranges.log if what == "open" and k == "bwd/1"]
+    assert opened == ([("bwd/1", 0)] * 2 + [("bwd/1", 1)] * 2 if reentrant else [("bwd/1", 0), ("bwd/1", 1)])
+    assert sorted(x for x in ranges.log if x[0] == "open") == sorted(("open", k, mb) for _, k, mb in ranges.log
+                                                                   if _ == "close")
 
 
 @pytest.mark.parametrize("inside", [False, True])

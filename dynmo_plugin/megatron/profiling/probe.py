@@ -19,7 +19,9 @@ runs a layer's forward without autograd, keeps its input, and runs the forward a
 inside the backward): the first forward is the layer's forward span; the recomputed one
 is part of its backward, a segment of the backward span of the same micro-batch (the
 k-th recompute of a layer is its k-th micro-batch: each chunk's backwards run in forward
-order), timed and calibrated like a span, never a forward of another micro-batch. What
+order), timed and calibrated like a span (the forward's constant), never a forward of
+another micro-batch. A forward in evaluation (`module.training` off: Megatron-LM's
+evaluate() inside a window) is not timed: no training step pays it. What
 the layer holds between its forward and backward is then its kept input, not what the
 recomputed forward saves for the moment of its own backward: counted for every layer
 whose forward runs without autograd on an input that needs gradients, exact at
@@ -145,9 +147,10 @@ class _EmptyLayer(torch.nn.Module):
         return hidden_states * 1.0, None
 
 
-def _calibrated(values: list[float], constant: float, segments: list[int]) -> list[float]:
-    """`values` less the span constant once per marked interval, clamped at 0."""
-    return [max(0.0, v - n * constant) for v, n in zip(values, segments)]
+def _calibrated(values: list[float], constant: float, segments: list[int], earlier: float) -> list[float]:
+    """`values` less the span constant, and `earlier` for each earlier segment (a
+    recomputed forward's: the forward constant), clamped at 0."""
+    return [max(0.0, v - constant - (n - 1) * earlier) for v, n in zip(values, segments)]
 
 
 def _in_backward() -> bool:
@@ -240,7 +243,7 @@ class StageProbe:
             if key in ("fwd/0", "bwd/0"):
                 continue
             n = spans.segments()
-            secs = _calibrated(spans.seconds(self.clock), const[way], n)
+            secs = _calibrated(spans.seconds(self.clock), const[way], n, const["fwd"])
             if key in ("head_fwd", "head_bwd"):  # the MTP block ran inside: its own unit
                 mtp = dict(zip(sorted(nested[key].start), nested[key].seconds(self.clock))) \
                     if key in nested else {}
@@ -251,9 +254,9 @@ class StageProbe:
             elif key.startswith(("fwd/", "bwd/")):
                 self.samples[key].extend(secs)
                 self.samples[f"host/{key}"].extend(_calibrated(spans.host_seconds(self.clock),
-                                                               const[f"host/{way}"], n))
+                                                               const[f"host/{way}"], n, const["host/fwd"]))
                 self.samples[f"cpu/{key}"].extend(_calibrated(spans.host_cpu_seconds(self.clock),
-                                                              const[f"cpu/{way}"], n))
+                                                              const[f"cpu/{way}"], n, const["cpu/fwd"]))
             else:
                 for mb, s in zip(sorted(spans.start), secs):
                     extras[mb] += s
@@ -345,6 +348,8 @@ class StageProbe:
         fwd_key, bwd_key = f"fwd/{number}", f"bwd/{number}"
 
         def pre(module, args, kwargs):
+            if not module.training:  # evaluation: no training cost (nor backward) to time
+                return
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             if _in_backward():
                 self._recompute_begins(number, hidden)
@@ -356,12 +361,15 @@ class StageProbe:
                 saved = SavedBytes(self._param_ptrs)
                 self._saved[(number, mb)] = saved
                 if torch.is_tensor(hidden) and hidden.requires_grad and not torch.is_grad_enabled():
-                    saved.count(hidden)  # checkpointed: what it keeps is its input (docstring)
+                    saved.count(hidden)  # training without autograd: a checkpoint's first pass,
+                    # which keeps its input (module docstring)
                 saved.__enter__()
             self._spans[fwd_key].start[mb] = self.clock.begin()
             self._range(fwd_key, mb, True)
 
         def post(module, args, kwargs, output):
+            if not module.training:
+                return
             if _in_backward():
                 mb = self._recompute_ends(number)
                 if mb is None:
@@ -426,11 +434,15 @@ class StageProbe:
     def _hook_embedding(self, embedding: torch.nn.Module) -> None:
         # Spans are looked up on each call: _reset_iteration replaces the dict.
         def pre(module, args):
+            if not module.training:  # evaluation (as the layers')
+                return
             mb = self._next_mb("emb")
             self._spans["emb_fwd"].start[mb] = self.clock.begin()
             self._range("emb_fwd", mb, True)
 
         def post(module, args, output):
+            if not module.training:
+                return
             mb = self._counters["emb"] - 1
             self._range("emb_fwd", mb, False)
             self._spans["emb_fwd"].end[mb] = self.clock.mark()
@@ -462,6 +474,8 @@ class StageProbe:
         arguments): forward by module hooks, backward from the gradient at its output to
         the gradient at its input `hidden_states`; its embedding use falls inside."""
         def pre(module, args, kwargs):
+            if not module.training:  # evaluation (as the layers')
+                return
             mb = self._next_mb("mtp")
             hidden = kwargs.get("hidden_states")
             if torch.is_tensor(hidden) and hidden.requires_grad:
@@ -474,6 +488,8 @@ class StageProbe:
             self._range("mtp/fwd", mb, True)  # its kernels are the block's, not the head's
 
         def post(module, args, kwargs, output):
+            if not module.training:
+                return
             mb = self._counters["mtp"] - 1
             self._range("mtp/fwd", mb, False)
             self._spans["mtp/fwd"].end[mb] = self.clock.mark()
@@ -490,6 +506,8 @@ class StageProbe:
         start_module = norm if norm is not None else self.model.output_layer
 
         def pre(module, args):
+            if not module.training:  # evaluation (as the layers')
+                return
             mb = self._next_mb("head")
             self._spans["head_fwd"].start[mb] = self.clock.begin()
             self._range("head_fwd", mb, True)
@@ -498,6 +516,8 @@ class StageProbe:
                 self._at_grad(hidden, self._grad_mark("head_bwd", "end", mb), True)
 
         def post(module, args, output):
+            if not module.training:
+                return
             mb = self._counters["head"] - 1
             self._range("head_fwd", mb, False)
             self._spans["head_fwd"].end[mb] = self.clock.mark()
