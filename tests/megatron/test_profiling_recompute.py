@@ -69,7 +69,23 @@ def _count_work(trainer, clock: WorkClock) -> None:
             layer.mlp.linear_fc1.register_forward_hook(forward)
 
 
-def _profile(args, recompute):
+def _evaluate(trainer) -> None:
+    """As Megatron-LM's evaluate(): every chunk in eval mode, Megatron's forward-only
+    schedule under no_grad, through the same config and timers."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    batches = list(trainer.data.micro_batches(99, 0, 1, trainer.dims.device))
+    for ddp in trainer.ddps:
+        ddp.eval()
+    with torch.no_grad():
+        get_forward_backward_func()(forward_step_func=trainer._forward_step, data_iterator=iter(batches),
+                                    model=trainer.ddps, num_microbatches=trainer.num_microbatches,
+                                    seq_length=trainer.args.seq_length, micro_batch_size=trainer.args.micro_batch_size,
+                                    forward_only=True)
+    for ddp in trainer.ddps:
+        ddp.train()
+
+
+def _profile(args, recompute, evaluate: bool = False):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from dynmo_plugin.layout import Layout
@@ -90,6 +106,8 @@ def _profile(args, recompute):
         window.before_iteration()
         trainer.train_step(it)
         window.after_iteration()
+        if evaluate:  # between two window steps, as Megatron-LM's evaluate() can fall
+            _evaluate(trainer)
     (probe,) = window.probes
     return window.close(), probe, trainer.num_microbatches
 
@@ -110,6 +128,13 @@ def _check(args):
     assert [(x.fwd_s, x.bwd_s) for x in block.layers] == [(1.0, 3.0)] * 2 + [(1.0, 2.0)] * 2
     assert [x.act_bytes for x in block.layers[:2]] == [hidden] * 2
     assert all(x.act_bytes > 4 * hidden for x in block.layers[2:])
+    # an evaluation inside the window (its forwards through the probe's hooks, the
+    # schedule's timers and the extras' hooks) is no training step's cost
+    evaluated, probe, _ = _profile(args, ("uniform", 1), evaluate=True)
+    assert evaluated.layers == full.layers and all(len(v) == 2 * m for k, v in probe.samples.items()
+                                                   if k.startswith(("fwd/", "bwd/", "extra")))
+    keep = ("compute_s", "extra_s", "extra_act_bytes", "num_microbatches")
+    assert [getattr(evaluated.stages[0], k) for k in keep] == [getattr(full.stages[0], k) for k in keep]
 
 
 def test_a_recomputed_forward_is_its_layers_backward_cost_and_the_kept_input_its_memory():

@@ -117,7 +117,8 @@ class _ExtraActivations:
                          model.register_forward_hook(self._exit)]
 
     def _enter(self, module, args) -> None:
-        self._open = SavedBytes(self._param_ptrs).__enter__()
+        if module.training:  # not an evaluation's forward (no backward keeps anything)
+            self._open = SavedBytes(self._param_ptrs).__enter__()
 
     def _exit(self, module, args, output) -> None:
         if self._open is not None:
@@ -149,6 +150,11 @@ class _DevicePeak:
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         self.peak, self._stepped = max(self.peak, int(self.cuda.max_memory_allocated())), True
+
+    def begin_iteration(self) -> None:
+        """The statistics restart at each window step: what ran between two (an
+        evaluation's forwards) is not the step's."""
+        self.cuda.reset_peak_memory_stats()
 
     def end_iteration(self) -> None:
         """Called once per window iteration: an iteration whose step was skipped (fp16
@@ -243,8 +249,13 @@ class ProfileWindow:
         """The step starts now (the controller calls it right before each window step).
         On CUDA the step is also a profiler range: the kernels the training thread
         launches in it outside every span (loss, zeroing and clipping the gradients, the
-        optimizer's copies around its step) are the rest of the step on the GPU."""
+        optimizer's copies around its step) are the rest of the step on the GPU. What ran
+        since the last window step (Megatron-LM's evaluate(), through the same timers and
+        allocator) is dropped: no step pays it."""
         self._started = self.clock.now()
+        self.tap.discard()  # what the schedule timed since the last step (an evaluation)
+        if self._peak is not None:
+            self._peak.begin_iteration()
         if not isinstance(self.clock, CudaEventClock):  # `_take_threads`: CPU runs only
             self._cpu_started = (time.process_time(), time.thread_time())
         self.busy.open("iteration", 0)

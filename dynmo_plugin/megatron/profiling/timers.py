@@ -85,6 +85,12 @@ class TimerTap:
             raise AttributeError(attr)
         return getattr(self.inner, attr)
 
+    def discard(self) -> None:
+        """Forget what was timed since the last take (outside the steps a window times)."""
+        for spans in self._intervals.values():
+            spans.clear()
+        self._drains.clear()
+
     def take_drains(self) -> float:
         """Host seconds the timers' own marks drained the device outside their
         intervals since the last call (0 on CPU): the step's time, not its rest."""
