@@ -49,12 +49,17 @@ def pairs_rule(pairs: list[float]) -> str:
     return "not judged" if "not judged" in how else "pass" if passed else "fail"
 
 
+def _noise(rng: random.Random, sigma: float) -> float:
+    """One iteration's factor: lognormal, and now and then a stall (STALL)."""
+    stall = STALL[1] if rng.random() < STALL[0] else 1.0
+    return math.exp(rng.gauss(0.0, sigma)) * stall
+
+
 def session(rng: random.Random, sigma: float, true: float, per_round: int) -> tuple[list[float], list[float]]:
     """(the rounds' on/off medians, every pair's on/off): each round at its own level (it
     cancels in a ratio), each iteration lognormal around it, the plugin's side x `true`."""
     def step(level: float, factor: float) -> float:
-        stall = STALL[1] if rng.random() < STALL[0] else 1.0
-        return level * factor * math.exp(rng.gauss(0.0, sigma)) * stall
+        return level * factor * _noise(rng, sigma)
     medians, pairs = [], []
     for _ in range(ROUNDS):
         level = math.exp(rng.gauss(0.0, 0.05))
@@ -78,8 +83,7 @@ def ordered_session(rng: random.Random, sigma: float, true: float, per_round: in
         times = []
         for k in range(2 * per_round):
             order = 1 + size * k if kind == "drift" else 1 + size * (1 if k % 2 == 0 else -1)
-            stall = STALL[1] if rng.random() < STALL[0] else 1.0
-            times.append(order * math.exp(rng.gauss(0.0, sigma)) * stall)
+            times.append(order * _noise(rng, sigma))
         second = flip and r % 2 == 1
         for p in range(per_round):
             on, off = (times[2 * p + 1], times[2 * p]) if second else (times[2 * p], times[2 * p + 1])

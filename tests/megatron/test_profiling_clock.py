@@ -183,7 +183,8 @@ class AllocatorStandIn:
 def test_window_peak_survives_a_rebuild_that_resets_the_allocator_peak():
     """Freezing rebuild()s between a step and the iteration's end (migrate.py resets the
     peak for its own measurement): the window keeps each step's peak and leaves the
-    migration's transient out. The optimizer (and its global step hook) is real."""
+    migration's transient out, and an evaluation's between two steps. The optimizer (and
+    its global step hook) is real."""
     from dynmo_plugin.megatron.profiling.profiler import _DevicePeak
     weight = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([weight], lr=0.1)
@@ -191,6 +192,7 @@ def test_window_peak_survives_a_rebuild_that_resets_the_allocator_peak():
     peak = _DevicePeak(cuda)
 
     def iteration(training_bytes: int, rebuild_bytes: int) -> None:
+        peak.begin_iteration()              # the window step starts (ProfileWindow.before_iteration)
         cuda.use(training_bytes)            # forward/backward activations
         weight.grad = torch.ones(2)
         optimizer.step()                    # the window reads the peak here
@@ -200,8 +202,9 @@ def test_window_peak_survives_a_rebuild_that_resets_the_allocator_peak():
         peak.end_iteration()
 
     iteration(100, rebuild_bytes=500)
+    cuda.use(700)                           # an evaluation between two window steps
     iteration(80, rebuild_bytes=0)
-    assert peak.peak == 110                 # not 90 (erased) nor 510 (the migration's)
+    assert peak.peak == 110                 # not 90 (erased) nor 510 (the migration's) nor 710 (the evaluation's)
     peak.close()
     cuda.use(1000)
     optimizer.step()

@@ -34,11 +34,12 @@ def test_rounds_split_the_iterations():
 def test_no_profiling_window_of_the_gpu_session_falls_on_a_rounds_first_iteration(rounds):
     """A round's first iteration runs cold after another program's turn: a window there
     gave stage_prediction[mlm-host] a profile unlike the iterations it is judged against
-    (the plugin profiles every PROFILE_EVERY-th iteration, each window one iteration);
+    (the plugin profiles every `every`-th iteration, each window one iteration);
     nor on its last (the hand-over's sync), nor right before it (the iteration after a
     window is timed on neither side of the plugin's on/off)."""
-    spec = bt.BatonSpec("f", "a", host_session.SESSION_WARMUP, rounds, host_session.DYNMO_ITERS)  # the --dynmo program's
-    windows = set(range(host_session.PROFILE_EVERY, spec.train_iters + 1, host_session.PROFILE_EVERY))
+    s = host_session.GPU_SESSION
+    spec = bt.BatonSpec("f", "a", s.warmup, rounds, s.dynmo_iters)  # the --dynmo program's
+    windows = set(range(s.every, spec.train_iters + 1, s.every))
     assert len(windows) == rounds and not (windows | {w + 1 for w in windows}) & spec.edges()
     assert [spec.round_of(i)[0] for i in sorted(windows)] == list(range(1, rounds + 1))  # one in each
 
