@@ -178,9 +178,24 @@ def harness() -> None:
             iterators = mtt.build_train_valid_test_data_iterators(chunk_provider)
             train_iter.append(iterators[0])
             valid_iter.append(iterators[1])
+    config = get_model_config(model[0])
     mtt.train(pretrain_gpt["forward_step"], model, optimizer, scheduler, train_iter, valid_iter,
-              None, get_model_config(model[0]), {}, None)
+              None, config, {}, None)
+    _record_sync_bindings(config, model, os.environ["DYNMO_TEST_LOSSES"])
     dist.destroy_process_group()
+
+
+def _record_sync_bindings(config, model: list, folder: str) -> None:
+    """Which of train()'s DDP-bound sync functions (--overlap-grad-reduce) are bound to
+    the chunks train() holds at its end (after any migration): a function bound to a
+    replaced chunk still runs, on buffers nothing reads, so no loss would show it."""
+    def bound(funcs) -> bool | None:
+        if funcs is None:
+            return None
+        funcs = funcs if isinstance(funcs, list) else [funcs]
+        return len(funcs) == len(model) and all(f.__self__ is m for f, m in zip(funcs, model))
+    Path(folder, "sync_bindings.json").write_text(json.dumps(
+        {"no_sync": bound(config.no_sync_func), "grad_sync": bound(config.grad_sync_func)}))
 
 
 if __name__ == "__main__":

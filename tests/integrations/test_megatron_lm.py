@@ -8,6 +8,7 @@ Multi-Token Prediction runs are in test_megatron_lm_mtp.py.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -274,7 +275,9 @@ def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp
     Megatron-LM's TensorBoard writer. The same pair again with virtual pipeline stages
     (8 layers, 2 chunks per rank, Megatron's interleaved 1F1B over train()'s list of DDP
     chunks) and --use-distributed-optimizer on 4 ranks, PP=2 x DP=2 (its state sharded over
-    the two DP ranks, gathered and re-sharded through optim_state as in the launcher)."""
+    the two DP ranks, gathered and re-sharded through optim_state as in the launcher), with
+    --overlap-grad-reduce: the no-sync and grad-sync functions train() bound to its DDP
+    chunks end bound to the chunks that replaced them."""
     tb, ckpt = tmp_path / "tb", tmp_path / "ckpt"
     forced = ["--dynmo", "--dynmo-profile-every", "2", "--dynmo-forced-layouts"]
     moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", [*forced, "4:Et|tttL", "--tensorboard-dir", str(tb),
@@ -283,9 +286,10 @@ def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp
     check_forced_move(moved, "Et|tttL", 4)
     assert static["layout"] == "Ett|ttL" and static["events"] == []
     assert len(moved_losses) == 6 and moved_losses == static_losses
+    assert _sync_bindings(tmp_path / "moved") == {"no_sync": None, "grad_sync": None}
     _check_resume_after_the_move(tmp_path, ckpt, moved_losses)
     vp = ["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2",
-          "--use-distributed-optimizer"]
+          "--use-distributed-optimizer", "--overlap-grad-reduce"]
     vp_moved, vp_moved_losses = train_in_megatron_lm(tmp_path / "vp_moved", [*vp, *forced, "4:Et|ttt|tt|ttL"], ranks=4)
     vp_static, vp_static_losses = train_in_megatron_lm(tmp_path / "vp_static", [*vp, "--dynmo"], ranks=4)
     assert vp_moved["config"]["megatron_lm"]["use_distributed_optimizer"] is True
@@ -293,6 +297,7 @@ def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp
     check_forced_move(vp_moved, "Et|ttt|tt|ttL", 8)
     assert vp_static["layout"] == "Ett|tt|tt|ttL" and vp_static["events"] == []
     assert len(vp_moved_losses) == 6 and vp_moved_losses == vp_static_losses
+    assert _sync_bindings(tmp_path / "vp_moved") == {"no_sync": True, "grad_sync": True}
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tb)).Reload()
     assert [e.step for e in acc.Scalars("dynmo/layer_2_fwd_ms")] == [2, 4, 6]
@@ -307,13 +312,17 @@ def test_full_activation_recompute_inside_megatron_lm_is_profiled_and_moves_bit_
     never-moved run's under the same recompute. What each layer holds between forward and
     backward is the input the checkpoint keeps, one fp32 hidden state (32 x 2 x 64 x 4
     bytes), not the recomputed forward's activations (the recomputed forward is timed into
-    the backward: tests/megatron/test_profiling_recompute.py). With dropout 0.1 the
+    the backward: tests/megatron/test_profiling_recompute.py). The pair runs with
+    --overlap-grad-reduce: train()'s no-sync and grad-sync functions, bound to its one DDP
+    chunk per rank, end bound to the chunk that replaced it. With dropout 0.1 the
     recomputed run's losses equal those of the same run without recompute, bit for bit."""
     recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", [*recompute, "--dynmo", "--dynmo-profile-every", "2",
-                                                                     "--dynmo-forced-layouts", "4:Et|tttL"])
-    static, static_losses = train_in_megatron_lm(tmp_path / "static", [*recompute, "--dynmo"])
+    overlap = [*recompute, "--overlap-grad-reduce"]
+    moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", [*overlap, "--dynmo", "--dynmo-profile-every", "2",
+                                                                    "--dynmo-forced-layouts", "4:Et|tttL"])
+    static, static_losses = train_in_megatron_lm(tmp_path / "static", [*overlap, "--dynmo"])
     check_forced_move(moved, "Et|tttL", 4)
+    assert _sync_bindings(tmp_path / "moved") == {"no_sync": True, "grad_sync": True}
     assert static["layout"] == "Ett|ttL" and static["events"] == []
     assert len(moved_losses) == 6 and moved_losses == static_losses
     profiles = [e["profile"] for e in moved["events"] if e["kind"] == "profile"]
@@ -324,6 +333,12 @@ def test_full_activation_recompute_inside_megatron_lm_is_profiled_and_moves_bit_
     _, plain_losses = train_in_megatron_lm(tmp_path / "dropout", dropout)
     _, recomputed_losses = train_in_megatron_lm(tmp_path / "dropout_recomputed", [*recompute, *dropout])
     assert recomputed_losses == plain_losses != static_losses  # dropout drew: not the losses without it
+
+
+def _sync_bindings(run: Path) -> dict:
+    """Whether train()'s no-sync and grad-sync functions ended bound to the chunks it held
+    (None: not set), as the harness recorded them after train()."""
+    return json.loads((run / "sync_bindings.json").read_text())
 
 
 def _check_resume_after_the_move(tmp: Path, ckpt: Path, losses: list) -> None:
