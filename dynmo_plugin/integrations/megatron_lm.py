@@ -53,7 +53,8 @@ from typing import Optional
 
 from dynmo_plugin.config import RunConfig
 from dynmo_plugin.integrations.megatron_lm_args import (SCENARIO_SPECS, SPEC_MODULE, forced_mtp_move,
-                                                        load_plugin_config, use_native_moe_spec)
+                                                        load_plugin_config, set_layout,
+                                                        use_native_moe_spec)
 from dynmo_plugin.integrations.megatron_lm_checkpoint import refuse_scenario_resume, restore_saved_layout
 from dynmo_plugin.integrations.megatron_lm_flags import add_args, chain_flags
 from dynmo_plugin.integrations.megatron_lm_hooks import MegatronLMError
@@ -178,6 +179,12 @@ def check_version():
 
 
 # ---- one run inside pretrain() ----------------------------------------------------------------
+# what Megatron-LM's save_checkpoint caches in train()'s checkpointing context from one
+# save to the next: the save strategy (its plans), the local checkpoints' metadata and the
+# load strategy, whose read metadata a new save strategy reuses
+_CACHED_SAVE_PLANS = ("save_strategy", "local_checkpoint_cache", "load_strategy")
+
+
 class _Run:
     """The controller and what it needs, built after setup_model_and_optimizer."""
 
@@ -199,6 +206,7 @@ class _Run:
         self.control, self.migrator, self.report = parts.control, parts.migrator, parts.report
         self.controller, self.scenario = parts.dynmo, parts.scenario
         self._start = 0.0
+        self.checkpointing_context: Optional[dict] = None  # train()'s, once it runs
 
     def data_built(self, everywhere: bool) -> None:
         """After Megatron-LM built its data iterators (every rank alike): the MTP block
@@ -220,8 +228,14 @@ class _Run:
         """Megatron-LM's args (saved with its checkpoints; pretrain_gpt.py's get_batch reads
         the MTP rank from them) follow the new layout, as the string its parser gives: the
         config's PipelineParallelLayerLayout object in the args would make the checkpoint
-        unreadable by Megatron-LM's weights-only loader."""
-        self.args.pipeline_model_parallel_layout = str(self.stage.layout)
+        unreadable by Megatron-LM's weights-only loader. The first/last-stage counts and
+        account-for flags the run started with go (`set_layout`). The save plans
+        Megatron-LM cached in train()'s checkpointing context (with --ckpt-assume-
+        constant-structure: every rank's shards, reused without a check) describe the
+        old layout: dropped, so the next save plans anew."""
+        set_layout(self.args, str(self.stage.layout))
+        for key in _CACHED_SAVE_PLANS:
+            (self.checkpointing_context or {}).pop(key, None)
 
     def _checkpoint_repack(self, layout: Layout, iteration: int, info: dict):
         """A repack onto `layout` (fewer pipeline ranks), in checkpoint mode: Megatron-LM's

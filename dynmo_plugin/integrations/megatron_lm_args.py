@@ -12,13 +12,29 @@ from dynmo_plugin.config import ConfigError, RunConfig
 from dynmo_plugin.integrations.megatron_lm_hooks import MegatronLMError
 from dynmo_plugin.megatron.training.machine import load_run_config
 
-__all__ = ["SPEC_MODULE", "SCENARIO_SPECS", "load_plugin_config", "use_native_moe_spec",
+__all__ = ["SPEC_MODULE", "SCENARIO_SPECS", "load_plugin_config", "set_layout", "use_native_moe_spec",
            "forced_mtp_move"]
 
 # Scenarios that run inside Megatron-LM's train(): their layer spec, named to Megatron-LM's
 # `--spec` as SPEC_MODULE and the scenario's name (dynmo_plugin.integrations.megatron_lm_specs).
 SPEC_MODULE = "dynmo_plugin.integrations.megatron_lm_specs"
 SCENARIO_SPECS = ("layer_freezing", "gradual_pruning")
+# Megatron-LM's other ways to split the layers, and their values when unset: a layout
+# string excludes them (TransformerConfig raises when both are set)
+_OTHER_SPLITS = {"decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
+                 "account_for_embedding_in_pipeline_split": False,
+                 "account_for_loss_in_pipeline_split": False}
+
+
+def set_layout(args, text: str) -> None:
+    """Make the layout `text` the only split in Megatron-LM's args. pretrain_gpt.py's
+    get_batch builds a TransformerConfig from the args at every micro-batch, and a
+    checkpoint's args build the model it resumes: a layout beside --decoder-first/last-
+    pipeline-num-layers or --account-for-embedding/loss-in-pipeline-split raises there.
+    The split they described is the layout's now, so they go."""
+    args.pipeline_model_parallel_layout = text
+    for key, unset in _OTHER_SPLITS.items():
+        setattr(args, key, unset)
 
 
 # Megatron-LM argument names that dynmo_plugin.config validates the plugin's settings

@@ -9,7 +9,7 @@ import logging
 import os
 
 from dynmo_plugin.config import RunConfig
-from dynmo_plugin.integrations.megatron_lm_args import SCENARIO_SPECS
+from dynmo_plugin.integrations.megatron_lm_args import SCENARIO_SPECS, set_layout
 from dynmo_plugin.integrations.megatron_lm_hooks import MegatronLMError
 from dynmo_plugin.layout import Layout
 
@@ -79,9 +79,9 @@ def restore_saved_layout(args) -> None:
                if t is not None and Layout.parse(t).num_stages == stages]
     if (args.pipeline_model_parallel_layout is None and fitting
             and getattr(saved, "num_layers", None) == args.num_layers):
-        args.pipeline_model_parallel_layout = chosen = fitting[0]
+        chosen = fitting[0]
+        set_layout(args, chosen)
         args.num_layers_per_virtual_pipeline_stage = args.num_virtual_stages_per_pipeline_rank = None
-        args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
         logger.info("--load %s: resuming under the saved layout %s", args.load, chosen)
     if fmt not in _PER_RANK_FORMATS:
         return

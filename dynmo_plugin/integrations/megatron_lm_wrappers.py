@@ -11,9 +11,11 @@
                               built on every rank (megatron_lm_data), so the block can
                               move live
   train_step                - the run's before_step/after_step around every step
-  train                     - its forward step reads in lockstep on every rank where
-                              the data is there (megatron_lm_data); the run finished
-                              (report, writers) when train() ends
+  train                     - its checkpointing context handed to the run (a move
+                              drops the save plans cached there); its forward step
+                              reads in lockstep on every rank where the data is there
+                              (megatron_lm_data); the run finished (report, writers)
+                              when train() ends
 """
 from __future__ import annotations
 
@@ -106,11 +108,13 @@ def _wrap_train(original):
 
     def train(*a, **kw):
         run = _hooks.run
-        if run is not None and run.stage.mtp_moves_live:
+        if run is not None:
             bound = signature.bind(*a, **kw)
-            bound.arguments["forward_step_func"] = lockstep(bound.arguments["forward_step_func"],
-                                                            run.stage)
-            a, kw = bound.args, bound.kwargs
+            run.checkpointing_context = bound.arguments["checkpointing_context"]
+            if run.stage.mtp_moves_live:
+                bound.arguments["forward_step_func"] = lockstep(
+                    bound.arguments["forward_step_func"], run.stage)
+                a, kw = bound.args, bound.kwargs
         try:
             return original(*a, **kw)
         finally:

@@ -305,6 +305,39 @@ def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp
 
 
 @needs_source
+def test_a_split_by_stage_counts_or_account_for_flags_moves_and_resumes_bit_exact(tmp_path):
+    """Megatron-LM's other ways to split the layers (--decoder-first/last-pipeline-num-
+    layers, --account-for-embedding/loss-in-pipeline-split) cannot stand beside a layout,
+    and pretrain_gpt.py's get_batch builds a config from the args at every micro-batch: a
+    move makes the layout the args' only split (every rank raised at the next forward).
+    Each run moves and equals the never-moved run from the same split (its initial
+    weights) bit for bit. The account-for run saves at iterations 2 and 4 (the move
+    between) with --ckpt-assume-constant-structure: the save plans Megatron-LM cached at 2
+    are dropped at the move (reused, they named shards of the old layout: "Could not find
+    FQN"); it exits at 4 and resumes under the moved layout with the same flags (the model
+    built from them raised too), its iterations 5 and 6 those of the never-moved run."""
+    forced = ["--dynmo", "--dynmo-profile-every", "2", "--dynmo-forced-layouts"]
+    counts = ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"]
+    uneven, uneven_losses = train_in_megatron_lm(tmp_path / "uneven", [*counts, *forced, "4:Ett|ttL"])
+    account, ckpt = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"], tmp_path / "ckpt"
+    account += ["--ckpt-assume-constant-structure", "--ckpt-fully-parallel-save"]
+    moved, moved_losses = train_in_megatron_lm(tmp_path / "account", [*account, *forced, "4:Et|tttL", "--save", str(ckpt),
+                                                                      "--save-interval", "2", "--exit-interval", "4"])
+    uneven_static, uneven_static_losses = train_in_megatron_lm(tmp_path / "uneven_static", [*counts, "--dynmo"])
+    static, static_losses = train_in_megatron_lm(tmp_path / "static", ["--dynmo"])
+    moves = [(m["layer"], m["src"], m["dst"]) for e in uneven["events"] if e["kind"] == "rebalance" for m in e["moves"]]
+    assert (uneven["initial_layout"], uneven["layout"], moves) == ("Et|tttL", "Ett|ttL", [(2, 1, 0)])
+    assert (uneven_static["layout"], static["layout"]) == ("Et|tttL", "Ett|ttL")
+    moves = [(m["layer"], m["src"], m["dst"]) for e in moved["events"] if e["kind"] == "rebalance" for m in e["moves"]]
+    assert (moved["initial_layout"], moved["layout"], moves) == ("Ett|ttL", "Et|tttL", [(2, 0, 1)])
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert len(static_losses) == 6 and uneven_losses == uneven_static_losses and moved_losses == static_losses[:4]
+    resumed, resumed_losses = train_in_megatron_lm(tmp_path / "resumed", [*account, "--dynmo", "--load", str(ckpt),
+                                                                          "--no-load-rng"])
+    assert resumed["initial_layout"] == "Et|tttL" and resumed_losses == static_losses[4:]
+
+
+@needs_source
 def test_full_activation_recompute_inside_megatron_lm_is_profiled_and_moves_bit_exact(tmp_path):
     """Megatron-LM's --recompute-granularity full (each layer's forward run again inside
     its backward, `tensor_parallel.checkpoint`) under the plugin: profiled every 2
