@@ -82,6 +82,10 @@ def _check_supported(args, cfg: RunConfig) -> None:
          "migration would leave pointing at the old DDP; the distributed optimizer without it works)"),
         (getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False),
          "FSDP (--use-megatron-fsdp / --use-torch-fsdp2)"),
+        (getattr(args, "cuda_graph_impl", "none") not in ("none", None),
+         f"--cuda-graph-impl {getattr(args, 'cuda_graph_impl', None)} (graphs are captured once: "
+         "after a move they would replay the layers that left, and a profile's hooks do not "
+         "run inside a replay)"),
         (bool(getattr(args, "mtp_num_layers", None)) and getattr(args, "num_layers_per_virtual_pipeline_stage", None),
          "--mtp-num-layers with virtual pipeline stages (MTP under Megatron-LM: one chunk per rank)"),
         (getattr(args, "optimizer", "adam") not in ("adam", "sgd"), f"--optimizer {args.optimizer}"),

@@ -32,6 +32,10 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
     with pytest.raises(ConfigError, match="support: --overlap-param-gather"):
         ml.load_plugin_config(megatron_like(argv=["--dynmo"], use_distributed_optimizer=True,
                                              overlap_param_gather=True))
+    # validate_args maps the deprecated --enable-cuda-graph / --external-cuda-graph onto it
+    with pytest.raises(ConfigError, match="support: --cuda-graph-impl local .graphs are captured once"):
+        ml.load_plugin_config(megatron_like(argv=["--dynmo"], cuda_graph_impl="local"))
+    assert ml.load_plugin_config(megatron_like(argv=["--dynmo"], cuda_graph_impl="none")).dynmo.enabled
     # repacking restarts from Megatron-LM's checkpoint: checkpoint mode, with --save
     with pytest.raises(ConfigError, match="--dynmo-repack-mode live .* --dynmo-repack-mode checkpoint"):
         ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-repack"], save="ckpt"))
