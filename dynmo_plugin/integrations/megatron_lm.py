@@ -245,7 +245,7 @@ class _Run:
         decides alike (the controller's decision is collective)."""
         from dynmo_plugin.megatron.migration.repack import RepackResult
         d, args = self.stage.dims, self.args
-        world = d.tp * d.dp * layout.num_ranks
+        world = d.world_size // d.pp * layout.num_ranks  # each stage's TP x CP x DP ranks
         args.exit_interval = self.iteration  # Megatron-LM counts it done after this step
         args.dynmo_next_layout = str(layout)
         vp = (f" --num-virtual-stages-per-pipeline-rank {layout.num_chunks}"

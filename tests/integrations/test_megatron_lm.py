@@ -63,6 +63,21 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
     assert ml.load_plugin_config(megatron_like(argv=["--dynmo"], mtp_num_layers=1, **mtp)).dynmo.enabled
 
 
+def test_a_checkpoint_repack_restarts_with_every_rank_of_each_stage_context_parallel_ones_too():
+    """A checkpoint repack's restart keeps each stage's ranks (TP x CP x DP): with CP=2,
+    which Megatron's data-parallel size leaves out, 8 ranks at PP=4 restart as 4 at PP=2
+    (the line said 2, and Megatron-LM would have halved DP)."""
+    from types import SimpleNamespace
+
+    from dynmo_plugin.layout import Layout
+    dims = SimpleNamespace(world_size=8, tp=1, dp=1, pp=4)
+    run = SimpleNamespace(stage=SimpleNamespace(dims=dims, layout=Layout.parse("Et|t|t|tL")),
+                          args=SimpleNamespace(save="ckpt"), iteration=5)
+    record, result = ml._Run._checkpoint_repack(run, Layout.parse("Ett|ttL"), 5, {})
+    assert (record["world_size_after"], record["ranks_released"]) == (4, [4, 5, 6, 7])
+    assert "4 ranks in all" in record["restart"] and "--pipeline-model-parallel-size 2" in record["restart"]
+
+
 def test_event_scalars_for_the_writers():
     profile = {"layers": [{"layer": 1, "stage": 0, "fwd_s": 0.002, "bwd_s": 0.004},
                           {"layer": 2, "stage": 1, "fwd_s": 0.001, "bwd_s": 0.001}],
