@@ -68,6 +68,7 @@ def train_in_megatron_lm(tmp: Path, extra: list[str], ranks: int = 2) -> tuple[d
             __file__, *MODEL_FLAGS, "--train-iters", "6", "--pipeline-model-parallel-size", "2",
             "--dynmo-output", str(out), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DYNMO_TEST_LOSSES": str(tmp),
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = run_torchrun(args, env, timeout=300)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -107,6 +108,14 @@ def _cpu_streams() -> None:
     torch.cuda.set_rng_state = lambda *a, **k: None
 
 
+def _cpu_device_arch() -> None:
+    """validate_args reads the GPU's architecture when TP > 1 (what CUDA_DEVICE_MAX_CONNECTIONS
+    must be): on CPU the harness answers Hopper's (9), and the env sets it to 1 as Megatron-LM
+    asks there."""
+    import megatron.training.arguments as arguments
+    arguments.get_device_arch_version = lambda: 9
+
+
 def _gloo_interleaved_p2p(config) -> None:
     """Interleaved 1F1B on 2 pipeline ranks over gloo: Megatron-LM sets batch_p2p_comm =
     not overlap_p2p_comm, and both choices break on gloo here (the batched exchange pairs
@@ -144,6 +153,7 @@ def harness() -> None:
     from megatron.core.enums import ModelType
     from megatron.core.utils import get_model_config
     from megatron.training import get_args
+    _cpu_device_arch()
     mtt.initialize_megatron(allow_no_cuda=True, skip_mpu_initialization=True)
     args = get_args()
     dist.init_process_group("gloo")

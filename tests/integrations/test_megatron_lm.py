@@ -357,6 +357,23 @@ def test_a_split_by_stage_counts_or_account_for_flags_moves_and_resumes_bit_exac
 
 
 @needs_source
+def test_tensor_parallel_inside_megatron_lm_moves_bit_exact(tmp_path):
+    """TP=2 x PP=2 on 4 ranks: both tensor ranks of stage 0 hand their shards of layer 2
+    to their peers of stage 1 (get_batch broadcasts each micro-batch from tensor rank 0);
+    every loss equals the never-moved run's. (--sequence-parallel needs Transformer
+    Engine's or Apex's norms: the local spec's torch LayerNorm refuses it, so it is a GPU
+    check.)"""
+    tp = ["--tensor-model-parallel-size", "2"]
+    moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", [*tp, "--dynmo", "--dynmo-profile-every", "2",
+                                                                    "--dynmo-forced-layouts", "4:Et|tttL"], ranks=4)
+    static, static_losses = train_in_megatron_lm(tmp_path / "static", [*tp, "--dynmo"], ranks=4)
+    assert (moved["world"]["tp"], moved["world"]["dp"]) == (2, 1)
+    check_forced_move(moved, "Et|tttL", 4)
+    assert static["layout"] == "Ett|ttL" and static["events"] == []
+    assert len(moved_losses) == 6 and moved_losses == static_losses
+
+
+@needs_source
 def test_full_activation_recompute_inside_megatron_lm_is_profiled_and_moves_bit_exact(tmp_path):
     """Megatron-LM's --recompute-granularity full (each layer's forward run again inside
     its backward, `tensor_parallel.checkpoint`) under the plugin: profiled every 2
