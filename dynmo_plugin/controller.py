@@ -46,6 +46,7 @@ from dynmo_plugin.events import Decision, ProfileEvent, RebalanceEvent
 from dynmo_plugin.layout import Layout, LayoutError
 from dynmo_plugin.profiling.records import PipelineProfile
 from dynmo_plugin.report import RunReport
+from dynmo_plugin.stage import StageHandle
 
 __all__ = ["DynMo", "memory_calibration", "problem_from_profile", "repack_iteration_model",
            "scale_profile"]
@@ -251,8 +252,7 @@ class DynMo:
             profile = self.control.decide(gathered.to_dict, "profile")
             self.last_profile = self._timed_profile = PipelineProfile.from_dict(profile)
             plan, reason = self._profile_plan(self.last_profile)
-            memory = _memory_record(self.last_profile, self.trainer.layout.num_stages,
-                                    self.trainer.num_microbatches, _cap_bytes(self.config), plan)
+            memory = _memory_record(self.last_profile, self.trainer, _cap_bytes(self.config), plan)
             self._record(ProfileEvent(iteration, opened.trigger, window, str(self.trainer.layout),
                                       {"profiling": time.perf_counter() - start}, profile,
                                       memory=memory, plan=plan, reason=reason))
@@ -271,7 +271,8 @@ class DynMo:
             return None, why
         t = self.trainer
         try:
-            problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches)
+            problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches,
+                                           peak_microbatches=t.peak_microbatches)
             return solve(problem, "exact"), why
         except (InfeasibleError, ProblemError) as e:
             return None, f"{why}; no feasible plan: {e}"
@@ -284,9 +285,9 @@ class DynMo:
         cap = _cap_bytes(self.config)
         try:
             problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches,
-                                           pin_mtp=_pins_mtp(t))
+                                           pin_mtp=_pins_mtp(t), peak_microbatches=t.peak_microbatches)
         except (InfeasibleError, ProblemError) as e:
-            memory = _memory_record(profile, t.layout.num_stages, t.num_microbatches, cap, None)
+            memory = _memory_record(profile, t, cap, None)
             return Decision(profile.to_dict(), None, False,
                             _memory_hint(f"no feasible plan: {e}", memory), memory=memory)
         gate = GateConfig(iterations_until_next_event=rb.expected_event_gap,
@@ -296,8 +297,7 @@ class DynMo:
         criteria = self._repack_criteria(problem, trigger)
         model = None if criteria is None else repack_iteration_model(self.trainer, self.bandwidth)
         choice = decide(problem, balancer, gate, criteria, iteration_model=model)
-        memory = _memory_record(profile, problem.num_stages, problem.num_microbatches, cap,
-                                choice.plan)
+        memory = _memory_record(profile, t, cap, choice.plan)
         return Decision(profile.to_dict(), choice.plan, choice.apply,
                         choice.reason if choice.apply else _memory_hint(choice.reason, memory),
                         repack=choice.repack, memory=memory)
@@ -500,18 +500,20 @@ def _cap_bytes(config: DynmoConfig) -> Optional[float]:
     return cap * 1e9 if cap > 0 else None
 
 
-def _memory_record(profile: PipelineProfile, num_stages: int, num_microbatches: int,
-                   cap: Optional[float], plan) -> Optional[dict]:
+def _memory_record(profile: PipelineProfile, stage: StageHandle, cap: Optional[float],
+                   plan) -> Optional[dict]:
     """The event's `memory`: the cap, each stage's (interleaved: each rank's, `per:
-    rank`) calibration (measured peak vs the model's bytes for what it held) and the
-    calibrated bytes of the layouts before and after the plan (model + overhead: what is
-    checked against the cap). None when the profile does not fit the layout (no
-    calibration exists)."""
+    rank`) calibration (measured peak vs the model's bytes for what it held, at the
+    micro-batches of the moment) and the calibrated bytes of the layouts before and
+    after the plan (model + overhead at the stage's peak micro-batches: what is checked
+    against the cap). None when the profile does not fit the layout (no calibration
+    exists)."""
     try:
-        _, calibration = memory_calibration(profile, num_stages, num_microbatches)
+        _, calibration = memory_calibration(profile, stage.layout.num_stages, stage.num_microbatches)
     except ProblemError:
         return None
-    record = {"cap_bytes": cap, **calibration.to_dict()}
+    record = {"cap_bytes": cap, **calibration.to_dict(), "microbatches": stage.num_microbatches,
+              "peak_microbatches": stage.peak_microbatches}
     pp = len(calibration.stages)
     if profile.num_chunks > 1:  # the calibration is per rank: fold the virtual stages
         record["per"] = "rank"

@@ -153,6 +153,13 @@ class StageHandle(Protocol):
         memory model (in-flight activations), the interleaved-schedule check of a repack,
         scenarios' per-micro-batch loss scaling."""
 
+    @property
+    def peak_microbatches(self) -> int:
+        """The most micro-batches an iteration of this run will run on this DP rank:
+        more than `num_microbatches` while Megatron-LM's --rampup-batch-size grows the
+        batch. The planner checks memory at this count, so a plan chosen during the ramp
+        still fits once the batch is whole."""
+
     def build_ddp(self, chunk: int = 0) -> DDP:
         """A new DDP wrapper over model chunk `chunk` as its layers are now, beside the
         live one (local; may raise; the caller retires it if it abandons it)."""

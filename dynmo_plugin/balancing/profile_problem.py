@@ -24,12 +24,14 @@ __all__ = ["CHECKSUM_TRANSIENT_BYTES", "StepShares", "step_shares", "memory_cali
 CHECKSUM_TRANSIENT_BYTES = 2 * 8 * (1 << 20) + 4 * 8
 
 
-def memory_calibration(profile: PipelineProfile, num_stages: int,
-                       num_microbatches: int) -> tuple[list[float], MemoryCalibration]:
+def memory_calibration(profile: PipelineProfile, num_stages: int, num_microbatches: int,
+                       peak_microbatches: Optional[int] = None) -> tuple[list[float], MemoryCalibration]:
     """The memory model's per-layer bytes — state + the 1F1B warm-up depth of activations
     a stage may hold (at most p micro-batches) — and its calibration by each stage's
     measured peak, against the layers that stage held when profiled
-    (`balancing.memory`).
+    (`balancing.memory`). The peak was measured at `num_microbatches`, the calibration
+    holds at that count; the bytes returned are at `peak_microbatches` (default the
+    same), the most the run will reach (a batch ramping up: `StageHandle.peak_microbatches`).
 
     Interleaved (`profile.num_chunks` = v > 1, `num_stages` virtual): a layer's
     activations count at the most micro-batches any chunk of any rank held at once under
@@ -41,17 +43,23 @@ def memory_calibration(profile: PipelineProfile, num_stages: int,
     if v > 1 and len(profile.stages) != num_stages:
         raise ProblemError(f"the profile has {len(profile.stages)} virtual stages but the "
                            f"layout {num_stages}; profile again under the current layout")
-    in_flight = (min(num_stages, num_microbatches) if v == 1
-                 else max(s.in_flight for s in profile.stages))
-    layer_bytes = [x.state_bytes + in_flight * x.act_bytes for x in profile.layers]
-    modelled = modelled_stage_bytes(layer_bytes, [x.stage for x in profile.layers],
+    measured = _layer_bytes(profile, num_stages, num_microbatches)
+    modelled = modelled_stage_bytes(measured, [x.stage for x in profile.layers],
                                     [s.extra_bytes for s in profile.stages])
     ranks = profile.rank_records()
     if v > 1:  # virtual stage s runs on rank s % pp
         modelled = [sum(modelled[r::len(ranks)]) for r in range(len(ranks))]
     calibration = calibrate([s.peak_bytes for s in ranks], modelled,
                             [s.peak_source for s in ranks])
-    return layer_bytes, calibration
+    return _layer_bytes(profile, num_stages, peak_microbatches or num_microbatches), calibration
+
+
+def _layer_bytes(profile: PipelineProfile, num_stages: int, num_microbatches: int) -> list[float]:
+    """Each layer's state + its activations times the micro-batches a stage holds at once
+    at `num_microbatches` (interleaved: the most any chunk held, as profiled)."""
+    in_flight = (min(num_stages, num_microbatches) if profile.num_chunks == 1
+                 else max(s.in_flight for s in profile.stages))
+    return [x.state_bytes + in_flight * x.act_bytes for x in profile.layers]
 
 
 @dataclass(frozen=True)
@@ -93,7 +101,7 @@ def step_shares(profile: PipelineProfile, m: int) -> StepShares:
 def _mtp_fields(profile: PipelineProfile, current: Layout, num_microbatches: int,
                 pin_mtp: bool, step_share: float) -> dict:
     """The MTP block's problem fields: its measured cost and state + the activations of
-    the micro-batches a stage may hold (as a layer's); pinned to its current stage when
+    the micro-batches a stage may hold (as a layer's, at `num_microbatches`); pinned to its current stage when
     `pin_mtp` (live migration moves decoder layers only)."""
     if not current.has_mtp:
         return {}
@@ -109,7 +117,8 @@ def _mtp_fields(profile: PipelineProfile, current: Layout, num_microbatches: int
 
 def problem_from_profile(profile: PipelineProfile, current: Layout, config,
                          num_microbatches: int, pin_mtp: bool = False,
-                         step_microbatches: Optional[int] = None) -> BalanceProblem:
+                         step_microbatches: Optional[int] = None,
+                         peak_microbatches: Optional[int] = None) -> BalanceProblem:
     """Per-layer cost = median fwd+bwd per micro-batch and the layer's share of the
     optimizer step (`step_shares`); per-stage extras = the embedding's or head's fwd+bwd
     and the extras' share of the step. The stage's prediction less what stays with the
@@ -121,9 +130,10 @@ def problem_from_profile(profile: PipelineProfile, current: Layout, config,
     `rebalance.memory_cap_gb` and `rebalance.allow_empty_stages` are read).
     `step_microbatches`: the micro-batches the profiled step is spread over (default
     `num_microbatches`; a grow with the plain optimizer keeps the step and runs fewer,
-    `DynMo._freed_choice`)."""
+    `DynMo._freed_choice`). `peak_microbatches`: the count memory is checked at (default
+    `num_microbatches`; `memory_calibration`)."""
     p = current.num_stages
-    layer_bytes, calibration = memory_calibration(profile, p, num_microbatches)
+    layer_bytes, calibration = memory_calibration(profile, p, num_microbatches, peak_microbatches)
     cap = config.rebalance.memory_cap_gb
     shares = step_shares(profile, step_microbatches or num_microbatches)
     return BalanceProblem(
@@ -144,5 +154,5 @@ def problem_from_profile(profile: PipelineProfile, current: Layout, config,
         num_chunks=current.num_chunks,
         transfer_transient_bytes=(CHECKSUM_TRANSIENT_BYTES
                                   if any(s.clock == "cuda_event" for s in profile.stages) else 0.0),
-        **_mtp_fields(profile, current, num_microbatches, pin_mtp, shares.mtp),
+        **_mtp_fields(profile, current, peak_microbatches or num_microbatches, pin_mtp, shares.mtp),
     )

@@ -83,6 +83,13 @@ class MegatronLMStage:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         return get_num_microbatches()
 
+    @property
+    def peak_microbatches(self) -> int:
+        """The count at the whole --global-batch-size (a --rampup-batch-size run reaches
+        it at the ramp's end), or the current one where that is more."""
+        whole = self.args.global_batch_size // (self.args.micro_batch_size * self.args.data_parallel_size)
+        return max(whole, self.num_microbatches)
+
     def build_ddp(self, chunk: int = 0):
         """A Megatron DDP over model chunk `chunk`'s module as it is now, configured as
         Megatron-LM's get_model configured the live one (no bucketing past chunk 0;

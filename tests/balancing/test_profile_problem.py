@@ -144,3 +144,32 @@ def test_a_step_spread_over_fewer_micro_batches_weighs_more_on_each():
     assert [b - a for a, b in zip(base.costs, grown.costs)] == pytest.approx(list(shares.layers), rel=1e-9)
     assert grown.extras_cost[0] - base.extras_cost[0] == pytest.approx(shares.stages[0])
     assert grown.num_microbatches == M
+
+
+def test_memory_is_calibrated_at_the_micro_batches_of_the_moment_and_capped_at_the_peak():
+    """A batch ramping up (Megatron-LM's --rampup-batch-size): profiled at 1 micro-batch
+    per iteration, each of the 3 stages held one micro-batch's activations; at the whole
+    batch (M = 4) each holds up to 3. The calibration (each measured peak against the
+    model at 1) is the moment's; the bytes checked against the cap are at the peak. A cap
+    that the profiled split (3 like layers a stage) fits with one more micro-batch's
+    activations to spare admits it at the moment's count; at the peak a stage of 3 needs
+    two more, so no stage takes 3 and no split of 9 layers fits."""
+    from dataclasses import replace
+
+    from dynmo_plugin.balancing import InfeasibleError
+    from dynmo_plugin.balancing.profile_problem import memory_calibration
+    from dynmo_plugin.config import RebalanceConfig
+    base = _profile()
+    stages = [replace(s, peak_bytes=14 * MB, num_microbatches=1) for s in base.stages]
+    profile = PipelineProfile(base.layers, stages)
+    now, calibration = memory_calibration(profile, 3, 1)
+    peak, at_peak = memory_calibration(profile, 3, 1, peak_microbatches=M)
+    assert at_peak == calibration and calibration.overhead[0] > 0
+    act = base.layers[0].act_bytes
+    assert len(set(now)) == 1 and [b - a for a, b in zip(now, peak)] == [2 * act] * 9  # min(3, 4) - min(3, 1)
+    current = Layout((3, 3, 3))
+    cap = calibration.calibrated([3 * now[0]] * 3)[0] + 3 * act
+    config = DynmoConfig(rebalance=RebalanceConfig(memory_cap_gb=cap / 1e9))
+    assert solve(problem_from_profile(profile, current, config, 1), "exact").layout == current
+    with pytest.raises(InfeasibleError):
+        solve(problem_from_profile(profile, current, config, 1, peak_microbatches=M), "exact")

@@ -59,13 +59,15 @@ def megatron_like(**overrides) -> argparse.Namespace:
     return args
 
 
-def train_in_megatron_lm(tmp: Path, extra: list[str], ranks: int = 2) -> tuple[dict, dict]:
-    """torchrun of this file (the harness below) as launch.torchrun does it, 6 iterations:
-    torch's launcher forked by tests/zygote.py (DYNMO_TEST_FORK_TORCHRUN=0: a fresh one)."""
+def train_in_megatron_lm(tmp: Path, extra: list[str], ranks: int = 2,
+                         length: tuple[str, ...] = ("--train-iters", "6")) -> tuple[dict, dict]:
+    """torchrun of this file (the harness below) as launch.torchrun does it, 6 iterations
+    (or `length`): torch's launcher forked by tests/zygote.py (DYNMO_TEST_FORK_TORCHRUN=0: a
+    fresh one)."""
     from launch import ROOT, free_port, run_torchrun
     out = tmp / "out"
     args = ["--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            __file__, *MODEL_FLAGS, "--train-iters", "6", "--pipeline-model-parallel-size", "2",
+            __file__, *MODEL_FLAGS, *length, "--pipeline-model-parallel-size", "2",
             "--dynmo-output", str(out), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DYNMO_TEST_LOSSES": str(tmp),
            "CUDA_DEVICE_MAX_CONNECTIONS": "1",

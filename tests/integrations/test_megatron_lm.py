@@ -374,6 +374,23 @@ def test_tensor_parallel_inside_megatron_lm_moves_bit_exact(tmp_path):
 
 
 @needs_source
+def test_a_ramping_batch_is_profiled_at_its_count_and_its_memory_checked_at_the_whole_batch(tmp_path):
+    """--rampup-batch-size 2 2 16 (global batch 8, micro-batch 2: 1 micro-batch per
+    iteration at first, 4 once the ramp ends): each profile is taken at the count of its
+    window (its stages' `num_microbatches`, the memory record's `microbatches`) and the
+    memory checked against a cap is at the whole batch's 4 (`peak_microbatches`: a plan
+    chosen during the ramp must still fit after it; tests/balancing/test_profile_problem.py)."""
+    run, losses = train_in_megatron_lm(tmp_path / "ramp", ["--rampup-batch-size", "2", "2", "16", "--dynmo",
+                                                           "--dynmo-profile-every", "2"],
+                                       length=("--train-samples", "48"))
+    profiles = [e for e in run["events"] if e["kind"] == "profile"]
+    assert len(losses) == 9
+    assert [(e["iteration"], e["memory"]["microbatches"], e["memory"]["peak_microbatches"],
+             {s["num_microbatches"] for s in e["profile"]["stages"]}) for e in profiles] == [
+        (2, 1, 4, {1}), (4, 2, 4, {2}), (6, 3, 4, {3}), (8, 4, 4, {4})]
+
+
+@needs_source
 def test_full_activation_recompute_inside_megatron_lm_is_profiled_and_moves_bit_exact(tmp_path):
     """Megatron-LM's --recompute-granularity full (each layer's forward run again inside
     its backward, `tensor_parallel.checkpoint`) under the plugin: profiled every 2

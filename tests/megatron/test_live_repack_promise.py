@@ -50,7 +50,7 @@ def _profile() -> PipelineProfile:
 def _trainer():
     args = types.SimpleNamespace(seq_length=512, micro_batch_size=1, hidden_size=256,
                                  bf16=False, fp16=False)
-    return types.SimpleNamespace(layout=CURRENT, num_microbatches=M,
+    return types.SimpleNamespace(layout=CURRENT, num_microbatches=M, peak_microbatches=M,
                                  dims=types.SimpleNamespace(dp=DP), args=args)
 
 

@@ -80,10 +80,11 @@ def test_every_plan_fits_the_cap_once_calibrated(costs, mem, over, cap):
         assert m + over[s] <= cap + 1e-6
 
 
-def _decide_live(cap_gb: float):
+def _decide_live(cap_gb: float, microbatches: int = 4, peak: int = 4):
     """The live controller's `_decide` on a profile whose last stage held 1000 bytes more
-    than modelled: layers of 400 state + 50 activation bytes (x2 in flight), extras 1000
-    per stage; layers 1-3 cost 3, layer 4 costs 1, so by time 2|2 is best."""
+    than modelled: layers of 400 state + 50 activation bytes (x2 in flight at 2 or more
+    micro-batches), extras 1000 per stage; layers 1-3 cost 3, layer 4 costs 1, so by time
+    2|2 is best. `microbatches`/`peak`: the stage's count now and at the whole batch."""
     from dynmo_plugin.config import DynmoConfig, RebalanceConfig
     from dynmo_plugin.controller import DynMo
     from dynmo_plugin.profiling.records import LayerProfile, PipelineProfile, StageProfile
@@ -95,7 +96,8 @@ def _decide_live(cap_gb: float):
     config = DynmoConfig(enabled=True, rebalance=RebalanceConfig(
         balancer="exact", memory_cap_gb=cap_gb, min_gain=0.0))
     me = types.SimpleNamespace(trainer=types.SimpleNamespace(layout=Layout.parse("Ettt|tL", None, 4),
-                                                             num_microbatches=4),
+                                                             num_microbatches=microbatches,
+                                                             peak_microbatches=peak),
                                config=config, bandwidth=1e9, _repacker=None)
     me._repack_criteria = functools.partial(DynMo._repack_criteria, me)
     return DynMo._decide(me, PipelineProfile(layers, stages), "rebalance_interval")
@@ -113,6 +115,21 @@ def test_the_controller_keeps_a_layout_that_only_the_plain_model_would_leave():
     none = _decide_live(2400e-9)       # not even one layer fits beside the last stage's overhead
     assert not none.apply and none.plan is None and none.reason.startswith("no feasible plan")
     assert "memory overhead" in none.reason and none.memory["cap_bytes"] == 2400
+
+
+def test_during_a_ramp_the_controller_checks_the_cap_at_the_whole_batch():
+    """Profiled at 1 micro-batch of an eventual 4 (--rampup-batch-size): calibrated at 1
+    (layers 450 bytes: overheads 150 and 1050), checked at 2 in flight (layers 500). 2|2
+    would hold 3050 on the last stage at the whole batch, over the cap of 3000 (2950 at
+    the moment's count, under it): the controller keeps 3|1, which fits at both; with a
+    batch of 1 micro-batch for good, the plan is 2|2."""
+    kept = _decide_live(3000e-9, microbatches=1, peak=4)
+    assert not kept.apply and kept.plan.layout == Layout.parse("Ettt|tL", None, 4)
+    assert (kept.memory["microbatches"], kept.memory["peak_microbatches"]) == (1, 4)
+    assert [s["overhead_bytes"] for s in kept.memory["stages"]] == [150.0, 1050.0]
+    assert kept.memory["calibrated_after"] == [2650.0, 2550.0]
+    unramped = _decide_live(3000e-9, microbatches=1, peak=1)  # 1 for good: 2|2 fits (and gains nothing)
+    assert unramped.plan.layout == Layout.parse("Ett|ttL", None, 4) and unramped.memory["calibrated_after"] == [2050.0, 2950.0]
 
 
 # ---- one real run -------------------------------------------------------------------------------

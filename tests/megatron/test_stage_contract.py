@@ -98,7 +98,7 @@ class _Complete:
         self.dims = self.layout = self.args = self.config = self.spec = None
         self.chunks, self.model, self.scheduler = [], None, None
 
-    layers = ddps = optimizer = num_microbatches = property(lambda self: [])
+    layers = ddps = optimizer = num_microbatches = peak_microbatches = property(lambda self: [])
 
     def build_ddp(self, chunk: int = 0):
         pass
@@ -173,7 +173,7 @@ def _check_live_launcher_stage(args):
     assert isinstance(trainer, StageHandle)
     assert isinstance(trainer.dims, StageDims) and isinstance(trainer.args, ModelFlags)
     assert len(trainer.layers) == args.num_layers and len(trainer.ddps) == len(trainer.chunks) == 1
-    assert trainer.num_microbatches == args.global_batch_size // args.micro_batch_size
+    assert trainer.num_microbatches == trainer.peak_microbatches == args.global_batch_size // args.micro_batch_size
 
 
 def test_a_live_launcher_stage_is_a_stage_handle():

@@ -65,7 +65,7 @@ def _args(shape):
 def _live_decide(profile, current, config, bandwidth, shape):
     """The live controller's `_decide`, on a stand-in for its trainer (layout, micro-batches,
     DP size 1, model args)."""
-    trainer = types.SimpleNamespace(layout=current, num_microbatches=M, args=_args(shape),
+    trainer = types.SimpleNamespace(layout=current, num_microbatches=M, peak_microbatches=M, args=_args(shape),
                                     dims=types.SimpleNamespace(dp=1))
     me = types.SimpleNamespace(trainer=trainer, config=config, bandwidth=bandwidth, _repacker=object())
     me._repack_criteria = functools.partial(DynMo._repack_criteria, me)

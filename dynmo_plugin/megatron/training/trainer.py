@@ -141,6 +141,7 @@ class StageTrainer:
             loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
             use_distributed_optimizer=args.use_distributed_optimizer)
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * dims.dp)
+        self.peak_microbatches = self.num_microbatches  # the launcher's batch never ramps
         self.data, self._forward_step = self._build_data(args, dims)
         self.ddp = [self.build_ddp(c) for c in range(v)] if v > 1 else self.build_ddp()
         self.optimizer = self.build_optimizer(self.ddp)
