@@ -9,8 +9,9 @@ or, with Megatron-LM's own script unchanged:
 
 Megatron-LM's `pretrain()` and `train()` look a few functions of
 `megatron.training.training` up as module globals at call time; `enable()` replaces
-five of them with wrappers that call the originals (checked against Megatron-LM tag
-core_v0.16.1; any other version is refused with a message):
+five of them, and `save_checkpoint`'s `generate_state_dict`, with wrappers that call the
+originals (checked against Megatron-LM tag core_v0.16.1; any other version is refused
+with a message):
   initialize_megatron       - the plugin's flags join the caller's extra_args_provider
                               (chained, never replaced); the plugin's config is validated
                               once, before any model is built
@@ -21,6 +22,8 @@ core_v0.16.1; any other version is refused with a message):
                               rank, so the block moves live (megatron_lm_data)
   train_step                - the controller's before_step/after_step around every step
   train                     - the report is completed and the writers flushed at the end
+  checkpointing.generate_state_dict
+                            - frozen parameters' optimizer rows filled in what a save writes
 `train()` keeps `model` (a list of DDP chunks: more than one with virtual pipeline stages)
 and `optimizer` (a ChainedOptimizer) as locals for the whole loop, so a migration changes
 nothing train() holds by reference: the new DDP wrappers replace the chunks in the same
@@ -35,7 +38,7 @@ This module holds `enable()` / `disable()`, the check of which Megatron-LM is th
 scenario and report, built by `assemble()`). Its parts have their own modules:
 `megatron_lm_flags` (the --dynmo* flags in Megatron-LM's parser), `megatron_lm_args`
 (the parsed args checked and read), `megatron_lm_data` (batches on every rank for live
-MTP moves), `megatron_lm_wrappers` (the five wrapped functions,
+MTP moves), `megatron_lm_wrappers` (the six wrapped functions,
 train_step's among them), `megatron_lm_stage` (the stage handle over Megatron-LM's model),
 `megatron_lm_checkpoint` (resuming under the saved layout), `megatron_lm_writers`
 (TensorBoard / W&B scalars); their state is `megatron_lm_hooks`'.
@@ -92,7 +95,20 @@ _SIGNATURES = {
     "train": ("forward_step_func", "model", "optimizer", "opt_param_scheduler",
               "train_data_iterator", "valid_data_iterator", "process_non_loss_data_func",
               "config", "checkpointing_context", "non_loss_data_func", "inference_model"),
+    "checkpointing.generate_state_dict": ("args", "model", "optimizer", "opt_param_scheduler",
+                                          "rng_state", "iteration", "optim_sd_kwargs",
+                                          "model_sd_kwargs", "rerun_state"),
 }
+
+
+def _home(mtt, name: str) -> tuple:
+    """(module, attribute) of a wrapped function: `megatron.training.training`'s, or a
+    dotted name's under `megatron.training` ("checkpointing.generate_state_dict")."""
+    if "." not in name:
+        return mtt, name
+    import importlib
+    module, attribute = name.rsplit(".", 1)
+    return importlib.import_module(f"megatron.training.{module}"), attribute
 
 
 # ---- the source and its version ----------------------------------------------------------
@@ -167,24 +183,19 @@ def check_version():
             f"out Megatron-LM at tag {SUPPORTED_TAG} and set {SOURCE_ENV} to its root (or call "
             "use_source(root)); its imports also need: pip install six regex triton") from e
     for name, expected in _SIGNATURES.items():
-        fn = getattr(mtt, name, None)
+        fn = getattr(*_home(mtt, name), None)
         params = tuple(inspect.signature(fn).parameters) if callable(fn) else None
         if params != expected:
             shown = "missing" if params is None else f"{name}({', '.join(params)})"
             raise MegatronLMError(
-                f"megatron.training.training.{name} is {shown}, not {name}({', '.join(expected)}) "
+                f"megatron.training.{name if '.' in name else 'training.' + name} is {shown}, not "
+                f"{name}({', '.join(expected)}) "
                 f"as in Megatron-LM {SUPPORTED_TAG}: this Megatron-LM is a version the "
                 f"integration does not know; use the tag {SUPPORTED_TAG}")
     return mtt
 
 
 # ---- one run inside pretrain() ----------------------------------------------------------------
-# what Megatron-LM's save_checkpoint caches in train()'s checkpointing context from one
-# save to the next: the save strategy (its plans), the local checkpoints' metadata and the
-# load strategy, whose read metadata a new save strategy reuses
-_CACHED_SAVE_PLANS = ("save_strategy", "local_checkpoint_cache", "load_strategy")
-
-
 class _Run:
     """The controller and what it needs, built after setup_model_and_optimizer."""
 
@@ -206,7 +217,6 @@ class _Run:
         self.control, self.migrator, self.report = parts.control, parts.migrator, parts.report
         self.controller, self.scenario = parts.dynmo, parts.scenario
         self._start = 0.0
-        self.checkpointing_context: Optional[dict] = None  # train()'s, once it runs
 
     def data_built(self, everywhere: bool) -> None:
         """After Megatron-LM built its data iterators (every rank alike): the MTP block
@@ -229,13 +239,8 @@ class _Run:
         the MTP rank from them) follow the new layout, as the string its parser gives: the
         config's PipelineParallelLayerLayout object in the args would make the checkpoint
         unreadable by Megatron-LM's weights-only loader. The first/last-stage counts and
-        account-for flags the run started with go (`set_layout`). The save plans
-        Megatron-LM cached in train()'s checkpointing context (with --ckpt-assume-
-        constant-structure: every rank's shards, reused without a check) describe the
-        old layout: dropped, so the next save plans anew."""
+        account-for flags and virtual-stage counts the run started with go (`set_layout`)."""
         set_layout(self.args, str(self.stage.layout))
-        for key in _CACHED_SAVE_PLANS:
-            (self.checkpointing_context or {}).pop(key, None)
 
     def _checkpoint_repack(self, layout: Layout, iteration: int, info: dict):
         """A repack onto `layout` (fewer pipeline ranks), in checkpoint mode: Megatron-LM's
@@ -372,9 +377,10 @@ def enable() -> None:
     from dynmo_plugin.megatron.training.te_names import bind_missing_te_names
     bind_missing_te_names()
     for name, make in wrappers(make_run=_Run).items():
-        original = getattr(mtt, name)
+        module, attribute = _home(mtt, name)
+        original = getattr(module, attribute)
         _hooks.originals[name] = original
-        setattr(mtt, name, functools.wraps(original)(make(original)))
+        setattr(module, attribute, functools.wraps(original)(make(original)))
     _skip_helper_build()
 
 
@@ -384,7 +390,7 @@ def disable() -> None:
         return
     import megatron.training.training as mtt
     for name, original in _hooks.originals.items():
-        setattr(mtt, name, original)
+        setattr(*_home(mtt, name), original)
     _hooks.originals.clear()
     if _hooks.compile_helpers is not None:
         import megatron.core.datasets.utils as dutils

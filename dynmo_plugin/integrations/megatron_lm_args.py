@@ -20,18 +20,23 @@ __all__ = ["SPEC_MODULE", "SCENARIO_SPECS", "load_plugin_config", "set_layout", 
 SPEC_MODULE = "dynmo_plugin.integrations.megatron_lm_specs"
 SCENARIO_SPECS = ("layer_freezing", "gradual_pruning")
 # Megatron-LM's other ways to split the layers, and their values when unset: a layout
-# string excludes them (TransformerConfig raises when both are set)
+# string excludes them (TransformerConfig raises beside the first four, validate_args
+# beside the virtual-stage counts; the layout holds its virtual stages itself)
 _OTHER_SPLITS = {"decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
                  "account_for_embedding_in_pipeline_split": False,
-                 "account_for_loss_in_pipeline_split": False}
+                 "account_for_loss_in_pipeline_split": False,
+                 "num_layers_per_virtual_pipeline_stage": None,
+                 "num_virtual_stages_per_pipeline_rank": None}
 
 
 def set_layout(args, text: str) -> None:
     """Make the layout `text` the only split in Megatron-LM's args. pretrain_gpt.py's
     get_batch builds a TransformerConfig from the args at every micro-batch, and a
-    checkpoint's args build the model it resumes: a layout beside --decoder-first/last-
-    pipeline-num-layers or --account-for-embedding/loss-in-pipeline-split raises there.
-    The split they described is the layout's now, so they go."""
+    checkpoint's args build the model it resumes (and with --use-checkpoint-args are
+    validated again): a layout beside --decoder-first/last-pipeline-num-layers,
+    --account-for-embedding/loss-in-pipeline-split or a virtual-stage count raises
+    there. The split they described is the layout's now, so they go (after
+    validate_args Megatron-LM reads the virtual stages from virtual_pipeline_model_parallel_size)."""
     args.pipeline_model_parallel_layout = text
     for key, unset in _OTHER_SPLITS.items():
         setattr(args, key, unset)
@@ -86,7 +91,8 @@ def _check_supported(args, cfg: RunConfig) -> None:
          f"--cuda-graph-impl {getattr(args, 'cuda_graph_impl', None)} (graphs are captured once: "
          "after a move they would replay the layers that left, and a profile's hooks do not "
          "run inside a replay)"),
-        (bool(getattr(args, "mtp_num_layers", None)) and getattr(args, "num_layers_per_virtual_pipeline_stage", None),
+        (bool(getattr(args, "mtp_num_layers", None))
+         and (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1,
          "--mtp-num-layers with virtual pipeline stages (MTP under Megatron-LM: one chunk per rank)"),
         (getattr(args, "optimizer", "adam") not in ("adam", "sgd"), f"--optimizer {args.optimizer}"),
         (cfg.dynmo.dynamism.kind not in ("none", *SCENARIO_SPECS)

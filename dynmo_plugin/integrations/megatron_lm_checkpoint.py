@@ -5,6 +5,7 @@ not resumed (`refuse_scenario_resume`). Both run before Megatron-LM validates it
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -13,7 +14,7 @@ from dynmo_plugin.integrations.megatron_lm_args import SCENARIO_SPECS, set_layou
 from dynmo_plugin.integrations.megatron_lm_hooks import MegatronLMError
 from dynmo_plugin.layout import Layout
 
-__all__ = ["restore_saved_layout", "refuse_scenario_resume"]
+__all__ = ["restore_saved_layout", "refuse_scenario_resume", "frozen_optimizer_state", "steps_everywhere"]
 
 logger = logging.getLogger("dynmo_plugin.integrations.megatron_lm")  # the integration's logger
 
@@ -44,12 +45,15 @@ def _saved_args(load_dir: str):
 
 
 def _virtual_stages(args) -> int:
-    """Virtual stages per pipeline rank that these (not yet validated) args ask for."""
+    """Virtual stages per pipeline rank that these (not yet validated) args ask for,
+    counted as validate_args counts them: the embedding and the loss take a layer's
+    place each with --account-for-embedding/loss-in-pipeline-split."""
     if args.num_virtual_stages_per_pipeline_rank:
         return args.num_virtual_stages_per_pipeline_rank
     if args.num_layers_per_virtual_pipeline_stage:
-        return args.num_layers // args.pipeline_model_parallel_size // \
-            args.num_layers_per_virtual_pipeline_stage
+        places = (args.num_layers + bool(getattr(args, "account_for_embedding_in_pipeline_split", False))
+                  + bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
+        return places // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage
     return 1
 
 
@@ -81,7 +85,6 @@ def restore_saved_layout(args) -> None:
             and getattr(saved, "num_layers", None) == args.num_layers):
         chosen = fitting[0]
         set_layout(args, chosen)
-        args.num_layers_per_virtual_pipeline_stage = args.num_virtual_stages_per_pipeline_rank = None
         logger.info("--load %s: resuming under the saved layout %s", args.load, chosen)
     if fmt not in _PER_RANK_FORMATS:
         return
@@ -114,3 +117,40 @@ def refuse_scenario_resume(args, cfg: RunConfig) -> None:
                               "Megatron-LM's checkpoint yet; resume without the scenario, or run "
                               "it in the launcher (python -m dynmo_plugin.train), whose "
                               "checkpoints hold it")
+
+
+def frozen_optimizer_state(stage, args, state: dict) -> dict:
+    """What Megatron-LM's torch_dist save adds for frozen parameters (layer freezing):
+    {"dynmo_frozen_optimizer_state": zero placeholders} or nothing. Megatron keys a
+    decoder tensor's optimizer state by its GLOBAL layer, one row per layer: a frozen
+    layer has none, the rows no rank writes fail Megatron's sharding check ("Invalid
+    access pattern") and the save raised on every rank. The placeholders fill those rows
+    as the launcher's checkpoints do (`dist_ckpt.frozen_placeholders`); a load without
+    frozen layers reads them as a fresh Adam state. The distributed optimizer's default
+    (dp_reshardable) saves per gradient bucket, where a frozen parameter leaves no gap.
+
+    `state`: generate_state_dict's (its "model"/"model<i>" and "optimizer" entries)."""
+    if args.ckpt_format != "torch_dist" or "optimizer" not in state or (
+            args.use_distributed_optimizer and not args.dist_ckpt_optim_fully_reshardable):
+        return {}
+    from dynmo_plugin.megatron.checkpoint.dist_ckpt import frozen_placeholders
+    models = {k: v for k, v in state.items() if k == "model" or (k.startswith("model") and k[5:].isdigit())}
+    placeholders = frozen_placeholders(stage, {"model": models, "optimizer": state["optimizer"]})
+    return {"dynmo_frozen_optimizer_state": placeholders} if placeholders else {}
+
+
+@contextlib.contextmanager
+def steps_everywhere(control, args, optimizer):
+    """Around Megatron-LM's torch_dist save: every chained optimizer holds Adam's step
+    while the save builds its state dict, a stage whose parameters are all frozen too.
+    Megatron writes the step once, from the shard's Adam state: such a stage holds none,
+    and the distributed optimizer asserted there (the others leave it out, and a load
+    fails on it). The step every other rank holds is lent (`dist_ckpt.steps_where_none`).
+    Collective over `control` (every rank builds a torch_dist state dict)."""
+    if args.ckpt_format != "torch_dist" or args.no_save_optim or optimizer is None:
+        yield
+        return
+    from dynmo_plugin.megatron.checkpoint.dist_ckpt import agreed_steps, local_steps, steps_where_none
+    steps = agreed_steps(control.all_gather(local_steps(optimizer), "megatron-lm-save-steps"))
+    with steps_where_none(optimizer, steps):
+        yield

@@ -9,6 +9,11 @@ from dynmo_plugin.layout import Layout
 
 __all__ = ["MegatronLMStage"]
 
+# what Megatron-LM's save_checkpoint caches in train()'s checkpointing context from one
+# save to the next: the save strategy (its plans), the local checkpoints' metadata and the
+# load strategy, whose read metadata a new save strategy reuses
+_CACHED_SAVE_PLANS = ("save_strategy", "local_checkpoint_cache", "load_strategy")
+
 
 class MegatronLMStage:
     """The `dynmo_plugin.stage.StageHandle` under Megatron-LM (the launcher's is
@@ -21,7 +26,9 @@ class MegatronLMStage:
     `optimizer` and moves their sharded state with optim_state, as in the launcher.
     The MTP block moves live (`mtp_moves_live`) once every rank has batches
     (megatron_lm_data: pretrain_gpt.py builds them on the first, last and MTP ranks only,
-    unless the plugin builds them everywhere); until then it stays on its rank."""
+    unless the plugin builds them everywhere); until then it stays on its rank.
+    `checkpointing_context`: train()'s (set when it starts), whose cached save plans
+    `install_wrappers` drops."""
 
     def __init__(self, chunks: list, optimizer, scheduler, args):
         from megatron.core.distributed import DistributedDataParallel
@@ -37,6 +44,7 @@ class MegatronLMStage:
             raise MegatronLMError(f"--dynmo needs Megatron's ChainedOptimizer, got {type(optimizer).__name__}")
         self.model_list, self._optimizer, self.scheduler, self.args = chunks, optimizer, scheduler, args
         self.mtp_moves_live = False  # set when the data iterators are built (_Run.data_built)
+        self.checkpointing_context: dict | None = None
         self.chunks = [unwrap_model(c) for c in chunks]  # the GPTModels: a migration keeps them
         bad = [type(m).__name__ for m in self.chunks if not isinstance(m, GPTModel)]
         if bad:
@@ -122,7 +130,11 @@ class MegatronLMStage:
         ChainedOptimizer object takes the new
         inner optimizers (re-initialised in place, as its constructor builds it), so the
         scheduler and config.grad_scale_func (bound to it) stay valid. The DDP-bound sync
-        functions train() set are re-pointed. Reference updates only: cannot fail."""
+        functions train() set are re-pointed. The save plans Megatron-LM cached in train()'s
+        checkpointing context name the old model's and optimizer's shards (moved layers,
+        pruned shapes, a frozen layer's absent optimizer state; with --ckpt-assume-constant-
+        structure they are reused unchecked): dropped, so the next save plans anew.
+        Reference updates only: cannot fail."""
         from megatron.core.optimizer import ChainedOptimizer
         ddps = ddp if isinstance(ddp, list) else [ddp]
         self.model_list[:] = ddps
@@ -134,6 +146,8 @@ class MegatronLMStage:
         if cfg.grad_sync_func is not None:
             cfg.grad_sync_func = ([d.start_grad_sync for d in ddps] if len(ddps) > 1
                                   else ddps[0].start_grad_sync)
+        for key in _CACHED_SAVE_PLANS:
+            (self.checkpointing_context or {}).pop(key, None)
 
 
 def _layer_spec(models: list):

@@ -1,5 +1,6 @@
-"""The five functions of `megatron.training.training` that `megatron_lm.enable()` wraps
-(each calls the original; their state is `megatron_lm_hooks.hooks`):
+"""The five functions of `megatron.training.training` and the one of its checkpointing
+that `megatron_lm.enable()` wraps (each calls the original; their state is
+`megatron_lm_hooks.hooks`):
 
   initialize_megatron       - the plugin's flags chained into the caller's provider, the
                               saved layout and the MoE spec set before validate_args, the
@@ -11,11 +12,15 @@
                               built on every rank (megatron_lm_data), so the block can
                               move live
   train_step                - the run's before_step/after_step around every step
-  train                     - its checkpointing context handed to the run (a move
-                              drops the save plans cached there); its forward step
+  train                     - its checkpointing context handed to the stage (a move
+                              or rebuild drops the save plans cached there); its forward step
                               reads in lockstep on every rank where the data is there
                               (megatron_lm_data); the run finished (report, writers)
                               when train() ends
+  checkpointing.generate_state_dict
+                            - what a save writes: frozen parameters' optimizer rows
+                              filled, Adam's step on a wholly frozen stage too
+                              (megatron_lm_checkpoint)
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ import inspect
 from typing import Callable
 
 from dynmo_plugin.integrations.megatron_lm_args import load_plugin_config, use_native_moe_spec
-from dynmo_plugin.integrations.megatron_lm_checkpoint import refuse_scenario_resume, restore_saved_layout
+from dynmo_plugin.integrations.megatron_lm_checkpoint import (frozen_optimizer_state, refuse_scenario_resume,
+                                                              restore_saved_layout, steps_everywhere)
 from dynmo_plugin.integrations.megatron_lm_data import (data_everywhere, every_rank_builds,
                                                         feeds_every_rank, lockstep)
 from dynmo_plugin.integrations.megatron_lm_flags import chain_flags
@@ -38,7 +44,8 @@ def wrappers(make_run: Callable) -> dict[str, Callable]:
     return {"initialize_megatron": _wrap_initialize,
             "setup_model_and_optimizer": lambda original: _wrap_setup(original, make_run),
             "build_train_valid_test_data_iterators": _wrap_data_iterators,
-            "train_step": _wrap_train_step, "train": _wrap_train}
+            "train_step": _wrap_train_step, "train": _wrap_train,
+            "checkpointing.generate_state_dict": _wrap_generate_state_dict}
 
 
 def _wrap_initialize(original):
@@ -108,16 +115,28 @@ def _wrap_train(original):
 
     def train(*a, **kw):
         run = _hooks.run
-        if run is not None:
-            bound = signature.bind(*a, **kw)
-            run.checkpointing_context = bound.arguments["checkpointing_context"]
-            if run.stage.mtp_moves_live:
-                bound.arguments["forward_step_func"] = lockstep(
-                    bound.arguments["forward_step_func"], run.stage)
-                a, kw = bound.args, bound.kwargs
         try:
+            if run is not None:
+                bound = signature.bind(*a, **kw)
+                run.stage.checkpointing_context = bound.arguments["checkpointing_context"]
+                if run.stage.mtp_moves_live:
+                    bound.arguments["forward_step_func"] = lockstep(
+                        bound.arguments["forward_step_func"], run.stage)
+                    a, kw = bound.args, bound.kwargs
             return original(*a, **kw)
         finally:
             if _hooks.run is not None:
                 _hooks.run.finish()
     return train
+
+
+def _wrap_generate_state_dict(original):
+    def generate_state_dict(args, model, optimizer, *a, **kw):
+        run = _hooks.run
+        if run is None:
+            return original(args, model, optimizer, *a, **kw)
+        with steps_everywhere(run.control, args, optimizer):
+            state = original(args, model, optimizer, *a, **kw)
+        state.update(frozen_optimizer_state(run.stage, args, state))
+        return state
+    return generate_state_dict

@@ -200,13 +200,15 @@ def harness() -> None:
 def _record_sync_bindings(config, model: list, folder: str) -> None:
     """Which of train()'s DDP-bound sync functions (--overlap-grad-reduce) are bound to
     the chunks train() holds at its end (after any migration): a function bound to a
-    replaced chunk still runs, on buffers nothing reads, so no loss would show it."""
+    replaced chunk still runs, on buffers nothing reads, so no loss would show it. One
+    file per rank (`sync_bindings_<rank>.json`)."""
     def bound(funcs) -> bool | None:
         if funcs is None:
             return None
         funcs = funcs if isinstance(funcs, list) else [funcs]
         return len(funcs) == len(model) and all(f.__self__ is m for f, m in zip(funcs, model))
-    Path(folder, "sync_bindings.json").write_text(json.dumps(
+    import torch.distributed as dist
+    Path(folder, f"sync_bindings_{dist.get_rank()}.json").write_text(json.dumps(
         {"no_sync": bound(config.no_sync_func), "grad_sync": bound(config.grad_sync_func)}))
 
 

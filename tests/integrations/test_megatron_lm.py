@@ -33,9 +33,14 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
         ml.load_plugin_config(megatron_like(argv=["--dynmo"], use_distributed_optimizer=True,
                                              overlap_param_gather=True))
     # validate_args maps the deprecated --enable-cuda-graph / --external-cuda-graph onto it
-    with pytest.raises(ConfigError, match="support: --cuda-graph-impl local .graphs are captured once"):
-        ml.load_plugin_config(megatron_like(argv=["--dynmo"], cuda_graph_impl="local"))
+    for impl in ("local", "transformer_engine"):
+        with pytest.raises(ConfigError, match=f"support: --cuda-graph-impl {impl} .graphs are captured once"):
+            ml.load_plugin_config(megatron_like(argv=["--dynmo"], cuda_graph_impl=impl))
     assert ml.load_plugin_config(megatron_like(argv=["--dynmo"], cuda_graph_impl="none")).dynmo.enabled
+    # MTP with virtual stages, however they were asked for (validate_args' count)
+    with pytest.raises(ConfigError, match="support: --mtp-num-layers with virtual pipeline stages"):
+        ml.load_plugin_config(megatron_like(argv=["--dynmo"], mtp_num_layers=1, num_layers=8,
+                                             virtual_pipeline_model_parallel_size=2))
     # repacking restarts from Megatron-LM's checkpoint: checkpoint mode, with --save
     with pytest.raises(ConfigError, match="--dynmo-repack-mode live .* --dynmo-repack-mode checkpoint"):
         ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-repack"], save="ckpt"))
@@ -61,6 +66,32 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
         ml.load_plugin_config(megatron_like(argv=["--dynmo"], **mtp))
     # with it, MTP is followed (one chunk per rank)
     assert ml.load_plugin_config(megatron_like(argv=["--dynmo"], mtp_num_layers=1, **mtp)).dynmo.enabled
+
+
+def test_a_layout_is_the_only_split_left_in_megatron_lms_args():
+    """After a move, and when a resume restores a saved layout, the layout is the args'
+    one split: the others go (TransformerConfig refuses the first four beside a layout,
+    validate_args the virtual-stage counts; --use-checkpoint-args validates saved args
+    again). A saved layout fits a resume whose virtual stages validate_args counts with
+    the embedding and the loss in the split: 6 layers + 2 over PP=2 x 2 a stage is 2."""
+    from types import SimpleNamespace
+
+    from dynmo_plugin.integrations.megatron_lm_args import set_layout
+    from dynmo_plugin.integrations.megatron_lm_checkpoint import _virtual_stages
+    args = megatron_like(decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=3,
+                         account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True,
+                         num_layers_per_virtual_pipeline_stage=2, num_virtual_stages_per_pipeline_rank=2)
+    set_layout(args, "Et|tttL")
+    assert args.pipeline_model_parallel_layout == "Et|tttL"
+    assert [args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+            args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split,
+            args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank] == [
+        None, None, False, False, None, None]
+    vp = dict(num_layers=6, pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2,
+              num_virtual_stages_per_pipeline_rank=None)
+    assert _virtual_stages(SimpleNamespace(**vp, account_for_embedding_in_pipeline_split=True,
+                                           account_for_loss_in_pipeline_split=True)) == 2
+    assert _virtual_stages(SimpleNamespace(**vp)) == 1
 
 
 def test_a_checkpoint_repack_restarts_with_every_rank_of_each_stage_context_parallel_ones_too():
@@ -316,7 +347,7 @@ def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp
     check_forced_move(vp_moved, "Et|ttt|tt|ttL", 8)
     assert vp_static["layout"] == "Ett|tt|tt|ttL" and vp_static["events"] == []
     assert len(vp_moved_losses) == 6 and vp_moved_losses == vp_static_losses
-    assert _sync_bindings(tmp_path / "vp_moved") == {"no_sync": True, "grad_sync": True}
+    assert _sync_bindings(tmp_path / "vp_moved", ranks=4) == {"no_sync": True, "grad_sync": True}
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tb)).Reload()
     assert [e.step for e in acc.Scalars("dynmo/layer_2_fwd_ms")] == [2, 4, 6]
@@ -421,10 +452,15 @@ def test_full_activation_recompute_inside_megatron_lm_is_profiled_and_moves_bit_
     assert recomputed_losses == plain_losses != static_losses  # dropout drew: not the losses without it
 
 
-def _sync_bindings(run: Path) -> dict:
+def _sync_bindings(run: Path, ranks: int = 2) -> dict:
     """Whether train()'s no-sync and grad-sync functions ended bound to the chunks it held
-    (None: not set), as the harness recorded them after train()."""
-    return json.loads((run / "sync_bindings.json").read_text())
+    (None: not set), as the harness recorded them after train(): the one answer of all
+    `ranks` ranks (two answers: a mix)."""
+    files = sorted(run.glob("sync_bindings_*.json"))
+    answers = {(r["no_sync"], r["grad_sync"]) for r in (json.loads(p.read_text()) for p in files)}
+    assert len(files) == ranks and len(answers) == 1, (files, answers)
+    (no_sync, grad_sync), = answers
+    return {"no_sync": no_sync, "grad_sync": grad_sync}
 
 
 def _check_resume_after_the_move(tmp: Path, ckpt: Path, losses: list) -> None:
@@ -497,6 +533,9 @@ def test_a_per_rank_checkpoint_under_another_split_is_refused_in_one_line(tmp_pa
             "Et|tttL at PP 2, TP 1 cannot be loaded" in str(e.value)
 
 
+# Megatron-LM's saves that reuse the plans cached by the last one, unchecked (--save follows)
+_SAVES_UNCHECKED = ["--ckpt-assume-constant-structure", "--ckpt-fully-parallel-save", "--save"]
+
 FREEZING_YAML = """\
 rebalance:
   min_gain: 0
@@ -513,7 +552,16 @@ def test_layer_freezing_through_spec_and_yaml_rebalances_bit_exact_with_static(t
     2, reference plasticity at 4, and at 6 (threshold 10: any layer has converged) layers
     1-2 freeze (max_layers 2): the whole of stage 0. The event makes the controller profile
     and move layers onto the cheaper stage 0; the static run (balancer uniform) freezes at
-    the same iteration, and every loss of the two runs is the same to the last bit.
+    the same iteration, and every loss of the two runs is the same to the last bit. The
+    static run saves at 3, 6 and 9 (with --ckpt-assume-constant-structure): after the
+    freeze the optimizer holds no state for layers 1-2, whose rows of each decoder
+    tensor's optimizer state no rank wrote, and Megatron's sharding check raised on every
+    rank ("Invalid access pattern", with or without that flag); zero placeholders fill
+    them (megatron_lm_checkpoint.frozen_optimizer_state). With the distributed optimizer,
+    stage 0 (embedding and layers 1-2, all frozen) holds no Adam state, whose step
+    Megatron saves: it asserted; the step the other stage holds is lent
+    (`steps_everywhere`). The first checkpoint resumes without the scenario (the message
+    of a resume with it says to), its placeholders read as the frozen layers' fresh state.
 
     The move is decided from one timed iteration, and it pays only by what stage 1's head
     (output layer + loss) costs more than stage 0's embedding: freezing drops the layers'
@@ -528,8 +576,18 @@ def test_layer_freezing_through_spec_and_yaml_rebalances_bit_exact_with_static(t
     flags = ["--spec", ml.SPEC_MODULE, "layer_freezing", "--dynmo", "--dynmo-config", str(yaml_path),
              "--vocab-size", "16384", "--train-iters", "9", "--tensorboard-dir", str(tmp_path / "tb")]
     moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", flags)
-    static, static_losses = train_in_megatron_lm(tmp_path / "static", [*flags[:-2], "--dynmo-balancer", "uniform"])
-    for report in (moved, static):
+    static, static_losses = train_in_megatron_lm(tmp_path / "static", [
+        *flags[:-2], "--dynmo-balancer", "uniform", *_SAVES_UNCHECKED, str(tmp_path / "ckpt"), "--save-interval", "3"])
+    distopt, _ = train_in_megatron_lm(tmp_path / "distopt", [
+        *flags[:-2], "--dynmo-balancer", "uniform", "--use-distributed-optimizer", "--save",
+        str(tmp_path / "ckpt_distopt"), "--save-interval", "3"])
+    for ckpt in ("ckpt", "ckpt_distopt"):
+        assert (tmp_path / ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "9"
+    _, resumed_losses = train_in_megatron_lm(tmp_path / "resumed", [
+        "--dynmo", "--vocab-size", "16384", "--train-iters", "10", "--load", str(tmp_path / "ckpt"),
+        "--no-load-rng", "--override-opt-param-scheduler"], length=())
+    assert len(resumed_losses) == 1
+    for report in (moved, static, distopt):
         freezes = [e for e in report["events"] if e["kind"] == "dynamism"]
         assert [(e["iteration"], e["detail"]["frozen_layers"]) for e in freezes] == [(6, [1, 2])]
     rebalances = [e for e in moved["events"] if e["kind"] == "rebalance" and e["applied"]]
@@ -566,12 +624,16 @@ def test_structured_pruning_through_spec_moves_pruned_layers_bit_exact_with_stat
     train(): rounds at 4 and 6 in both runs; in the moved run a forced layout carries the
     pruned layer 2 to stage 1 before iteration 5 and the controller, profiling after the
     round at 4, carries it back; iteration 6 prunes it again where it is. Six losses equal
-    to the static run's (balancer uniform) to the last bit."""
+    to the static run's (balancer uniform) to the last bit. The static run saves at 2, 4
+    and 6 (with --ckpt-assume-constant-structure) across the rounds' rebuilds, which
+    shrink the FFN tensors of every layer."""
     yaml_path = tmp_path / "pruning.yaml"
     yaml_path.write_text(PRUNING_YAML)
     flags = ["--spec", ml.SPEC_MODULE, "gradual_pruning", "--dynmo", "--dynmo-config", str(yaml_path)]
     moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", [*flags, "--dynmo-forced-layouts", "5:Et|tttL"])
-    static, static_losses = train_in_megatron_lm(tmp_path / "static", [*flags, "--dynmo-balancer", "uniform"])
+    static, static_losses = train_in_megatron_lm(tmp_path / "static", [
+        *flags, "--dynmo-balancer", "uniform", *_SAVES_UNCHECKED, str(tmp_path / "ckpt"), "--save-interval", "2"])
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     for report in (moved, static):
         rounds = [e for e in report["events"] if e["kind"] == "dynamism"]
         assert [(e["iteration"], e["detail"]["unit"]) for e in rounds] == [(4, "ffn_neurons"), (6, "ffn_neurons")]

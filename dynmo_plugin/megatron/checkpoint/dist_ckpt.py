@@ -40,7 +40,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
 
 __all__ = ["check_sharding", "save_sharded", "load_sharded", "sharded_state", "read_tensors", "REQUIRED_FILES",
-           "OPTIMIZER_METADATA"]
+           "OPTIMIZER_METADATA", "frozen_placeholders", "local_steps", "agreed_steps", "steps_where_none"]
 
 # what a complete torch_dist checkpoint directory holds besides its data files
 REQUIRED_FILES = ("metadata.json", "common.pt", ".metadata")
@@ -122,12 +122,12 @@ def sharded_state(trainer, loading: bool, steps: Optional[list] = None) -> dict:
     if loading:
         _init_adam_state(trainer.optimizer)
         steps = [torch.zeros((), dtype=torch.float32)] * len(local_steps(trainer.optimizer))
-    with _steps_where_none(trainer.optimizer, steps or []):
+    with steps_where_none(trainer.optimizer, steps or []):
         optimizer = trainer.optimizer.sharded_state_dict(model, is_loading=loading,
                                                          metadata=dict(OPTIMIZER_METADATA))
     _pop_everywhere(optimizer, _STEP_HOLDER)
     state = {"model": model, "optimizer": optimizer}
-    state["frozen_optimizer_state"] = _frozen_placeholders(trainer, state)
+    state["frozen_optimizer_state"] = frozen_placeholders(trainer, state)
     return state
 
 
@@ -159,7 +159,7 @@ _STEP_HOLDER = "dynmo-step"  # a state key torch keeps as is (not a parameter)
 
 
 @contextlib.contextmanager
-def _steps_where_none(optimizer, steps: list):
+def steps_where_none(optimizer, steps: list):
     """Megatron saves Adam's step once, in the common state, which rank 0 alone writes,
     and reads it from the shard's Adam state. A stage whose parameters are all frozen
     (layer freezing's prefix can fill the first stage) holds no such state: the fp32
@@ -239,11 +239,14 @@ def save_sharded(state: dict, directory: str) -> None:
                             validate_access_integrity=False)
 
 
-def _frozen_placeholders(trainer, state: dict) -> dict:
+def frozen_placeholders(trainer, state: dict) -> dict:
     """Zero optimizer-state tensors for this stage's frozen parameters, keyed and
     sharded as Megatron keys a trainable parameter's (`optimizer.state.<kind>.<model
     key>`, the model tensor's replica id: one writer). Kinds: those this rank's
-    optimizer holds, else what Adam holds under this configuration."""
+    optimizer holds, else what Adam holds under this configuration. `trainer`: a stage
+    (its `chunks` and `args`); `state`: its sharded "model" (nested per chunk as one
+    likes) and "optimizer" state dicts (`sharded_state`; Megatron-LM's save:
+    megatron_lm_checkpoint.frozen_optimizer_state)."""
     frozen = {id(p) for chunk in trainer.chunks for p in chunk.parameters() if not p.requires_grad}
     if not frozen:
         return {}
