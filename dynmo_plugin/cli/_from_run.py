@@ -91,7 +91,8 @@ def recommend(run_dir: str) -> dict[str, Any]:
         config = DynmoConfig(rebalance=RebalanceConfig(memory_cap_gb=float(rb["memory_cap_gb"]),
                                                        allow_empty_stages=bool(rb["allow_empty_stages"])))
         problem = problem_from_profile(PipelineProfile.from_dict(event["profile"]), current, config,
-                                       _microbatches(report, event))
+                                       _microbatches(report, event),
+                                       peak_microbatches=(event.get("memory") or {}).get("peak_microbatches"))
         plan = solve(problem, "exact")
         layout, predicted = plan.layout, plan.predicted_iter_s_after
         rp = report["config"]["dynmo"].get("repack") or {}

@@ -121,19 +121,23 @@ def refuse_scenario_resume(args, cfg: RunConfig) -> None:
 
 def frozen_optimizer_state(stage, args, state: dict) -> dict:
     """What Megatron-LM's torch_dist save adds for frozen parameters (layer freezing):
-    {"dynmo_frozen_optimizer_state": zero placeholders} or nothing. Megatron keys a
-    decoder tensor's optimizer state by its GLOBAL layer, one row per layer: a frozen
-    layer has none, the rows no rank writes fail Megatron's sharding check ("Invalid
-    access pattern") and the save raised on every rank. The placeholders fill those rows
-    as the launcher's checkpoints do (`dist_ckpt.frozen_placeholders`); a load without
-    frozen layers reads them as a fresh Adam state. The distributed optimizer's default
-    (dp_reshardable) saves per gradient bucket, where a frozen parameter leaves no gap.
+    {"dynmo_frozen_optimizer_state": placeholders} or nothing. Megatron keys a decoder
+    tensor's optimizer state by its GLOBAL layer, one row per layer: a frozen layer has
+    none, the rows no rank writes fail Megatron's sharding check ("Invalid access
+    pattern") and the save raised on every rank. The placeholders fill those rows as the
+    launcher's checkpoints do (`dist_ckpt.frozen_placeholders`: moments zero, master
+    weights the layer's own); a load that trains the layers again reads them as their
+    state. The distributed optimizer's default (dp_reshardable) saves per gradient
+    bucket, where a frozen parameter leaves no gap.
 
-    `state`: generate_state_dict's (its "model"/"model<i>" and "optimizer" entries)."""
+    `state`: generate_state_dict's (its "model"/"model<i>" and "optimizer" entries); the
+    step `steps_everywhere` lent is taken out of its optimizer entry here."""
+    from dynmo_plugin.megatron.checkpoint.dist_ckpt import frozen_placeholders, pop_step_holders
+    if isinstance(state.get("optimizer"), dict):
+        pop_step_holders(state["optimizer"])
     if args.ckpt_format != "torch_dist" or "optimizer" not in state or (
             args.use_distributed_optimizer and not args.dist_ckpt_optim_fully_reshardable):
         return {}
-    from dynmo_plugin.megatron.checkpoint.dist_ckpt import frozen_placeholders
     models = {k: v for k, v in state.items() if k == "model" or (k.startswith("model") and k[5:].isdigit())}
     placeholders = frozen_placeholders(stage, {"model": models, "optimizer": state["optimizer"]})
     return {"dynmo_frozen_optimizer_state": placeholders} if placeholders else {}

@@ -73,6 +73,7 @@ def _wrap_initialize(original):
 
 def _wrap_setup(original, make_run: Callable):
     def setup_model_and_optimizer(*a, **kw):
+        _hooks.run = None  # a run of an earlier pretrain() in this process is over
         model, optimizer, scheduler = original(*a, **kw)
         cfg = _hooks.cfg
         if cfg is not None and cfg.dynmo.enabled and optimizer is not None:
@@ -133,8 +134,8 @@ def _wrap_train(original):
 def _wrap_generate_state_dict(original):
     def generate_state_dict(args, model, optimizer, *a, **kw):
         run = _hooks.run
-        if run is None:
-            return original(args, model, optimizer, *a, **kw)
+        if run is None or (kw.get("optim_sd_kwargs") or {}).get("is_loading"):
+            return original(args, model, optimizer, *a, **kw)  # a load: nothing frozen yet
         with steps_everywhere(run.control, args, optimizer):
             state = original(args, model, optimizer, *a, **kw)
         state.update(frozen_optimizer_state(run.stage, args, state))

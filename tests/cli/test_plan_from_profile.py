@@ -75,3 +75,28 @@ def test_from_profile_bad_input_is_one_line(tmp_path):
     for args in cases:
         r = _plan(*args)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+
+
+def test_from_run_checks_the_cap_at_the_micro_batches_the_run_peaks_at(tmp_path):
+    """A start event profiled at 1 micro-batch of an eventual 4 (a ramping batch), with a
+    cap: `--from-run` keeps 3|1, as the live controller did, because at 4 micro-batches
+    2|2 holds 3050 bytes on the last stage (over the cap of 3000) though 2950 at 1
+    (tests/megatron/test_memory_calibration.py has the same profile live)."""
+    from dynmo_plugin.cli._from_run import recommend
+    layers = [LayerProfile(layer=n, stage=0 if n < 4 else 1, fwd_s=1.0 if n < 4 else 0.3,
+                           bwd_s=2.0 if n < 4 else 0.7, param_bytes=100, grad_bytes=100,
+                           optim_bytes=200, act_bytes=50) for n in range(1, 5)]
+    stages = [StageProfile(stage=s, extra_s=0.0, wait_s=0.0, peak_bytes=2500, extra_bytes=1000,
+                           peak_source="accounted", num_microbatches=1) for s in range(2)]
+    event = {"kind": "rebalance", "trigger": "start", "iteration": 2, "layout_before": "Ettt|tL",
+             "profile": PipelineProfile(layers, stages).to_dict(), "plan": {"num_microbatches": 1}}
+    report = {"config": {"model": {"global_batch_size": 4, "micro_batch_size": 1},
+                         "dynmo": {"rebalance": {"memory_cap_gb": 3000e-9, "allow_empty_stages": False,
+                                                 "bandwidth_gbps": 1.0}, "repack": {"enabled": False}}},
+              "world": {"dp": 1}, "events": [event]}
+    layouts = []
+    for peak in (4, 1):
+        event["memory"] = {"microbatches": 1, "peak_microbatches": peak}
+        (tmp_path / "report.json").write_text(json.dumps(report))
+        layouts.append(recommend(str(tmp_path))["pipeline_model_parallel_layout"])
+    assert layouts == [Layout.parse("Ettt|tL", None, 4).to_megatron(), Layout.parse("Ett|ttL", None, 4).to_megatron()]

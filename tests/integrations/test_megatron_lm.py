@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -560,8 +561,10 @@ def test_layer_freezing_through_spec_and_yaml_rebalances_bit_exact_with_static(t
     them (megatron_lm_checkpoint.frozen_optimizer_state). With the distributed optimizer,
     stage 0 (embedding and layers 1-2, all frozen) holds no Adam state, whose step
     Megatron saves: it asserted; the step the other stage holds is lent
-    (`steps_everywhere`). The first checkpoint resumes without the scenario (the message
-    of a resume with it says to), its placeholders read as the frozen layers' fresh state.
+    (`steps_everywhere`) and not saved. A bf16 run with SwiGLU (its fc1 sharded by a
+    factory) writes for layers 1-2 zero moments and fp32 master weights equal to their
+    weights. The fp32 run's checkpoint resumes without the scenario (the message of a
+    resume with it says to); the bf16 one does not (docs/megatron-lm.md).
 
     The move is decided from one timed iteration, and it pays only by what stage 1's head
     (output layer + loss) costs more than stage 0's embedding: freezing drops the layers'
@@ -581,12 +584,16 @@ def test_layer_freezing_through_spec_and_yaml_rebalances_bit_exact_with_static(t
     distopt, _ = train_in_megatron_lm(tmp_path / "distopt", [
         *flags[:-2], "--dynmo-balancer", "uniform", "--use-distributed-optimizer", "--save",
         str(tmp_path / "ckpt_distopt"), "--save-interval", "3"])
-    for ckpt in ("ckpt", "ckpt_distopt"):
+    bf16 = ["--bf16", "--swiglu"]
+    train_in_megatron_lm(tmp_path / "bf16", [*flags[:-2], *bf16, "--dynmo-balancer", "uniform", "--save",
+                                             str(tmp_path / "ckpt_bf16"), "--save-interval", "9"])
+    for ckpt in ("ckpt", "ckpt_distopt", "ckpt_bf16"):
         assert (tmp_path / ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "9"
+    _check_frozen_rows(tmp_path / "ckpt_bf16" / "iter_0000009", frozen=2)
     _, resumed_losses = train_in_megatron_lm(tmp_path / "resumed", [
         "--dynmo", "--vocab-size", "16384", "--train-iters", "10", "--load", str(tmp_path / "ckpt"),
         "--no-load-rng", "--override-opt-param-scheduler"], length=())
-    assert len(resumed_losses) == 1
+    assert len(resumed_losses) == 1 and math.isfinite(resumed_losses[0])
     for report in (moved, static, distopt):
         freezes = [e for e in report["events"] if e["kind"] == "dynamism"]
         assert [(e["iteration"], e["detail"]["frozen_layers"]) for e in freezes] == [(6, [1, 2])]
@@ -606,6 +613,27 @@ def test_layer_freezing_through_spec_and_yaml_rebalances_bit_exact_with_static(t
     with pytest.raises(ConfigError, match="builds the gradual_pruning scenario's layers: add "
                                           "--dynmo-dynamism gradual_pruning"):
         ml.load_plugin_config(_parsed(["--dynmo", "--spec", ml.SPEC_MODULE, "gradual_pruning"]))
+
+
+def _check_frozen_rows(folder: Path, frozen: int) -> None:
+    """In a checkpoint saved after layers 1..`frozen` froze: each decoder tensor's Adam
+    moments are zero in those layers' rows (and not in the others'), its fp32 master
+    weights there equal the layer's weights; SwiGLU's fc1 halves among them. No step
+    lent to a frozen stage is in the common state."""
+    import torch
+
+    from dynmo_plugin.megatron.checkpoint.dist_ckpt import read_tensors
+    tensors = read_tensors(str(folder))
+    masters = [k[len("optimizer.state.fp32_param."):] for k in tensors
+               if k.startswith("optimizer.state.fp32_param.decoder.layers.")]
+    assert any("linear_fc1.weight" in k for k in masters) and len(masters) > 4
+    for key in masters:
+        weights = tensors[key] if key in tensors else None
+        moment = tensors[f"optimizer.state.exp_avg.{key}"]
+        assert not moment[:frozen].any() and moment[frozen:].any(), key
+        if weights is not None:
+            assert torch.equal(tensors[f"optimizer.state.fp32_param.{key}"][:frozen], weights[:frozen].float()), key
+    assert "dynmo-step" not in repr(torch.load(folder / "common.pt", weights_only=False))
 
 
 PRUNING_YAML = """\

@@ -34,13 +34,14 @@ from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess, s
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
 from megatron.core.dist_checkpointing.validation import (determine_global_metadata,
                                                          validate_sharding_integrity)
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
 
 __all__ = ["check_sharding", "save_sharded", "load_sharded", "sharded_state", "read_tensors", "REQUIRED_FILES",
-           "OPTIMIZER_METADATA", "frozen_placeholders", "local_steps", "agreed_steps", "steps_where_none"]
+           "OPTIMIZER_METADATA", "frozen_placeholders", "local_steps", "agreed_steps", "steps_where_none",
+           "pop_step_holders"]
 
 # what a complete torch_dist checkpoint directory holds besides its data files
 REQUIRED_FILES = ("metadata.json", "common.pt", ".metadata")
@@ -125,7 +126,7 @@ def sharded_state(trainer, loading: bool, steps: Optional[list] = None) -> dict:
     with steps_where_none(trainer.optimizer, steps or []):
         optimizer = trainer.optimizer.sharded_state_dict(model, is_loading=loading,
                                                          metadata=dict(OPTIMIZER_METADATA))
-    _pop_everywhere(optimizer, _STEP_HOLDER)
+    pop_step_holders(optimizer)
     state = {"model": model, "optimizer": optimizer}
     state["frozen_optimizer_state"] = frozen_placeholders(trainer, state)
     return state
@@ -177,6 +178,13 @@ def steps_where_none(optimizer, steps: list):
     finally:
         for inner, _ in empty:
             inner.state.pop(_STEP_HOLDER, None)
+
+
+def pop_step_holders(optimizer_state: dict) -> None:
+    """Take the steps `steps_where_none` lent out of an optimizer state dict built under
+    it (Megatron keeps a state entry it does not know as it is: rank 0 would write it to
+    common.pt and every rank read it back as a state key of no parameter)."""
+    _pop_everywhere(optimizer_state, _STEP_HOLDER)
 
 
 def _pop_everywhere(value: dict, key) -> None:
@@ -240,13 +248,16 @@ def save_sharded(state: dict, directory: str) -> None:
 
 
 def frozen_placeholders(trainer, state: dict) -> dict:
-    """Zero optimizer-state tensors for this stage's frozen parameters, keyed and
-    sharded as Megatron keys a trainable parameter's (`optimizer.state.<kind>.<model
-    key>`, the model tensor's replica id: one writer). Kinds: those this rank's
-    optimizer holds, else what Adam holds under this configuration. `trainer`: a stage
-    (its `chunks` and `args`); `state`: its sharded "model" (nested per chunk as one
-    likes) and "optimizer" state dicts (`sharded_state`; Megatron-LM's save:
-    megatron_lm_checkpoint.frozen_optimizer_state)."""
+    """Optimizer-state tensors for this stage's frozen parameters, keyed and sharded as
+    Megatron keys a trainable parameter's (`optimizer.state.<kind>.<model key>`, the
+    model tensor's replica id: one writer): Adam's moments zero, the master weights
+    (`param`, `fp32_param`) the parameter's own values in fp32, so a load that trains
+    the layer again starts from its weights, not from zeros. Kinds: those this rank's
+    optimizer holds, else what Adam holds under this configuration. Tensors a factory
+    shards (Megatron's fused SwiGLU fc1: `_w` and `_v` halves) get the factory's
+    placeholder. `trainer`: a stage (its `chunks` and `args`); `state`: its sharded
+    "model" (nested per chunk as one likes) and "optimizer" state dicts (`sharded_state`;
+    Megatron-LM's save: megatron_lm_checkpoint.frozen_optimizer_state)."""
     frozen = {id(p) for chunk in trainer.chunks for p in chunk.parameters() if not p.requires_grad}
     if not frozen:
         return {}
@@ -260,18 +271,25 @@ def frozen_placeholders(trainer, state: dict) -> dict:
     out = {}
     for key, model_tensor in _sharded_items(state["model"]):
         if id(model_tensor.data) in frozen:
+            weights = model_tensor.data.detach().to(torch.float32)
             for kind in kinds:
-                zeros = torch.zeros(model_tensor.local_shape, dtype=torch.float32)
+                value = weights.clone() if kind in _MASTER_WEIGHTS else torch.zeros_like(weights)
                 out[f"{kind}.{key}"] = make_sharded_optimizer_tensor(
-                    model_tensor, zeros, prefix=f"optimizer.state.{kind}")
+                    model_tensor, value, prefix=f"optimizer.state.{kind}")
     return out
 
 
+# the optimizer-state kinds that are the fp32 master copy of a parameter (the
+# mixed-precision optimizer's, the distributed one's fully reshardable format)
+_MASTER_WEIGHTS = ("param", "fp32_param")
+
+
 def _sharded_items(value, prefix: str = ""):
-    """(dotted path, ShardedTensor) for every ShardedTensor in a nested dict: the path
-    is unique on the rank where sharded keys are not (a chunk's layers share theirs)."""
+    """(dotted path, ShardedTensor or ShardedTensorFactory) for every one in a nested
+    dict: the path is unique on the rank where sharded keys are not (a chunk's layers
+    share theirs)."""
     for k, v in value.items():
-        if isinstance(v, ShardedTensor):
+        if isinstance(v, (ShardedTensor, ShardedTensorFactory)):
             yield f"{prefix}{k}", v
         elif isinstance(v, dict):
             yield from _sharded_items(v, f"{prefix}{k}.")
