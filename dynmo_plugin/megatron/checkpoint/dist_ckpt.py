@@ -271,9 +271,10 @@ def frozen_placeholders(trainer, state: dict) -> dict:
     out = {}
     for key, model_tensor in _sharded_items(state["model"]):
         if id(model_tensor.data) in frozen:
-            weights = model_tensor.data.detach().to(torch.float32)
-            for kind in kinds:
-                value = weights.clone() if kind in _MASTER_WEIGHTS else torch.zeros_like(weights)
+            for kind in kinds:  # on the host: a save must not need device memory for them
+                value = (model_tensor.data.detach().to("cpu", torch.float32, copy=True)
+                         if kind in _MASTER_WEIGHTS else
+                         torch.zeros(tuple(model_tensor.data.shape), dtype=torch.float32))
                 out[f"{kind}.{key}"] = make_sharded_optimizer_tensor(
                     model_tensor, value, prefix=f"optimizer.state.{kind}")
     return out
