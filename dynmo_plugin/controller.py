@@ -423,7 +423,8 @@ class DynMo:
         from dynmo_plugin.balancing.grow import choose_freed
         t, rp = self.trainer, self.config.repack
         choice = choose_freed(rp.freed, rp.objective, stages_before=t.dims.pp, stages_after=k,
-                              tp=t.dims.tp, dp=t.dims.dp, num_microbatches=t.num_microbatches,
+                              ranks_per_stage=t.dims.world_size // t.dims.pp, dp=t.dims.dp,
+                              num_microbatches=t.num_microbatches,
                               iter_s_release=iter_release, iter_s_grow=iter_grow,
                               tokens_per_iteration=float(t.args.global_batch_size * t.args.seq_length),
                               unsupported=_GROW_PACKED if t.args.data.packed else None)

@@ -127,21 +127,23 @@ class FreedChoice:
         return f"freed ranks: {self.choice} ({self.reason}) - predicted {both}"
 
 
-def choose_freed(mode: str, objective: str, *, stages_before: int, stages_after: int, tp: int,
-                 dp: int, num_microbatches: int, iter_s_release: float,
+def choose_freed(mode: str, objective: str, *, stages_before: int, stages_after: int,
+                 ranks_per_stage: int, dp: int, num_microbatches: int, iter_s_release: float,
                  iter_s_grow: Optional[float], tokens_per_iteration: float,
                  unsupported: Optional[str] = None) -> FreedChoice:
     """Release or grow after a P -> K repack (module docstring). `mode` "release" and
     "grow" are the user's word (grow still needs an even split: else the choice is
     "refuse" and `reason` is the one line to show); "auto" compares the objective's
-    measure and grows only when it is strictly better. `unsupported`: why this run
-    cannot grow at all (refused like an uneven split)."""
+    measure and grows only when it is strictly better. `ranks_per_stage`: each stage's
+    TP x CP x DP ranks before the repack (what the GPU counts are multiples of).
+    `unsupported`: why this run cannot grow at all (refused like an uneven split)."""
     if mode not in FREED_MODES:
         raise ValueError(f"freed must be one of {', '.join(FREED_MODES)}, got {mode!r}")
     refusal = unsupported or grow_refusal(stages_before, stages_after, dp, num_microbatches)
     new_dp = None if refusal else grown_dp(stages_before, stages_after, dp)
     base = dict(mode=mode, objective=objective, dp_before=dp, dp_grow=new_dp,
-                ranks_release=tp * stages_after * dp, ranks_grow=tp * stages_before * dp,
+                ranks_release=ranks_per_stage * stages_after,
+                ranks_grow=ranks_per_stage * stages_before,
                 iter_s_release=iter_s_release, iter_s_grow=None if refusal else iter_s_grow,
                 tokens_per_iteration=tokens_per_iteration)
     if mode == "release":

@@ -47,8 +47,8 @@ def freed_step(*, mode: str, objective: str, stages_before: int, layout_after: L
     new = grown_dp(stages_before, k, dp)
     grow_m = num_microbatches * dp // new if new else None
     iter_grow = iteration_s(new, grow_m) if new and (num_microbatches * dp) % new == 0 else None
-    choice = choose_freed(mode, objective, stages_before=stages_before, stages_after=k, tp=1, dp=dp,
-                          num_microbatches=num_microbatches,
+    choice = choose_freed(mode, objective, stages_before=stages_before, stages_after=k,
+                          ranks_per_stage=dp, dp=dp, num_microbatches=num_microbatches,
                           iter_s_release=iteration_s(dp, num_microbatches),
                           iter_s_grow=iter_grow, tokens_per_iteration=tokens_per_iteration)
     if choice.choice == "grow":

@@ -72,7 +72,7 @@ def test_auto_chooses_by_the_objective_with_the_simulated_iteration():
     release = _model_at(1)(shrink_problem(problem, 2), after)
     grow = grow_iteration_s(problem, after, 1, _model_at)
     assert release / 2 < grow < release
-    kw = dict(stages_before=4, stages_after=2, tp=1, dp=1, num_microbatches=8,
+    kw = dict(stages_before=4, stages_after=2, ranks_per_stage=1, dp=1, num_microbatches=8,
               iter_s_release=release, iter_s_grow=grow, tokens_per_iteration=8 * 2 * 16.0)
     speed = choose_freed("auto", "min_stages", **kw)
     per_gpu = choose_freed("auto", "throughput_per_gpu", **kw)
@@ -88,7 +88,7 @@ def test_auto_chooses_by_the_objective_with_the_simulated_iteration():
 
 
 def test_freed_modes_release_grow_refuse():
-    kw = dict(stages_before=4, stages_after=2, tp=1, dp=1, iter_s_release=1.0, iter_s_grow=0.6,
+    kw = dict(stages_before=4, stages_after=2, ranks_per_stage=1, dp=1, iter_s_release=1.0, iter_s_grow=0.6,
               tokens_per_iteration=100.0)
     assert choose_freed("release", "min_stages", num_microbatches=4, **kw).choice == "release"
     assert choose_freed("grow", "throughput_per_gpu", num_microbatches=4, **kw).choice == "grow"
@@ -102,6 +102,9 @@ def test_freed_modes_release_grow_refuse():
     for mode, choice in (("grow", "refuse"), ("auto", "release")):
         packed = choose_freed(mode, "min_stages", num_microbatches=4, unsupported="no grow here", **kw)
         assert (packed.choice, packed.reason, packed.dp_grow) == (choice, "no grow here", None)
+    cp = choose_freed("auto", "throughput_per_gpu", num_microbatches=4,
+                      **{**kw, "ranks_per_stage": 2 * 2 * 1})  # TP 2 x CP 2 x DP 1 per stage
+    assert (cp.ranks_release, cp.ranks_grow) == (8, 16) and "release on 8 GPUs" in cp.line()
     with pytest.raises(ValueError, match="freed must be one of"):
         choose_freed("keep", "min_stages", num_microbatches=4, **kw)
 
