@@ -12,7 +12,7 @@ from typing import Optional
 from dynmo_plugin.balancing.memory import MemoryCalibration, calibrate, modelled_stage_bytes
 from dynmo_plugin.balancing.problem import BalanceProblem, ProblemError
 from dynmo_plugin.layout import Layout
-from dynmo_plugin.profiling.records import PipelineProfile
+from dynmo_plugin.profiling.records import PipelineProfile, StageProfile
 
 __all__ = ["CHECKSUM_TRANSIENT_BYTES", "StepShares", "step_shares", "memory_calibration",
            "problem_from_profile"]
@@ -51,15 +51,41 @@ def memory_calibration(profile: PipelineProfile, num_stages: int, num_microbatch
         modelled = [sum(modelled[r::len(ranks)]) for r in range(len(ranks))]
     calibration = calibrate([s.peak_bytes for s in ranks], modelled,
                             [s.peak_source for s in ranks])
-    return _layer_bytes(profile, num_stages, peak_microbatches or num_microbatches), calibration
+    peak = peak_microbatches or num_microbatches
+    return _layer_bytes(profile, num_stages, peak, peak != num_microbatches), calibration
 
 
-def _layer_bytes(profile: PipelineProfile, num_stages: int, num_microbatches: int) -> list[float]:
+def _layer_bytes(profile: PipelineProfile, num_stages: int, num_microbatches: int,
+                 at_peak: bool = False) -> list[float]:
     """Each layer's state + its activations times the micro-batches a stage holds at once
-    at `num_microbatches` (interleaved: the most any chunk held, as profiled)."""
+    at `num_microbatches` (interleaved: the most any chunk held, as profiled at the
+    moment's count or, `at_peak`, as the schedule holds them at the peak's)."""
     in_flight = (min(num_stages, num_microbatches) if profile.num_chunks == 1
-                 else max(s.in_flight for s in profile.stages))
+                 else max(_chunk_depth(s, at_peak) for s in profile.stages))
     return [x.state_bytes + in_flight * x.act_bytes for x in profile.layers]
+
+
+def _chunk_depth(record: StageProfile, at_peak: bool) -> int:
+    """An interleaved chunk's micro-batches in flight as profiled, or at the peak's count
+    (`peak_in_flight`, recorded where the batch ramps)."""
+    return (record.peak_in_flight or record.in_flight) if at_peak else record.in_flight
+
+
+def _extras_bytes(profile: PipelineProfile, num_stages: int, num_microbatches: int,
+                 peak_microbatches: Optional[int] = None) -> list[float]:
+    """Each stage's extras (embedding, head: parameters, gradients, optimizer state) and
+    what their activations add at the peak micro-batches beyond the profiled moment's
+    (a batch ramping up; the moment's are in the calibrated overhead): per micro-batch
+    more in flight, one more `extra_act_bytes`. 1F1B: stage s holds min(p - s, m)."""
+    peak = peak_microbatches or num_microbatches
+    if peak == num_microbatches:
+        return [float(s.extra_bytes) for s in profile.stages]
+    if profile.num_chunks == 1:
+        more = [min(num_stages - s.stage, peak) - min(num_stages - s.stage, num_microbatches)
+                for s in profile.stages]
+    else:
+        more = [_chunk_depth(s, True) - s.in_flight for s in profile.stages]
+    return [float(s.extra_bytes + max(n, 0) * s.extra_act_bytes) for s, n in zip(profile.stages, more)]
 
 
 @dataclass(frozen=True)
@@ -144,7 +170,7 @@ def problem_from_profile(profile: PipelineProfile, current: Layout, config,
         capacity=cap * 1e9 if cap > 0 else None,
         memory_overhead=calibration.overhead,
         extras_cost=[s.extra_s + fixed for s, fixed in zip(profile.stages, shares.stages)],
-        extras_memory=[s.extra_bytes for s in profile.stages],
+        extras_memory=_extras_bytes(profile, p, num_microbatches, peak_microbatches),
         current=current,
         allow_empty_stages=config.rebalance.allow_empty_stages,
         num_microbatches=num_microbatches,

@@ -140,7 +140,28 @@ def frozen_optimizer_state(stage, args, state: dict) -> dict:
         return {}
     models = {k: v for k, v in state.items() if k == "model" or (k.startswith("model") and k[5:].isdigit())}
     placeholders = frozen_placeholders(stage, {"model": models, "optimizer": state["optimizer"]})
+    placeholders.update(_masters_of_emptied_groups(state["optimizer"]))
     return {"dynmo_frozen_optimizer_state": placeholders} if placeholders else {}
+
+
+def _masters_of_emptied_groups(optimizer_state: dict, path: str = "") -> dict:
+    """The mixed-precision optimizer's fp32 master weights (`fp32_from_fp16_params`, a
+    list per parameter group), taken out of its state dict where freezing left a group
+    empty, keyed by where they were. Megatron's save keeps an empty list in the common
+    state rank 0 writes (a sharded tensor list leaves nothing there): a stage whose
+    parameters all froze wrote `[[]]`, and a resume without the scenario, whose group
+    holds parameters, failed to merge them ("Cannot merge two lists with different
+    lengths"). The tensors keep their sharded keys wherever they sit in the dict, so the
+    checkpoint holds the same masters; the resume's own list then meets nothing."""
+    moved = {}
+    for key, value in list(optimizer_state.items()):
+        if isinstance(value, dict):  # a chained optimizer's entries
+            moved.update(_masters_of_emptied_groups(value, f"{path}{key}."))
+        elif key == "fp32_from_fp16_params" and any(group == [] for group in value):
+            del optimizer_state[key]
+            moved.update({f"{path}{key}.{g}.{i}": tensor for g, group in enumerate(value)
+                          for i, tensor in enumerate(group)})
+    return moved
 
 
 @contextlib.contextmanager

@@ -103,6 +103,8 @@ class StageProfile:
     extra_act_bytes: int = 0  # saved for backward outside the decoder layers, per micro-batch
     in_flight: int = 0      # micro-batches whose activations the stage holds at once (1F1B;
     # interleaved: the most of this chunk's micro-batches the rank's schedule holds at once)
+    peak_in_flight: int = 0  # the same at the run's peak micro-batches (a batch ramping up;
+    # 0: as in_flight)
     # which time the layers cost (megatron/profiling/profiler.py `choose_costs`): "span" (CPU),
     # "host_cpu" (CUDA, host-bound: the host's launch work) or "gpu_kernels" (GPU-bound)
     cost_source: str = ""

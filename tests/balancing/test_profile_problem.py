@@ -173,3 +173,40 @@ def test_memory_is_calibrated_at_the_micro_batches_of_the_moment_and_capped_at_t
     assert solve(problem_from_profile(profile, current, config, 1), "exact").layout == current
     with pytest.raises(InfeasibleError):
         solve(problem_from_profile(profile, current, config, 1, peak_microbatches=M), "exact")
+
+
+def test_at_the_peak_extras_activations_grow_with_their_stage_depth_and_chunks_with_the_schedule():
+    """Ramping from 1 micro-batch to M = 4 over 3 stages: the extras' activations of the
+    moment are in the calibrated overhead; at the peak stage s holds min(3 - s, 4) of
+    them against the moment's 1: 2, 1 and 0 more `extra_act_bytes`.
+    Interleaved (pp 2 x v 2), the profiler records each chunk's depth at the moment and
+    at the peak (`peak_in_flight`): layers count at the deepest chunk's peak depth, each
+    chunk's extras at its own growth; without a ramp nothing changes."""
+    from dataclasses import replace
+
+    from dynmo_plugin.balancing.profile_problem import memory_calibration
+    base = _profile()
+    stages = [replace(s, extra_bytes=5 * MB, extra_act_bytes=MB, in_flight=1, num_microbatches=1)
+              for s in base.stages]
+    profile = PipelineProfile(base.layers, stages)
+    current = Layout((3, 3, 3))
+    now = problem_from_profile(profile, current, DynmoConfig(), 1)
+    peak = problem_from_profile(profile, current, DynmoConfig(), 1, peak_microbatches=M)
+    assert list(now.extras_memory_arr) == [5 * MB] * 3
+    assert list(peak.extras_memory_arr) == [7 * MB, 6 * MB, 5 * MB]
+    assert list(peak.memory_overhead) == list(now.memory_overhead)  # calibrated at the moment
+
+    depths = [(2, 4), (2, 3), (2, 2), (1, 1)]  # (now, peak) per virtual stage: Megatron's schedule at 2 and 4
+    v_stages = [replace(stages[0], stage=s, in_flight=d, peak_in_flight=p, extra_act_bytes=MB * (s in (0, 3)))
+                for s, (d, p) in enumerate(depths)]
+    v_layers = [replace(x, stage=min(i // 2, 3)) for i, x in enumerate(base.layers[:8])]
+    interleaved = replace(profile, layers=v_layers, stages=v_stages, num_chunks=2)
+    layout = Layout((2, 2, 2, 2), num_chunks=2)
+    at_now, _ = memory_calibration(interleaved, 4, 2)
+    at_peak, _ = memory_calibration(interleaved, 4, 2, peak_microbatches=M)
+    act = base.layers[0].act_bytes
+    assert [b - a for a, b in zip(at_now, at_peak)] == [(4 - 2) * act] * 8
+    grown = problem_from_profile(interleaved, layout, DynmoConfig(), 2, peak_microbatches=M)
+    assert list(grown.extras_memory_arr) == [7 * MB, 5 * MB, 5 * MB, 5 * MB]  # chunk 0: 2 more; the head's chunk: none
+    unramped = replace(interleaved, stages=[replace(s, peak_in_flight=0) for s in v_stages])
+    assert memory_calibration(unramped, 4, 2, peak_microbatches=2)[0] == at_now

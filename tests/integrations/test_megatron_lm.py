@@ -420,6 +420,35 @@ def test_a_ramping_batch_is_profiled_at_its_count_and_its_memory_checked_at_the_
     assert [(e["iteration"], e["memory"]["microbatches"], e["memory"]["peak_microbatches"],
              {s["num_microbatches"] for s in e["profile"]["stages"]}) for e in profiles] == [
         (2, 1, 4, {1}), (4, 2, 4, {2}), (6, 3, 4, {3}), (8, 4, 4, {4})]
+    _check_interleaved_ramp(tmp_path / "ramp_vp")
+
+
+def _check_interleaved_ramp(tmp: Path) -> None:
+    """With virtual stages (pp 2 x v 2, 8 layers; the interleaved schedule needs at least
+    pp micro-batches: ramp 4 4 16, 2 then 4): each chunk's depth at the peak, recorded
+    while the batch ramps (`peak_in_flight`), is the depth the schedule holds once it is
+    whole, and the memory model at the peak from the first profile covers each rank's
+    peak measured then. At the moment's depths it fell short on rank 0."""
+    from dataclasses import replace
+
+    from dynmo_plugin.balancing.metrics import rank_memory
+    from dynmo_plugin.balancing.profile_problem import problem_from_profile
+    from dynmo_plugin.config import DynmoConfig
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.profiling.records import PipelineProfile
+    run, _ = train_in_megatron_lm(tmp, ["--rampup-batch-size", "4", "4", "16", "--dynmo", "--dynmo-profile-every",
+                                        "2", "--num-layers", "8", "--num-virtual-stages-per-pipeline-rank", "2"],
+                                  length=("--train-samples", "48"))
+    first, whole = [e for e in run["events"] if e["kind"] == "profile"][::2][:2]
+    assert (first["memory"]["microbatches"], whole["memory"]["microbatches"]) == (2, 4)
+    assert [s["peak_in_flight"] for s in first["profile"]["stages"]] == [
+        s["in_flight"] for s in whole["profile"]["stages"]]
+    profile, layout = PipelineProfile.from_dict(first["profile"]), Layout.parse(first["layout"], 2, 8, 2)
+    measured = [s["measured_bytes"] for s in whole["memory"]["stages"]]
+    for stages, covers in ((profile.stages, True), ([replace(s, peak_in_flight=0) for s in profile.stages], False)):
+        problem = problem_from_profile(replace(profile, stages=stages), layout, DynmoConfig(), 2, peak_microbatches=4)
+        modelled = [m + o for m, o in zip(rank_memory(problem, layout), problem.memory_overhead)]
+        assert all(m >= x for m, x in zip(modelled, measured)) == covers, (covers, modelled, measured)
 
 
 @needs_source
@@ -563,8 +592,10 @@ def test_layer_freezing_through_spec_and_yaml_rebalances_bit_exact_with_static(t
     Megatron saves: it asserted; the step the other stage holds is lent
     (`steps_everywhere`) and not saved. A bf16 run with SwiGLU (its fc1 sharded by a
     factory) writes for layers 1-2 zero moments and fp32 master weights equal to their
-    weights. The fp32 run's checkpoint resumes without the scenario (the message of a
-    resume with it says to); the bf16 one does not (docs/megatron-lm.md).
+    weights. Both the fp32 and the bf16 checkpoints resume without the scenario (the
+    message of a resume with it says to): the bf16 one wrote stage 0's emptied group of
+    fp32 masters as `[[]]` into the common state and the resume could not merge it with
+    its own list of 10 until the masters moved (`_masters_of_emptied_groups`).
 
     The move is decided from one timed iteration, and it pays only by what stage 1's head
     (output layer + loss) costs more than stage 0's embedding: freezing drops the layers'
@@ -590,10 +621,11 @@ def test_layer_freezing_through_spec_and_yaml_rebalances_bit_exact_with_static(t
     for ckpt in ("ckpt", "ckpt_distopt", "ckpt_bf16"):
         assert (tmp_path / ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "9"
     _check_frozen_rows(tmp_path / "ckpt_bf16" / "iter_0000009", frozen=2)
-    _, resumed_losses = train_in_megatron_lm(tmp_path / "resumed", [
-        "--dynmo", "--vocab-size", "16384", "--train-iters", "10", "--load", str(tmp_path / "ckpt"),
-        "--no-load-rng", "--override-opt-param-scheduler"], length=())
-    assert len(resumed_losses) == 1 and math.isfinite(resumed_losses[0])
+    for ckpt, precision in (("ckpt", []), ("ckpt_bf16", bf16)):
+        _, resumed_losses = train_in_megatron_lm(tmp_path / f"resumed_{ckpt}", [
+            "--dynmo", "--vocab-size", "16384", "--train-iters", "10", *precision, "--load",
+            str(tmp_path / ckpt), "--no-load-rng", "--override-opt-param-scheduler"], length=())
+        assert len(resumed_losses) == 1 and math.isfinite(resumed_losses[0])
     for report in (moved, static, distopt):
         freezes = [e for e in report["events"] if e["kind"] == "dynamism"]
         assert [(e["iteration"], e["detail"]["frozen_layers"]) for e in freezes] == [(6, [1, 2])]

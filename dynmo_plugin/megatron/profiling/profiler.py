@@ -354,7 +354,9 @@ class ProfileWindow:
         extras = [self._chunk_extras(chunk, probe) for chunk, probe in zip(t.chunks, self.probes)]
         extra_act = [max(x.per_microbatch, default=0) for x in self.extra_acts]
         act = [sum(x.act_bytes for x in chunk) + e for chunk, e in zip(layers, extra_act)]
-        in_flight, held = self._in_flight(act)
+        in_flight, held = self._in_flight(act, t.num_microbatches)
+        peak_in_flight = (self._in_flight(act, t.peak_microbatches)[0]
+                          if t.peak_microbatches != t.num_microbatches else [0] * v)
         static = self._static_bytes()
         if self._peak is not None:
             peak = self._peak.peak or int(torch.cuda.max_memory_allocated())
@@ -367,9 +369,10 @@ class ProfileWindow:
             peak_source="measured" if t.dims.device.type == "cuda" else "accounted")
         records = [StageProfile(stage=stage, extra_s=median(probe.samples["extra"]),
                                 extra_bytes=int(nbytes), extra_grad_bytes=int(grad),
-                                extra_act_bytes=int(e_act), in_flight=depth, **rank_fields)
-                   for stage, probe, (nbytes, grad), e_act, depth
-                   in zip(stages, self.probes, extras, extra_act, in_flight)]
+                                extra_act_bytes=int(e_act), in_flight=depth, peak_in_flight=peak_depth,
+                                **rank_fields)
+                   for stage, probe, (nbytes, grad), e_act, depth, peak_depth
+                   in zip(stages, self.probes, extras, extra_act, in_flight, peak_in_flight)]
         for record, probe, chunk in zip(records, self.probes, layers):
             self._choose_cost(record, probe, chunk)
         mtp = next((self._mtp_profile(probe, chunk, stage, records[stages.index(stage)].cost_source)
@@ -437,12 +440,13 @@ class ProfileWindow:
         grad = sum(_grad_bytes(p) for p in extras)
         return sum(_nbytes(p) + state_nbytes(self.trainer.optimizer, p) for p in extras) + grad, grad
 
-    def _in_flight(self, chunk_act: list[int]) -> tuple[list[int], int]:
+    def _in_flight(self, chunk_act: list[int], m: int) -> tuple[list[int], int]:
         """(per chunk: the most of its micro-batches held at once, the most activation
-        bytes held at once) under this rank's schedule, one micro-batch of chunk c
-        saving chunk_act[c]. 1F1B: min(pp - rank, m) micro-batches, its warm-up depth."""
+        bytes held at once) under this rank's schedule of `m` micro-batches, one
+        micro-batch of chunk c saving chunk_act[c]. 1F1B: min(pp - rank, m) micro-batches,
+        its warm-up depth."""
         t = self.trainer
-        pp, rank, m, v = t.dims.pp, t.dims.pp_rank, t.num_microbatches, len(chunk_act)
+        pp, rank, v = t.dims.pp, t.dims.pp_rank, len(chunk_act)
         if v == 1:
             depth = min(pp - rank, m)
             return [depth], depth * chunk_act[0]
