@@ -88,18 +88,40 @@ def restore_saved_layout(args) -> None:
         logger.info("--load %s: resuming under the saved layout %s", args.load, chosen)
     if fmt not in _PER_RANK_FORMATS:
         return
-    saved_split = (saved_layout, getattr(saved, "pipeline_model_parallel_size", None),
-                   getattr(saved, "tensor_model_parallel_size", None))
-    run_split = (args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size,
-                 args.tensor_model_parallel_size)
-    if saved is None or saved_split != run_split:
-        shown = (lambda lay, pp, tp: f"layout {lay or 'uniform'} at PP {pp}, TP {tp}")
+    saved_split = None if saved is None else _split(saved, saved_layout)
+    run_split = _split(args, args.pipeline_model_parallel_layout)
+    if saved_split != run_split:
         raise MegatronLMError(
             f"--load {args.load}: a --ckpt-format {fmt} checkpoint (layers numbered within each "
-            f"stage) saved under {shown(*saved_split)} cannot be loaded under this run's "
-            f"{shown(*run_split)} without putting other layers' weights into its stages; resume "
-            "with the saved pipeline sizes and no --pipeline-model-parallel-layout, or save in "
-            "--ckpt-format torch_dist (layers keyed by global number, any split)")
+            f"stage) saved under {_shown(saved_split)} cannot be loaded under this run's "
+            f"{_shown(run_split)} without putting other layers' weights into its stages; resume "
+            "with the saved pipeline sizes and split flags and no --pipeline-model-parallel-layout, "
+            "or save in --ckpt-format torch_dist (layers keyed by global number, any split)")
+
+
+def _split(args, layout) -> tuple:
+    """What decides which layers each stage of a per-rank checkpoint holds: the layout,
+    the pipeline and tensor sizes, the first/last-stage counts, the account-for flags and
+    the virtual stages (however they were asked for), as the flags were given."""
+    return (layout, getattr(args, "pipeline_model_parallel_size", None),
+            getattr(args, "tensor_model_parallel_size", None),
+            tuple((key, getattr(args, key, None) or None) for key in _UNEVEN_SPLITS),
+            None if layout is not None else _virtual_stages(args))
+
+
+# the flags beside pipeline sizes that split the layers unevenly (unset: None or False)
+_UNEVEN_SPLITS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                  "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+
+
+def _shown(split) -> str:
+    if split is None:
+        return "an unknown split (no args in the checkpoint)"
+    layout, pp, tp, uneven, vstages = split
+    flags = "".join(f" --{key.replace('_', '-')}" + ("" if value is True else f" {value}")
+                    for key, value in uneven if value)
+    virtual = f", {vstages} virtual stages per rank" if vstages and vstages > 1 else ""
+    return f"layout {layout or 'uniform'}{flags} at PP {pp}, TP {tp}{virtual}"
 
 
 def refuse_scenario_resume(args, cfg: RunConfig) -> None:

@@ -561,6 +561,18 @@ def test_a_per_rank_checkpoint_under_another_split_is_refused_in_one_line(tmp_pa
         assert "\n" not in str(e.value)
         assert "--ckpt-format torch checkpoint (layers numbered within each stage) saved under layout " \
             "Et|tttL at PP 2, TP 1 cannot be loaded" in str(e.value)
+    # a split by first/last-stage counts or account-for flags is the split too
+    first = ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"]
+    saved = _parsed([*first, "--ckpt-format", "torch"])
+    torch.save({"args": saved, "iteration": 4, "checkpoint_version": 3.0}, folder / "model_optim_rng.pt")
+    ml.restore_saved_layout(_parsed(["--dynmo", "--load", str(tmp_path), *first]))  # the same split
+    for flags in (["--pipeline-model-parallel-size", "2"],
+                  [*first[:2], "--account-for-embedding-in-pipeline-split"]):
+        with pytest.raises(ml.MegatronLMError, match="saved under layout uniform --decoder-first-pipeline-num-"
+                                                     "layers 1 at PP 2, TP 1 cannot be loaded under this run's "
+                                                     "layout uniform( --account-for-embedding-in-pipeline-split)? "
+                                                     "at PP 2, TP 1 without"):
+            ml.restore_saved_layout(_parsed(["--dynmo", "--load", str(tmp_path), *flags]))
 
 
 # Megatron-LM's saves that reuse the plans cached by the last one, unchecked (--save follows)
