@@ -43,10 +43,22 @@ _REPEAT_GROUP = re.compile(r"\(([^)]+)\)\*(\d+)")
 _REPEAT_CHAR = re.compile(r"(.)\*(\d+)")
 
 
+# the most characters a layout string may expand to: far above any model's layers and
+# stages, far below what a mistyped repeat count ('t*99999999999999') would allocate
+_MAX_EXPANDED = 1 << 20
+
+
 def _expand(text: str) -> str:
     text = text.replace(",", "").replace(" ", "")
-    text = _REPEAT_GROUP.sub(lambda m: m.group(1) * int(m.group(2)), text)
-    return _REPEAT_CHAR.sub(lambda m: m.group(1) * int(m.group(2)), text)
+
+    def repeat(m: re.Match) -> str:
+        digits = m.group(2)
+        if len(digits) > 7 or len(m.group(1)) * int(digits) > _MAX_EXPANDED:
+            shown = digits if len(digits) <= 12 else digits[:12] + "..."
+            raise LayoutError(f"layout {text[:40]!r}: repeat count {shown} makes more than "
+                              f"{_MAX_EXPANDED} layers and stages; give the counts the model has")
+        return m.group(1) * int(digits)
+    return _REPEAT_CHAR.sub(repeat, _REPEAT_GROUP.sub(repeat, text))
 
 
 @dataclass(frozen=True)

@@ -135,7 +135,7 @@ def validate(args: argparse.Namespace, world_size: int | None, in_launcher: bool
     (load_config), the launcher's paths, and whether --load holds a usable checkpoint.
     Nothing is created. `in_launcher` (torchrun's own process, dynmo_plugin.torchrun_check)
     leaves out what would import Transformer Engine or Megatron there: whether TE
-    imports, and reading a checkpoint that is present (each worker checks both).
+    imports (each worker checks it). The checkpoint's files are plain JSON and names.
 
     Raises:
         UserError: the first problem, one line naming the key and the fix.
@@ -145,11 +145,11 @@ def validate(args: argparse.Namespace, world_size: int | None, in_launcher: bool
                       te_problem=(lambda: None) if in_launcher else machine.transformer_engine_problem)
     check_paths(cfg.model)
     load = cfg.model.load
+    from dynmo_plugin.megatron.checkpoint import directory as checkpoint
+    checkpoint.check_save_is_this_runs(cfg.model.save, load)
     if load:
-        from dynmo_plugin.megatron.checkpoint import directory as checkpoint
         checkpoint.check_same_model(load, cfg.model)
-        if not in_launcher or not os.path.exists(os.path.join(load, checkpoint._LATEST)):
-            checkpoint.read_meta(load, resume_if_absent=load == cfg.model.save)
+        checkpoint.read_meta(load, resume_if_absent=load == cfg.model.save)
     return cfg
 
 

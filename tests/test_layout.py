@@ -36,6 +36,9 @@ def test_megatron_strings(text, counts, chunks):
     ("Et|t|t|tL", {"num_stages": 2}, "--num-virtual-stages-per-pipeline-rank 2"),
     ("Et|t|tL", {"num_chunks": 2}, "not a multiple of 2"),
     ("Ett|ttL", {"num_layers": 5}, "holds 4 decoder layers but --num-layers is 5"),
+    # a mistyped repeat count was expanded in memory first (MemoryError on every rank)
+    ("E|t*99999999999999|L", {}, "repeat count 999999999999... makes more than 1048576"),
+    ("E(t|)*600000tL", {}, "repeat count 600000 makes more than 1048576"),
 ])
 def test_bad_strings_say_why(text, args, needle):
     with pytest.raises(LayoutError) as err:

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 from typing import Any, Callable, Optional
 
 import yaml
@@ -37,6 +38,8 @@ def _expect_type(f: dataclasses.Field, value: Any) -> tuple[Any, Optional[str]]:
         return value, None if isinstance(value, bool) else "true or false"
     if base == "int":
         ok = isinstance(value, int) and not isinstance(value, bool)
+        if ok and not -2**63 <= value < 2**63:  # torch, numpy and the seeds take 64-bit integers
+            return value, "an integer of 64 bits (below 2**63)"
         return value, None if ok else "an integer"
     if base == "float":
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -99,6 +102,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                                   f"given twice (first on line {seen[key]}); keep one")
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.2's floats: PyYAML resolves YAML 1.1's, whose exponent form needs a dot, so a
+# learning rate written `3e-4` (as on the command line) was read as a string
+_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:
+     [-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+    |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?)$""", re.X), list("-+0123456789."))
 
 
 def _read_yaml(path: str) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
 import numpy as np
 
@@ -61,7 +62,7 @@ def load_tokenizer(prefix: str) -> ByteTokenizer:
     try:
         with open(path, encoding="utf-8") as fh:
             meta = json.load(fh)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # JSON's errors and a file not in UTF-8 are ValueErrors
         raise TokenizerError(f"{path}: cannot read the tokenizer: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
         raise TokenizerError(f"{path}: not a tokenizer written by scripts/prepare_data.py "
@@ -81,4 +82,34 @@ def dataset_vocab_size(prefix: str) -> int:
     if missing:
         raise TokenizerError(f"{', '.join(missing)} not found; give the prefix of a .bin/.idx "
                              "pair made by scripts/prepare_data.py")
+    _check_index(prefix + ".idx")
     return load_tokenizer(prefix).padded_vocab_size()
+
+
+# Megatron's IndexedDataset index: header, version 1, dtype code, sequence and document
+# counts (megatron.core.datasets.indexed_dataset), then int32 lengths, int64 pointers
+# and int64 document indices
+_INDEX_HEADER, _INDEX_FIELDS = b"MMIDIDX\x00\x00", struct.Struct("<QBQQ")
+
+
+def _check_index(path: str) -> None:
+    """What Megatron's IndexedDataset asserts when each worker opens the index (a
+    traceback per rank): its header, version and that it holds the arrays its counts
+    promise. Read here once, before any worker starts."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(len(_INDEX_HEADER) + _INDEX_FIELDS.size)
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read the dataset index: {e}") from e
+    problem = None
+    if len(head) < len(_INDEX_HEADER) + _INDEX_FIELDS.size or not head.startswith(_INDEX_HEADER):
+        problem = "not a Megatron dataset index (bad header)"
+    else:
+        version, _, sequences, documents = _INDEX_FIELDS.unpack(head[len(_INDEX_HEADER):])
+        if version != 1:
+            problem = f"index version {version}, expected 1"
+        elif size < len(head) + sequences * 12 + documents * 8:
+            problem = f"truncated ({size} bytes for {sequences} sequences and {documents} documents)"
+    if problem:
+        raise TokenizerError(f"{path}: {problem}; make the dataset again with scripts/prepare_data.py")

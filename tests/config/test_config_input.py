@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dynmo_plugin.config import ConfigError
+from dynmo_plugin.errors import UserError
 from dynmo_plugin.train import build_parser, main, validate
 
 
@@ -36,6 +37,39 @@ def test_yaml_problems_name_the_place(tmp_path, text, needle):
     assert "\n" not in str(err.value)
 
 
+def test_exponent_floats_read_as_numbers_as_on_the_command_line(tmp_path):
+    """YAML 1.1 (PyYAML's default) reads `3e-4` as a string: a learning rate written as on
+    the command line failed 'expected a number'. Integers, dotted floats and what is no
+    number at all keep their meaning."""
+    text = "model:\n  lr: 3e-4\n  min_lr: 1E-5\n  num_layers: 8\nrebalance:\n  min_gain: 5e-2\n"
+    cfg = _validate(["--dynmo-config", _yaml(tmp_path, text)])
+    assert (cfg.model.lr, cfg.model.min_lr, cfg.model.num_layers, cfg.dynmo.rebalance.min_gain) == (3e-4, 1e-5, 8, 0.05)
+    with pytest.raises(ConfigError, match="model.lr: expected a number, got '3e'"):
+        _validate(["--dynmo-config", _yaml(tmp_path, "model:\n  lr: 3e\n")])
+    with pytest.raises(ConfigError, match="model.num_layers: expected an integer, got 1000.0"):
+        _validate(["--dynmo-config", _yaml(tmp_path, "model:\n  num_layers: 1e3\n")])
+
+
+def test_a_save_directory_of_an_earlier_run_is_refused_unless_this_run_resumes_it(tmp_path):
+    """A fresh run whose --save holds an earlier run's checkpoints overwrote them one by
+    one and moved the tracker back: refused in one line; resuming that directory, or a
+    --save with no checkpoint yet, is fine. The checkpoint itself is not read here."""
+    earlier = tmp_path / "ckpt"
+    earlier.mkdir()
+    (earlier / "latest_checkpointed_iteration.txt").write_text("4")
+    fresh = tmp_path / "fresh"
+    with pytest.raises(UserError) as err:
+        _validate(["--save", str(earlier), "--save-interval", "2"])
+    assert str(err.value) == (f"--save {earlier} already holds an earlier run's checkpoints (iteration 4), "
+                              f"which this run would overwrite; resume that run with --load {earlier}, or "
+                              "give another --save")
+    with pytest.raises(UserError, match="already holds an earlier run's checkpoints"):
+        _validate(["--save", str(earlier), "--load", str(fresh)])
+    _validate(["--save", str(fresh), "--save-interval", "2"])
+    from dynmo_plugin.megatron.checkpoint.directory import check_save_is_this_runs
+    check_save_is_this_runs(str(earlier), str(tmp_path / "." / "ckpt"))  # resumes it
+
+
 def test_a_directory_as_config_is_named(tmp_path):
     with pytest.raises(ConfigError, match="it is a directory; give the YAML file"):
         _validate(["--dynmo-config", str(tmp_path)])
@@ -46,6 +80,9 @@ def test_a_directory_as_config_is_named(tmp_path):
      "model.seq_length (32) exceeds model.max_position_embeddings (8)"),
     (["--lr", "inf"], "flag --lr: model.lr: expected a finite number, got inf"),
     (["--dynmo-gate-margin", "inf"], "rebalance.margin: expected a finite number"),
+    # past 64 bits torch's seeding and numpy overflowed on every rank
+    (["--seed", str(2**64)], "flag --seed: model.seed: expected an integer of 64 bits (below 2**63)"),
+    (["--num-layers", "9" * 23], "model.num_layers: expected an integer of 64 bits"),
 ])
 def test_sizes_and_values(argv, needle):
     with pytest.raises(ConfigError) as err:

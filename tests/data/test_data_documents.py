@@ -7,6 +7,7 @@ adaptive batches).
 import argparse
 import json
 import math
+import re
 import sysconfig
 from pathlib import Path
 
@@ -109,6 +110,7 @@ def test_config_checks(tmp_path):
         _cfg("--data-documents", "lognormal")
     with pytest.raises(ConfigError, match="not found"):
         _cfg("--data-path", str(tmp_path / "missing"), "--micro-batch-size", "1")
+    _check_broken_dataset_files(tmp_path, prefix)
     with pytest.raises(ConfigError, match="exceed --seq-length"):
         _cfg("--data-documents", "lognormal", "--micro-batch-size", "1",
              "--data-outlier-thresholds", "16,64")
@@ -127,6 +129,28 @@ def test_config_checks(tmp_path):
     for kind in ("early_exit", "mixture_of_depths", "sparse_attention", "moe"):
         with pytest.raises(ConfigError, match=f"cannot train with dynamism '{kind}': .*synthetic"):
             _cfg(*packed, "--dynmo-dynamism", kind)
+
+
+def _check_broken_dataset_files(tmp_path: Path, prefix: str) -> None:
+    """Each worker's Megatron IndexedDataset asserted on a broken index (a traceback per
+    rank), and a tokenizer file not in UTF-8 raised UnicodeDecodeError: each is one line
+    before any worker starts."""
+    import shutil
+    idx, tokenizer = Path(prefix + ".idx"), Path(prefix + ".tokenizer.json")
+    flags = ("--data-path", str(tmp_path / "broken"), "--micro-batch-size", "1")
+    cases = [("garbage", b"not an index at all, longer than the header", tokenizer.read_bytes(),
+              "broken.idx: not a Megatron dataset index (bad header)"),
+             ("truncated", idx.read_bytes()[:-8], tokenizer.read_bytes(), "broken.idx: truncated"),
+             ("version", idx.read_bytes()[:9] + (2).to_bytes(8, "little") + idx.read_bytes()[17:],
+              tokenizer.read_bytes(), "index version 2, expected 1"),
+             ("tokenizer", idx.read_bytes(), b"\xff\xfe{}", "cannot read the tokenizer")]
+    for _, index, tok, needle in cases:
+        shutil.copy(prefix + ".bin", tmp_path / "broken.bin")
+        (tmp_path / "broken.idx").write_bytes(index)
+        (tmp_path / "broken.tokenizer.json").write_bytes(tok)
+        with pytest.raises(ConfigError, match=re.escape(needle)) as err:
+            _cfg(*flags)
+        assert "\n" not in str(err.value)
 
 
 # ---- real runs ---------------------------------------------------------------------------------

@@ -196,6 +196,13 @@ def test_read_meta_names_what_is_missing_or_broken(tmp_path):
     (d / "meta.json").write_text(json.dumps({"format": "dynmo-stage-state/1"}))
     with pytest.raises(CheckpointError, match=r"format 'dynmo-stage-state/1', expected 'dynmo-dist-ckpt/1'"):
         read_meta(str(tmp_path))
+    (d / "meta.json").write_text("[]")
+    with pytest.raises(CheckpointError, match=r"meta.json: holds list, not the checkpoint's record"):
+        read_meta(str(tmp_path))
+    # torchrun's own process reads it too (plain JSON and names): one line, before any worker
+    from dynmo_plugin.train import build_parser, validate
+    with pytest.raises(CheckpointError, match=r"meta.json: holds list"):
+        validate(build_parser().parse_args(["--load", str(tmp_path)]), 2, in_launcher=True)
 
 
 def test_layout_precedence():

@@ -25,9 +25,12 @@ from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout, LayoutError
 
 __all__ = ["save_checkpoint", "read_meta", "load_checkpoint", "resume_layout", "CheckpointError",
-           "FORMAT", "check_same_model", "model_record", "MODEL_KEYS"]
+           "FORMAT", "check_same_model", "check_save_is_this_runs", "model_record", "MODEL_KEYS"]
 
 FORMAT = "dynmo-dist-ckpt/1"
+# what a complete torch_dist checkpoint directory holds besides its data files (here, not
+# beside the writer: read_meta runs in torchrun's own process too, which imports no torch)
+REQUIRED_FILES = ("metadata.json", "common.pt", ".metadata")
 _LATEST = "latest_checkpointed_iteration.txt"
 
 logger = logging.getLogger(__name__)
@@ -164,7 +167,6 @@ def read_meta(root: str, resume_if_absent: bool = False) -> Optional[dict]:
         CheckpointError: no such directory, no checkpoint in it, or an incomplete,
             unreadable or foreign one (the message names the file).
     """
-    from dynmo_plugin.megatron.checkpoint.dist_ckpt import REQUIRED_FILES
     latest = os.path.join(root, _LATEST)
     if not os.path.exists(latest):
         if resume_if_absent:
@@ -184,6 +186,9 @@ def read_meta(root: str, resume_if_absent: bool = False) -> Optional[dict]:
             meta = json.load(fh)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable ({e}); the checkpoint is incomplete") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: holds {type(meta).__name__}, not the checkpoint's record; "
+                              "the checkpoint is corrupt")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r} "
                               "(written by another version of dynmo_plugin)")
@@ -234,6 +239,29 @@ def check_same_model(root: str, args) -> None:
                                   f"{saved[key]} in the checkpoint ({path}), {now[key]} here "
                                   f"({flag}); give {flag} {saved[key]} to resume it, or another "
                                   "--load (or none) to train this model")
+
+
+def check_save_is_this_runs(save: Optional[str], load: Optional[str]) -> None:
+    """Before anything is built: --save may hold checkpoints only where this run resumes
+    them (--load the same directory). An earlier run's there would be overwritten
+    iteration by iteration, and its tracker moved back to this run's latest: a later
+    --load would resume this run and the earlier one's newer iterations are orphaned.
+
+    Raises:
+        CheckpointError: --save holds a checkpoint and --load is not that directory.
+    """
+    if not save or not os.path.exists(os.path.join(save, _LATEST)):
+        return
+    if load and os.path.realpath(load) == os.path.realpath(save):
+        return
+    try:
+        with open(os.path.join(save, _LATEST), encoding="utf-8") as fh:
+            held = f"iteration {int(fh.read().strip())}"
+    except (OSError, ValueError):
+        held = "a checkpoint"
+    raise CheckpointError(f"--save {save} already holds an earlier run's checkpoints ({held}), which "
+                          f"this run would overwrite; resume that run with --load {save}, or give "
+                          "another --save")
 
 
 def _freeze(trainer, frozen: set) -> None:

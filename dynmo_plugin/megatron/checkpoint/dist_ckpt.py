@@ -39,12 +39,10 @@ from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
 
-__all__ = ["check_sharding", "save_sharded", "load_sharded", "sharded_state", "read_tensors", "REQUIRED_FILES",
+__all__ = ["check_sharding", "save_sharded", "load_sharded", "sharded_state", "read_tensors",
            "OPTIMIZER_METADATA", "frozen_placeholders", "local_steps", "agreed_steps", "steps_where_none",
            "pop_step_holders"]
 
-# what a complete torch_dist checkpoint directory holds besides its data files
-REQUIRED_FILES = ("metadata.json", "common.pt", ".metadata")
 _MASK_SUFFIX = "_mask"
 # Optimizer state keyed by model parameter whatever the layout: the distributed
 # optimizer's 'fully_reshardable' form (gathered over DP on save, canonical per
