@@ -27,20 +27,10 @@ from dynmo_plugin.config import DynmoConfig, RebalanceConfig
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout, LayoutError
 from dynmo_plugin.profiling.records import PipelineProfile
-from dynmo_plugin.report import read_report
+from dynmo_plugin.sim.from_run import read_run_report
 from dynmo_plugin.sim.problem_model import live_iteration_model
 
 __all__ = ["recommend", "recommend_from_profile", "render", "render_profile"]
-
-
-def _report(run_dir: str) -> dict:
-    try:
-        return read_report(run_dir)
-    except OSError as e:
-        raise UserError(f"--from-run {run_dir!r}: cannot read its report ({e.strerror or e}); "
-                        "pass a training run's --output directory") from e
-    except ValueError as e:
-        raise UserError(f"--from-run {run_dir!r}: its report is not JSON ({e})") from e
 
 
 def _with_profile(report: dict, kind: str) -> list[dict]:
@@ -82,7 +72,7 @@ def recommend(run_dir: str) -> dict[str, Any]:
     Raises:
         UserError: no readable report, or no profile in it.
     """
-    report = _report(run_dir)
+    report = read_run_report(run_dir, "--from-run")  # read and shape-checked
     event = _event(report, run_dir)
     try:
         chunks = int((event.get("plan") or {}).get("num_chunks", 1))
@@ -104,7 +94,8 @@ def recommend(run_dir: str) -> dict[str, Any]:
             repack = plan_repack(problem, criteria, iteration_model=_iteration_model(report))
             if repack.apply:
                 layout, predicted = repack.layout_after, repack.predicted_iter_s_after
-    except (KeyError, TypeError, ValueError, LayoutError, ProblemError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError, LayoutError,
+            ProblemError) as e:
         raise UserError(f"--from-run {run_dir!r}: its report lacks or mangles what the plan needs "
                         f"({type(e).__name__}: {e})") from e
     return {"run": str(Path(run_dir)), "trigger": event.get("trigger"), "window": event.get("window"),

@@ -38,7 +38,7 @@ _MAX_REPLICAS = 100_000
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("cluster", help="release GPUs to the cluster scheduler (Kubernetes)",
                               description=__doc__.splitlines()[0])
-    actions = p.add_subparsers(dest="cluster_command", required=True)
+    actions = p.add_subparsers(dest="cluster_command", required=True, metavar="{release}")
     r = actions.add_parser("release", help="shrink a StatefulSet/Job or delete pods above --keep",
                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--strategy", required=True, choices=STRATEGIES)
@@ -114,8 +114,26 @@ def _check(args: argparse.Namespace) -> None:
                             if flag == "--timeout-s" else f"{flag} {value}: expected seconds in [0, 3600]")
     if args.grace_period is not None and not 0 <= args.grace_period <= 86_400:
         raise UserError(f"--grace-period {args.grace_period}: expected seconds from 0 to 86400")
-    if args.kubeconfig and not os.access(args.kubeconfig, os.R_OK):
-        raise UserError(f"--kubeconfig {show(args.kubeconfig)}: no such readable file")
+    if args.kubeconfig:
+        _check_kubeconfig(args.kubeconfig)
+
+
+def _check_kubeconfig(path: str) -> None:
+    """--kubeconfig names a readable YAML mapping, checked before any cluster is
+    contacted: a bad file is bad input (exit 2), not a failed release (exit 3).
+
+    Raises:
+        UserError: no such file, a directory, unreadable, or not a YAML mapping.
+    """
+    from dynmo_plugin.cluster.api import check_kubeconfig
+
+    if not os.path.exists(path):
+        raise UserError(f"--kubeconfig {show(path)}: no such file; give the kubeconfig file "
+                        "(or leave --kubeconfig out: in-cluster config, else $KUBECONFIG)")
+    try:
+        check_kubeconfig([path], "--kubeconfig")
+    except ValueError as e:
+        raise UserError(str(e)) from e
 
 
 def parse_ranks(text: str) -> tuple[int, ...]:

@@ -318,7 +318,16 @@ def _current_layout(args: argparse.Namespace, num_layers: int) -> Layout | None:
             raise UserError(f"--current-layout {args.current_layout[:40]!r}: repeat count {count} "
                             f"is more than the {num_layers} layers and {limit - num_layers} stages "
                             "can hold")
-    layout = Layout.parse(args.current_layout, args.stages, num_layers)
+    # Counts checked here, not by Layout.parse: its messages name the launcher's flags
+    # (--num-layers, --pipeline-model-parallel-size), which plan does not have.
+    layout = Layout.parse(args.current_layout)
+    shown = args.current_layout[:40]
+    if args.stages is not None and layout.num_stages != args.stages:
+        raise UserError(f"--current-layout {shown!r} has {layout.num_stages} stages but --stages "
+                        f"is {args.stages}; make them agree, or drop --stages (the layout gives it)")
+    if layout.num_layers != num_layers:
+        raise UserError(f"--current-layout {shown!r} holds {layout.num_layers} decoder layers ('t') "
+                        f"but costs file {args.costs!r} has {num_layers} per-layer costs; make them agree")
     if layout.num_stages > _MAX_STAGES:
         raise UserError(f"--current-layout has {layout.num_stages:,} stages; at most {_MAX_STAGES:,}")
     return layout

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from dynmo_plugin.cli._output import third_party_output_to_stderr
 from dynmo_plugin.errors import UserError
+from dynmo_plugin.report import LOG_NAME
 
 __all__ = ["add_parser", "run"]
 
@@ -13,7 +15,8 @@ __all__ = ["add_parser", "run"]
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("report", help="render plots and a Markdown summary of a run",
                               description=__doc__.splitlines()[0])
-    p.add_argument("run_dir", metavar="RUN_DIR", help="training --output directory (holds report.json)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="training --output directory (holds report.json), "
+                   "or its report.json or report.jsonl")
     p.add_argument("--out", default=None, help="where to write the PNGs and summary.md "
                    "(default: RUN_DIR)")
     p.add_argument("--json", action="store_true", help='print {"written": [paths]} as one JSON document')
@@ -23,9 +26,14 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from dynmo_plugin.reporting import render_report
 
+    run_dir = Path(args.run_dir)
+    if run_dir.name == LOG_NAME and run_dir.is_file():
+        # The log names its run: read the run (its summary when the run finished, else
+        # this log replayed), not the log as if it were a summary of an unfinished run.
+        run_dir = run_dir.parent
     with third_party_output_to_stderr():
         try:
-            written = render_report(args.run_dir, args.out)
+            written = render_report(run_dir, args.out)
         except OSError as e:  # a full disk or a read-only --out, while writing the files
             where = args.out if args.out is not None else args.run_dir
             raise UserError(f"cannot write the report into {where!r}: {e.strerror or e}; "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from dataclasses import replace
 
 from dynmo_plugin.cli._output import show, third_party_output_to_stderr
@@ -155,6 +156,7 @@ def _baseline_table(args: argparse.Namespace, result) -> list[str]:
 def _check_names(args: argparse.Namespace) -> None:
     """Scenario and balancer are checked here rather than by argparse `choices`, so the
     message lists the valid names like every other error."""
+    from dynmo_plugin.balancing.grow import FREED_MODES
     from dynmo_plugin.sim.planner import available_balancers
 
     given = args.scenario
@@ -174,6 +176,8 @@ def _check_names(args: argparse.Namespace) -> None:
     if args.repack_objective not in (None, "min_stages", "throughput_per_gpu"):
         raise UserError(f"--repack-objective {show(args.repack_objective)}: choose min_stages or "
                         "throughput_per_gpu")
+    if args.freed not in FREED_MODES:
+        raise UserError(f"--freed must be one of {', '.join(FREED_MODES)}, got {show(args.freed)}")
 
 
 def _flag_value(args: argparse.Namespace, flag: str):
@@ -287,10 +291,30 @@ def campaign_config(args: argparse.Namespace):
 
 def _simulate(args: argparse.Namespace):
     """Validate the flags and run the campaign: (CampaignResult, cost-model description)."""
+    from dynmo_plugin.balancing import InfeasibleError
     from dynmo_plugin.sim.campaign import run_campaign
 
     cfg, info = campaign_config(args)
-    return run_campaign(cfg), info
+    try:
+        return run_campaign(cfg), info
+    except InfeasibleError as e:
+        raise _does_not_fit(e, cfg.hw, args.costs_from is not None) from e
+
+
+# The fix the balancers' messages end with; `dynmo plan` has --capacity, simulate has not.
+_CAPACITY_FIX = re.compile(r"[;:] raise (the capacity|--capacity)\b.*$")
+
+
+def _does_not_fit(e: Exception, hw, run_shape: bool) -> UserError:
+    """A balancer's "no layout fits the memory" in simulate's terms: the capacity is the
+    simulated GPU's memory, the fix is a smaller model shape (unless --costs-from fixed
+    it) or more stages."""
+    detail = _CAPACITY_FIX.sub("", str(e))
+    if detail == str(e):  # not about memory: the message stands
+        return UserError(str(e))
+    fix = "raise --pp" if run_shape else "lower --hidden, --seq-length or --micro-batch, or raise --pp"
+    return UserError(f"the model does not fit the simulated GPU's {hw.memory_bytes:.4g} bytes "
+                     f"({detail}); {fix}")
 
 
 def run(args: argparse.Namespace) -> int:

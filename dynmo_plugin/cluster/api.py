@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["Op", "Api", "Rejected", "Unreachable", "connect", "RETRYABLE"]
+__all__ = ["Op", "Api", "Rejected", "Unreachable", "connect", "check_kubeconfig", "RETRYABLE"]
 
 log = logging.getLogger(__name__)
 
@@ -66,28 +66,33 @@ def connect(kubeconfig: str) -> Any:
 
     conf = client.Configuration()
     if kubeconfig:
-        _check_kubeconfig([kubeconfig], "--kubeconfig")
+        check_kubeconfig([kubeconfig], "--kubeconfig")
         config.load_kube_config(config_file=kubeconfig, client_configuration=conf)
     elif os.environ.get("KUBERNETES_SERVICE_HOST"):
         config.load_incluster_config(client_configuration=conf)
     else:
         env = os.environ.get("KUBECONFIG", "")
         paths = [p for p in env.split(os.pathsep) if p] or [os.path.expanduser("~/.kube/config")]
-        _check_kubeconfig(paths, "$KUBECONFIG" if env else "~/.kube/config")
+        check_kubeconfig(paths, "$KUBECONFIG" if env else "~/.kube/config")
         config.load_kube_config(client_configuration=conf)
     conf.retries = False
     return client.ApiClient(conf)
 
 
-def _check_kubeconfig(paths: list[str], source: str) -> None:
+def check_kubeconfig(paths: list[str], source: str) -> None:
     """Name what the kubernetes client would trip over with a Python error ("list
-    indices must be integers"): no file at all, or one that is not a YAML mapping.
+    indices must be integers"): no file at all, a directory, or a file that is not a
+    YAML mapping. Reads the files only: no cluster is contacted.
 
     Raises:
         ValueError: the problem and where the path came from, in one line.
     """
     import yaml
 
+    for path in paths:
+        if os.path.isdir(path):
+            raise ValueError(f"{path} ({source}) is a directory; give the kubeconfig file "
+                             f"(e.g. {os.path.join(path, 'config')})")
     present = [p for p in paths if os.path.isfile(p)]
     if not present:
         raise ValueError(f"no kubeconfig at {', '.join(paths)} ({source}) and not inside a pod; "
@@ -97,11 +102,23 @@ def _check_kubeconfig(paths: list[str], source: str) -> None:
             with open(path, encoding="utf-8") as fh:
                 data = yaml.safe_load(fh)
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-            raise ValueError(f"{path} ({source}): not a readable kubeconfig: "
-                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+            raise ValueError(f"{path} ({source}): not a readable kubeconfig: {_why(e)}; "
+                             "fix or replace the file") from e
+        if data is None and len(present) == 1:
+            raise ValueError(f"{path} ({source}) is empty; a kubeconfig holds apiVersion, "
+                             "clusters, contexts and users")
         if data is not None and not isinstance(data, dict):
             raise ValueError(f"{path} ({source}): a kubeconfig is a mapping (apiVersion, clusters, "
                              f"contexts, users), this file holds a {type(data).__name__}")
+
+
+def _why(e: Exception) -> str:
+    """An OSError's or YAML error's gist in one line, with the line of the file it is on."""
+    mark = getattr(e, "problem_mark", None)
+    if getattr(e, "problem", None) and mark is not None:
+        return f"{e.problem} (line {mark.line + 1}, column {mark.column + 1})"
+    text = getattr(e, "strerror", None) or str(e)
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 @dataclass

@@ -53,14 +53,17 @@ def _with_default(f: dataclasses.Field) -> str | None:
 class OneLineParser(argparse.ArgumentParser):
     """argparse as Megatron-LM configures it (no abbreviations: `--num-layer 6` is not
     --num-layers), with a usage error in one line instead of the whole usage (103 lines),
-    printed by rank 0 only (every rank of a run parses the same flags)."""
+    printed by rank 0 only (every rank of a run parses the same flags; `every_process`:
+    a command that runs once, such as `dynmo`, where RANK may be set by the pod it runs in)."""
+
+    every_process = False
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        if os.environ.get("RANK", "0") in ("0", ""):
+        if self.every_process or os.environ.get("RANK", "0") in ("0", ""):
             self._print_message(f"{self.prog}: error: {message} (`{self.prog} --help` lists the "
                                 "flags)\n", sys.stderr)
         self.exit(2)

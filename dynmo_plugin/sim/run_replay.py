@@ -58,6 +58,7 @@ Pure: no torch.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,9 @@ __all__ = ["GrowCheck", "RunReplay", "Segment", "WARMUP", "replay_report", "repl
 WARMUP = 2
 """Iterations not measured at the start (allocation, first-touch, the profiler's warm-up)."""
 MIN_CORES = 0.1
+MAX_CORES = 8192
+"""The most `cores` a replay takes: Linux's largest CONFIG_NR_CPUS. A rank uses at most one
+core (`sim.shared`), so beyond the run's ranks more cores change nothing."""
 EXTRA_FORWARD_SHARE = 1.0 / 3.0
 GLOO_LATENCY_S = 1e-4
 BISECTION_TOLERANCE = 1e-6
@@ -277,61 +281,100 @@ def replay_report(report: dict, run_dir: str = "", cores: float | None = None,
     `foreign_cores`: iteration -> cores other processes kept busy during it (needs `cores`).
 
     Raises:
-        UserError: no per-layer profile, an interleaved layout, or cores <= 0.
+        UserError: no per-layer profile, an interleaved layout, a report that lacks or
+            mangles a field the replay reads, or cores outside (0, MAX_CORES].
     """
-    if cores is not None and not cores > 0:
-        raise UserError(f"--cores must be a number > 0, got {cores}")
+    if cores is not None and not 0 < cores <= MAX_CORES:  # NaN fails both
+        raise UserError(f"--cores must be a number of CPU cores in (0, {MAX_CORES}], got {cores}; "
+                        "for one device per rank omit --cores")
     if foreign_cores is not None and cores is None:
         raise UserError("a foreign load needs the cores it shares (cores=N)")
+    try:
+        run = _read(report, run_dir)
+    except UserError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError) as e:
+        raise UserError(f"--from-run {run_dir!r}: its report lacks or mangles what the replay reads "
+                        f"({type(e).__name__}: {e}); pass the report.json a training run wrote") from e
+    segments: list[Segment] = []
+    for (layout_text, pp, dp, frozen_set), pc, group in run.groups:
+        counted = [(it, s) for it, s in group if it not in run.skip]
+        dedicated = simulate_iteration(pc).iteration_s
+        lefts = [_cores_left(cores, foreign_cores, it) for it, _ in counted or group]
+        threads = run.threads_s * pp * dp
+        on = {c: _shared_s(pc, c, threads) for c in set(lefts) if c is not None}  # ~25 simulations each
+        predicted = statistics.median(dedicated if c is None else on[c] for c in lefts)
+        measured = statistics.median(s for _, s in counted) if counted else None
+        left = None if cores is None else statistics.fmean(lefts)  # type: ignore[arg-type]
+        segments.append(Segment(group[0][0], group[-1][0], left, layout_text, pp, dp,
+                                pc.num_microbatches, frozen_set,
+                                run.tokens_per_iteration, predicted, dedicated, measured,
+                                tuple(it for it, _ in counted)))
+    check = None
+    if run.grow is not None:
+        before = [s for s in segments if s.first <= run.grow <= s.last]
+        after = [s for s in segments if s.first == run.grow + 1]
+        if before and after:
+            check = GrowCheck(run.grow, before[0], after[0])
+    return RunReplay(run_dir, cores, run.start, segments, check)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What `replay_report` reads from a report: each segment's iterations (key, its
+    simulated costs, (iteration, measured seconds)), the clean iterations' complement,
+    the profile's first iteration and the grow's."""
+
+    groups: list[tuple[tuple, PipelineCosts, list[tuple[int, float]]]]
+    skip: set[int]
+    threads_s: float
+    start: int
+    grow: int | None
+    tokens_per_iteration: float
+
+
+def _read(report: dict, run_dir: str) -> _Run:
+    """The report's fields the replay uses. Raises KeyError, TypeError, ValueError, ... on a
+    report that lacks or mangles them (`replay_report` names the run)."""
     layouts, worlds, frozen = _changes(report)
-    grow = _grow_event(report)
-    start, profile = _profile(report, None if grow is None else int(grow["iteration"]), run_dir)
+    grow_event = _grow_event(report)
+    grow = None if grow_event is None else int(grow_event["iteration"])
+    start, profile = _profile(report, grow, run_dir)
     costs = _layer_costs(profile, _at(frozen, start)[1])
     model = report["config"]["model"]
-    profile_dp = _at(worlds, start)[2]
-    distributed = bool(model.get("use_distributed_optimizer"))
     element = 2 if model.get("bf16") or model.get("fp16") else 4
     act = float(model["seq_length"] * model["micro_batch_size"] * model["hidden_size"] * element)
     gbps = float(((report["config"].get("dynmo") or {}).get("rebalance") or {}).get("bandwidth_gbps", 1.0))
     gloo = report["world"].get("backend") == "gloo"
     link = Link(latency_s=GLOO_LATENCY_S if gloo else 0.0, bandwidth_Bps=gbps * 1e9)
-    skip = _clean(report)
+    profile_dp, distributed = _at(worlds, start)[2], bool(model.get("use_distributed_optimizer"))
     rows: list[tuple[tuple, int, float]] = []
     for row in report["iterations"]:
         it = int(row["iteration"])
         _, layout, = _at(layouts, it)
         _, pp, dp = _at(worlds, it)
         key = (layout, pp, dp, _at(frozen, it)[1])
-        rows.append((key, it, float(row["time_s"]) - float(row.get("dynmo_s", 0.0))))
-    segments: list[Segment] = []
+        seconds = float(row["time_s"]) - float(row.get("dynmo_s", 0.0))
+        if not math.isfinite(seconds):
+            raise ValueError(f"iteration {it}'s time_s - dynmo_s is {seconds}")
+        rows.append((key, it, seconds))
+    if not all(math.isfinite(x) for x in (act, gbps, model["global_batch_size"] * model["seq_length"])):
+        raise ValueError("config.model's sizes or the rebalance bandwidth are not finite")
+    groups = []
     for key, group in _group(rows):
-        layout_text, pp, dp, frozen_set = key
+        layout_text, pp, dp, _ = key
         layout = Layout.parse(layout_text)
         if layout.interleaved or layout.num_stages != pp:
             raise UserError(f"--from-run {run_dir!r}: layout {layout_text} on pp {pp}: the replay "
                             "models the non-interleaved 1F1B schedule only")
         m = int(model["global_batch_size"]) // (int(model["micro_batch_size"]) * dp)
-        counted = [(it, s) for it, s in group if it not in skip]
-        pc = _pipeline_costs(costs, layout, frozen_set, dp, m, act, link,
-                             profile_dp / dp if distributed else 1.0)
-        dedicated = simulate_iteration(pc).iteration_s
-        lefts = [_cores_left(cores, foreign_cores, it) for it, _ in counted or group]
-        threads = costs.threads_s * pp * dp
-        on = {c: _shared_s(pc, c, threads) for c in set(lefts) if c is not None}  # ~25 simulations each
-        predicted = statistics.median(dedicated if c is None else on[c] for c in lefts)
-        measured = statistics.median(s for _, s in counted) if counted else None
-        left = None if cores is None else statistics.fmean(lefts)  # type: ignore[arg-type]
-        segments.append(Segment(group[0][0], group[-1][0], left, layout_text, pp, dp, m, frozen_set,
-                                float(model["global_batch_size"] * model["seq_length"]),
-                                predicted, dedicated, measured, tuple(it for it, _ in counted)))
-    check = None
-    if grow is not None:
-        g = int(grow["iteration"])
-        before = [s for s in segments if s.first <= g <= s.last]
-        after = [s for s in segments if s.first == g + 1]
-        if before and after:
-            check = GrowCheck(g, before[0], after[0])
-    return RunReplay(run_dir, cores, start, segments, check)
+        if m < 1:
+            raise UserError(f"--from-run {run_dir!r}: config.model's global batch "
+                            f"{model['global_batch_size']} < micro-batch x dp on dp {dp}: no micro-batch")
+        groups.append((key, _pipeline_costs(costs, layout, key[3], dp, m, act, link,
+                                            profile_dp / dp if distributed else 1.0), group))
+    return _Run(groups, _clean(report), costs.threads_s, start, grow,
+                float(model["global_batch_size"] * model["seq_length"]))
 
 
 def _shared_s(pc: PipelineCosts, cores: float, threads_s: float) -> float:

@@ -1,6 +1,7 @@
 """`dynmo cluster release` with no usable cluster: its outcome once, in one clear line
 (issue 28: printed twice, with "replicas 0" and "ranks []", and a KUBECONFIG holding a
-JSON list leaked "list indices must be integers or slices, not str")."""
+JSON list leaked "list indices must be integers or slices, not str"). A bad --kubeconfig
+file is bad input: exit 2 and one line on stderr, before any cluster is contacted."""
 from __future__ import annotations
 
 import subprocess
@@ -35,3 +36,50 @@ def test_no_cluster_one_line(tmp_path, text, needle):
     assert len(lines) == 1 and needle in lines[0], lines
     assert "replicas 0" not in lines[0] and "ranks []" not in lines[0]
     assert "list indices" not in lines[0]
+
+
+_GOOD_KUBECONFIG = """apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:1"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+"""
+
+
+@pytest.mark.parametrize("kind,needle", [
+    ("missing", "no such file"),
+    ("directory", "is a directory; give the kubeconfig file"),
+    ("malformed", "not a readable kubeconfig: expected the node content"),
+    ("not utf-8", "not a readable kubeconfig"),
+    ("empty", "is empty"),
+    ("a list", "a kubeconfig is a mapping"),
+])
+def test_bad_kubeconfig_flag_is_one_line_exit_2(tmp_path, capsys, kind, needle):
+    """Was exit 3 with the failure on stdout only (a directory passed os.access; the file
+    was never parsed before the release tried to connect)."""
+    from dynmo_plugin.cli import main
+
+    path = tmp_path / "kc"
+    if kind == "directory":
+        path.mkdir()
+    elif kind != "missing":
+        path.write_bytes({"malformed": b"apiVersion: v1\nclusters: [\n  - name: x\n",
+                          "not utf-8": b"\xff\xfe", "empty": b"", "a list": b"[1, 2]"}[kind])
+    code = main([*ARGV, "--kubeconfig", str(path), "--json"])
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert code == 2 and out == "", (code, out)
+    assert len(lines) == 1 and lines[0].startswith("dynmo cluster release: error: "), err
+    assert needle in lines[0], lines[0]
+
+
+def test_good_kubeconfig_no_server_stays_exit_3(tmp_path, capsys):
+    """A usable kubeconfig whose server does not answer is a failed release (3), not bad input."""
+    from dynmo_plugin.cli import main
+
+    (tmp_path / "kc").write_text(_GOOD_KUBECONFIG)
+    code = main([*ARGV, "--kubeconfig", str(tmp_path / "kc"), "--retries", "1", "--backoff-s", "0",
+                 "--json"])
+    out, _ = capsys.readouterr()
+    assert code == 3 and '"outcome": "failed"' in out, out

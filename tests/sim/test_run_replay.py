@@ -190,7 +190,7 @@ def test_cli_from_run(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--from-run", "RUN", "--pp", "2"], "--from-run replays the run's own model, cluster and schedule; drop --pp"),
     (["--from-run", "RUN", "--scenario", "moe", "--repack"], "drop --repack, --scenario"),
-    (["--from-run", "RUN", "--cores", "0"], "--cores must be a number > 0, got 0.0"),
+    (["--from-run", "RUN", "--cores", "0"], "--cores must be a number of CPU cores in (0, 8192], got 0.0"),
     (["--from-run", "NOPE"], "--from-run 'NOPE': cannot read"),
     (["--scenario", "moe", "--pp", "2"], "dynmo simulate needs --layers, --dp (or --from-run RUN_DIR"),
     (["--scenario", "moe", "--layers", "4", "--dp", "1", "--pp", "2", "--cores", "2"],
@@ -210,3 +210,66 @@ def test_no_profile_is_one_clear_error():
     del report["events"][1]["profile"]
     with pytest.raises(UserError, match="holds no per-layer profile; train with --dynmo"):
         replay_report(report, "RUN")
+
+
+def _mangled(report: dict) -> dict:
+    report["events"][1]["profile"]["layers"] = [[1, 2], [3, 4]]
+    return report
+
+
+def _text_fwd(report: dict) -> dict:
+    report["events"][1]["profile"]["layers"][2]["fwd_s"] = "1 ms"
+    return report
+
+
+def _no_model(report: dict) -> dict:
+    del report["config"]["model"]
+    return report
+
+
+_COSTS_FROM = ["simulate", "--scenario", "moe", "--layers", "8", "--dp", "1", "--pp", "2", "--costs-from"]
+_READERS = [["simulate", "--json", "--from-run"], ["plan", "--json", "--from-run"], _COSTS_FROM]
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"[]", "report.json is not a run's report: it holds a list, not an object; pass the report.json"),
+    (b'{"events": {}}', "report.json is not a run's report: events is an object, not a list"),
+    (b'{"events": [3]}', "report.json is not a run's report: events[0] is 3, not an object"),
+    (b"\xff\xfe", "report.json is not UTF-8 text (invalid start byte at byte 0)"),
+    (json.dumps(_mangled(_report())).encode(),
+     "report.json is not a run's report: events[1].profile.layers[0] is a list, not an object"),
+    (json.dumps(_text_fwd(_report())).encode(),
+     "events[1].profile.layers[2].fwd_s is a string, not a number >= 0"),
+])
+@pytest.mark.parametrize("reader", _READERS, ids=["simulate --from-run", "plan --from-run", "--costs-from"])
+def test_a_report_that_is_not_one_is_one_line_for_every_reader(tmp_path, capsys, content, message, reader):
+    """Read in one place (`sim.from_run.read_run_report`): every reader of a run's report
+    names the flag, the file and the bad field; exit 2, nothing on stdout (it raised
+    TypeError, AttributeError, UnicodeDecodeError)."""
+    (tmp_path / "report.json").write_bytes(content)
+    assert dynmo([*reader, str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    flag = reader[-1]
+    assert out == "" and err.count("\n") == 1, err
+    assert f"error: {flag} {str(tmp_path)!r}: {tmp_path / 'report.json'}" in err and message in err, err
+
+
+@pytest.mark.parametrize("reader", _READERS[::2], ids=["simulate --from-run", "--costs-from"])
+def test_a_report_without_its_model_is_one_line(tmp_path, capsys, reader):
+    (tmp_path / "report.json").write_text(json.dumps(_no_model(_report())))
+    assert dynmo([*reader, str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "lacks or mangles" in err and "'model'" in err, err
+
+
+@pytest.mark.parametrize("cores", ["inf", "1e308", "nan", "-1", "8193"])
+def test_cores_are_finite_and_bounded(tmp_path, capsys, cores):
+    """--cores inf failed in the JSON writer and 1e308 overflowed the mean of the cores
+    left; a rank uses at most one core, so MAX_CORES bounds what a replay can use."""
+    (tmp_path / "report.json").write_text(json.dumps(_report()))
+    assert dynmo(["simulate", "--from-run", str(tmp_path), "--cores", cores, "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert f"--cores must be a number of CPU cores in (0, 8192], got {float(cores)}" in err
+    assert dynmo(["simulate", "--from-run", str(tmp_path), "--cores", "8192", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cores"] == 8192
