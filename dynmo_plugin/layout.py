@@ -50,15 +50,21 @@ _MAX_EXPANDED = 1 << 20
 
 def _expand(text: str) -> str:
     text = text.replace(",", "").replace(" ", "")
+    return _repeat(_REPEAT_CHAR, _repeat(_REPEAT_GROUP, text, text), text)
 
-    def repeat(m: re.Match) -> str:
-        digits = m.group(2)
-        if len(digits) > 7 or len(m.group(1)) * int(digits) > _MAX_EXPANDED:
-            shown = digits if len(digits) <= 12 else digits[:12] + "..."
-            raise LayoutError(f"layout {text[:40]!r}: repeat count {shown} makes more than "
-                              f"{_MAX_EXPANDED} layers and stages; give the counts the model has")
-        return m.group(1) * int(digits)
-    return _REPEAT_CHAR.sub(repeat, _REPEAT_GROUP.sub(repeat, text))
+
+def _repeat(pattern: re.Pattern, text: str, given: str) -> str:
+    """`text` with `pattern`'s repeats written out, after the length they give is known
+    to stay under `_MAX_EXPANDED` (`given`: the layout as written, for the message)."""
+    matches = list(pattern.finditer(text))
+    long = next((m.group(2) for m in matches if len(m.group(2)) > 7), None)
+    total = len(text) + sum(len(m.group(1)) * int(m.group(2)) - len(m.group(0)) for m in matches
+                            if long is None)
+    if long is not None or total > _MAX_EXPANDED:
+        shown = "" if long is None else f" (count {long[:12]}{'...' if len(long) > 12 else ''})"
+        raise LayoutError(f"layout {given[:40]!r}: its repeat counts{shown} make more than "
+                          f"{_MAX_EXPANDED} layers and stages; give the counts the model has")
+    return pattern.sub(lambda m: m.group(1) * int(m.group(2)), text)
 
 
 @dataclass(frozen=True)

@@ -127,10 +127,10 @@ class TrainingSession:
     def _checkpoint(self, dims) -> Optional[dict]:
         """The meta of the checkpoint to resume from, or None. --load equal to --save
         (a job that restarts itself) starts from scratch while nothing is saved there."""
-        from dynmo_plugin.megatron.checkpoint.directory import read_meta
+        from dynmo_plugin.megatron.checkpoint.directory import read_meta, resumes_its_save
         args = self.cfg.model
         root = args.load
-        meta = read_meta(root, resume_if_absent=root == args.save) if root else None
+        meta = read_meta(root, resume_if_absent=resumes_its_save(root, args.save)) if root else None
         if meta is None:
             if root:
                 logger.warning("--load %s: no checkpoint there yet; starting from scratch", root)
@@ -175,7 +175,7 @@ class TrainingSession:
                 "data": self.trainer.data.state_dict(),
                 "next": None if next_layout is None else {
                     "layout": str(next_layout), "pp": next_layout.num_ranks,
-                    "world_size": next_world or d.tp * d.dp * next_layout.num_ranks}}
+                    "world_size": next_world or d.world_size // d.pp * next_layout.num_ranks}}
         start = time.perf_counter()
         path = save_checkpoint(self.cfg.model.save, iteration, self.trainer, self.control, meta)
         if d.rank == 0:
@@ -207,7 +207,7 @@ class TrainingSession:
         d, start = self.trainer.dims, time.perf_counter()
         freed = info.get("freed") or {}
         grow = freed.get("choice") == "grow"
-        world = d.world_size if grow else d.tp * d.dp * layout.num_ranks
+        world = d.world_size if grow else d.world_size // d.pp * layout.num_ranks  # each stage's ranks
         iteration = self._completed  # decided before a step (forced) or after it
         result = RepackResult(freed.get("choice") != "refuse", d.pp, layout.num_ranks,
                               str(self.trainer.layout), ranks_released=list(range(world, d.world_size)),

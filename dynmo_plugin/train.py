@@ -149,7 +149,7 @@ def validate(args: argparse.Namespace, world_size: int | None, in_launcher: bool
     checkpoint.check_save_is_this_runs(cfg.model.save, load)
     if load:
         checkpoint.check_same_model(load, cfg.model)
-        checkpoint.read_meta(load, resume_if_absent=load == cfg.model.save)
+        checkpoint.read_meta(load, resume_if_absent=checkpoint.resumes_its_save(load, cfg.model.save))
     return cfg
 
 

@@ -37,8 +37,10 @@ def test_megatron_strings(text, counts, chunks):
     ("Et|t|tL", {"num_chunks": 2}, "not a multiple of 2"),
     ("Ett|ttL", {"num_layers": 5}, "holds 4 decoder layers but --num-layers is 5"),
     # a mistyped repeat count was expanded in memory first (MemoryError on every rank)
-    ("E|t*99999999999999|L", {}, "repeat count 999999999999... makes more than 1048576"),
-    ("E(t|)*600000tL", {}, "repeat count 600000 makes more than 1048576"),
+    ("E|t*99999999999999|L", {}, "its repeat counts (count 999999999999...) make more than 1048576"),
+    ("E(t|)*600000tL", {}, "its repeat counts make more than 1048576"),
+    ("E(t*1000000)*3L", {}, "its repeat counts make more than 1048576"),  # each under, together over
+    ("E(t*1000000)*100000L", {}, "its repeat counts make more than 1048576"),
 ])
 def test_bad_strings_say_why(text, args, needle):
     with pytest.raises(LayoutError) as err:

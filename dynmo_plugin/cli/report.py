@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from dynmo_plugin.cli._output import third_party_output_to_stderr
 from dynmo_plugin.errors import UserError
-from dynmo_plugin.report import LOG_NAME
 
 __all__ = ["add_parser", "run"]
 
@@ -26,14 +24,9 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from dynmo_plugin.reporting import render_report
 
-    run_dir = Path(args.run_dir)
-    if run_dir.name == LOG_NAME and run_dir.is_file():
-        # The log names its run: read the run (its summary when the run finished, else
-        # this log replayed), not the log as if it were a summary of an unfinished run.
-        run_dir = run_dir.parent
     with third_party_output_to_stderr():
         try:
-            written = render_report(run_dir, args.out)
+            written = render_report(args.run_dir, args.out)
         except OSError as e:  # a full disk or a read-only --out, while writing the files
             where = args.out if args.out is not None else args.run_dir
             raise UserError(f"cannot write the report into {where!r}: {e.strerror or e}; "

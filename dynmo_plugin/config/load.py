@@ -62,10 +62,10 @@ def _layouts(value: Any) -> tuple[Any, Optional[str]]:
         return value, "a mapping of iteration to layout string"
     out = {}
     for k, v in value.items():
-        try:
-            it = int(k)
-        except (TypeError, ValueError):
-            return value, f"integer iterations as keys (got {k!r})"
+        text = k.strip() if isinstance(k, str) else k
+        if isinstance(k, bool) or not (isinstance(k, int) or (isinstance(text, str) and text.isdigit())):
+            return value, f"integer iterations as keys (got {k!r})"  # not 1e3, 2.5 or inf
+        it = int(text)
         if it <= 0 or not isinstance(v, str):
             return value, "positive iterations mapped to layout strings"
         out[it] = v

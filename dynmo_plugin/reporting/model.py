@@ -386,7 +386,8 @@ def _dict_field(raw: dict, key: str) -> dict:
 
 
 def load_report(run_dir: str | Path) -> Report:
-    """Load `RUN_DIR/report.json` (or the file itself if a file is given).
+    """Load `RUN_DIR/report.json` (or the file itself if a file is given; its log
+    `report.jsonl` names its run: the summary when the run finished, else the log).
 
     Raises:
         UserError: the file is missing, unreadable, holds no iterations or is corrupt
@@ -395,6 +396,8 @@ def load_report(run_dir: str | Path) -> Report:
     path = Path(run_dir)
     if path.is_dir():
         path = path / REPORT_NAME
+    elif path.name == LOG_NAME:
+        path = path.with_name(REPORT_NAME)
     raw, path = _read_raw(path)
     if not isinstance(raw, dict):
         raise UserError(f"{path} is not a run report (expected a JSON object, got {_type_name(raw)})")

@@ -214,11 +214,11 @@ def _costs(report: dict, run_dir: str | Path) -> RunCosts:
     first_it, first = profiles[0]
     totals = _totals(first)
     layer_s = statistics.median(totals)
-    fwd_share = statistics.median(x["fwd_s"] / t for x, t in zip(first["layers"], totals) if t > 0)
-    stages = sorted(first["stages"], key=lambda s: s["stage"])
     if not layer_s > 0:
         raise UserError(f"--costs-from {str(run_dir)!r}: the first profile's layers cost "
                         f"{layer_s} s (median fwd+bwd): nothing to price the layers by")
+    fwd_share = statistics.median(x["fwd_s"] / t for x, t in zip(first["layers"], totals) if t > 0)
+    stages = sorted(first["stages"], key=lambda s: s["stage"])
     model = report["config"]["model"]
     bad = [k for k in _MODEL_FIELDS if isinstance(model.get(k), bool) or not isinstance(model.get(k), int)
            or model[k] < 1]

@@ -3,6 +3,7 @@ Engine, speed, bit-exact migration and repack."""
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 from gpu_checks.common import CheckFailed, FORCED, HEAVY_FACTOR, HEAVY_LAYER, HEAVY_TOLERANCE, Machine, NO_CUDA, Row, Sizes, compare_params, heavy_layer_verdict, last_profile, load_params
@@ -133,6 +134,7 @@ def check_repack(m: Machine, sizes: Sizes, out: Path) -> Row:
     if len(m.gpus) < 2:
         return Row("repack_2_to_1", NO_CUDA if not m.gpus else f"skipped: needs 2 GPUs ({len(m.gpus)} visible)")
     ckpt = out / "repack_ckpt"
+    shutil.rmtree(ckpt, ignore_errors=True)  # this row's own scratch from an earlier --out run
     launch(2, [*sizes.exact, "--pipeline-model-parallel-size", "2", "--train-iters", "2",
                "--save", str(ckpt), "--save-interval", "2"], out / "repack_saved", deterministic=True)
     resumed = launch(1, [*sizes.exact, "--pipeline-model-parallel-size", "1", "--load", str(ckpt)],

@@ -181,7 +181,8 @@ def test_at_the_peak_extras_activations_grow_with_their_stage_depth_and_chunks_w
     them against the moment's 1: 2, 1 and 0 more `extra_act_bytes`.
     Interleaved (pp 2 x v 2), the profiler records each chunk's depth at the moment and
     at the peak (`peak_in_flight`): layers count at the deepest chunk's peak depth, each
-    chunk's extras at its own growth; without a ramp nothing changes."""
+    chunk's extras at its own growth; a profile without the peak's depths counts the
+    profiled ones."""
     from dataclasses import replace
 
     from dynmo_plugin.balancing.profile_problem import memory_calibration
@@ -209,4 +210,4 @@ def test_at_the_peak_extras_activations_grow_with_their_stage_depth_and_chunks_w
     grown = problem_from_profile(interleaved, layout, DynmoConfig(), 2, peak_microbatches=M)
     assert list(grown.extras_memory_arr) == [7 * MB, 5 * MB, 5 * MB, 5 * MB]  # chunk 0: 2 more; the head's chunk: none
     unramped = replace(interleaved, stages=[replace(s, peak_in_flight=0) for s in v_stages])
-    assert memory_calibration(unramped, 4, 2, peak_microbatches=2)[0] == at_now
+    assert memory_calibration(unramped, 4, 2, peak_microbatches=M)[0] == at_now  # not recorded: as profiled

@@ -70,6 +70,25 @@ def test_a_save_directory_of_an_earlier_run_is_refused_unless_this_run_resumes_i
     check_save_is_this_runs(str(earlier), str(tmp_path / "." / "ckpt"))  # resumes it
 
 
+def test_a_job_that_restarts_itself_starts_fresh_however_its_directory_is_spelled(tmp_path, monkeypatch):
+    """--load ./ckpt --save ckpt on the first start: nothing saved yet, so it starts from
+    scratch as --load ckpt --save ckpt does (the comparison was of the strings)."""
+    monkeypatch.chdir(tmp_path)
+    _validate(["--load", "./ckpt", "--save", "ckpt", "--save-interval", "2"])
+    with pytest.raises(UserError, match="the directory does not exist"):
+        _validate(["--load", "./other", "--save", "ckpt"])
+
+
+@pytest.mark.parametrize("key", ["1e400", "1e3", "2.5", "-3", "true"])
+def test_forced_layout_iterations_are_whole_numbers(tmp_path, key):
+    """A YAML key that reads as a float (1e400 is inf: int() raised OverflowError, a
+    traceback) or a bool is not an iteration; the line says what is."""
+    text = f"rebalance:\n  forced_layouts: {{{key}: 'Etttt|ttttL'}}\n"
+    with pytest.raises(ConfigError, match="integer iterations as keys|positive iterations") as err:
+        _validate(["--dynmo-config", _yaml(tmp_path, text)])
+    assert "\n" not in str(err.value)
+
+
 def test_a_directory_as_config_is_named(tmp_path):
     with pytest.raises(ConfigError, match="it is a directory; give the YAML file"):
         _validate(["--dynmo-config", str(tmp_path)])

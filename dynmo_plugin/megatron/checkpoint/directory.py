@@ -25,7 +25,7 @@ from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout, LayoutError
 
 __all__ = ["save_checkpoint", "read_meta", "load_checkpoint", "resume_layout", "CheckpointError",
-           "FORMAT", "check_same_model", "check_save_is_this_runs", "model_record", "MODEL_KEYS"]
+           "FORMAT", "check_same_model", "check_save_is_this_runs", "resumes_its_save", "model_record", "MODEL_KEYS"]
 
 FORMAT = "dynmo-dist-ckpt/1"
 # what a complete torch_dist checkpoint directory holds besides its data files (here, not
@@ -241,6 +241,12 @@ def check_same_model(root: str, args) -> None:
                                   "--load (or none) to train this model")
 
 
+def resumes_its_save(load: Optional[str], save: Optional[str]) -> bool:
+    """--load and --save name the same directory (a job that restarts itself), however
+    they are spelled (`./ckpt` and `ckpt`)."""
+    return bool(load and save) and os.path.realpath(load) == os.path.realpath(save)
+
+
 def check_save_is_this_runs(save: Optional[str], load: Optional[str]) -> None:
     """Before anything is built: --save may hold checkpoints only where this run resumes
     them (--load the same directory). An earlier run's there would be overwritten
@@ -250,9 +256,7 @@ def check_save_is_this_runs(save: Optional[str], load: Optional[str]) -> None:
     Raises:
         CheckpointError: --save holds a checkpoint and --load is not that directory.
     """
-    if not save or not os.path.exists(os.path.join(save, _LATEST)):
-        return
-    if load and os.path.realpath(load) == os.path.realpath(save):
+    if not save or not os.path.exists(os.path.join(save, _LATEST)) or resumes_its_save(load, save):
         return
     try:
         with open(os.path.join(save, _LATEST), encoding="utf-8") as fh:
