@@ -122,6 +122,10 @@ def _check(args):
     assert [(x.fwd_s, x.bwd_s) for x in full.layers] == [(1.0, 3.0)] * 4
     assert all(len(probe.samples[f"{way}/{n}"]) == 2 * m for way in ("fwd", "bwd", "cpu/bwd") for n in range(1, 5))
     assert [x.act_bytes for x in full.layers] == [hidden] * 4  # what the checkpoint keeps
+    # chunks of 2 layers: the checkpoint keeps each chunk's input, the inner layer's none
+    chunked, _, _ = _profile(args, ("uniform", 2))
+    assert [x.act_bytes for x in chunked.layers] == [hidden, 0, hidden, 0]
+    assert [(x.fwd_s, x.bwd_s) for x in chunked.layers] == [(1.0, 3.0)] * 4
     assert full.stages[0].predicted_s > plain.stages[0].predicted_s
     # only the first 2 layers recomputed: the balancer sees them dearer than the rest
     block, _, _ = _profile(args, ("block", 2))

@@ -24,10 +24,10 @@ another micro-batch. A forward in evaluation (`module.training` off: Megatron-LM
 evaluate() inside a window) is not timed: no training step pays it. What
 the layer holds between its forward and backward is then its kept input, not what the
 recomputed forward saves for the moment of its own backward: counted for every layer
-whose forward runs without autograd on an input that needs gradients, exact at
-`--recompute-num-layers 1`; in larger chunks the inner layers' inputs count too, though
-only the chunk's is kept (their outputs still say they need gradients): one hidden state
-per inner layer over, against a whole layer's activations without recompute.
+whose forward runs without autograd on an input that needs gradients, except an input
+that is the previous layer's output inside the same checkpointed chunk
+(`--recompute-num-layers` N > 1: only the chunk's input is kept; `_inside_chunk`). The
+first layer of each chunk holds the chunk's hidden state, the others none.
 
 Every span opens with `clock.begin()` (on CUDA: the device is drained first, so the span
 holds that region's work only; `profiling.clock`) and closes with `clock.mark()`; the
@@ -47,6 +47,7 @@ launched are summed per layer (`profiling.kernels`: GPU busy time, no constant a
 """
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from typing import Callable
 
@@ -220,6 +221,9 @@ class StageProbe:
         # layer -> (micro-batch, the segment's start mark) of a forward being recomputed
         self._recomputing: dict[int, tuple[int, object]] = {}
         self._mtp_saved: dict[int, SavedBytes] = {}
+        # the output (and its autograd node) of the last layer forward run without autograd
+        # in training (a checkpoint's first pass): the chunk's next layer takes it
+        self._unsaved_output: tuple[Callable[[], object], int] = (lambda: None, 0)
 
     def occupied_s(self) -> float:
         """This iteration's spans on the host timeline so far (before `end_iteration`: its
@@ -360,7 +364,8 @@ class StageProbe:
             if self.count_activations:
                 saved = SavedBytes(self._param_ptrs)
                 self._saved[(number, mb)] = saved
-                if torch.is_tensor(hidden) and hidden.requires_grad and not torch.is_grad_enabled():
+                if (torch.is_tensor(hidden) and hidden.requires_grad and not torch.is_grad_enabled()
+                        and not self._inside_chunk(hidden)):
                     saved.count(hidden)  # training without autograd: a checkpoint's first pass,
                     # which keeps its input (module docstring)
                 saved.__enter__()
@@ -381,6 +386,8 @@ class StageProbe:
                 if self.count_activations:
                     self._saved[(number, mb)].__exit__(None, None, None)
             out = output[0] if isinstance(output, tuple) else output
+            if torch.is_tensor(out) and not torch.is_grad_enabled():  # (its node by id: no graph kept)
+                self._unsaved_output = (weakref.ref(out), id(out.grad_fn))
             # not after a checkpoint's first pass: its output, marked as needing gradients
             # (make_viewless_tensor), becomes the checkpoint's own and loses the hooks on it
             if torch.is_tensor(out) and out.requires_grad and torch.is_grad_enabled():
@@ -397,6 +404,15 @@ class StageProbe:
         self._handles.append(layer.register_forward_hook(post, with_kwargs=True))
         self._handles += [p.register_post_accumulate_grad_hook(accumulated)
                           for p in layer.parameters() if p.requires_grad]
+
+    def _inside_chunk(self, hidden) -> bool:
+        """Whether `hidden` is the previous layer's output within one checkpointed chunk
+        (--recompute-num-layers > 1): the checkpoint keeps the chunk's input only. The
+        output still has the autograd node its layer gave it (Megatron's bias-dropout-add
+        runs with grad enabled, so inner outputs have one); the chunk's output, by the time
+        the next chunk takes it, has the checkpoint's backward node instead."""
+        output, node = self._unsaved_output
+        return output() is hidden and id(hidden.grad_fn) == node
 
     def _backward_ends(self, number: int, mb: int, hidden) -> None:
         """Mark where the layer's backward of `mb` ends: its input's gradient, or, where
