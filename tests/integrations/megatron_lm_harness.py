@@ -159,9 +159,13 @@ def harness() -> None:
     mtt.initialize_megatron(allow_no_cuda=True, skip_mpu_initialization=True)
     args = get_args()
     dist.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
-                                             args.pipeline_model_parallel_size,
-                                             args.virtual_pipeline_model_parallel_size)
+    parallel_state.initialize_model_parallel(  # as initialize_megatron's _initialize_distributed
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size, context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        order="tp-cp-ep-dp-pp" if not args.use_tp_pp_dp_mapping else "tp-cp-ep-pp-dp")
     from dynmo_plugin.megatron.training import cpu_compat
     cpu_compat.apply()
     _cpu_streams()

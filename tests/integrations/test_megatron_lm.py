@@ -752,6 +752,31 @@ def test_native_moe_rebalanced_from_router_counts_bit_exact_with_a_never_moved_r
 
 
 @needs_source
+def test_native_moe_under_expert_parallelism_moves_bit_exact(tmp_path):
+    """--expert-model-parallel-size 2 on 4 ranks (PP 2 x DP 2: each rank of a stage holds 4
+    of the 8 experts of an MoE layer, their gradients reduced over the expert data-parallel
+    group; the harness had built every MPU group but TP and PP at size 1, so EP never ran): MoE layer 2 moves to stage 1 before iteration 4, each rank sending its own
+    experts to its place in the other stage, and the six losses equal the never-moved
+    run's to the last bit. The router's counts still reach the scenario's events (the
+    uniform balancer: only the forced move, whatever the events' gains on a loaded
+    machine)."""
+    flags = [*NATIVE_MOE, "--expert-model-parallel-size", "2", "--dynmo", "--dynmo-balancer", "uniform"]
+    moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", [*flags, "--dynmo-profile-every", "2",
+                                                                    "--dynmo-forced-layouts", "4:Et|tttL"], ranks=4)
+    static, static_losses = train_in_megatron_lm(tmp_path / "static", flags, ranks=4)
+    assert (moved["world"]["dp"], moved["world"]["world_size"]) == (2, 4)
+    layers = [e["profile"]["layers"] for e in moved["events"] if e["kind"] == "profile"][0]
+    # 4 of 8 experts per rank: 148224 fp32 parameters an MoE layer (279296 with all 8)
+    assert [x["param_bytes"] for x in layers] == [4 * 148224] * 2 + [4 * 49408] * 2
+    applied = [(e["iteration"], e["trigger"], [(m["layer"], m["src"], m["dst"]) for m in e["moves"]])
+               for e in moved["events"] if e["kind"] == "rebalance" and e["applied"]]
+    assert applied == [(4, "forced", [(2, 0, 1)])]
+    assert (moved["layout"], static["layout"]) == ("Et|tttL", "Ett|ttL")
+    assert [e["iteration"] for e in moved["events"] if e["kind"] == "dynamism"] == [2, 3, 4, 5, 6]
+    assert len(moved_losses) == 6 and moved_losses == static_losses
+
+
+@needs_source
 def test_checkpoint_repack_4_to_2_ranks_resumes_bit_exact(tmp_path):
     """--dynmo-repack in checkpoint mode on 4 ranks (PP=4): a forced 2-stage layout before
     iteration 4 makes Megatron-LM's own exit path save after iteration 4 and leave
