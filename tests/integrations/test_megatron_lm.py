@@ -328,7 +328,8 @@ def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp
     chunks) and --use-distributed-optimizer on 4 ranks, PP=2 x DP=2 (its state sharded over
     the two DP ranks, gathered and re-sharded through optim_state as in the launcher), with
     --overlap-grad-reduce: the no-sync and grad-sync functions train() bound to its DDP
-    chunks end bound to the chunks that replaced them."""
+    chunks end bound to the chunks that replaced them; under Megatron-LM's default
+    --rerun-mode validate_results (the harness's other runs disable it)."""
     tb, ckpt = tmp_path / "tb", tmp_path / "ckpt"
     forced = ["--dynmo", "--dynmo-profile-every", "2", "--dynmo-forced-layouts"]
     moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", [*forced, "4:Et|tttL", "--tensorboard-dir", str(tb),
@@ -340,7 +341,7 @@ def test_forced_migration_inside_megatron_lm_train_matches_a_never_moved_run(tmp
     assert _sync_bindings(tmp_path / "moved") == {"no_sync": None, "grad_sync": None}
     _check_resume_after_the_move(tmp_path, ckpt, moved_losses)
     vp = ["--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "2",
-          "--use-distributed-optimizer", "--overlap-grad-reduce"]
+          "--use-distributed-optimizer", "--overlap-grad-reduce", "--rerun-mode", "validate_results"]
     vp_moved, vp_moved_losses = train_in_megatron_lm(tmp_path / "vp_moved", [*vp, *forced, "4:Et|ttt|tt|ttL"], ranks=4)
     vp_static, vp_static_losses = train_in_megatron_lm(tmp_path / "vp_static", [*vp, "--dynmo"], ranks=4)
     assert vp_moved["config"]["megatron_lm"]["use_distributed_optimizer"] is True
