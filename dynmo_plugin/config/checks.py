@@ -19,7 +19,8 @@ from dynmo_plugin.data.tokenizer import TokenizerError, dataset_vocab_size
 from dynmo_plugin.layout import Layout, LayoutError
 from dynmo_plugin.scenarios import SCENARIOS
 
-__all__ = ["check_run", "check_shape", "check_paths", "check_transformer_impl",
+__all__ = ["check_run", "check_shape", "check_paths", "check_transformer_impl", "uneven_recompute",
+           "UNEVEN_RECOMPUTE_WHY",
            "resolve_transformer_impl", "check_dynmo_off", "PLUGIN_SECTIONS"]
 
 # The sections that only act with --dynmo (dynamism runs in a static baseline too).
@@ -40,6 +41,7 @@ def check_run(cfg: RunConfig, given: dict[str, str], where: str, world_size: Opt
     check_shape(cfg.model, where, world_size)
     _check_precision(cfg, given)
     _check_manual_gc(cfg.model, given)
+    _check_recompute(cfg, given)
     _check_forced_layouts(cfg, where)
     _check_mtp_repack(cfg, where)
     _check_dynamism(cfg, given)
@@ -287,6 +289,46 @@ def _check_manual_gc(m: ModelArgs, given: dict[str, str]) -> None:
         raise ConfigError(f"{given.get('model.manual_gc_interval', 'command line')}: "
                           f"--manual-gc-interval {m.manual_gc_interval} does nothing without "
                           "--manual-gc (Megatron-LM ignores it there too): add --manual-gc")
+
+
+# Megatron's uniform recompute checkpoints each stage's layers in chunks of N, stepping N
+# at a time up to the stage's count: a stage whose count is not a multiple of N indexes
+# past its last layer, and the balancers do not keep counts to multiples of N
+UNEVEN_RECOMPUTE_WHY = ("a move can leave a stage whose layer count is not a multiple of it, "
+                        "past whose last layer Megatron's uniform recompute indexes")
+
+
+def uneven_recompute(args) -> bool:
+    """Megatron's full recompute in uniform chunks of more than one layer (`args`:
+    Megatron-LM's or the launcher's ModelArgs, which name the settings alike)."""
+    return (getattr(args, "recompute_granularity", None) == "full"
+            and getattr(args, "recompute_method", None) == "uniform"
+            and (getattr(args, "recompute_num_layers", None) or 1) > 1)
+
+
+def _check_recompute(cfg: RunConfig, given: dict[str, str]) -> None:
+    """Megatron-LM's recompute flags, as its validate_args pairs them; only under models
+    of standard layers (the scenarios' layers and a frozen prefix, whose checkpointed
+    layers Megatron gives no gradient, are not run under recompute)."""
+    m = cfg.model
+    where = lambda key: given.get(f"model.{key}", "command line")  # noqa: E731
+    full = m.recompute_granularity == "full"
+    if full and (m.recompute_method is None or m.recompute_num_layers is None):
+        raise ConfigError(f"{where('recompute_granularity')}: --recompute-granularity full needs "
+                          "--recompute-method (uniform or block) and --recompute-num-layers N")
+    if not full and (m.recompute_method is not None or m.recompute_num_layers is not None):
+        raise ConfigError(f"{where('recompute_method')}: --recompute-method and --recompute-num-layers "
+                          "go with --recompute-granularity full; add it, or drop them")
+    if uneven_recompute(m) and cfg.dynmo.enabled:
+        raise ConfigError(f"{where('recompute_num_layers')}: --recompute-method uniform with "
+                          f"--recompute-num-layers {m.recompute_num_layers} and --dynmo: "
+                          f"{UNEVEN_RECOMPUTE_WHY}; use --recompute-num-layers 1 or "
+                          "--recompute-method block")
+    kind = cfg.dynmo.dynamism.kind
+    if m.recompute_granularity and kind != "none":
+        raise ConfigError(f"{where('recompute_granularity')}: --recompute-granularity with dynamism "
+                          f"'{kind}' is not supported yet (its layers and frozen prefixes are not run "
+                          "under recompute); drop one of them")
 
 
 def _check_data(cfg: RunConfig, given: dict[str, str]) -> None:

@@ -128,6 +128,14 @@ class ModelArgs:
     manual_gc_interval: int = field(default=0, metadata=opt(
         "iterations between --manual-gc collections (0: only the one at the start)",
         check=non_negative))
+    recompute_granularity: Optional[str] = field(default=None, metadata=opt(
+        "activation recompute, as Megatron-LM's: full (whole layers, with --recompute-method "
+        "and --recompute-num-layers) or selective (the core attention)", check=one_of("full", "selective")))
+    recompute_method: Optional[str] = field(default=None, metadata=opt(
+        "with full recompute: uniform (every layer, in chunks of --recompute-num-layers) or block "
+        "(the first --recompute-num-layers layers of each stage)", check=one_of("uniform", "block")))
+    recompute_num_layers: Optional[int] = field(default=None, metadata=opt(
+        "with full recompute: layers per chunk (uniform) or per stage (block)", check=positive))
     pipeline_model_parallel_size: int = field(default=1, metadata=opt("pipeline stages", check=positive))
     num_virtual_stages_per_pipeline_rank: int = field(default=1, metadata=opt(
         "model chunks per pipeline rank: > 1 runs Megatron's interleaved 1F1B (the layout "

@@ -38,6 +38,12 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
         with pytest.raises(ConfigError, match=f"support: --cuda-graph-impl {impl} .graphs are captured once"):
             ml.load_plugin_config(megatron_like(argv=["--dynmo"], cuda_graph_impl=impl))
     assert ml.load_plugin_config(megatron_like(argv=["--dynmo"], cuda_graph_impl="none")).dynmo.enabled
+    # uniform recompute chunks of 2: a stage moved to an odd count indexes past its last layer
+    recompute = dict(recompute_granularity="full", recompute_method="uniform")
+    with pytest.raises(ConfigError, match="support: --recompute-method uniform with --recompute-num-layers 2 "
+                                          r"\(a move can leave a stage"):
+        ml.load_plugin_config(megatron_like(argv=["--dynmo"], recompute_num_layers=2, **recompute))
+    assert ml.load_plugin_config(megatron_like(argv=["--dynmo"], recompute_num_layers=1, **recompute)).dynmo.enabled
     # MTP with virtual stages, however they were asked for (validate_args' count)
     with pytest.raises(ConfigError, match="support: --mtp-num-layers with virtual pipeline stages"):
         ml.load_plugin_config(megatron_like(argv=["--dynmo"], mtp_num_layers=1, num_layers=8,

@@ -219,3 +219,36 @@ def test_a_recompute_the_backward_starts_itself_stays_inside_its_span(inside):
     clock = CpuThreadClock()
     assert spans.seconds(clock) == [3.0 if inside else 4.0] and spans.segments() == [1 if inside else 2]
     assert spans.occupied(clock) == (3.0 if inside else 4.0)
+
+
+def test_the_launcher_moves_recomputed_layers_bit_exact(tmp_path):
+    """--recompute-granularity full in the launcher (the first 2 layers of each stage, the
+    block method): a forced move of layer 5 to stage 0 before iteration 4 changes no loss
+    of the never-moved run with the same recompute, and the profile counts each
+    recomputed layer's kept hidden state and the rest's activations. Uniform chunks of
+    N > 1 layers are refused with --dynmo (a move to a count that is not a multiple of N
+    made Megatron's uniform recompute index past the stage: 'index 5 is out of range'),
+    and recompute beside a scenario, each in one line."""
+    from launch import losses, train
+
+    from dynmo_plugin.config import ConfigError
+    from dynmo_plugin.train import build_parser, validate
+    flags = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6",
+             "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+             "--recompute-method", "block", "--recompute-num-layers", "2", "--dynmo", "--dynmo-profile-every", "2"]
+    moved = train(2, [*flags, "--dynmo-forced-layouts", "4:Ettttt|tttL"], tmp_path / "moved")
+    static = train(2, [*flags, "--dynmo-balancer", "uniform"], tmp_path / "static")
+    applied = [e["layout_after"] for e in moved["events"] if e["kind"] == "rebalance" and e["applied"]]
+    assert applied == ["Ettttt|tttL"] and static["layout"] == "Etttt|ttttL"
+    assert losses(moved) == losses(static) and len(losses(moved)) == 6
+    hidden = 16 * 2 * 32 * 4
+    first = [e["profile"]["layers"] for e in moved["events"] if e["kind"] == "profile"][0]
+    acts = [x["act_bytes"] for x in first]
+    assert acts[:2] == acts[4:6] == [hidden] * 2 and all(a > 4 * hidden for a in acts[2:4] + acts[6:])
+    with pytest.raises(ConfigError, match="with dynamism 'early_exit' is not supported yet"):
+        validate(build_parser().parse_args([*flags, "--dynmo-dynamism", "early_exit"]), 2)
+    uniform = [*flags, "--recompute-method", "uniform"]
+    with pytest.raises(ConfigError, match="--recompute-num-layers 2 and --dynmo: a move can leave a stage"):
+        validate(build_parser().parse_args(uniform), 2)
+    validate(build_parser().parse_args([*uniform, "--recompute-num-layers", "1"]), 2)

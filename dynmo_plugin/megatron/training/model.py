@@ -69,6 +69,9 @@ def transformer_config(args: ModelArgs, layout: Layout) -> TransformerConfig:
         bf16=args.bf16,
         fp16=args.fp16,
         deterministic_mode=deterministic_kernels(),
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
         hidden_dropout=0.0,          # dropout would consume RNG differently per split
         attention_dropout=0.0,
         use_cpu_initialization=True,
