@@ -63,7 +63,7 @@ def _layouts(value: Any) -> tuple[Any, Optional[str]]:
     out = {}
     for k, v in value.items():
         text = k.strip() if isinstance(k, str) else k
-        if isinstance(k, bool) or not (isinstance(k, int) or (isinstance(text, str) and text.isdigit())):
+        if isinstance(k, bool) or not (isinstance(k, int) or (isinstance(text, str) and text.isdecimal() and text.isascii())):
             return value, f"integer iterations as keys (got {k!r})"  # not 1e3, 2.5 or inf
         it = int(text)
         if it <= 0 or not isinstance(v, str):

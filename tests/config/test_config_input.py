@@ -79,7 +79,7 @@ def test_a_job_that_restarts_itself_starts_fresh_however_its_directory_is_spelle
         _validate(["--load", "./other", "--save", "ckpt"])
 
 
-@pytest.mark.parametrize("key", ["1e400", "1e3", "2.5", "-3", "true"])
+@pytest.mark.parametrize("key", ["1e400", "1e3", "2.5", "-3", "true", "²"])
 def test_forced_layout_iterations_are_whole_numbers(tmp_path, key):
     """A YAML key that reads as a float (1e400 is inf: int() raised OverflowError, a
     traceback) or a bool is not an iteration; the line says what is."""

@@ -85,7 +85,7 @@ def _evaluate(trainer) -> None:
         ddp.train()
 
 
-def _profile(args, recompute, evaluate: bool = False):
+def _profile(args, recompute, evaluate: bool = False, dropout: float = 0.0):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from dynmo_plugin.layout import Layout
@@ -98,6 +98,8 @@ def _profile(args, recompute, evaluate: bool = False):
     if recompute:  # what Megatron-LM's --recompute-* flags set on the config TransformerBlock reads
         cfg = trainer.config
         cfg.recompute_granularity, (cfg.recompute_method, cfg.recompute_num_layers) = "full", recompute
+    for layer in trainer.layers:  # each layer took it from the config when built
+        layer.hidden_dropout = dropout
     clock = WorkClock()
     _count_work(trainer, clock)
     trainer.train_step(1)
@@ -125,6 +127,10 @@ def _check(args):
     # chunks of 2 layers: the checkpoint keeps each chunk's input, the inner layer's none
     chunked, _, _ = _profile(args, ("uniform", 2))
     assert [x.act_bytes for x in chunked.layers] == [hidden, 0, hidden, 0]
+    # Megatron's bias-dropout-add runs with grad on inside the checkpoint's first pass: its
+    # dropout masks live until the chunk ends, not until the backward
+    dropped, _, _ = _profile(args, ("uniform", 2), dropout=0.1)
+    assert [x.act_bytes for x in dropped.layers] == [hidden, 0, hidden, 0]
     assert [(x.fwd_s, x.bwd_s) for x in chunked.layers] == [(1.0, 3.0)] * 4
     assert full.stages[0].predicted_s > plain.stages[0].predicted_s
     # only the first 2 layers recomputed: the balancer sees them dearer than the rest

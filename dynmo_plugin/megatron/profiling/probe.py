@@ -70,13 +70,14 @@ class SavedBytes:
         self.active = False  # entered, not yet exited: its hooks are on torch's stack
         self.in_backward = False  # entered inside a backward (`__enter__`)
 
-    def count(self, t: torch.Tensor) -> None:
-        """Count `t`'s storage once, unless it is a parameter's."""
+    def count(self, t: torch.Tensor, share: int = 1) -> None:
+        """Count `t`'s storage once, unless it is a parameter's; `share`: kept split over
+        that many ranks (each holds its part)."""
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in self._param_ptrs and ptr not in self._seen:
             self._seen.add(ptr)
-            self.nbytes += storage.nbytes()
+            self.nbytes += storage.nbytes() // share
 
     def _pack(self, t: torch.Tensor):
         self.count(t)
@@ -223,7 +224,7 @@ class StageProbe:
         self._mtp_saved: dict[int, SavedBytes] = {}
         # the output (and its autograd node) of the last layer forward run without autograd
         # in training (a checkpoint's first pass): the chunk's next layer takes it
-        self._unsaved_output: tuple[Callable[[], object], int] = (lambda: None, 0)
+        self._unsaved_output: tuple[Callable[[], object], type] = (lambda: None, type(None))
 
     def occupied_s(self) -> float:
         """This iteration's spans on the host timeline so far (before `end_iteration`: its
@@ -364,11 +365,13 @@ class StageProbe:
             if self.count_activations:
                 saved = SavedBytes(self._param_ptrs)
                 self._saved[(number, mb)] = saved
-                if (torch.is_tensor(hidden) and hidden.requires_grad and not torch.is_grad_enabled()
-                        and not self._inside_chunk(hidden)):
-                    saved.count(hidden)  # training without autograd: a checkpoint's first pass,
-                    # which keeps its input (module docstring)
-                saved.__enter__()
+                if torch.is_grad_enabled():
+                    saved.__enter__()
+                elif torch.is_tensor(hidden) and hidden.requires_grad and not self._inside_chunk(hidden):
+                    # training without autograd, a checkpoint's first pass: it keeps its input
+                    # only (module docstring); what the pass saves for a moment (dropout masks
+                    # of the bias-dropout-add it runs with grad on) is freed with the chunk
+                    saved.count(hidden, self._kept_input_share)
             self._spans[fwd_key].start[mb] = self.clock.begin()
             self._range(fwd_key, mb, True)
 
@@ -386,8 +389,8 @@ class StageProbe:
                 if self.count_activations:
                     self._saved[(number, mb)].__exit__(None, None, None)
             out = output[0] if isinstance(output, tuple) else output
-            if torch.is_tensor(out) and not torch.is_grad_enabled():  # (its node by id: no graph kept)
-                self._unsaved_output = (weakref.ref(out), id(out.grad_fn))
+            if torch.is_tensor(out) and not torch.is_grad_enabled():  # (its node's kind: no graph kept)
+                self._unsaved_output = (weakref.ref(out), type(out.grad_fn))
             # not after a checkpoint's first pass: its output, marked as needing gradients
             # (make_viewless_tensor), becomes the checkpoint's own and loses the hooks on it
             if torch.is_tensor(out) and out.requires_grad and torch.is_grad_enabled():
@@ -408,11 +411,21 @@ class StageProbe:
     def _inside_chunk(self, hidden) -> bool:
         """Whether `hidden` is the previous layer's output within one checkpointed chunk
         (--recompute-num-layers > 1): the checkpoint keeps the chunk's input only. The
-        output still has the autograd node its layer gave it (Megatron's bias-dropout-add
-        runs with grad enabled, so inner outputs have one); the chunk's output, by the time
-        the next chunk takes it, has the checkpoint's backward node instead."""
-        output, node = self._unsaved_output
-        return output() is hidden and id(hidden.grad_fn) == node
+        output still has the kind of autograd node its layer gave it (Megatron's
+        bias-dropout-add runs with grad enabled: AddBackward0 or a compiled function's, or
+        none); the chunk's output, by the time the next chunk takes it, has the
+        checkpoint's backward node instead (by kind: a node's Python wrapper, and so its
+        id, need not outlive the hook on every torch)."""
+        output, kind = self._unsaved_output
+        return output() is hidden and type(hidden.grad_fn) is kind
+
+    @property
+    def _kept_input_share(self) -> int:
+        """The ranks a checkpoint's kept input is split over: Megatron's
+        distribute_saved_activations keeps 1/TP of it on each tensor-parallel rank."""
+        config = getattr(self.model, "config", None)
+        return (getattr(config, "tensor_model_parallel_size", 1) or 1) if getattr(
+            config, "distribute_saved_activations", False) else 1
 
     def _backward_ends(self, number: int, mb: int, hidden) -> None:
         """Mark where the layer's backward of `mb` ends: its input's gradient, or, where
