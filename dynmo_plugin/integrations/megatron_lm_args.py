@@ -104,6 +104,9 @@ def _check_supported(args, cfg: RunConfig) -> None:
          f"--dynmo-dynamism {cfg.dynmo.dynamism.kind} (its layers exist in the launcher only; "
          f"under Megatron-LM: {', '.join(SCENARIO_SPECS)} through --spec, or report your own "
          "events with megatron_lm.notify_event)"),
+        (cfg.dynmo.repack.enabled and getattr(args, "use_tp_pp_dp_mapping", False),
+         "--dynmo-repack with --use-tp-pp-dp-mapping (a repack keeps the ranks of the lowest "
+         "stages, global ranks 0..K-1 only where the pipeline rank varies slowest)"),
         (cfg.dynmo.repack.enabled and cfg.dynmo.repack.mode != "checkpoint",
          f"--dynmo-repack-mode {cfg.dynmo.repack.mode} (under Megatron-LM a repack saves a "
          "checkpoint and restarts smaller: --dynmo-repack-mode checkpoint)"),

@@ -38,6 +38,9 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
         with pytest.raises(ConfigError, match=f"support: --cuda-graph-impl {impl} .graphs are captured once"):
             ml.load_plugin_config(megatron_like(argv=["--dynmo"], cuda_graph_impl=impl))
     assert ml.load_plugin_config(megatron_like(argv=["--dynmo"], cuda_graph_impl="none")).dynmo.enabled
+    with pytest.raises(ConfigError, match="support: --dynmo-repack with --use-tp-pp-dp-mapping"):
+        ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-repack", "--dynmo-repack-mode", "checkpoint"],
+                                             use_tp_pp_dp_mapping=True, save="/tmp/x"))
     # uniform recompute chunks of 2: a stage moved to an odd count indexes past its last layer
     recompute = dict(recompute_granularity="full", recompute_method="uniform")
     with pytest.raises(ConfigError, match="support: --recompute-method uniform with --recompute-num-layers 2 "
