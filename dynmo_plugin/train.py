@@ -123,9 +123,9 @@ def resume_line(stop: SignalStop, save: Optional[str], argv: list[str]) -> str:
 def _last_checkpoint(save: Optional[str]) -> Optional[str]:
     if not save:
         return None
+    from dynmo_plugin.megatron.checkpoint.directory import latest_checkpoint
     try:
-        with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as fh:
-            return os.path.join(save, f"iter_{int(fh.read().strip()):07d}")
+        return latest_checkpoint(save)
     except (OSError, ValueError):
         return None
 

@@ -25,7 +25,8 @@ from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout, LayoutError
 
 __all__ = ["save_checkpoint", "read_meta", "load_checkpoint", "resume_layout", "CheckpointError",
-           "FORMAT", "check_same_model", "check_save_is_this_runs", "resumes_its_save", "model_record", "MODEL_KEYS"]
+           "FORMAT", "check_same_model", "check_save_is_this_runs", "resumes_its_save", "latest_iteration",
+           "latest_checkpoint", "model_record", "MODEL_KEYS"]
 
 FORMAT = "dynmo-dist-ckpt/1"
 # what a complete torch_dist checkpoint directory holds besides its data files (here, not
@@ -42,6 +43,21 @@ class CheckpointError(UserError):
 
 def _iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest_iteration(root: str) -> int:
+    """The iteration the tracker file in `root` names (the newest complete checkpoint).
+
+    Raises:
+        OSError: no readable tracker. ValueError: it does not hold an iteration number.
+    """
+    with open(os.path.join(root, _LATEST), encoding="utf-8") as fh:
+        return int(fh.read().strip())
+
+
+def latest_checkpoint(root: str) -> str:
+    """The folder of the newest checkpoint in `root` (`latest_iteration`'s errors)."""
+    return _iter_dir(root, latest_iteration(root))
 
 
 def _frozen_names(trainer) -> list[str]:
@@ -175,8 +191,7 @@ def read_meta(root: str, resume_if_absent: bool = False) -> Optional[dict]:
         raise CheckpointError(f"--load {root}: the directory {what}; give a directory that "
                               "--save wrote, or drop --load to start from scratch")
     try:
-        with open(latest, encoding="utf-8") as fh:
-            iteration = int(fh.read().strip())
+        iteration = latest_iteration(root)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{latest}: unreadable ({e}); the checkpoint is corrupt") from e
     directory = _iter_dir(root, iteration)
@@ -223,8 +238,7 @@ def check_same_model(root: str, args) -> None:
         CheckpointError: the model differs.
     """
     try:
-        with open(os.path.join(root, _LATEST), encoding="utf-8") as fh:
-            path = os.path.join(_iter_dir(root, int(fh.read().strip())), "meta.json")
+        path = os.path.join(latest_checkpoint(root), "meta.json")
         with open(path, encoding="utf-8") as fh:
             saved = json.load(fh).get("model")
     except (OSError, ValueError, AttributeError):
@@ -259,8 +273,7 @@ def check_save_is_this_runs(save: Optional[str], load: Optional[str]) -> None:
     if not save or not os.path.exists(os.path.join(save, _LATEST)) or resumes_its_save(load, save):
         return
     try:
-        with open(os.path.join(save, _LATEST), encoding="utf-8") as fh:
-            held = f"iteration {int(fh.read().strip())}"
+        held = f"iteration {latest_iteration(save)}"
     except (OSError, ValueError):
         held = "a checkpoint"
     raise CheckpointError(f"--save {save} already holds an earlier run's checkpoints ({held}), which "
