@@ -40,6 +40,7 @@ from dynmo_plugin.balancing.decide import decide, repack_considered
 from dynmo_plugin.balancing.repack import IterationModel
 from dynmo_plugin.balancing.profile_problem import memory_calibration, problem_from_profile
 from dynmo_plugin.config import DynmoConfig
+from dynmo_plugin.config.checks import recompute_block
 from dynmo_plugin.consensus import ControlPlane, DecisionFailed
 from dynmo_plugin.decision_lines import describe, explain, repack_considered_record
 from dynmo_plugin.events import Decision, ProfileEvent, RebalanceEvent
@@ -272,7 +273,8 @@ class DynMo:
         t = self.trainer
         try:
             problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches,
-                                           peak_microbatches=t.peak_microbatches)
+                                           peak_microbatches=t.peak_microbatches,
+                                           layer_block=recompute_block(t.args))
             return solve(problem, "exact"), why
         except (InfeasibleError, ProblemError) as e:
             return None, f"{why}; no feasible plan: {e}"
@@ -285,7 +287,8 @@ class DynMo:
         cap = _cap_bytes(self.config)
         try:
             problem = problem_from_profile(profile, t.layout, self.config, t.num_microbatches,
-                                           pin_mtp=_pins_mtp(t), peak_microbatches=t.peak_microbatches)
+                                           pin_mtp=_pins_mtp(t), peak_microbatches=t.peak_microbatches,
+                                           layer_block=recompute_block(t.args))
         except (InfeasibleError, ProblemError) as e:
             memory = _memory_record(profile, t, cap, None)
             return Decision(profile.to_dict(), None, False,
@@ -408,7 +411,8 @@ class DynMo:
         sharded = getattr(t.args, "use_distributed_optimizer", False)
         step_m = m if sharded or new_dp is None else m * t.dims.dp // new_dp
         problem = problem_from_profile(profile, t.layout, self.config, m, pin_mtp=_pins_mtp(t),
-                                       step_microbatches=max(step_m, 1))  # as _decide
+                                       step_microbatches=max(step_m, 1),  # as _decide
+                                       layer_block=recompute_block(t.args))
         iter_grow = grow_iteration_s(problem, plan.layout_after, t.dims.dp, lambda dp: live_iteration_model(
             t.args, dp=dp, bandwidth_Bps=self.bandwidth))
         return self._log_freed(k, plan.predicted_iter_s_after, iter_grow)

@@ -70,6 +70,9 @@ class ModelFlags(Protocol):
     bf16: bool
     fp16: bool
     use_distributed_optimizer: bool
+    recompute_granularity: Optional[str]
+    recompute_method: Optional[str]
+    recompute_num_layers: Optional[int]
 
 
 @runtime_checkable
@@ -102,7 +105,8 @@ class StageHandle(Protocol):
     def args(self) -> ModelFlags:
         """The run's model flags: the hidden state a stage sends (the repack's iteration
         model), sequence and batch sizes (scenarios' cost models, scratch layers), the
-        seed of calibration layers, the precision (checkpoint keys)."""
+        seed of calibration layers, the precision (checkpoint keys), the recompute chunk
+        every stage's layer count keeps to (`config.checks.recompute_block`)."""
 
     @property
     def config(self) -> TransformerConfig:

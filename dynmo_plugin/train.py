@@ -12,7 +12,8 @@ import sys
 import warnings
 from typing import Optional
 
-from dynmo_plugin.config import RunConfig, add_dynmo_args, add_model_args, check_paths, load_config
+from dynmo_plugin.config import (ConfigError, RunConfig, add_dynmo_args, add_model_args, check_paths,
+                                 load_config)
 from dynmo_plugin.config.flags import OneLineParser
 from dynmo_plugin.errors import USER_ERROR_EXIT, UserError
 
@@ -149,8 +150,27 @@ def validate(args: argparse.Namespace, world_size: int | None, in_launcher: bool
     checkpoint.check_save_is_this_runs(cfg.model.save, load)
     if load:
         checkpoint.check_same_model(load, cfg.model)
-        checkpoint.read_meta(load, resume_if_absent=checkpoint.resumes_its_save(load, cfg.model.save))
+        meta = checkpoint.read_meta(load, resume_if_absent=checkpoint.resumes_its_save(load, cfg.model.save))
+        _check_resume_blocks(cfg.model, meta)
     return cfg
+
+
+def _check_resume_blocks(m, meta: dict | None) -> None:
+    """Without a layout flag a resume takes the checkpoint's layout
+    (`directory.resume_layout`); under uniform recompute in chunks of N it must hold whole
+    chunks too, which one saved under other recompute settings need not."""
+    from dynmo_plugin.config.checks import recompute_block, split_blocks
+    from dynmo_plugin.megatron.checkpoint.directory import resume_layout
+    block = recompute_block(m)
+    if block == 1 or meta is None or m.pipeline_model_parallel_layout:
+        return
+    layout = resume_layout(meta, m.pipeline_model_parallel_size, m.num_virtual_stages_per_pipeline_rank,
+                           m.num_layers, m.mtp_num_layers or 0)
+    why = split_blocks(layout, block) if layout is not None else None
+    if why:
+        raise ConfigError(f"--load {m.load}: its saved layout {layout}: {why}; give a "
+                          "--pipeline-model-parallel-layout of whole chunks, or another "
+                          "--recompute-num-layers")
 
 
 def nothing_to_balance(cfg: RunConfig) -> str | None:

@@ -210,4 +210,9 @@ def feasibility_problems(problem: BalanceProblem, layout: Layout) -> list[str]:
     empty = empty_stages(problem, layout)
     if empty:
         out.append(f"stage(s) {empty} hold no layers but empty stages are not allowed")
+    q = problem.layer_block
+    split = [s for s, c in enumerate(layout.counts) if c % q]
+    if split:
+        out.append(f"stage(s) {split} hold a layer count that is not a multiple of {q} "
+                   "(layer_block: Megatron's uniform recompute steps that many layers at a time)")
     return out

@@ -121,6 +121,12 @@ class BalanceProblem:
             moved with it (default `mtp_memory`), counted on the stage that holds it. Its
             losses' output-layer work stays on the last stage (Megatron computes them
             there wherever the block is): that belongs in the last stage's extras.
+        layer_block: every (virtual) stage holds a multiple of this many decoder layers
+            (Megatron's uniform recompute, `--recompute-method uniform
+            --recompute-num-layers N`, checkpoints a stage's layers N at a time from its
+            first and indexes past a count that is not a multiple); `num_layers` and the
+            `current` counts must be multiples. The balancers place whole blocks
+            (`blocks`). Default 1: any count.
     Raises:
         ProblemError: malformed inputs (the message names the value and the fix).
         InfeasibleError: a stage's fixed extras alone exceed its capacity.
@@ -148,6 +154,7 @@ class BalanceProblem:
     mtp_memory: float = 0.0
     mtp_move_bytes: float | None = None
     mtp_stages: Sequence[int] | None = None
+    layer_block: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
@@ -188,6 +195,7 @@ class BalanceProblem:
             raise ProblemError(f"tokens_per_iteration must be a finite number > 0, got {tpi!r}")
         self._check_mtp()
         self._check_current()
+        self._check_layer_block()
         self._check_extras_fit()
         if int(self.move_key.sum()) >= _MAX_KEY:
             raise ProblemError("move_bytes total is too large for the tie-break (> 4 PB); "
@@ -252,6 +260,22 @@ class BalanceProblem:
             raise ProblemError(f"current layout {cur} has {cur.num_stages} stages / {cur.num_layers} "
                                f"layers / {cur.num_chunks} chunks per rank but the problem has "
                                f"{self.num_stages} / {self.num_layers} / {self.num_chunks}")
+
+    def _check_layer_block(self) -> None:
+        q, n, p = self.layer_block, self.num_layers, self.num_stages
+        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
+            raise ProblemError(f"layer_block must be a positive integer, got {q!r}")
+        if n % q:
+            raise ProblemError(f"{n} layers cannot be placed in blocks of {q} (layer_block, "
+                               f"--recompute-num-layers {q}): give a layer count that is a multiple")
+        if n // q < p and not self.allow_empty_stages:
+            raise ProblemError(f"{n} layers in blocks of {q} cannot fill {p} stages without empty "
+                               "stages; allow empty stages (--allow-empty-stages) or use fewer stages")
+        cur = self.current
+        split = [s for s, c in enumerate(cur.counts) if c % q] if cur is not None else []
+        if split:
+            raise ProblemError(f"current layout {cur}: stage(s) {split} hold a layer count that is "
+                               f"not a multiple of layer_block {q}")
 
     def _check_extras_fit(self) -> None:
         extras = self.per_rank(self.extras_memory_arr)

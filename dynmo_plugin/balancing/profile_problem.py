@@ -144,7 +144,8 @@ def _mtp_fields(profile: PipelineProfile, current: Layout, num_microbatches: int
 def problem_from_profile(profile: PipelineProfile, current: Layout, config,
                          num_microbatches: int, pin_mtp: bool = False,
                          step_microbatches: Optional[int] = None,
-                         peak_microbatches: Optional[int] = None) -> BalanceProblem:
+                         peak_microbatches: Optional[int] = None,
+                         layer_block: int = 1) -> BalanceProblem:
     """Per-layer cost = median fwd+bwd per micro-batch and the layer's share of the
     optimizer step (`step_shares`); per-stage extras = the embedding's or head's fwd+bwd
     and the extras' share of the step. The stage's prediction less what stays with the
@@ -157,7 +158,8 @@ def problem_from_profile(profile: PipelineProfile, current: Layout, config,
     `step_microbatches`: the micro-batches the profiled step is spread over (default
     `num_microbatches`; a grow with the plain optimizer keeps the step and runs fewer,
     `DynMo._freed_choice`). `peak_microbatches`: the count memory is checked at (default
-    `num_microbatches`; `memory_calibration`)."""
+    `num_microbatches`; `memory_calibration`). `layer_block`: stages hold whole blocks of
+    that many layers (`config.checks.recompute_block`: Megatron's uniform recompute)."""
     p = current.num_stages
     layer_bytes, calibration = memory_calibration(profile, p, num_microbatches, peak_microbatches)
     cap = config.rebalance.memory_cap_gb
@@ -178,6 +180,7 @@ def problem_from_profile(profile: PipelineProfile, current: Layout, config,
         rebuild_bytes=[x.grad_bytes for x in profile.layers],
         extras_rebuild_bytes=[s.extra_grad_bytes for s in profile.stages],
         num_chunks=current.num_chunks,
+        layer_block=layer_block,
         transfer_transient_bytes=(CHECKSUM_TRANSIENT_BYTES
                                   if any(s.clock == "cuda_event" for s in profile.stages) else 0.0),
         **_mtp_fields(profile, current, peak_microbatches or num_microbatches, pin_mtp, shares.mtp),

@@ -71,6 +71,7 @@ import time
 from dataclasses import replace
 from typing import Optional
 
+from dynmo_plugin.balancing.blocks import coarse_layout, coarsen, in_blocks, refine
 from dynmo_plugin.balancing.exact import optimal_bottleneck, solve_exact
 from dynmo_plugin.balancing.gate import GateConfig
 from dynmo_plugin.balancing.plan import Move
@@ -120,8 +121,9 @@ def _candidate(problem: BalanceProblem, k: int, criteria: RepackCriteria,
     except InfeasibleError as e:  # a survivor's extras alone
         return RepackCandidate(k, None, None, False, None, f"does not fit (caps / {scale:g}): {e}")
     try:
-        layout = (_closest_optimal(fit, problem.current) if problem.num_chunks == 1
-                  else solve_exact(fit))
+        q = problem.layer_block  # whole blocks of layers on every stage (`blocks`)
+        layout = in_blocks(fit, lambda f: _closest_optimal(f, coarse_layout(problem.current, q))
+                           if problem.num_chunks == 1 else solve_exact(f))
     except InfeasibleError:
         return RepackCandidate(k, None, None, False, None, "does not fit: no split keeps every "
                                f"stage's memory x {scale:g} within its cap")
@@ -155,9 +157,10 @@ def _admit(problem: BalanceProblem, k: int, criteria: RepackCriteria, model: Ite
     if problem.num_chunks > 1:
         return refused
     sub = shrink_problem(problem, k)
-    alt = rebuild_split(problem, with_margin(sub, criteria.memory_margin))
+    alt = rebuild_split(coarsen(problem), coarsen(with_margin(sub, criteria.memory_margin)))
     if alt is None:
         return refused
+    alt = refine(alt, problem.layer_block)
     iter_s = model(sub, alt)
     other = _within(RepackCandidate(k, alt, iter_s, True, per_gpu(iter_s, k), ""), limit, slow)
     return replace(other, reason=f"{_SPLIT}{cand.layout}: {why}") if other.fits else refused

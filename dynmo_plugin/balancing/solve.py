@@ -7,6 +7,7 @@ import time
 from typing import Any, Callable
 
 from dynmo_plugin.balancing.baselines import solve_parameters, solve_uniform
+from dynmo_plugin.balancing.blocks import block_sums, coarsen, refine
 from dynmo_plugin.balancing.diffusion import solve_diffusion
 from dynmo_plugin.balancing.exact import solve_exact, solve_interleaved
 from dynmo_plugin.balancing.gate import GateConfig, attach_gate
@@ -64,14 +65,34 @@ def solve(problem: BalanceProblem, method: str, *, gate: GateConfig | None = Non
         raise ProblemError(f"method {method!r} does not take option(s) {unknown}; "
                            f"it takes {sorted(accepted) or 'none'}")
     start = time.perf_counter()
-    outcome = _with_mtp(problem, method, fn, options)
+    outcome = _with_mtp(coarsen(problem), method, fn, _in_blocks(options, problem))
     seconds = time.perf_counter() - start
-    layout = outcome.layout.with_chunks(problem.num_chunks)  # balancers see plain stages
+    # balancers see plain stages, and blocks of layers where the problem has them (`blocks`)
+    layout = refine(outcome.layout, problem.layer_block).with_chunks(problem.num_chunks)
     if problem.num_chunks > 1:
         _check_rank_memory(problem, layout, method)
-    plan = make_plan(problem, layout, method, seconds, outcome.rounds, outcome.notes)
+    notes = outcome.notes if problem.layer_block == 1 else [
+        f"whole blocks of {problem.layer_block} layers (layer_block; the notes' layouts count blocks)",
+        *outcome.notes]
+    plan = make_plan(problem, layout, method, seconds, outcome.rounds, notes)
     log.info("balancing %s: %s -> %s in %.3f s", method, problem.current, plan.layout, seconds)
     return attach_gate(plan, gate) if gate is not None else plan
+
+
+def _in_blocks(options: dict[str, Any], problem: BalanceProblem) -> dict[str, Any]:
+    """The per-layer options (partition's `weights`, parameters' `param_counts`) summed
+    per block of `layer_block` layers, as `blocks.coarsen` sums the problem's."""
+    q, n = problem.layer_block, problem.num_layers
+    if q == 1:
+        return options
+    out = dict(options)
+    for key in ("weights", "param_counts"):
+        values = options.get(key)
+        if values is not None:
+            if len(values) != n:
+                raise ProblemError(f"{key} must be {n} values, one per layer, got {len(values)}")
+            out[key] = block_sums(values, q)
+    return out
 
 
 def _with_mtp(problem: BalanceProblem, method: str, fn: Callable[..., Outcome],

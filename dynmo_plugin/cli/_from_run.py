@@ -24,6 +24,7 @@ from dynmo_plugin.balancing.decide import repack_considered
 from dynmo_plugin.balancing.problem import ProblemError
 from dynmo_plugin.balancing.profile_problem import problem_from_profile
 from dynmo_plugin.config import DynmoConfig, RebalanceConfig
+from dynmo_plugin.config.checks import recompute_block
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.layout import Layout, LayoutError
 from dynmo_plugin.profiling.records import PipelineProfile
@@ -57,6 +58,13 @@ def _microbatches(report: dict, event: dict) -> int:
     return int(model["global_batch_size"]) // (int(model["micro_batch_size"]) * dp)
 
 
+def _layer_block(report: dict) -> int:
+    """Whole blocks of layers per stage where the run recomputed in uniform chunks
+    (`config.checks.recompute_block`), from the launcher's model settings or Megatron-LM's."""
+    config = report["config"]
+    return recompute_block(SimpleNamespace(**(config.get("model") or config.get("megatron_lm") or {})))
+
+
 def _iteration_model(report: dict):
     """The model the live run's repack decision used (`controller.repack_iteration_model`):
     its DP size, model shape and the configured bandwidth (at the start nothing has been
@@ -82,7 +90,8 @@ def recommend(run_dir: str) -> dict[str, Any]:
                                                        allow_empty_stages=bool(rb["allow_empty_stages"])))
         problem = problem_from_profile(PipelineProfile.from_dict(event["profile"]), current, config,
                                        _microbatches(report, event),
-                                       peak_microbatches=(event.get("memory") or {}).get("peak_microbatches"))
+                                       peak_microbatches=(event.get("memory") or {}).get("peak_microbatches"),
+                                       layer_block=_layer_block(report))
         plan = solve(problem, "exact")
         layout, predicted = plan.layout, plan.predicted_iter_s_after
         rp = report["config"]["dynmo"].get("repack") or {}

@@ -19,8 +19,8 @@ from dynmo_plugin.data.tokenizer import TokenizerError, dataset_vocab_size
 from dynmo_plugin.layout import Layout, LayoutError
 from dynmo_plugin.scenarios import SCENARIOS
 
-__all__ = ["check_run", "check_shape", "check_paths", "check_transformer_impl", "uneven_recompute",
-           "UNEVEN_RECOMPUTE_WHY",
+__all__ = ["check_run", "check_shape", "check_paths", "check_transformer_impl", "recompute_block",
+           "split_blocks", "check_forced_blocks",
            "resolve_transformer_impl", "check_dynmo_off", "PLUGIN_SECTIONS"]
 
 # The sections that only act with --dynmo (dynamism runs in a static baseline too).
@@ -41,8 +41,8 @@ def check_run(cfg: RunConfig, given: dict[str, str], where: str, world_size: Opt
     check_shape(cfg.model, where, world_size)
     _check_precision(cfg, given)
     _check_manual_gc(cfg.model, given)
-    _check_recompute(cfg, given)
     _check_forced_layouts(cfg, where)
+    _check_recompute(cfg, given)
     _check_mtp_repack(cfg, where)
     _check_dynamism(cfg, given)
     _check_repack(cfg, given)
@@ -291,19 +291,39 @@ def _check_manual_gc(m: ModelArgs, given: dict[str, str]) -> None:
                           "--manual-gc (Megatron-LM ignores it there too): add --manual-gc")
 
 
-# Megatron's uniform recompute checkpoints each stage's layers in chunks of N, stepping N
-# at a time up to the stage's count: a stage whose count is not a multiple of N indexes
-# past its last layer, and the balancers do not keep counts to multiples of N
-UNEVEN_RECOMPUTE_WHY = ("a move can leave a stage whose layer count is not a multiple of it, "
-                        "past whose last layer Megatron's uniform recompute indexes")
+def recompute_block(args) -> int:
+    """Layers every (virtual) stage must hold a multiple of: N under Megatron's full
+    recompute in uniform chunks of N (`--recompute-method uniform --recompute-num-layers
+    N`: it checkpoints a stage's layers N at a time from its first, stepping N up to the
+    stage's count, and indexes past a count that is not a multiple), else 1. The
+    balancers keep to it (`BalanceProblem.layer_block`). `args`: Megatron-LM's or the
+    launcher's ModelArgs, which name the settings alike."""
+    if (getattr(args, "recompute_granularity", None) == "full"
+            and getattr(args, "recompute_method", None) == "uniform"):
+        return max(int(getattr(args, "recompute_num_layers", None) or 1), 1)
+    return 1
 
 
-def uneven_recompute(args) -> bool:
-    """Megatron's full recompute in uniform chunks of more than one layer (`args`:
-    Megatron-LM's or the launcher's ModelArgs, which name the settings alike)."""
-    return (getattr(args, "recompute_granularity", None) == "full"
-            and getattr(args, "recompute_method", None) == "uniform"
-            and (getattr(args, "recompute_num_layers", None) or 1) > 1)
+def split_blocks(layout: Layout, block: int) -> Optional[str]:
+    """Why `layout` cannot run under uniform recompute in chunks of `block`, or None."""
+    split = [(s, c) for s, c in enumerate(layout.counts) if c % block]
+    if not split:
+        return None
+    shown = ", ".join(f"stage {s} holds {c}" for s, c in split[:4])
+    return (f"{shown} layers, not a multiple of --recompute-num-layers {block} (Megatron's uniform "
+            f"recompute checkpoints a stage's layers {block} at a time and indexes past the "
+            "last)")
+
+
+def check_forced_blocks(cfg: RunConfig, block: int, where: str) -> None:
+    """Every forced layout keeps whole blocks of `block` layers on each stage (`recompute_block`)."""
+    m = cfg.model
+    for it, text in cfg.dynmo.rebalance.forced_layouts.items() if block > 1 else ():
+        why = split_blocks(Layout.parse(text, None, m.num_layers, m.num_virtual_stages_per_pipeline_rank,
+                                        m.mtp_num_layers or 0), block)
+        if why:
+            raise ConfigError(f"{where}: rebalance.forced_layouts.{it}: layout {text!r}: {why}; "
+                              f"give every stage a multiple of {block} layers")
 
 
 def _check_recompute(cfg: RunConfig, given: dict[str, str]) -> None:
@@ -319,11 +339,18 @@ def _check_recompute(cfg: RunConfig, given: dict[str, str]) -> None:
     if not full and (m.recompute_method is not None or m.recompute_num_layers is not None):
         raise ConfigError(f"{where('recompute_method')}: --recompute-method and --recompute-num-layers "
                           "go with --recompute-granularity full; add it, or drop them")
-    if uneven_recompute(m) and cfg.dynmo.enabled:
-        raise ConfigError(f"{where('recompute_num_layers')}: --recompute-method uniform with "
-                          f"--recompute-num-layers {m.recompute_num_layers} and --dynmo: "
-                          f"{UNEVEN_RECOMPUTE_WHY}; use --recompute-num-layers 1 or "
-                          "--recompute-method block")
+    block = recompute_block(m)
+    if block > 1:
+        v, text = m.num_virtual_stages_per_pipeline_rank, m.pipeline_model_parallel_layout
+        start = (Layout.parse(text, None, m.num_layers, v, m.mtp_num_layers or 0) if text
+                 else Layout.uniform(m.num_layers, m.pipeline_model_parallel_size * v, v))
+        why = split_blocks(start, block)
+        if why:
+            what = (f"--pipeline-model-parallel-layout {text}" if text else
+                    f"Megatron's even split of --num-layers {m.num_layers} ({start})")
+            raise ConfigError(f"{where('recompute_num_layers')}: {what}: {why}; give every stage "
+                              f"a multiple of {block} layers, or another --recompute-num-layers")
+        check_forced_blocks(cfg, block, where("recompute_num_layers"))
     kind = cfg.dynmo.dynamism.kind
     if m.recompute_granularity and kind != "none":
         raise ConfigError(f"{where('recompute_granularity')}: --recompute-granularity with dynamism "

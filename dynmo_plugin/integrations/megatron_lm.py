@@ -352,7 +352,8 @@ def _native_moe_scenario(cfg: RunConfig, stage: MegatronLMStage):
 def _run_settings(args) -> dict:
     keys = ("num_layers", "hidden_size", "seq_length", "micro_batch_size", "global_batch_size",
             "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size", "bf16",
-            "fp16", "transformer_impl", "use_distributed_optimizer")
+            "fp16", "transformer_impl", "use_distributed_optimizer", "recompute_granularity",
+            "recompute_method", "recompute_num_layers")
     return {k: getattr(args, k, None) for k in keys} | {"megatron_core": SUPPORTED_CORE}
 
 

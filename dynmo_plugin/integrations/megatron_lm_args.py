@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from dynmo_plugin.config import ConfigError, RunConfig
-from dynmo_plugin.config.checks import UNEVEN_RECOMPUTE_WHY, uneven_recompute
+from dynmo_plugin.config.checks import check_forced_blocks, recompute_block
 from dynmo_plugin.integrations.megatron_lm_hooks import MegatronLMError
 from dynmo_plugin.megatron.training.machine import load_run_config
 
@@ -96,9 +96,6 @@ def _check_supported(args, cfg: RunConfig) -> None:
          and (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1,
          "--mtp-num-layers with virtual pipeline stages (MTP under Megatron-LM: one chunk per rank)"),
         (getattr(args, "optimizer", "adam") not in ("adam", "sgd"), f"--optimizer {args.optimizer}"),
-        (uneven_recompute(args), f"--recompute-method uniform with --recompute-num-layers "
-         f"{getattr(args, 'recompute_num_layers', None)} ({UNEVEN_RECOMPUTE_WHY}; use "
-         "--recompute-num-layers 1 or --recompute-method block)"),
         (cfg.dynmo.dynamism.kind not in ("none", *SCENARIO_SPECS)
          and not (cfg.dynmo.dynamism.kind == "moe" and getattr(args, "num_experts", None)),
          f"--dynmo-dynamism {cfg.dynmo.dynamism.kind} (its layers exist in the launcher only; "
@@ -116,6 +113,7 @@ def _check_supported(args, cfg: RunConfig) -> None:
         raise ConfigError(f"--dynmo under Megatron-LM does not support: {'; '.join(bad)}. Drop "
                           "them, or run without --dynmo")
     _check_scenario_spec(args, cfg.dynmo.dynamism.kind)
+    check_forced_blocks(cfg, recompute_block(args), "--dynmo-forced-layouts")
 
 
 def forced_mtp_move(cfg: RunConfig) -> bool:

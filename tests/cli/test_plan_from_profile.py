@@ -36,7 +36,7 @@ def _profile() -> PipelineProfile:
 def _live_start_layout() -> Layout:
     config = DynmoConfig(enabled=True, rebalance=RebalanceConfig(balancer="uniform", min_gain=0.0))
     me = types.SimpleNamespace(trainer=types.SimpleNamespace(layout=Layout((4, 4)), num_microbatches=M,
-                                                             peak_microbatches=M),
+                                                             peak_microbatches=M, args=types.SimpleNamespace()),
                                config=config, bandwidth=1e9, _repacker=None)
     me._repack_criteria = functools.partial(DynMo._repack_criteria, me)
     decision = DynMo._decide(me, _profile(), "start")

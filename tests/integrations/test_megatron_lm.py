@@ -41,12 +41,15 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
     with pytest.raises(ConfigError, match="support: --dynmo-repack with --use-tp-pp-dp-mapping"):
         ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-repack", "--dynmo-repack-mode", "checkpoint"],
                                              use_tp_pp_dp_mapping=True, save="/tmp/x"))
-    # uniform recompute chunks of 2: a stage moved to an odd count indexes past its last layer
-    recompute = dict(recompute_granularity="full", recompute_method="uniform")
-    with pytest.raises(ConfigError, match="support: --recompute-method uniform with --recompute-num-layers 2 "
-                                          r"\(a move can leave a stage"):
-        ml.load_plugin_config(megatron_like(argv=["--dynmo"], recompute_num_layers=2, **recompute))
-    assert ml.load_plugin_config(megatron_like(argv=["--dynmo"], recompute_num_layers=1, **recompute)).dynmo.enabled
+    # uniform recompute in chunks of 2: a forced layout keeps whole chunks on every stage (an
+    # odd count indexes past the stage's last layer); the balancers keep to them themselves
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    with pytest.raises(ConfigError, match=r"--dynmo-forced-layouts: rebalance.forced_layouts.3: layout "
+                                          r"'Et\|tttL': stage 0 holds 1, stage 1 holds 3 layers, not a "
+                                          "multiple of --recompute-num-layers 2"):
+        ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "3:Et|tttL"], **recompute))
+    assert ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "3:E|ttttL"],
+                                               **recompute)).dynmo.enabled
     # MTP with virtual stages, however they were asked for (validate_args' count)
     with pytest.raises(ConfigError, match="support: --mtp-num-layers with virtual pipeline stages"):
         ml.load_plugin_config(megatron_like(argv=["--dynmo"], mtp_num_layers=1, num_layers=8,
@@ -490,6 +493,34 @@ def test_full_activation_recompute_inside_megatron_lm_is_profiled_and_moves_bit_
     _, plain_losses = train_in_megatron_lm(tmp_path / "dropout", dropout)
     _, recomputed_losses = train_in_megatron_lm(tmp_path / "dropout_recomputed", [*recompute, *dropout])
     assert recomputed_losses == plain_losses != static_losses  # dropout drew: not the losses without it
+
+
+@needs_source
+def test_uniform_recompute_in_chunks_moves_whole_chunks_inside_megatron_lm(tmp_path):
+    """--recompute-method uniform --recompute-num-layers 2 (8 layers on 2 stages, a head
+    of vocabulary 32768 worth ~2 layers): each profile-only plan puts whole chunks of 2
+    on every stage (without them the start's best split is uneven), and a forced move of
+    a chunk (layers 3-4 to stage 1) before iteration 4 changes no loss of the never-moved
+    run; the moved stages' chunks keep their first layer's input only. `dynmo plan
+    --from-run` recommends whole chunks too."""
+    flags = ["--num-layers", "8", "--vocab-size", "32768", "--recompute-granularity", "full",
+             "--recompute-method", "uniform", "--recompute-num-layers", "2", "--dynmo",
+             "--dynmo-profile-every", "2"]
+    moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", [*flags, "--dynmo-forced-layouts",
+                                                                    "4:Ett|ttttttL"])
+    static, static_losses = train_in_megatron_lm(tmp_path / "static", flags)
+    assert moved["layout"] == "Ett|ttttttL" and static["layout"] == "Etttt|ttttL"
+    assert len(moved_losses) == 6 and moved_losses == static_losses
+    for run in (moved, static):
+        planned = [e["planned_layout"] for e in run["events"] if e["kind"] == "profile"]
+        assert len(planned) == 3 and all(len(stage.strip("EL")) % 2 == 0 for p in planned
+                                         for stage in p.split("|")), planned
+    kept = [x["act_bytes"] for x in [e for e in moved["events"] if e["kind"] == "profile"][-1]["profile"]["layers"]]
+    assert kept == [32 * 2 * 64 * 4, 0] * 4
+    # `dynmo plan --from-run` reads the recompute from the report: whole chunks there too
+    from dynmo_plugin.cli._from_run import recommend
+    recommended = recommend(str(tmp_path / "static" / "out"))["pipeline_model_parallel_layout"]
+    assert all(len(stage.strip("EL")) % 2 == 0 for stage in recommended.split("|")), recommended
 
 
 def _sync_bindings(run: Path, ranks: int = 2) -> dict:

@@ -97,7 +97,7 @@ def _decide_live(cap_gb: float, microbatches: int = 4, peak: int = 4):
         balancer="exact", memory_cap_gb=cap_gb, min_gain=0.0))
     me = types.SimpleNamespace(trainer=types.SimpleNamespace(layout=Layout.parse("Ettt|tL", None, 4),
                                                              num_microbatches=microbatches,
-                                                             peak_microbatches=peak),
+                                                             peak_microbatches=peak, args=types.SimpleNamespace()),
                                config=config, bandwidth=1e9, _repacker=None)
     me._repack_criteria = functools.partial(DynMo._repack_criteria, me)
     return DynMo._decide(me, PipelineProfile(layers, stages), "rebalance_interval")

@@ -228,13 +228,15 @@ def test_a_recompute_the_backward_starts_itself_stays_inside_its_span(inside):
 
 
 def test_the_launcher_moves_recomputed_layers_bit_exact(tmp_path):
-    """--recompute-granularity full in the launcher (the first 2 layers of each stage, the
-    block method): a forced move of layer 5 to stage 0 before iteration 4 changes no loss
-    of the never-moved run with the same recompute, and the profile counts each
-    recomputed layer's kept hidden state and the rest's activations. Uniform chunks of
-    N > 1 layers are refused with --dynmo (a move to a count that is not a multiple of N
-    made Megatron's uniform recompute index past the stage: 'index 5 is out of range'),
-    and recompute beside a scenario, each in one line."""
+    """--recompute-granularity full in the launcher. The block method (the first 2 layers
+    of each stage): a forced move of layer 5 to stage 0 before iteration 4 changes no
+    loss of the never-moved run with the same recompute, and the profile counts each
+    recomputed layer's kept hidden state and the rest's activations. Uniform chunks of 2:
+    every stage holds whole chunks (a count that is not a multiple made Megatron's uniform
+    recompute index past the stage: 'index 5 is out of range'), so the balancer places
+    blocks of 2 (the profile-only plans) and a forced move of a block is bit-exact too.
+    A forced layout, an even split or a resumed layout that splits a chunk, and
+    recompute beside a scenario, are refused in one line."""
     from launch import losses, train
 
     from dynmo_plugin.config import ConfigError
@@ -243,18 +245,56 @@ def test_the_launcher_moves_recomputed_layers_bit_exact(tmp_path):
              "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6",
              "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
              "--recompute-method", "block", "--recompute-num-layers", "2", "--dynmo", "--dynmo-profile-every", "2"]
-    moved = train(2, [*flags, "--dynmo-forced-layouts", "4:Ettttt|tttL"], tmp_path / "moved")
+    saved = tmp_path / "moved_ckpt"
+    moved = train(2, [*flags, "--dynmo-forced-layouts", "4:Ettttt|tttL", "--save", str(saved),
+                      "--save-interval", "6"], tmp_path / "moved")
     static = train(2, [*flags, "--dynmo-balancer", "uniform"], tmp_path / "static")
+    uniform = [*flags, "--recompute-method", "uniform"]
+    # a wide head (vocabulary 32768, ~2 layers' work): without blocks the first profile's
+    # best split is 5|3 (as measured here), which the plans must not take
+    wide = [*uniform, "--vocab-size", "32768"]
+    blocks = train(2, [*wide, "--dynmo-forced-layouts", "4:Etttttt|ttL"], tmp_path / "blocks")
+    blocks_static = train(2, wide, tmp_path / "blocks_static")
     applied = [e["layout_after"] for e in moved["events"] if e["kind"] == "rebalance" and e["applied"]]
     assert applied == ["Ettttt|tttL"] and static["layout"] == "Etttt|ttttL"
     assert losses(moved) == losses(static) and len(losses(moved)) == 6
+    assert losses(blocks) == losses(blocks_static) and len(losses(blocks)) == 6
     hidden = 16 * 2 * 32 * 4
     first = [e["profile"]["layers"] for e in moved["events"] if e["kind"] == "profile"][0]
     acts = [x["act_bytes"] for x in first]
     assert acts[:2] == acts[4:6] == [hidden] * 2 and all(a > 4 * hidden for a in acts[2:4] + acts[6:])
+    _check_blocks_of_two(blocks, hidden)
     with pytest.raises(ConfigError, match="with dynamism 'early_exit' is not supported yet"):
         validate(build_parser().parse_args([*flags, "--dynmo-dynamism", "early_exit"]), 2)
-    uniform = [*flags, "--recompute-method", "uniform"]
-    with pytest.raises(ConfigError, match="--recompute-num-layers 2 and --dynmo: a move can leave a stage"):
-        validate(build_parser().parse_args(uniform), 2)
-    validate(build_parser().parse_args([*uniform, "--recompute-num-layers", "1"]), 2)
+    with pytest.raises(ConfigError, match=r"layout 'Ettttt\|tttL': stage 0 holds 5, stage 1 holds 3 "
+                                          "layers, not a multiple of --recompute-num-layers 2"):
+        validate(build_parser().parse_args([*uniform, "--dynmo-forced-layouts", "4:Ettttt|tttL"]), 2)
+    with pytest.raises(ConfigError, match=r"even split of --num-layers 6 \(Ettt\|tttL\): stage 0 holds 3"):
+        validate(build_parser().parse_args([*uniform, "--num-layers", "6"]), 2)
+    validate(build_parser().parse_args([*uniform, "--num-layers", "6", "--recompute-num-layers", "3"]), 2)
+    # a resume takes the saved layout, which the block method left at 5|3
+    with pytest.raises(ConfigError, match=r"--load .*moved_ckpt: its saved layout Ettttt\|tttL: stage 0 holds 5"):
+        validate(build_parser().parse_args([*uniform, "--load", str(saved)]), 2)
+    validate(build_parser().parse_args([*uniform, "--load", str(saved), "--pipeline-model-parallel-layout",
+                                        "Etttt|ttttL"]), 2)
+
+
+def _check_blocks_of_two(run: dict, hidden: int) -> None:
+    """Uniform recompute in chunks of 2: layout 'Etttttt|ttL' after the forced move; each
+    profile-only plan (the exact balancer on the window's profile) in whole blocks, and
+    the same as the balancer gives that profile in blocks of 2; a chunk keeps its first
+    layer's input only, wherever its stage starts."""
+    from dynmo_plugin.balancing import solve
+    from dynmo_plugin.balancing.profile_problem import problem_from_profile
+    from dynmo_plugin.config import DynmoConfig
+    from dynmo_plugin.layout import Layout
+    from dynmo_plugin.profiling.records import PipelineProfile
+    assert run["layout"] == "Etttttt|ttL"
+    profiles = [e for e in run["events"] if e["kind"] == "profile"]
+    assert [e["layout"] for e in profiles] == ["Etttt|ttttL", "Etttttt|ttL", "Etttttt|ttL"]
+    for event in profiles:
+        planned = Layout.parse(event["planned_layout"])
+        problem = problem_from_profile(PipelineProfile.from_dict(event["profile"]), Layout.parse(event["layout"]),
+                                       DynmoConfig(), 4, layer_block=2)
+        assert all(c % 2 == 0 for c in planned.counts) and planned == solve(problem, "exact").layout
+    assert [x["act_bytes"] for x in profiles[-1]["profile"]["layers"]][:6] == [hidden, 0] * 3

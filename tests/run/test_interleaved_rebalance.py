@@ -67,7 +67,8 @@ def test_the_controller_decides_over_virtual_stages_with_a_cap_per_rank():
             balancer="exact", memory_cap_gb=cap_bytes * 1e-9, min_gain=0.0))
         me = types.SimpleNamespace(
             trainer=types.SimpleNamespace(layout=Layout.parse("Ett|t|t|tL", 2, 5, 2),
-                                          num_microbatches=8, peak_microbatches=8),
+                                          num_microbatches=8, peak_microbatches=8,
+                                          args=types.SimpleNamespace()),
             config=config, bandwidth=1e9, _repacker=None)
         me._repack_criteria = functools.partial(DynMo._repack_criteria, me)
         return DynMo._decide(me, _profile(), "rebalance_interval")
