@@ -96,6 +96,11 @@ def _check_supported(args, cfg: RunConfig) -> None:
          and (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1,
          "--mtp-num-layers with virtual pipeline stages (MTP under Megatron-LM: one chunk per rank)"),
         (getattr(args, "optimizer", "adam") not in ("adam", "sgd"), f"--optimizer {args.optimizer}"),
+        (cfg.dynmo.dynamism.kind == "layer_freezing" and getattr(args, "recompute_granularity", None) == "full",
+         "--recompute-granularity full with --dynmo-dynamism layer_freezing (the frozen embedding and "
+         "layers leave a checkpointed trainable layer an input without gradient, and Megatron's "
+         "reentrant checkpoint then gives that layer no gradient: it silently stops training; "
+         "--recompute-granularity selective works)"),
         (cfg.dynmo.dynamism.kind not in ("none", *SCENARIO_SPECS)
          and not (cfg.dynmo.dynamism.kind == "moe" and getattr(args, "num_experts", None)),
          f"--dynmo-dynamism {cfg.dynmo.dynamism.kind} (its layers exist in the launcher only; "

@@ -50,6 +50,14 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
         ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "3:Et|tttL"], **recompute))
     assert ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "3:E|ttttL"],
                                                **recompute)).dynmo.enabled
+    # full recompute under layer freezing: a frozen prefix left layer 2's checkpointed input without
+    # gradient and layer 2 untrained (layer 1 frozen at 6: the loss at 8 parted from the run's
+    # without recompute); selective recompute kept them equal
+    freezing = ["--dynmo", "--dynmo-dynamism", "layer_freezing"]
+    with pytest.raises(ConfigError, match="support: --recompute-granularity full with --dynmo-dynamism layer_freezing"):
+        ml.load_plugin_config(megatron_like(argv=freezing, spec=[ml.SPEC_MODULE, "layer_freezing"], **recompute))
+    assert ml.load_plugin_config(megatron_like(argv=freezing, spec=[ml.SPEC_MODULE, "layer_freezing"],
+                                               recompute_granularity="selective")).dynmo.enabled
     # MTP with virtual stages, however they were asked for (validate_args' count)
     with pytest.raises(ConfigError, match="support: --mtp-num-layers with virtual pipeline stages"):
         ml.load_plugin_config(megatron_like(argv=["--dynmo"], mtp_num_layers=1, num_layers=8,
@@ -768,13 +776,21 @@ def test_native_moe_rebalanced_from_router_counts_bit_exact_with_a_never_moved_r
     2 the `moe` scenario's event carries each layer's work from the tokens its router sent
     to each expert, and the controller moves MoE layer 2 onto the dense stage. There it is
     rebuilt as an MoE layer (its router still counts tokens), and the six losses equal those
-    of the same run whose layout never moves (balancer uniform), to the last bit. Bias-free
-    linears: Megatron's expert MLP adds its bias in place on a view, which autograd refuses."""
+    of the same run whose layout never moves (balancer uniform), to the last bit. That run
+    recomputes every layer's forward in the backward (full recompute, which changes no
+    number) and its routers' counts equal the moved run's: a recomputed forward is not
+    counted again (it was, twice the tokens). Bias-free linears: Megatron's expert MLP
+    adds its bias in place on a view, which autograd refuses."""
     flags = [*NATIVE_MOE, "--dynmo", "--dynmo-min-gain", "0", "--tensorboard-dir", str(tmp_path / "tb")]
     moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", flags)
-    static, static_losses = train_in_megatron_lm(tmp_path / "static", [*flags[:-2], "--dynmo-balancer", "uniform"])
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    static, static_losses = train_in_megatron_lm(tmp_path / "static", [*flags[:-2], "--dynmo-balancer", "uniform",
+                                                                       *recompute])
     events = [e for e in moved["events"] if e["kind"] == "dynamism"]
     assert [e["iteration"] for e in events] == [2, 3, 4, 5, 6]
+    # the recomputed forward routes the same tokens again inside the backward: counted once
+    static_counts = [e["detail"]["tokens_per_expert"] for e in static["events"] if e["kind"] == "dynamism"]
+    assert static_counts == [e["detail"]["tokens_per_expert"] for e in events]
     for e in events:
         assert e["scenario"] == "moe" and sorted(e["detail"]["tokens_per_expert"]) == ["1", "2"]
         assert all(len(c) == 8 and sum(c) == 4 * 8 * 32 for c in e["detail"]["tokens_per_expert"].values())

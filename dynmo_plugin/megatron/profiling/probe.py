@@ -53,6 +53,7 @@ from typing import Callable
 
 import torch
 
+from dynmo_plugin.megatron.recompute import in_backward
 from dynmo_plugin.profiling.clock import Clock
 from dynmo_plugin.profiling.records import median
 
@@ -88,7 +89,7 @@ class SavedBytes:
         self._ctx.__enter__()
         # entered inside a backward (a forward recomputed by activation checkpointing):
         # torch keeps that stack per graph task and drops it when the node ends
-        self.in_backward = torch._C._current_graph_task_id() != -1
+        self.in_backward = in_backward()
         self.active = True
         return self
 
@@ -153,11 +154,6 @@ def _calibrated(values: list[float], constant: float, segments: list[int], earli
     """`values` less the span constant, and `earlier` for each earlier segment (a
     recomputed forward's: the forward constant), clamped at 0."""
     return [max(0.0, v - constant - (n - 1) * earlier) for v, n in zip(values, segments)]
-
-
-def _in_backward() -> bool:
-    """Inside autograd's backward (a forward here is a recompute)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class StageProbe:
@@ -356,7 +352,7 @@ class StageProbe:
             if not module.training:  # evaluation: no training cost (nor backward) to time
                 return
             hidden = kwargs.get("hidden_states", args[0] if args else None)
-            if _in_backward():
+            if in_backward():
                 self._recompute_begins(number, hidden)
                 return
             mb = self._next_mb(f"layer/{number}")
@@ -378,7 +374,7 @@ class StageProbe:
         def post(module, args, kwargs, output):
             if not module.training:
                 return
-            if _in_backward():
+            if in_backward():
                 mb = self._recompute_ends(number)
                 if mb is None:
                     return

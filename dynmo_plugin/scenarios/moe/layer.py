@@ -36,6 +36,7 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 from megatron.core.transformer.transformer_layer import (TransformerLayer,
                                                          get_transformer_layer_offset)
 
+from dynmo_plugin.megatron.recompute import in_backward
 from dynmo_plugin.megatron.training.scratch import rng_streams_kept
 
 
@@ -273,7 +274,11 @@ class MoeTransformerLayer(TransformerLayer):
         """Padded to a capacity, each expert computes its capacity: a number the host knows
         (no kernel); otherwise the routing map's columns. Kept tokens are the non-zero
         probabilities (the router zeroes every probability outside its map, and padding
-        rows have none): two small kernels, read only when an event asks (`take_kept`)."""
+        rows have none): two small kernels, read only when an event asks (`take_kept`).
+        A recomputed forward (activation recompute: inside the backward) routed the same
+        tokens once already: not counted again."""
+        if in_backward():
+            return
         probs, routing_map = output
         capacity = padded_capacity(self.config, routing_map.shape[0])
         if capacity is not None:
