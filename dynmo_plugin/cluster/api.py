@@ -110,6 +110,45 @@ def check_kubeconfig(paths: list[str], source: str) -> None:
         if data is not None and not isinstance(data, dict):
             raise ValueError(f"{path} ({source}): a kubeconfig is a mapping (apiVersion, clusters, "
                              f"contexts, users), this file holds a {type(data).__name__}")
+        why = _unusable(data, os.path.dirname(path)) if isinstance(data, dict) and len(present) == 1 else None
+        if why:
+            raise ValueError(f"{path} ({source}): {why}")
+
+
+def _unusable(data: dict, base: str) -> str | None:
+    """What the kubernetes client's loader would refuse in a kubeconfig of one file
+    ("Invalid kube-config file. Expected key current-context", "File does not exist"),
+    read from the mapping and the files it names: no cluster, identity provider or exec
+    plugin is asked. Several files merge
+    ($KUBECONFIG=a:b) and are left to the loader."""
+    name = data.get("current-context")
+    if not name:
+        return "has no current-context; set one (kubectl config use-context NAME)"
+    context = _named(data.get("contexts"), name)
+    if context is None:
+        return f"its current-context {name!r} is not among its contexts"
+    cluster_name = (context.get("context") or {}).get("cluster")
+    cluster = _named(data.get("clusters"), cluster_name)
+    if cluster is None:
+        return f"context {name!r} names cluster {cluster_name!r}, which the file does not hold"
+    if not (cluster.get("cluster") or {}).get("server"):
+        return f"cluster {cluster_name!r} has no server"
+    user = _named(data.get("users"), (context.get("context") or {}).get("user")) or {}
+    for where, entry, key in (("cluster", cluster.get("cluster") or {}, "certificate-authority"),
+                              ("user", user.get("user") or {}, "client-certificate"),
+                              ("user", user.get("user") or {}, "client-key"),
+                              ("user", user.get("user") or {}, "tokenFile")):
+        file = entry.get(key)
+        if isinstance(file, str) and file and not os.path.isfile(os.path.join(base, file)):
+            return f"its {where}'s {key} {file} does not exist (paths are relative to the kubeconfig)"
+    return None
+
+
+def _named(entries, name) -> dict | None:
+    """The entry of a kubeconfig list (contexts, clusters) called `name`."""
+    if not isinstance(entries, list):
+        return None
+    return next((e for e in entries if isinstance(e, dict) and e.get("name") == name), None)
 
 
 def _why(e: Exception) -> str:

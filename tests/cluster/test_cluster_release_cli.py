@@ -54,10 +54,13 @@ current-context: x
     ("not utf-8", "not a readable kubeconfig"),
     ("empty", "is empty"),
     ("a list", "a kubeconfig is a mapping"),
+    ("no current-context", "has no current-context; set one (kubectl config use-context NAME)"),
+    ("a missing CA file", "its cluster's certificate-authority /nonexistent/ca.crt does not exist"),
 ])
 def test_bad_kubeconfig_flag_is_one_line_exit_2(tmp_path, capsys, kind, needle):
     """Was exit 3 with the failure on stdout only (a directory passed os.access; the file
-    was never parsed before the release tried to connect)."""
+    was never parsed before the release tried to connect; a mapping without a
+    current-context or naming a missing CA file failed only in the client's loader)."""
     from dynmo_plugin.cli import main
 
     path = tmp_path / "kc"
@@ -65,7 +68,11 @@ def test_bad_kubeconfig_flag_is_one_line_exit_2(tmp_path, capsys, kind, needle):
         path.mkdir()
     elif kind != "missing":
         path.write_bytes({"malformed": b"apiVersion: v1\nclusters: [\n  - name: x\n",
-                          "not utf-8": b"\xff\xfe", "empty": b"", "a list": b"[1, 2]"}[kind])
+                          "not utf-8": b"\xff\xfe", "empty": b"", "a list": b"[1, 2]",
+                          "no current-context": _GOOD_KUBECONFIG.replace("current-context: x\n", "").encode(),
+                          "a missing CA file": _GOOD_KUBECONFIG.replace(
+                              '"https://127.0.0.1:1"', '"https://127.0.0.1:1", certificate-authority: /nonexistent/ca.crt'
+                          ).encode()}[kind])
     code = main([*ARGV, "--kubeconfig", str(path), "--json"])
     out, err = capsys.readouterr()
     lines = err.splitlines()

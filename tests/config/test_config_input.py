@@ -130,6 +130,34 @@ def test_paths_are_checked_before_anything_is_built(tmp_path):
     _validate(["--load", str(tmp_path / "new"), "--save", str(tmp_path / "new")])
 
 
+def test_a_kubeconfig_is_read_before_training(tmp_path):
+    """--dynmo-cluster-kubeconfig is read at the start, not at the first release (which
+    logged the failure and trained on holding GPUs it could not give back)."""
+    good = tmp_path / "kc"
+    good.write_text("apiVersion: v1\nclusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+                    "users: [{name: u, user: {token: t}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\n"
+                    "current-context: x\n")
+    flags = ["--dynmo", "--dynmo-cluster-strategy", "statefulset-scale", "--dynmo-cluster-kubeconfig"]
+    _validate([*flags, str(good)])
+    no_context = tmp_path / "no_context"
+    no_context.write_text(good.read_text().replace("current-context: x\n", ""))
+    other = tmp_path / "other_cluster"
+    other.write_text(good.read_text().replace("cluster: c, user", "cluster: d, user"))
+    no_ca = tmp_path / "no_ca"
+    no_ca.write_text(good.read_text().replace("server: 'https://127.0.0.1:1'",
+                                              "server: 'https://127.0.0.1:1', certificate-authority: ca.crt"))
+    for path, needle in ((tmp_path / "missing", "flag --dynmo-cluster-kubeconfig: kubeconfig " + str(tmp_path / "missing")
+                          + " does not exist; give the kubeconfig file, or none"),
+                         (no_context, "no_context (flag --dynmo-cluster-kubeconfig): has no current-context"),
+                         (other, "context 'x' names cluster 'd', which the file does not hold"),
+                         (no_ca, "its cluster's certificate-authority ca.crt does not exist")):
+        with pytest.raises(ConfigError) as err:
+            _validate([*flags, str(path)])
+        assert needle in str(err.value), str(err.value)
+    (tmp_path / "ca.crt").write_text("x")  # relative to the kubeconfig, as kubectl reads it
+    _validate([*flags, str(no_ca)])
+
+
 def test_launcher_prints_the_path_error_in_one_line(tmp_path, capsys):
     """In process, as a worker would: one line, exit 2, no model built."""
     out = tmp_path / "out"
