@@ -28,6 +28,13 @@ def positive(v: Any) -> Optional[str]:
     return None if v > 0 else "a positive number"
 
 
+def layer_count(v: Any) -> Optional[str]:
+    """Decoder layers: each is a Python module and a character of the layout string, so
+    a count past layouts' bound (2**20, `layout._MAX_EXPANDED`) ran workers out of memory
+    building them (2**62 layers: MemoryError on every rank)."""
+    return None if 0 < v <= 1 << 20 else "a positive number of at most 1048576 (2**20) layers"
+
+
 def multiple_of_8(v: Any) -> Optional[str]:
     """A width granularity a bf16 GEMM runs fast at: its fast kernels need every dimension
     a multiple of 8 (16 bytes)."""

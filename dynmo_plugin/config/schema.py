@@ -18,7 +18,8 @@ from dynmo_plugin.balancing.grow import FREED_MODES
 from dynmo_plugin.balancing.repack import OBJECTIVES, RepackCriteria
 from dynmo_plugin.balancing.solve import BALANCERS
 from dynmo_plugin.cluster.release import STRATEGIES
-from dynmo_plugin.config.fields import ascending_lengths, below_one, non_negative, one_of, opt, positive
+from dynmo_plugin.config.fields import (ascending_lengths, below_one, layer_count, non_negative, one_of, opt,
+                                        positive)
 from dynmo_plugin.scenarios import SCENARIOS
 
 __all__ = ["DataConfig", "ModelArgs", "ProfilingConfig", "RebalanceConfig", "DynamismConfig",
@@ -94,7 +95,7 @@ class DataConfig:
 class ModelArgs:
     """The small GPT the launcher trains; defaults are the CPU demo's model."""
 
-    num_layers: int = field(default=8, metadata=opt("decoder layers", check=positive))
+    num_layers: int = field(default=8, metadata=opt("decoder layers", check=layer_count))
     hidden_size: int = field(default=64, metadata=opt("hidden size", check=positive))
     ffn_hidden_size: Optional[int] = field(default=None, metadata=opt("MLP size (default 4 x hidden)", check=positive))
     num_attention_heads: int = field(default=4, metadata=opt("attention heads", check=positive))

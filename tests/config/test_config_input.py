@@ -102,6 +102,8 @@ def test_a_directory_as_config_is_named(tmp_path):
     # past 64 bits torch's seeding and numpy overflowed on every rank
     (["--seed", str(2**64)], "flag --seed: model.seed: expected an integer of 64 bits (below 2**63)"),
     (["--num-layers", "9" * 23], "model.num_layers: expected an integer of 64 bits"),
+    # 64 bits, but each layer a module and a layout character: MemoryError on every rank
+    (["--num-layers", str(2**62)], "model.num_layers: expected a positive number of at most 1048576 (2**20) layers"),
 ])
 def test_sizes_and_values(argv, needle):
     with pytest.raises(ConfigError) as err:
