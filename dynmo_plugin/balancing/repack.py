@@ -157,9 +157,10 @@ def _admit(problem: BalanceProblem, k: int, criteria: RepackCriteria, model: Ite
     if problem.num_chunks > 1:
         return refused
     sub = shrink_problem(problem, k)
-    alt = rebuild_split(problem, with_margin(sub, criteria.memory_margin))
+    alt = rebuild_split(coarsen(problem), coarsen(with_margin(sub, criteria.memory_margin)))
     if alt is None:
         return refused
+    alt = refine(alt, problem.layer_block)
     iter_s = model(sub, alt)
     other = _within(RepackCandidate(k, alt, iter_s, True, per_gpu(iter_s, k), ""), limit, slow)
     return replace(other, reason=f"{_SPLIT}{cand.layout}: {why}") if other.fits else refused

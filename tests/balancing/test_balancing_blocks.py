@@ -162,6 +162,20 @@ def test_a_repack_keeps_whole_blocks():
         assert cand.layout is None or all(c % 3 == 0 for c in cand.layout.counts), cand
 
 
+def test_the_split_taken_for_the_rebuild_keeps_whole_blocks():
+    """test_repack_planner's 8 layers onto 2 stages with 11 bytes a stage: the fastest
+    split 6|2 overflows the rebuild (12 B), the planner's other split 5|3 (61 s) splits a
+    block of 2; in blocks the one that fits is 4|4: 12 + 7 x 8 = 68 s, within 1.3 x 54."""
+    problem = BalanceProblem(costs=[1, 1, 1, 1, 1, 1, 3, 3], num_stages=4, current=Layout((2, 2, 2, 2)),
+                             num_microbatches=8, memory=[1.5] * 8, move_bytes=[1] * 8, capacity=11,
+                             layer_block=2)
+    plan = plan_repack(problem, RepackCriteria(min_stages=2, memory_margin=0, max_slowdown=1.3))
+    assert plan.apply and plan.layout_after.counts == (4, 4) and plan.predicted_iter_s_after == 68
+    assert plan.candidates[0].reason.endswith("would not fit it: Etttttt|ttL: the rebuild needs 12 B on "
+                                              "rank 0 while its old stage and the new one coexist, above "
+                                              "its cap 11 B")
+
+
 def test_a_problem_in_blocks_is_checked_once():
     with pytest.raises(ProblemError, match="layer_block must be a positive integer"):
         BalanceProblem(costs=[1] * 4, num_stages=2, layer_block=0)
