@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -99,8 +100,28 @@ def _run_torchrun_once(args: list[str], env: dict, timeout: float, cwd: Path = R
                        fresh: bool = False) -> subprocess.CompletedProcess:
     if ZYGOTE is not None and not fresh and Path(cwd) == ROOT:
         return ZYGOTE.run(args, env, timeout)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return run_group([sys.executable, "-m", "torch.distributed.run", *args], cwd, env, timeout)
+
+
+def run_group(cmd: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run of a torchrun that, on timeout, stops its workers before it goes:
+    SIGTERM first (torchrun's agent stops its workers, each in a session of its own, as
+    on a Ctrl-C), SIGKILL to its group after 15 s. subprocess.run's SIGKILL to torchrun
+    alone left the workers running without it (an orphaned 2-rank run went on for
+    minutes and made other tests time out)."""
+    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                out, err = proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def start_zygote() -> None:

@@ -55,9 +55,9 @@ def test_entry_point_is_declared():
 ])
 def test_torchrun_prints_one_line_and_no_traceback(tmp_path, flags, needle):
     """The documented command with a bad input: one line in all of stdout + stderr."""
-    proc = subprocess.run([_torchrun(), "--nproc-per-node", "2", "-m", "dynmo_plugin.train", *flags,
-                           "--output", str(tmp_path / "run")], cwd=tmp_path, env=_env(tmp_path),
-                          capture_output=True, text=True, timeout=300)
+    from launch import run_group
+    proc = run_group([_torchrun(), "--nproc-per-node", "2", "-m", "dynmo_plugin.train", *flags,
+                      "--output", str(tmp_path / "run")], tmp_path, _env(tmp_path), timeout=300)
     lines = [x for x in (proc.stdout + proc.stderr).splitlines() if x.strip()]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith("dynmo-train: error: ") and needle in lines[0], lines

@@ -3,7 +3,6 @@ so in one warning line (issue 28: it ran silently)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,11 +24,12 @@ def test_warned_only_when_nothing_can_move():
 
 
 def test_one_warning_line_under_torchrun(tmp_path):
+    from launch import run_group
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-                           "-m", "dynmo_plugin.train", "--dynmo-dynamism", "layer_freezing",
-                           "--train-iters", "1", "--num-layers", "2", "--output", str(tmp_path / "run")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_group([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                      "-m", "dynmo_plugin.train", "--dynmo-dynamism", "layer_freezing",
+                      "--train-iters", "1", "--num-layers", "2", "--output", str(tmp_path / "run")],
+                     ROOT, env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [x for x in proc.stderr.splitlines() if x.startswith("dynmo-train: warning:")]
     assert len(warnings) == 1 and "nothing to balance" in warnings[0], proc.stderr[-3000:]
