@@ -11,13 +11,16 @@ as one unit (`coarsen`) and the layout read back in layers (`refine`). This is e
 not a heuristic: layouts of whole blocks are exactly the layouts whose counts are all
 multiples of q, one to one with the coarse layouts; a block's cost, bytes, moved bytes
 and rebuilt bytes are its layers' sums, so every stage's load and memory, and the bytes
-a move sends, are the same in both problems. The coarse optimum is the optimum among
-the allowed layouts, and the plan is then scored on the problem in layers.
+a move sends, are the same in both problems (moved bytes as the tie-break counts them:
+whole bytes per layer). The coarse optimum, tie-break included, is the optimum among the
+allowed layouts, and the plan is then scored on the problem in layers.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable, Optional, Sequence
+
+import numpy as np
 
 from dynmo_plugin.balancing.problem import BalanceProblem
 from dynmo_plugin.layout import Layout
@@ -57,7 +60,9 @@ def coarsen(problem: BalanceProblem) -> BalanceProblem:
     return dataclasses.replace(
         problem, layer_block=1, costs=block_sums(problem.costs, q),
         memory=block_sums(problem.memory, q),
-        move_bytes=block_sums(problem.move_bytes, q),  # None: the memory's, summed too
+        # the tie-break's whole bytes per layer, summed (a sum rounded once could order
+        # two layouts the other way: 0.55 + 0.55 rounds to 1, two rounded 0.55s to 2)
+        move_bytes=block_sums(np.rint(problem.move_bytes_arr), q),
         param_counts=block_sums(problem.param_counts, q),
         rebuild_bytes=block_sums(problem.rebuild_bytes, q),
         current=coarse_layout(problem.current, q))

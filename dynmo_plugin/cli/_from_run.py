@@ -120,9 +120,10 @@ def recommend(run_dir: str) -> dict[str, Any]:
                      "reason": event.get("reason") or "profile only: nothing moves"}}
 
 
-def _profile_file(path: str) -> PipelineProfile:
+def _profile_file(path: str) -> tuple[PipelineProfile, int]:
     """A profile as the live run records it: `PipelineProfile.to_dict()` ({layers,
-    stages[, num_chunks]}), or a report event holding one under "profile"."""
+    stages[, num_chunks]}), or a report event holding one under "profile"; with the
+    layer block of the run whose report.json it came from (1 otherwise)."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:
@@ -130,7 +131,13 @@ def _profile_file(path: str) -> PipelineProfile:
                         "profile JSON file") from e
     except ValueError as e:
         raise UserError(f"--from-profile {path!r}: not JSON ({e})") from e
+    block = 1
     if isinstance(data, dict) and isinstance(data.get("events"), list) and "layers" not in data:
+        try:  # the run's recompute chunks
+            block = _layer_block(data) if isinstance(data.get("config"), dict) else 1
+        except (TypeError, ValueError) as e:
+            raise UserError(f"--from-profile {path!r}: its config does not read as a run's "
+                            f"({type(e).__name__}: {e})") from e
         data = _event(data, path, "--from-profile")  # a run's report.json: its profile event
     if isinstance(data, dict) and isinstance(data.get("profile"), dict):
         data = data["profile"]
@@ -141,19 +148,20 @@ def _profile_file(path: str) -> PipelineProfile:
                         f"[...]}} as a run's report events record it): {type(e).__name__}: {e}") from e
     if not profile.layers or not profile.stages:
         raise UserError(f"--from-profile {path!r}: the profile has no layers or no stages")
-    return profile
+    return profile, block
 
 
 def recommend_from_profile(path: str) -> dict[str, Any]:
     """The exact layout for a recorded profile, without its run: the layout it was
     profiled under is read from the layers' stages, the micro-batches from the stages'
     records (1 when not recorded); no memory cap, no repack (the run's settings are not
-    in a profile: use --from-run for those).
+    in a profile: use --from-run for those). From a run's report.json, whole chunks of its
+    uniform recompute (`_layer_block`).
 
     Raises:
         UserError: an unreadable file or not a profile.
     """
-    profile = _profile_file(path)
+    profile, block = _profile_file(path)
     try:
         counts = [0] * len(profile.stages)
         for x in profile.layers:
@@ -162,7 +170,7 @@ def recommend_from_profile(path: str) -> dict[str, Any]:
         current = Layout(tuple(counts), profile.num_chunks, mtp.layer if mtp else 0,
                          mtp.stage if mtp else None)
         m = max(s.num_microbatches for s in profile.stages) or 1
-        problem = problem_from_profile(profile, current, DynmoConfig(), m)
+        problem = problem_from_profile(profile, current, DynmoConfig(), m, layer_block=block)
         plan = solve(problem, "exact")
     except (IndexError, TypeError, ValueError, LayoutError, ProblemError) as e:
         raise UserError(f"--from-profile {path!r}: the profile does not make a problem "

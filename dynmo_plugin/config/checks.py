@@ -20,7 +20,7 @@ from dynmo_plugin.layout import Layout, LayoutError
 from dynmo_plugin.scenarios import SCENARIOS
 
 __all__ = ["check_run", "check_shape", "check_paths", "check_transformer_impl", "recompute_block",
-           "split_blocks", "check_forced_blocks",
+           "split_blocks", "check_forced_blocks", "check_chunks_fill", "MTP_CHUNKS_WHY",
            "resolve_transformer_impl", "check_dynmo_off", "PLUGIN_SECTIONS"]
 
 # The sections that only act with --dynmo (dynamism runs in a static baseline too).
@@ -304,6 +304,11 @@ def recompute_block(args) -> int:
     return 1
 
 
+# Megatron's MTP block recomputes its layers one at a time only (it asserts otherwise)
+MTP_CHUNKS_WHY = ("--mtp-num-layers with --recompute-method uniform --recompute-num-layers > 1: "
+                  "Megatron's MTP recompute asserts 'recompute_num_layers must be 1'")
+
+
 def split_blocks(layout: Layout, block: int) -> Optional[str]:
     """Why `layout` cannot run under uniform recompute in chunks of `block`, or None."""
     split = [(s, c) for s, c in enumerate(layout.counts) if c % block]
@@ -326,6 +331,40 @@ def check_forced_blocks(cfg: RunConfig, block: int, where: str) -> None:
                               f"give every stage a multiple of {block} layers")
 
 
+def _check_recompute_chunks(cfg: RunConfig, block: int, where: str) -> None:
+    """Uniform recompute in chunks of `block` > 1 (`recompute_block`): every stage of the
+    starting split and of each forced layout holds whole chunks, the balancers can fill
+    every stage with them, and no MTP block (Megatron's MTP recompute asserts)."""
+    m = cfg.model
+    if block == 1:
+        return
+    if m.mtp_num_layers:
+        raise ConfigError(f"{where}: {MTP_CHUNKS_WHY}; give --recompute-num-layers 1 or "
+                          "--recompute-method block")
+    v, text = m.num_virtual_stages_per_pipeline_rank, m.pipeline_model_parallel_layout
+    start = (Layout.parse(text, None, m.num_layers, v) if text
+             else Layout.uniform(m.num_layers, m.pipeline_model_parallel_size * v, v))
+    why = split_blocks(start, block)
+    if why:
+        what = (f"--pipeline-model-parallel-layout {text}" if text else
+                f"Megatron's even split of --num-layers {m.num_layers} ({start})")
+        raise ConfigError(f"{where}: {what}: {why}; give every stage a multiple of {block} layers, "
+                          "or another --recompute-num-layers")
+    check_forced_blocks(cfg, block, where)
+    check_chunks_fill(cfg, block, start.num_stages, where)
+
+
+def check_chunks_fill(cfg: RunConfig, block: int, stages: int, where: str) -> None:
+    """With --dynmo, whole chunks of `block` layers can fill every one of `stages` (virtual)
+    stages, or empty stages are allowed: otherwise every decision would find no plan."""
+    n = cfg.model.num_layers
+    if block > 1 and cfg.dynmo.enabled and not cfg.dynmo.rebalance.allow_empty_stages and n // block < stages:
+        raise ConfigError(f"{where}: --num-layers {n} in chunks of {block} fill at most {n // block} "
+                          f"of the {stages} stages, so no balanced layout leaves none empty; add "
+                          "--dynmo-allow-empty-stages, or give fewer stages or another "
+                          "--recompute-num-layers")
+
+
 def _check_recompute(cfg: RunConfig, given: dict[str, str]) -> None:
     """Megatron-LM's recompute flags, as its validate_args pairs them; only under models
     of standard layers (the scenarios' layers and a frozen prefix, whose checkpointed
@@ -339,18 +378,7 @@ def _check_recompute(cfg: RunConfig, given: dict[str, str]) -> None:
     if not full and (m.recompute_method is not None or m.recompute_num_layers is not None):
         raise ConfigError(f"{where('recompute_method')}: --recompute-method and --recompute-num-layers "
                           "go with --recompute-granularity full; add it, or drop them")
-    block = recompute_block(m)
-    if block > 1:
-        v, text = m.num_virtual_stages_per_pipeline_rank, m.pipeline_model_parallel_layout
-        start = (Layout.parse(text, None, m.num_layers, v, m.mtp_num_layers or 0) if text
-                 else Layout.uniform(m.num_layers, m.pipeline_model_parallel_size * v, v))
-        why = split_blocks(start, block)
-        if why:
-            what = (f"--pipeline-model-parallel-layout {text}" if text else
-                    f"Megatron's even split of --num-layers {m.num_layers} ({start})")
-            raise ConfigError(f"{where('recompute_num_layers')}: {what}: {why}; give every stage "
-                              f"a multiple of {block} layers, or another --recompute-num-layers")
-        check_forced_blocks(cfg, block, where("recompute_num_layers"))
+    _check_recompute_chunks(cfg, recompute_block(m), where("recompute_num_layers"))
     kind = cfg.dynmo.dynamism.kind
     if m.recompute_granularity and kind != "none":
         raise ConfigError(f"{where('recompute_granularity')}: --recompute-granularity with dynamism "

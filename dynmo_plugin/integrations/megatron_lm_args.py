@@ -9,7 +9,8 @@ import argparse
 import sys
 
 from dynmo_plugin.config import ConfigError, RunConfig
-from dynmo_plugin.config.checks import check_forced_blocks, recompute_block
+from dynmo_plugin.config.checks import (MTP_CHUNKS_WHY, check_chunks_fill, check_forced_blocks,
+                                         recompute_block)
 from dynmo_plugin.integrations.megatron_lm_hooks import MegatronLMError
 from dynmo_plugin.megatron.training.machine import load_run_config
 
@@ -96,6 +97,8 @@ def _check_supported(args, cfg: RunConfig) -> None:
          and (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1,
          "--mtp-num-layers with virtual pipeline stages (MTP under Megatron-LM: one chunk per rank)"),
         (getattr(args, "optimizer", "adam") not in ("adam", "sgd"), f"--optimizer {args.optimizer}"),
+        (bool(getattr(args, "mtp_num_layers", None)) and recompute_block(args) > 1,
+         f"{MTP_CHUNKS_WHY} (use --recompute-num-layers 1 or --recompute-method block)"),
         (cfg.dynmo.dynamism.kind == "layer_freezing" and getattr(args, "recompute_granularity", None) == "full",
          "--recompute-granularity full with --dynmo-dynamism layer_freezing (the frozen embedding and "
          "layers leave a checkpointed trainable layer an input without gradient, and Megatron's "
@@ -118,7 +121,10 @@ def _check_supported(args, cfg: RunConfig) -> None:
         raise ConfigError(f"--dynmo under Megatron-LM does not support: {'; '.join(bad)}. Drop "
                           "them, or run without --dynmo")
     _check_scenario_spec(args, cfg.dynmo.dynamism.kind)
-    check_forced_blocks(cfg, recompute_block(args), "--dynmo-forced-layouts")
+    block = recompute_block(args)
+    check_forced_blocks(cfg, block, "--dynmo-forced-layouts")
+    stages = args.pipeline_model_parallel_size * cfg.model.num_virtual_stages_per_pipeline_rank
+    check_chunks_fill(cfg, block, stages, "--recompute-num-layers")
 
 
 def forced_mtp_move(cfg: RunConfig) -> bool:

@@ -10,6 +10,7 @@ import logging
 import os
 
 from dynmo_plugin.config import RunConfig
+from dynmo_plugin.config.checks import recompute_block, split_blocks
 from dynmo_plugin.integrations.megatron_lm_args import SCENARIO_SPECS, set_layout
 from dynmo_plugin.integrations.megatron_lm_hooks import MegatronLMError
 from dynmo_plugin.layout import Layout
@@ -67,7 +68,8 @@ def restore_saved_layout(args) -> None:
 
     Raises:
         MegatronLMError: a per-rank checkpoint (--ckpt-format torch / torch_dcp numbers
-            layers within each stage) that this run would load under another split.
+            layers within each stage) that this run would load under another split; a
+            saved layout that splits this run's uniform recompute chunks (`recompute_block`).
     """
     if not getattr(args, "dynmo__enabled", False) or not args.load:
         return
@@ -84,6 +86,11 @@ def restore_saved_layout(args) -> None:
     if (args.pipeline_model_parallel_layout is None and fitting
             and getattr(saved, "num_layers", None) == args.num_layers):
         chosen = fitting[0]
+        why = split_blocks(Layout.parse(chosen), recompute_block(args))
+        if why:
+            raise MegatronLMError(f"--load {args.load}: its saved layout {chosen}: {why}; give a "
+                                  "--pipeline-model-parallel-layout of whole chunks, or another "
+                                  "--recompute-num-layers")
         set_layout(args, chosen)
         logger.info("--load %s: resuming under the saved layout %s", args.load, chosen)
     if fmt not in _PER_RANK_FORMATS:

@@ -146,6 +146,17 @@ def test_the_unconstrained_optimum_is_not_taken():
     assert weights.layout.counts == (2, 4)  # DeepSpeed on the blocks' summed weights: 6 | 2 2
 
 
+def test_the_tie_break_counts_whole_bytes_per_layer_in_blocks_too():
+    """Bytes that are not whole: the fine problem's tie-break rounds each layer's (layers
+    3-4: 0 + 0; layers 5-6: 0 + 1), so 4|2|2 is the optimum that moves least; a block's
+    sum rounded once (0.9 -> 1, 1.1 -> 1) tied them and took 2|2|4 (1.1 bytes). Found in
+    review."""
+    problem = BalanceProblem(costs=[0, 0, 1, 1, 1, 1, 0, 0], num_stages=3, current=Layout((2, 4, 2)),
+                             move_bytes=[0.5, 1.4, 0.5, 0.4, 0.5, 0.6, 0.6, 0.4], layer_block=2)
+    plan = solve(problem, "exact")
+    assert plan.layout.counts == (4, 2, 2) and plan.bytes_moved == pytest.approx(0.9)
+
+
 def test_a_repack_keeps_whole_blocks():
     """8 layers on 4 stages in blocks of 2, six of them cheap: the repack onto 2 stages
     the plain planner would take (6|2, 'Etttttt|ttL') splits no block here either, and

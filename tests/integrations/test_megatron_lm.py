@@ -50,6 +50,12 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
         ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "3:Et|tttL"], **recompute))
     assert ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-forced-layouts", "3:E|ttttL"],
                                                **recompute)).dynmo.enabled
+    with pytest.raises(ConfigError, match="support: --mtp-num-layers with --recompute-method uniform "
+                                          "--recompute-num-layers > 1: Megatron's MTP recompute asserts"):
+        ml.load_plugin_config(megatron_like(argv=["--dynmo"], mtp_num_layers=1, **recompute))
+    with pytest.raises(ConfigError, match="--recompute-num-layers: --num-layers 4 in chunks of 4 fill at most 1 "
+                                          "of the 2 stages"):
+        ml.load_plugin_config(megatron_like(argv=["--dynmo"], **{**recompute, "recompute_num_layers": 4}))
     # full recompute under layer freezing: a frozen prefix left layer 2's checkpointed input without
     # gradient and layer 2 untrained (layer 1 frozen at 6: the loss at 8 parted from the run's
     # without recompute); selective recompute kept them equal
@@ -510,7 +516,7 @@ def test_uniform_recompute_in_chunks_moves_whole_chunks_inside_megatron_lm(tmp_p
     on every stage (without them the start's best split is uneven), and a forced move of
     a chunk (layers 3-4 to stage 1) before iteration 4 changes no loss of the never-moved
     run; the moved stages' chunks keep their first layer's input only. `dynmo plan
-    --from-run` recommends whole chunks too."""
+    --from-run` and `--from-profile` of the report recommend whole chunks too."""
     flags = ["--num-layers", "8", "--vocab-size", "32768", "--recompute-granularity", "full",
              "--recompute-method", "uniform", "--recompute-num-layers", "2", "--dynmo",
              "--dynmo-profile-every", "2"]
@@ -525,10 +531,12 @@ def test_uniform_recompute_in_chunks_moves_whole_chunks_inside_megatron_lm(tmp_p
                                          for stage in p.split("|")), planned
     kept = [x["act_bytes"] for x in [e for e in moved["events"] if e["kind"] == "profile"][-1]["profile"]["layers"]]
     assert kept == [32 * 2 * 64 * 4, 0] * 4
-    # `dynmo plan --from-run` reads the recompute from the report: whole chunks there too
-    from dynmo_plugin.cli._from_run import recommend
-    recommended = recommend(str(tmp_path / "static" / "out"))["pipeline_model_parallel_layout"]
-    assert all(len(stage.strip("EL")) % 2 == 0 for stage in recommended.split("|")), recommended
+    # `dynmo plan --from-run` and `--from-profile REPORT` read the recompute from the report
+    from dynmo_plugin.cli._from_run import recommend, recommend_from_profile
+    for recommended in (recommend(str(tmp_path / "static" / "out")),
+                        recommend_from_profile(str(tmp_path / "static" / "out" / "report.json"))):
+        shown = recommended["pipeline_model_parallel_layout"]
+        assert all(len(stage.strip("EL")) % 2 == 0 for stage in shown.split("|")), shown
 
 
 def _sync_bindings(run: Path, ranks: int = 2) -> dict:
@@ -585,7 +593,8 @@ def test_a_per_rank_checkpoint_under_another_split_is_refused_in_one_line(tmp_pa
     split, stage 0 would silently take layer 1's weights for its layer 2. The checkpoint's
     header (tracker file and the per-rank file's `args`, the only part read before the
     model exists) is written here in Megatron-LM's legacy layout. Over the same header: a
-    layer-freezing run is not resumed from a checkpoint that lacks the scenario's state."""
+    layer-freezing run is not resumed from a checkpoint that lacks the scenario's state, nor
+    a run under uniform recompute in chunks of 2 from a layout that splits them."""
     import torch
     folder = tmp_path / "iter_0000004" / "mp_rank_00_000"
     folder.mkdir(parents=True)
@@ -596,6 +605,12 @@ def test_a_per_rank_checkpoint_under_another_split_is_refused_in_one_line(tmp_pa
     ok = _parsed(["--dynmo", "--load", str(tmp_path), "--pipeline-model-parallel-size", "2"])
     ml.restore_saved_layout(ok)  # the saved split: honoured
     assert ok.pipeline_model_parallel_layout == "Et|tttL"
+    # unless it splits this run's uniform recompute chunks (Megatron would index past stage 0)
+    chunks = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"]
+    with pytest.raises(ml.MegatronLMError, match=r"its saved layout Et\|tttL: stage 0 holds 1, stage 1 holds 3 "
+                                                 "layers, not a multiple of --recompute-num-layers 2"):
+        ml.restore_saved_layout(_parsed(["--dynmo", "--load", str(tmp_path), "--pipeline-model-parallel-size", "2",
+                                         *chunks]))
     # a scenario whose state the checkpoint lacks is not resumed (frozen layers would train)
     scenario = ["--dynmo-dynamism", "layer_freezing", "--spec", ml.SPEC_MODULE, "layer_freezing"]
     frozen = _parsed(["--dynmo", "--load", str(tmp_path), *scenario])

@@ -272,6 +272,12 @@ def test_the_launcher_moves_recomputed_layers_bit_exact(tmp_path):
     with pytest.raises(ConfigError, match=r"even split of --num-layers 6 \(Ettt\|tttL\): stage 0 holds 3"):
         validate(build_parser().parse_args([*uniform, "--num-layers", "6"]), 2)
     validate(build_parser().parse_args([*uniform, "--num-layers", "6", "--recompute-num-layers", "3"]), 2)
+    with pytest.raises(ConfigError, match="Megatron's MTP recompute asserts 'recompute_num_layers must be 1'"):
+        validate(build_parser().parse_args([*uniform, "--mtp-num-layers", "1"]), 2)
+    # chunks of 8 fill 1 of 2 stages: every decision would have found no plan
+    with pytest.raises(ConfigError, match="--num-layers 8 in chunks of 8 fill at most 1 of the 2 stages"):
+        validate(build_parser().parse_args([*uniform, "--recompute-num-layers", "8",
+                                            "--pipeline-model-parallel-layout", "Etttttttt|L"]), 2)
     # a resume takes the saved layout, which the block method left at 5|3
     with pytest.raises(ConfigError, match=r"--load .*moved_ckpt: its saved layout Ettttt\|tttL: stage 0 holds 5"):
         validate(build_parser().parse_args([*uniform, "--load", str(saved)]), 2)
