@@ -99,6 +99,7 @@ class DynMo:
         self._awaiting_after: list[tuple[RebalanceEvent, list[float]]] = []
         self._step_started = 0.0
         self._step_ended: Optional[float] = None
+        self._rerun = False  # Megatron-LM ran this step again in place (`rerun_started`)
         self._work_now: dict[int, float] = {}          # latest work reported by the scenario
         self._work_base: Optional[dict[int, float]] = None  # work during the last timed window
         self._estimated = 0                             # estimated decisions since that window
@@ -157,12 +158,23 @@ class DynMo:
         if self._open is not None:
             self._open.window.step_done()
 
+    def rerun_started(self, iteration: int) -> None:
+        """Megatron-LM runs this step again in place (its rerun state machine): the step's
+        time is two runs', and a window open over it would time the layers twice. Dropped
+        at the step's end (`after_step`), not mid-step, where the window's hooks are live."""
+        self._rerun = True
+
     def after_step(self, iteration: int) -> None:
         ended, self._step_ended = self._step_ended, None
         seconds = (ended if ended is not None else time.perf_counter()) - self._step_started
+        rerun, self._rerun = self._rerun, False
+        if rerun and self._open is not None:
+            self._cancel_window(iteration, iteration, f"Megatron-LM ran iteration {iteration} again "
+                                "in place (its rerun state machine): the window timed it twice")
         if self._open is None:
-            self._recent.append(seconds)
-            self._feed_measurements(seconds)
+            if not rerun:
+                self._recent.append(seconds)
+                self._feed_measurements(seconds)
             if self.config.enabled and self._pending_events and self._can_estimate():
                 self._rebalance_estimated(iteration)
             return

@@ -276,6 +276,14 @@ class _Run:
         if self.scenario is not None:
             self.scenario.before_step(iteration)
 
+    def rerun_started(self, iteration: int) -> None:
+        """Megatron-LM runs this step's forward and backward again in place (its rerun
+        state machine): the scenario starts its counts over, the controller drops a
+        window that timed the first run."""
+        self.controller.rerun_started(iteration)
+        if self.scenario is not None:
+            self.scenario.rerun_started(iteration)
+
     def after_step(self, iteration: int, result) -> None:
         """As the launcher's step: the scenario's event (reported, and the controller
         told: it profiles and rebalances), then the controller's own step end."""

@@ -11,7 +11,8 @@ that `megatron_lm.enable()` wraps (each calls the original; their state is
                             - with MTP on three or more pipeline ranks, the datasets
                               built on every rank (megatron_lm_data), so the block can
                               move live
-  train_step                - the run's before_step/after_step around every step
+  train_step                - the run's before_step/after_step around every step, and
+                              its rerun_started when Megatron runs a step again in place
   train                     - its checkpointing context handed to the stage (a move
                               or rebuild drops the save plans cached there); its forward step
                               reads in lockstep on every rank where the data is there
@@ -24,6 +25,7 @@ that `megatron_lm.enable()` wraps (each calls the original; their state is
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Callable
 
@@ -104,11 +106,37 @@ def _wrap_train_step(original):
                             config, forward_backward_func, iteration=iteration)
         n = iteration + 1  # Megatron-LM passes the iterations done; the plugin numbers from 1
         run.before_step(n, model, optimizer)
-        result = original(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
-                          config, forward_backward_func, iteration=iteration)
+        with _reruns_told(lambda: run.rerun_started(n)):
+            result = original(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
+                              config, forward_backward_func, iteration=iteration)
         run.after_step(n, result)
         return result
     return train_step
+
+
+@contextlib.contextmanager
+def _reruns_told(started: Callable[[], None]):
+    """Around one train_step: `started()` each time Megatron's rerun state machine runs the
+    step's forward and backward again in place (--rerun-mode validate_results, when a
+    check such as --check-for-spiky-loss fires and reproduces): what the step counted so
+    far (router tokens, a window's times) ran once already. train_step asks the machine
+    `should_run_forward_backward` before every run of it."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    machine = get_rerun_state_machine()
+    ask, runs = machine.should_run_forward_backward, 0
+
+    def counted(data_iterator) -> bool:
+        nonlocal runs
+        again = ask(data_iterator)
+        runs += again
+        if again and runs > 1:
+            started()
+        return again
+    machine.should_run_forward_backward = counted
+    try:
+        yield
+    finally:
+        del machine.should_run_forward_backward  # the class's method again
 
 
 def _wrap_train(original):

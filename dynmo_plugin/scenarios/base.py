@@ -128,6 +128,11 @@ class Scenario:
     def after_step(self, iteration: int) -> Optional[DynamismEvent]:
         return None
 
+    def rerun_started(self, iteration: int) -> None:
+        """Megatron-LM runs this step's forward and backward again in place (its rerun
+        state machine, --rerun-mode validate_results): what the scenario counted in the
+        step so far ran once already. Default: nothing."""
+
     def after_layout_change(self) -> None:
         """This stage's layer objects changed (a migration): re-find what was cached."""
 

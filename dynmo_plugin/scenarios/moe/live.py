@@ -304,6 +304,11 @@ class MixtureOfExperts(Scenario):
         for layer in self._layers():
             layer.reset_counts()  # a layer that arrived by migration starts from zero anyway
 
+    def rerun_started(self, iteration: int) -> None:
+        """The rerun routes the same tokens again: start the step's counts over (they
+        were twice the tokens)."""
+        self.before_step(iteration)
+
     def is_event(self, iteration: int) -> bool:
         s = self.settings
         return iteration >= s.start and (iteration - s.start) % s.interval == 0
