@@ -21,6 +21,7 @@ from dynmo_plugin.scenarios import SCENARIOS
 
 __all__ = ["check_run", "check_shape", "check_paths", "check_transformer_impl", "recompute_block",
            "split_blocks", "check_forced_blocks", "check_chunks_fill", "MTP_CHUNKS_WHY",
+           "BLOCK_MOVES_WHY", "block_recompute_moves",
            "resolve_transformer_impl", "check_dynmo_off", "PLUGIN_SECTIONS"]
 
 # The sections that only act with --dynmo (dynamism runs in a static baseline too).
@@ -304,6 +305,25 @@ def recompute_block(args) -> int:
     return 1
 
 
+# Megatron's block recompute checkpoints the first N layers of each stage, whichever they
+# are: a layer's cost and memory belong to its place, which a move changes and the
+# balancer's per-layer model does not follow (measured: +-563200 bytes a stage after a move)
+BLOCK_MOVES_WHY = ("--recompute-method block with --dynmo moving layers: Megatron recomputes the first "
+                   "N layers of each stage, whichever they are, so a moved layer's cost and memory "
+                   "change with its place, which the balancer does not model")
+
+
+def block_recompute_moves(args, cfg: RunConfig) -> bool:
+    """Block recompute in a run whose layers may move: --dynmo with a balancer other than
+    uniform, a forced layout, a repack or a balanced start (which takes the exact
+    balancer) (`BLOCK_MOVES_WHY`)."""
+    d = cfg.dynmo
+    return (getattr(args, "recompute_granularity", None) == "full"
+            and getattr(args, "recompute_method", None) == "block" and d.enabled
+            and (d.rebalance.balancer != "uniform" or bool(d.rebalance.forced_layouts)
+                 or d.repack.enabled or bool(d.profiling.start_at)))
+
+
 # Megatron's MTP block recomputes its layers one at a time only (it asserts otherwise)
 MTP_CHUNKS_WHY = ("--mtp-num-layers with --recompute-method uniform --recompute-num-layers > 1: "
                   "Megatron's MTP recompute asserts 'recompute_num_layers must be 1'")
@@ -379,6 +399,10 @@ def _check_recompute(cfg: RunConfig, given: dict[str, str]) -> None:
         raise ConfigError(f"{where('recompute_method')}: --recompute-method and --recompute-num-layers "
                           "go with --recompute-granularity full; add it, or drop them")
     _check_recompute_chunks(cfg, recompute_block(m), where("recompute_num_layers"))
+    if block_recompute_moves(m, cfg):
+        raise ConfigError(f"{where('recompute_method')}: {BLOCK_MOVES_WHY}; use --recompute-method "
+                          "uniform (the balancers move whole chunks), or --dynmo-balancer uniform "
+                          "without forced layouts, repack or a balanced start (nothing moves)")
     kind = cfg.dynmo.dynamism.kind
     if m.recompute_granularity and kind != "none":
         raise ConfigError(f"{where('recompute_granularity')}: --recompute-granularity with dynamism "

@@ -9,8 +9,8 @@ import argparse
 import sys
 
 from dynmo_plugin.config import ConfigError, RunConfig
-from dynmo_plugin.config.checks import (MTP_CHUNKS_WHY, check_chunks_fill, check_forced_blocks,
-                                         recompute_block)
+from dynmo_plugin.config.checks import (BLOCK_MOVES_WHY, MTP_CHUNKS_WHY, block_recompute_moves,
+                                         check_chunks_fill, check_forced_blocks, recompute_block)
 from dynmo_plugin.integrations.megatron_lm_hooks import MegatronLMError
 from dynmo_plugin.megatron.training.machine import load_run_config
 
@@ -97,6 +97,8 @@ def _check_supported(args, cfg: RunConfig) -> None:
          and (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1,
          "--mtp-num-layers with virtual pipeline stages (MTP under Megatron-LM: one chunk per rank)"),
         (getattr(args, "optimizer", "adam") not in ("adam", "sgd"), f"--optimizer {args.optimizer}"),
+        (block_recompute_moves(args, cfg), f"{BLOCK_MOVES_WHY} (use --recompute-method uniform, or "
+         "--dynmo-balancer uniform without forced layouts, repack or a balanced start)"),
         (bool(getattr(args, "mtp_num_layers", None)) and recompute_block(args) > 1,
          f"{MTP_CHUNKS_WHY} (use --recompute-num-layers 1 or --recompute-method block)"),
         (cfg.dynmo.dynamism.kind == "layer_freezing" and getattr(args, "recompute_granularity", None) == "full",
@@ -104,6 +106,11 @@ def _check_supported(args, cfg: RunConfig) -> None:
          "layers leave a checkpointed trainable layer an input without gradient, and Megatron's "
          "reentrant checkpoint then gives that layer no gradient: it silently stops training; "
          "--recompute-granularity selective works)"),
+        (cfg.dynmo.dynamism.kind == "layer_freezing" and getattr(args, "recompute_granularity", None) == "selective"
+         and "layernorm" in (getattr(args, "recompute_modules", None) or []),
+         "--recompute-modules layernorm with --dynmo-dynamism layer_freezing (the first layer after a "
+         "frozen prefix gets an input without gradient, and Megatron's checkpoint of its norm then "
+         "fails in the backward: 'LayerNorm.forward() missing ... input'; core_attn and mlp work)"),
         (cfg.dynmo.dynamism.kind not in ("none", *SCENARIO_SPECS)
          and not (cfg.dynmo.dynamism.kind == "moe" and getattr(args, "num_experts", None)),
          f"--dynmo-dynamism {cfg.dynmo.dynamism.kind} (its layers exist in the launcher only; "

@@ -56,6 +56,12 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
     with pytest.raises(ConfigError, match="--recompute-num-layers: --num-layers 4 in chunks of 4 fill at most 1 "
                                           "of the 2 stages"):
         ml.load_plugin_config(megatron_like(argv=["--dynmo"], **{**recompute, "recompute_num_layers": 4}))
+    # the block method recomputes the first N layers of each stage, whichever they are: refused
+    # where layers move (a moved layer's cost and memory go with its place), kept where none does
+    block = {**recompute, "recompute_method": "block"}
+    with pytest.raises(ConfigError, match="support: --recompute-method block with --dynmo moving layers"):
+        ml.load_plugin_config(megatron_like(argv=["--dynmo"], **block))
+    assert ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-balancer", "uniform"], **block)).dynmo.enabled
     # full recompute under layer freezing: a frozen prefix left layer 2's checkpointed input without
     # gradient and layer 2 untrained (layer 1 frozen at 6: the loss at 8 parted from the run's
     # without recompute); selective recompute kept them equal
@@ -64,6 +70,9 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
         ml.load_plugin_config(megatron_like(argv=freezing, spec=[ml.SPEC_MODULE, "layer_freezing"], **recompute))
     assert ml.load_plugin_config(megatron_like(argv=freezing, spec=[ml.SPEC_MODULE, "layer_freezing"],
                                                recompute_granularity="selective")).dynmo.enabled
+    with pytest.raises(ConfigError, match="support: --recompute-modules layernorm with --dynmo-dynamism layer_freezing"):
+        ml.load_plugin_config(megatron_like(argv=freezing, spec=[ml.SPEC_MODULE, "layer_freezing"],
+                                            recompute_granularity="selective", recompute_modules=["layernorm"]))
     # MTP with virtual stages, however they were asked for (validate_args' count)
     with pytest.raises(ConfigError, match="support: --mtp-num-layers with virtual pipeline stages"):
         ml.load_plugin_config(megatron_like(argv=["--dynmo"], mtp_num_layers=1, num_layers=8,
@@ -821,6 +830,28 @@ def test_native_moe_rebalanced_from_router_counts_bit_exact_with_a_never_moved_r
     acc = EventAccumulator(str(tmp_path / "tb")).Reload()
     assert [e.step for e in acc.Scalars("dynmo/moe_events")] == [2, 3, 4, 5, 6]
     assert "dynmo/layer_2_work" in acc.Tags()["scalars"]
+
+
+@needs_source
+def test_a_step_megatron_runs_again_in_place_is_counted_once(tmp_path):
+    """Megatron-LM's default --rerun-mode validate_results runs a step's forward and
+    backward again in place when a check fires (here --check-for-spiky-loss, forced by its
+    own error injection; the result reproduces, so training goes on). The MoE routers'
+    counts start over at the rerun (they were twice the tokens at that iteration: 2048 per
+    layer) and the profile window open over it is dropped with the reason (its stage times
+    were two runs'); the losses equal the run's without the check."""
+    flags = [*NATIVE_MOE, "--dynmo", "--dynmo-balancer", "uniform", "--dynmo-profile-every", "1"]
+    checked = ["--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss", "--rerun-mode", "validate_results",
+               "--error-injection-rate", "6", "--error-injection-type", "correct_result"]
+    rerun, rerun_losses = train_in_megatron_lm(tmp_path / "rerun", [*flags, *checked])
+    _, plain_losses = train_in_megatron_lm(tmp_path / "plain", flags)
+    assert len(rerun_losses) == 6 and rerun_losses == plain_losses
+    events = [e for e in rerun["events"] if e["kind"] == "dynamism"]
+    assert [e["iteration"] for e in events] == [2, 3, 4, 5, 6]
+    assert all(sum(c) == 4 * 8 * 32 for e in events for c in e["detail"]["tokens_per_expert"].values())
+    dropped = [(e["iteration"], e["cancelled"]) for e in rerun["events"] if e.get("cancelled")]
+    assert len(dropped) == 1 and dropped[0][1] == (f"Megatron-LM ran iteration {dropped[0][0]} again in place "
+                                                   "(its rerun state machine): the window timed it twice")
 
 
 @needs_source

@@ -228,15 +228,18 @@ def test_a_recompute_the_backward_starts_itself_stays_inside_its_span(inside):
 
 
 def test_the_launcher_moves_recomputed_layers_bit_exact(tmp_path):
-    """--recompute-granularity full in the launcher. The block method (the first 2 layers
-    of each stage): a forced move of layer 5 to stage 0 before iteration 4 changes no
-    loss of the never-moved run with the same recompute, and the profile counts each
-    recomputed layer's kept hidden state and the rest's activations. Uniform chunks of 2:
-    every stage holds whole chunks (a count that is not a multiple made Megatron's uniform
-    recompute index past the stage: 'index 5 is out of range'), so the balancer places
-    blocks of 2 (the profile-only plans) and a forced move of a block is bit-exact too.
-    A forced layout, an even split or a resumed layout that splits a chunk, and
-    recompute beside a scenario, are refused in one line."""
+    """--recompute-granularity full in the launcher. Every layer recomputed (uniform, chunks
+    of 1): a forced move of layer 5 to stage 0 before iteration 4 changes no loss of the
+    never-moved run under the block method (the first 2 layers of each stage; recompute
+    changes no number), whose profile counts each recomputed layer's kept hidden state
+    and the rest's activations. The block method is refused where layers move (its
+    recomputed layers are the first of each stage, whichever they are: a moved layer's
+    cost and memory change with its place). Uniform chunks of 2: every stage holds whole
+    chunks (a count that is not a multiple made Megatron's uniform recompute index past
+    the stage: 'index 5 is out of range'), so the balancer places blocks of 2 (the
+    profile-only plans) and a forced move of a block is bit-exact too. A forced layout,
+    an even split or a resumed layout that splits a chunk, and recompute beside a
+    scenario, are refused in one line."""
     from launch import losses, train
 
     from dynmo_plugin.config import ConfigError
@@ -246,10 +249,10 @@ def test_the_launcher_moves_recomputed_layers_bit_exact(tmp_path):
              "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
              "--recompute-method", "block", "--recompute-num-layers", "2", "--dynmo", "--dynmo-profile-every", "2"]
     saved = tmp_path / "moved_ckpt"
-    moved = train(2, [*flags, "--dynmo-forced-layouts", "4:Ettttt|tttL", "--save", str(saved),
-                      "--save-interval", "6"], tmp_path / "moved")
-    static = train(2, [*flags, "--dynmo-balancer", "uniform"], tmp_path / "static")
     uniform = [*flags, "--recompute-method", "uniform"]
+    moved = train(2, [*uniform, "--recompute-num-layers", "1", "--dynmo-forced-layouts", "4:Ettttt|tttL",
+                      "--save", str(saved), "--save-interval", "6"], tmp_path / "moved")
+    static = train(2, [*flags, "--dynmo-balancer", "uniform"], tmp_path / "static")
     # a wide head (vocabulary 32768, ~2 layers' work): without blocks the first profile's
     # best split is 5|3 (as measured here), which the plans must not take
     wide = [*uniform, "--vocab-size", "32768"]
@@ -260,12 +263,17 @@ def test_the_launcher_moves_recomputed_layers_bit_exact(tmp_path):
     assert losses(moved) == losses(static) and len(losses(moved)) == 6
     assert losses(blocks) == losses(blocks_static) and len(losses(blocks)) == 6
     hidden = 16 * 2 * 32 * 4
-    first = [e["profile"]["layers"] for e in moved["events"] if e["kind"] == "profile"][0]
+    first = [e["profile"]["layers"] for e in static["events"] if e["kind"] == "profile"][0]
     acts = [x["act_bytes"] for x in first]
     assert acts[:2] == acts[4:6] == [hidden] * 2 and all(a > 4 * hidden for a in acts[2:4] + acts[6:])
+    assert {x["act_bytes"] for e in moved["events"] if e["kind"] == "profile" for x in e["profile"]["layers"]} \
+        == {hidden}
+    with pytest.raises(ConfigError, match="--recompute-method block with --dynmo moving layers: Megatron "
+                                          "recomputes the first N layers of each stage"):
+        validate(build_parser().parse_args([*flags, "--dynmo-forced-layouts", "4:Ettttt|tttL"]), 2)
     _check_blocks_of_two(blocks, hidden)
     with pytest.raises(ConfigError, match="with dynamism 'early_exit' is not supported yet"):
-        validate(build_parser().parse_args([*flags, "--dynmo-dynamism", "early_exit"]), 2)
+        validate(build_parser().parse_args([*uniform, "--dynmo-dynamism", "early_exit"]), 2)
     with pytest.raises(ConfigError, match=r"layout 'Ettttt\|tttL': stage 0 holds 5, stage 1 holds 3 "
                                           "layers, not a multiple of --recompute-num-layers 2"):
         validate(build_parser().parse_args([*uniform, "--dynmo-forced-layouts", "4:Ettttt|tttL"]), 2)
