@@ -498,7 +498,11 @@ def test_full_activation_recompute_inside_megatron_lm_is_profiled_and_moves_bit_
     the backward: tests/megatron/test_profiling_recompute.py). The pair runs with
     --overlap-grad-reduce: train()'s no-sync and grad-sync functions, bound to its one DDP
     chunk per rank, end bound to the chunk that replaced it. With dropout 0.1 the
-    recomputed run's losses equal those of the same run without recompute, bit for bit."""
+    recomputed run's losses equal those of the same run without recompute, bit for bit.
+    The stage's own bytes (embedding, head) do not count the kept inputs again: the
+    checkpoint saves them after the layer's hooks, inside the stage's counter (they were
+    counted twice: 2 x 16384 bytes more a stage than without recompute, not the mask's
+    2048 only)."""
     recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     overlap = [*recompute, "--overlap-grad-reduce"]
     moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", [*overlap, "--dynmo", "--dynmo-profile-every", "2",
@@ -510,6 +514,11 @@ def test_full_activation_recompute_inside_megatron_lm_is_profiled_and_moves_bit_
     assert len(moved_losses) == 6 and moved_losses == static_losses
     profiles = [e["profile"] for e in moved["events"] if e["kind"] == "profile"]
     assert {x["act_bytes"] for p in profiles for x in p["layers"]} == {32 * 2 * 64 * 4}
+    # the checkpoints keep those inputs inside the stage's own counter too: not counted there
+    # again (2 x 16384 bytes a stage more than without recompute; the mask they keep is 2048)
+    plain, _ = train_in_megatron_lm(tmp_path / "plain", ["--overlap-grad-reduce", "--dynmo", "--dynmo-profile-every", "2"])
+    extras = [[s["extra_act_bytes"] for s in run["events"][0]["profile"]["stages"]] for run in (moved, plain)]
+    assert [a - b for a, b in zip(*extras)] == [2048, 2048], extras
     # with dropout the recomputed forward must draw the first pass's masks: the checkpoint
     # restores the CPU generator's state (cpu_compat answers for the CUDA one it also keeps)
     dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--dynmo", "--dynmo-profile-every", "2"]

@@ -63,8 +63,10 @@ __all__ = ["StageProbe", "SavedBytes"]
 class SavedBytes:
     """Counts distinct non-parameter storages saved for backward while active."""
 
-    def __init__(self, param_ptrs: set[int]):
+    def __init__(self, param_ptrs: set[int], counted_elsewhere: set[int] | None = None):
         self._param_ptrs = param_ptrs
+        # storages another counter holds (read at each save: it may grow meanwhile)
+        self._elsewhere = counted_elsewhere if counted_elsewhere is not None else set()
         self._seen: set[int] = set()
         self.nbytes = 0
         self._ctx = None
@@ -76,7 +78,7 @@ class SavedBytes:
         that many ranks (each holds its part)."""
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in self._param_ptrs and ptr not in self._seen:
+        if ptr not in self._param_ptrs and ptr not in self._seen and ptr not in self._elsewhere:
             self._seen.add(ptr)
             self.nbytes += storage.nbytes() // share
 
@@ -213,6 +215,10 @@ class StageProbe:
         self._spans: dict[str, _Spans] = defaultdict(_Spans)
         self._counters: dict[str, int] = defaultdict(int)
         self._saved: dict[tuple[int, int], SavedBytes] = {}
+        # the storages of the inputs checkpoints keep, counted by their layers: the
+        # checkpoint saves them after the layer's hooks, inside the stage's own counter
+        # (the profiler's extras), which must not count them again
+        self.kept_inputs: set[int] = set()
         self._ends_at_weights: set[tuple[int, int]] = set()  # (layer, mb) with no input grad
         self._bwd_running: dict[int, int] = {}  # layer -> micro-batch whose backward started last
         # layer -> (micro-batch, the segment's start mark) of a forward being recomputed
@@ -368,6 +374,7 @@ class StageProbe:
                     # only (module docstring); what the pass saves for a moment (dropout masks
                     # of the bias-dropout-add it runs with grad on) is freed with the chunk
                     saved.count(hidden, self._kept_input_share)
+                    self.kept_inputs.add(hidden.untyped_storage().data_ptr())
             self._spans[fwd_key].start[mb] = self.clock.begin()
             self._range(fwd_key, mb, True)
 

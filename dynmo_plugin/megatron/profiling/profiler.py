@@ -107,10 +107,13 @@ class _ExtraActivations:
     """Bytes autograd saves per micro-batch outside the decoder layers (embedding, final
     norm, output layer, loss). The probe's per-layer `saved_tensors_hooks` are nested
     inside this one and take precedence (the innermost pair applies), so a layer's own
-    saved tensors are never counted here."""
+    saved tensors are never counted here. Nor is the input an activation checkpoint
+    keeps, which the checkpoint saves after its layer's hooks, here: the layer counted
+    it (`StageProbe.kept_inputs`; it was counted twice, +16384 bytes a layer)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, kept_inputs: set[int]):
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._kept = kept_inputs  # the probe's: checkpoints' kept inputs, its layers' bytes
         self._open: SavedBytes | None = None
         self.per_microbatch: list[int] = []
         self._handles = [model.register_forward_pre_hook(self._enter),
@@ -118,7 +121,8 @@ class _ExtraActivations:
 
     def _enter(self, module, args) -> None:
         if module.training:  # not an evaluation's forward (no backward keeps anything)
-            self._open = SavedBytes(self._param_ptrs).__enter__()
+            self._kept.clear()  # this micro-batch's (a freed storage's address is reused)
+            self._open = SavedBytes(self._param_ptrs, self._kept).__enter__()
 
     def _exit(self, module, args, output) -> None:
         if self._open is not None:
@@ -231,7 +235,8 @@ class ProfileWindow:
         self._steps: list[float] = []
         for probe in self.probes:
             probe.attach()
-        self.extra_acts = [_ExtraActivations(chunk) for chunk in trainer.chunks]
+        self.extra_acts = [_ExtraActivations(chunk, probe.kept_inputs)
+                           for chunk, probe in zip(trainer.chunks, self.probes)]
         self._compute: list[float] = []
         self._profiled: list[float] = []
         self._wait: list[float] = []
