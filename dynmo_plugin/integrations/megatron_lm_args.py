@@ -111,6 +111,12 @@ def _check_supported(args, cfg: RunConfig) -> None:
          "--recompute-modules layernorm with --dynmo-dynamism layer_freezing (the first layer after a "
          "frozen prefix gets an input without gradient, and Megatron's checkpoint of its norm then "
          "fails in the backward: 'LayerNorm.forward() missing ... input'; core_attn and mlp work)"),
+        (getattr(args, "recompute_granularity", None) == "selective"
+         and "mlp" in (getattr(args, "recompute_modules", None) or [])
+         and getattr(args, "add_bias_linear", False) and getattr(args, "transformer_impl", None) == "local",
+         "--recompute-modules mlp with bias linears and --transformer-impl local (Megatron's "
+         "checkpoint returns fc2's bias and each backward recurses into the last step's: the run "
+         "hangs, with or without --dynmo; add --disable-bias-linear)"),
         (cfg.dynmo.dynamism.kind not in ("none", *SCENARIO_SPECS)
          and not (cfg.dynmo.dynamism.kind == "moe" and getattr(args, "num_experts", None)),
          f"--dynmo-dynamism {cfg.dynmo.dynamism.kind} (its layers exist in the launcher only; "

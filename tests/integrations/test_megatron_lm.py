@@ -56,6 +56,11 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
     with pytest.raises(ConfigError, match="--recompute-num-layers: --num-layers 4 in chunks of 4 fill at most 1 "
                                           "of the 2 stages"):
         ml.load_plugin_config(megatron_like(argv=["--dynmo"], **{**recompute, "recompute_num_layers": 4}))
+    # Megatron's own hang (its checkpoint of a biased MLP chains each backward into the last step's)
+    mlp = dict(recompute_granularity="selective", recompute_modules=["mlp"], transformer_impl="local")
+    with pytest.raises(ConfigError, match="support: --recompute-modules mlp with bias linears"):
+        ml.load_plugin_config(megatron_like(argv=["--dynmo"], add_bias_linear=True, **mlp))
+    assert ml.load_plugin_config(megatron_like(argv=["--dynmo"], add_bias_linear=False, **mlp)).dynmo.enabled
     # the block method recomputes the first N layers of each stage, whichever they are: refused
     # where layers move (a moved layer's cost and memory go with its place), kept where none does
     block = {**recompute, "recompute_method": "block"}
