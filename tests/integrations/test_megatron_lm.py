@@ -522,8 +522,12 @@ def test_full_activation_recompute_inside_megatron_lm_is_profiled_and_moves_bit_
     # the checkpoints keep those inputs inside the stage's own counter too: not counted there
     # again (2 x 16384 bytes a stage more than without recompute; the mask they keep is 2048)
     plain, _ = train_in_megatron_lm(tmp_path / "plain", ["--overlap-grad-reduce", "--dynmo", "--dynmo-profile-every", "2"])
-    extras = [[s["extra_act_bytes"] for s in run["events"][0]["profile"]["stages"]] for run in (moved, plain)]
-    assert [a - b for a, b in zip(*extras)] == [2048, 2048], extras
+    # over a window of 2 iterations too (the second counted them twice again: 35840 bytes)
+    windowed, _ = train_in_megatron_lm(tmp_path / "windowed", [*recompute, "--dynmo", "--dynmo-profile-every", "2",
+                                                               "--dynmo-profile-window", "2"])
+    extras = [[s["extra_act_bytes"] for s in run["events"][0]["profile"]["stages"]]
+              for run in (moved, plain, windowed)]
+    assert [a - b for a, b in zip(*extras[:2])] == [2048, 2048] and extras[2] == extras[0], extras
     # with dropout the recomputed forward must draw the first pass's masks: the checkpoint
     # restores the CPU generator's state (cpu_compat answers for the CUDA one it also keeps)
     dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--dynmo", "--dynmo-profile-every", "2"]
