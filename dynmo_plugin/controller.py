@@ -100,6 +100,7 @@ class DynMo:
         self._step_started = 0.0
         self._step_ended: Optional[float] = None
         self._rerun = False  # Megatron-LM ran this step again in place (`rerun_started`)
+        self._start_again = False  # the balanced start's window was dropped (`_requeue`)
         self._work_now: dict[int, float] = {}          # latest work reported by the scenario
         self._work_base: Optional[dict[int, float]] = None  # work during the last timed window
         self._estimated = 0                             # estimated decisions since that window
@@ -192,8 +193,8 @@ class DynMo:
         if self._pending_events:
             trigger, rebalance = "event:" + ",".join(self._pending_events), True
             self._pending_events.clear()
-        elif iteration == self.config.profiling.start_at:
-            trigger, rebalance = "start", True
+        elif iteration == self.config.profiling.start_at or self._start_again:
+            trigger, rebalance, self._start_again = "start", True, False
         elif interval and iteration % interval == 0:
             trigger, rebalance = "rebalance_interval", True
         elif every and iteration % every == 0:
@@ -247,9 +248,11 @@ class DynMo:
         self._requeue(opened)
 
     def _requeue(self, opened: _OpenWindow) -> None:
-        """An event trigger a dropped window carried waits for the next window."""
+        """An event trigger a dropped window carried waits for the next window; so does
+        the balanced start (it would never come again: its iteration has passed)."""
         if opened.rebalance and opened.trigger.startswith("event:"):
             self._pending_events.append(opened.trigger.removeprefix("event:"))
+        self._start_again = self._start_again or opened.trigger == "start"
 
     def _close_window(self, iteration: int) -> None:
         opened, self._open = self._open, None

@@ -314,14 +314,15 @@ BLOCK_MOVES_WHY = ("--recompute-method block with --dynmo moving layers: Megatro
 
 
 def block_recompute_moves(args, cfg: RunConfig) -> bool:
-    """Block recompute in a run whose layers may move: --dynmo with a balancer other than
-    uniform, a forced layout, a repack or a balanced start (which takes the exact
-    balancer) (`BLOCK_MOVES_WHY`)."""
+    """Block recompute in a run whose layers may move (`BLOCK_MOVES_WHY`): --dynmo with a
+    rebalance interval, a balanced start, a forced layout, a repack or a scenario whose
+    events rebalance. Profile-only runs (--dynmo-profile-every) move nothing. Not the
+    balancer's name: the uniform one moves layers too where the start is not uniform."""
     d = cfg.dynmo
+    moves = (d.rebalance.interval or d.profiling.start_at or d.rebalance.forced_layouts or d.repack.enabled
+             or d.dynamism.kind != "none" or getattr(args, "num_experts", None))
     return (getattr(args, "recompute_granularity", None) == "full"
-            and getattr(args, "recompute_method", None) == "block" and d.enabled
-            and (d.rebalance.balancer != "uniform" or bool(d.rebalance.forced_layouts)
-                 or d.repack.enabled or bool(d.profiling.start_at)))
+            and getattr(args, "recompute_method", None) == "block" and d.enabled and bool(moves))
 
 
 # Megatron's MTP block recomputes its layers one at a time only (it asserts otherwise)
@@ -401,8 +402,8 @@ def _check_recompute(cfg: RunConfig, given: dict[str, str]) -> None:
     _check_recompute_chunks(cfg, recompute_block(m), where("recompute_num_layers"))
     if block_recompute_moves(m, cfg):
         raise ConfigError(f"{where('recompute_method')}: {BLOCK_MOVES_WHY}; use --recompute-method "
-                          "uniform (the balancers move whole chunks), or --dynmo-balancer uniform "
-                          "without forced layouts, repack or a balanced start (nothing moves)")
+                          "uniform (the balancers move whole chunks), or profile only "
+                          "(--dynmo-profile-every N without rebalancing)")
     kind = cfg.dynmo.dynamism.kind
     if m.recompute_granularity and kind != "none":
         raise ConfigError(f"{where('recompute_granularity')}: --recompute-granularity with dynamism "

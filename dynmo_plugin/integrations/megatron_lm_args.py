@@ -98,7 +98,7 @@ def _check_supported(args, cfg: RunConfig) -> None:
          "--mtp-num-layers with virtual pipeline stages (MTP under Megatron-LM: one chunk per rank)"),
         (getattr(args, "optimizer", "adam") not in ("adam", "sgd"), f"--optimizer {args.optimizer}"),
         (block_recompute_moves(args, cfg), f"{BLOCK_MOVES_WHY} (use --recompute-method uniform, or "
-         "--dynmo-balancer uniform without forced layouts, repack or a balanced start)"),
+         "profile only: --dynmo-profile-every N without rebalancing)"),
         (bool(getattr(args, "mtp_num_layers", None)) and recompute_block(args) > 1,
          f"{MTP_CHUNKS_WHY} (use --recompute-num-layers 1 or --recompute-method block)"),
         (cfg.dynmo.dynamism.kind == "layer_freezing" and getattr(args, "recompute_granularity", None) == "full",

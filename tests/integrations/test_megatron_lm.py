@@ -62,11 +62,14 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
         ml.load_plugin_config(megatron_like(argv=["--dynmo"], add_bias_linear=True, **mlp))
     assert ml.load_plugin_config(megatron_like(argv=["--dynmo"], add_bias_linear=False, **mlp)).dynmo.enabled
     # the block method recomputes the first N layers of each stage, whichever they are: refused
-    # where layers move (a moved layer's cost and memory go with its place), kept where none does
+    # where layers may move (a moved layer's cost and memory go with its place; the uniform
+    # balancer moves them too from a start that is not uniform), kept where none can
     block = {**recompute, "recompute_method": "block"}
-    with pytest.raises(ConfigError, match="support: --recompute-method block with --dynmo moving layers"):
-        ml.load_plugin_config(megatron_like(argv=["--dynmo"], **block))
-    assert ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-balancer", "uniform"], **block)).dynmo.enabled
+    for moving in (["--dynmo-rebalance-interval", "2"], ["--dynmo-rebalance-interval", "2", "--dynmo-balancer",
+                                                        "uniform"], ["--dynmo-start-balanced-at", "2"]):
+        with pytest.raises(ConfigError, match="support: --recompute-method block with --dynmo moving layers"):
+            ml.load_plugin_config(megatron_like(argv=["--dynmo", *moving], **block))
+    assert ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-profile-every", "2"], **block)).dynmo.enabled
     # full recompute under layer freezing: a frozen prefix left layer 2's checkpointed input without
     # gradient and layer 2 untrained (layer 1 frozen at 6: the loss at 8 parted from the run's
     # without recompute); selective recompute kept them equal
@@ -857,19 +860,23 @@ def test_a_step_megatron_runs_again_in_place_is_counted_once(tmp_path):
     own error injection; the result reproduces, so training goes on). The MoE routers'
     counts start over at the rerun (they were twice the tokens at that iteration: 2048 per
     layer) and the profile window open over it is dropped with the reason (its stage times
-    were two runs'); the losses equal the run's without the check."""
+    were two runs'). That was the balanced start's window, which comes again later (it
+    was lost: its iteration had passed). The losses equal the run's without the check or
+    the start (a move changes no number)."""
     flags = [*NATIVE_MOE, "--dynmo", "--dynmo-balancer", "uniform", "--dynmo-profile-every", "1"]
     checked = ["--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss", "--rerun-mode", "validate_results",
                "--error-injection-rate", "6", "--error-injection-type", "correct_result"]
-    rerun, rerun_losses = train_in_megatron_lm(tmp_path / "rerun", [*flags, *checked])
+    rerun, rerun_losses = train_in_megatron_lm(tmp_path / "rerun", [*flags, *checked, "--dynmo-start-balanced-at", "2"])
     _, plain_losses = train_in_megatron_lm(tmp_path / "plain", flags)
     assert len(rerun_losses) == 6 and rerun_losses == plain_losses
     events = [e for e in rerun["events"] if e["kind"] == "dynamism"]
     assert [e["iteration"] for e in events] == [2, 3, 4, 5, 6]
     assert all(sum(c) == 4 * 8 * 32 for e in events for c in e["detail"]["tokens_per_expert"].values())
-    dropped = [(e["iteration"], e["cancelled"]) for e in rerun["events"] if e.get("cancelled")]
-    assert len(dropped) == 1 and dropped[0][1] == (f"Megatron-LM ran iteration {dropped[0][0]} again in place "
-                                                   "(its rerun state machine): the window timed it twice")
+    dropped = [(e["iteration"], e["trigger"], e["cancelled"]) for e in rerun["events"] if e.get("cancelled")]
+    assert dropped == [(2, "start", "Megatron-LM ran iteration 2 again in place (its rerun state machine): "
+                                    "the window timed it twice")], dropped
+    # the balanced start its window was: still to come (it was lost), after the events' rebalances
+    assert [e["iteration"] for e in rerun["events"] if e.get("trigger") == "start" and e["kind"] == "rebalance"] == [5]
 
 
 @needs_source

@@ -286,7 +286,7 @@ def test_the_launcher_moves_recomputed_layers_bit_exact(tmp_path):
     with pytest.raises(ConfigError, match="--num-layers 8 in chunks of 8 fill at most 1 of the 2 stages"):
         validate(build_parser().parse_args([*uniform, "--recompute-num-layers", "8",
                                             "--pipeline-model-parallel-layout", "Etttttttt|L"]), 2)
-    # a resume takes the saved layout, which the block method left at 5|3
+    # a resume takes the saved layout, which the forced move left at 5|3
     with pytest.raises(ConfigError, match=r"--load .*moved_ckpt: its saved layout Ettttt\|tttL: stage 0 holds 5"):
         validate(build_parser().parse_args([*uniform, "--load", str(saved)]), 2)
     validate(build_parser().parse_args([*uniform, "--load", str(saved), "--pipeline-model-parallel-layout",
