@@ -111,6 +111,11 @@ def _check_supported(args, cfg: RunConfig) -> None:
          "--recompute-modules layernorm with --dynmo-dynamism layer_freezing (the first layer after a "
          "frozen prefix gets an input without gradient, and Megatron's checkpoint of its norm then "
          "fails in the backward: 'LayerNorm.forward() missing ... input'; core_attn and mlp work)"),
+        (getattr(args, "distribute_saved_activations", False),
+         "--distribute-saved-activations (the profiler's saved-tensor hooks around a stage break "
+         "Megatron's in-place swap of a checkpoint's input for its 1/TP slice: on the stages after "
+         "the first the backward raised 'The size of tensor a (2048) must match the size of tensor "
+         "b (64)'; full recompute without it works)"),
         (getattr(args, "recompute_granularity", None) == "selective"
          and "mlp" in (getattr(args, "recompute_modules", None) or [])
          and getattr(args, "add_bias_linear", False) and getattr(args, "transformer_impl", None) == "local",

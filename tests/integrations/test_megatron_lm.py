@@ -56,6 +56,9 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
     with pytest.raises(ConfigError, match="--recompute-num-layers: --num-layers 4 in chunks of 4 fill at most 1 "
                                           "of the 2 stages"):
         ml.load_plugin_config(megatron_like(argv=["--dynmo"], **{**recompute, "recompute_num_layers": 4}))
+    # the profiler's hooks around a stage broke its checkpoints' 1/TP swap (TP 2 x PP 2, stage 1 raised)
+    with pytest.raises(ConfigError, match="support: --distribute-saved-activations .the profiler's saved-tensor"):
+        ml.load_plugin_config(megatron_like(argv=["--dynmo"], distribute_saved_activations=True, **recompute))
     # Megatron's own hang (its checkpoint of a biased MLP chains each backward into the last step's)
     mlp = dict(recompute_granularity="selective", recompute_modules=["mlp"], transformer_impl="local")
     with pytest.raises(ConfigError, match="support: --recompute-modules mlp with bias linears"):
