@@ -860,7 +860,7 @@ def test_native_moe_rebalanced_from_router_counts_bit_exact_with_a_never_moved_r
 def test_a_step_megatron_runs_again_in_place_is_counted_once(tmp_path):
     """Megatron-LM's default --rerun-mode validate_results runs a step's forward and
     backward again in place when a check fires (here --check-for-spiky-loss, forced by its
-    own error injection; the result reproduces, so training goes on). The MoE routers'
+    own error injection; the check is not fatal, so training goes on). The MoE routers'
     counts start over at the rerun (they were twice the tokens at that iteration: 2048 per
     layer) and the profile window open over it is dropped with the reason (its stage times
     were two runs'). That was the balanced start's window, which comes again later (it
