@@ -108,8 +108,10 @@ def test_a_workers_multiprocessing_starts_as_in_a_fresh_interpreter(tmp_path, mo
         "import multiprocessing as mp, os\n"
         "chosen = mp.get_start_method(allow_none=True)\n"
         "child = mp.Process(target=os._exit, args=(0,)); child.start(); child.join()\n"
-        "print('rank', os.environ['RANK'], chosen, mp.get_start_method(),\n"
-        "      'child exit', child.exitcode, flush=True)\n")
+        # one write per line: torchrun runs its workers unbuffered (python -u), where print
+        # writes each piece apart and two ranks' lines interleaved ('rankrank 1 ...')
+        "os.write(1, f\"rank {os.environ['RANK']} {chosen} {mp.get_start_method()} child exit "
+        "{child.exitcode}\\n\".encode())\n")
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
     def launch_children() -> list[str]:
