@@ -119,8 +119,7 @@ def _unusable(data: dict, base: str) -> str | None:
     """What the kubernetes client's loader would refuse in a kubeconfig of one file
     ("Invalid kube-config file. Expected key current-context", "File does not exist"),
     read from the mapping and the files it names: no cluster, identity provider or exec
-    plugin is asked. Several files merge
-    ($KUBECONFIG=a:b) and are left to the loader."""
+    plugin is asked. Several files merge ($KUBECONFIG=a:b) and are left to the loader."""
     name = data.get("current-context")
     if not name:
         return "has no current-context; set one (kubectl config use-context NAME)"

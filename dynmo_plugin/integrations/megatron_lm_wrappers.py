@@ -119,8 +119,8 @@ def _reruns_told(started: Callable[[], None]):
     """Around one train_step: `started()` each time Megatron's rerun state machine runs the
     step's forward and backward again in place (--rerun-mode validate_results, whenever a
     check such as --check-for-spiky-loss fires: the rerun is its reproducibility test):
-    what the step counted so far (router tokens, a window's times) ran once already. train_step asks the machine
-    `should_run_forward_backward` before every run of it."""
+    what the step counted so far (router tokens, a window's times) ran once already.
+    train_step asks the machine `should_run_forward_backward` before every run of it."""
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     machine = get_rerun_state_machine()
     ask, runs = machine.should_run_forward_backward, 0

@@ -177,6 +177,10 @@ class StageProbe:
         # "fwd/7", "bwd/7", "extra"; "host/fwd/7", "host/bwd/7": the host's time beside them
         self.samples: dict[str, list[float]] = defaultdict(list)
         self.act_bytes: dict[int, list[int]] = defaultdict(list)
+        # the storages of the inputs checkpoints keep, counted by their layers: the
+        # checkpoint saves them after the layer's hooks, inside the stage's own counter
+        # (the profiler's `_ExtraActivations`, which holds this set and empties it at each
+        # micro-batch), which must not count them again
         self.kept_inputs: set[int] = set()
         self._reset_iteration()
 
@@ -216,11 +220,6 @@ class StageProbe:
         self._spans: dict[str, _Spans] = defaultdict(_Spans)
         self._counters: dict[str, int] = defaultdict(int)
         self._saved: dict[tuple[int, int], SavedBytes] = {}
-        # the storages of the inputs checkpoints keep, counted by their layers: the
-        # checkpoint saves them after the layer's hooks, inside the stage's own counter
-        # (the profiler's extras), which must not count them again. One set for the
-        # probe's life, emptied, never replaced: that counter holds it
-        self.kept_inputs.clear()
         self._ends_at_weights: set[tuple[int, int]] = set()  # (layer, mb) with no input grad
         self._bwd_running: dict[int, int] = {}  # layer -> micro-batch whose backward started last
         # layer -> (micro-batch, the segment's start mark) of a forward being recomputed
