@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 from typing import Any
 
@@ -115,25 +114,11 @@ def _check(args: argparse.Namespace) -> None:
     if args.grace_period is not None and not 0 <= args.grace_period <= 86_400:
         raise UserError(f"--grace-period {args.grace_period}: expected seconds from 0 to 86400")
     if args.kubeconfig:
-        _check_kubeconfig(args.kubeconfig)
-
-
-def _check_kubeconfig(path: str) -> None:
-    """--kubeconfig names a readable YAML mapping, checked before any cluster is
-    contacted: a bad file is bad input (exit 2), not a failed release (exit 3).
-
-    Raises:
-        UserError: no such file, a directory, unreadable, or not a YAML mapping.
-    """
-    from dynmo_plugin.cluster.api import check_kubeconfig
-
-    if not os.path.exists(path):
-        raise UserError(f"--kubeconfig {show(path)}: no such file; give the kubeconfig file "
-                        "(or leave --kubeconfig out: in-cluster config, else $KUBECONFIG)")
-    try:
-        check_kubeconfig([path], "--kubeconfig")
-    except ValueError as e:
-        raise UserError(str(e)) from e
+        from dynmo_plugin.cluster.api import check_named_kubeconfig
+        try:  # read now: a bad file is bad input (exit 2), not a failed release (exit 3)
+            check_named_kubeconfig(args.kubeconfig, "--kubeconfig")
+        except ValueError as e:
+            raise UserError(str(e)) from e
 
 
 def parse_ranks(text: str) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["Op", "Api", "Rejected", "Unreachable", "connect", "check_kubeconfig", "RETRYABLE"]
+__all__ = ["Op", "Api", "Rejected", "Unreachable", "connect", "check_kubeconfig", "check_named_kubeconfig", "RETRYABLE"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,19 @@ def connect(kubeconfig: str) -> Any:
         config.load_kube_config(client_configuration=conf)
     conf.retries = False
     return client.ApiClient(conf)
+
+
+def check_named_kubeconfig(path: str, where: str) -> None:
+    """A kubeconfig the user named (`--kubeconfig`, `cluster.kubeconfig`) is read before
+    anything runs: a bad one is bad input, not a failed release at the first event.
+
+    Raises:
+        ValueError: one line that starts with `where`.
+    """
+    if not os.path.lexists(path):
+        raise ValueError(f"{where}: kubeconfig {path} does not exist; give the kubeconfig file, or "
+                         "leave it out (in-cluster config, else $KUBECONFIG)")
+    check_kubeconfig([path], where)
 
 
 def check_kubeconfig(paths: list[str], source: str) -> None:

@@ -471,21 +471,12 @@ def _check_repack(cfg: RunConfig, given: dict[str, str]) -> None:
     if cl.fallback != "none" and cl.fallback == cl.strategy:
         raise ConfigError(f"{given.get('cluster.fallback', 'cluster.fallback')}: the fallback "
                           f"({cl.fallback}) is the strategy itself; choose another or none")
-    if cl.kubeconfig:
-        _check_kubeconfig(cl.kubeconfig, given.get("cluster.kubeconfig", "cluster.kubeconfig"))
-
-
-def _check_kubeconfig(path: str, where: str) -> None:
-    """A kubeconfig the run names is read now, not at the first release (which would log
-    the failure and train on with GPUs it cannot give back); no cluster is contacted."""
-    from dynmo_plugin.cluster.api import check_kubeconfig
-    if not os.path.exists(path):
-        raise ConfigError(f"{where}: kubeconfig {path} does not exist; give the kubeconfig file, or "
-                          "none (in-cluster config, else $KUBECONFIG)")
-    try:
-        check_kubeconfig([path], where)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
+    if cl.kubeconfig:  # read now, not at the first release (which would train on with the GPUs)
+        from dynmo_plugin.cluster.api import check_named_kubeconfig
+        try:
+            check_named_kubeconfig(cl.kubeconfig, given.get("cluster.kubeconfig", "cluster.kubeconfig"))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
 
 
 def _check_dynamism(cfg: RunConfig, given: dict[str, str]) -> None:

@@ -149,7 +149,7 @@ def test_a_kubeconfig_is_read_before_training(tmp_path):
     no_ca.write_text(good.read_text().replace("server: 'https://127.0.0.1:1'",
                                               "server: 'https://127.0.0.1:1', certificate-authority: ca.crt"))
     for path, needle in ((tmp_path / "missing", "flag --dynmo-cluster-kubeconfig: kubeconfig " + str(tmp_path / "missing")
-                          + " does not exist; give the kubeconfig file, or none"),
+                          + " does not exist; give the kubeconfig file, or leave it out"),
                          (no_context, "no_context (flag --dynmo-cluster-kubeconfig): has no current-context"),
                          (other, "context 'x' names cluster 'd', which the file does not hold"),
                          (no_ca, "its cluster's certificate-authority ca.crt does not exist")):
