@@ -112,6 +112,9 @@ _UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r""
     |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?)$""", re.X), list("-+0123456789."))
 
 
+_MAX_CONFIG_BYTES = 1 << 20  # the largest shipped config is ~2 KB
+
+
 def _read_yaml(path: str) -> dict:
     """The YAML file as a dict; every way it can be unusable is one ConfigError line."""
     if os.path.isdir(path):
@@ -120,8 +123,12 @@ def _read_yaml(path: str) -> dict:
     if not os.path.exists(path):
         raise ConfigError(f"{path}: cannot read the config file: no such file")
     try:
-        with open(path, "rb") as fh:
-            text = fh.read().decode("utf-8-sig")
+        with open(path, "rb") as fh:  # bounded: a device such as /dev/zero never ends
+            raw = fh.read(_MAX_CONFIG_BYTES + 1)
+        if len(raw) > _MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: larger than {_MAX_CONFIG_BYTES >> 20} MiB, not a config "
+                              "file; give the YAML file (e.g. configs/demo.yaml)")
+        text = raw.decode("utf-8-sig")
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the config file: {e.strerror}") from e
     except UnicodeDecodeError as e:

@@ -2,6 +2,9 @@
 in dotted form and the fix (issue 28: each of these traced back or was accepted)."""
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 
 from dynmo_plugin.config import ConfigError
@@ -92,6 +95,19 @@ def test_forced_layout_iterations_are_whole_numbers(tmp_path, key):
 def test_a_directory_as_config_is_named(tmp_path):
     with pytest.raises(ConfigError, match="it is a directory; give the YAML file"):
         _validate(["--dynmo-config", str(tmp_path)])
+
+
+def test_a_config_that_never_ends_is_refused_and_a_pipe_is_read(tmp_path):
+    """/dev/zero as the config read forever; a pipe (`--dynmo-config <(...)`) is a
+    YAML file like any other."""
+    with pytest.raises(ConfigError, match="/dev/zero: larger than 1 MiB, not a config file"):
+        _validate(["--dynmo-config", "/dev/zero"])
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_text, args=("rebalance:\n  interval: 3\n",))
+    writer.start()
+    assert _validate(["--dynmo-config", str(fifo)]).dynmo.rebalance.interval == 3
+    writer.join()
 
 
 @pytest.mark.parametrize("argv,needle", [
