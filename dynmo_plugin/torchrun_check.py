@@ -81,6 +81,8 @@ def handler():
         except UserError as e:
             print(f"dynmo-train: error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(USER_ERROR_EXIT) from None
+        except Exception:  # noqa: BLE001 - a fault in the check, not in the input: the
+            return _refuse_backend  # workers run it again and report it (torchrun would log a warning)
         _quiet_on_signal()
     return _refuse_backend
 

@@ -99,3 +99,21 @@ def test_torchrun_command_lines_are_recognised():
     assert world_size(["--nproc-per-node", "4", "--nnodes", "2"]) == 8
     assert world_size(["--nproc_per_node=gpu"]) is None
     assert world_size(["--nproc-per-node", "2", "--nnodes", "1:4"]) is None
+
+
+def test_a_fault_in_the_check_itself_is_left_to_the_workers(monkeypatch):
+    """Fault injected (validate raising something other than bad input cannot be produced
+    from flags): torchrun's registry would log it as a failed handler; the handler
+    leaves it to the workers, which run the same check and report it."""
+    import dynmo_plugin.train as train
+    from dynmo_plugin import torchrun_check
+
+    monkeypatch.setattr(sys, "argv", ["/x/torchrun", "--nproc-per-node", "2", "-m", "dynmo_plugin.train"])
+    monkeypatch.setattr(torchrun_check, "_quiet_on_signal", lambda: None)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a fault in validate")
+    monkeypatch.setattr(train, "validate", broken)
+    backend = torchrun_check.handler()
+    with pytest.raises(ValueError, match="dynmo-validate is not a rendezvous backend"):
+        backend(None)
