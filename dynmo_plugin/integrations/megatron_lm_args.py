@@ -111,11 +111,12 @@ def _check_supported(args, cfg: RunConfig) -> None:
          "--recompute-modules layernorm with --dynmo-dynamism layer_freezing (the first layer after a "
          "frozen prefix gets an input without gradient, and Megatron's checkpoint of its norm then "
          "fails in the backward: 'LayerNorm.forward() missing ... input'; core_attn and mlp work)"),
-        (getattr(args, "distribute_saved_activations", False),
-         "--distribute-saved-activations (the profiler's saved-tensor hooks around a stage break "
-         "Megatron's in-place swap of a checkpoint's input for its 1/TP slice: on the stages after "
-         "the first the backward raised 'The size of tensor a (2048) must match the size of tensor "
-         "b (64)'; full recompute without it works)"),
+        (getattr(args, "distribute_saved_activations", False)
+         and bool(getattr(args, "fp8", None) or getattr(args, "fp4", None)),
+         "--distribute-saved-activations with --fp8-format or --fp4-format (Megatron then "
+         "checkpoints through Transformer Engine's own function, whose in-place 1/TP swap of "
+         "the kept input the profiler's saved-tensor hooks would break; the profiler steps "
+         "aside for Megatron's tensor_parallel.checkpoint only, which bf16 and fp32 use)"),
         (getattr(args, "recompute_granularity", None) == "selective"
          and "mlp" in (getattr(args, "recompute_modules", None) or [])
          and getattr(args, "add_bias_linear", False) and getattr(args, "transformer_impl", None) == "local",

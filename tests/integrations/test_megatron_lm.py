@@ -56,9 +56,12 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
     with pytest.raises(ConfigError, match="--recompute-num-layers: --num-layers 4 in chunks of 4 fill at most 1 "
                                           "of the 2 stages"):
         ml.load_plugin_config(megatron_like(argv=["--dynmo"], **{**recompute, "recompute_num_layers": 4}))
-    # the profiler's hooks around a stage broke its checkpoints' 1/TP swap (TP 2 x PP 2, stage 1 raised)
-    with pytest.raises(ConfigError, match="support: --distribute-saved-activations .the profiler's saved-tensor"):
-        ml.load_plugin_config(megatron_like(argv=["--dynmo"], distribute_saved_activations=True, **recompute))
+    # the profiler steps aside for Megatron's own checkpoint's 1/TP swap, not for TE's (fp8/fp4)
+    distribute = dict(distribute_saved_activations=True, **recompute)
+    assert ml.load_plugin_config(megatron_like(argv=["--dynmo"], **distribute)).dynmo.enabled
+    with pytest.raises(ConfigError, match="support: --distribute-saved-activations with --fp8-format or "
+                                          "--fp4-format .Megatron then checkpoints through Transformer Engine"):
+        ml.load_plugin_config(megatron_like(argv=["--dynmo"], fp8="hybrid", **distribute))
     # Megatron's own hang (its checkpoint of a biased MLP chains each backward into the last step's)
     mlp = dict(recompute_granularity="selective", recompute_modules=["mlp"], transformer_impl="local")
     with pytest.raises(ConfigError, match="support: --recompute-modules mlp with bias linears"):
@@ -540,6 +543,34 @@ def test_full_activation_recompute_inside_megatron_lm_is_profiled_and_moves_bit_
     _, plain_losses = train_in_megatron_lm(tmp_path / "dropout", dropout)
     _, recomputed_losses = train_in_megatron_lm(tmp_path / "dropout_recomputed", [*recompute, *dropout])
     assert recomputed_losses == plain_losses != static_losses  # dropout drew: not the losses without it
+
+
+@needs_source
+def test_distributed_saved_activations_move_bit_exact_and_keep_a_tp_share(tmp_path):
+    """--distribute-saved-activations at TP 2 x PP 2: each checkpoint keeps its input as the
+    rank's 1/TP slice, swapped in place and gathered back into the tensor it saved in the
+    backward. Under the profiler's saved-tensor hooks autograd gave the backward a copy, so
+    the received activation on stage 1 stayed a flat slice ("The size of tensor a (2048)
+    must match the size of tensor b (64)"); the profiler now steps aside for the
+    checkpoint (`profiling.distributed_saves`). Layer 2 moved to stage 1 at iteration 4:
+    every loss equals the never-moved run's without the flag; a layer holds half the
+    hidden state (8192 bytes, not 16384), and the stage's own bytes are those of the run
+    without it (the checkpoint's mask, counted by hand while the hooks step aside)."""
+    recompute = ["--tensor-model-parallel-size", "2", "--recompute-granularity", "full",
+                 "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    moved, moved_losses = train_in_megatron_lm(
+        tmp_path / "moved", [*recompute, "--distribute-saved-activations", "--dynmo", "--dynmo-profile-every",
+                             "2", "--dynmo-forced-layouts", "4:Et|tttL"], ranks=4)
+    whole, whole_losses = train_in_megatron_lm(tmp_path / "whole", [*recompute, "--dynmo", "--dynmo-profile-every",
+                                                                     "2"], ranks=4)
+    check_forced_move(moved, "Et|tttL", 4)
+    assert len(moved_losses) == 6 and moved_losses == whole_losses
+    profiles = {name: [e["profile"] for e in run["events"] if e["kind"] == "profile"]
+                for name, run in (("moved", moved), ("whole", whole))}
+    assert {x["act_bytes"] for p in profiles["moved"] for x in p["layers"]} == {32 * 2 * 64 * 4 // 2}
+    assert {x["act_bytes"] for p in profiles["whole"] for x in p["layers"]} == {32 * 2 * 64 * 4}
+    extras = {name: {tuple(s["extra_act_bytes"] for s in p["stages"]) for p in ps} for name, ps in profiles.items()}
+    assert extras["moved"] == extras["whole"] and len(extras["moved"]) == 1, extras
 
 
 @needs_source

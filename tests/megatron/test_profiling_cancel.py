@@ -9,6 +9,7 @@ the same process. A real one-rank Megatron stage; the raise is a test-only fault
 failing forward cannot be produced on demand otherwise)."""
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -99,3 +100,49 @@ def test_a_saved_bytes_left_open_inside_a_backward_pops_nothing_at_abandon():
     assert not plain.in_backward
     plain.abandon()
     assert not _saved_tensor_hooks_on_the_stack() and not plain.active
+
+
+class _KeepsHalf(torch.autograd.Function):
+    """As Megatron's distributed checkpoint: the input's data swapped in place for a slice,
+    saved, and swapped back whole in the backward into the tensor autograd hands back."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape = x.data.shape
+        whole = x.data.clone()
+        x.data = x.data.flatten()[: x.numel() // 2].clone()
+        ctx.whole = whole
+        ctx.save_for_backward(x)
+        return whole * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x.data = ctx.whole
+        return grad * 2
+
+
+def test_a_paused_saved_bytes_lets_a_function_save_its_input_as_is():
+    """Under saved-tensor hooks autograd hands a Function's backward a new tensor, so an
+    in-place swap there misses the caller's (torch's SavedVariable::unpack): the tensor
+    stays a slice. Paused (`profiling.distributed_saves`), the save is the caller's own;
+    pausing under a foreign hook is refused, not done to the foreign one."""
+    def run(pause: bool):
+        x = torch.ones(4, 2, requires_grad=True)
+        counter = SavedBytes(set()).__enter__()
+        with counter.paused() if pause else contextlib.nullcontext():
+            out = _KeepsHalf.apply(x)
+        counter.__exit__(None, None, None)
+        out.sum().backward()
+        return x
+    assert run(pause=True).shape == (4, 2)
+    with pytest.raises(RuntimeError, match="must match the size"):  # as on stage 1 under Megatron-LM
+        run(pause=False)  # the gradient (4, 2) met the leaf still holding its slice (4,)
+    counter = SavedBytes(set()).__enter__()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with pytest.raises(RuntimeError, match="sits above the profiler's"):
+            with counter.paused():
+                pass
+    assert counter.active
+    counter.__exit__(None, None, None)
+    assert not _saved_tensor_hooks_on_the_stack()

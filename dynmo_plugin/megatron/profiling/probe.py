@@ -47,6 +47,8 @@ launched are summed per layer (`profiling.kernels`: GPU busy time, no constant a
 """
 from __future__ import annotations
 
+import contextlib
+
 import weakref
 from collections import defaultdict
 from typing import Callable
@@ -107,6 +109,21 @@ class SavedBytes:
         if self.active:
             self.active = False
             self._ctx.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Its hooks off torch's stack, then back on: what autograd saves meanwhile is
+        saved as is (`distributed_saves` says who needs that). They must be the stack's
+        top: a pop would take a hook pushed above them instead."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or top[0] != self._pack:
+            raise RuntimeError("dynmo: a saved_tensors_hooks pair sits above the profiler's; "
+                               "it cannot step aside for the save that needs it")
+        self.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self.__enter__()
 
 
 class _Spans:

@@ -63,6 +63,7 @@ import time
 import torch
 
 from dynmo_plugin.megatron.migration.optim_state import state_nbytes
+from dynmo_plugin.megatron.profiling.distributed_saves import DistributedSaves
 from dynmo_plugin.megatron.profiling.kernels import KernelBusy
 from dynmo_plugin.megatron.profiling.probe import SavedBytes, StageProbe
 from dynmo_plugin.megatron.profiling.timers import COMPUTE_TIMERS, TimerTap, is_p2p
@@ -129,6 +130,11 @@ class _ExtraActivations:
             self._open.__exit__(None, None, None)
             self.per_microbatch.append(self._open.nbytes)
             self._open = None
+
+    @property
+    def counting(self) -> SavedBytes | None:
+        """Its counter while a training forward of its chunk runs, else None."""
+        return self._open
 
     def detach(self) -> None:
         for h in self._handles:
@@ -237,6 +243,9 @@ class ProfileWindow:
             probe.attach()
         self.extra_acts = [_ExtraActivations(chunk, probe.kept_inputs)
                            for chunk, probe in zip(trainer.chunks, self.probes)]
+        self._distributed_saves = (DistributedSaves(self._stage_counter) if any(
+            getattr(getattr(c, "config", None), "distribute_saved_activations", False)
+            for c in trainer.chunks) else None)
         self._compute: list[float] = []
         self._profiled: list[float] = []
         self._wait: list[float] = []
@@ -249,6 +258,10 @@ class ProfileWindow:
         self._peak = _DevicePeak() if trainer.dims.device.type == "cuda" else None
         # last: a constructor that raised above leaves no window to release it
         self._collector = CollectorPause()  # no collection inside the window (profiling.collector)
+
+    def _stage_counter(self) -> SavedBytes | None:
+        """The counter of the chunk whose forward runs now."""
+        return next((x.counting for x in self.extra_acts if x.counting is not None), None)
 
     def before_iteration(self) -> None:
         """The step starts now (the controller calls it right before each window step).
@@ -339,6 +352,8 @@ class ProfileWindow:
             for probe, extra_act in zip(self.probes, self.extra_acts):
                 probe.detach()
                 extra_act.detach()
+            if self._distributed_saves is not None:
+                self._distributed_saves.close()
             if self._peak is not None:
                 self._peak.close()
             self._step.close()
