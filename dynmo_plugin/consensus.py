@@ -120,7 +120,7 @@ class ControlPlane:
                 return True, None
             errors: list = [None] * self.world_size
             dist.all_gather_object(errors, error, group=self.group)
-        return False, "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+        return False, _by_cause(errors)
 
     def all_gather(self, obj: Any, phase: str) -> list[Any]:
         """Every rank's `obj` (plain data or CPU tensors).
@@ -243,3 +243,25 @@ def agent_store(timeout_s: float) -> dist.TCPStore:
     torn down and rebuilt (a repack), and after some ranks have left."""
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                          is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _by_cause(errors: list) -> str:
+    """Every rank's error, each cause once with the ranks that hit it ("ranks 0, 1: X";
+    on 64 ranks one line, not 64 copies)."""
+    ranks: dict[str, list[int]] = {}
+    for r, e in enumerate(errors):
+        if e:
+            ranks.setdefault(e, []).append(r)
+    return "; ".join(f"rank {rs[0]}: {e}" if len(rs) == 1 else f"ranks {_span(rs)}: {e}"
+                     for e, rs in ranks.items())
+
+
+def _span(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)

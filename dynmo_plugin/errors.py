@@ -12,7 +12,12 @@ USER_ERROR_EXIT = 2
 
 
 class UserError(ValueError):
-    """Bad input: the message names the problem and what to do about it."""
+    """Bad input: the message names the problem and what to do about it.
+
+    `agreed`: every rank raised it with the same message (it joins every rank's cause,
+    `consensus.ControlPlane.agree`), so rank 0 alone prints it."""
+
+    agreed = False
 
 
 class DecisionFailed(RuntimeError):

@@ -83,19 +83,28 @@ def handler():
             raise SystemExit(USER_ERROR_EXIT) from None
         except Exception:  # noqa: BLE001 - a fault in the check, not in the input: the
             return _refuse_backend  # workers run it again and report it (torchrun would log a warning)
-        _quiet_on_signal()
+        _quiet_endings()
     return _refuse_backend
 
 
-def _quiet_on_signal() -> None:
-    """Ctrl-C (or SIGTERM) under torchrun: the workers stop at an iteration boundary and
-    rank 0 prints one line with the resume command (dynmo_plugin.train); the agent would
-    add a warning and a SignalException traceback, and exit 1. Here it ends quietly with
-    the signal's status (128 + signal), as a shell reports a job ended by a signal."""
+def _quiet_endings() -> None:
+    """Two endings whose cause a worker has already said in one line, where torchrun's
+    agent would add a warning, ChildFailedError's traceback and exit 1:
+    - Ctrl-C (or SIGTERM): the workers stop at an iteration boundary and rank 0 prints
+      the resume command (dynmo_plugin.train); torchrun ends with the signal's status
+      (128 + signal), as a shell reports a job ended by a signal;
+    - bad input only a worker can find (a checkpoint's damaged shards, the GPUs): the
+      first worker to fail exited 2 after its line (rank 0's, where every rank holds every
+      cause); torchrun ends with 2 too, the status the check above gives."""
     import logging
 
-    def drop(record: logging.LogRecord) -> bool:  # the agent's "death signal" chatter only
-        return "death signal" not in str(record.msg) and "closing signal" not in str(record.msg)
+    from dynmo_plugin.errors import USER_ERROR_EXIT
+
+    def drop(record: logging.LogRecord) -> bool:  # the agent's chatter about those two
+        text = str(record.msg)
+        bad_input = (text.startswith("failed (exitcode") and bool(record.args)
+                     and record.args[0] == USER_ERROR_EXIT)
+        return "death signal" not in text and "closing signal" not in text and not bad_input
     for name in ("torch.distributed.elastic.agent.server.api",
                  "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).addFilter(drop)  # torch sets their levels on import: filter
@@ -104,9 +113,16 @@ def _quiet_on_signal() -> None:
     def hook(kind, value, tb):
         sigval = getattr(value, "sigval", None)
         if type(value).__name__ == "SignalException" and sigval is not None:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(128 + int(sigval))
+            _end(128 + int(sigval))
+        if (type(value).__name__ == "ChildFailedError"
+                and value.get_first_failure()[1].exitcode == USER_ERROR_EXIT):
+            _end(USER_ERROR_EXIT)
         previous(kind, value, tb)
 
     sys.excepthook = hook
+
+
+def _end(status: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     # the controller's one line per decision says what was considered and why
     logging.getLogger("dynmo_plugin.balancing.solve").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", module=r"megatron\..*")
+    # torch.distributed.checkpoint's, at every load of Megatron's dist_checkpointing format
+    # (its ShardedTensor metadata): about torch's API, nothing a user's checkpoint can fix
+    warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
     args = build_parser().parse_args(argv)
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     try:
@@ -233,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             print(resume_line(stop, cfg.model.save, sys.argv[1:] if argv is None else argv),
                   file=sys.stderr, flush=True)
         return 128 + stop.signum
-    except UserError as e:  # found while building (a checkpoint's TP, the GPUs): every rank
-        print(f"dynmo-train: error: {e}", file=sys.stderr)
+    except UserError as e:  # found while building (a checkpoint's TP, the GPUs): each rank
+        if rank == 0 or not e.agreed:  # says its own, once where every rank holds every cause
+            print(f"dynmo-train: error: {e}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT
 
 

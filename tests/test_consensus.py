@@ -52,6 +52,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     seen["agree_ok"] = list(control.agree(None, "a"))
     seen["agree_one"] = list(control.agree("boom" if rank == 1 else None, "a1"))
     seen["agree_two"] = list(control.agree(f"e{rank}" if rank != 1 else None, "a2"))
+    seen["agree_same"] = list(control.agree("x" if rank != 1 else "y", "a3"))
     seen["gather"] = control.all_gather({"rank": rank, "sq": rank * rank}, "g")
     seen["max"] = control.max([float(rank), -float(rank), 5.0 if rank == 1 else 0.5], "m")
     seen["gather_meta"] = _catch(lambda: control.all_gather({(1, 2): {meta}} if rank == 2 else rank, "gm"))
@@ -105,6 +106,7 @@ def test_agree_is_all_or_none_and_names_every_error(seen):
         assert s["agree_ok"] == [True, None]
         assert s["agree_one"] == [False, "rank 1: boom"]
         assert s["agree_two"] == [False, "rank 0: e0; rank 2: e2"]
+        assert s["agree_same"] == [False, "ranks 0, 2: x; rank 1: y"]  # each cause once
 
 
 def test_gather_and_max_are_rank_ordered_and_element_wise(seen):
@@ -129,9 +131,9 @@ def test_a_non_cpu_payload_is_refused_on_every_rank(seen):
 def test_the_ledger_names_the_ranks_behind(seen):
     for s in seen:
         assert s["behind_at_start"] == [[1, "(nothing yet)"], [2, "(nothing yet)"]]
-    # 9 collective phases (2 decide, 3 agree, 2 gather, 2 max); 'local' counts none,
+    # 10 collective phases (2 decide, 4 agree, 2 gather, 2 max); 'local' counts none,
     # 'ahead' (not on rank 2) one
-    assert [s["seq"] for s in seen] == [[9, 10], [9, 10], [9, 9]]
+    assert [s["seq"] for s in seen] == [[10, 11], [10, 11], [10, 10]]
     assert seen[0]["behind"] == seen[1]["behind"] == [[2, "local"]]
     assert seen[2]["behind"] == []
     assert seen[0]["describe"] == ("phase 'ahead' failed on rank 0 after at most 60 s: link down; "

@@ -14,6 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+import torch
 
 from dynmo_plugin.torchrun_check import training_argv, world_size
 from dynmo_plugin.train import main
@@ -52,6 +53,8 @@ def test_entry_point_is_declared():
 @pytest.mark.parametrize("flags,needle", [
     (["--seq-length", "32", "--max-position-embeddings", "8"], "model.seq_length (32) exceeds"),
     (["--pipeline-model-parallel-size", "3"], "world size 2 is not a multiple"),
+    pytest.param(["--clip-grad", "1.0"], "needs CUDA GPUs", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="clipping is refused where no GPU is visible")),
 ])
 def test_torchrun_prints_one_line_and_no_traceback(tmp_path, flags, needle):
     """The documented command with a bad input: one line in all of stdout + stderr."""
@@ -109,7 +112,7 @@ def test_a_fault_in_the_check_itself_is_left_to_the_workers(monkeypatch):
     from dynmo_plugin import torchrun_check
 
     monkeypatch.setattr(sys, "argv", ["/x/torchrun", "--nproc-per-node", "2", "-m", "dynmo_plugin.train"])
-    monkeypatch.setattr(torchrun_check, "_quiet_on_signal", lambda: None)
+    monkeypatch.setattr(torchrun_check, "_quiet_endings", lambda: None)
 
     def broken(*args, **kwargs):
         raise RuntimeError("a fault in validate")
@@ -117,3 +120,24 @@ def test_a_fault_in_the_check_itself_is_left_to_the_workers(monkeypatch):
     backend = torchrun_check.handler()
     with pytest.raises(ValueError, match="dynmo-validate is not a rendezvous backend"):
         backend(None)
+
+
+def test_an_error_every_rank_agreed_on_is_printed_by_rank_0_alone(tmp_path, capsys, monkeypatch):
+    """Found by the workers after the start (a checkpoint's damaged shards): where every
+    rank holds every rank's cause (`UserError.agreed`) rank 0 alone prints it; a rank's
+    own problem (its GPU) each rank prints. Fault injected: the run raises at once."""
+    import dynmo_plugin.train as train
+    from dynmo_plugin.errors import UserError
+
+    def failing(agreed: bool):
+        def run(*args, **kwargs):
+            error = UserError("ranks 0, 1: damaged")
+            error.agreed = agreed
+            raise error
+        return run
+    for rank, agreed, printed in (("1", True, False), ("0", True, True), ("1", False, True)):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setattr(train, "exit_on_peer_failure", failing(agreed))
+        assert main(["--output", str(tmp_path / rank)]) == 2
+        err = capsys.readouterr().err
+        assert (err == "dynmo-train: error: ranks 0, 1: damaged\n") is printed, (rank, agreed, err)

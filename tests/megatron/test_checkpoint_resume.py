@@ -13,13 +13,14 @@ under pp=2 x v=2 (migrated there, saving), whose iteration-4 checkpoint is resum
 under pp=4; both end with the plain run's losses and final checkpoint.
 """
 import json
+import os
 import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from launch import in_megatron_process, losses, torchrun, worker
+from launch import ROOT, free_port, in_megatron_process, losses, run_torchrun, worker
 
 MODEL = ["--num-layers", "6", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -153,14 +154,25 @@ def test_interleaved_checkpoint_resumes_under_pp4(saved, interleaved, tmp_path):
 
 @pytest.mark.multiproc
 def test_corrupt_checkpoint_exits_2_with_one_line(saved, tmp_path):
+    """Damaged shards, which only the workers find, under the documented command (a fresh
+    torchrun, 2 ranks): one line, rank 0's, naming each cause once and the fix, and
+    status 2. Each rank printed the same line, then torchrun's ChildFailedError traceback
+    followed, status 1."""
     root = _only(saved[0] / "ckpt", 2, tmp_path / "load")
     for data in (root / "iter_0000002").glob("*.distcp"):
         data.write_bytes(data.read_bytes()[:100])
-    proc = torchrun(1, MODEL + ["--load", str(root)], tmp_path / "out", check=False)
-    assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("dynmo-train: error:")]
-    assert lines and lines[0].startswith(f"dynmo-train: error: {root / 'iter_0000002'}: cannot load (")
-    assert "exitcode: 2" in proc.stderr  # torchrun reports the launcher's status
+    args = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+            "-m", "dynmo_plugin.train", *MODEL, "--pipeline-model-parallel-size", "2", "--load", str(root),
+            "--output", str(tmp_path / "out")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    proc = run_torchrun(args, env, timeout=300, fresh=True)
+    lines = [line for line in proc.stderr.splitlines() if "rror" in line or "Traceback" in line]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"dynmo-train: error: {root / 'iter_0000002'}: cannot load ("
+                                                   "ranks 0, 1: "), lines
+    assert lines[0].endswith("--load another checkpoint directory, or write an earlier saved iteration into "
+                             "its latest_checkpointed_iteration.txt")
 
 
 # ---- no processes: reading the directory, and which layout a resumed run takes ----------

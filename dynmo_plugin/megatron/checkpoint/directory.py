@@ -74,7 +74,7 @@ def _one_line(e: BaseException, frames=None) -> str:
     from torch.distributed.checkpoint.api import CheckpointException
     if isinstance(e, CheckpointException) and e.failures:
         rank, (inner, trace) = sorted(e.failures.items(), key=lambda kv: kv[0])[0]
-        return f"{_one_line(inner, trace)} (reading on rank {rank})"
+        return f"{_one_line(inner, trace)} (rank {rank}'s part)"
     text = str(e).strip()
     if text:
         return f"{type(e).__name__}: {text.splitlines()[0]}"
@@ -92,10 +92,10 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _agreed_steps(control, steps, failed: str) -> None:
+def _agreed_steps(control, steps, failed: str, fix: str = "") -> None:
     """Run each (phase, step) on every rank with an agreement after each: a step that
-    failed on one rank raises CheckpointError(f"{failed} ({first line})") on every rank,
-    rather than leaving the others alone inside the next collective."""
+    failed on one rank raises CheckpointError(f"{failed} ({first line}){fix}") on every
+    rank, rather than leaving the others alone inside the next collective."""
     from torch.distributed.checkpoint.api import CheckpointException
     for phase, step in steps:
         error = None
@@ -106,7 +106,9 @@ def _agreed_steps(control, steps, failed: str) -> None:
             error = _one_line(e)
         ok, error = control.agree(error, phase)
         if not ok:
-            raise CheckpointError(f"{failed} ({error})")
+            agreed = CheckpointError(f"{failed} ({error}){fix}")
+            agreed.agreed = True  # every rank's cause, on every rank: printed once
+            raise agreed
 
 
 def save_checkpoint(root: str, iteration: int, trainer, control, meta: dict) -> str:
@@ -315,4 +317,6 @@ def load_checkpoint(root: str, meta: dict, trainer, control) -> None:
         ("checkpoint-built", lambda: built.append(sharded_state(trainer, loading=True))),
         ("checkpoint-checked", lambda: check_sharding(built[0], True)),  # rank 0 raises
         ("checkpoint-loaded", lambda: load_sharded(trainer, built[0], directory))),
-        f"{directory}: cannot load")
+        f"{directory}: cannot load",
+        "; its files are damaged, incomplete or another model's: --load another checkpoint "
+        f"directory, or write an earlier saved iteration into its {_LATEST}")

@@ -99,9 +99,6 @@ class StageTrainer:
         initial weights — parameters, buffers, frozen flags and optimizer state.
         `configure(transformer_config)`: a scenario's changes to the config, applied
         before the model is built (kept, so a rebuilt stage gets them too)."""
-        if args.clip_grad > 0 and not torch.cuda.is_available():
-            raise ConfigError("--clip-grad > 0 needs CUDA (Megatron's clip_grads asserts CUDA "
-                              "tensors); use --clip-grad 0 on CPU")
         self.args, self.dims, self.layout = args, dims, layout
         self.config = transformer_config(args, layout)
         self.configure = configure
