@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from typing import Callable, Optional
 
 from dynmo_plugin.config.fields import ConfigError
@@ -167,9 +168,10 @@ OUTPUT_FILES = ("report.json", "report.jsonl", "summary.md", "stage_loads.png", 
 
 
 def _unwritable(path: str) -> Optional[str]:
-    """Why directory `path` cannot be created or written, or None. Nothing is created:
-    the nearest existing ancestor must be a writable directory on a writable file system
-    (statvfs: root ignores permission bits, not a read-only mount)."""
+    """Why directory `path` cannot be created or written, or None. Nothing is left
+    behind: the nearest existing ancestor must be a writable directory on a writable file
+    system (statvfs: root ignores permission bits, not a read-only mount) in which a
+    directory can be made (and is removed at once)."""
     if not path.strip():
         return "an empty path (the report would land in the working directory)"
     if "\0" in path:
@@ -188,8 +190,9 @@ def _unwritable(path: str) -> Optional[str]:
     try:
         if os.statvfs(probe).f_flag & os.ST_RDONLY:
             return f"{probe} is on a read-only file system"
-    except OSError as e:
-        return f"{probe}: {e.strerror}"
+        os.rmdir(tempfile.mkdtemp(prefix=".dynmo-probe-", dir=probe))  # what the bits do not
+    except OSError as e:  # say: procfs, sysfs, FUSE and object-store mounts that refuse mkdir
+        return f"{probe} refuses a new directory ({e.strerror})"
     return None
 
 

@@ -138,7 +138,10 @@ def test_paths_are_checked_before_anything_is_built(tmp_path):
               + str(a_file) + " is a file"),
              (["--load", str(a_file)], "model.load: " + str(a_file) + " is a file"),
              (["--load", str(tmp_path / "missing")], "does not exist"),
-             (["--load", str(empty)], "holds no checkpoint")]
+             (["--load", str(empty)], "holds no checkpoint"),
+             # writable by its bits, but procfs makes no directory (it died in the report)
+             (["--output", "/proc/dynmo-x"], "model.output: cannot write to '/proc/dynmo-x': /proc refuses a "
+              "new directory (")]
     for argv, needle in cases:
         with pytest.raises(ConfigError if "model." in needle else Exception) as err:
             _validate(argv)
@@ -146,6 +149,7 @@ def test_paths_are_checked_before_anything_is_built(tmp_path):
     # --load equal to --save: a job that restarts itself starts fresh while nothing is saved
     _validate(["--load", str(empty), "--save", str(empty)])
     _validate(["--load", str(tmp_path / "new"), "--save", str(tmp_path / "new")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "f"]  # the probes left nothing
 
 
 def test_a_kubeconfig_is_read_before_training(tmp_path):
