@@ -62,10 +62,12 @@ def _check_never(cfg: RunConfig, given: dict[str, str]) -> None:
     start = d.profiling.start_at
     if start and start + d.profiling.window - 1 > m.train_iters:
         where = given.get("profiling.start_at", "profiling.start_at")
+        fix = (f"give --dynmo-start-balanced-at <= {m.train_iters - d.profiling.window + 1} or more "
+               "--train-iters" if d.profiling.window <= m.train_iters else
+               f"give --dynmo-profile-window <= {m.train_iters} or more --train-iters")
         raise ConfigError(f"{where}: profiling.start_at ({start}) + window ({d.profiling.window}) "
                           f"ends past --train-iters ({m.train_iters}): the run ends before the start "
-                          "profile closes; give --dynmo-start-balanced-at <= "
-                          f"{max(1, m.train_iters - d.profiling.window + 1)} or more --train-iters")
+                          f"profile closes; {fix}")
     for key, value, flag in (("rebalance.interval", d.rebalance.interval, "--dynmo-rebalance-interval"),
                              ("profiling.every", d.profiling.every, "--dynmo-profile-every")):
         if d.enabled and value > m.train_iters:
@@ -128,7 +130,9 @@ def check_shape(m: ModelArgs, where: str, world_size: int | None = None) -> None
         return
     _check_interleaved(m, where, world_size)
     if world_size % (tp * pp):
-        raise ConfigError(f"{where}: world size {world_size} is not a multiple of TP({tp}) x PP({pp})")
+        raise ConfigError(f"{where}: world size {world_size} is not a multiple of TP({tp}) x PP({pp}); "
+                          f"launch a multiple of {tp * pp} ranks (torchrun --nproc-per-node x --nnodes) "
+                          "or change --pipeline-model-parallel-size / --tensor-model-parallel-size")
     dp = world_size // (tp * pp)
     if m.global_batch_size % (m.micro_batch_size * dp):
         raise ConfigError(f"{where}: --global-batch-size ({m.global_batch_size}) must be a multiple "

@@ -110,6 +110,15 @@ def test_a_config_that_never_ends_is_refused_and_a_pipe_is_read(tmp_path):
     writer.join()
 
 
+def test_a_start_profile_past_the_run_names_a_fix_that_fits():
+    """The window alone longer than the run: the start it suggested (1) was refused too."""
+    with pytest.raises(ConfigError, match=r"ends past --train-iters \(2\): .*; give --dynmo-start-balanced-at <= 1 "):
+        _validate(["--dynmo", "--dynmo-start-balanced-at", "2", "--dynmo-profile-window", "2", "--train-iters", "2"])
+    with pytest.raises(ConfigError, match=r"; give --dynmo-profile-window <= 2 or more --train-iters$"):
+        _validate(["--dynmo", "--dynmo-start-balanced-at", "1", "--dynmo-profile-window", "4", "--train-iters", "2"])
+    _validate(["--dynmo", "--dynmo-start-balanced-at", "1", "--dynmo-profile-window", "2", "--train-iters", "2"])
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--seq-length", "32", "--max-position-embeddings", "8"],
      "model.seq_length (32) exceeds model.max_position_embeddings (8)"),
