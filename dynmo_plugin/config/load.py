@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -181,8 +182,20 @@ def _flatten(data: dict, known: dict, path: str, prefix: str = "") -> dict:
                               f"{', '.join(children)}), got {v!r}")
         else:
             siblings = sorted({n[len(prefix):].split(".")[0] for n in known if n.startswith(prefix)})
-            raise ConfigError(f"{path}: {key}: unknown key; expected one of {', '.join(siblings)}")
+            raise ConfigError(f"{path}: {key}: unknown key; {_did_you_mean(str(k), prefix, siblings, known)}"
+                              f"expected one of {', '.join(siblings)}")
     return flat
+
+
+def _did_you_mean(name: str, prefix: str, siblings: list[str], known: dict) -> str:
+    """The likely key, before the ~45 a section holds: a near spelling here
+    (`num_layer`), or the same name in another section (`data:` is `model.data`)."""
+    close = difflib.get_close_matches(name, siblings, n=1, cutoff=0.75)
+    if close:
+        return f"did you mean {prefix}{close[0]}? "
+    elsewhere = sorted({".".join(parts[:i + 1]) for parts in (n.split(".") for n in known)
+                        for i, part in enumerate(parts) if part == name})
+    return f"{name} is {' or '.join(elsewhere[:2])}; " if elsewhere else ""
 
 
 def load_config(args: argparse.Namespace, world_size: int | None = None, *,

@@ -41,7 +41,9 @@ def test_forced_layouts_from_yaml_and_flag(tmp_path):
 
 
 @pytest.mark.parametrize("text,argv,needle", [
-    ("rebalance:\n  intervall: 3\n", [], "rebalance.intervall: unknown key; expected one of"),
+    ("rebalance:\n  intervall: 3\n", [], "rebalance.intervall: unknown key; did you mean rebalance.interval? "
+                                          "expected one of"),
+    ("data:\n  path: x\n", [], "data: unknown key; data is model.data; expected one of cluster, dynamism"),
     ("rebalance:\n  interval: three\n", [], "rebalance.interval: expected an integer, got 'three'"),
     ("rebalance:\n  interval: -3\n", [], "rebalance.interval: expected a non-negative number, got -3"),
     ("profiling:\n  window: 0\n", [], "profiling.window: expected a positive number, got 0"),
