@@ -8,8 +8,9 @@ data as PREFIX.tokenizer.json, and `dynmo-train --data-path PREFIX` reads both.
     python scripts/prepare_data.py --input FILES... --output-prefix P [--split blank-lines]
 
 A document is a whole file (`--split file`, the default), or a block of a file
-between runs of two or more blank lines (`--split blank-lines`: top-level definitions
-of source code, paragraphs of prose). `.jsonl` inputs hold one document per line in
+between runs of two or more blank lines (`--split blank-lines`: the top-level
+definitions of Python source; one blank line does not split, so prose whose paragraphs
+are one blank line apart stays one document). `.jsonl` inputs hold one document per line in
 the field given by `--json-key` (Megatron-LM's input format). Prints one summary line
 (or one JSON document with --json) on stdout.
 """
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input", nargs="+", required=True, metavar="FILE", help="text or .jsonl files")
     p.add_argument("--output-prefix", required=True, metavar="P", help="writes P.bin, P.idx, P.tokenizer.json")
     p.add_argument("--split", choices=("file", "blank-lines"), default="file",
-                   help="what one document is (default: a whole file)")
+                   help="what one document is: a whole file (the default), or with blank-lines a "
+                        "block between runs of two or more blank lines (one blank line does not split)")
     p.add_argument("--json-key", default="text", help="field of a .jsonl line holding the text")
     p.add_argument("--min-chars", type=int, default=1, help="skip documents shorter than this")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON document")
