@@ -491,8 +491,8 @@ class DynMo:
                     describe(event))
 
 
-_GROW_PACKED = ("cannot grow data parallelism with packed documents (--data): their stream "
-                "is split per replica at start; use repack.freed: release")
+_GROW_PACKED = ("cannot grow data parallelism with packed documents (--data-path / --data-documents): "
+                "their stream is split per replica at start; use repack.freed: release")
 
 
 def repack_iteration_model(trainer, bandwidth_Bps: float) -> IterationModel:

@@ -141,6 +141,10 @@ def _profile_file(path: str) -> tuple[PipelineProfile, int]:
         data = _event(data, path, "--from-profile")  # a run's report.json: its profile event
     if isinstance(data, dict) and isinstance(data.get("profile"), dict):
         data = data["profile"]
+    if not isinstance(data, dict):
+        raise UserError(f"--from-profile {path!r}: holds a JSON {type(data).__name__}, not a profile; "
+                        "give a profile ({\"layers\": [...], \"stages\": [...]}), a profile event or a "
+                        "run's report.json")
     try:
         profile = PipelineProfile.from_dict(data)
     except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -208,8 +208,9 @@ def hardware(profile: str, shape: GPTShape, base: Hardware | None = None) -> Har
         return base
     path = _PROFILE_DIR / f"{profile}.json" if profile in PROFILES else Path(profile)
     if profile not in PROFILES and not path.is_file():
-        raise UserError(f"unknown hardware profile {profile!r}: give one of {', '.join(PROFILES)} "
-                        "or a profile file's path")
+        from dynmo_plugin.sim.gpu_curves import GPU_MODELS  # (it builds on this module)
+        raise UserError(f"unknown hardware profile {profile!r}: give one of "
+                        f"{', '.join((*PROFILES, *GPU_MODELS))} or a profile file's path")
     entries = load_profile_file(path)
     for entry in entries:
         if entry.matches(shape):

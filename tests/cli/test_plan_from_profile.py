@@ -75,6 +75,12 @@ def test_from_profile_bad_input_is_one_line(tmp_path):
     for args in cases:
         r = _plan(*args)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+    listed = tmp_path / "list.json"  # a list of costs: it said "AttributeError: 'list' object ..."
+    listed.write_text(json.dumps([1.0, 2.0]))
+    r = _plan("--from-profile", str(listed))
+    assert r.returncode == 2 and r.stderr.strip().endswith(
+        "holds a JSON list, not a profile; give a profile ({\"layers\": [...], \"stages\": [...]}), a profile "
+        "event or a run's report.json"), r.stderr
 
 
 def test_from_run_checks_the_cap_at_the_micro_batches_the_run_peaks_at(tmp_path):

@@ -60,7 +60,8 @@ def test_h100_profile_and_gate_flags_reach_the_campaign():
     (["--scenario", "moe", *SMALL, "--iterations", "0"], "--iterations"),
     (["--scenario", "moe", "--layers", "0", "--dp", "1", "--pp", "1"], "--layers"),
     (["--scenario", "moe", "--layers", "8", "--dp", "1" + "0" * 310, "--pp", "2"], "--dp"),
-    (["--scenario", "moe", *SMALL, "--hardware", "tpu"], "unknown hardware profile"),
+    (["--scenario", "moe", *SMALL, "--hardware", "tpu"], "unknown hardware profile 'tpu': give one of "
+     "a100-flops, h100, h100-gpu, h200-gpu or"),
     (["--scenario", "moe", *SMALL, "--min-gain", "1.5"], "--min-gain"),
     (["--scenario", "moe", *SMALL, "--event-gap", "0"], "--event-gap"),
     (["--scenario", "moe", *SMALL, "--repack-objective", "fast"], "--repack-objective"),
