@@ -30,7 +30,8 @@ def explain(reason: str) -> str:
     flags = [f for words, f in _REASON_FLAGS if words in reason]
     for name, flag in _NAMES:
         reason = reason.replace(name, flag)
-    return f"{reason} (change: {flags[0]})" if flags and not reason.startswith("pays") else reason
+    applied = reason.startswith("pays") or ": pays:" in reason  # a repack's: "4 -> 2 stages: pays: ..."
+    return f"{reason} (change: {flags[0]})" if flags and not applied else reason
 
 
 def repack_considered_record(plan, rebalance_applied: bool) -> dict:

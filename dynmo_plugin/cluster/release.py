@@ -44,10 +44,11 @@ def release(cfg, request: ReleaseRequest, *, env: Mapping[str, str] | None = Non
     out = ReleaseOutcome(strategy=cfg.strategy, outcome="logged", replicas_before=request.current,
                          namespace=target.namespace, name=target.name,
                          released_ranks=request.released_ranks)
-    if cfg.strategy == "none":
+    if request.current and request.keep >= request.current:
+        out.message = (f"keep={request.keep} >= current={request.current}: nothing to release"
+                       + (" (the freed ranks fill no whole replica)" if request.released_ranks else ""))
+    elif cfg.strategy == "none":
         out.message = "strategy none: released ranks only logged; no Kubernetes API call"
-    elif request.current and request.keep >= request.current:
-        out.message = f"keep={request.keep} >= current={request.current}: nothing to release"
     elif target.problem:
         out.outcome, out.message = "failed", f"cannot tell what to release: {target.problem}"
     else:

@@ -92,8 +92,9 @@ class ReleaseOutcome:
         via = f" (fell back from {self.fell_back_from})" if self.fell_back_from else ""
         after = "" if self.replicas_after is None else f" -> {self.replicas_after}"
         # replicas_before 0 with nothing after: the count was never known (no API answer)
-        replicas = f" replicas {self.replicas_before}{after}" if self.replicas_before or after else ""
-        return f"{self.strategy}{via}: {self.outcome} {self.namespace}/{self.name}{replicas}: {self.message}"
+        replicas = f" (replicas {self.replicas_before}{after})" if self.replicas_before or after else ""
+        target = f" {self.namespace}/{self.name}" if self.namespace or self.name else ""
+        return f"{self.strategy}{via}: {self.outcome}{target}{replicas}: {self.message}"
 
 
 def exit_status(outcome: ReleaseOutcome) -> int:
