@@ -79,14 +79,6 @@ def test_freed_ranks_in_no_whole_replica_say_so_under_every_strategy(caplog):
     assert "cluster release: ranks [2, 3]: none: logged (replicas 1): keep=1" in caplog.text
 
 
-def test_an_applied_decisions_reason_asks_for_no_change():
-    from dynmo_plugin.decision_lines import explain
-    repack = "4 -> 2 stages: pays: saves 16.2 GPU-s vs 1 s rebuild x x margin 1"
-    assert explain(repack) == "4 -> 2 stages: pays: saves 16.2 GPU-s vs 1 s rebuild x x --dynmo-gate-margin 1"
-    refused = "4 -> 2 stages: does not pay: 1 s rebuild"
-    assert explain(refused).endswith("(change: --dynmo-gate-margin, --dynmo-event-gap)")
-
-
 def test_nothing_to_release_makes_no_call():
     out = release(ClusterConfig(strategy="statefulset-scale", namespace="ns", name="x",
                                 kubeconfig="/nonexistent"), ReleaseRequest(keep=4, current=4), env={})
