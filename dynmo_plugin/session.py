@@ -182,6 +182,13 @@ class TrainingSession:
             logger.info("checkpoint saved: %s in %.2f s", path, time.perf_counter() - start)
         return path
 
+    def save_last(self) -> None:
+        """After the last iteration, as Megatron-LM's pretrain(): saved unless the interval
+        already saved it (--save-interval 0: only a checkpoint repack saves)."""
+        args, last = self.cfg.model, self._completed
+        if args.save and args.save_interval and last > self.start_iteration and last % args.save_interval:
+            self.save(last)
+
     # ---- repacks ----------------------------------------------------------------------------
     def _repack(self, layout: Layout, iteration: int, info: dict):
         if self.cfg.dynmo.repack.mode == "live":

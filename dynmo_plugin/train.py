@@ -62,6 +62,7 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
         try:
             for iteration in range(session.start_iteration + 1, cfg.model.train_iters + 1):
                 session.step(iteration)
+            session.save_last()
         except RankRetired:
             return None  # this rank's stage was released by a repack: exit 0, no report
         except StopTraining:

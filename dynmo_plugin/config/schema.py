@@ -161,7 +161,9 @@ class ModelArgs:
     untie_embeddings_and_output_weights: bool = field(default=False, metadata=opt("separate output-layer weights"))
     output: str = field(default="runs/latest", metadata=opt("directory for report.json"))
     save: Optional[str] = field(default=None, metadata=opt("checkpoint directory to save to"))
-    save_interval: int = field(default=0, metadata=opt("iterations between checkpoints (0 = only at a checkpoint repack)", check=non_negative))
+    save_interval: int = field(default=0, metadata=opt(
+        "iterations between checkpoints, the last iteration saved too (0 = only at a checkpoint repack)",
+        check=non_negative))
     load: Optional[str] = field(default=None, metadata=opt("checkpoint directory to resume from (any pipeline split)"))
     exit_signal_handler: bool = field(default=False, metadata=opt(
         "on SIGTERM/SIGINT, save a checkpoint (with --save) at the iteration boundary before "

@@ -208,6 +208,17 @@ def test_one_layer_per_virtual_stage_is_enough():
         _validate(["--num-layers", "3", *flags])
 
 
+def test_save_without_an_interval_warns_that_nothing_is_saved(tmp_path):
+    """Megatron-LM requires --save-interval with --save; here 0 means 'only a checkpoint
+    repack saves', so a plain run given --save alone wrote nothing, silently."""
+    notices = _validate(["--save", str(tmp_path / "a")]).notices
+    assert [n for n in notices if "--save-interval is 0: nothing is saved" in n] == [
+        "flag --save: --save-interval is 0: nothing is saved (only a checkpoint repack saves then); give "
+        "--save-interval N to save every N iterations and the last, as Megatron-LM does"]
+    assert not any("--save-interval" in n for n in _validate(["--save", str(tmp_path / "b"), "--save-interval",
+                                                              "5"]).notices)
+
+
 def test_clip_grad_without_gpus_is_refused_before_any_worker_starts():
     """Megatron-LM's default --clip-grad 1.0 on a machine without GPUs: refused in the
     check torchrun's own process runs (it was each worker's, after building its model:

@@ -110,9 +110,14 @@ def test_resume_under_another_pp2_layout(saved, tmp_path):
 @pytest.mark.multiproc
 def test_rebalanced_run_resumes_balanced(saved, tmp_path):
     """Saved after the migration: decoder layers of other stages' numbers were on each
-    stage. Resumed without a layout flag, the saved (rebalanced) layout is restored."""
-    _, resumed = _resume(tmp_path, saved, 4, 2, ["--pipeline-model-parallel-size", "2"])
+    stage. Resumed without a layout flag, the saved (rebalanced) layout is restored. It
+    saves every 4 iterations and ends at 6: the last iteration is saved too, as
+    Megatron-LM's pretrain() does (only a multiple of the interval was: no iteration 6
+    to compare with the uninterrupted run's)."""
+    _, resumed = _resume(tmp_path, saved, 4, 2, ["--pipeline-model-parallel-size", "2"], save_interval=4)
     assert resumed["initial_layout"] == REBALANCED
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["iter_0000006",
+                                                                      "latest_checkpointed_iteration.txt"]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ that one layer is a fine enough step for the balancer to act on. Tied embeddings
 default) throughout.
 """
 import json
+import shutil
 
 import pytest
 import torch
@@ -200,7 +201,11 @@ def test_resumed_after_a_freeze_trains_on_exactly(runs, tmp_path):
     first_stage = {f"decoder.layers.{n}." for n in range(6)} | {"embedding."}
     assert {prefix for prefix in first_stage
             if any(name.startswith(prefix) for name in meta["frozen"])} == first_stage
-    resumed = worker(2, MODEL + STATIC + ["--train-iters", str(ITERS), "--load", str(ckpt)],
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(ITERS)  # the last is saved too
+    load = tmp_path / "load"  # the checkpoint at SAVED alone
+    shutil.copytree(ckpt / f"iter_{SAVED:07d}", load / f"iter_{SAVED:07d}")
+    (load / "latest_checkpointed_iteration.txt").write_text(str(SAVED))
+    resumed = worker(2, MODEL + STATIC + ["--train-iters", str(ITERS), "--load", str(load)],
                      tmp_path)
     assert [it["iteration"] for it in resumed["iterations"]] == list(range(SAVED + 1, ITERS + 1))
     assert _decisions(resumed) == [d for d in _decisions(report) if d[0] > SAVED] != []
