@@ -284,17 +284,6 @@ def check_transformer_impl(cfg: RunConfig, given: dict[str, str], cuda_devices: 
     cfg.model.transformer_impl = impl
 
 
-def check_clip_grad(cfg: RunConfig, given: dict[str, str], cuda_devices: int) -> None:
-    """Megatron's gradient clipping asserts CUDA tensors: refused here, before any worker
-    starts, not by every worker after its model is built. (Megatron-LM's own default is
-    1.0, the first value a Megatron user brings.)"""
-    if cfg.model.clip_grad > 0 and cuda_devices == 0:
-        where = given.get("model.clip_grad", "flag --clip-grad")
-        raise ConfigError(f"{where}: model.clip_grad {cfg.model.clip_grad:g} needs CUDA GPUs (Megatron's "
-                          "clip_grads asserts CUDA tensors) and none is visible here; use "
-                          "--clip-grad 0 on CPU")
-
-
 def _check_precision(cfg: RunConfig, given: dict[str, str]) -> None:
     """One training precision; loss scaling only where it means something (fp16)."""
     m = cfg.model

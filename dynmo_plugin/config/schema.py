@@ -113,7 +113,7 @@ class ModelArgs:
     weight_decay: float = field(default=0.0, metadata=opt(
         "weight decay coefficient for L2 regularization, as Megatron-LM's (whose default is 0.01; "
         "0 here, so runs made before it existed train the same)", check=non_negative))
-    clip_grad: float = field(default=0.0, metadata=opt("gradient clipping norm (0 = off; CPU needs 0)", check=non_negative))
+    clip_grad: float = field(default=0.0, metadata=opt("gradient clipping norm (0 = off; Megatron-LM defaults to 1.0)", check=non_negative))
     bf16: bool = field(default=False, metadata=opt("bf16 weights and activations, fp32 master weights in the optimizer"))
     fp16: bool = field(default=False, metadata=opt("fp16 weights and activations, fp32 master weights, dynamic loss scaling"))
     loss_scale: Optional[float] = field(default=None, metadata=opt("static loss scale for --fp16 (default: dynamic)", check=positive))

@@ -21,13 +21,12 @@ from typing import Any, Mapping
 
 from dynmo_plugin.errors import UserError
 from dynmo_plugin.sim.gpt import GPTShape, Hardware
-from dynmo_plugin.sim.measured import profile_entries, read_json, with_measured
+from dynmo_plugin.sim.measured import GPU_MODELS, profile_entries, read_json, with_measured
 from dynmo_plugin.sim.profile_builder import build_profile
 
 __all__ = ["GPU_MODELS", "NotMeasured", "cost_rows", "dump", "gpu_cost_model", "gpu_hardware", "load_model",
            "model_name"]
 
-GPU_MODELS = ("h100-gpu", "h200-gpu")
 _DIR = Path(__file__).resolve().parent / "profiles"
 # the simulator's knob value at each scheme's measured setting (gpu_check's SCENARIOS);
 # MoE is left out: its row compares capacity factors of a wider FFN, not a dense layer

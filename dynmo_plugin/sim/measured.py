@@ -46,6 +46,7 @@ KNOBS = {
 }
 _PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 PROFILES = ("a100-flops", "h100")  # a100-flops: the FLOP model, no measured curves
+GPU_MODELS = ("h100-gpu", "h200-gpu")  # gpu_curves' named models (gpu_check's curves)
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,6 @@ def hardware(profile: str, shape: GPTShape, base: Hardware | None = None) -> Har
         return base
     path = _PROFILE_DIR / f"{profile}.json" if profile in PROFILES else Path(profile)
     if profile not in PROFILES and not path.is_file():
-        from dynmo_plugin.sim.gpu_curves import GPU_MODELS  # (it builds on this module)
         raise UserError(f"unknown hardware profile {profile!r}: give one of "
                         f"{', '.join((*PROFILES, *GPU_MODELS))} or a profile file's path")
     entries = load_profile_file(path)

@@ -7,6 +7,7 @@ Each refusal is exactly one line on stdout + stderr, status 2, and nothing train
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -69,6 +70,25 @@ def test_a_yaml_without_dynmo_trains_the_static_baseline_and_says_so(tmp_path):
     assert f"{config}: profiling, rebalance set, but --dynmo is not given" in notes[0]
     assert "static baseline" in notes[0]
     assert (tmp_path / "run" / "report.json").exists()
+
+
+def test_megatrons_default_gradient_clipping_trains_on_cpu(tmp_path):
+    """--clip-grad 1.0, Megatron-LM's default and the first value a Megatron user brings:
+    Megatron's clip_grads asserts CUDA gradient types, which the CPU compatibility layer
+    now answers as it does for the optimizer (it was refused: by every worker after its
+    model was built, then before any worker started). The norms here are above 1, so the
+    clipped run's losses part from the unclipped one's after the first step."""
+    runs = {}
+    for clip in ("1.0", "0"):
+        (tmp_path / clip).mkdir()
+        proc = torchrun(tmp_path / clip, [*TINY, "--train-iters", "3", "--clip-grad", clip])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[clip] = ([x for x in lines(proc) if "iteration " in x],
+                      [it["loss"] for it in json.loads((tmp_path / clip / "run" / "report.json").read_text())[
+                          "iterations"]])
+    assert all("| grad norm " in x for x in runs["1.0"][0]) and not any("grad norm" in x for x in runs["0"][0])
+    clipped, plain = runs["1.0"][1], runs["0"][1]
+    assert clipped[0] == plain[0] and clipped[1:] != plain[1:]
 
 
 # ---- items 2 and 3: paths and nonsense, before any training ---------------------------------------

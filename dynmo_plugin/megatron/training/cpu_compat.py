@@ -18,9 +18,10 @@ comparing `param.type()` with CUDA type names ('torch.cuda.BFloat16Tensor',
 parameters must be one of torch.cuda.FloatTensor ..."). Probed on megatron-core 0.16.1:
 that check is the only thing that stops both on CPU. `Tensor.type()` therefore spells
 CPU float tensors the CUDA way, but only when called without arguments from exactly
-those two Megatron modules (`_CUDA_TYPE_CALLERS`): every other caller, torch's own
-included, sees the true CPU names. Those calls happen when an optimizer is built, not
-per step, so the frame lookup costs nothing measurable.
+those two Megatron modules and gradient clipping's `clip_grads`, which asserts
+'torch.cuda.FloatTensor' gradients (`_CUDA_TYPE_CALLERS`): every other caller, torch's
+own included, sees the true CPU names. The optimizers ask when they are built;
+clipping asks once per gradient per step (a frame lookup, ~0.1 us each).
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ _CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
                     "torch.HalfTensor": "torch.cuda.HalfTensor",
                     "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
 _CUDA_TYPE_CALLERS = ("megatron.core.optimizer.optimizer",
-                      "megatron.core.optimizer.distrib_optimizer")
+                      "megatron.core.optimizer.distrib_optimizer",
+                      "megatron.core.optimizer.clip_grads")
 
 
 def _to_cpu(device):
