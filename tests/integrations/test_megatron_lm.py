@@ -888,6 +888,24 @@ def test_native_moe_rebalanced_from_router_counts_bit_exact_with_a_never_moved_r
 
 
 @needs_source
+def test_a_received_layer_is_built_without_drawing_from_the_run_s_random_streams(tmp_path):
+    """MoE input jitter (random draws each step, from the rank's own stream) with one MoE
+    layer per stage before and after each move (--moe-layer-freq [1,0,1,0]; dense layer
+    2 is forced onto stage 1 at 4): each rank draws the same numbers either way, so the
+    losses must equal the never-moved run's. The received layer's throw-away weight
+    initialisation drew from the receiving rank's stream first, and every later draw
+    there changed: the losses parted from iteration 4 (survey 22b). Built without drawing
+    now (`scratch.built_without_draws`)."""
+    jitter = [*NATIVE_MOE[:4], "--moe-layer-freq", "[1,0,1,0]", *NATIVE_MOE[6:], "--moe-input-jitter-eps", "0.1",
+              "--dynmo", "--dynmo-balancer", "uniform", "--dynmo-profile-every", "2"]
+    moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", [*jitter, "--dynmo-forced-layouts", "4:Et|tttL"])
+    _, static_losses = train_in_megatron_lm(tmp_path / "static", jitter)
+    assert [(m["layer"], m["src"], m["dst"]) for e in moved["events"] if e["kind"] == "rebalance" and e["applied"]
+            for m in e["moves"]][:1] == [(2, 0, 1)]
+    assert len(moved_losses) == 6 and moved_losses == static_losses
+
+
+@needs_source
 def test_a_step_megatron_runs_again_in_place_is_counted_once(tmp_path):
     """Megatron-LM's default --rerun-mode validate_results runs a step's forward and
     backward again in place when a check fires (here --check-for-spiky-loss, forced by its

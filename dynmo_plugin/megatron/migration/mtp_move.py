@@ -21,13 +21,13 @@ embedding all-reduce then adds one more copy's gradient (docs/mtp.md).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from dynmo_plugin.layout import Layout
+from dynmo_plugin.megatron.training.scratch import built_without_draws
 
 __all__ = ["MTP_UNIT", "FINAL_NORM", "UNIT_NAMES", "moves_refused", "unit_moves", "container",
            "build", "install", "remove", "Shell", "adopted"]
@@ -84,18 +84,6 @@ def container(unit: int, chunk) -> torch.nn.ModuleDict:
     return torch.nn.ModuleDict({"final_layernorm": chunk.decoder.final_layernorm})
 
 
-@contextmanager
-def _no_initialisation(config):
-    """Build without drawing initial values: the received state overwrites them, and
-    drawing would consume the random stream (Megatron-LM initialises on construction)."""
-    before = config.perform_initialization
-    config.perform_initialization = False
-    try:
-        yield
-    finally:
-        config.perform_initialization = before
-
-
 def build(unit: int, trainer, chunk, tensors: dict) -> torch.nn.ModuleDict:
     """A new `unit` for `chunk` (on its new rank; the config already holds the new
     layout), loaded from the received tensors. Nothing live is touched."""
@@ -119,7 +107,7 @@ def _build_norm(trainer, chunk) -> torch.nn.ModuleDict:
     from megatron.core.transformer.spec_utils import build_module
 
     config = trainer.config
-    with _no_initialisation(config):
+    with built_without_draws(config):
         norm = build_module(_norm_spec(trainer, chunk), config=config,
                             hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
     return torch.nn.ModuleDict({"final_layernorm": norm})
@@ -156,7 +144,7 @@ def _build_mtp(trainer, chunk) -> torch.nn.ModuleDict:
     spec = mtp_block_spec(config, trainer.spec, _impl(trainer), chunk.vp_stage)
     if spec is None:
         raise RuntimeError("the new layout puts no MTP block on this rank")
-    with _no_initialisation(config):
+    with built_without_draws(config):
         unit = torch.nn.ModuleDict({
             "mtp": MultiTokenPredictionBlock(config=config, spec=spec, vp_stage=chunk.vp_stage),
             "embedding": LanguageModelEmbedding(

@@ -21,7 +21,8 @@ import contextlib
 
 import torch
 
-__all__ = ["stage_dtype", "build_scratch_layer", "scratch_input", "init_scratch_"]
+__all__ = ["stage_dtype", "build_scratch_layer", "scratch_input", "init_scratch_", "rng_streams_kept",
+           "built_without_draws"]
 
 
 def stage_dtype(config) -> torch.dtype:
@@ -70,6 +71,23 @@ def rng_streams_kept():
                     else:
                         states[name].set_state(state)
                 tracker.set_states(states)
+
+
+@contextlib.contextmanager
+def built_without_draws(config):
+    """Build a module that a received state fills (a migrated or reshaped layer, a moved
+    MTP block or final norm): no initial values drawn (the state overwrites them; faster)
+    and the run's streams as they were for whatever else construction draws. A received
+    layer's throw-away initialisation advanced the receiving rank's streams, so every
+    later draw there (dropout in layers that never moved, MoE input jitter) changed
+    (survey 22b: MoE jitter at one MoE layer per stage before and after a move)."""
+    before = config.perform_initialization
+    config.perform_initialization = False
+    try:
+        with rng_streams_kept():
+            yield
+    finally:
+        config.perform_initialization = before
 
 
 def build_scratch_layer(spec, config, layer_number: int, pg_collection, vp_stage,
