@@ -41,7 +41,8 @@ def _saved_args(load_dir: str):
     import torch
     files = sorted(glob.glob(os.path.join(folder, "mp_rank_*", "model_optim_rng.pt")))
     if files:
-        return "torch", torch.load(files[0], map_location="cpu", weights_only=False).get("args")
+        # mmap: only the args are read, not rank 0's weights and optimizer state
+        return "torch", torch.load(files[0], map_location="cpu", weights_only=False, mmap=True).get("args")
     return ("torch_dcp" if os.path.isfile(os.path.join(folder, ".metadata")) else "unknown"), None
 
 
@@ -64,14 +65,17 @@ def restore_saved_layout(args) -> None:
     launcher restores it (docs/checkpoints.md): an explicit --pipeline-model-parallel-
     layout wins; a saved layout without this run's pp x v stages (another pipeline
     size) leaves Megatron-LM's own split. torch_dist checkpoints key layers by global
-    number, so any split loads them.
+    number, so any split loads them. Without --dynmo (the hooks installed, the plugin
+    off) the per-rank check below still runs: Megatron-LM's strict=False fallback loaded
+    a moved run's per-rank checkpoint under its uniform split with layers in the wrong
+    stages and no error (survey 22b).
 
     Raises:
         MegatronLMError: a per-rank checkpoint (--ckpt-format torch / torch_dcp numbers
             layers within each stage) that this run would load under another split; a
             saved layout that splits this run's uniform recompute chunks (`recompute_block`).
     """
-    if not getattr(args, "dynmo__enabled", False) or not args.load:
+    if not args.load:
         return
     found = _saved_args(args.load)
     if found is None:
@@ -83,7 +87,8 @@ def restore_saved_layout(args) -> None:
     # a checkpoint repack's chosen layout first, then the layout in force when it saved
     fitting = [t for t in (getattr(saved, "dynmo_next_layout", None), saved_layout)
                if t is not None and Layout.parse(t).num_stages == stages]
-    if (args.pipeline_model_parallel_layout is None and fitting
+    dynmo = getattr(args, "dynmo__enabled", False)
+    if (dynmo and args.pipeline_model_parallel_layout is None and fitting
             and getattr(saved, "num_layers", None) == args.num_layers):
         chosen = fitting[0]
         why = split_blocks(Layout.parse(chosen), recompute_block(args))
@@ -98,12 +103,17 @@ def restore_saved_layout(args) -> None:
     saved_split = None if saved is None else _split(saved, saved_layout)
     run_split = _split(args, args.pipeline_model_parallel_layout)
     if saved_split != run_split:
+        resume = ("resume with the saved pipeline sizes and split flags and no "
+                  "--pipeline-model-parallel-layout" if dynmo else
+                  "resume with --dynmo (it restores the saved layout) or with "
+                  f"--pipeline-model-parallel-layout '{saved_layout}'" if saved_layout else
+                  "resume with the saved pipeline sizes and split flags")
         raise MegatronLMError(
             f"--load {args.load}: a --ckpt-format {fmt} checkpoint (layers numbered within each "
             f"stage) saved under {_shown(saved_split)} cannot be loaded under this run's "
-            f"{_shown(run_split)} without putting other layers' weights into its stages; resume "
-            "with the saved pipeline sizes and split flags and no --pipeline-model-parallel-layout, "
-            "or save in --ckpt-format torch_dist (layers keyed by global number, any split)")
+            f"{_shown(run_split)} without putting other layers' weights into its stages (Megatron "
+            f"loads them without an error); {resume}, or save in --ckpt-format torch_dist (layers "
+            "keyed by global number, any split)")
 
 
 def _split(args, layout) -> tuple:

@@ -669,6 +669,16 @@ def test_a_per_rank_checkpoint_under_another_split_is_refused_in_one_line(tmp_pa
     ok = _parsed(["--dynmo", "--load", str(tmp_path), "--pipeline-model-parallel-size", "2"])
     ml.restore_saved_layout(ok)  # the saved split: honoured
     assert ok.pipeline_model_parallel_layout == "Et|tttL"
+    # without --dynmo (the hooks on, the plugin off) Megatron-LM loaded it under its uniform
+    # split with no error, layers in the wrong stages (survey 22b): refused, naming both fixes
+    plain = _parsed(["--load", str(tmp_path), "--pipeline-model-parallel-size", "2"])
+    with pytest.raises(ml.MegatronLMError, match=r"saved under layout Et\|tttL at PP 2, TP 1 cannot be loaded under "
+                                                 r"this run's layout uniform at PP 2, TP 1 .*; resume with --dynmo \(it "
+                                                 r"restores the saved layout\) or with --pipeline-model-parallel-layout "
+                                                 r"'Et\|tttL', or save in --ckpt-format torch_dist"):
+        ml.restore_saved_layout(plain)
+    ml.restore_saved_layout(_parsed(["--load", str(tmp_path), "--pipeline-model-parallel-size", "2",
+                                     "--pipeline-model-parallel-layout", "Et|tttL"]))
     # unless it splits this run's uniform recompute chunks (Megatron would index past stage 0)
     chunks = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"]
     with pytest.raises(ml.MegatronLMError, match=r"its saved layout Et\|tttL: stage 0 holds 1, stage 1 holds 3 "
