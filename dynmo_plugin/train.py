@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 import warnings
 from typing import Optional
 
@@ -27,6 +28,9 @@ logger = logging.getLogger("dynmo_plugin.train")
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LAUNCH_HINT = ("run it under torchrun: torchrun --nproc-per-node N -m dynmo_plugin.train ... "
                "(N = TP x PP x DP; docs/usage.md \"Launch\")")
+# an error every rank agreed on is printed by rank 0 (`run`): the others wait this long before
+# they exit, as torchrun stops every rank once one has exited
+AGREED_GRACE_S = 1.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,12 +84,23 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
         if dims.rank == 0:
             logger.info("report written to %s", session.report.path)
         return session.report.to_dict()
+    except UserError as e:
+        if e.agreed and dims.rank == 0:  # said before the teardown: torchrun stops rank 0 as
+            _say(e)                      # soon as another rank's exit 2 reaches it
+        raise
     finally:
         try:
             if session is not None:
                 session.close()
         finally:
             destroy_parallel()
+
+
+def _say(error: UserError) -> None:
+    """The one line of a user error, once (`main` prints what was not said yet)."""
+    if not getattr(error, "said", False):
+        error.said = True
+        print(f"dynmo-train: error: {error}", file=sys.stderr, flush=True)
 
 
 class SignalStop(Exception):
@@ -239,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + stop.signum
     except UserError as e:  # found while building (a checkpoint's TP, the GPUs): each rank
         if rank == 0 or not e.agreed:  # says its own, once where every rank holds every cause
-            print(f"dynmo-train: error: {e}", file=sys.stderr, flush=True)
+            _say(e)
+        else:  # rank 0 says it: leave it the moment torchrun would take by stopping it
+            time.sleep(AGREED_GRACE_S)
         return USER_ERROR_EXIT
 
 

@@ -66,6 +66,7 @@ def connect(kubeconfig: str) -> Any:
 
     conf = client.Configuration()
     if kubeconfig:
+        kubeconfig = os.path.expanduser(kubeconfig)  # `~/.kube/config` in a YAML, as kubectl reads it
         check_kubeconfig([kubeconfig], "--kubeconfig")
         config.load_kube_config(config_file=kubeconfig, client_configuration=conf)
     elif os.environ.get("KUBERNETES_SERVICE_HOST"):
@@ -86,10 +87,14 @@ def check_named_kubeconfig(path: str, where: str) -> None:
     Raises:
         ValueError: one line that starts with `where`.
     """
-    if not os.path.lexists(path):
+    full = os.path.expanduser(path)  # as the kubernetes client reads it
+    if os.path.islink(full) and not os.path.exists(full):
+        raise ValueError(f"{where}: kubeconfig {path} is a symbolic link to {os.readlink(full)}, which "
+                         "does not exist; give the kubeconfig file")
+    if not os.path.exists(full):
         raise ValueError(f"{where}: kubeconfig {path} does not exist; give the kubeconfig file, or "
                          "leave it out (in-cluster config, else $KUBECONFIG)")
-    check_kubeconfig([path], where)
+    check_kubeconfig([full], where)
 
 
 def check_kubeconfig(paths: list[str], source: str) -> None:

@@ -68,10 +68,12 @@ def _check_never(cfg: RunConfig, given: dict[str, str]) -> None:
         raise ConfigError(f"{where}: profiling.start_at ({start}) + window ({d.profiling.window}) "
                           f"ends past --train-iters ({m.train_iters}): the run ends before the start "
                           f"profile closes; {fix}")
-    if m.save and not m.save_interval and not (d.repack.enabled and d.repack.mode == "checkpoint"):
+    if (m.save and not m.save_interval and not m.exit_signal_handler
+            and not (d.repack.enabled and d.repack.mode == "checkpoint")):
         cfg.notices.append(f"{given.get('model.save', 'flag --save')}: --save-interval is 0: nothing is "
-                           "saved (only a checkpoint repack saves then); give --save-interval N to save "
-                           "every N iterations and the last, as Megatron-LM does")
+                           "saved (only a checkpoint repack or a signal with --exit-signal-handler saves "
+                           "then); give --save-interval N to save every N iterations and the last, as "
+                           "Megatron-LM does")
     for key, value, flag in (("rebalance.interval", d.rebalance.interval, "--dynmo-rebalance-interval"),
                              ("profiling.every", d.profiling.every, "--dynmo-profile-every")):
         if d.enabled and value > m.train_iters:

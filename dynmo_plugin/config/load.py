@@ -194,7 +194,9 @@ def _did_you_mean(name: str, prefix: str, siblings: list[str], known: dict) -> s
     if close:
         return f"did you mean {prefix}{close[0]}? "
     elsewhere = sorted({".".join(parts[:i + 1]) for parts in (n.split(".") for n in known)
-                        for i, part in enumerate(parts) if part == name})
+                        for i, part in enumerate(parts) if part == name} - {name})
+    if name in {n.split(".")[0] for n in known}:  # `profiling:` nested under `model:`
+        return f"{name} is a top-level section, not under {prefix.rstrip('.')}; "
     return f"{name} is {' or '.join(elsewhere[:2])}; " if elsewhere else ""
 
 

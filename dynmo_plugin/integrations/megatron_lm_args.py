@@ -111,6 +111,9 @@ def _check_supported(args, cfg: RunConfig) -> None:
          "--recompute-modules layernorm with --dynmo-dynamism layer_freezing (the first layer after a "
          "frozen prefix gets an input without gradient, and Megatron's checkpoint of its norm then "
          "fails in the backward: 'LayerNorm.forward() missing ... input'; core_attn and mlp work)"),
+        (getattr(args, "distribute_saved_activations", False) and bool(getattr(args, "mtp_num_layers", None)),
+         "--distribute-saved-activations with --mtp-num-layers (the MTP block's checkpoint runs "
+         "under the profiler's MTP counter, which cannot step aside for its in-place 1/TP swap)"),
         (getattr(args, "distribute_saved_activations", False)
          and bool(getattr(args, "fp8", None) or getattr(args, "fp4", None)),
          "--distribute-saved-activations with --fp8-format or --fp4-format (Megatron then "

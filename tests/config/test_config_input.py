@@ -187,6 +187,17 @@ def test_a_kubeconfig_is_read_before_training(tmp_path):
         assert needle in str(err.value), str(err.value)
     (tmp_path / "ca.crt").write_text("x")  # relative to the kubeconfig, as kubectl reads it
     _validate([*flags, str(no_ca)])
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "gone")
+    with pytest.raises(ConfigError, match=f"kubeconfig {dangling} is a symbolic link to {tmp_path / 'gone'}, "
+                                          "which does not exist; give the kubeconfig file$"):
+        _validate([*flags, str(dangling)])
+    home = tmp_path / "home"
+    (home / ".kube").mkdir(parents=True)
+    (home / ".kube" / "config").write_text(good.read_text())
+    with pytest.MonkeyPatch.context() as mp:  # `~` expanded, as the kubernetes client does
+        mp.setenv("HOME", str(home))
+        _validate([*flags, "~/.kube/config"])
 
 
 def test_launcher_prints_the_path_error_in_one_line(tmp_path, capsys):
@@ -213,8 +224,9 @@ def test_save_without_an_interval_warns_that_nothing_is_saved(tmp_path):
     repack saves', so a plain run given --save alone wrote nothing, silently."""
     notices = _validate(["--save", str(tmp_path / "a")]).notices
     assert [n for n in notices if "--save-interval is 0: nothing is saved" in n] == [
-        "flag --save: --save-interval is 0: nothing is saved (only a checkpoint repack saves then); give "
-        "--save-interval N to save every N iterations and the last, as Megatron-LM does"]
-    assert not any("--save-interval" in n for n in _validate(["--save", str(tmp_path / "b"), "--save-interval",
-                                                              "5"]).notices)
+        "flag --save: --save-interval is 0: nothing is saved (only a checkpoint repack or a signal with "
+        "--exit-signal-handler saves then); give --save-interval N to save every N iterations and the last, "
+        "as Megatron-LM does"]
+    for more in (["--save-interval", "5"], ["--exit-signal-handler"]):  # (the resume line advises the latter)
+        assert not any("--save-interval" in n for n in _validate(["--save", str(tmp_path / "b"), *more]).notices)
 

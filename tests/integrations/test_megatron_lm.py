@@ -62,6 +62,9 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
     with pytest.raises(ConfigError, match="support: --distribute-saved-activations with --fp8-format or "
                                           "--fp4-format .Megatron then checkpoints through Transformer Engine"):
         ml.load_plugin_config(megatron_like(argv=["--dynmo"], fp8="hybrid", **distribute))
+    with pytest.raises(ConfigError, match="support: --distribute-saved-activations with --mtp-num-layers"):
+        ml.load_plugin_config(megatron_like(argv=["--dynmo"], mtp_num_layers=1,
+                                            **{**distribute, "recompute_num_layers": 1}))
     # Megatron's own hang (its checkpoint of a biased MLP chains each backward into the last step's)
     mlp = dict(recompute_granularity="selective", recompute_modules=["mlp"], transformer_impl="local")
     with pytest.raises(ConfigError, match="support: --recompute-modules mlp with bias linears"):

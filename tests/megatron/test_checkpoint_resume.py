@@ -281,3 +281,32 @@ def test_distributed_optimizer_resumes_with_one_adam_step_per_parameter():
     in_megatron_process(_check_distopt_step, ModelArgs(
         num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
         global_batch_size=4, lr=3e-3, use_distributed_optimizer=True))
+
+
+class _OneRank:
+    """Stand-in, named as such, for the control plane of a one-rank run: what `agree`
+    answers when this rank is the only one (its own error, as `_by_cause` joins it)."""
+
+    @staticmethod
+    def agree(error, phase):
+        return (error is None, None if error is None else f"rank 0: {error}")
+
+
+def test_a_load_that_fails_for_the_files_is_bad_input_and_any_other_failure_a_fault():
+    """Damaged or foreign files are bad input with the fix (exit 2); a fault of the code or
+    the machine (an AttributeError of a rebuilt stage, an out-of-memory) stays one: it read
+    'its files are damaged ... --load another checkpoint directory' (review 22c)."""
+    from dynmo_plugin.megatron.checkpoint.directory import CheckpointError, _agreed_steps
+
+    def fails(e):
+        def step():
+            raise e
+        return step
+    for cause in (EOFError(), FileNotFoundError(2, "No such file"), KeyError("decoder.layers.3")):
+        with pytest.raises(CheckpointError, match="cannot load .* fix it"):
+            _agreed_steps(_OneRank, [("checkpoint-loaded", fails(cause))], "X: cannot load", "; fix it")
+    for cause in (AttributeError("'NoneType' object has no attribute 'main_grad'"),
+                  RuntimeError("CUDA out of memory")):
+        with pytest.raises(RuntimeError, match=r"X: cannot load \(rank 0: \(a fault, not the files\) ") as e:
+            _agreed_steps(_OneRank, [("checkpoint-loaded", fails(cause))], "X: cannot load", "; fix it")
+        assert not isinstance(e.value, CheckpointError) and "fix it" not in str(e.value)

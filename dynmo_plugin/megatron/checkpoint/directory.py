@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 import traceback
 from typing import Optional
@@ -92,23 +93,46 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+_FAULT = "(a fault, not the files) "  # marks a rank's cause in the agreement
+
+
 def _agreed_steps(control, steps, failed: str, fix: str = "") -> None:
     """Run each (phase, step) on every rank with an agreement after each: a step that
-    failed on one rank raises CheckpointError(f"{failed} ({first line}){fix}") on every
-    rank, rather than leaving the others alone inside the next collective."""
+    failed on one rank raises on every rank, rather than leaving the others alone inside
+    the next collective: CheckpointError(f"{failed} ({first line}){fix}") where the
+    checkpoint's files (or a model they do not fit) are the cause, else RuntimeError (a
+    fault of this code or the machine: its traceback logged where it happened; it read
+    as damaged files, exit 2, review 22c)."""
     from torch.distributed.checkpoint.api import CheckpointException
     for phase, step in steps:
         error = None
         try:
             step()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn it
-            logger.debug("%s failed", phase, exc_info=True)
-            error = _one_line(e)
+            files = _from_the_files(e)
+            logger.log(logging.DEBUG if files else logging.WARNING, "%s failed", phase, exc_info=True)
+            error = ("" if files else _FAULT) + _one_line(e)
         ok, error = control.agree(error, phase)
+        if not ok and _FAULT in error:
+            raise RuntimeError(f"{failed} ({error}); the traceback is in the log of the rank named")
         if not ok:
             agreed = CheckpointError(f"{failed} ({error}){fix}")
             agreed.agreed = True  # every rank's cause, on every rank: printed once
             raise agreed
+
+
+def _from_the_files(e: BaseException) -> bool:
+    """Whether a checkpoint's files can have caused `e` (unreadable, cut short, or
+    another model's keys and shapes), rather than this code or the machine."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+    if isinstance(e, CheckpointException) and e.failures:
+        return all(_from_the_files(inner) for inner, _ in e.failures.values())
+    if isinstance(e, (OSError, EOFError, pickle.UnpicklingError, KeyError, CheckpointingException,
+                      CheckpointError)):
+        return True
+    return isinstance(e, RuntimeError) and any(w in str(e) for w in ("PytorchStreamReader", "size mismatch",
+                                                                     "shape"))
 
 
 def save_checkpoint(root: str, iteration: int, trainer, control, meta: dict) -> str:

@@ -49,7 +49,8 @@ from dynmo_plugin.megatron.migration import mtp_move
 from dynmo_plugin.megatron.migration.extra_state import carried_state, loadable_state
 from dynmo_plugin.megatron.migration.optim_state import (carry_optimizer_state, gather_param_states,
                                                put_param_state)
-from dynmo_plugin.megatron.training.scratch import built_without_draws
+from dynmo_plugin.megatron.training.model import mark_tensor_parallel
+from dynmo_plugin.megatron.training.scratch import rng_streams_kept
 from dynmo_plugin.megatron.training.mtp import EmbeddingGroups, with_embedding_group
 from dynmo_plugin.migration.exchange import (TIMEOUT_MARK, exchange_buffers, exchange_headers)
 from dynmo_plugin.migration.pool import StagingPool
@@ -301,9 +302,10 @@ class LayerMigrator:
         t = self.trainer
         vstage = new.assignment()[number - 1]  # = stage with one chunk per rank
         decoder = t.chunks[new.chunk_of(vstage)].decoder
-        with built_without_draws(t.config):  # the state below fills it; the streams stay the run's
+        with rng_streams_kept():  # the state below fills it; the run's streams stay as they were
             layer = build_module(t.spec, config=t.config, layer_number=number - new.offset(vstage),
                                  pg_collection=decoder.pg_collection, vp_stage=decoder.vp_stage)
+        mark_tensor_parallel(layer, t.config)  # where it was built uninitialised (the launcher)
         if layer.layer_number != number:
             raise MigrationError(f"built layer {layer.layer_number}, expected {number}")
         layer.to(t.dims.device)

@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 
 from dynmo_plugin.layout import Layout
-from dynmo_plugin.megatron.training.scratch import built_without_draws
+from dynmo_plugin.megatron.training.model import mark_tensor_parallel
+from dynmo_plugin.megatron.training.scratch import rng_streams_kept
 
 __all__ = ["MTP_UNIT", "FINAL_NORM", "UNIT_NAMES", "moves_refused", "unit_moves", "container",
            "build", "install", "remove", "Shell", "adopted"]
@@ -90,6 +91,7 @@ def build(unit: int, trainer, chunk, tensors: dict) -> torch.nn.ModuleDict:
     from dynmo_plugin.megatron.migration.extra_state import loadable_state
 
     built = _build_mtp(trainer, chunk) if unit == MTP_UNIT else _build_norm(trainer, chunk)
+    mark_tensor_parallel(built, trainer.config)  # where it was built uninitialised (the launcher)
     built.to(trainer.dims.device)
     if trainer.config.bf16 or trainer.config.fp16:  # as Float16Module cast the stage's own
         built.to(trainer.config.params_dtype)
@@ -107,7 +109,7 @@ def _build_norm(trainer, chunk) -> torch.nn.ModuleDict:
     from megatron.core.transformer.spec_utils import build_module
 
     config = trainer.config
-    with built_without_draws(config):
+    with rng_streams_kept():
         norm = build_module(_norm_spec(trainer, chunk), config=config,
                             hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
     return torch.nn.ModuleDict({"final_layernorm": norm})
@@ -144,7 +146,7 @@ def _build_mtp(trainer, chunk) -> torch.nn.ModuleDict:
     spec = mtp_block_spec(config, trainer.spec, _impl(trainer), chunk.vp_stage)
     if spec is None:
         raise RuntimeError("the new layout puts no MTP block on this rank")
-    with built_without_draws(config):
+    with rng_streams_kept():
         unit = torch.nn.ModuleDict({
             "mtp": MultiTokenPredictionBlock(config=config, spec=spec, vp_stage=chunk.vp_stage),
             "embedding": LanguageModelEmbedding(

@@ -43,8 +43,10 @@ class DistributedSaves:
             counter = open_counter() if distribute_saved_activations else None
             if counter is None or not counter.active:
                 return original(run_function, distribute_saved_activations, *args)
+            whole = args[0].untyped_storage().data_ptr()  # the first layer records it as kept
             with counter.paused():
                 outputs = original(run_function, distribute_saved_activations, *args)
+            counter.no_longer_elsewhere(whole)  # swapped for the slice: freed, its address reusable
             for t in args[1:]:
                 if torch.is_tensor(t):
                     counter.count(t)

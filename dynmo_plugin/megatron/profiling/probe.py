@@ -84,6 +84,10 @@ class SavedBytes:
             self._seen.add(ptr)
             self.nbytes += storage.nbytes() // share
 
+    def no_longer_elsewhere(self, ptr: int) -> None:
+        """A storage another counter held is gone (its address may come back for another)."""
+        self._elsewhere.discard(ptr)
+
     def _pack(self, t: torch.Tensor):
         self.count(t)
         return t

@@ -25,7 +25,8 @@ from dynmo_plugin.megatron.training.mtp import global_name, mtp_block_spec
 from dynmo_plugin.megatron.training.te_names import bind_missing_te_names
 from dynmo_plugin.layout import Layout
 
-__all__ = ["transformer_config", "deterministic_kernels", "params_dtype", "layer_spec", "build_stage_model", "global_named_parameters",
+__all__ = ["transformer_config", "deterministic_kernels", "params_dtype", "layer_spec", "build_stage_model",
+           "mark_tensor_parallel", "global_named_parameters",
            "init_by_global_name", "INIT_STD"]
 
 logger = logging.getLogger(__name__)
@@ -131,9 +132,36 @@ def build_stage_model(args: ModelArgs, config: TransformerConfig, spec: ModuleSp
         mtp_block_spec=mtp_block_spec(config, spec, args.transformer_impl or "local", vp_stage),
     )
     init_by_global_name(model, args.seed)
+    mark_tensor_parallel(model, config)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def mark_tensor_parallel(module: torch.nn.Module, config) -> None:
+    """What Megatron gives a tensor-parallel weight only while it initialises it
+    (`tensor_model_parallel`, `partition_dim`, `partition_stride`), on the weights of a
+    module built with `perform_initialization=False` (the launcher's stages, whose values
+    init_by_global_name sets, and the layers a migration builds into them). Without it
+    Megatron counts such a weight on TP rank 0 alone (`param_is_not_tensor_parallel_
+    duplicate`): the gradient norm that clipping divides by, the params norm and the
+    zeros count left out every other rank's shard (review 22c). Marked ones are kept."""
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding,
+                                                      set_tensor_model_parallel_attributes)
+    for name, m in module.named_modules():
+        weight = getattr(m, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter) or hasattr(weight, "tensor_model_parallel"):
+            continue
+        if isinstance(m, RowParallelLinear):
+            dim = 1
+        elif isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        else:
+            continue
+        # Megatron's MLP builds fc1 with stride 2 under a gated linear unit (mlp.py)
+        stride = 2 if name.split(".")[-1] == "linear_fc1" and config.gated_linear_unit else 1
+        set_tensor_model_parallel_attributes(weight, True, dim, stride)
 
 
 def global_named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -13,7 +13,11 @@ generator under --use-cpu-initialization, the CUDA RNG tracker's model-parallel 
 expert streams on a GPU) and by a scratch layer's dropout (Megatron-LM's default 0.1:
 torch's generator, the tracker's stream in attention), so each calibration runs inside
 `rng_streams_kept`: else a --dynmo run's dropout masks would differ from the same run's
-without the plugin.
+without the plugin. A migration builds the layers it receives inside it too (survey 22b:
+a received layer's throw-away initialisation advanced the receiving rank's streams, and
+MoE input jitter parted from the never-moved run at the move). They are still
+initialised: Megatron marks a tensor-parallel weight (`tensor_model_parallel`) only then
+(review 22c; the launcher, which builds without, marks them: model.mark_tensor_parallel).
 """
 from __future__ import annotations
 
@@ -21,8 +25,7 @@ import contextlib
 
 import torch
 
-__all__ = ["stage_dtype", "build_scratch_layer", "scratch_input", "init_scratch_", "rng_streams_kept",
-           "built_without_draws"]
+__all__ = ["stage_dtype", "build_scratch_layer", "scratch_input", "init_scratch_", "rng_streams_kept"]
 
 
 def stage_dtype(config) -> torch.dtype:
@@ -71,23 +74,6 @@ def rng_streams_kept():
                     else:
                         states[name].set_state(state)
                 tracker.set_states(states)
-
-
-@contextlib.contextmanager
-def built_without_draws(config):
-    """Build a module that a received state fills (a migrated or reshaped layer, a moved
-    MTP block or final norm): no initial values drawn (the state overwrites them; faster)
-    and the run's streams as they were for whatever else construction draws. A received
-    layer's throw-away initialisation advanced the receiving rank's streams, so every
-    later draw there (dropout in layers that never moved, MoE input jitter) changed
-    (survey 22b: MoE jitter at one MoE layer per stage before and after a move)."""
-    before = config.perform_initialization
-    config.perform_initialization = False
-    try:
-        with rng_streams_kept():
-            yield
-    finally:
-        config.perform_initialization = before
 
 
 def build_scratch_layer(spec, config, layer_number: int, pg_collection, vp_stage,
