@@ -48,7 +48,7 @@ current-context: x
 
 
 @pytest.mark.parametrize("kind,needle", [
-    ("missing", "no such file"),
+    ("missing", "kc does not exist; give the kubeconfig file, or leave it out"),
     ("directory", "is a directory; give the kubeconfig file"),
     ("malformed", "not a readable kubeconfig: expected the node content"),
     ("not utf-8", "not a readable kubeconfig"),
