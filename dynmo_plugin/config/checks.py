@@ -326,16 +326,21 @@ BLOCK_MOVES_WHY = ("--recompute-method block with --dynmo moving layers: Megatro
                    "change with its place, which the balancer does not model")
 
 
-def block_recompute_moves(args, cfg: RunConfig) -> bool:
-    """Block recompute in a run whose layers may move (`BLOCK_MOVES_WHY`): --dynmo with a
-    rebalance interval, a balanced start, a forced layout, a repack or a scenario whose
-    events rebalance. Profile-only runs (--dynmo-profile-every) move nothing. Not the
-    balancer's name: the uniform one moves layers too where the start is not uniform."""
+def layers_may_move(args, cfg: RunConfig) -> bool:
+    """--dynmo with a rebalance interval, a balanced start, a forced layout, a repack or a
+    scenario whose events rebalance. Profile-only runs (--dynmo-profile-every) move
+    nothing. Not the balancer's name: the uniform one moves layers too where the start is
+    not uniform."""
     d = cfg.dynmo
-    moves = (d.rebalance.interval or d.profiling.start_at or d.rebalance.forced_layouts or d.repack.enabled
-             or d.dynamism.kind != "none" or getattr(args, "num_experts", None))
+    return d.enabled and bool(d.rebalance.interval or d.profiling.start_at or d.rebalance.forced_layouts
+                              or d.repack.enabled or d.dynamism.kind != "none"
+                              or getattr(args, "num_experts", None))
+
+
+def block_recompute_moves(args, cfg: RunConfig) -> bool:
+    """Block recompute in a run whose layers may move (`BLOCK_MOVES_WHY`)."""
     return (getattr(args, "recompute_granularity", None) == "full"
-            and getattr(args, "recompute_method", None) == "block" and d.enabled and bool(moves))
+            and getattr(args, "recompute_method", None) == "block" and layers_may_move(args, cfg))
 
 
 # Megatron's MTP block recomputes its layers one at a time only (it asserts otherwise)

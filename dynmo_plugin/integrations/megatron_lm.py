@@ -56,7 +56,7 @@ from typing import Optional
 
 from dynmo_plugin.config import RunConfig
 from dynmo_plugin.integrations.megatron_lm_args import (SCENARIO_SPECS, SPEC_MODULE, forced_mtp_move,
-                                                        load_plugin_config, set_layout,
+                                                        load_plugin_config, move_notes, set_layout,
                                                         use_native_moe_spec)
 from dynmo_plugin.integrations.megatron_lm_checkpoint import refuse_scenario_resume, restore_saved_layout
 from dynmo_plugin.integrations.megatron_lm_flags import add_args, chain_flags
@@ -74,7 +74,7 @@ __all__ = ["enable", "disable", "is_enabled", "use_source", "check_version", "ad
            "notify_event", "MegatronLMStage", "MegatronLMError", "event_scalars",
            "SUPPORTED_CORE", "SUPPORTED_TAG", "SOURCE_ENV", "SPEC_MODULE", "SCENARIO_SPECS",
            "load_plugin_config", "restore_saved_layout", "refuse_scenario_resume",
-           "use_native_moe_spec"]
+           "use_native_moe_spec", "move_notes"]
 
 _chain = chain_flags  # its name here before the split (tests build parsers with it)
 
@@ -217,6 +217,9 @@ class _Run:
         self.control, self.migrator, self.report = parts.control, parts.migrator, parts.report
         self.controller, self.scenario = parts.dynmo, parts.scenario
         self._start = 0.0
+        from megatron.training.utils import print_rank_0
+        for note in move_notes(args, cfg):
+            print_rank_0(f" dynmo: note: {note}")
 
     def data_built(self, everywhere: bool) -> None:
         """After Megatron-LM built its data iterators (every rank alike): the MTP block

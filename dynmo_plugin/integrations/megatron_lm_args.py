@@ -10,12 +10,13 @@ import sys
 
 from dynmo_plugin.config import ConfigError, RunConfig
 from dynmo_plugin.config.checks import (BLOCK_MOVES_WHY, MTP_CHUNKS_WHY, block_recompute_moves,
-                                         check_chunks_fill, check_forced_blocks, recompute_block)
+                                         check_chunks_fill, check_forced_blocks, layers_may_move,
+                                         recompute_block)
 from dynmo_plugin.integrations.megatron_lm_hooks import MegatronLMError
 from dynmo_plugin.megatron.training.machine import load_run_config
 
 __all__ = ["SPEC_MODULE", "SCENARIO_SPECS", "load_plugin_config", "set_layout", "use_native_moe_spec",
-           "forced_mtp_move"]
+           "forced_mtp_move", "move_notes"]
 
 # Scenarios that run inside Megatron-LM's train(): their layer spec, named to Megatron-LM's
 # `--spec` as SPEC_MODULE and the scenario's name (dynmo_plugin.integrations.megatron_lm_specs).
@@ -147,6 +148,32 @@ def _check_supported(args, cfg: RunConfig) -> None:
     check_forced_blocks(cfg, block, "--dynmo-forced-layouts")
     stages = args.pipeline_model_parallel_size * cfg.model.num_virtual_stages_per_pipeline_rank
     check_chunks_fill(cfg, block, stages, "--recompute-num-layers")
+
+
+def move_notes(args, cfg: RunConfig) -> list[str]:
+    """What a run whose layers may move should say at its start (docs/megatron-lm.md "What
+    a move changes"): which of its settings make a moved run equal the never-moved one in
+    distribution rather than to the bit (Megatron-LM's defaults: dropout 0.1, clipping
+    1.0), and how a per-rank checkpoint saved after a move is resumed."""
+    if not layers_may_move(args, cfg):
+        return []
+    notes = []
+    drawn = [f"--{flag} {value:g}" for flag, value in (
+        ("hidden-dropout", getattr(args, "hidden_dropout", 0)),
+        ("attention-dropout", getattr(args, "attention_dropout", 0)),
+        ("moe-input-jitter-eps", getattr(args, "moe_input_jitter_eps", None) or 0),
+        ("clip-grad", getattr(args, "clip_grad", 0))) if value]
+    if drawn:
+        notes.append(f"layers may move in this run: with {', '.join(drawn)} a moved run equals the "
+                     "never-moved one in distribution, not to the bit (each rank draws and sums in "
+                     "its own order: docs/megatron-lm.md \"What a move changes\")")
+    fmt = getattr(args, "ckpt_format", "torch_dist")
+    if getattr(args, "save", None) and fmt in ("torch", "torch_dcp"):
+        notes.append(f"--ckpt-format {fmt} numbers layers within each stage: resume a checkpoint "
+                     "saved after a move with --dynmo (or the --pipeline-model-parallel-layout it "
+                     "was saved under); Megatron-LM alone would load it under its own split "
+                     "without an error")
+    return notes
 
 
 def forced_mtp_move(cfg: RunConfig) -> bool:

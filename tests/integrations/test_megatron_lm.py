@@ -121,6 +121,24 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
     assert ml.load_plugin_config(megatron_like(argv=["--dynmo"], mtp_num_layers=1, **mtp)).dynmo.enabled
 
 
+def test_a_run_whose_layers_may_move_says_what_a_move_changes():
+    """Megatron-LM's defaults (dropout 0.1, clipping 1.0) make a moved run equal the
+    never-moved one in distribution only, and a per-rank checkpoint saved after a move
+    needs --dynmo to resume: said once at the start, where layers may move."""
+    defaults = dict(hidden_dropout=0.1, attention_dropout=0.1, clip_grad=1.0, save="/tmp/x", ckpt_format="torch")
+    moving = megatron_like(argv=["--dynmo", "--dynmo-rebalance-interval", "10"], **defaults)
+    notes = ml.move_notes(moving, ml.load_plugin_config(moving))
+    assert len(notes) == 2 and "with --hidden-dropout 0.1, --attention-dropout 0.1, --clip-grad 1 a moved run " \
+        "equals the never-moved one in distribution, not to the bit" in notes[0], notes
+    assert notes[1].startswith("--ckpt-format torch numbers layers within each stage: resume a checkpoint saved "
+                               "after a move with --dynmo")
+    profiling = megatron_like(argv=["--dynmo", "--dynmo-profile-every", "5"], **defaults)
+    assert ml.move_notes(profiling, ml.load_plugin_config(profiling)) == []  # nothing moves
+    exact = megatron_like(argv=["--dynmo", "--dynmo-rebalance-interval", "10"], hidden_dropout=0.0,
+                          attention_dropout=0.0, clip_grad=0.0, save=None)
+    assert ml.move_notes(exact, ml.load_plugin_config(exact)) == []
+
+
 def test_a_layout_is_the_only_split_left_in_megatron_lms_args():
     """After a move, and when a resume restores a saved layout, the layout is the args'
     one split: the others go (TransformerConfig refuses the first four beside a layout,
