@@ -77,7 +77,7 @@ def describe(event) -> str:
     elif event.plan is not None and event.plan.layout is not None:
         considered = (f" considered {event.plan.method} {event.layout_before} -> "
                       f"{event.plan.layout} ({_predicted(event.plan)});")
-    if getattr(event, "profile_source", "timed") == "estimated":  # the user may trust a timed one more
+    if event.profile_source == "estimated":  # the user may trust a timed one more
         tail += ("; decided from the scenario's work model on the last timed profile, untimed "
                  "(--dynmo-profile-retime-every 0 times every event)")
     return f":{considered} kept {event.layout_before}: {event.error or event.reason}{tail}"

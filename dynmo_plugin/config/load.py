@@ -193,10 +193,10 @@ def _did_you_mean(name: str, prefix: str, siblings: list[str], known: dict) -> s
     close = difflib.get_close_matches(name, siblings, n=1, cutoff=0.75)
     if close:
         return f"did you mean {prefix}{close[0]}? "
-    elsewhere = sorted({".".join(parts[:i + 1]) for parts in (n.split(".") for n in known)
-                        for i, part in enumerate(parts) if part == name} - {name})
     if name in {n.split(".")[0] for n in known}:  # `profiling:` nested under `model:`
         return f"{name} is a top-level section, not under {prefix.rstrip('.')}; "
+    elsewhere = sorted({".".join(parts[:i + 1]) for parts in (n.split(".") for n in known)
+                        for i, part in enumerate(parts) if part == name})
     return f"{name} is {' or '.join(elsewhere[:2])}; " if elsewhere else ""
 
 
@@ -236,7 +236,6 @@ def load_config(args: argparse.Namespace, world_size: int | None = None, *,
                key.removeprefix("model."), f, value, f"flag {flag_of(f)}", key)
         given[key] = f"flag {flag_of(f)}"
     check_run(cfg, given, cfg.config_path or "command line", world_size)
-    gpus = cuda_devices()
-    check_transformer_impl(cfg, given, gpus, te_problem)
+    check_transformer_impl(cfg, given, cuda_devices(), te_problem)
     return cfg
 

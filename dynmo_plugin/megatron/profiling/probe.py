@@ -48,7 +48,6 @@ launched are summed per layer (`profiling.kernels`: GPU busy time, no constant a
 from __future__ import annotations
 
 import contextlib
-
 import weakref
 from collections import defaultdict
 from typing import Callable
