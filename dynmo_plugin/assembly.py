@@ -46,6 +46,16 @@ def world_record(dims: StageDims, iteration: int) -> dict:
     return {**shape, "backend": dims.backend, "history": [{"iteration": iteration, **shape}]}
 
 
+def layer_streams(config: DynmoConfig, stage: StageHandle):
+    """Each layer's own random streams (megatron.training.layer_streams), where the model
+    draws any in its layers (dropout, MoE input jitter) and `rank_rng` keeps Megatron's
+    per-rank draws off; else None: nothing to hook."""
+    from dynmo_plugin.megatron.training.layer_streams import LayerStreams, model_draws
+    if config.rank_rng or not model_draws(stage.config):
+        return None
+    return LayerStreams(stage, stage.args.seed)
+
+
 def assemble(config: DynmoConfig, stage: StageHandle, new_report: Callable[..., RunReport], *,
              iteration: int, scenario: Optional[Scenario] = None, repacker=None,
              layout_listeners: Iterable[Callable[[], None]] = (), on_control=None,
@@ -78,6 +88,7 @@ def assemble(config: DynmoConfig, stage: StageHandle, new_report: Callable[..., 
     leader_releases = Releases(config.cluster, timeout) if releases and dims.rank == 0 else None
     repack_on = config.enabled and config.repack.enabled
     dynmo = DynMo(config, stage, control, migrator, report, profile_noise=profile_noise,
+                  streams=layer_streams(config, stage),
                   repacker=repacker if repack_on else None)
     for listener in layout_listeners:
         dynmo.add_layout_listener(listener)

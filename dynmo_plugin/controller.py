@@ -82,14 +82,17 @@ class DynMo:
     """Drives profiling and rebalancing of one stage's trainer."""
 
     def __init__(self, config: DynmoConfig, trainer, control: ControlPlane, migrator,
-                 report: Optional[RunReport] = None, profile_noise=None, repacker=None):
+                 report: Optional[RunReport] = None, profile_noise=None, repacker=None,
+                 streams=None):
         """`control`: the control plane every rank shares; `migrator`: applies layouts
         (dynmo_plugin.megatron.migration.migrate.LayerMigrator); `repacker(layout, iteration,
         info)`: repacks onto a layout of fewer stages, returns (the event's `repack`
         record, megatron.repack.RepackResult) and rebinds this controller to the shrunk
-        world (dynmo_plugin.megatron.migration.repack.Repacker.run); `profile_noise`: test-only
+        world (dynmo_plugin.megatron.migration.repack.Repacker.run); `streams`: each
+        layer's own random streams, told of every step once its layers are in place
+        (dynmo_plugin.megatron.training.layer_streams); `profile_noise`: test-only
         (dynmo_plugin.faults.ProfileNoise)."""
-        self.config, self.trainer, self.report = config, trainer, report
+        self.config, self.trainer, self.report, self.streams = config, trainer, report, streams
         self.control, self._migrator, self._repacker = control, migrator, repacker
         self._noise = profile_noise
         self._layout_listeners: list = []
@@ -119,6 +122,8 @@ class DynMo:
     def rebind(self, trainer, control: ControlPlane, migrator) -> None:
         """Drive a rebuilt stage (after a repack shrank the world)."""
         self.trainer, self.control, self._migrator = trainer, control, migrator
+        if self.streams is not None:
+            self.streams.stage = trainer
 
     def add_layout_listener(self, callback) -> None:
         """`callback()` runs on every rank after a migration changed the layout."""
@@ -148,6 +153,8 @@ class DynMo:
                 self._maybe_open_window(iteration)
         if self._open is not None:
             self._open.window.before_iteration()
+        if self.streams is not None:  # after any migration: its layers are the step's
+            self.streams.step(iteration)
         self._step_started = time.perf_counter()
 
     def step_done(self) -> None:
@@ -162,8 +169,11 @@ class DynMo:
     def rerun_started(self, iteration: int) -> None:
         """Megatron-LM runs this step again in place (its rerun state machine): the step's
         time is two runs', and a window open over it would time the layers twice. Dropped
-        at the step's end (`after_step`), not mid-step, where the window's hooks are live."""
+        at the step's end (`after_step`), not mid-step, where the window's hooks are live.
+        The layers draw again what they drew in the first run (`streams`)."""
         self._rerun = True
+        if self.streams is not None:
+            self.streams.step(iteration)
 
     def after_step(self, iteration: int) -> None:
         ended, self._step_ended = self._step_ended, None
@@ -229,6 +239,8 @@ class DynMo:
         `last_iteration`: the last one completed; a window opened after it (at an
         iteration whose step never ran or never ended) measured nothing and is dropped
         unrecorded. Local, no collective; idempotent."""
+        if self.streams is not None:
+            self.streams.detach()
         if self._open is None:
             return
         if self._open.opened_at > last_iteration:

@@ -114,6 +114,10 @@ class ModelArgs:
         "weight decay coefficient for L2 regularization, as Megatron-LM's (whose default is 0.01; "
         "0 here, so runs made before it existed train the same)", check=non_negative))
     clip_grad: float = field(default=0.0, metadata=opt("gradient clipping norm (0 = off; Megatron-LM defaults to 1.0)", check=non_negative))
+    hidden_dropout: float = field(default=0.0, metadata=opt(
+        "dropout after each layer's attention and MLP (Megatron's bias-dropout-add; 0 = off, "
+        "Megatron-LM defaults to 0.1): each layer draws its masks from its own stream, so a "
+        "move keeps them bit for bit (--dynmo-rank-rng: the rank's, as Megatron's)", check=below_one))
     bf16: bool = field(default=False, metadata=opt("bf16 weights and activations, fp32 master weights in the optimizer"))
     fp16: bool = field(default=False, metadata=opt("fp16 weights and activations, fp32 master weights, dynamic loss scaling"))
     loss_scale: Optional[float] = field(default=None, metadata=opt("static loss scale for --fp16 (default: dynamic)", check=positive))
@@ -303,6 +307,11 @@ class DynmoConfig:
     """The plugin's settings; the YAML file holds these sections at its top level."""
 
     enabled: bool = field(default=False, metadata=opt("enable the plugin", "--dynmo"))
+    rank_rng: bool = field(default=False, metadata=opt(
+        "layers draw dropout masks and MoE jitter from their rank's random streams, as "
+        "Megatron's own do (a run without the plugin's masks; a move then changes them), "
+        "not each layer from its own (docs/megatron-lm.md \"What a move changes\")",
+        "--dynmo-rank-rng"))
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     dynamism: DynamismConfig = field(default_factory=DynamismConfig)

@@ -153,15 +153,17 @@ def _check_supported(args, cfg: RunConfig) -> None:
 def move_notes(args, cfg: RunConfig) -> list[str]:
     """What a run whose layers may move should say at its start (docs/megatron-lm.md "What
     a move changes"): which of its settings make a moved run equal the never-moved one in
-    distribution rather than to the bit (Megatron-LM's defaults: dropout 0.1, clipping
-    1.0), and how a per-rank checkpoint saved after a move is resumed."""
+    distribution rather than to the bit (Megatron-LM's clipping 1.0; its dropout 0.1 only
+    with --dynmo-rank-rng: else each layer draws from its own streams, which move with
+    it), and how a per-rank checkpoint saved after a move is resumed."""
     if not layers_may_move(args, cfg):
         return []
     notes = []
     drawn = [f"--{flag} {value:g}" for flag, value in (
-        ("hidden-dropout", getattr(args, "hidden_dropout", 0)),
-        ("attention-dropout", getattr(args, "attention_dropout", 0)),
-        ("moe-input-jitter-eps", getattr(args, "moe_input_jitter_eps", None) or 0),
+        *(() if not cfg.dynmo.rank_rng else (
+            ("hidden-dropout", getattr(args, "hidden_dropout", 0)),
+            ("attention-dropout", getattr(args, "attention_dropout", 0)),
+            ("moe-input-jitter-eps", getattr(args, "moe_input_jitter_eps", None) or 0))),
         ("clip-grad", getattr(args, "clip_grad", 0))) if value]
     if drawn:
         notes.append(f"layers may move in this run: with {', '.join(drawn)} a moved run equals the "

@@ -122,14 +122,18 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
 
 
 def test_a_run_whose_layers_may_move_says_what_a_move_changes():
-    """Megatron-LM's defaults (dropout 0.1, clipping 1.0) make a moved run equal the
-    never-moved one in distribution only, and a per-rank checkpoint saved after a move
-    needs --dynmo to resume: said once at the start, where layers may move."""
+    """Megatron-LM's default clipping 1.0 (and its dropout 0.1 where the layers draw from
+    the rank's streams, --dynmo-rank-rng) make a moved run equal the never-moved one in
+    distribution only, and a per-rank checkpoint saved after a move needs --dynmo to
+    resume: said once at the start, where layers may move."""
     defaults = dict(hidden_dropout=0.1, attention_dropout=0.1, clip_grad=1.0, save="/tmp/x", ckpt_format="torch")
     moving = megatron_like(argv=["--dynmo", "--dynmo-rebalance-interval", "10"], **defaults)
     notes = ml.move_notes(moving, ml.load_plugin_config(moving))
-    assert len(notes) == 2 and "with --hidden-dropout 0.1, --attention-dropout 0.1, --clip-grad 1 a moved run " \
+    assert len(notes) == 2 and "with --clip-grad 1 a moved run " \
         "equals the never-moved one in distribution, not to the bit" in notes[0], notes
+    rank_rng = megatron_like(argv=["--dynmo", "--dynmo-rebalance-interval", "10", "--dynmo-rank-rng"], **defaults)
+    assert "with --hidden-dropout 0.1, --attention-dropout 0.1, --clip-grad 1 a moved run" in \
+        ml.move_notes(rank_rng, ml.load_plugin_config(rank_rng))[0]
     assert notes[1].startswith("--ckpt-format torch numbers layers within each stage: resume a checkpoint saved "
                                "after a move with --dynmo")
     profiling = megatron_like(argv=["--dynmo", "--dynmo-profile-every", "5"], **defaults)
@@ -533,7 +537,8 @@ def test_full_activation_recompute_inside_megatron_lm_is_profiled_and_moves_bit_
     the backward: tests/megatron/test_profiling_recompute.py). The pair runs with
     --overlap-grad-reduce: train()'s no-sync and grad-sync functions, bound to its one DDP
     chunk per rank, end bound to the chunk that replaced it. With dropout 0.1 the
-    recomputed run's losses equal those of the same run without recompute, bit for bit.
+    recomputed run's losses, layer 2 moved, equal those of the same run without recompute
+    or move, bit for bit.
     The stage's own bytes (embedding, head) do not count the kept inputs again: the
     checkpoint saves them after the layer's hooks, inside the stage's counter (they were
     counted twice: 2 x 16384 bytes more a stage than without recompute, not the mask's
@@ -558,11 +563,13 @@ def test_full_activation_recompute_inside_megatron_lm_is_profiled_and_moves_bit_
     extras = [[s["extra_act_bytes"] for s in run["events"][0]["profile"]["stages"]]
               for run in (moved, plain, windowed)]
     assert [a - b for a, b in zip(*extras[:2])] == [2048, 2048] and extras[2] == extras[0], extras
-    # with dropout the recomputed forward must draw the first pass's masks: the checkpoint
-    # restores the CPU generator's state (cpu_compat answers for the CUDA one it also keeps)
+    # with dropout the recomputed forward must draw the first pass's masks (its layer's own
+    # streams, at the k-th recompute the k-th micro-batch's: layer_streams), and a moved
+    # layer what it drew where it was: the moved, recomputed run equals the plain one
     dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--dynmo", "--dynmo-profile-every", "2"]
     _, plain_losses = train_in_megatron_lm(tmp_path / "dropout", dropout)
-    _, recomputed_losses = train_in_megatron_lm(tmp_path / "dropout_recomputed", [*recompute, *dropout])
+    _, recomputed_losses = train_in_megatron_lm(tmp_path / "dropout_recomputed", [
+        *recompute, *dropout, "--dynmo-forced-layouts", "4:Et|tttL"])
     assert recomputed_losses == plain_losses != static_losses  # dropout drew: not the losses without it
 
 
@@ -926,9 +933,10 @@ def test_a_received_layer_is_built_without_drawing_from_the_run_s_random_streams
     losses must equal the never-moved run's. The received layer's throw-away weight
     initialisation drew from the receiving rank's stream first, and every later draw
     there changed: the losses parted from iteration 4 (survey 22b). Built without drawing
-    now (`scratch.built_without_draws`)."""
+    now (`scratch.rng_streams_kept`). The layers draw from the rank's streams here
+    (--dynmo-rank-rng): from their own, nothing a rank builds could shift them."""
     jitter = [*NATIVE_MOE[:4], "--moe-layer-freq", "[1,0,1,0]", *NATIVE_MOE[6:], "--moe-input-jitter-eps", "0.1",
-              "--dynmo", "--dynmo-balancer", "uniform", "--dynmo-profile-every", "2"]
+              "--dynmo", "--dynmo-balancer", "uniform", "--dynmo-profile-every", "2", "--dynmo-rank-rng"]
     moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", [*jitter, "--dynmo-forced-layouts", "4:Et|tttL"])
     _, static_losses = train_in_megatron_lm(tmp_path / "static", jitter)
     assert [(m["layer"], m["src"], m["dst"]) for e in moved["events"] if e["kind"] == "rebalance" and e["applied"]
@@ -945,8 +953,10 @@ def test_a_step_megatron_runs_again_in_place_is_counted_once(tmp_path):
     layer) and the profile window open over it is dropped with the reason (its stage times
     were two runs'). That was the balanced start's window, which comes again later (it
     was lost: its iteration had passed). The losses equal the run's without the check or
-    the start (a move changes no number)."""
-    flags = [*NATIVE_MOE, "--dynmo", "--dynmo-balancer", "uniform", "--dynmo-profile-every", "1"]
+    the start (a move changes no number), dropout and MoE input jitter on: the rerun
+    draws what the first run drew (each layer's streams start the step over)."""
+    flags = [*NATIVE_MOE, "--dynmo", "--dynmo-balancer", "uniform", "--dynmo-profile-every", "1",
+             "--hidden-dropout", "0.1", "--moe-input-jitter-eps", "0.1"]
     checked = ["--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss", "--rerun-mode", "validate_results",
                "--error-injection-rate", "6", "--error-injection-type", "correct_result"]
     rerun, rerun_losses = train_in_megatron_lm(tmp_path / "rerun", [*flags, *checked, "--dynmo-start-balanced-at", "2"])

@@ -59,8 +59,11 @@ def test_corrupted_transfer_is_detected(pp4_static, tmp_path):
 
 
 def test_pp2_dp2_migrations_are_bit_exact(tmp_path_factory):
+    """With dropout 0.1: each layer draws its masks from its own streams, keyed by the
+    global micro-batch (megatron.training.layer_streams), so a moved layer draws what it
+    drew where it was (from the rank's streams, the draws after the move differed)."""
     static_dir, moved_dir = tmp_path_factory.mktemp("dp_static"), tmp_path_factory.mktemp("dp_moved")
-    flags = MODEL + ["--pipeline-model-parallel-size", "2"]
+    flags = MODEL + ["--pipeline-model-parallel-size", "2", "--hidden-dropout", "0.1"]
     static = worker(4, flags, static_dir)
     moved = worker(4, flags + ["--dynmo-forced-layouts", PP2_REUSE], moved_dir)
     assert [e["applied"] for e in moved["events"]] == [True, True, True]
@@ -71,9 +74,12 @@ def test_pp2_dp2_migrations_are_bit_exact(tmp_path_factory):
 
 
 def test_pp2_tp2_migrations_are_bit_exact(tmp_path_factory):
-    """TP=2 makes stale tensor-parallel group references observable (TP=1 groups never talk)."""
+    """TP=2 makes stale tensor-parallel group references observable (TP=1 groups never
+    talk). Dropout 0.1: both tensor ranks of a layer draw one mask (its output is
+    replicated over them), wherever the layer runs."""
     static_dir, moved_dir = tmp_path_factory.mktemp("tp_static"), tmp_path_factory.mktemp("tp_moved")
-    flags = MODEL + ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]
+    flags = MODEL + ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                     "--hidden-dropout", "0.1"]
     static = worker(4, flags, static_dir)
     moved = worker(4, flags + ["--dynmo-forced-layouts", PP2_FORCED], moved_dir)
     assert [e["applied"] for e in moved["events"]] == [True, True]

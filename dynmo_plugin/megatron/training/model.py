@@ -73,8 +73,8 @@ def transformer_config(args: ModelArgs, layout: Layout) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        hidden_dropout=0.0,          # dropout would consume RNG differently per split
-        attention_dropout=0.0,
+        hidden_dropout=args.hidden_dropout,  # drawn per layer: megatron.training.layer_streams
+        attention_dropout=0.0,  # the project's own core attentions have none
         use_cpu_initialization=True,
         perform_initialization=False,  # init_by_global_name does it, identically for any split
         gradient_accumulation_fusion=False,
