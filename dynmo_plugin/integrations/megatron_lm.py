@@ -16,7 +16,9 @@ with a message):
                               (chained, never replaced); the plugin's config is validated
                               once, before any model is built
   setup_model_and_optimizer - the stage handle (`MegatronLMStage`) and the controller
-                              are built on what it returns
+                              are built on what it returns; the optimizers' gradient
+                              norm summed exactly, whichever rank holds which gradient
+                              (`grad_norm`)
   build_train_valid_test_data_iterators
                             - with MTP on three or more pipeline ranks, batches on every
                               rank, so the block moves live (megatron_lm_data)
@@ -397,13 +399,15 @@ def enable() -> None:
 
 
 def disable() -> None:
-    """Restore Megatron-LM's functions and forget the run."""
+    """Restore Megatron-LM's functions (and Megatron-Core's gradient norm) and forget the run."""
     if not is_enabled():
         return
     import megatron.training.training as mtt
     for name, original in _hooks.originals.items():
         setattr(*_home(mtt, name), original)
     _hooks.originals.clear()
+    from dynmo_plugin.megatron.training import grad_norm
+    grad_norm.uninstall()
     if _hooks.compile_helpers is not None:
         import megatron.core.datasets.utils as dutils
         dutils.compile_helpers, _hooks.compile_helpers = _hooks.compile_helpers, None

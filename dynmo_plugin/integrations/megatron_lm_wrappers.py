@@ -6,7 +6,9 @@ that `megatron_lm.enable()` wraps (each calls the original; their state is
                               saved layout and the MoE spec set before validate_args, the
                               plugin's config validated once
   setup_model_and_optimizer - the run (`make_run`: `megatron_lm._Run`) built on what it
-                              returns
+                              returns; with --dynmo, the optimizers' gradient norm
+                              summed exactly, whichever rank holds which gradient
+                              (grad_norm)
   build_train_valid_test_data_iterators
                             - with MTP on three or more pipeline ranks, the datasets
                               built on every rank (megatron_lm_data), so the block can
@@ -80,6 +82,9 @@ def _wrap_setup(original, make_run: Callable):
         cfg = _hooks.cfg
         if cfg is not None and cfg.dynmo.enabled and optimizer is not None:
             from megatron.training import get_args
+
+            from dynmo_plugin.megatron.training import grad_norm
+            grad_norm.install()  # --clip-grad: the same norm whichever stage holds a layer
             _hooks.run = make_run(cfg, get_args(), model, optimizer, scheduler)
         return model, optimizer, scheduler
     return setup_model_and_optimizer

@@ -128,14 +128,17 @@ def _gloo_interleaved_p2p(config) -> None:
 
 
 def _record_losses(mtt, folder: str) -> None:
-    """Every iteration's loss as Megatron-LM's train_step returns it (last stage), exact."""
-    inner, losses = mtt.train_step, []
+    """Every iteration's loss as Megatron-LM's train_step returns it (last stage), exact;
+    beside it, the gradient norm it returns (grad_norms.json: None without --clip-grad)."""
+    inner, losses, norms = mtt.train_step, [], []
 
     def train_step(*a, **kw):
         result = inner(*a, **kw)
         if "lm loss" in result[0]:
             losses.append(float(result[0]["lm loss"]))
+            norms.append(result[5])
             Path(folder, "losses.json").write_text(json.dumps(losses))
+            Path(folder, "grad_norms.json").write_text(json.dumps(norms))
         return result
     mtt.train_step = train_step
 

@@ -5,8 +5,9 @@ Megatron-Core 0.16 hard-codes CUDA in ~40 places (``device=torch.cuda.current_de
 optimizer, ``weight.cuda()`` for tied embeddings, the CUDA RNG tracker). On a machine
 without CUDA, `apply()` redirects exactly those calls to the CPU; with CUDA present it
 refuses to run, so the GPU path is never altered. This is the only module of the
-plugin that patches anything, and it patches nothing on the hot path except the
-tensor-factory wrappers (a dictionary lookup per call).
+plugin that patches torch or Megatron for the CPU (the gradient norm Megatron's
+optimizers call, on every device, is `grad_norm`'s), and it patches nothing on the hot
+path except the tensor-factory wrappers (a dictionary lookup per call).
 
 The minimal set of patches was measured on this project's machines (see
 docs/cpu.md); a catch-all TorchFunctionMode also works but costs 15-30% CPU time.

@@ -2,7 +2,8 @@
 
 `init_parallel` is the only place the backend is chosen (`--distributed-backend`, by
 default nccl with CUDA, gloo without; `resolve_backend` checks the choice against the
-machine before any CUDA call) and the only caller of the CPU compatibility layer. The resulting
+machine before any CUDA call) and the only caller of the CPU compatibility layer; it also
+gives the launcher's optimizers the gradient norm a move cannot change (`grad_norm`). The resulting
 `ParallelDims` carries the groups explicitly; code below it takes them from there
 rather than reading module globals, so a repack can rebuild them.
 """
@@ -19,6 +20,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from dynmo_plugin.config import ConfigError, ModelArgs
 from dynmo_plugin.consensus import agent_store
+from dynmo_plugin.megatron.training import grad_norm
 from dynmo_plugin.megatron.training.mtp import embedding_ranks_for
 
 __all__ = ["ParallelDims", "init_parallel", "current_dims", "destroy_parallel", "shrink_world",
@@ -102,6 +104,7 @@ def init_parallel(args: ModelArgs) -> ParallelDims:
         from dynmo_plugin.megatron.training import cpu_compat
         cpu_compat.apply()
         torch.set_num_threads(1)  # CPU-time profiling needs one thread per rank
+    grad_norm.install()  # --clip-grad: the same norm whichever stage holds a layer
     torch.manual_seed(args.seed)
     return _model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                            args.seed, embedding_ranks_for(args))

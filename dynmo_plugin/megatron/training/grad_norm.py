@@ -1,0 +1,116 @@
+"""An L2 gradient norm whose bits do not depend on which rank holds which gradient.
+
+Megatron's `get_grad_norm_fp32` (megatron.core.optimizer.clip_grads) reduces the rank's
+gradients to one fp32 norm, squares it and all-reduces the squares over the grad-stats
+group: a float sum grouped by rank. A migration changes which layers a rank holds, so it
+regroups that sum and the norm's last bits change; through the clip coefficient
+(--clip-grad) a moved run's losses then part from the never-moved run's in the last bits.
+
+`get_grad_norm_fp32` here takes each gradient's own fp32 norm (a function of that tensor
+alone), squares it in float64 (exact: a 24-bit significand squared fits in 53 bits),
+gathers every rank's squares over the group and sums them with `math.fsum`, which is
+exact and correctly rounded. The norm is then a function of the multiset of per-tensor
+norms, never of their ranks or order. With the plain optimizer that multiset is the
+model's (each parameter's gradient whole on one rank of TP x PP), so the norm is
+layout-invariant. With --use-distributed-optimizer the gradients are shards of the
+data-parallel buffer, and where a parameter is cut depends on the layout: the norm is
+still correct, but a move can change its last bits there.
+
+`install()` puts it in place of the name megatron.core.optimizer.optimizer calls
+(MegatronOptimizer.get_grad_norm and clip_grad_norm, ChainedOptimizer.get_grad_norm);
+the launcher installs it always (`parallel.init_parallel`), Megatron-LM's integration
+with --dynmo (`megatron_lm.disable()` uninstalls it). A norm other than L2 (`norm_type`
+inf; --clip-grad's is L2) and FSDP's DTensor gradients go to Megatron's own function.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["install", "uninstall", "is_installed", "get_grad_norm_fp32"]
+
+_installed = False
+# Per group: how many squares each rank's packet carries, agreed by every rank of the group
+# (each reads the same gathered counts and widens alike); grows to the largest count seen.
+# Weak: a group a repack destroyed is forgotten with it.
+_width: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def is_installed() -> bool:
+    return _installed
+
+
+def install() -> None:
+    """Megatron's optimizers take their gradient norm from `get_grad_norm_fp32` here. Idempotent."""
+    global _installed
+    from megatron.core.optimizer import optimizer
+    optimizer.get_grad_norm_fp32 = get_grad_norm_fp32
+    _installed = True
+
+
+def uninstall() -> None:
+    """Megatron's own function again (the one clip_grads defines). Idempotent."""
+    global _installed
+    if not _installed:
+        return
+    from megatron.core.optimizer import clip_grads, optimizer
+    optimizer.get_grad_norm_fp32 = clip_grads.get_grad_norm_fp32
+    _width.clear()
+    _installed = False
+
+
+def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None) -> float:
+    """The L2 norm of every rank's `grads_for_norm` over `grad_stats_parallel_group`: what
+    Megatron's function of that name returns, summed exactly (module docstring), so any
+    rank may hold any gradient. A rank with none (a stage without trainable parameters)
+    sends none; an inf or NaN gradient gives an inf or NaN norm, as Megatron's does."""
+    from torch.distributed.tensor import DTensor  # here: its import costs ~0.8 s
+    grads = [grads_for_norm] if isinstance(grads_for_norm, torch.Tensor) else list(grads_for_norm)
+    if float(norm_type) != 2.0 or any(isinstance(g, DTensor) for g in grads):
+        from megatron.core.optimizer import clip_grads
+        return clip_grads.get_grad_norm_fp32(grads_for_norm, norm_type, grad_stats_parallel_group)
+    squares = _squares(grads, _device(grad_stats_parallel_group))
+    return math.sqrt(math.fsum(_gathered(squares, grad_stats_parallel_group)))
+
+
+def _device(group) -> torch.device:
+    """Where the group's collectives take tensors: NCCL the current CUDA device, gloo the CPU."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _squares(grads: list, device: torch.device) -> torch.Tensor:
+    """Each gradient's fp32 norm (as Megatron accumulates), squared in float64, on `device`."""
+    if not grads:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    return torch.stack(norms).to(device=device, dtype=torch.float64).square()
+
+
+def _gathered(squares: torch.Tensor, group) -> list[float]:
+    """Every rank's squares, zero-padded (a zero changes no exact sum), read to the host once.
+
+    Ranks hold different counts, and all_gather needs one size: each packet is [count,
+    squares padded to the group's agreed width]. When some count exceeds the width (the
+    first call; a move that gave a rank more tensors) every rank sees it in the same
+    gathered counts, widens alike and gathers again."""
+    if not dist.is_initialized():
+        return squares.tolist()
+    group = group if group is not None else dist.group.WORLD
+    while True:
+        width = _width.get(group, 0)
+        packet = torch.zeros(width + 1, dtype=torch.float64, device=squares.device)
+        packet[0] = squares.numel()
+        if squares.numel() <= width:
+            packet[1:1 + squares.numel()] = squares
+        rows = [torch.empty_like(packet) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, packet, group=group)
+        table = torch.stack(rows).cpu()  # the one host copy (Megatron's .item() costs one)
+        needed = int(table[:, 0].max())
+        if needed <= width:
+            return table[:, 1:].flatten().tolist()
+        _width[group] = needed

@@ -1,0 +1,91 @@
+"""The gradient norm that --clip-grad divides by does not depend on which rank holds which
+gradient (`megatron.training.grad_norm`). Megatron's own `get_grad_norm_fp32` sums each
+rank's squares in fp32, then the ranks' sums, so a migration regrouped the sum: the launcher
+at PP 2 with --clip-grad 1.0 read 5.446037531 against 5.446037471 at iteration 7, moved
+against never moved (docs/megatron-lm.md, "What a move changes")."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from launch import assert_same_training, free_port, spawn, worker
+
+pytestmark = pytest.mark.multiproc
+
+SIZES = [1000, 37, 500, 3, 2000, 64]
+SCALES = [1.0, 1e-3, 3.0, 0.5, 1e-2, 7.0]
+# Which of the six tensors each of the two ranks holds, in that order.
+SPLITS = {"halves": ([0, 1, 2], [3, 4, 5]), "interleaved, reordered": ([5, 3, 1], [4, 0, 2]),
+          "one rank holds all, the other none": ([2, 0, 5, 1, 4, 3], [])}
+
+
+def _tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(23)
+    return [torch.randn(n, generator=g) * s for n, s in zip(SIZES, SCALES)]
+
+
+def _split_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from dynmo_plugin.megatron.training import cpu_compat, grad_norm
+    cpu_compat.apply()  # Megatron's own function allocates on 'cuda'
+    from megatron.core.optimizer import clip_grads, optimizer
+    tensors, seen = _tensors(), {}
+    for name, split in SPLITS.items():
+        mine = [tensors[i] for i in split[rank]]
+        seen[name] = {"ours": grad_norm.get_grad_norm_fp32(mine).hex(),
+                      "megatron": clip_grads.get_grad_norm_fp32(mine).hex()}
+    halves = [tensors[i] for i in SPLITS["halves"][rank]]  # Megatron's inf norm needs a tensor
+    seen["inf"] = [grad_norm.get_grad_norm_fp32(halves, norm_type=math.inf),
+                   clip_grads.get_grad_norm_fp32(halves, norm_type=math.inf)]
+    seen["megatron's name before"] = optimizer.get_grad_norm_fp32 is clip_grads.get_grad_norm_fp32
+    grad_norm.install()
+    grad_norm.install()
+    seen["installed"] = optimizer.get_grad_norm_fp32 is grad_norm.get_grad_norm_fp32
+    grad_norm.uninstall()
+    grad_norm.uninstall()
+    seen["uninstalled"] = optimizer.get_grad_norm_fp32 is clip_grads.get_grad_norm_fp32
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(seen, fh)
+    dist.destroy_process_group()
+
+
+def test_the_norm_is_the_same_however_the_tensors_are_split_over_the_ranks(tmp_path):
+    """Six tensors of unlike scales split over two gloo ranks three ways (one rank holding
+    none): the same bits on every rank and every split, the float64 norm of all of them
+    to 1e-6; Megatron's own function gives other bits for one split (so the splits
+    regroup its fp32 sum visibly); the inf norm is Megatron's (the largest magnitude); install() puts the function
+    under the name Megatron's optimizer calls, uninstall() gives Megatron's back (each
+    twice: idempotent)."""
+    spawn(_split_rank, (free_port(), str(tmp_path)), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    seen = ranks[0]
+    ours = {seen[name]["ours"] for name in SPLITS}
+    assert len(ours) == 1, seen
+    reference = torch.cat(_tensors()).double().norm().item()
+    assert math.isclose(float.fromhex(ours.pop()), reference, rel_tol=1e-6)
+    assert len({seen[name]["megatron"] for name in SPLITS}) > 1, seen
+    assert seen["inf"] == [max(t.abs().max().item() for t in _tensors())] * 2, seen
+    assert (seen["megatron's name before"], seen["installed"], seen["uninstalled"]) == (True, True, True)
+
+
+REPRO = ["--pipeline-model-parallel-size", "2", "--train-iters", "8", "--clip-grad", "1.0", "--dynmo",
+         "--dynmo-profile-every", "2", "--test-dump-params"]
+
+
+def test_a_clipped_run_with_a_move_trains_as_the_never_moved_one_bit_for_bit(tmp_path):
+    """The launcher at PP 2 with --clip-grad 1.0, layer 4 moved to stage 1 at iteration 3,
+    against the never-moved run: the same loss every iteration, to the last bit, and the
+    same final parameters. With Megatron's own norm iteration 7 read 5.446037531 moved,
+    5.446037471 not."""
+    static = worker(2, REPRO, tmp_path / "static")
+    moved = worker(2, [*REPRO, "--dynmo-forced-layouts", "3:Ettt|tttttL"], tmp_path / "moved")
+    assert [(e["iteration"], e["layout_after"]) for e in moved["events"] if e["kind"] == "rebalance"] == [
+        (3, "Ettt|tttttL")]
+    assert len(static["iterations"]) == len(moved["iterations"]) == 8
+    assert_same_training(tmp_path / "static", static, tmp_path / "moved", moved, range(2))
