@@ -153,9 +153,10 @@ def _check_supported(args, cfg: RunConfig) -> None:
 def move_notes(args, cfg: RunConfig) -> list[str]:
     """What a run whose layers may move should say at its start (docs/megatron-lm.md "What
     a move changes"): which of its settings make a moved run equal the never-moved one in
-    distribution rather than to the bit (Megatron-LM's clipping 1.0; its dropout 0.1 only
-    with --dynmo-rank-rng: else each layer draws from its own streams, which move with
-    it), and how a per-rank checkpoint saved after a move is resumed."""
+    distribution rather than to the bit (Megatron-LM's dropout 0.1 only with
+    --dynmo-rank-rng: else each layer draws from its own streams, which move with it;
+    its clipping 1.0 only with the distributed optimizer: else the norm is summed exactly,
+    `grad_norm`), and how a per-rank checkpoint saved after a move is resumed."""
     if not layers_may_move(args, cfg):
         return []
     notes = []
@@ -164,7 +165,8 @@ def move_notes(args, cfg: RunConfig) -> list[str]:
             ("hidden-dropout", getattr(args, "hidden_dropout", 0)),
             ("attention-dropout", getattr(args, "attention_dropout", 0)),
             ("moe-input-jitter-eps", getattr(args, "moe_input_jitter_eps", None) or 0))),
-        ("clip-grad", getattr(args, "clip_grad", 0))) if value]
+        ("clip-grad", getattr(args, "clip_grad", 0) if getattr(args, "use_distributed_optimizer", False)
+         else 0)) if value]
     if drawn:
         notes.append(f"layers may move in this run: with {', '.join(drawn)} a moved run equals the "
                      "never-moved one in distribution, not to the bit (each rank draws and sums in "

@@ -24,7 +24,10 @@ from launch import ROOT, free_port, in_megatron_process, losses, run_torchrun, w
 
 MODEL = ["--num-layers", "6", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--train-iters", "6", "--lr", "3e-3", "--seed", "11", "--save-interval", "2"]
+         "--train-iters", "6", "--lr", "3e-3", "--seed", "11", "--save-interval", "2",
+         # no RNG state is saved: the layers' and the embedding's dropout draw from streams
+         # keyed by iteration and micro-batch (layer_streams), wherever and whenever they run
+         "--hidden-dropout", "0.1"]
 REBALANCED = "Ett|ttttL"
 INTERLEAVED = "Et|tt|tt|tL"  # pp=2 x v=2: rank 0 holds layers 1 and 4-5, rank 1 2-3 and 6
 
