@@ -21,6 +21,11 @@ GPU with init_process_group(device_id=...)):
   control_plane_cuda_state (2)  two processes sharing the GPU over gloo: the control plane
                            refuses a CUDA payload on both ranks ('meta' stands in on --cpu)
   sampled_addmm_bf16       (6)  probe: sampled_addmm with bf16 CSR on CUDA (fp32 must work)
+  layer_streams            a layer's keyed random streams on the device: its draws (default
+                           generator and Megatron's RNG tracker) the same whatever the rank
+                           drew before, the rank's streams back after, no host sync
+  grad_norm                the order-free gradient norm over the device's collective (NCCL):
+                           float64's value, the same bits in any order, empty and inf ranks
   determinism_bitwise      (9)  two identical PP=1 bf16 runs: losses and weights bitwise
                            equal, with NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and
                            CUBLAS_WORKSPACE_CONFIG=:4096:8 (set here for every row)
@@ -290,6 +295,74 @@ def row_sampled_addmm_bf16() -> str:
     return f"fp32 works; bf16 CSR: {bf16} (issue 25 item 6 {item}; the fix is the pruning helper's)"
 
 
+def row_layer_streams() -> str:
+    """Each layer's own random streams on this device (megatron.training.layer_streams):
+    a layer's draws from the default generator and Megatron's RNG tracker (CUDA states
+    on a GPU; a no-op tracker on CPU) are the same whatever the rank drew before, the
+    rank's own come back after, and seeding syncs nothing with the GPU."""
+    import torch
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    session = _session(["--hidden-dropout", "0.1"])
+    streams, dev = session.dynmo.streams, session.trainer.dims.device
+    if streams is None:
+        raise CheckFailed("a run with --hidden-dropout 0.1 has no layer streams")
+    session.step(1)  # hooks the layers; trains one step with dropout
+    tracker = get_cuda_rng_tracker()
+
+    def draws() -> list:
+        streams.step(1)
+        if dev.type == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            saved = streams._enter(1)
+            drawn = [torch.rand(4, device=dev)]
+            with tracker.fork():
+                drawn.append(torch.rand(4, device=dev))
+            streams._leave(saved)
+        finally:
+            if dev.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        return drawn
+
+    rank_state = (torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state())
+    states = tracker.get_states()
+    first = draws()
+    after = (torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state())
+    if not torch.equal(after, rank_state):
+        raise CheckFailed("the layer's forward left the rank's default generator moved")
+    if any(tracker.get_states().get(n) is not v for n, v in states.items()):
+        raise CheckFailed("the tracker's streams did not come back after the layer")
+    torch.rand(16, device=dev)  # the rank draws elsewhere
+    if not all(torch.equal(a, b) for a, b in zip(first, draws())):
+        raise CheckFailed("a layer's draws depended on what the rank drew before")
+    return (f"{dev.type}: draws keyed, rank streams back, no sync; tracker streams "
+            f"{sorted(states) or 'none (CPU)'}")
+
+
+def row_grad_norm() -> str:
+    """The order-free gradient norm (megatron.training.grad_norm) on this device's
+    collective (NCCL on a GPU): the float64 norm's value, the same bits for the same
+    gradients in any order, a rank without gradients welcome, inf passed on."""
+    import math
+
+    import torch
+    from dynmo_plugin.megatron.training.grad_norm import get_grad_norm_fp32
+    dist = _world_one("nccl" if torch.cuda.is_available() else "gloo")
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    gen = torch.Generator().manual_seed(3)
+    grads = [(torch.randn(n, generator=gen) * 10.0 ** k).to(dev) for n, k in ((4096, -3), (77, 2), (1 << 16, 0))]
+    norm = get_grad_norm_fp32(grads, 2, dist.group.WORLD)
+    again = get_grad_norm_fp32(grads[::-1], 2, dist.group.WORLD)
+    exact = math.sqrt(math.fsum(float(g.double().square().sum()) for g in grads))
+    if norm != again or abs(norm - exact) > 1e-6 * exact:
+        raise CheckFailed(f"norm {norm!r}, reversed {again!r}, float64 {exact!r}")
+    if get_grad_norm_fp32([], 2, dist.group.WORLD) != 0.0:
+        raise CheckFailed("a rank without gradients did not read 0")
+    if not math.isinf(get_grad_norm_fp32([*grads, torch.full((3,), math.inf, device=dev)], 2, dist.group.WORLD)):
+        raise CheckFailed("an inf gradient did not give an inf norm")
+    return f"{dev.type}: {norm:.9g} (float64 {exact:.9g}), order-free, empty and inf alike"
+
+
 def _fingerprint(trainer) -> str:
     import hashlib
     h = hashlib.sha256()
@@ -370,6 +443,8 @@ ROWS: dict[str, Callable[[], str]] = {
     "wire_checksum_peak": row_wire_checksum_peak,
     "control_plane_cuda_state": row_control_plane_cuda_state,
     "sampled_addmm_bf16": row_sampled_addmm_bf16,
+    "layer_streams": row_layer_streams,
+    "grad_norm": row_grad_norm,
 }
 
 
@@ -377,12 +452,13 @@ ROWS: dict[str, Callable[[], str]] = {
 # One child runs these one after another (one CUDA context, one one-rank NCCL world): none
 # can hang or poison its process. A collective on a destroyed group can (it runs alone),
 # the control plane starts processes of its own (alone too), and the determinism and
-# sync rows need fresh processes (two identical runs; one session per scenario).
+# sync rows need fresh processes (two identical runs; one session per scenario), and so
+# does the layer streams' session (a second session in one process cannot start).
 # In this order: the rows that matter most first, the bf16 CSR probe (an op that may fail
 # on CUDA) last.
 SHARED = ("wire_checksum_peak", "rebuild_distopt_bf16", "nccl_shrink_support", "nccl_cpu_tensor",
-          "sampled_addmm_bf16")
-ALONE = ("nccl_destroyed_group", "control_plane_cuda_state")
+          "grad_norm", "sampled_addmm_bf16")
+ALONE = ("nccl_destroyed_group", "control_plane_cuda_state", "layer_streams")
 ROW_TIMEOUT_S, SHARED_TIMEOUT_S = 120.0, 240.0
 _START = time.perf_counter()
 

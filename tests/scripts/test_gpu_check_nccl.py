@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check_nccl as nccl  # noqa: E402
-CPU_ROWS = {"rebuild_distopt_bf16", "wire_checksum_peak", "control_plane_cuda_state"}
+CPU_ROWS = {"rebuild_distopt_bf16", "wire_checksum_peak", "control_plane_cuda_state", "layer_streams", "grad_norm"}
 
 
 @pytest.mark.multiproc
@@ -35,6 +35,8 @@ def test_cpu_json_run_is_green_and_keeps_the_contract():
             "determinism_bitwise", "sync_free[none]", "sync_free[packed_documents]"} <= by_name.keys()
     assert by_name["rebuild_distopt_bf16"]["detail"].startswith("gloo: rebuild applied")
     assert "refused on both ranks" in by_name["control_plane_cuda_state"]["detail"]
+    assert by_name["layer_streams"]["detail"].startswith("cpu: draws keyed, rank streams back")
+    assert by_name["grad_norm"]["detail"].startswith("cpu: ") and "order-free" in by_name["grad_norm"]["detail"]
 
 
 _HANGS_AFTER_ONE = ("import json, time\n"  # a fault: a shared child that hangs in its second row
