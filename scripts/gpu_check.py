@@ -50,8 +50,9 @@ the seconds it took (a run shared by several rows counts for the first), in plan
                          (docs/gpu.md: the format the simulator reads)
   nccl/...               the rows of scripts/gpu_check_nccl.py --json, where it exists
 --only NAME,...: run only the rows whose name (or row group's name) starts with one of
-these prefixes. --set issue34: issue 34's rows (machine, packages, precision_flag, shape,
-mlm, throughput): one device call of ~3-5 minutes by the plan.
+these prefixes (nccl/NAME: gpu_check_nccl.py runs only the rows picked). --set issue34:
+issue 34's rows (machine, packages, precision_flag, shape, mlm, throughput): one device
+call of ~3-5 minutes by the plan.
 --plan: print the launch plan (row groups, their launches, estimated seconds from the
 constants in scripts/gpu_check_plan.py) and exit; a run prints it to stderr first.
 --budget-s S (default 480, issue 24's 8 minutes): a row group starts only while its
@@ -110,14 +111,16 @@ def __getattr__(name: str):
 NCCL_SCRIPT = ROOT / "scripts" / "gpu_check_nccl.py"
 
 
-def start_nccl(cpu_mode: bool, timeout_s: float = 300) -> Optional[tuple]:
+def start_nccl(cpu_mode: bool, timeout_s: float = 300, rows: Optional[list[str]] = None) -> Optional[tuple]:
     """Start gpu_check_nccl.py --json (its children's timeouts capped at what is left of
-    the budget); None where the script does not exist. `collect_nccl` reads its rows."""
+    the budget; `rows`: only these of its rows, named nccl/<check>); None where the script
+    does not exist. `collect_nccl` reads its rows."""
     if not NCCL_SCRIPT.exists():
         return None
     _log(f"start {NCCL_SCRIPT.name}")
     limit, by_budget = launching.BUDGET.limit(timeout_s)
-    cmd = [sys.executable, str(NCCL_SCRIPT), *(["--cpu"] if cpu_mode else []), "--json",
+    only = ["--only", ",".join(r.split("/", 1)[1] for r in rows)] if rows is not None else []
+    cmd = [sys.executable, str(NCCL_SCRIPT), *(["--cpu"] if cpu_mode else []), "--json", *only,
            "--deadline-s", f"{max(1.0, limit - 10):.0f}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -375,7 +378,9 @@ def run_group(group: Group, checks: dict, m: Machine, only: tuple[str, ...], wor
         done += (_run_row(name, checks[name]) for name in names)
         return
     nccl = [n for n in names if n.startswith("nccl/")]
-    started = start_nccl(m.cpu_mode) if nccl else None  # all at once: see start_group
+    all_nccl = [n for n in group.rows if n.startswith("nccl/")]
+    started = (start_nccl(m.cpu_mode, rows=None if nccl == all_nccl else nccl)  # all at once: see start_group
+               if nccl else None)
     try:
         if worker:
             launching.WORKER.start()

@@ -2,7 +2,7 @@
 """Issue 25's one-GPU checks of the NCCL/CUDA paths, one row each (standalone; wired
 into scripts/gpu_check.py as a subprocess through the JSON contract below).
 
-    python scripts/gpu_check_nccl.py [--cpu] [--json]
+    python scripts/gpu_check_nccl.py [--cpu] [--json] [--only NAME,...]
 
 Rows (item numbers of issue 25; "world 1" = a single-process NCCL world bound to the
 GPU with init_process_group(device_id=...)):
@@ -506,26 +506,30 @@ def _row(check: str, result: str, detail: str, start: float) -> dict:
             "seconds": round(time.perf_counter() - start, 1)}
 
 
-def run_rows(cuda: bool, env: dict, deadline_s: float = math.inf) -> list[dict]:
-    """Every row; all children start at once (small models share the GPU) and each has a
-    timeout, capped at `deadline_s` from now."""
+def run_rows(cuda: bool, env: dict, deadline_s: float = math.inf, only=None) -> list[dict]:
+    """Every row (`only`: those named, of `row_names()`); all children start at once (small
+    models share the GPU) and each has a timeout, capped at `deadline_s` from now."""
     start = time.perf_counter()
     limit = lambda t: min(t, deadline_s)  # noqa: E731 - one line, used below only
-    skipped = [_row(n, NO_CUDA, "", start) for n in ROWS if n in CUDA_ROWS and not cuda]
+    wanted = lambda n: only is None or n in only  # noqa: E731
+    skipped = [_row(n, NO_CUDA, "", start) for n in ROWS if n in CUDA_ROWS and not cuda and wanted(n)]
     if not cuda:
-        skipped += [_row(f"sync_free[{s}]", NO_CUDA, "", start) for s in SCENARIOS]
-    shared = [n for n in SHARED if cuda or n not in CUDA_ROWS]
-    alone = [n for n in ALONE if cuda or n not in CUDA_ROWS]
+        skipped += [_row(f"sync_free[{s}]", NO_CUDA, "", start) for s in SCENARIOS if wanted(f"sync_free[{s}]")]
+    shared = [n for n in SHARED if (cuda or n not in CUDA_ROWS) and wanted(n)]
+    alone = [n for n in ALONE if (cuda or n not in CUDA_ROWS) and wanted(n)]
     jobs = [([",".join(shared)], shared, limit(SHARED_TIMEOUT_S))] if shared else []
     jobs += [([n], [n], limit(ROW_TIMEOUT_S)) for n in alone]
-    if cuda:
+    if cuda and wanted("determinism_bitwise"):
         jobs += [(["determinism_run", "--scenario", str(i)], [f"determinism_run_{i}"], limit(150.0))
                  for i in range(2)]
-        jobs += [(["sync_free", "--scenario", s], [f"sync_free[{s}]"], limit(150.0)) for s in SCENARIOS]
+    if cuda:
+        jobs += [(["sync_free", "--scenario", s], [f"sync_free[{s}]"], limit(150.0))
+                 for s in SCENARIOS if wanted(f"sync_free[{s}]")]
     procs = [(names, _child(["--row", *args], env), timeout) for args, names, timeout in jobs]
     _log(f"{len(procs)} child processes: {', '.join(n for names, _, _ in procs for n in names)}")
     rows = skipped + [r for names, p, t in procs for r in _collect(names, p, start, t)]
-    rows = _determinism(cuda, rows, start) + [r for r in rows if not r["check"].startswith("determinism_run")]
+    if wanted("determinism_bitwise"):
+        rows = _determinism(cuda, rows, start) + [r for r in rows if not r["check"].startswith("determinism_run")]
     order = {n: i for i, n in enumerate(row_names())}
     return sorted(rows, key=lambda r: order.get(r["check"], len(order)))
 
@@ -578,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
     parser.add_argument("--deadline-s", type=float, default=math.inf,
                         help="cap every child's timeout at this many seconds from the start")
+    parser.add_argument("--only", default=None, metavar="NAME,...",
+                        help="run only these rows (names as the JSON gives them)")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--scenario", default="none", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -587,7 +593,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     cuda = not args.cpu and _cuda_visible()
-    rows = run_rows(cuda, env, args.deadline_s)
+    only = None
+    if args.only:
+        only = {n.strip() for n in args.only.split(",") if n.strip()}
+        unknown = sorted(only - set(row_names()))
+        if unknown:
+            parser.error(f"--only: no row {', '.join(unknown)} (rows: {', '.join(row_names())})")
+    rows = run_rows(cuda, env, args.deadline_s, only)
     if args.json:
         print(json.dumps({"rows": rows}))
     else:

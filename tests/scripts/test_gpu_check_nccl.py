@@ -70,3 +70,18 @@ def test_sync_free_counts_real_synchronisations_not_torchs_prototype_warning():
         warnings.warn("called a synchronizing CUDA operation", UserWarning)
         warnings.warn("called a synchronizing CUDA operation", UserWarning)
     assert [str(w.message) for w in nccl.host_syncs(caught)] == ["called a synchronizing CUDA operation"] * 2
+
+
+@pytest.mark.multiproc
+def test_only_the_rows_asked_for_run_and_an_unknown_one_is_one_line():
+    """`--only` (what gpu_check.py passes for the nccl/ rows its --only picks): those rows
+    alone, in one child each as without it; a name that is no row: exit 2, the rows named."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    run = lambda *a: subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check_nccl.py"), "--cpu", *a],  # noqa: E731
+                                    cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run("--json", "--only", "grad_norm,sync_free[moe]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)["rows"]
+    assert [(r["check"], r["result"]) for r in rows] == [("grad_norm", "pass"), ("sync_free[moe]", "skipped: no CUDA")]
+    bad = run("--only", "grad_norms")
+    assert bad.returncode == 2 and "--only: no row grad_norms (rows: nccl_shrink_support," in bad.stderr
