@@ -25,7 +25,8 @@ GPU with init_process_group(device_id=...)):
                            generator and Megatron's RNG tracker) the same whatever the rank
                            drew before, the rank's streams back after, no host sync
   grad_norm                the order-free gradient norm over the device's collective (NCCL):
-                           float64's value, the same bits in any order, empty and inf ranks
+                           float64's value, the same bits in any order and at any address
+                           alignment (torch's own at both printed), empty and inf ranks
   determinism_bitwise      (9)  two identical PP=1 bf16 runs: losses and weights bitwise
                            equal, with NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and
                            CUBLAS_WORKSPACE_CONFIG=:4096:8 (set here for every row)
@@ -314,11 +315,12 @@ def row_layer_streams() -> str:
         if dev.type == "cuda":
             torch.cuda.set_sync_debug_mode("error")
         try:
-            saved = streams._enter(1)
+            kept = streams._keep()
+            streams._seed(1, kept)
             drawn = [torch.rand(4, device=dev)]
             with tracker.fork():
                 drawn.append(torch.rand(4, device=dev))
-            streams._leave(saved)
+            streams._leave(kept)
         finally:
             if dev.type == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
@@ -360,7 +362,14 @@ def row_grad_norm() -> str:
         raise CheckFailed("a rank without gradients did not read 0")
     if not math.isinf(get_grad_norm_fp32([*grads, torch.full((3,), math.inf, device=dev)], 2, dist.group.WORLD)):
         raise CheckFailed("an inf gradient did not give an inf norm")
-    return f"{dev.type}: {norm:.9g} (float64 {exact:.9g}), order-free, empty and inf alike"
+    # the same values 4 bytes further (a gradient after an odd-sized one in the buffer)
+    x = grads[2]
+    shifted = torch.zeros(x.numel() + 1, device=dev)[1:].copy_(x)
+    raw = torch.equal(torch._foreach_norm([x])[0], torch._foreach_norm([shifted])[0])
+    if get_grad_norm_fp32([shifted], 2, dist.group.WORLD) != get_grad_norm_fp32([x], 2, dist.group.WORLD):
+        raise CheckFailed(f"a gradient 4 bytes off its alignment gave another norm (torch's own equal: {raw})")
+    return (f"{dev.type}: {norm:.9g} (float64 {exact:.9g}), order-free, empty and inf alike; "
+            f"alignment-free (torch's own norm at another alignment equal: {raw})")
 
 
 def _fingerprint(trainer) -> str:

@@ -98,6 +98,14 @@ def _check_supported(args, cfg: RunConfig) -> None:
          and (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1,
          "--mtp-num-layers with virtual pipeline stages (MTP under Megatron-LM: one chunk per rank)"),
         (getattr(args, "optimizer", "adam") not in ("adam", "sgd"), f"--optimizer {args.optimizer}"),
+        (getattr(args, "overlap_moe_expert_parallel_comm", False),
+         "--overlap-moe-expert-parallel-comm (Megatron then runs each layer's attention and MLP "
+         "through its fine-grained callables, never the layer module, whose hooks the profiler "
+         "and the layers' own random streams are)"),
+        (getattr(args, "te_rng_tracker", False) and layer_streams_on(args, cfg),
+         "--te-rng-tracker with dropout or MoE input jitter (each layer draws from streams of its "
+         "own, set into Megatron's RNG tracker, not TE's graph-safe one: add --dynmo-rank-rng to "
+         "draw from the rank's streams, as without the plugin; a move then changes the masks)"),
         (block_recompute_moves(args, cfg), f"{BLOCK_MOVES_WHY} (use --recompute-method uniform, or "
          "profile only: --dynmo-profile-every N without rebalancing)"),
         (bool(getattr(args, "mtp_num_layers", None)) and recompute_block(args) > 1,
@@ -148,6 +156,14 @@ def _check_supported(args, cfg: RunConfig) -> None:
     check_forced_blocks(cfg, block, "--dynmo-forced-layouts")
     stages = args.pipeline_model_parallel_size * cfg.model.num_virtual_stages_per_pipeline_rank
     check_chunks_fill(cfg, block, stages, "--recompute-num-layers")
+
+
+def layer_streams_on(args, cfg: RunConfig) -> bool:
+    """Whether each layer draws from its own streams: the model draws (dropout, MoE input
+    jitter) and --dynmo-rank-rng is off (megatron.training.layer_streams)."""
+    draws = (getattr(args, "hidden_dropout", 0) or getattr(args, "attention_dropout", 0)
+             or getattr(args, "moe_input_jitter_eps", None))
+    return bool(draws) and not cfg.dynmo.rank_rng
 
 
 def move_notes(args, cfg: RunConfig) -> list[str]:

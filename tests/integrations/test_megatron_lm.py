@@ -38,6 +38,15 @@ def test_plugin_config_reads_megatron_lm_args_and_refuses_what_it_cannot_follow(
         with pytest.raises(ConfigError, match=f"support: --cuda-graph-impl {impl} .graphs are captured once"):
             ml.load_plugin_config(megatron_like(argv=["--dynmo"], cuda_graph_impl=impl))
     assert ml.load_plugin_config(megatron_like(argv=["--dynmo"], cuda_graph_impl="none")).dynmo.enabled
+    with pytest.raises(ConfigError, match="support: --overlap-moe-expert-parallel-comm .Megatron then runs each "
+                                          "layer's attention and MLP through its fine-grained callables"):
+        ml.load_plugin_config(megatron_like(argv=["--dynmo"], overlap_moe_expert_parallel_comm=True))
+    # TE's graph-safe RNG tracker: refused where the layers draw from their own streams only
+    with pytest.raises(ConfigError, match="support: --te-rng-tracker with dropout or MoE input jitter .* add "
+                                          "--dynmo-rank-rng"):
+        ml.load_plugin_config(megatron_like(argv=["--dynmo"], te_rng_tracker=True, hidden_dropout=0.1))
+    for fine in (dict(hidden_dropout=0.0, attention_dropout=0.0), dict(hidden_dropout=0.1, argv=["--dynmo", "--dynmo-rank-rng"])):
+        assert ml.load_plugin_config(megatron_like(**{"argv": ["--dynmo"], "te_rng_tracker": True, **fine})).dynmo.enabled
     with pytest.raises(ConfigError, match="support: --dynmo-repack with --use-tp-pp-dp-mapping"):
         ml.load_plugin_config(megatron_like(argv=["--dynmo", "--dynmo-repack", "--dynmo-repack-mode", "checkpoint"],
                                              use_tp_pp_dp_mapping=True, save="/tmp/x"))

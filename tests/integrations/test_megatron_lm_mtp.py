@@ -39,7 +39,7 @@ def test_mtp_inside_megatron_lm_train_profiled_and_decoders_moved_bit_exact(tmp_
 MTP_PP4 = ["--mtp-num-layers", "1", "--position-embedding-type", "rope",
            "--untie-embeddings-and-output-weights", "--vocab-size", "16384",
            "--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-layout", "Et|t|t|tmL",
-           "--dynmo"]
+           "--dynmo", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]  # the block draws its own
 
 
 @pytest.fixture(scope="module")

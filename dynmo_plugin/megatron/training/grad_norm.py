@@ -33,6 +33,7 @@ import torch.distributed as dist
 __all__ = ["install", "uninstall", "is_installed", "get_grad_norm_fp32"]
 
 _installed = False
+_ALIGNMENT = 16  # bytes: CUDA's vectorised loads (4 fp32 elements)
 # Per group: how many squares each rank's packet carries, agreed by every rank of the group
 # (each reads the same gathered counts and widens alike); grows to the largest count seen.
 # Weak: a group a repack destroyed is forgotten with it.
@@ -84,10 +85,19 @@ def _device(group) -> torch.device:
 
 
 def _squares(grads: list, device: torch.device) -> torch.Tensor:
-    """Each gradient's fp32 norm (as Megatron accumulates), squared in float64, on `device`."""
+    """Each gradient's fp32 norm (as Megatron accumulates), squared in float64, on `device`.
+
+    On CUDA the norm kernel loads 16-byte-aligned tensors vectorised and others element by
+    element, in another summation order (ATen's LpNormFunctor; review 23a). A gradient is
+    a view into its rank's buffer, packed without padding by the plain optimizer, so its
+    address moves with the layers before it: a misaligned one is normed from an aligned
+    copy, one at a time (the copy's transient memory: one gradient)."""
     if not grads:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    misaligned = [g for g in grads if g.is_cuda and g.data_ptr() % _ALIGNMENT]
+    aligned = [g for g in grads if not (g.is_cuda and g.data_ptr() % _ALIGNMENT)]
+    norms = list(torch._foreach_norm(aligned, 2.0, dtype=torch.float32)) if aligned else []
+    norms += [torch._foreach_norm([g.clone()], 2.0, dtype=torch.float32)[0] for g in misaligned]
     return torch.stack(norms).to(device=device, dtype=torch.float64).square()
 
 

@@ -7,30 +7,38 @@ rank runs, so after a move every layer of both ranks draws other numbers than in
 never-moved run: the same distribution, not the same bits (survey 22b: hidden dropout
 0.1, 5.22531 against 5.22306 at the move).
 
-Here every forward of a decoder layer (and of the MTP block, which moves as one) in
-training runs on generators seeded from what does not change with the layout: the run's
-seed, the layer's global number, the iteration, the micro-batch's place in the
-iteration's global batch (this data-parallel rank's first plus the count of the layer's
-forwards so far: replicas draw apart, as their data differs), the stream's name and, for a tracker stream that
-Megatron makes differ per rank, the tensor/expert ranks it seeds it with. The rank's
-own states are put back after the layer (an exception too). The embedding's dropout
-draws from keyed streams too (number 0), so training draws nothing from a rank's own
-streams and a resumed run needs no RNG state from its checkpoint (the launcher saves
-none: docs/checkpoints.md). A forward
-recomputed inside the backward (activation checkpointing) is the k-th recompute of its
-layer, that is its k-th micro-batch (each chunk's backwards run in forward order, as the
-profiler's probe relies on too), and draws the same masks as the first pass did.
+Here every unit that draws runs each forward in training on generators seeded from what
+does not change with the layout: the decoder layers, the MTP block (it moves as one) and
+the embedding (number 0: it never moves, but keyed draws need no RNG state in a
+checkpoint to resume, and the launcher saves none: docs/checkpoints.md). The seed mixes
+the run's seed, the unit's global number, the iteration, a micro-batch index (this
+data-parallel rank's first, `dp_rank x micro-batches`, plus the count of the unit's
+forwards so far: unique per replica and micro-batch, whatever the layout), the stream's
+name and, for a tracker stream Megatron makes differ per rank, the tensor/expert ranks it
+seeds it apart on; under sequence parallelism the default stream too differs per tensor
+rank, as Megatron's does there (each rank holds its own slice of the sequence). The
+rank's own states, and the tracker's open fork, are put back after the unit, an
+exception included; during it no fork is open, so a fork the layer opens (attention
+dropout) switches to the layer's stream whether or not the block runs inside the
+sequence-parallel fork (the first pass does, a recompute does not). A unit called inside
+another's forward (the embedding the MTP block calls at PP 1) draws from the enclosing
+unit's streams. A forward recomputed inside the backward (activation checkpointing) is
+the k-th recompute of its layer, that is its k-th micro-batch (each chunk's backwards
+run in forward order, as the profiler's probe relies on too), and draws what the first
+pass drew.
 
 The draws differ from Megatron's own, as they would between two Megatron-LM runs split
-differently; `--dynmo-rank-rng` keeps Megatron's (and its masks after a move).
-Graph-safe trackers (TE's, --use-cudagraphable-rng) keep generators and are seeded in
-place; Megatron's own keeps state tensors, replaced for the layer's forward.
+differently; `--dynmo-rank-rng` keeps Megatron's (and a move then changes them). Only
+Megatron's own tracker (state tensors) is supported: a graph-safe one (--te-rng-tracker,
+--use-cudagraphable-rng) lets the default generator share a stream's state inside a
+fork, and is refused with the streams on (config: megatron_lm_args).
 """
 from __future__ import annotations
 
 import hashlib
 import struct
 import weakref
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -45,6 +53,7 @@ _DEFAULT = "default"
 _TRACKER_RANKS = {"data-parallel-rng": (), "model-parallel-rng": ("tp",),
                   "expert-parallel-rng": ("ep", "expt_tp")}
 _ALL_RANKS = ("tp", "ep", "expt_tp")  # a stream this module does not know: apart on each
+_NO_FORK = "default-rng"  # Megatron's tracker's name for "no fork open"
 
 
 def model_draws(config) -> bool:
@@ -74,6 +83,15 @@ def _group_rank(groups, name: str) -> int:
     return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
 
 
+@dataclass
+class _Kept:
+    """A rank's random state around one unit's forward (what `_leave` puts back)."""
+
+    default: torch.Tensor  # the default generator's state
+    states: dict           # the tracker's streams (its own dict's copy: state tensors)
+    fork: Optional[str]    # the tracker's open fork ("default-rng": none)
+
+
 def _tracker():
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     return get_cuda_rng_tracker()
@@ -97,7 +115,11 @@ class LayerStreams:
         self._scratch = torch.Generator(device=device)  # makes tracker state tensors
         groups = stage.dims.groups
         self._ranks = {name: _group_rank(groups, name) for name in _ALL_RANKS}
-        self._salts = {_DEFAULT: stream_salt(_DEFAULT)}  # stream name -> its salt on this rank
+        self._salts: dict[str, int] = {}  # stream name -> its salt on this rank
+        # Under sequence parallelism Megatron runs the layers inside the model-parallel
+        # fork (TransformerBlock.forward): their default draws differ per tensor rank, as
+        # each holds its own slice of the sequence; so do the layer's here
+        self._default_ranks = ("tp",) if getattr(stage.config, "sequence_parallel", False) else ()
         self._first = 0  # this data-parallel rank's first micro-batch in the global batch
         self._forwards: dict[int, int] = {}
         self._recomputes: dict[int, int] = {}
@@ -107,6 +129,13 @@ class LayerStreams:
 
     # ---- lifecycle ----------------------------------------------------------------------
     def step(self, iteration: int) -> None:
+        """Raises:
+            RuntimeError: the RNG tracker is a graph-safe one (module docstring)."""
+        tracker = _tracker()
+        if tracker.is_initialized() and any(not isinstance(v, torch.Tensor) for v in tracker.get_states().values()):
+            raise RuntimeError("dynmo: the layers' own random streams need Megatron's RNG tracker with "
+                               "state tensors, not a graph-safe one (--te-rng-tracker, "
+                               "--use-cudagraphable-rng): add --dynmo-rank-rng")
         self.iteration = iteration
         self._first = self.stage.dims.dp_rank * self.stage.num_microbatches
         self._forwards.clear()
@@ -134,13 +163,22 @@ class LayerStreams:
                 yield self.stage.config.num_layers + 1, chunk.mtp
 
     def _hook(self, number: int, module: torch.nn.Module) -> None:
+        """Each entry of the stack names its module, so a post-hook that runs without its
+        pre-hook (torch calls it when an earlier pre-hook raised) takes nothing of
+        another's; the states are kept before anything is seeded, so a raise while
+        seeding still puts them back."""
         def pre(mod, args):
-            self._saved.append(self._enter(number) if mod.training else None)
+            inside = any(kept is not None for _, kept in self._saved)
+            self._saved.append((mod, None))
+            if mod.training and not inside:  # nested (the embedding the MTP block calls): the enclosing unit's
+                kept = self._saved[-1] = (mod, self._keep())
+                self._seed(number, kept[1])
 
         def post(mod, args, output):
-            saved = self._saved.pop()
-            if saved is not None:
-                self._leave(saved)
+            if self._saved and self._saved[-1][0] is mod:
+                kept = self._saved.pop()[1]
+                if kept is not None:
+                    self._leave(kept)
 
         self._hooked[module] = (module.register_forward_pre_hook(pre),
                                 module.register_forward_hook(post, always_call=True))
@@ -155,38 +193,36 @@ class LayerStreams:
     def _salt(self, stream: str) -> int:
         salt = self._salts.get(stream)
         if salt is None:
-            names = _TRACKER_RANKS.get(stream, _ALL_RANKS)
+            names = self._default_ranks if stream == _DEFAULT else _TRACKER_RANKS.get(stream, _ALL_RANKS)
             salt = self._salts[stream] = stream_salt(stream, tuple(self._ranks[n] for n in names))
         return salt
 
-    def _enter(self, number: int) -> tuple:
-        """Keep the rank's states, seed the layer's; returns what `_leave` puts back."""
-        key = stream_seed(self.seed, number, self.iteration, self._microbatch(number), 0)
-        kept_default = self._default.get_state()
-        self._default.manual_seed(key ^ self._salt(_DEFAULT))
+    def _keep(self) -> _Kept:
+        """The rank's states as they are: its default generator's, the tracker's streams
+        and the fork open around the layer (Megatron's `_current_state_name`)."""
         tracker = _tracker()
         states = tracker.get_states() if tracker.is_initialized() else {}
-        kept, layer_states = {}, {}
-        for name, state in states.items():
-            seed = key ^ self._salt(name)
-            if isinstance(state, torch.Tensor):  # Megatron's tracker: replaced, not changed
-                kept[name] = state
-                layer_states[name] = self._scratch.manual_seed(seed).get_state()
-            else:  # a graph-safe generator, advanced in place
-                kept[name] = state.get_state()
-                state.manual_seed(seed)
-                layer_states[name] = state
-        if states:
-            tracker.set_states(layer_states)
-        return kept_default, kept, states
+        return _Kept(self._default.get_state(), states, getattr(tracker, "_current_state_name", None))
 
-    def _leave(self, saved: tuple) -> None:
-        kept_default, kept, states = saved
-        self._default.set_state(kept_default)
-        if not states:
+    def _seed(self, number: int, kept: _Kept) -> None:
+        """The layer's streams in place of the rank's, and no fork open: a fork the layer
+        opens (attention dropout) then switches to the layer's stream in the first pass
+        and in a recompute alike (the sequence-parallel fork around the block is open in
+        the first only, so nested there it would continue the default one)."""
+        key = stream_seed(self.seed, number, self.iteration, self._microbatch(number), 0)
+        self._default.manual_seed(key ^ self._salt(_DEFAULT))
+        if not kept.states:
             return
-        for name, state in states.items():
-            if not isinstance(state, torch.Tensor):
-                state.set_state(kept[name])
-        _tracker().set_states({name: kept[name] if isinstance(state, torch.Tensor) else state
-                               for name, state in states.items()})
+        tracker = _tracker()
+        tracker.set_states({name: self._scratch.manual_seed(key ^ self._salt(name)).get_state()
+                            for name in kept.states})
+        if kept.fork is not None:
+            tracker._current_state_name = _NO_FORK
+
+    def _leave(self, kept: _Kept) -> None:
+        self._default.set_state(kept.default)
+        if kept.states:
+            tracker = _tracker()
+            tracker.set_states(kept.states)
+            if kept.fork is not None:
+                tracker._current_state_name = kept.fork

@@ -105,7 +105,6 @@ def init_parallel(args: ModelArgs) -> ParallelDims:
         cpu_compat.apply()
         torch.set_num_threads(1)  # CPU-time profiling needs one thread per rank
     grad_norm.install()  # --clip-grad: the same norm whichever stage holds a layer
-    torch.manual_seed(args.seed)
     return _model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                            args.seed, embedding_ranks_for(args))
 
@@ -116,7 +115,12 @@ def _model_parallel(tp: int, pp: int, seed: int, embedding_ranks=None) -> Parall
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp,
                                              get_embedding_ranks=embedding_ranks)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    # each pipeline rank's streams apart, as Megatron-LM's _set_random_seed (seed + 100 x
+    # pp rank): what --dynmo-rank-rng draws from (the layers' own streams read no rank's;
+    # weights are drawn per global name, so nothing else here draws from these)
+    rank_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    torch.manual_seed(rank_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(rank_seed)
     return current_dims()
 
 
