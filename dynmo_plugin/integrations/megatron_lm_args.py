@@ -159,11 +159,10 @@ def _check_supported(args, cfg: RunConfig) -> None:
 
 
 def layer_streams_on(args, cfg: RunConfig) -> bool:
-    """Whether each layer draws from its own streams: the model draws (dropout, MoE input
-    jitter) and --dynmo-rank-rng is off (megatron.training.layer_streams)."""
-    draws = (getattr(args, "hidden_dropout", 0) or getattr(args, "attention_dropout", 0)
-             or getattr(args, "moe_input_jitter_eps", None))
-    return bool(draws) and not cfg.dynmo.rank_rng
+    """Whether each layer draws from its own streams: the model draws and --dynmo-rank-rng
+    is off (megatron.training.layer_streams)."""
+    from dynmo_plugin.megatron.training.layer_streams import model_draws
+    return model_draws(args) and not cfg.dynmo.rank_rng
 
 
 def move_notes(args, cfg: RunConfig) -> list[str]:

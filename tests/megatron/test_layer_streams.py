@@ -8,6 +8,7 @@ expert ranks, and the rank's streams put back. The tracker here is Megatron's ow
 its CUDA-state functions bound to the CPU generator (what they do with the CUDA one on
 a GPU); the stage is a stand-in holding the members LayerStreams reads.
 """
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -104,6 +105,37 @@ def test_tensor_ranks_draw_attention_dropout_apart_and_hidden_dropout_alike_unle
     assert all(tracker.get_states()[n] is not states[n] for n in ("model-parallel-rng",))  # the fork's own write
 
 
+class _Recorded(_Layer):
+    """A layer with a weight, that keeps the masks of every forward it runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(64))
+        self.masks = []
+
+    def forward(self, x):
+        out = super().forward(x * self.weight)
+        self.masks.append(out.detach().clone())
+        return out.sum(0)
+
+
+def test_a_layer_megatron_recomputes_in_the_backward_draws_its_first_pass_s_masks(tracker):
+    """Megatron's own reentrant checkpoint (`tensor_parallel.checkpoint`, full recompute),
+    through the backward; the first pass inside the block's sequence-parallel fork and the
+    recompute outside it (the attention masks parted there, as Megatron's own do)."""
+    from megatron.core.tensor_parallel.random import checkpoint
+    for sp in (False, True):
+        streams = _streams(sequence_parallel=sp, units=[_Recorded()])
+        layer = _layer(streams)
+        x = torch.ones(64, requires_grad=True)
+        with tracker.fork() if sp else contextlib.nullcontext():
+            out = checkpoint(layer, False, x)
+        out.sum().backward()
+        first, recomputed = layer.masks
+        assert torch.equal(first, recomputed), f"sequence parallel {sp}"
+        assert layer.weight.grad is not None
+
+
 def test_tracker_streams_are_the_layer_s_during_its_forward_and_set_apart_by_the_ranks_megatron_seeds_them_by(tracker):
     inside = {}
     for tp, ep in ((0, 0), (1, 0), (0, 1)):
@@ -183,5 +215,6 @@ def test_a_post_hook_without_its_pre_hook_takes_nothing_of_another_unit(tracker)
 def test_only_a_model_that_draws_gets_streams():
     base = dict(hidden_dropout=0.0, attention_dropout=0.0, moe_input_jitter_eps=None)
     assert not model_draws(SimpleNamespace(**base))
-    for key, value in (("hidden_dropout", 0.1), ("attention_dropout", 0.1), ("moe_input_jitter_eps", 0.01)):
+    for key, value in (("hidden_dropout", 0.1), ("attention_dropout", 0.1), ("moe_input_jitter_eps", 0.01),
+                       ("moe_router_force_load_balancing", True)):
         assert model_draws(SimpleNamespace(**{**base, key: value}))

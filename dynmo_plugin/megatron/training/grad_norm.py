@@ -33,7 +33,7 @@ import torch.distributed as dist
 __all__ = ["install", "uninstall", "is_installed", "get_grad_norm_fp32"]
 
 _installed = False
-_ALIGNMENT = 16  # bytes: CUDA's vectorised loads (4 fp32 elements)
+_VECTOR = 4  # elements per vectorised load of CUDA's norm kernel (kILP)
 # Per group: how many squares each rank's packet carries, agreed by every rank of the group
 # (each reads the same gathered counts and widens alike); grows to the largest count seen.
 # Weak: a group a repack destroyed is forgotten with it.
@@ -94,11 +94,17 @@ def _squares(grads: list, device: torch.device) -> torch.Tensor:
     copy, one at a time (the copy's transient memory: one gradient)."""
     if not grads:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    misaligned = [g for g in grads if g.is_cuda and g.data_ptr() % _ALIGNMENT]
-    aligned = [g for g in grads if not (g.is_cuda and g.data_ptr() % _ALIGNMENT)]
+    misaligned = [g for g in grads if _misaligned(g)]
+    aligned = [g for g in grads if not _misaligned(g)]
     norms = list(torch._foreach_norm(aligned, 2.0, dtype=torch.float32)) if aligned else []
     norms += [torch._foreach_norm([g.clone()], 2.0, dtype=torch.float32)[0] for g in misaligned]
     return torch.stack(norms).to(device=device, dtype=torch.float64).square()
+
+
+def _misaligned(g: torch.Tensor) -> bool:
+    """Whether CUDA's norm kernel would load `g` element by element (its address not a
+    multiple of one vectorised load)."""
+    return g.is_cuda and g.data_ptr() % (_VECTOR * g.element_size()) != 0
 
 
 def _gathered(squares: torch.Tensor, group) -> list[float]:

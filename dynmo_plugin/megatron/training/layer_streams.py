@@ -29,9 +29,9 @@ pass drew.
 
 The draws differ from Megatron's own, as they would between two Megatron-LM runs split
 differently; `--dynmo-rank-rng` keeps Megatron's (and a move then changes them). Only
-Megatron's own tracker (state tensors) is supported: a graph-safe one (--te-rng-tracker,
---use-cudagraphable-rng) lets the default generator share a stream's state inside a
-fork, and is refused with the streams on (config: megatron_lm_args).
+Megatron's own tracker (state tensors) is supported: a graph-safe one (--te-rng-tracker;
+CUDA graphs', which --dynmo refuses anyway) lets the default generator share a stream's
+state inside a fork, and is refused with the streams on (megatron_lm_args).
 """
 from __future__ import annotations
 
@@ -57,9 +57,12 @@ _NO_FORK = "default-rng"  # Megatron's tracker's name for "no fork open"
 
 
 def model_draws(config) -> bool:
-    """Whether a layer of `config` (a TransformerConfig) draws random numbers in training."""
-    return bool(config.hidden_dropout or config.attention_dropout
-                or getattr(config, "moe_input_jitter_eps", None))
+    """Whether a layer of `config` (a TransformerConfig, or Megatron-LM's args, which spell
+    these alike) draws random numbers in training: dropout, MoE input jitter, the MoE
+    router's random logits of --moe-router-force-load-balancing."""
+    return bool(getattr(config, "hidden_dropout", 0) or getattr(config, "attention_dropout", 0)
+                or getattr(config, "moe_input_jitter_eps", None)
+                or getattr(config, "moe_router_force_load_balancing", False))
 
 
 def _mix(data: bytes) -> int:
@@ -123,7 +126,8 @@ class LayerStreams:
         self._first = 0  # this data-parallel rank's first micro-batch in the global batch
         self._forwards: dict[int, int] = {}
         self._recomputes: dict[int, int] = {}
-        self._saved: list[Optional[tuple]] = []
+        # (unit, its kept states; None: it drew nothing of its own) per open forward
+        self._saved: list[tuple[torch.nn.Module, Optional[_Kept]]] = []
         # module -> its hooks' handles (a module dropped by a migration goes, hooks and all)
         self._hooked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -132,14 +136,16 @@ class LayerStreams:
         """Raises:
             RuntimeError: the RNG tracker is a graph-safe one (module docstring)."""
         tracker = _tracker()
-        if tracker.is_initialized() and any(not isinstance(v, torch.Tensor) for v in tracker.get_states().values()):
+        states = tracker.get_states() if tracker.is_initialized() else {}
+        if any(not isinstance(state, torch.Tensor) for state in states.values()):
             raise RuntimeError("dynmo: the layers' own random streams need Megatron's RNG tracker with "
-                               "state tensors, not a graph-safe one (--te-rng-tracker, "
-                               "--use-cudagraphable-rng): add --dynmo-rank-rng")
+                               "state tensors, not a graph-safe one (--te-rng-tracker): add "
+                               "--dynmo-rank-rng")
         self.iteration = iteration
         self._first = self.stage.dims.dp_rank * self.stage.num_microbatches
         self._forwards.clear()
         self._recomputes.clear()
+        self._saved.clear()  # a step that ended in an exception past a post-hook (^C) left its entry
         for number, module in self._units():
             if module not in self._hooked:
                 self._hook(number, module)
@@ -170,7 +176,7 @@ class LayerStreams:
         def pre(mod, args):
             inside = any(kept is not None for _, kept in self._saved)
             self._saved.append((mod, None))
-            if mod.training and not inside:  # nested (the embedding the MTP block calls): the enclosing unit's
+            if mod.training and not inside:  # inside another (the embedding the MTP block calls): its streams
                 kept = self._saved[-1] = (mod, self._keep())
                 self._seed(number, kept[1])
 
