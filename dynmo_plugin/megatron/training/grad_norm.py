@@ -30,7 +30,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-__all__ = ["install", "uninstall", "is_installed", "get_grad_norm_fp32"]
+__all__ = ["install", "uninstall", "get_grad_norm_fp32"]
 
 _installed = False
 _VECTOR = 4  # elements per vectorised load of CUDA's norm kernel (kILP)
@@ -38,10 +38,6 @@ _VECTOR = 4  # elements per vectorised load of CUDA's norm kernel (kILP)
 # (each reads the same gathered counts and widens alike); grows to the largest count seen.
 # Weak: a group a repack destroyed is forgotten with it.
 _width: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def is_installed() -> bool:
-    return _installed
 
 
 def install() -> None:
@@ -94,8 +90,9 @@ def _squares(grads: list, device: torch.device) -> torch.Tensor:
     copy, one at a time (the copy's transient memory: one gradient)."""
     if not grads:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    misaligned = [g for g in grads if _misaligned(g)]
-    aligned = [g for g in grads if not _misaligned(g)]
+    aligned, misaligned = [], []
+    for g in grads:
+        (misaligned if _misaligned(g) else aligned).append(g)
     norms = list(torch._foreach_norm(aligned, 2.0, dtype=torch.float32)) if aligned else []
     norms += [torch._foreach_norm([g.clone()], 2.0, dtype=torch.float32)[0] for g in misaligned]
     return torch.stack(norms).to(device=device, dtype=torch.float64).square()

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from dynmo_plugin.megatron.recompute import in_backward
 
-__all__ = ["LayerStreams", "model_draws", "stream_seed", "stream_salt"]
+__all__ = ["LayerStreams", "model_draws"]
 
 _DEFAULT = "default"
 # Megatron's tracker streams (tensor_parallel.random) and the ranks each is seeded apart by
@@ -70,13 +70,13 @@ def _mix(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
-def stream_seed(seed: int, layer: int, iteration: int, microbatch: int, salt: int) -> int:
-    """The seed of one stream of one layer forward: the forward's key mixed once, then
-    apart per stream by `salt` (`stream_salt`): one hash per forward, not per stream."""
-    return _mix(struct.pack("<4q", seed, layer, iteration, microbatch)) ^ salt
+def _forward_key(seed: int, layer: int, iteration: int, microbatch: int) -> int:
+    """One unit forward's key, mixed once; each stream's seed is it XOR the stream's salt
+    (`_stream_salt`): one hash per forward, not per stream."""
+    return _mix(struct.pack("<4q", seed, layer, iteration, microbatch))
 
 
-def stream_salt(stream: str, ranks: tuple[int, ...] = ()) -> int:
+def _stream_salt(stream: str, ranks: tuple[int, ...] = ()) -> int:
     """What sets a stream (and the ranks Megatron seeds it apart on) apart from another."""
     return _mix(stream.encode() + struct.pack(f"<{len(ranks)}q", *ranks))
 
@@ -200,7 +200,7 @@ class LayerStreams:
         salt = self._salts.get(stream)
         if salt is None:
             names = self._default_ranks if stream == _DEFAULT else _TRACKER_RANKS.get(stream, _ALL_RANKS)
-            salt = self._salts[stream] = stream_salt(stream, tuple(self._ranks[n] for n in names))
+            salt = self._salts[stream] = _stream_salt(stream, tuple(self._ranks[n] for n in names))
         return salt
 
     def _keep(self) -> _Kept:
@@ -215,7 +215,7 @@ class LayerStreams:
         opens (attention dropout) then switches to the layer's stream in the first pass
         and in a recompute alike (the sequence-parallel fork around the block is open in
         the first only, so nested there it would continue the default one)."""
-        key = stream_seed(self.seed, number, self.iteration, self._microbatch(number), 0)
+        key = _forward_key(self.seed, number, self.iteration, self._microbatch(number))
         self._default.manual_seed(key ^ self._salt(_DEFAULT))
         if not kept.states:
             return
