@@ -57,7 +57,7 @@ def run(cfg: RunConfig, layer_spec=None, fault=None, profile_noise=None, on_star
     from dynmo_plugin.megatron.migration.repack import RankRetired
     from dynmo_plugin.session import Stopped, StopTraining, TrainingSession
 
-    dims = init_parallel(cfg.model)
+    dims = init_parallel(cfg.model, native_grad_reduce=cfg.dynmo.native_grad_reduce)
     session = None
     try:
         session = TrainingSession(cfg, dims, layer_spec, fault, profile_noise)

@@ -312,6 +312,11 @@ class DynmoConfig:
         "Megatron's own do (a run without the plugin's masks; a move then changes them), "
         "not each layer from its own (docs/megatron-lm.md \"What a move changes\")",
         "--dynmo-rank-rng"))
+    native_grad_reduce: bool = field(default=False, metadata=opt(
+        "reduce data-parallel gradients with Megatron's own collective (NCCL's or gloo's ring "
+        "order: at DP >= 3 a move then changes the reduced gradients' last bits), not each "
+        "element in data-parallel rank order (docs/megatron-lm.md \"What a move changes\")",
+        "--dynmo-native-grad-reduce"))
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     dynamism: DynamismConfig = field(default_factory=DynamismConfig)

@@ -406,8 +406,9 @@ def disable() -> None:
     for name, original in _hooks.originals.items():
         setattr(*_home(mtt, name), original)
     _hooks.originals.clear()
-    from dynmo_plugin.megatron.training import grad_norm
+    from dynmo_plugin.megatron.training import grad_norm, grad_reduce
     grad_norm.uninstall()
+    grad_reduce.uninstall()
     if _hooks.compile_helpers is not None:
         import megatron.core.datasets.utils as dutils
         dutils.compile_helpers, _hooks.compile_helpers = _hooks.compile_helpers, None

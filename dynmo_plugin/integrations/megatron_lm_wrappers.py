@@ -8,7 +8,8 @@ that `megatron_lm.enable()` wraps (each calls the original; their state is
   setup_model_and_optimizer - the run (`make_run`: `megatron_lm._Run`) built on what it
                               returns; with --dynmo, the optimizers' gradient norm
                               summed exactly, whichever rank holds which gradient
-                              (grad_norm)
+                              (grad_norm), and the data-parallel gradients reduced
+                              in rank order (grad_reduce)
   build_train_valid_test_data_iterators
                             - with MTP on three or more pipeline ranks, the datasets
                               built on every rank (megatron_lm_data), so the block can
@@ -83,8 +84,12 @@ def _wrap_setup(original, make_run: Callable):
         if cfg is not None and cfg.dynmo.enabled and optimizer is not None:
             from megatron.training import get_args
 
-            from dynmo_plugin.megatron.training import grad_norm
+            from dynmo_plugin.megatron.training import grad_norm, grad_reduce
             grad_norm.install()  # --clip-grad: the same norm whichever stage holds a layer
+            if cfg.dynmo.native_grad_reduce:
+                grad_reduce.uninstall()
+            else:  # DP >= 3: the same reduced gradients wherever a layer sits in its bucket
+                grad_reduce.install()
             _hooks.run = make_run(cfg, get_args(), model, optimizer, scheduler)
         return model, optimizer, scheduler
     return setup_model_and_optimizer

@@ -136,7 +136,8 @@ def test_a_run_whose_layers_may_move_says_what_a_move_changes():
     where the layout puts them) make a moved run equal the never-moved one in
     distribution only, and a per-rank checkpoint saved after a move needs --dynmo to
     resume: said once at the start, where layers may move. Neither otherwise (the
-    layers' own streams; the exact norm)."""
+    layers' own streams; the exact norm). Nor a data-parallel size >= 3 unless
+    --dynmo-native-grad-reduce (else the gradients are reduced in rank order)."""
     defaults = dict(hidden_dropout=0.1, attention_dropout=0.1, clip_grad=1.0, save="/tmp/x", ckpt_format="torch")
     moving = megatron_like(argv=["--dynmo", "--dynmo-rebalance-interval", "10"], **defaults)
     notes = ml.move_notes(moving, ml.load_plugin_config(moving))
@@ -153,6 +154,15 @@ def test_a_run_whose_layers_may_move_says_what_a_move_changes():
     exact = megatron_like(argv=["--dynmo", "--dynmo-rebalance-interval", "10"], hidden_dropout=0.0,
                           attention_dropout=0.0, clip_grad=0.0, save=None)
     assert ml.move_notes(exact, ml.load_plugin_config(exact)) == []
+    for dp, native, said in ((3, True, True), (2, True, False), (3, False, False)):
+        args = megatron_like(argv=["--dynmo", "--dynmo-rebalance-interval", "10",
+                                   *(["--dynmo-native-grad-reduce"] if native else [])],
+                             hidden_dropout=0.0, attention_dropout=0.0, clip_grad=0.0, data_parallel_size=dp)
+        notes = ml.move_notes(args, ml.load_plugin_config(args))
+        assert notes == ([f"layers may move in this run: with --dynmo-native-grad-reduce at data-parallel size {dp} "
+                          "a moved run equals the never-moved one in distribution, not to the bit (each rank "
+                          "draws and sums in its own order: docs/megatron-lm.md \"What a move changes\")"]
+                         if said else []), (dp, native, notes)
 
 
 def test_a_layout_is_the_only_split_left_in_megatron_lms_args():
@@ -1051,3 +1061,23 @@ def test_checkpoint_repack_4_to_2_ranks_resumes_bit_exact(tmp_path):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     resumed, second = train_in_megatron_lm(tmp_path / "resumed", ["--dynmo", "--load", str(ckpt), "--no-load-rng"])
     assert resumed["initial_layout"] == "Et|tttL" and second == full[4:]
+
+
+@needs_source
+def test_a_move_at_dp_3_with_the_distributed_optimizer_and_overlapped_reduction_is_bit_exact(tmp_path):
+    """PP 2 x DP 3 on 6 ranks, --use-distributed-optimizer --overlap-grad-reduce: layer 2
+    moved at iteration 4, all 8 losses equal the never-moved run's. gloo's
+    reduce-scatter over 3 ranks sums an element in an order set by its offset in the
+    bucket, which a move changes: with it (--dynmo-native-grad-reduce) iteration 6 read
+    5.007970810 moved against 5.007971287. Under --dynmo each bucket is reduced in rank
+    order (`grad_reduce`), here asynchronously, finished where finish_grad_sync waits."""
+    flags = ["--global-batch-size", "12", "--use-distributed-optimizer", "--overlap-grad-reduce",
+             "--dynmo", "--dynmo-profile-every", "2"]
+    length = ("--train-iters", "8")
+    moved, moved_losses = train_in_megatron_lm(tmp_path / "moved", [*flags, "--dynmo-forced-layouts", "4:Et|tttL"],
+                                               ranks=6, length=length)
+    static, static_losses = train_in_megatron_lm(tmp_path / "static", flags, ranks=6, length=length)
+    assert moved["world"]["dp"] == 3
+    assert [(e["iteration"], e["layout_after"]) for e in moved["events"] if e["kind"] == "rebalance"] == [
+        (4, "Et|tttL")]
+    assert len(moved_losses) == 8 and moved_losses == static_losses

@@ -3,7 +3,8 @@
 `init_parallel` is the only place the backend is chosen (`--distributed-backend`, by
 default nccl with CUDA, gloo without; `resolve_backend` checks the choice against the
 machine before any CUDA call) and the only caller of the CPU compatibility layer; it also
-gives the launcher's optimizers the gradient norm a move cannot change (`grad_norm`). The resulting
+gives the launcher's optimizers the gradient norm a move cannot change (`grad_norm`) and
+its DDP the data-parallel reduction a move cannot change (`grad_reduce`). The resulting
 `ParallelDims` carries the groups explicitly; code below it takes them from there
 rather than reading module globals, so a repack can rebuild them.
 """
@@ -20,7 +21,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from dynmo_plugin.config import ConfigError, ModelArgs
 from dynmo_plugin.consensus import agent_store
-from dynmo_plugin.megatron.training import grad_norm
+from dynmo_plugin.megatron.training import grad_norm, grad_reduce
 from dynmo_plugin.megatron.training.mtp import embedding_ranks_for
 
 __all__ = ["ParallelDims", "init_parallel", "current_dims", "destroy_parallel", "shrink_world",
@@ -82,8 +83,11 @@ def resolve_backend(requested: str | None, cuda_devices: int, local_world_size: 
     return backend
 
 
-def init_parallel(args: ModelArgs) -> ParallelDims:
-    """Initialise torch.distributed (env:// from torchrun) and Megatron's groups.
+def init_parallel(args: ModelArgs, native_grad_reduce: bool = False) -> ParallelDims:
+    """Initialise torch.distributed (env:// from torchrun) and Megatron's groups; the
+    optimizers' gradient norm summed exactly (`grad_norm`) and, unless
+    `native_grad_reduce` (--dynmo-native-grad-reduce), DDP's buckets reduced in rank
+    order (`grad_reduce`): either way a move cannot change them.
 
     Raises:
         ConfigError: the backend does not fit the machine (see `resolve_backend`).
@@ -105,6 +109,10 @@ def init_parallel(args: ModelArgs) -> ParallelDims:
         cpu_compat.apply()
         torch.set_num_threads(1)  # CPU-time profiling needs one thread per rank
     grad_norm.install()  # --clip-grad: the same norm whichever stage holds a layer
+    if native_grad_reduce:
+        grad_reduce.uninstall()
+    else:  # DP >= 3: the same reduced gradients wherever a layer sits in its bucket
+        grad_reduce.install()
     return _model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                            args.seed, embedding_ranks_for(args))
 

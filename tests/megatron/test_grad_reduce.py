@@ -1,0 +1,120 @@
+"""Data-parallel gradients reduced in rank order (`megatron.training.grad_reduce`): an
+element's reduced value does not depend on where it sits in its bucket. gloo's ring
+all-reduce sums an element in an order set by its offset, so at DP 3 a move changed the
+reduced gradients: the launcher at PP 2 x DP 3, layer 4 moved at iteration 3, read
+5.509746075 against 5.509746154 at iteration 4 (docs/megatron-lm.md, "What a move
+changes")."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from launch import assert_same_training, free_port, spawn, worker
+
+pytestmark = pytest.mark.multiproc
+
+WORLD = 3
+OFFSETS = (0, 5, 333)  # where the same values sit in the bucket
+
+
+def _values(rank: int, n: int = 1001) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 3, (n,), generator=g).float()
+
+
+def _in_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total += p
+    return total
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from dynmo_plugin.megatron.training import grad_reduce
+    group, x = dist.group.WORLD, _values(rank)
+    expected = _in_order([_values(r) for r in range(WORLD)])
+    seen: dict = {"ordered": [], "gloo": []}
+    for offset in OFFSETS:
+        for async_op, slice_ in ((False, grad_reduce.SLICE), (False, 7), (True, grad_reduce.SLICE)):
+            grad_reduce.SLICE, saved = slice_, grad_reduce.SLICE
+            bucket = torch.cat([torch.zeros(offset), x])
+            pending = grad_reduce.all_reduce(bucket, group, async_op=async_op)
+            if pending is not None:
+                pending.finish()
+                pending.finish()  # idempotent: no second gather
+            grad_reduce.SLICE = saved
+            seen["ordered"].append(int((bucket[offset:] != expected).sum()))
+        bucket = torch.cat([torch.zeros(offset), x])
+        dist.all_reduce(bucket, group=group)
+        seen["gloo"].append(int((bucket[offset:] != expected).sum()))
+    n = 300 * WORLD  # reduce-scatter: this rank's chunk summed, the others untouched
+    y, chunk = _values(rank, n), slice(rank * 300, (rank + 1) * 300)
+    total = _in_order([_values(r, n) for r in range(WORLD)])
+    shard = y.clone()
+    grad_reduce.reduce_scatter(shard, group)
+    untouched = torch.ones(n, dtype=torch.bool)
+    untouched[chunk] = False
+    seen["scatter"] = [bool(torch.equal(shard[chunk], total[chunk])),
+                       bool(torch.equal(shard[untouched], y[untouched]))]
+    mean = y.clone()
+    grad_reduce.all_reduce(mean, group, average=True)
+    seen["average"] = bool(torch.equal(mean, total / WORLD))
+    try:
+        grad_reduce.reduce_scatter(torch.zeros(n + 1), group)
+    except ValueError as e:
+        seen["uneven"] = str(e)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(seen, fh)
+    dist.destroy_process_group()
+
+
+def test_an_element_reduces_to_the_same_bits_wherever_it_sits_in_the_bucket(tmp_path):
+    """Three gloo ranks all-reduce the same values at offsets 0, 5 and 333 of a bucket of
+    1001 + offset elements (not a multiple of 3: a tail): synchronously, in slices of 7
+    elements per rank and asynchronously, always exactly the rank-ordered sum, while gloo's
+    own all-reduce gives other bits at some offset (the values are ones where order
+    shows). reduce_scatter sums only the rank's own chunk and leaves the rest; average
+    divides the ordered sum; a bucket that does not split evenly is refused."""
+    spawn(_rank, (free_port(), str(tmp_path)), nprocs=WORLD)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for seen in ranks:
+        assert seen["ordered"] == [0] * 3 * len(OFFSETS), seen
+        assert any(seen["gloo"]), seen
+        assert seen["scatter"] == [True, True] and seen["average"] is True, seen
+        assert "do not split over 3 ranks" in seen["uneven"], seen
+
+
+def test_install_swaps_megatron_s_bucket_reduction_and_uninstall_gives_it_back():
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup as Group
+
+    from dynmo_plugin.megatron.training import grad_reduce
+    megatron_s = Group.start_grad_sync
+    grad_reduce.install()
+    grad_reduce.install()
+    assert Group.start_grad_sync is grad_reduce._start_grad_sync
+    grad_reduce.uninstall()
+    grad_reduce.uninstall()
+    assert Group.start_grad_sync is megatron_s
+
+
+DP3 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "12", "--train-iters", "6",
+       "--dynmo", "--dynmo-profile-every", "2", "--test-dump-params"]
+
+
+def test_a_move_at_dp_3_trains_as_the_never_moved_run_bit_for_bit(tmp_path):
+    """The launcher at PP 2 x DP 3 (one bucket per stage, not a multiple of 3 elements),
+    layer 4 moved to stage 1 at iteration 3: every loss and the final parameters equal the
+    never-moved run's. With gloo's own all-reduce (--dynmo-native-grad-reduce) iteration 4
+    read 5.509746075 moved against 5.509746154."""
+    static = worker(6, DP3, tmp_path / "static")
+    moved = worker(6, [*DP3, "--dynmo-forced-layouts", "3:Ettt|tttttL"], tmp_path / "moved")
+    assert moved["world"]["dp"] == 3
+    assert [(e["iteration"], e["layout_after"]) for e in moved["events"] if e["kind"] == "rebalance"] == [
+        (3, "Ettt|tttttL")]
+    assert len(static["iterations"]) == len(moved["iterations"]) == 6
+    assert_same_training(tmp_path / "static", static, tmp_path / "moved", moved, range(6))
