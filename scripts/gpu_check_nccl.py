@@ -27,6 +27,9 @@ GPU with init_process_group(device_id=...)):
   grad_norm                the order-free gradient norm over the device's collective (NCCL):
                            float64's value, the same bits in any order and at any address
                            alignment (torch's own at both printed), empty and inf ranks
+  grad_reduce              the rank-ordered data-parallel reduction on the device's
+                           collective: all_to_all, adds, in-place all-gather, sync and
+                           overlapped, no host sync, temporaries freed (order: CPU tests)
   determinism_bitwise      (9)  two identical PP=1 bf16 runs: losses and weights bitwise
                            equal, with NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and
                            CUBLAS_WORKSPACE_CONFIG=:4096:8 (set here for every row)
@@ -372,6 +375,41 @@ def row_grad_norm() -> str:
             f"alignment-free (torch's own norm at another alignment equal: {raw})")
 
 
+def row_grad_reduce() -> str:
+    """The rank-ordered data-parallel reduction (megatron.training.grad_reduce) on this
+    device's collective: its all_to_all, adds and in-place all-gather on CUDA over NCCL,
+    synchronous (in slices) and overlapped, without a host synchronisation, the bucket's
+    values back (a one-rank world sums one term; the order itself is a CPU test's, at 3
+    ranks) and the temporaries freed."""
+    import torch
+    from dynmo_plugin.megatron.training import grad_reduce
+    dist = _world_one("nccl" if torch.cuda.is_available() else "gloo")
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    bucket = torch.randn(100_003, generator=torch.Generator().manual_seed(5)).to(dev)
+    before = torch.cuda.memory_allocated(dev) if cuda else 0
+    saved, grad_reduce.SLICE = grad_reduce.SLICE, 4096
+    try:
+        if cuda:
+            torch.cuda.set_sync_debug_mode("error")
+        data = bucket.clone()
+        grad_reduce.all_reduce(data, dist.group.WORLD)
+        pending = grad_reduce.all_reduce(data, dist.group.WORLD, async_op=True)
+        pending.finish()
+        grad_reduce.reduce_scatter(data, dist.group.WORLD, average=True)
+    finally:
+        grad_reduce.SLICE = saved
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
+    if not torch.equal(data, bucket):
+        raise CheckFailed("a one-rank reduction changed the bucket")
+    del data, pending
+    left = (torch.cuda.memory_allocated(dev) - before) if cuda else 0
+    if left > 0:
+        raise CheckFailed(f"{left} bytes of temporaries still allocated after the reductions")
+    return f"{dev.type}: sync in slices, overlapped and scatter: values back, no host sync, temporaries freed"
+
+
 def _fingerprint(trainer) -> str:
     import hashlib
     h = hashlib.sha256()
@@ -454,6 +492,7 @@ ROWS: dict[str, Callable[[], str]] = {
     "sampled_addmm_bf16": row_sampled_addmm_bf16,
     "layer_streams": row_layer_streams,
     "grad_norm": row_grad_norm,
+    "grad_reduce": row_grad_reduce,
 }
 
 
@@ -466,7 +505,7 @@ ROWS: dict[str, Callable[[], str]] = {
 # In this order: the rows that matter most first, the bf16 CSR probe (an op that may fail
 # on CUDA) last.
 SHARED = ("wire_checksum_peak", "rebuild_distopt_bf16", "nccl_shrink_support", "nccl_cpu_tensor",
-          "grad_norm", "sampled_addmm_bf16")
+          "grad_norm", "grad_reduce", "sampled_addmm_bf16")
 ALONE = ("nccl_destroyed_group", "control_plane_cuda_state", "layer_streams")
 ROW_TIMEOUT_S, SHARED_TIMEOUT_S = 120.0, 240.0
 _START = time.perf_counter()

@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check_nccl as nccl  # noqa: E402
-CPU_ROWS = {"rebuild_distopt_bf16", "wire_checksum_peak", "control_plane_cuda_state", "layer_streams", "grad_norm"}
+CPU_ROWS = {"rebuild_distopt_bf16", "wire_checksum_peak", "control_plane_cuda_state", "layer_streams", "grad_norm",
+            "grad_reduce"}
 
 
 @pytest.mark.multiproc
@@ -37,6 +38,7 @@ def test_cpu_json_run_is_green_and_keeps_the_contract():
     assert "refused on both ranks" in by_name["control_plane_cuda_state"]["detail"]
     assert by_name["layer_streams"]["detail"].startswith("cpu: draws keyed, rank streams back")
     assert by_name["grad_norm"]["detail"].startswith("cpu: ") and "order-free" in by_name["grad_norm"]["detail"]
+    assert by_name["grad_reduce"]["detail"].startswith("cpu: sync in slices, overlapped and scatter: values back")
 
 
 _HANGS_AFTER_ONE = ("import json, time\n"  # a fault: a shared child that hangs in its second row
