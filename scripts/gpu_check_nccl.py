@@ -26,7 +26,8 @@ GPU with init_process_group(device_id=...)):
                            drew before, the rank's streams back after, no host sync
   grad_norm                the order-free gradient norm over the device's collective (NCCL):
                            float64's value, the same bits in any order and at any address
-                           alignment (torch's own at both printed), empty and inf ranks
+                           alignment (torch's own at both printed), empty and inf ranks;
+                           sharded (distributed optimizer): one norm for three cuts
   grad_reduce              the rank-ordered data-parallel reduction on the device's
                            collective: all_to_all, adds, in-place all-gather, sync and
                            overlapped, no host sync, temporaries freed (order: CPU tests)
@@ -371,8 +372,18 @@ def row_grad_norm() -> str:
     raw = torch.equal(torch._foreach_norm([x])[0], torch._foreach_norm([shifted])[0])
     if get_grad_norm_fp32([shifted], 2, dist.group.WORLD) != get_grad_norm_fp32([x], 2, dist.group.WORLD):
         raise CheckFailed(f"a gradient 4 bytes off its alignment gave another norm (torch's own equal: {raw})")
+    from dynmo_plugin.megatron.training import grad_norm
+    grad_norm.install(sharded=True)  # the distributed optimizer's shards: summed over elements
+    try:
+        flat = torch.cat(grads)
+        cuts = [get_grad_norm_fp32(list(flat.split(n)), 2, dist.group.WORLD) for n in (flat.numel(), 999, 4097)]
+    finally:
+        grad_norm.uninstall()
+    if len(set(cuts)) != 1 or abs(cuts[0] - exact) > 1e-12 * exact:
+        raise CheckFailed(f"sharded norms {cuts!r} for three cuts of the same elements, float64 {exact!r}")
     return (f"{dev.type}: {norm:.9g} (float64 {exact:.9g}), order-free, empty and inf alike; "
-            f"alignment-free (torch's own norm at another alignment equal: {raw})")
+            f"alignment-free (torch's own norm at another alignment equal: {raw}); sharded: one "
+            f"norm for three cuts, {cuts[0]:.12g}")
 
 
 def row_grad_reduce() -> str:

@@ -169,11 +169,10 @@ def move_notes(args, cfg: RunConfig) -> list[str]:
     """What a run whose layers may move should say at its start (docs/megatron-lm.md "What
     a move changes"): which of its settings make a moved run equal the never-moved one in
     distribution rather than to the bit (Megatron-LM's dropout 0.1 only with
-    --dynmo-rank-rng: else each layer draws from its own streams, which move with it;
-    its clipping 1.0 only with the distributed optimizer: else the norm is summed exactly,
-    `grad_norm`; a data-parallel size >= 3 only with --dynmo-native-grad-reduce: else the
-    gradients are reduced in rank order, `grad_reduce`), and how a per-rank checkpoint
-    saved after a move is resumed."""
+    --dynmo-rank-rng: else each layer draws from its own streams, which move with it; a
+    data-parallel size >= 3 only with --dynmo-native-grad-reduce: else the gradients are
+    reduced in rank order, `grad_reduce`; its clipping 1.0 never: the norm is summed
+    exactly, `grad_norm`), and how a per-rank checkpoint saved after a move is resumed."""
     if not layers_may_move(args, cfg):
         return []
     notes = []
@@ -182,8 +181,6 @@ def move_notes(args, cfg: RunConfig) -> list[str]:
             ("hidden-dropout", getattr(args, "hidden_dropout", 0)),
             ("attention-dropout", getattr(args, "attention_dropout", 0)),
             ("moe-input-jitter-eps", getattr(args, "moe_input_jitter_eps", None) or 0))),
-        ("clip-grad", getattr(args, "clip_grad", 0) if getattr(args, "use_distributed_optimizer", False)
-         else 0),
         ("dynmo-native-grad-reduce at data-parallel size", getattr(args, "data_parallel_size", 1)
          if cfg.dynmo.native_grad_reduce and (getattr(args, "data_parallel_size", 1) or 1) >= 3 else 0))
         if value]

@@ -85,7 +85,8 @@ def _wrap_setup(original, make_run: Callable):
             from megatron.training import get_args
 
             from dynmo_plugin.megatron.training import grad_norm, grad_reduce
-            grad_norm.install()  # --clip-grad: the same norm whichever stage holds a layer
+            # --clip-grad: the same norm whichever stage holds a layer, shards cut anywhere
+            grad_norm.install(sharded=get_args().use_distributed_optimizer)
             if cfg.dynmo.native_grad_reduce:
                 grad_reduce.uninstall()
             else:  # DP >= 3: the same reduced gradients wherever a layer sits in its bucket

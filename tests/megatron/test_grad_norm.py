@@ -74,6 +74,58 @@ def test_the_norm_is_the_same_however_the_tensors_are_split_over_the_ranks(tmp_p
     assert (seen["megatron's name before"], seen["installed"], seen["uninstalled"]) == (True, True, True)
 
 
+# Where three data-parallel ranks' shards of one 100000-element buffer are cut (the
+# distributed optimizer cuts it where the layout puts the parameters); each shard is two tensors.
+CUTS = ((0, 30000, 70000, 100000), (0, 33333, 66666, 100000), (0, 1, 99999, 100000), (0, 50000, 50001, 100000))
+
+
+def _buffer() -> torch.Tensor:
+    g = torch.Generator().manual_seed(11)
+    return torch.randn(100_000, generator=g) * 10.0 ** torch.randint(-4, 3, (100_000,), generator=g).float()
+
+
+def _sharded_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    from dynmo_plugin.megatron.training import grad_norm
+    full, seen = _buffer(), {"per_tensor": [], "sharded": []}
+    for cuts in CUTS:
+        a, b = cuts[rank], cuts[rank + 1]
+        mine = [t for t in (full[a:(a + b) // 2], full[(a + b) // 2:b]) if t.numel()]
+        grad_norm.install()
+        seen["per_tensor"].append(grad_norm.get_grad_norm_fp32(mine).hex())
+        grad_norm.install(sharded=True)
+        seen["sharded"].append(grad_norm.get_grad_norm_fp32(mine).hex())
+    grad_norm.SLICE = 777  # the float64 passes in slices: the same sum
+    seen["sliced"] = grad_norm.get_grad_norm_fp32([full[CUTS[0][rank]:CUTS[0][rank + 1]]]).hex()
+    seen["inf"] = grad_norm.get_grad_norm_fp32([torch.tensor([1.0, math.inf])] if rank == 1 else [])
+    seen["nan"] = repr(grad_norm.get_grad_norm_fp32([torch.tensor([math.nan, math.inf])] if rank == 2 else []))
+    seen["zero"] = grad_norm.get_grad_norm_fp32([torch.zeros(5)] if rank == 0 else [])
+    grad_norm.uninstall()
+    seen["uninstalled"] = grad_norm._sharded
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(seen, fh)
+    dist.destroy_process_group()
+
+
+def test_with_sharded_gradients_the_norm_is_the_same_wherever_the_shards_are_cut(tmp_path):
+    """The distributed optimizer's shards: one buffer of 100000 elements of unlike scales
+    cut over three gloo ranks four ways. Summed over elements (install(sharded=True)) the
+    norm has the same bits for every cut, in slices too, and equals the float64 norm
+    (math.fsum of the squares) to the last bit here; per-tensor norms of the pieces give
+    other bits for every cut (what a move changed). An inf or NaN element anywhere gives
+    inf or NaN (NaN first), all zeros 0; uninstall() leaves the mode off."""
+    spawn(_sharded_rank, (free_port(), str(tmp_path)), nprocs=3)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert ranks[0] == ranks[1] == ranks[2]
+    seen = ranks[0]
+    reference = math.sqrt(math.fsum(v * v for v in _buffer().double().tolist()))
+    assert set(seen["sharded"]) == {seen["sliced"]} == {reference.hex()}, seen
+    assert len(set(seen["per_tensor"])) == len(CUTS), seen
+    assert (seen["inf"], seen["nan"], seen["zero"], seen["uninstalled"]) == (math.inf, "nan", 0.0, False), seen
+
+
 REPRO = ["--pipeline-model-parallel-size", "2", "--train-iters", "8", "--clip-grad", "1.0", "--dynmo",
          "--dynmo-profile-every", "2", "--test-dump-params"]
 

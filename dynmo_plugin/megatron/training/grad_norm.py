@@ -12,9 +12,18 @@ gathers every rank's squares over the group and sums them with `math.fsum`, whic
 exact and correctly rounded. The norm is then a function of the multiset of per-tensor
 norms, never of their ranks or order. With the plain optimizer that multiset is the
 model's (each parameter's gradient whole on one rank of TP x PP), so the norm is
-layout-invariant. With --use-distributed-optimizer the gradients are shards of the
-data-parallel buffer, and where a parameter is cut depends on the layout: the norm is
-still correct, but a move can change its last bits there.
+layout-invariant.
+
+With --use-distributed-optimizer (`install(sharded=True)`) the gradients are shards of
+the data-parallel buffer, and where a parameter is cut depends on the layout, so the
+per-tensor norms of its pieces would change with a move. There the sum runs over
+elements instead, exactly: the group agrees on the largest finite magnitude M (an
+all-reduce MAX, exact) and 2^E > M; each element's square, scaled by 2^-2E, is exact in
+float64 and below 1, and is cut into two 31-bit limbs on the fixed grid 2^-62 (the bits
+below it, < 2^-62 M^2 per element, are dropped). The limbs' sums are integers, exact in
+any order, so the total depends only on the multiset of elements; it is rounded once on
+the host. The cost: two float64 passes over the rank's shard (in slices of `SLICE`
+elements) where the per-tensor norm reads it once, and one host synchronisation more.
 
 `install()` puts it in place of the name megatron.core.optimizer.optimizer calls
 (MegatronOptimizer.get_grad_norm and clip_grad_norm, ChainedOptimizer.get_grad_norm);
@@ -33,6 +42,9 @@ import torch.distributed as dist
 __all__ = ["install", "uninstall", "get_grad_norm_fp32"]
 
 _installed = False
+_sharded = False  # the optimizer's gradients are shards cut by the layout: sum elements
+SLICE = 1 << 24  # elements per float64 pass of the exact element sum
+_LIMB = 31  # bits per limb: a slice's sum of limbs stays below 2^55
 _VECTOR = 4  # elements per vectorised load of CUDA's norm kernel (kILP)
 # Per group: how many squares each rank's packet carries, agreed by every rank of the group
 # (each reads the same gathered counts and widens alike); grows to the largest count seen.
@@ -40,23 +52,25 @@ _VECTOR = 4  # elements per vectorised load of CUDA's norm kernel (kILP)
 _width: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def install() -> None:
-    """Megatron's optimizers take their gradient norm from `get_grad_norm_fp32` here. Idempotent."""
-    global _installed
+def install(sharded: bool = False) -> None:
+    """Megatron's optimizers take their gradient norm from `get_grad_norm_fp32` here;
+    `sharded` (--use-distributed-optimizer): summed over elements (module docstring).
+    Idempotent."""
+    global _installed, _sharded
     from megatron.core.optimizer import optimizer
     optimizer.get_grad_norm_fp32 = get_grad_norm_fp32
-    _installed = True
+    _installed, _sharded = True, bool(sharded)
 
 
 def uninstall() -> None:
     """Megatron's own function again (the one clip_grads defines). Idempotent."""
-    global _installed
+    global _installed, _sharded
     if not _installed:
         return
     from megatron.core.optimizer import clip_grads, optimizer
     optimizer.get_grad_norm_fp32 = clip_grads.get_grad_norm_fp32
     _width.clear()
-    _installed = False
+    _installed = _sharded = False
 
 
 def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None) -> float:
@@ -69,8 +83,52 @@ def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=No
     if float(norm_type) != 2.0 or any(isinstance(g, DTensor) for g in grads):
         from megatron.core.optimizer import clip_grads
         return clip_grads.get_grad_norm_fp32(grads_for_norm, norm_type, grad_stats_parallel_group)
+    if _sharded:
+        return math.sqrt(_element_square_sum(grads, grad_stats_parallel_group))
     squares = _squares(grads, _device(grad_stats_parallel_group))
     return math.sqrt(math.fsum(_gathered(squares, grad_stats_parallel_group)))
+
+
+def _element_square_sum(grads: list, group) -> float:
+    """The sum of every rank's squared gradient elements, a function of their multiset
+    alone (module docstring): inf or NaN where any element is (NaN wins), as Megatron's."""
+    device = _device(group)
+    peak = torch.zeros(3, dtype=torch.float64, device=device)  # largest finite |g|, any NaN, any inf
+    if grads:
+        peaks = torch.stack(torch._foreach_norm(grads, math.inf)).to(device=device, dtype=torch.float64)
+        peak[0] = torch.where(peaks.isfinite(), peaks, 0.0).max()
+        peak[1], peak[2] = peaks.isnan().any(), peaks.isinf().any()
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    largest, nan, inf = peak.tolist()
+    if nan or inf:
+        return math.nan if nan else math.inf
+    exponent = math.frexp(largest)[1]  # largest < 2^exponent; 0 for none
+    limbs = torch.zeros(3, dtype=torch.int64, device=device)  # units of 2^-62, 2^-31, 1 (x 2^2E)
+    for g in grads:
+        for piece in g.detach().reshape(-1).split(SLICE):
+            _add_limbs(piece, 2.0 ** -exponent, limbs)
+    rows = [limbs]
+    if dist.is_initialized():
+        rows = [torch.empty_like(limbs) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, limbs, group=group)
+    total = sum((top << 2 * _LIMB) + (high << _LIMB) + low
+                for low, high, top in torch.stack(rows).cpu().tolist())
+    return math.ldexp(float(total), 2 * exponent - 2 * _LIMB)
+
+
+def _add_limbs(piece: torch.Tensor, scale: float, limbs: torch.Tensor) -> None:
+    """limbs += the piece's squares (x scale^2, each below 1) cut into 31-bit limbs on the
+    grid 2^-62; carries move up so no limb overflows. Exact: a power-of-two scale, the
+    square of a <= 24-bit significand, floor and the subtraction are exact in float64."""
+    y = piece.to(torch.float64).mul_(scale).square_().mul_(2.0 ** _LIMB)
+    high = y.floor()
+    low = y.sub_(high).mul_(2.0 ** _LIMB).floor_()
+    limbs[0] += low.to(torch.int64).sum()
+    limbs[1] += high.to(torch.int64).sum() + (limbs[0] >> _LIMB)
+    limbs[0] &= (1 << _LIMB) - 1
+    limbs[2] += limbs[1] >> _LIMB
+    limbs[1] &= (1 << _LIMB) - 1
 
 
 def _device(group) -> torch.device:

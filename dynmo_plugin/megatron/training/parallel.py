@@ -108,7 +108,8 @@ def init_parallel(args: ModelArgs, native_grad_reduce: bool = False) -> Parallel
         from dynmo_plugin.megatron.training import cpu_compat
         cpu_compat.apply()
         torch.set_num_threads(1)  # CPU-time profiling needs one thread per rank
-    grad_norm.install()  # --clip-grad: the same norm whichever stage holds a layer
+    # --clip-grad: the same norm whichever stage holds a layer, shards cut anywhere
+    grad_norm.install(sharded=args.use_distributed_optimizer)
     if native_grad_reduce:
         grad_reduce.uninstall()
     else:  # DP >= 3: the same reduced gradients wherever a layer sits in its bucket
