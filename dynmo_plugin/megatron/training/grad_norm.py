@@ -19,11 +19,12 @@ the data-parallel buffer, and where a parameter is cut depends on the layout, so
 per-tensor norms of its pieces would change with a move. There the sum runs over
 elements instead, exactly: the group agrees on the largest finite magnitude M (an
 all-reduce MAX, exact) and 2^E > M; each element's square, scaled by 2^-2E, is exact in
-float64 and below 1, and is cut into two 31-bit limbs on the fixed grid 2^-62 (the bits
-below it, < 2^-62 M^2 per element, are dropped). The limbs' sums are integers, exact in
+float64 and below 1, and is cut into two 30-bit limbs on the fixed grid 2^-60 (the bits
+below it, < 2^-60 M^2 per element, are dropped). The limbs' sums are integers, exact in
 any order, so the total depends only on the multiset of elements; it is rounded once on
-the host. The cost: two float64 passes over the rank's shard (in slices of `SLICE`
-elements) where the per-tensor norm reads it once, and one host synchronisation more.
+the host. The cost: nine elementwise float64 kernels over the rank's shard (in slices of
+`SLICE` elements) where the per-tensor norm reads it once in fp32 (on the CPU ~23x its
+time, `scripts/bench_grad_norm.py`), and one host synchronisation more.
 
 `install()` puts it in place of the name megatron.core.optimizer.optimizer calls
 (MegatronOptimizer.get_grad_norm and clip_grad_norm, ChainedOptimizer.get_grad_norm);
@@ -43,8 +44,8 @@ __all__ = ["install", "uninstall", "get_grad_norm_fp32"]
 
 _installed = False
 _sharded = False  # the optimizer's gradients are shards cut by the layout: sum elements
-SLICE = 1 << 24  # elements per float64 pass of the exact element sum
-_LIMB = 31  # bits per limb: a slice's sum of limbs stays below 2^55
+SLICE = 1 << 22  # elements per float64 pass of the exact element sum
+_LIMB = 30  # bits per limb: a slice's limbs sum to an integer below 2^52, exact in float64
 _VECTOR = 4  # elements per vectorised load of CUDA's norm kernel (kILP)
 # Per group: how many squares each rank's packet carries, agreed by every rank of the group
 # (each reads the same gathered counts and widens alike); grows to the largest count seen.
@@ -104,10 +105,10 @@ def _element_square_sum(grads: list, group) -> float:
     if nan or inf:
         return math.nan if nan else math.inf
     exponent = math.frexp(largest)[1]  # largest < 2^exponent; 0 for none
-    limbs = torch.zeros(3, dtype=torch.int64, device=device)  # units of 2^-62, 2^-31, 1 (x 2^2E)
+    limbs = torch.zeros(3, dtype=torch.int64, device=device)  # units of 2^-60, 2^-30, 1 (x 2^2E)
     for g in grads:
         for piece in g.detach().reshape(-1).split(SLICE):
-            _add_limbs(piece, 2.0 ** -exponent, limbs)
+            _add_limbs(piece, 2.0 ** (_LIMB // 2 - exponent), limbs)
     rows = [limbs]
     if dist.is_initialized():
         rows = [torch.empty_like(limbs) for _ in range(dist.get_world_size(group))]
@@ -118,14 +119,16 @@ def _element_square_sum(grads: list, group) -> float:
 
 
 def _add_limbs(piece: torch.Tensor, scale: float, limbs: torch.Tensor) -> None:
-    """limbs += the piece's squares (x scale^2, each below 1) cut into 31-bit limbs on the
-    grid 2^-62; carries move up so no limb overflows. Exact: a power-of-two scale, the
-    square of a <= 24-bit significand, floor and the subtraction are exact in float64."""
-    y = piece.to(torch.float64).mul_(scale).square_().mul_(2.0 ** _LIMB)
+    """limbs += the piece's squares (x scale^2 = 2^30 / 2^2E: each below 2^30) cut into
+    30-bit limbs on the grid 2^-60 (of 2^2E); carries move up so no limb overflows.
+    Exact: a power-of-two scale, the square of a <= 24-bit significand, floor and the
+    subtraction are exact in float64, and a slice's limbs are integers whose every partial
+    sum stays below 2^52, so float64 adds them exactly in whatever order the kernel does."""
+    y = piece.to(torch.float64).mul_(scale).square_()
     high = y.floor()
     low = y.sub_(high).mul_(2.0 ** _LIMB).floor_()
-    limbs[0] += low.to(torch.int64).sum()
-    limbs[1] += high.to(torch.int64).sum() + (limbs[0] >> _LIMB)
+    limbs[0] += low.sum().to(torch.int64)
+    limbs[1] += high.sum().to(torch.int64) + (limbs[0] >> _LIMB)
     limbs[0] &= (1 << _LIMB) - 1
     limbs[2] += limbs[1] >> _LIMB
     limbs[1] &= (1 << _LIMB) - 1
