@@ -313,9 +313,10 @@ class DynmoConfig:
         "not each layer from its own (docs/megatron-lm.md \"What a move changes\")",
         "--dynmo-rank-rng"))
     native_grad_reduce: bool = field(default=False, metadata=opt(
-        "reduce data-parallel gradients with Megatron's own collective (NCCL's or gloo's ring "
-        "order: at DP >= 3 a move then changes the reduced gradients' last bits), not each "
-        "element in data-parallel rank order (docs/megatron-lm.md \"What a move changes\")",
+        "reduce gradients with Megatron's own collectives (NCCL's or gloo's ring order: at "
+        "DP >= 3, and for the norms all-reduced over TP >= 3, a move then changes the reduced "
+        "gradients' last bits), not each element in rank order (docs/megatron-lm.md \"What "
+        "a move changes\")",
         "--dynmo-native-grad-reduce"))
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)

@@ -170,9 +170,10 @@ def move_notes(args, cfg: RunConfig) -> list[str]:
     a move changes"): which of its settings make a moved run equal the never-moved one in
     distribution rather than to the bit (Megatron-LM's dropout 0.1 only with
     --dynmo-rank-rng: else each layer draws from its own streams, which move with it; a
-    data-parallel size >= 3 only with --dynmo-native-grad-reduce: else the gradients are
-    reduced in rank order, `grad_reduce`; its clipping 1.0 never: the norm is summed
-    exactly, `grad_norm`), and how a per-rank checkpoint saved after a move is resumed."""
+    data-parallel size >= 3 only with --dynmo-native-grad-reduce or several
+    distributed-optimizer instances: else the gradients are reduced in rank order,
+    `grad_reduce`; its clipping 1.0 never: the norm is summed exactly, `grad_norm`), and
+    how a per-rank checkpoint saved after a move is resumed."""
     if not layers_may_move(args, cfg):
         return []
     notes = []
@@ -181,9 +182,7 @@ def move_notes(args, cfg: RunConfig) -> list[str]:
             ("hidden-dropout", getattr(args, "hidden_dropout", 0)),
             ("attention-dropout", getattr(args, "attention_dropout", 0)),
             ("moe-input-jitter-eps", getattr(args, "moe_input_jitter_eps", None) or 0))),
-        ("dynmo-native-grad-reduce at data-parallel size", getattr(args, "data_parallel_size", 1)
-         if cfg.dynmo.native_grad_reduce and (getattr(args, "data_parallel_size", 1) or 1) >= 3 else 0))
-        if value]
+        *_native_reduction(args, cfg)) if value]
     if drawn:
         notes.append(f"layers may move in this run: with {', '.join(drawn)} a moved run equals the "
                      "never-moved one in distribution, not to the bit (each rank draws and sums in "
@@ -195,6 +194,20 @@ def move_notes(args, cfg: RunConfig) -> list[str]:
                      "was saved under); Megatron-LM alone would load it under its own split "
                      "without an error")
     return notes
+
+
+def _native_reduction(args, cfg: RunConfig) -> tuple:
+    """(flag, value) of what keeps Megatron's own data-parallel collective over 3 or more
+    ranks (data x context parallel), where a move changes the reduced gradients' last
+    bits: --dynmo-native-grad-reduce, or several distributed-optimizer instances
+    (`grad_reduce` leaves their buckets to Megatron); () where neither does."""
+    ranks = (getattr(args, "data_parallel_size", 1) or 1) * (getattr(args, "context_parallel_size", 1) or 1)
+    instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    if ranks < 3:
+        return ()
+    if cfg.dynmo.native_grad_reduce:
+        return (("dynmo-native-grad-reduce at data-parallel size", ranks),)
+    return (("num-distributed-optimizer-instances", instances),) if instances > 1 else ()
 
 
 def forced_mtp_move(cfg: RunConfig) -> bool:

@@ -201,7 +201,26 @@ def harness() -> None:
     mtt.train(pretrain_gpt["forward_step"], model, optimizer, scheduler, train_iter, valid_iter,
               None, config, {}, None)
     _record_sync_bindings(config, model, os.environ["DYNMO_TEST_LOSSES"])
+    _record_params(model, os.environ["DYNMO_TEST_LOSSES"])
     dist.destroy_process_group()
+
+
+def _record_params(model: list, folder: str) -> None:
+    """The parameters of the chunks train() holds at its end, by global name (decoder
+    layers by global number; `@tp<rank>` under tensor parallelism, whose ranks hold other
+    shards), one file per rank (`params_rank<rank>.pt`, read by launch.load_params): a
+    state fingerprint, since equal losses can hide parameters that already differ."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.training.utils import unwrap_model
+
+    from dynmo_plugin.megatron.training.model import global_named_parameters
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    suffix = f"@tp{parallel_state.get_tensor_model_parallel_rank()}" if tp > 1 else ""
+    params = {f"{name}{suffix}": p.detach().clone() for chunk in unwrap_model(model)
+              for name, p in global_named_parameters(chunk)}
+    torch.save(params, Path(folder, f"params_rank{dist.get_rank()}.pt"))
 
 
 def _record_sync_bindings(config, model: list, folder: str) -> None:

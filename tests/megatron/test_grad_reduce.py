@@ -64,6 +64,12 @@ def _rank(rank: int, port: int, out: str) -> None:
     mean = y.clone()
     grad_reduce.all_reduce(mean, group, average=True)
     seen["average"] = bool(torch.equal(mean, total / WORLD))
+    tiny = x[:2].clone()  # fewer elements than ranks: the tail alone, overlapped
+    grad_reduce.all_reduce(tiny, group, async_op=True).finish()
+    seen["tiny"] = bool(torch.equal(tiny, expected[:2]))
+    shard = y.clone()
+    grad_reduce.reduce_scatter(shard, group, async_op=True).finish()
+    seen["scatter overlapped"] = bool(torch.equal(shard[chunk], total[chunk]))
     try:
         grad_reduce.reduce_scatter(torch.zeros(n + 1), group)
     except ValueError as e:
@@ -79,40 +85,49 @@ def test_an_element_reduces_to_the_same_bits_wherever_it_sits_in_the_bucket(tmp_
     elements per rank and asynchronously, always exactly the rank-ordered sum, while gloo's
     own all-reduce gives other bits at some offset (the values are ones where order
     shows). reduce_scatter sums only the rank's own chunk and leaves the rest; average
-    divides the ordered sum; a bucket that does not split evenly is refused."""
+    divides the ordered sum; a bucket of fewer elements than ranks (the tail alone) and an
+    overlapped reduce-scatter too; a bucket that does not split evenly is refused."""
     spawn(_rank, (free_port(), str(tmp_path)), nprocs=WORLD)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for seen in ranks:
         assert seen["ordered"] == [0] * 3 * len(OFFSETS), seen
         assert any(seen["gloo"]), seen
         assert seen["scatter"] == [True, True] and seen["average"] is True, seen
+        assert seen["tiny"] is True and seen["scatter overlapped"] is True, seen
         assert "do not split over 3 ranks" in seen["uneven"], seen
 
 
-def test_install_swaps_megatron_s_bucket_reduction_and_uninstall_gives_it_back():
+def test_install_swaps_megatron_s_reductions_and_uninstall_gives_them_back():
+    import importlib
+
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup as Group
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
 
     from dynmo_plugin.megatron.training import grad_reduce
-    megatron_s = Group.start_grad_sync
+    megatron_s = (Group.start_grad_sync, finalize._allreduce_non_tensor_model_parallel_grads)
     grad_reduce.install()
     grad_reduce.install()
-    assert Group.start_grad_sync is grad_reduce._start_grad_sync
+    assert (Group.start_grad_sync, finalize._allreduce_non_tensor_model_parallel_grads) == (
+        grad_reduce._start_grad_sync, grad_reduce._non_tensor_parallel_grads)
     grad_reduce.uninstall()
     grad_reduce.uninstall()
-    assert Group.start_grad_sync is megatron_s
+    assert (Group.start_grad_sync, finalize._allreduce_non_tensor_model_parallel_grads) == megatron_s
 
 
 DP3 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "12", "--train-iters", "6",
        "--dynmo", "--dynmo-profile-every", "2", "--test-dump-params"]
 
 
-def test_a_move_at_dp_3_trains_as_the_never_moved_run_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("optimizer", [[], ["--use-distributed-optimizer", "--clip-grad", "0.05"]],
+                         ids=["plain", "distributed"])
+def test_a_move_at_dp_3_trains_as_the_never_moved_run_bit_for_bit(tmp_path, optimizer):
     """The launcher at PP 2 x DP 3 (one bucket per stage, not a multiple of 3 elements),
     layer 4 moved to stage 1 at iteration 3: every loss and the final parameters equal the
-    never-moved run's. With gloo's own all-reduce (--dynmo-native-grad-reduce) iteration 4
-    read 5.509746075 moved against 5.509746154."""
-    static = worker(6, DP3, tmp_path / "static")
-    moved = worker(6, [*DP3, "--dynmo-forced-layouts", "3:Ettt|tttttL"], tmp_path / "moved")
+    never-moved run's; with the distributed optimizer (a reduce-scatter, shards cut where
+    the layout puts them) and clipping too. With gloo's own all-reduce
+    (--dynmo-native-grad-reduce) iteration 4 read 5.509746075 moved against 5.509746154."""
+    static = worker(6, [*DP3, *optimizer], tmp_path / "static")
+    moved = worker(6, [*DP3, *optimizer, "--dynmo-forced-layouts", "3:Ettt|tttttL"], tmp_path / "moved")
     assert moved["world"]["dp"] == 3
     assert [(e["iteration"], e["layout_after"]) for e in moved["events"] if e["kind"] == "rebalance"] == [
         (3, "Ettt|tttttL")]

@@ -17,19 +17,34 @@ Here a bucket is reduced in three steps, each element in data-parallel rank orde
 3. for an all-reduce, an in-place all_gather of the summed chunks (a bucket whose size
    is no multiple of P also gathers its last < P elements and sums them on every rank).
 The bytes on the wire are a ring all-reduce's (a reduce-scatter and an all-gather). The
-temporaries: the all_to_all's send and receive buffers, in slices of at most `SLICE`
-elements per rank when the reduction runs synchronously; with --overlap-grad-reduce a
-bucket's slices are all in flight at once (twice the bucket), and a bucket group still in
-flight is finished when the next one starts, so at most two groups' temporaries live.
+temporaries: synchronously, one slice of at most `SLICE` elements at a time (a send copy
+and a receive buffer); with --overlap-grad-reduce the bucket itself is sent and one
+receive buffer the bucket's size is in flight, and a bucket group's sums are queued when
+the next group starts, which frees its buffer, so about one group's buffers live at once.
+Overlapped on CUDA the sums and the all-gather run on a side stream (`_Reduction`): the
+compute stream waits only where Megatron's finish_grad_sync waits. Megatron's NCCL user
+buffers (`nccl_ub`) are not registered for the all_to_all's receive buffers.
+
+The tensor-parallel group has the same hazard: `finalize_model_grads` flattens the
+gradients Megatron all-reduces over the tensor ranks (the sequence-parallel norms and
+biases, the MoE router's weights, the q/k layernorms of every layer the stage holds)
+into one buffer, so a move changes each layer's offset there (survey 24, PP 2 x TP 3 with
+--qk-layernorm: 43 of 256 reduced elements differed at the first step after a move).
+That all-reduce goes through `all_reduce` here too.
 
 `install()` replaces `_ParamAndGradBucketGroup.start_grad_sync` (Megatron-Core's
-param_and_grad_buffer); the replacement takes Megatron's own path where the order cannot
-matter or this module does not reach: a group of <= 2 ranks, several distributed-optimizer
-instances (their second all-reduce), `reduce_scatter_with_fp32_accumulation` (Megatron's
-own all_to_all). The launcher installs it unless --dynmo-native-grad-reduce, Megatron-LM's
-integration with --dynmo alike; `megatron_lm.disable()` uninstalls it.
+param_and_grad_buffer) and finalize_model_grads' `_allreduce_non_tensor_model_parallel_grads`;
+the replacements take Megatron's own path where the order cannot matter or this module
+does not reach: a group of <= 2 ranks, several distributed-optimizer instances (their
+second all-reduce), `reduce_scatter_with_fp32_accumulation` (Megatron's own all_to_all,
+summed by `torch.sum(dim=0)`, whose order on the CPU depends on the column at >= 5
+ranks: survey 24). The launcher installs it unless --dynmo-native-grad-reduce,
+Megatron-LM's integration with --dynmo alike; `megatron_lm.disable()` uninstalls it.
 """
 from __future__ import annotations
+
+import contextlib
+import importlib
 
 import torch
 import torch.distributed as dist
@@ -37,27 +52,36 @@ import torch.distributed as dist
 __all__ = ["install", "uninstall", "reduce_scatter", "all_reduce", "SLICE"]
 
 SLICE = 1 << 24  # elements per rank's share of one synchronous all_to_all slice
-_original = None
+_originals: dict = {}  # Megatron's functions while installed
 _in_flight: list["_Reduction"] = []  # started with --overlap-grad-reduce, not yet finished
+_streams: dict = {}  # device -> the side stream of the overlapped reductions
+
+
+def _homes():
+    """(owner, attribute, replacement) of each Megatron function this module replaces."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+    # the module (the package exports its function of the same name)
+    finalize_model_grads = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    return ((_ParamAndGradBucketGroup, "start_grad_sync", _start_grad_sync),
+            (finalize_model_grads, "_allreduce_non_tensor_model_parallel_grads", _non_tensor_parallel_grads))
 
 
 def install() -> None:
-    """Megatron's DDP buckets reduce in rank order (module docstring). Idempotent."""
-    global _original
-    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
-    if _original is None:
-        _original = _ParamAndGradBucketGroup.start_grad_sync
-        _ParamAndGradBucketGroup.start_grad_sync = _start_grad_sync
+    """Megatron's DDP buckets and the stage's flattened tensor-parallel gradients reduce in
+    rank order (module docstring). Idempotent."""
+    if _originals:
+        return
+    for owner, name, replacement in _homes():
+        _originals[name] = getattr(owner, name)
+        setattr(owner, name, replacement)
 
 
 def uninstall() -> None:
-    """Megatron's own `start_grad_sync` again. Idempotent."""
-    global _original
-    if _original is None:
+    """Megatron's own functions again. Idempotent."""
+    if not _originals:
         return
-    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
-    _ParamAndGradBucketGroup.start_grad_sync = _original
-    _original = None
+    for owner, name, _ in _homes():
+        setattr(owner, name, _originals.pop(name))
     _in_flight.clear()
 
 
@@ -93,12 +117,16 @@ def _ordered_sum(parts: torch.Tensor, out: torch.Tensor, average: bool) -> None:
 
 
 class _Reduction:
-    """One flat buffer's ordered reduction; started on construction, completed by
-    `finish()` (idempotent). Synchronous: each slice is exchanged and summed before the
-    next one is sent, so the temporaries stay within one slice."""
+    """One flat buffer's ordered reduction, in three steps: the exchange (started on
+    construction), `reduce()` (the sums once the exchange arrived, then the all-gather
+    started) and `finish()` (waits for all of it); each idempotent. Synchronous: every
+    slice is exchanged and summed before the next is sent, the temporaries within one
+    slice. Overlapped (`async_op`) on CUDA, the sums and the all-gather are queued on a
+    side stream, so the compute stream waits only in `finish()`, as for Megatron's
+    collective."""
 
     def __init__(self, data: torch.Tensor, group, gather: bool, average: bool, async_op: bool):
-        self.group, self.gather, self.average = group, gather, average
+        self.group, self.gather, self.average, self.async_op = group, gather, average, async_op
         world, n = group.size(), data.numel()
         chunk = n // world
         if not gather and chunk * world != n:
@@ -106,13 +134,14 @@ class _Reduction:
         self.body = data[:chunk * world].view(world, chunk)
         self.mine = self.body[group.rank()]
         self.tail = data[chunk * world:]
-        self.tails = self.tail_work = None
+        self.tails = self.tail_work = self.gather_work = None
+        self.side = _side_stream(data.device) if async_op and data.is_cuda else None
         if self.tail.numel():  # gather only: the last n mod P elements, summed on every rank
             self.tails = torch.empty(world * self.tail.numel(), dtype=data.dtype, device=data.device)
             self.tail_work = dist.all_gather_into_tensor(self.tails, self.tail.contiguous(),
                                                          group=group, async_op=async_op)
-        self.slices = []  # (start, end, receive buffer, work)
-        step = chunk if async_op else max(1, SLICE // world)
+        self.slices = []  # (start, end, receive buffer, work) still to sum
+        step = max(1, chunk if async_op else SLICE // world)
         for k0 in range(0, chunk, step):
             k1 = min(k0 + step, chunk)
             send = self.body[:, k0:k1].contiguous()  # the whole body: no copy
@@ -122,23 +151,48 @@ class _Reduction:
                 self.slices.append((k0, k1, recv, work))
             else:
                 _ordered_sum(recv, self.mine[k0:k1], average)
-        self.done = False
+        self.reduced = self.finished = False
+
+    def reduce(self) -> None:
+        if self.reduced:
+            return
+        with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
+            for k0, k1, recv, work in self.slices:
+                work.wait()  # on CUDA: the side stream waits for the exchange, not the host
+                _ordered_sum(recv, self.mine[k0:k1], self.average)
+                self._used_here(recv)
+            if self.tails is not None:
+                if self.tail_work is not None:
+                    self.tail_work.wait()
+                _ordered_sum(self.tails.view(-1, self.tail.numel()), self.tail, self.average)
+                self._used_here(self.tails)
+            if self.gather and self.body.numel():
+                self.gather_work = dist.all_gather_into_tensor(self.body.view(-1), self.mine, group=self.group,
+                                                               async_op=self.async_op)
+        self.slices, self.tails, self.reduced = [], None, True
 
     def finish(self) -> None:
-        if self.done:
+        if self.finished:
             return
-        self.done = True
-        for k0, k1, recv, work in self.slices:
-            work.wait()
-            _ordered_sum(recv, self.mine[k0:k1], self.average)
-        self.slices = []
-        if self.tails is not None:
-            if self.tail_work is not None:
-                self.tail_work.wait()
-            _ordered_sum(self.tails.view(-1, self.tail.numel()), self.tail, self.average)
-            self.tails = None
-        if self.gather and self.body.numel():
-            dist.all_gather_into_tensor(self.body.view(-1), self.mine, group=self.group)
+        self.reduce()
+        if self.gather_work is not None:
+            self.gather_work.wait()
+        if self.side is not None:
+            torch.cuda.current_stream().wait_stream(self.side)
+        self.finished = True
+
+    def _used_here(self, buffer: torch.Tensor) -> None:
+        """A temporary the side stream read: the allocator must not hand its memory to
+        the compute stream before the side stream is done with it."""
+        if self.side is not None:
+            buffer.record_stream(self.side)
+
+
+def _side_stream(device: torch.device):
+    """One stream per device for the overlapped reductions' sums and all-gathers."""
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device=device)
+    return _streams[device]
 
 
 class _Handle:
@@ -175,7 +229,7 @@ def _start_grad_sync(self, force_all_reduce: bool = False):
     gradient scaling as there, then `reduce_scatter` (distributed optimizer) or
     `all_reduce` per bucket instead of the coalesced NCCL/gloo collective."""
     if not _ordered(self):
-        return _original(self, force_all_reduce)
+        return _originals["start_grad_sync"](self, force_all_reduce)
     if self.is_first_batch and self.grad_reduce_handle is not None:
         return None
     assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
@@ -187,8 +241,9 @@ def _start_grad_sync(self, force_all_reduce: bool = False):
         if bucket.gradient_scaling_factor != 1.0:
             bucket.grad_data *= bucket.gradient_scaling_factor
     async_op = config.overlap_grad_reduce
-    if async_op:  # bound the temporaries: the group before this one completes now
-        _Handle(list(_in_flight)).wait()
+    if async_op:  # bound the temporaries: the groups before this one sum now (queued, on CUDA)
+        for earlier in _in_flight:
+            earlier.reduce()
     reduce = reduce_scatter if config.use_distributed_optimizer and not force_all_reduce else all_reduce
     group = _group(self)
     started = [reduce(b.grad_data, group, config.average_in_collective, async_op) for b in self.buckets]
@@ -198,3 +253,28 @@ def _start_grad_sync(self, force_all_reduce: bool = False):
     else:
         self.grad_reduce_handle = None
     return None
+
+
+def _non_tensor_parallel_grads(model, config, tp_group=None):
+    """Megatron-Core's `_allreduce_non_tensor_model_parallel_grads` (finalize_model_grads,
+    core_v0.16.1) with its all-reduces over 3 or more tensor ranks in rank order (module
+    docstring). Megatron's function still chooses, flattens and copies back the gradients:
+    only the all-reduce it calls is swapped, for the call, and only on the tensor group."""
+    from megatron.core.utils import get_tensor_model_parallel_group_if_none
+    megatron_s = _originals["_allreduce_non_tensor_model_parallel_grads"]
+    group = get_tensor_model_parallel_group_if_none(tp_group)
+    if group.size() < 3:
+        return megatron_s(model, config, tp_group)
+    native = dist.all_reduce
+
+    def in_rank_order(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if group is not tensor_group or async_op or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            return native(tensor, op=op, group=group, async_op=async_op)
+        return all_reduce(tensor.view(-1), tensor_group, average=op == dist.ReduceOp.AVG)
+
+    tensor_group = group
+    dist.all_reduce = in_rank_order
+    try:
+        return megatron_s(model, config, tp_group)
+    finally:
+        dist.all_reduce = native
