@@ -207,7 +207,9 @@ def _native_reduction(args, cfg: RunConfig) -> tuple:
         return ()
     if cfg.dynmo.native_grad_reduce:
         return (("dynmo-native-grad-reduce at data-parallel size", ranks),)
-    return (("num-distributed-optimizer-instances", instances),) if instances > 1 else ()
+    # Megatron reduce-scatters within an instance, then all-reduces across the instances
+    return (("num-distributed-optimizer-instances", instances),) if (
+        instances > 1 and max(ranks // instances, instances) >= 3) else ()
 
 
 def forced_mtp_move(cfg: RunConfig) -> bool:

@@ -156,7 +156,8 @@ def test_a_run_whose_layers_may_move_says_what_a_move_changes():
     for dp, cp, native, instances, said in ((3, 1, True, 1, "--dynmo-native-grad-reduce at data-parallel size 3"),
                                             (1, 4, True, 1, "--dynmo-native-grad-reduce at data-parallel size 4"),
                                             (2, 1, True, 1, None), (3, 1, False, 1, None),
-                                            (6, 1, False, 2, "--num-distributed-optimizer-instances 2")):
+                                            (6, 1, False, 2, "--num-distributed-optimizer-instances 2"),
+                                            (4, 1, False, 2, None)):  # both reductions over 2 ranks
         args = megatron_like(argv=["--dynmo", "--dynmo-rebalance-interval", "10",
                                    *(["--dynmo-native-grad-reduce"] if native else [])],
                              hidden_dropout=0.0, attention_dropout=0.0, clip_grad=0.0, data_parallel_size=dp,

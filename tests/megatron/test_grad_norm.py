@@ -97,11 +97,18 @@ def _sharded_rank(rank: int, port: int, out: str) -> None:
         seen["per_tensor"].append(grad_norm.get_grad_norm_fp32(mine).hex())
         grad_norm.install(sharded=True)
         seen["sharded"].append(grad_norm.get_grad_norm_fp32(mine).hex())
-    grad_norm.SLICE = 777  # the float64 passes in slices: the same sum
+    grad_norm.CPU_SLICE = 777  # the float64 passes in slices: the same sum
     seen["sliced"] = grad_norm.get_grad_norm_fp32([full[CUTS[0][rank]:CUTS[0][rank + 1]]]).hex()
     seen["inf"] = grad_norm.get_grad_norm_fp32([torch.tensor([1.0, math.inf])] if rank == 1 else [])
     seen["nan"] = repr(grad_norm.get_grad_norm_fp32([torch.tensor([math.nan, math.inf])] if rank == 2 else []))
-    seen["zero"] = grad_norm.get_grad_norm_fp32([torch.zeros(5)] if rank == 0 else [])
+    seen["nan and inf apart"] = repr(grad_norm.get_grad_norm_fp32(
+        [torch.tensor([math.nan])] if rank == 0 else [torch.tensor([math.inf])] if rank == 1 else []))
+    seen["zero"] = grad_norm.get_grad_norm_fp32([torch.zeros(5), torch.zeros(0)] if rank == 0 else [torch.zeros(0)])
+    big = [torch.tensor([1e20])] if rank == 2 else []  # its square is above fp32's largest value
+    seen["overflow"] = [grad_norm.get_grad_norm_fp32(big)]
+    grad_norm.install()
+    seen["overflow"].append(grad_norm.get_grad_norm_fp32(big))
+    grad_norm.install(sharded=True)
     grad_norm.uninstall()
     seen["uninstalled"] = grad_norm._sharded
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
@@ -115,7 +122,9 @@ def test_with_sharded_gradients_the_norm_is_the_same_wherever_the_shards_are_cut
     norm has the same bits for every cut, in slices too, and equals the float64 norm
     (math.fsum of the squares) to the last bit here; per-tensor norms of the pieces give
     other bits for every cut (what a move changed). An inf or NaN element anywhere gives
-    inf or NaN (NaN first), all zeros 0; uninstall() leaves the mode off."""
+    inf or NaN (NaN first, also from another rank than the inf), all zeros 0 (empty
+    tensors welcome); a sum of squares above fp32's largest value inf, both ways, as
+    Megatron's fp32 sum; uninstall() leaves the mode off."""
     spawn(_sharded_rank, (free_port(), str(tmp_path)), nprocs=3)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert ranks[0] == ranks[1] == ranks[2]
@@ -123,7 +132,9 @@ def test_with_sharded_gradients_the_norm_is_the_same_wherever_the_shards_are_cut
     reference = math.sqrt(math.fsum(v * v for v in _buffer().double().tolist()))
     assert set(seen["sharded"]) == {seen["sliced"]} == {reference.hex()}, seen
     assert len(set(seen["per_tensor"])) == len(CUTS), seen
-    assert (seen["inf"], seen["nan"], seen["zero"], seen["uninstalled"]) == (math.inf, "nan", 0.0, False), seen
+    assert (seen["inf"], seen["nan"], seen["nan and inf apart"], seen["zero"], seen["uninstalled"]) == (
+        math.inf, "nan", "nan", 0.0, False), seen
+    assert seen["overflow"] == [math.inf, math.inf], seen
 
 
 REPRO = ["--pipeline-model-parallel-size", "2", "--train-iters", "8", "--clip-grad", "1.0", "--dynmo",

@@ -97,6 +97,63 @@ def test_an_element_reduces_to_the_same_bits_wherever_it_sits_in_the_bucket(tmp_
         assert "do not split over 3 ranks" in seen["uneven"], seen
 
 
+def _tensor_rank(rank: int, port: int, out: str) -> None:
+    """Megatron's own `_allreduce_non_tensor_model_parallel_grads` over a 3-rank tensor
+    group, through the installed swap: a module whose q/k layernorm gradients it sums and
+    one whose gradient it averages (average_gradients_across_tp_domain)."""
+    import importlib
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from dynmo_plugin.megatron.training import grad_reduce
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    native = dist.all_reduce
+    chunk = torch.nn.Module()  # a model chunk as Megatron's function reads it
+    chunk.ddp_config = SimpleNamespace(use_megatron_fsdp=False)
+    chunk.q_layernorm = torch.nn.LayerNorm(333)
+    chunk.router = torch.nn.Linear(5, 7, bias=False)
+    chunk.router.weight.average_gradients_across_tp_domain = True
+    for offset, (name, p) in enumerate(chunk.named_parameters()):
+        p.main_grad = _values(rank + 10 * offset, p.numel()).view_as(p)
+    config = SimpleNamespace(sequence_parallel=False, qk_layernorm=True)
+    grad_reduce.install()
+    seen = {}
+    finalize._allreduce_non_tensor_model_parallel_grads([chunk], config, dist.group.WORLD)
+    for offset, (name, p) in enumerate(chunk.named_parameters()):
+        total = _in_order([_values(r + 10 * offset, p.numel()) for r in range(WORLD)])
+        want = total / WORLD if name == "router.weight" else total
+        seen[name] = bool(torch.equal(p.main_grad.view(-1), want))
+    seen["restored"] = dist.all_reduce is native
+
+    def broken(*a, **k):
+        raise RuntimeError("a fault inside Megatron's function")
+    grad_reduce._originals["_allreduce_non_tensor_model_parallel_grads"], saved = (
+        broken, grad_reduce._originals["_allreduce_non_tensor_model_parallel_grads"])
+    try:
+        grad_reduce._non_tensor_parallel_grads([chunk], config, dist.group.WORLD)
+    except RuntimeError:
+        seen["restored after a fault"] = dist.all_reduce is native
+    grad_reduce._originals["_allreduce_non_tensor_model_parallel_grads"] = saved
+    grad_reduce.uninstall()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(seen, fh)
+    dist.destroy_process_group()
+
+
+def test_the_tensor_group_s_flattened_gradients_reduce_in_rank_order(tmp_path):
+    """Megatron's function that all-reduces the stage's flattened norm gradients over the
+    tensor group, installed over 3 gloo ranks: the q/k layernorm's weight and bias come
+    out as the rank-ordered sums, a gradient Megatron averages (AVG) as their mean, and
+    torch's all_reduce is back after the call, after a fault inside it too."""
+    spawn(_tensor_rank, (free_port(), str(tmp_path)), nprocs=WORLD)
+    for r in range(WORLD):
+        seen = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert seen == {"q_layernorm.weight": True, "q_layernorm.bias": True, "router.weight": True,
+                        "restored": True, "restored after a fault": True}, seen
+
+
 def test_install_swaps_megatron_s_reductions_and_uninstall_gives_them_back():
     import importlib
 

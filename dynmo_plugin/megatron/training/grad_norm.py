@@ -19,12 +19,15 @@ the data-parallel buffer, and where a parameter is cut depends on the layout, so
 per-tensor norms of its pieces would change with a move. There the sum runs over
 elements instead, exactly: the group agrees on the largest finite magnitude M (an
 all-reduce MAX, exact) and 2^E > M; each element's square, scaled by 2^-2E, is exact in
-float64 and below 1, and is cut into two 30-bit limbs on the fixed grid 2^-60 (the bits
-below it, < 2^-60 M^2 per element, are dropped). The limbs' sums are integers, exact in
-any order, so the total depends only on the multiset of elements; it is rounded once on
-the host. The cost: nine elementwise float64 kernels over the rank's shard (in slices of
-`SLICE` elements) where the per-tensor norm reads it once in fp32 (on the CPU ~23x its
-time, `scripts/bench_grad_norm.py`), and one host synchronisation more.
+float64 and below 1, and is cut into two 30-bit limbs on the fixed grid 2^(2E-60) (the
+bits below it, < 2^-58 M^2 per element, are dropped: the norm is layout-free, not exact
+to the last bit of the true sum). The limbs' sums are integers, exact in any order, so
+the total depends only on the multiset of elements; it is rounded once on the host. The
+cost: the shard packed into slices of `SLICE` elements, each one copy and nine
+elementwise float64 kernels (~136 bytes moved per element where the per-tensor norm
+reads 4; on the CPU ~23x its time, `scripts/bench_grad_norm.py`), and one host
+synchronisation more. Both ways, a sum of squares above fp32's largest value reads inf,
+as Megatron's fp32 sum does.
 
 `install()` puts it in place of the name megatron.core.optimizer.optimizer calls
 (MegatronOptimizer.get_grad_norm and clip_grad_norm, ChainedOptimizer.get_grad_norm);
@@ -44,8 +47,10 @@ __all__ = ["install", "uninstall", "get_grad_norm_fp32"]
 
 _installed = False
 _sharded = False  # the optimizer's gradients are shards cut by the layout: sum elements
-SLICE = 1 << 22  # elements per float64 pass of the exact element sum
+SLICE = 1 << 22  # elements per float64 pass of the exact element sum (CUDA: few launches)
+CPU_SLICE = 1 << 16  # on the CPU: the passes stay in cache (4M elements: 3x faster than 2^22)
 _LIMB = 30  # bits per limb: a slice's limbs sum to an integer below 2^52, exact in float64
+_FP32_MAX = torch.finfo(torch.float32).max
 _VECTOR = 4  # elements per vectorised load of CUDA's norm kernel (kILP)
 # Per group: how many squares each rank's packet carries, agreed by every rank of the group
 # (each reads the same gathered counts and widens alike); grows to the largest count seen.
@@ -85,15 +90,18 @@ def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=No
         from megatron.core.optimizer import clip_grads
         return clip_grads.get_grad_norm_fp32(grads_for_norm, norm_type, grad_stats_parallel_group)
     if _sharded:
-        return math.sqrt(_element_square_sum(grads, grad_stats_parallel_group))
-    squares = _squares(grads, _device(grad_stats_parallel_group))
-    return math.sqrt(math.fsum(_gathered(squares, grad_stats_parallel_group)))
+        total = _element_square_sum(grads, grad_stats_parallel_group)
+    else:
+        total = math.fsum(_gathered(_squares(grads, _device(grad_stats_parallel_group)),
+                                    grad_stats_parallel_group))
+    return math.inf if total > _FP32_MAX else math.sqrt(total)  # Megatron sums the squares in fp32
 
 
 def _element_square_sum(grads: list, group) -> float:
     """The sum of every rank's squared gradient elements, a function of their multiset
     alone (module docstring): inf or NaN where any element is (NaN wins), as Megatron's."""
     device = _device(group)
+    grads = [g for g in grads if g.numel()]
     peak = torch.zeros(3, dtype=torch.float64, device=device)  # largest finite |g|, any NaN, any inf
     if grads:
         peaks = torch.stack(torch._foreach_norm(grads, math.inf)).to(device=device, dtype=torch.float64)
@@ -105,10 +113,7 @@ def _element_square_sum(grads: list, group) -> float:
     if nan or inf:
         return math.nan if nan else math.inf
     exponent = math.frexp(largest)[1]  # largest < 2^exponent; 0 for none
-    limbs = torch.zeros(3, dtype=torch.int64, device=device)  # units of 2^-60, 2^-30, 1 (x 2^2E)
-    for g in grads:
-        for piece in g.detach().reshape(-1).split(SLICE):
-            _add_limbs(piece, 2.0 ** (_LIMB // 2 - exponent), limbs)
+    limbs = _limbs(grads, 2.0 ** (_LIMB // 2 - exponent), device)
     rows = [limbs]
     if dist.is_initialized():
         rows = [torch.empty_like(limbs) for _ in range(dist.get_world_size(group))]
@@ -118,20 +123,43 @@ def _element_square_sum(grads: list, group) -> float:
     return math.ldexp(float(total), 2 * exponent - 2 * _LIMB)
 
 
-def _add_limbs(piece: torch.Tensor, scale: float, limbs: torch.Tensor) -> None:
-    """limbs += the piece's squares (x scale^2 = 2^30 / 2^2E: each below 2^30) cut into
-    30-bit limbs on the grid 2^-60 (of 2^2E); carries move up so no limb overflows.
-    Exact: a power-of-two scale, the square of a <= 24-bit significand, floor and the
-    subtraction are exact in float64, and a slice's limbs are integers whose every partial
-    sum stays below 2^52, so float64 adds them exactly in whatever order the kernel does."""
-    y = piece.to(torch.float64).mul_(scale).square_()
-    high = y.floor()
-    low = y.sub_(high).mul_(2.0 ** _LIMB).floor_()
-    limbs[0] += low.sum().to(torch.int64)
-    limbs[1] += high.sum().to(torch.int64) + (limbs[0] >> _LIMB)
-    limbs[0] &= (1 << _LIMB) - 1
-    limbs[2] += limbs[1] >> _LIMB
-    limbs[1] &= (1 << _LIMB) - 1
+def _limbs(grads: list, scale: float, device: torch.device) -> torch.Tensor:
+    """[low, high, top]: the rank's squares (x scale^2 = 2^30 / 2^2E: each below 2^30),
+    each cut into two 30-bit limbs on the grid 2^(2E-60), summed as integers in units of
+    2^(2E-60), 2^(2E-30), 2^2E (int64; no part can overflow below 2^33 slices).
+
+    The gradients are packed into slices of `SLICE` elements (`CPU_SLICE` on the CPU; one
+    copy kernel however many tensors a slice holds), and each slice costs nine
+    elementwise float64 kernels and two sums. Exact: a power-of-two scale, the square of a <= 24-bit significand, floor
+    and the subtraction are exact in float64, and a slice's limbs are integers whose every
+    partial sum stays below 2^52, so float64 adds them exactly in whatever order the
+    kernel does."""
+    lows, highs = [], []
+    for packed in _slices(grads, SLICE if grads and grads[0].is_cuda else CPU_SLICE):
+        y = packed.to(torch.float64).mul_(scale).square_()
+        high = y.floor()
+        highs.append(high.sum())
+        lows.append(y.sub_(high).mul_(2.0 ** _LIMB).floor_().sum())
+    if not lows:
+        return torch.zeros(3, dtype=torch.int64, device=device)
+    low, high = (torch.stack(v).to(device=device, dtype=torch.int64) for v in (lows, highs))
+    mask = (1 << _LIMB) - 1  # each slice's sums are < 2^52: split at 2^30 and carried once
+    return torch.stack([(low & mask).sum(), (low >> _LIMB).sum() + (high & mask).sum(), (high >> _LIMB).sum()])
+
+
+def _slices(grads: list, most: int):
+    """The gradients' elements as flat tensors of at most `most` elements (a tensor
+    alone when it fills one; others packed together by one copy)."""
+    batch, size = [], 0
+    for g in grads:
+        for piece in g.detach().reshape(-1).split(most):
+            if size + piece.numel() > most and batch:
+                yield batch[0] if len(batch) == 1 else torch.cat(batch)
+                batch, size = [], 0
+            batch.append(piece)
+            size += piece.numel()
+    if batch:
+        yield batch[0] if len(batch) == 1 else torch.cat(batch)
 
 
 def _device(group) -> torch.device:

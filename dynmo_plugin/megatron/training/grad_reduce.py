@@ -20,7 +20,7 @@ The bytes on the wire are a ring all-reduce's (a reduce-scatter and an all-gathe
 temporaries: synchronously, one slice of at most `SLICE` elements at a time (a send copy
 and a receive buffer); with --overlap-grad-reduce the bucket itself is sent and one
 receive buffer the bucket's size is in flight, and a bucket group's sums are queued when
-the next group starts, which frees its buffer, so about one group's buffers live at once.
+the next group starts, which frees its buffer, so at most two groups' buffers live at once.
 Overlapped on CUDA the sums and the all-gather run on a side stream (`_Reduction`): the
 compute stream waits only where Megatron's finish_grad_sync waits. Megatron's NCCL user
 buffers (`nccl_ub`) are not registered for the all_to_all's receive buffers.
@@ -134,7 +134,7 @@ class _Reduction:
         self.body = data[:chunk * world].view(world, chunk)
         self.mine = self.body[group.rank()]
         self.tail = data[chunk * world:]
-        self.tails = self.tail_work = self.gather_work = None
+        self.tails = self.tail_work = self.gather_work = self.summed = None
         self.side = _side_stream(data.device) if async_op and data.is_cuda else None
         if self.tail.numel():  # gather only: the last n mod P elements, summed on every rank
             self.tails = torch.empty(world * self.tail.numel(), dtype=data.dtype, device=data.device)
@@ -169,6 +169,9 @@ class _Reduction:
             if self.gather and self.body.numel():
                 self.gather_work = dist.all_gather_into_tensor(self.body.view(-1), self.mine, group=self.group,
                                                                async_op=self.async_op)
+            if self.side is not None:  # what finish() waits for: this reduction, not later ones
+                self.summed = torch.cuda.Event()
+                self.summed.record(self.side)
         self.slices, self.tails, self.reduced = [], None, True
 
     def finish(self) -> None:
@@ -178,7 +181,7 @@ class _Reduction:
         if self.gather_work is not None:
             self.gather_work.wait()
         if self.side is not None:
-            torch.cuda.current_stream().wait_stream(self.side)
+            torch.cuda.current_stream().wait_event(self.summed)
         self.finished = True
 
     def _used_here(self, buffer: torch.Tensor) -> None:
