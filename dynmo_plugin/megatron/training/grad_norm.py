@@ -25,7 +25,7 @@ to the last bit of the true sum). The limbs' sums are integers, exact in any ord
 the total depends only on the multiset of elements; it is rounded once on the host. The
 cost: the shard packed into slices of `SLICE` elements, each one copy and nine
 elementwise float64 kernels (~136 bytes moved per element where the per-tensor norm
-reads 4; on the CPU ~23x its time, `scripts/bench_grad_norm.py`), and one host
+reads 4; on the CPU 8-40x its time, `scripts/bench_grad_norm.py`), and one host
 synchronisation more. Both ways, a sum of squares above fp32's largest value reads inf,
 as Megatron's fp32 sum does.
 
@@ -48,7 +48,7 @@ __all__ = ["install", "uninstall", "get_grad_norm_fp32"]
 _installed = False
 _sharded = False  # the optimizer's gradients are shards cut by the layout: sum elements
 SLICE = 1 << 22  # elements per float64 pass of the exact element sum (CUDA: few launches)
-CPU_SLICE = 1 << 16  # on the CPU: the passes stay in cache (4M elements: 3x faster than 2^22)
+CPU_SLICE = 1 << 16  # on the CPU: the passes stay in cache (4M elements: 2-3.5x faster than 2^22)
 _LIMB = 30  # bits per limb: a slice's limbs sum to an integer below 2^52, exact in float64
 _FP32_MAX = torch.finfo(torch.float32).max
 _VECTOR = 4  # elements per vectorised load of CUDA's norm kernel (kILP)
