@@ -81,8 +81,8 @@ def uninstall() -> None:
 
 def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None) -> float:
     """The L2 norm of every rank's `grads_for_norm` over `grad_stats_parallel_group`: what
-    Megatron's function of that name returns, summed exactly (module docstring), so any
-    rank may hold any gradient. A rank with none (a stage without trainable parameters)
+    Megatron's function of that name returns, summed in no order that depends on the
+    layout (module docstring), so any rank may hold any gradient. A rank with none (a stage without trainable parameters)
     sends none; an inf or NaN gradient gives an inf or NaN norm, as Megatron's does."""
     from torch.distributed.tensor import DTensor  # here: its import costs ~0.8 s
     grads = [grads_for_norm] if isinstance(grads_for_norm, torch.Tensor) else list(grads_for_norm)
@@ -130,10 +130,10 @@ def _limbs(grads: list, scale: float, device: torch.device) -> torch.Tensor:
 
     The gradients are packed into slices of `SLICE` elements (`CPU_SLICE` on the CPU; one
     copy kernel however many tensors a slice holds), and each slice costs nine
-    elementwise float64 kernels and two sums. Exact: a power-of-two scale, the square of a <= 24-bit significand, floor
-    and the subtraction are exact in float64, and a slice's limbs are integers whose every
-    partial sum stays below 2^52, so float64 adds them exactly in whatever order the
-    kernel does."""
+    elementwise float64 kernels and two sums. Exact: a power-of-two scale, the square of
+    a <= 24-bit significand, floor and the subtraction are exact in float64, and a
+    slice's limbs are integers whose every partial sum stays below 2^52, so float64 adds
+    them exactly in whatever order the kernel does."""
     lows, highs = [], []
     for packed in _slices(grads, SLICE if grads and grads[0].is_cuda else CPU_SLICE):
         y = packed.to(torch.float64).mul_(scale).square_()
