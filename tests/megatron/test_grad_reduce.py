@@ -154,6 +154,60 @@ def test_the_tensor_group_s_flattened_gradients_reduce_in_rank_order(tmp_path):
                         "restored": True, "restored after a fault": True}, seen
 
 
+def _expert_bias_rank(rank: int, port: int, out: str) -> None:
+    """Megatron's `_update_router_expert_bias` over 3 data-parallel ranks, the layer under
+    test at each of 4 places in the stage's stack; its counts' exact totals are equal
+    (2^25 + 3 for both experts), so the bias must not move, but their float32 sum is
+    2^25 or 2^25 + 4 by the order of the additions."""
+    import importlib
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(1, 1)
+    from dynmo_plugin.megatron.training import grad_reduce
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    config = SimpleNamespace(moe_router_bias_update_rate=1e-3)
+
+    def layer(counts):  # an MoE router as finalize_model_grads finds it
+        m = torch.nn.Module()
+        m.register_buffer("expert_bias", torch.zeros(2))
+        m.register_buffer("local_tokens_per_expert", torch.tensor(counts, dtype=torch.float32))
+        return m
+
+    def bias_at(place: int) -> list:
+        layers = [layer([float(rank + 1), float(rank + 2)]) for _ in range(4)]
+        layers[place] = layer([[2.0 ** 25, 1.0, 2.0][rank], [2.0 ** 25, 0.0, 3.0][rank]])
+        chunk = torch.nn.Module()
+        chunk.layers = torch.nn.ModuleList(layers)
+        finalize._update_router_expert_bias([chunk], config)
+        return layers[place].expert_bias.tolist()
+
+    seen = {"megatron": [bias_at(p) for p in range(4)]}
+    grad_reduce.install()
+    seen["installed"] = [bias_at(p) for p in range(4)]
+    grad_reduce.uninstall()
+    parallel_state.destroy_model_parallel()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(seen, fh)
+    dist.destroy_process_group()
+
+
+def test_the_expert_bias_counts_reduce_exactly_wherever_the_layer_sits(tmp_path):
+    """--moe-router-enable-expert-bias: the stage's MoE layers' token counts are stacked and
+    all-reduced (float32 in Megatron), and the bias moves by the sign of the average minus
+    the count. A layer whose two experts' exact totals are equal keeps its bias at every
+    place in the stack once installed (the counts summed in float64); with Megatron's
+    float32 sum it moved at some places (the order of the additions follows the place)."""
+    spawn(_expert_bias_rank, (free_port(), str(tmp_path)), nprocs=WORLD)
+    for r in range(WORLD):
+        seen = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert seen["installed"] == [[0.0, 0.0]] * 4, seen
+        assert any(b != [0.0, 0.0] for b in seen["megatron"]), seen  # the counts can show it
+
+
 def test_install_swaps_megatron_s_reductions_and_uninstall_gives_them_back():
     import importlib
 
@@ -161,14 +215,17 @@ def test_install_swaps_megatron_s_reductions_and_uninstall_gives_them_back():
     finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
 
     from dynmo_plugin.megatron.training import grad_reduce
-    megatron_s = (Group.start_grad_sync, finalize._allreduce_non_tensor_model_parallel_grads)
+    def current():
+        return (Group.start_grad_sync, finalize._allreduce_non_tensor_model_parallel_grads,
+                finalize.get_updated_expert_bias)
+    megatron_s = current()
     grad_reduce.install()
     grad_reduce.install()
-    assert (Group.start_grad_sync, finalize._allreduce_non_tensor_model_parallel_grads) == (
-        grad_reduce._start_grad_sync, grad_reduce._non_tensor_parallel_grads)
+    assert current() == (grad_reduce._start_grad_sync, grad_reduce._non_tensor_parallel_grads,
+                         grad_reduce._updated_expert_bias)
     grad_reduce.uninstall()
     grad_reduce.uninstall()
-    assert (Group.start_grad_sync, finalize._allreduce_non_tensor_model_parallel_grads) == megatron_s
+    assert current() == megatron_s
 
 
 DP3 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "12", "--train-iters", "6",

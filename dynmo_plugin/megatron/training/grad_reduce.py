@@ -30,7 +30,11 @@ gradients Megatron all-reduces over the tensor ranks (the sequence-parallel norm
 biases, the MoE router's weights, the q/k layernorms of every layer the stage holds)
 into one buffer, so a move changes each layer's offset there (survey 24, PP 2 x TP 3 with
 --qk-layernorm: 43 of 256 reduced elements differed at the first step after a move).
-That all-reduce goes through `all_reduce` here too.
+That all-reduce goes through `all_reduce` here too. And the MoE expert-bias update
+(--moe-router-enable-expert-bias) all-reduces the token counts of every MoE layer the
+stage holds, stacked, in float32, whose sums of integers are exact only below 2^24
+(survey 24: 3 gloo ranks, counts near 3e7 at other stack positions, 4-8 of 64 differed);
+here the counts are all-reduced in float64, exact to 2^53 in any order.
 
 `install()` replaces `_ParamAndGradBucketGroup.start_grad_sync` (Megatron-Core's
 param_and_grad_buffer) and finalize_model_grads' `_allreduce_non_tensor_model_parallel_grads`;
@@ -63,7 +67,8 @@ def _homes():
     # the module (the package exports its function of the same name)
     finalize_model_grads = importlib.import_module("megatron.core.distributed.finalize_model_grads")
     return ((_ParamAndGradBucketGroup, "start_grad_sync", _start_grad_sync),
-            (finalize_model_grads, "_allreduce_non_tensor_model_parallel_grads", _non_tensor_parallel_grads))
+            (finalize_model_grads, "_allreduce_non_tensor_model_parallel_grads", _non_tensor_parallel_grads),
+            (finalize_model_grads, "get_updated_expert_bias", _updated_expert_bias))
 
 
 def install() -> None:
@@ -281,3 +286,13 @@ def _non_tensor_parallel_grads(model, config, tp_group=None):
         return megatron_s(model, config, tp_group)
     finally:
         dist.all_reduce = native
+
+
+def _updated_expert_bias(tokens_per_expert, expert_bias, expert_bias_update_rate):
+    """Megatron-Core's `get_updated_expert_bias` (moe_utils, as finalize_model_grads calls
+    it) on the counts in float64: they are integers, so their all-reduce is exact in any
+    order up to 2^53 (float32: 2^24), wherever a layer sits in the stage's stack. The
+    bias comes back in its own dtype."""
+    megatron_s = _originals["get_updated_expert_bias"]
+    updated = megatron_s(tokens_per_expert.to(torch.float64), expert_bias, expert_bias_update_rate)
+    return updated.to(expert_bias.dtype)
