@@ -87,10 +87,7 @@ def _wrap_setup(original, make_run: Callable):
             from dynmo_plugin.megatron.training import grad_norm, grad_reduce
             # --clip-grad: the same norm whichever stage holds a layer, shards cut anywhere
             grad_norm.install(sharded=get_args().use_distributed_optimizer)
-            if cfg.dynmo.native_grad_reduce:
-                grad_reduce.uninstall()
-            else:  # DP >= 3: the same reduced gradients wherever a layer sits in its bucket
-                grad_reduce.install()
+            grad_reduce.choose(cfg.dynmo.native_grad_reduce)  # DP >= 3: the same sums wherever a layer sits
             _hooks.run = make_run(cfg, get_args(), model, optimizer, scheduler)
         return model, optimizer, scheduler
     return setup_model_and_optimizer

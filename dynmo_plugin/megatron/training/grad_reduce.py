@@ -53,7 +53,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-__all__ = ["install", "uninstall", "reduce_scatter", "all_reduce", "SLICE"]
+__all__ = ["install", "uninstall", "choose", "reduce_scatter", "all_reduce", "SLICE"]
 
 SLICE = 1 << 24  # elements per rank's share of one synchronous all_to_all slice
 _originals: dict = {}  # Megatron's functions while installed
@@ -79,6 +79,14 @@ def install() -> None:
     for owner, name, replacement in _homes():
         _originals[name] = getattr(owner, name)
         setattr(owner, name, replacement)
+
+
+def choose(native: bool) -> None:
+    """Megatron's own collectives (`native`: --dynmo-native-grad-reduce) or this module's."""
+    if native:
+        uninstall()
+    else:
+        install()
 
 
 def uninstall() -> None:

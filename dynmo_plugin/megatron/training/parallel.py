@@ -85,7 +85,7 @@ def resolve_backend(requested: str | None, cuda_devices: int, local_world_size: 
 
 def init_parallel(args: ModelArgs, native_grad_reduce: bool = False) -> ParallelDims:
     """Initialise torch.distributed (env:// from torchrun) and Megatron's groups; the
-    optimizers' gradient norm summed exactly (`grad_norm`) and, unless
+    optimizers' gradient norm summed in no layout's order (`grad_norm`) and, unless
     `native_grad_reduce` (--dynmo-native-grad-reduce), DDP's buckets reduced in rank
     order (`grad_reduce`): either way a move cannot change them.
 
@@ -110,10 +110,7 @@ def init_parallel(args: ModelArgs, native_grad_reduce: bool = False) -> Parallel
         torch.set_num_threads(1)  # CPU-time profiling needs one thread per rank
     # --clip-grad: the same norm whichever stage holds a layer, shards cut anywhere
     grad_norm.install(sharded=args.use_distributed_optimizer)
-    if native_grad_reduce:
-        grad_reduce.uninstall()
-    else:  # DP >= 3: the same reduced gradients wherever a layer sits in its bucket
-        grad_reduce.install()
+    grad_reduce.choose(native_grad_reduce)  # DP >= 3: the same sums wherever a layer sits
     return _model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                            args.seed, embedding_ranks_for(args))
 
